@@ -1,0 +1,85 @@
+"""Turn buffered items into one drafter training batch (DESIGN §1: random anchors per sequence).
+
+Everything random here (anchors, feature noise) is drawn from generators seeded by
+(run seed, epoch, sequence index): anchors are re-drawn every epoch, and a resumed run draws exactly
+what the uninterrupted run drew, whatever order the buffer hands items out in.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from dflash.noise import NoiseSchedule
+from dflash.pipeline import Item
+
+IGNORE = -100
+
+
+@dataclass
+class DrafterBatch:
+    features_BTLH: torch.Tensor
+    anchors_BN: torch.Tensor
+    anchor_tokens_BN: torch.Tensor
+    labels_BNK: torch.Tensor  # IGNORE where the block is padding
+    soft_vals_BNKk: torch.Tensor | None
+    soft_idx_BNKk: torch.Tensor | None
+    num_tokens: int  # data tokens in the batch (host int, no sync)
+
+
+def item_seed(seed: int, epoch: int, index: int) -> int:
+    return (seed * 1_000_003 + epoch) * 1_000_033 + index
+
+
+def draw_anchors(length: int, block_size: int, num_anchors: int, gen: torch.Generator) -> torch.Tensor:
+    """Anchors a ∈ [1, length − block_size + 1]: at least one context token before the anchor, and the
+    target's labels for positions a .. a+bs−2 exist."""
+    hi = length - block_size + 1
+    if hi < 1:
+        return torch.empty(0, dtype=torch.long)
+    perm = torch.randperm(hi, generator=gen)[:num_anchors] + 1
+    return perm.sort().values
+
+
+def make_batch(items: list[Item], *, block_size: int, num_anchors: int, seed: int,
+               noise: NoiseSchedule, sigma: float, device: torch.device) -> DrafterBatch:
+    B = len(items)
+    T = max(it.tokens_T.numel() for it in items)
+    L, H = items[0].features_TLH.shape[-2:]
+    K = block_size - 1
+    anchors = [draw_anchors(it.tokens_T.numel(), block_size, num_anchors,
+                            torch.Generator().manual_seed(item_seed(seed, it.epoch, it.index)))
+               for it in items]
+    N = max(max(a.numel() for a in anchors), 1)
+    feats = torch.zeros(B, T, L, H, dtype=items[0].features_TLH.dtype, device=device)
+    anchors_BN = torch.ones(B, N, dtype=torch.long)
+    valid_BN = torch.zeros(B, N, dtype=torch.bool)
+    for b, (it, a) in enumerate(zip(items, anchors)):
+        gen = torch.Generator(device=device).manual_seed(item_seed(seed, it.epoch, it.index) + 7)
+        f = it.features_TLH.to(device, non_blocking=True)
+        feats[b, : f.shape[0]] = noise.add(f, sigma, gen)
+        anchors_BN[b, : a.numel()] = a
+        valid_BN[b, : a.numel()] = True
+    anchors_BN = anchors_BN.to(device)
+    valid_BN = valid_BN.to(device)
+    pos_BNK = anchors_BN[:, :, None] + torch.arange(K, device=device)  # label positions a .. a+K-1
+    tokens = torch.stack([_pad(it.tokens_T.to(device), T) for it in items])
+    labels = torch.stack([_pad(it.labels_T.to(device), T) for it in items])
+    b_idx = torch.arange(B, device=device)[:, None, None]
+    pos_c = pos_BNK.clamp(max=T - 1)
+    labels_BNK = labels[b_idx, pos_c].masked_fill(~valid_BN[:, :, None], IGNORE)
+    soft_vals = soft_idx = None
+    if items[0].soft_vals_Tk is not None:
+        vals = torch.stack([_pad(it.soft_vals_Tk.to(device), T) for it in items])
+        idx = torch.stack([_pad(it.soft_idx_Tk.to(device), T) for it in items])
+        soft_vals, soft_idx = vals[b_idx, pos_c], idx[b_idx, pos_c]
+    anchor_tokens = tokens.gather(1, anchors_BN)
+    return DrafterBatch(feats, anchors_BN, anchor_tokens, labels_BNK, soft_vals, soft_idx,
+                        sum(it.tokens_T.numel() for it in items))
+
+
+def _pad(x: torch.Tensor, T: int) -> torch.Tensor:
+    if x.shape[0] == T:
+        return x
+    pad = torch.zeros((T - x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
+    return torch.cat([x, pad])

@@ -1,0 +1,131 @@
+"""The run's typed configuration: one dataclass per module, composed here.
+
+The library never imports Hydra. `experiments/` composes YAML groups against this schema (a Hydra
+structured config built from `RunConfig`, so unknown keys and wrong types fail at compose time) and
+hands a plain `RunConfig` to `dflash.trainer.train`. Tests, sweeps and notebooks build `RunConfig`
+directly or through the same compose helper.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from dflash.buffer import BufferConfig, validate_buffer_config
+from dflash.data import DataConfig, validate_data_config
+from dflash.drafter import DrafterConfig
+from dflash.losses import LOSSES, LossConfig
+from dflash.noise import NoiseConfig, build_noise
+from dflash.target import TargetConfig, validate_target_config
+from dflash.tracking import TrackingConfig
+
+
+class ConfigError(ValueError):
+    """Bad input, found before any work starts."""
+
+
+@dataclass
+class TrainerConfig:
+    max_steps: int = 120
+    sequences_per_step: int = 2  # sequences pulled from the buffer per optimizer step
+    num_anchors: int = 16  # random anchors (blocks) per sequence, re-drawn every epoch
+    lr: float = 1e-3
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 10
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    checkpoint_every: int = 50
+    keep_checkpoints: int = 2
+    device: str = "auto"
+    dtype: str = "float32"  # drafter parameter dtype (master weights)
+    autocast: str = "auto"  # auto: bfloat16 autocast on GPU, off on CPU
+    producers: int = 1  # target producer threads (deterministic buffers force 1)
+    eval_every: int = 0  # steps between cheap evals (0 = only at the end)
+
+
+@dataclass
+class RunConfig:
+    seed: int = 0
+    run_dir: str = ""  # empty → runs/<timestamp>-<loss>
+    resume: str = ""  # a run directory to resume from its last checkpoint
+    target: TargetConfig = field(default_factory=TargetConfig)
+    drafter: DrafterConfig = field(default_factory=DrafterConfig)
+    loss: LossConfig = field(default_factory=LossConfig)
+    noise: NoiseConfig = field(default_factory=NoiseConfig)
+    buffer: BufferConfig = field(default_factory=BufferConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
+
+
+def _positive(section: str, obj: Any, *keys: str) -> None:
+    for k in keys:
+        if getattr(obj, k) <= 0:
+            raise ConfigError(f"{section}.{k} must be > 0, got {getattr(obj, k)}")
+
+
+def validate(cfg: RunConfig) -> None:
+    """Every check that needs no weights; raises ConfigError naming the key. Reads the target's
+    config.json (not its weights) for layer count and vocabulary."""
+    try:
+        if cfg.drafter.block_size < 2:
+            raise ConfigError(f"drafter.block_size must be >= 2 (anchor + at least one prediction), "
+                              f"got {cfg.drafter.block_size}")
+        if cfg.loss.name not in LOSSES:
+            raise ConfigError(f"loss.name={cfg.loss.name!r} is unknown; expected one of {sorted(LOSSES)}")
+        _positive("trainer", cfg.trainer, "max_steps", "sequences_per_step", "num_anchors", "lr",
+                  "checkpoint_every", "producers")
+        _positive("drafter", cfg.drafter, "num_layers", "num_heads", "num_kv_heads", "head_dim",
+                  "intermediate_size")
+        if cfg.drafter.num_heads % cfg.drafter.num_kv_heads:
+            raise ConfigError("drafter.num_heads must be a multiple of drafter.num_kv_heads")
+        if cfg.drafter.head_dim % 2:
+            raise ConfigError("drafter.head_dim must be even (RoPE)")
+        if cfg.data.min_len < cfg.drafter.block_size:
+            raise ConfigError(f"data.min_len={cfg.data.min_len} is shorter than drafter.block_size="
+                              f"{cfg.drafter.block_size}: no anchor would fit")
+        if cfg.tracking.log_every < 1:
+            raise ConfigError("tracking.log_every must be >= 1")
+        if cfg.resume and not (Path(cfg.resume) / "checkpoints").is_dir():
+            raise ConfigError(f"resume={cfg.resume!r}: no checkpoints/ folder there")
+        validate_buffer_config(cfg.buffer)
+        validate_data_config(cfg.data)
+        build_noise(cfg.noise, cfg.trainer.max_steps)
+        validate_target_config(cfg.target)
+    except ConfigError:
+        raise
+    except (ValueError, FileNotFoundError) as e:
+        raise ConfigError(str(e)) from e
+
+
+def to_dict(cfg: RunConfig) -> dict:
+    return dataclasses.asdict(cfg)
+
+
+def from_dict(d: dict) -> RunConfig:
+    """Strict: unknown keys raise ConfigError naming them (used for resolved configs on disk)."""
+    return _build(RunConfig, d, "")
+
+
+def _build(cls, d: dict, prefix: str):
+    if not isinstance(d, dict):
+        raise ConfigError(f"{prefix or 'config'} must be a mapping, got {type(d).__name__}")
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(d) - set(fields))
+    if unknown:
+        raise ConfigError(f"unknown config key(s): {', '.join(prefix + k for k in unknown)}")
+    kwargs = {}
+    for name, value in d.items():
+        ftype = fields[name].type
+        sub = _dataclass_of(cls, name)
+        kwargs[name] = _build(sub, value, f"{prefix}{name}.") if sub else value
+    return cls(**kwargs)
+
+
+def _dataclass_of(cls, name):
+    default = next(f for f in dataclasses.fields(cls) if f.name == name)
+    if default.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
+        obj = default.default_factory()  # type: ignore[misc]
+        return type(obj) if dataclasses.is_dataclass(obj) else None
+    return None

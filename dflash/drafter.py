@@ -1,0 +1,273 @@
+"""The DFlash drafter (DESIGN §1; Chen et al., "DFlash: Block Diffusion for Flash Speculative Decoding",
+arXiv 2602.06036).
+
+- Context feature: target hidden states at `target_layer_ids`, concatenated on the feature axis,
+  `fc` (n·H → H, no bias) then `hidden_norm` (RMSNorm).
+- Qwen3-style decoder layers. In every layer Q comes only from the block tokens; K and V are projected
+  from cat(context feature, block hidden) with the same weights (KV injection), q_norm/k_norm per head.
+  The context feature does not pass through the layer's input norm (as in the reference implementation).
+- RoPE with absolute positions: context token j sits at position j, block token k of anchor a at a + k.
+- No embedding or LM head of its own: the target's, frozen, are attached as non-persistent buffers.
+
+Module and parameter names follow the reference `DFlashDraftModel` (z-lab/dflash `dflash/model.py`), so
+the serving export is a plain state-dict save.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass
+class DrafterConfig:
+    num_layers: int = 2  # published drafters: 5
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    head_dim: int = 32
+    intermediate_size: int = 256
+    block_size: int = 16
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 1_000_000.0
+    init_std: float = 0.02
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
+    """cos/sin of shape [*positions.shape, head_dim] (Qwen3 / NeoX half-rotation layout)."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions.device,
+                                              dtype=torch.float32) / head_dim))
+    freqs = positions.float()[..., None] * inv_freq
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rope(x_BhSd: torch.Tensor, cos_BSd: torch.Tensor, sin_BSd: torch.Tensor) -> torch.Tensor:
+    cos, sin = cos_BSd[:, None], sin_BSd[:, None]
+    half = x_BhSd.shape[-1] // 2
+    rotated = torch.cat([-x_BhSd[..., half:], x_BhSd[..., :half]], dim=-1)
+    return x_BhSd * cos + rotated * sin
+
+
+class DrafterAttention(nn.Module):
+    def __init__(self, hidden: int, cfg: DrafterConfig):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_proj = nn.Linear(hidden, cfg.num_heads * cfg.head_dim, bias=False)
+        self.k_proj = nn.Linear(hidden, cfg.num_kv_heads * cfg.head_dim, bias=False)
+        self.v_proj = nn.Linear(hidden, cfg.num_kv_heads * cfg.head_dim, bias=False)
+        self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, hidden, bias=False)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+
+    def project_kv(self, x_BSH: torch.Tensor, cos, sin):
+        """K (normed, rotated) and V of shape [B, kv_heads, S, d]."""
+        B, S, _ = x_BSH.shape
+        k = self.k_norm(self.k_proj(x_BSH).view(B, S, self.num_kv_heads, self.head_dim)).transpose(1, 2)
+        v = self.v_proj(x_BSH).view(B, S, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        return apply_rope(k, cos, sin), v
+
+    def forward(self, block_BQH, q_cos, q_sin, ctx_k, ctx_v, blk_cos, blk_sin, mask_BQK):
+        """Block queries attend to [context K/V, block K/V]; `mask_BQK` (bool, True = visible) or None."""
+        B, Q, _ = block_BQH.shape
+        q = self.q_norm(self.q_proj(block_BQH).view(B, Q, self.num_heads, self.head_dim)).transpose(1, 2)
+        q = apply_rope(q, q_cos, q_sin)
+        blk_k, blk_v = self.project_kv(block_BQH, blk_cos, blk_sin)
+        k = torch.cat([ctx_k, blk_k], dim=2)
+        v = torch.cat([ctx_v, blk_v], dim=2)
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=None if mask_BQK is None else mask_BQK[:, None],
+            enable_gqa=self.num_heads != self.num_kv_heads)
+        return self.o_proj(out.transpose(1, 2).reshape(B, Q, -1))
+
+
+class DrafterMLP(nn.Module):
+    def __init__(self, hidden: int, inter: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, inter, bias=False)
+        self.up_proj = nn.Linear(hidden, inter, bias=False)
+        self.down_proj = nn.Linear(inter, hidden, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DrafterLayer(nn.Module):
+    def __init__(self, hidden: int, cfg: DrafterConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(hidden, cfg.rms_norm_eps)
+        self.self_attn = DrafterAttention(hidden, cfg)
+        self.post_attention_layernorm = RMSNorm(hidden, cfg.rms_norm_eps)
+        self.mlp = DrafterMLP(hidden, cfg.intermediate_size)
+
+    def forward(self, block_BQH, rope, ctx_kv, mask_BQK):
+        q_cos, q_sin = rope
+        attn = self.self_attn(self.input_layernorm(block_BQH), q_cos, q_sin, *ctx_kv, q_cos, q_sin, mask_BQK)
+        h = block_BQH + attn
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class DrafterCache:
+    """Per-layer K/V of the context features only (block K/V are never cached: each round's block is new).
+
+    At inference the context features are computed once per committed token and kept here; after a
+    round, `crop(n)` drops whatever lies beyond the committed length.
+    """
+
+    def __init__(self, num_layers: int):
+        self.k: list[torch.Tensor | None] = [None] * num_layers
+        self.v: list[torch.Tensor | None] = [None] * num_layers
+
+    @property
+    def length(self) -> int:
+        return 0 if self.k[0] is None else self.k[0].shape[2]
+
+    def append(self, layer: int, k, v):
+        self.k[layer] = k if self.k[layer] is None else torch.cat([self.k[layer], k], dim=2)
+        self.v[layer] = v if self.v[layer] is None else torch.cat([self.v[layer], v], dim=2)
+        return self.k[layer], self.v[layer]
+
+    def crop(self, length: int) -> None:
+        for i in range(len(self.k)):
+            if self.k[i] is not None:
+                self.k[i], self.v[i] = self.k[i][:, :, :length], self.v[i][:, :, :length]
+
+
+def training_mask(anchors_BN: torch.Tensor, ctx_len: int, block_size: int) -> torch.Tensor:
+    """Bool mask [B, N·bs, ctx_len + N·bs]: block n sees context j < anchor_n and its own block, both
+    directions inside the block; blocks never see each other. This is exactly what the block sees at
+    inference (context = committed features before the anchor), tested against the inference path."""
+    B, N = anchors_BN.shape
+    dev = anchors_BN.device
+    ctx_pos = torch.arange(ctx_len, device=dev)
+    sees_ctx_BNT = ctx_pos[None, None, :] < anchors_BN[:, :, None]
+    sees_ctx = sees_ctx_BNT[:, :, None, :].expand(B, N, block_size, ctx_len).reshape(B, N * block_size, ctx_len)
+    block_id = torch.arange(N, device=dev).repeat_interleave(block_size)
+    sees_blk = (block_id[:, None] == block_id[None, :]).expand(B, -1, -1)
+    return torch.cat([sees_ctx, sees_blk], dim=-1)
+
+
+class DFlashDrafter(nn.Module):
+    def __init__(self, cfg: DrafterConfig, hidden_size: int, num_target_layers: int, mask_token_id: int,
+                 target_layer_ids: list[int]):
+        super().__init__()
+        self.cfg = cfg
+        self.hidden_size = hidden_size
+        self.block_size = cfg.block_size
+        self.mask_token_id = mask_token_id
+        self.target_layer_ids = list(target_layer_ids)
+        self.num_target_layers = num_target_layers
+        self.fc = nn.Linear(len(target_layer_ids) * hidden_size, hidden_size, bias=False)
+        self.hidden_norm = RMSNorm(hidden_size, cfg.rms_norm_eps)
+        self.layers = nn.ModuleList(DrafterLayer(hidden_size, cfg) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(hidden_size, cfg.rms_norm_eps)
+        self.register_buffer("embed_VH", torch.empty(0), persistent=False)
+        self.register_buffer("lm_head_VH", torch.empty(0), persistent=False)
+        self.reset_parameters()
+
+    def reset_parameters(self):
+        for m in self.modules():
+            if isinstance(m, nn.Linear):
+                nn.init.normal_(m.weight, std=self.cfg.init_std)
+
+    def attach_target_head(self, embed_VH: torch.Tensor, lm_head_VH: torch.Tensor) -> None:
+        """Share the target's frozen embedding and LM head (no copy when on the same device)."""
+        dev = self.fc.weight.device
+        self.embed_VH = embed_VH.detach().to(dev)
+        self.lm_head_VH = lm_head_VH.detach().to(dev)
+
+    # -- shared pieces ---------------------------------------------------------------------------
+    def context(self, features_BTLH: torch.Tensor) -> torch.Tensor:
+        """[B, T, L, H] target features → fused context [B, T, H]."""
+        B, T, L, H = features_BTLH.shape
+        return self.hidden_norm(self.fc(features_BTLH.reshape(B, T, L * H).to(self.fc.weight.dtype)))
+
+    def block_embeddings(self, anchor_tokens_BN: torch.Tensor) -> torch.Tensor:
+        """[B, N] anchor tokens → [B, N·bs, H] embeddings of (anchor, mask, …, mask)."""
+        B, N = anchor_tokens_BN.shape
+        ids = torch.full((B, N, self.block_size), self.mask_token_id, dtype=torch.long,
+                         device=anchor_tokens_BN.device)
+        ids[:, :, 0] = anchor_tokens_BN
+        return F.embedding(ids.view(B, -1), self.embed_VH).to(self.fc.weight.dtype)
+
+    def _rope(self, positions_BS: torch.Tensor, dtype):
+        return rope_cos_sin(positions_BS, self.cfg.head_dim, self.cfg.rope_theta, dtype)
+
+    def _run_layers(self, block_BQH, blk_pos_BQ, ctx_kv_per_layer, mask_BQK):
+        rope = self._rope(blk_pos_BQ, block_BQH.dtype)
+        h = block_BQH
+        for layer, ctx_kv in zip(self.layers, ctx_kv_per_layer):
+            h = layer(h, rope, ctx_kv, mask_BQK)
+        return self.norm(h)
+
+    # -- training --------------------------------------------------------------------------------
+    def forward(self, features_BTLH: torch.Tensor, anchors_BN: torch.Tensor,
+                anchor_tokens_BN: torch.Tensor) -> torch.Tensor:
+        """Training forward over N blocks per sequence at once. Returns the final hidden states of block
+        positions 1..bs-1, shape [B, N, bs-1, H]; position k predicts token anchor + k."""
+        B, T = features_BTLH.shape[:2]
+        N, bs = anchors_BN.shape[1], self.block_size
+        ctx = self.context(features_BTLH)
+        ctx_pos = torch.arange(T, device=ctx.device).expand(B, T)
+        ctx_cos, ctx_sin = self._rope(ctx_pos, ctx.dtype)
+        ctx_kv = [layer.self_attn.project_kv(ctx, ctx_cos, ctx_sin) for layer in self.layers]
+        blk_pos = (anchors_BN[:, :, None] + torch.arange(bs, device=ctx.device)).view(B, N * bs)
+        mask = training_mask(anchors_BN, T, bs)
+        h = self._run_layers(self.block_embeddings(anchor_tokens_BN), blk_pos, ctx_kv, mask)
+        return h.view(B, N, bs, -1)[:, :, 1:]
+
+    # -- inference -------------------------------------------------------------------------------
+    def new_cache(self) -> DrafterCache:
+        return DrafterCache(len(self.layers))
+
+    @torch.no_grad()
+    def extend_context(self, cache: DrafterCache, features_BTLH: torch.Tensor, start: int) -> None:
+        """Append context features for positions start..start+T-1 to the cache (after cropping to start)."""
+        cache.crop(start)
+        B, T = features_BTLH.shape[:2]
+        ctx = self.context(features_BTLH)
+        pos = torch.arange(start, start + T, device=ctx.device).expand(B, T)
+        cos, sin = self._rope(pos, ctx.dtype)
+        for i, layer in enumerate(self.layers):
+            cache.append(i, *layer.self_attn.project_kv(ctx, cos, sin))
+
+    @torch.no_grad()
+    def draft_hidden(self, cache: DrafterCache, anchor_tokens_B: torch.Tensor) -> torch.Tensor:
+        """One block after the cached context: anchor at position cache.length. Returns [B, bs-1, H]."""
+        B, bs = anchor_tokens_B.shape[0], self.block_size
+        start = cache.length
+        blk_pos = torch.arange(start, start + bs, device=anchor_tokens_B.device).expand(B, bs)
+        ctx_kv = list(zip(cache.k, cache.v))
+        h = self._run_layers(self.block_embeddings(anchor_tokens_B[:, None]), blk_pos, ctx_kv, None)
+        return h[:, 1:]
+
+    def logits(self, hidden_BKH: torch.Tensor) -> torch.Tensor:
+        return hidden_BKH.float() @ self.lm_head_VH.float().T
+
+
+def default_layer_ids(num_target_layers: int, count: int = 5) -> list[int]:
+    """Evenly spaced from layer 1 to n_layers − 3 (Qwen3.6-27B, 64 layers → [1, 16, 31, 46, 61])."""
+    lo, hi = 1, num_target_layers - 3
+    if hi <= lo:
+        return sorted({min(lo, num_target_layers - 1)})
+    count = min(count, hi - lo + 1)
+    return [round(lo + i * (hi - lo) / (count - 1)) for i in range(count)] if count > 1 else [lo]
+
+
+def build_drafter(cfg: DrafterConfig, hidden_size: int, num_target_layers: int, mask_token_id: int,
+                  target_layer_ids: list[int]) -> DFlashDrafter:
+    return DFlashDrafter(cfg, hidden_size, num_target_layers, mask_token_id, target_layer_ids)

@@ -1,0 +1,330 @@
+"""Training losses for DFlash block-diffusion drafters.
+
+A drafter block has B positions: position 0 is the anchor token, positions
+1..B-1 are masks whose targets are the target model's next tokens.  Every loss
+here acts on the K = B-1 predicted positions of N blocks and returns the
+weighted mean ``sum(w * l) / sum(w)`` over valid positions (label != -100),
+with detached weights ``w``.
+
+Sources:
+  * Position decay ``w_k = exp(-(k-1)/gamma)``: DFlash, arXiv 2602.06036.
+  * Soft-label (temperature) KL distillation: DistillSpec (Zhou et al. 2023).
+  * Acceptance-prefix weighting ``w_j = sum_{m>=j} prod_{i<=m} q~_i``: D-PACE.
+  * KL/TV mixture gated by the distribution overlap (acceptance rate): LK losses.
+
+The LM head is shared with the target (V up to ~250k), so drafter logits are
+computed in float32, chunk by chunk, under activation checkpointing: only
+per-position scalars leave a chunk, and the N*K*V logits never exist at once,
+neither in the forward nor in the backward pass.
+"""
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch import Tensor
+from torch.utils.checkpoint import checkpoint
+
+IGNORE_INDEX = -100
+
+
+@dataclass
+class LossConfig:
+    name: str = "hard_ce"
+    gamma: float = 7.0  # position decay length
+    temperature: float = 1.0  # soft-label temperature T
+    kl_weight: float = 0.7  # soft_kl: weight of the KL term vs. hard CE
+    alpha: float = 1.0  # streak: strength of the acceptance-prefix boost
+    dpace_a: float = 0.5  # dpace: floor a in q~ = (1-a) q + a
+    lk_eta: float = 3.0  # lk: lambda = exp(-eta * overlap)
+    chunk_size: int = 1024  # positions per LM-head chunk
+
+
+def position_decay(
+    K: int, gamma: float, device: torch.device | str | None = None, dtype: torch.dtype = torch.float32
+) -> Tensor:
+    """``w_k = exp(-(k-1)/gamma)`` for k = 1..K, shape [K]."""
+    k_K = torch.arange(K, device=device, dtype=dtype)
+    return torch.exp(-k_K / gamma)
+
+
+# --------------------------------------------------------------------------
+# Per-position statistics
+# --------------------------------------------------------------------------
+
+
+@dataclass
+class PositionStats:
+    """Per-position scalars, all [N, K]; invalid positions hold 0 / False."""
+
+    ce: Tensor  # cross-entropy at T=1 against the label (with grad)
+    kl: Tensor | None  # KL(p_target || q_drafter) at temperature T (with grad)
+    tv: Tensor | None  # total variation 1 - sum min(p, q) (with grad)
+    overlap: Tensor | None  # sum min(p, q) (detached)
+    p_label: Tensor  # drafter probability of the label (detached)
+    correct: Tensor  # bool, drafter argmax == label
+
+
+def _ce_and_correct(logits_CV: Tensor, labels_C: Tensor) -> tuple[Tensor, Tensor]:
+    """CE at T=1 and argmax correctness; both 0 / False where label == -100."""
+    valid_C = labels_C != IGNORE_INDEX
+    safe_labels_C = torch.where(valid_C, labels_C, 0)
+    label_logit_C = logits_CV.gather(1, safe_labels_C[:, None]).squeeze(1)
+    ce_C = torch.where(valid_C, torch.logsumexp(logits_CV, dim=-1) - label_logit_C, 0.0)
+    correct_C = (logits_CV.argmax(dim=-1) == labels_C) & valid_C
+    return ce_C, correct_C
+
+
+def _hard_chunk(hidden_CD: Tensor, lm_head_VD: Tensor, labels_C: Tensor) -> tuple[Tensor, Tensor]:
+    """CE and correctness for one chunk of positions."""
+    return _ce_and_correct(hidden_CD.to(lm_head_VD.dtype) @ lm_head_VD.T, labels_C)
+
+
+def _soft_chunk(
+    hidden_CD: Tensor,
+    lm_head_VD: Tensor,
+    labels_C: Tensor,
+    soft_vals_Ck: Tensor,
+    soft_idx_Ck: Tensor,
+    temperature: float,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """CE, correctness, KL, TV and overlap (top-k soft labels) for one chunk."""
+    logits_CV = hidden_CD.to(lm_head_VD.dtype) @ lm_head_VD.T
+    ce_C, correct_C = _ce_and_correct(logits_CV, labels_C)
+    valid_C = labels_C != IGNORE_INDEX
+
+    # Drafter log q at the target's top-k indices, q = softmax(d / T) over V.
+    scaled_CV = logits_CV / temperature
+    safe_idx_Ck = torch.where(valid_C[:, None], soft_idx_Ck, 0)
+    log_q_Ck = scaled_CV.gather(1, safe_idx_Ck) - torch.logsumexp(scaled_CV, dim=-1, keepdim=True)
+    # Target p = softmax(vals / T) over its top-k.  Invalid rows get dummy
+    # values so padding garbage (e.g. all -inf) cannot yield NaN gradients.
+    vals_Ck = torch.where(valid_C[:, None], soft_vals_Ck.to(logits_CV.dtype), 0.0)
+    log_p_Ck = torch.log_softmax(vals_Ck / temperature, dim=-1)
+    p_Ck = log_p_Ck.exp()
+    kl_terms_Ck = torch.where(p_Ck > 0, p_Ck * (log_p_Ck - log_q_Ck), 0.0)
+    kl_C = torch.where(valid_C, kl_terms_Ck.sum(dim=-1), 0.0)
+    overlap_C = torch.where(valid_C, torch.minimum(p_Ck, log_q_Ck.exp()).sum(dim=-1), 0.0)
+    tv_C = torch.where(valid_C, 1.0 - overlap_C, 0.0)
+    return ce_C, correct_C, kl_C, tv_C, overlap_C.detach()
+
+
+def _maybe_checkpoint(fn: Callable, *args) -> tuple[Tensor, ...]:
+    needs_grad = torch.is_grad_enabled() and any(
+        isinstance(a, Tensor) and a.requires_grad for a in args
+    )
+    if needs_grad:
+        return checkpoint(fn, *args, use_reentrant=False)
+    return fn(*args)
+
+
+def compute_position_stats(
+    hidden_NKD: Tensor,
+    lm_head_VD: Tensor,
+    labels_NK: Tensor,
+    *,
+    soft_vals_NKk: Tensor | None = None,
+    soft_idx_NKk: Tensor | None = None,
+    temperature: float = 1.0,
+    chunk_size: int = 1024,
+    need_soft: bool = False,
+) -> PositionStats:
+    """Per-position CE / KL / TV stats of the drafter, computed in LM-head chunks.
+
+    Logits are formed in float32 (float64 if the inputs are float64).  Each
+    chunk of ``chunk_size`` flattened positions runs under non-reentrant
+    activation checkpointing, so only [chunk, V] logits exist at any time.
+    Soft labels are the target's top-k logits (``soft_vals``) at vocabulary
+    indices ``soft_idx``; they are only used when ``need_soft`` is set.
+    """
+    N, K, D = hidden_NKD.shape
+    if need_soft and (soft_vals_NKk is None or soft_idx_NKk is None):
+        raise ValueError("need_soft=True requires soft_vals_NKk and soft_idx_NKk")
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+
+    compute_dtype = torch.promote_types(hidden_NKD.dtype, torch.float32)
+    # Cast the (possibly bf16) head once, not once per chunk.
+    lm_head = lm_head_VD.to(compute_dtype)
+    hidden_PD = hidden_NKD.reshape(N * K, D)
+    labels_P = labels_NK.reshape(N * K)
+    if need_soft:
+        k = soft_vals_NKk.shape[-1]
+        soft_vals_Pk = soft_vals_NKk.reshape(N * K, k)
+        soft_idx_Pk = soft_idx_NKk.reshape(N * K, k)
+
+    outputs = []
+    for start in range(0, N * K, chunk_size):
+        sl = slice(start, start + chunk_size)
+        if need_soft:
+            outputs.append(
+                _maybe_checkpoint(
+                    _soft_chunk, hidden_PD[sl], lm_head, labels_P[sl],
+                    soft_vals_Pk[sl], soft_idx_Pk[sl], temperature,
+                )
+            )
+        else:
+            outputs.append(_maybe_checkpoint(_hard_chunk, hidden_PD[sl], lm_head, labels_P[sl]))
+    ce, correct, *soft = (torch.cat(parts).reshape(N, K) for parts in zip(*outputs))
+
+    valid_NK = labels_NK != IGNORE_INDEX
+    p_label = torch.where(valid_NK, torch.exp(-ce.detach()), 0.0)
+    kl, tv, overlap = soft if need_soft else (None, None, None)
+    return PositionStats(ce=ce, kl=kl, tv=tv, overlap=overlap, p_label=p_label, correct=correct)
+
+
+# --------------------------------------------------------------------------
+# Position weights
+# --------------------------------------------------------------------------
+
+
+def streak_weights(p_label_NK: Tensor, valid_NK: Tensor, gamma: float, alpha: float) -> Tensor:
+    """``w_k = decay_k * (1 + alpha * prod_{i<k} p_i * (1 - p_k))`` (detached).
+
+    Invalid positions count as p = 0 in the prefix product.
+    """
+    N, K = p_label_NK.shape
+    p_NK = torch.where(valid_NK, p_label_NK.detach(), 0.0)
+    cum_prev_NK = torch.cumprod(torch.cat([torch.ones_like(p_NK[:, :1]), p_NK[:, :-1]], dim=1), dim=1)
+    decay_K = position_decay(K, gamma, p_NK.device, p_NK.dtype)
+    return decay_K * (1.0 + alpha * cum_prev_NK * (1.0 - p_NK))
+
+
+def dpace_weights(p_label_NK: Tensor, valid_NK: Tensor, a: float) -> Tensor:
+    """D-PACE ``w_j = sum_{m>=j} prod_{i<=m} q~_i`` with ``q~ = (1-a) q + a`` (detached).
+
+    Products and sums run over the valid positions of each block only.
+    """
+    q_tilde_NK = torch.where(valid_NK, (1.0 - a) * p_label_NK.detach() + a, 1.0)
+    prefix_NK = torch.where(valid_NK, torch.cumprod(q_tilde_NK, dim=1), 0.0)
+    return prefix_NK.flip(1).cumsum(1).flip(1)
+
+
+# --------------------------------------------------------------------------
+# Losses
+# --------------------------------------------------------------------------
+
+
+class Loss(ABC):
+    """``loss(stats, valid_NK) = sum(w * l) / sum(w)`` over valid positions."""
+
+    needs_soft: bool = False
+
+    def __init__(self, cfg: LossConfig):
+        self.cfg = cfg
+
+    @abstractmethod
+    def position_loss(self, stats: PositionStats) -> Tensor:
+        """Per-position loss l, [N, K]."""
+
+    def position_weights(self, stats: PositionStats, valid_NK: Tensor) -> Tensor:
+        """Per-position weights w, [N, K]; defaults to the gamma decay."""
+        K = stats.ce.shape[1]
+        return position_decay(K, self.cfg.gamma, stats.ce.device, stats.ce.dtype).expand_as(stats.ce)
+
+    def __call__(self, stats: PositionStats, valid_NK: Tensor) -> Tensor:
+        if self.needs_soft and stats.kl is None:
+            raise ValueError(f"loss {type(self).__name__} needs soft-label stats (need_soft=True)")
+        weights_NK = torch.where(valid_NK, self.position_weights(stats, valid_NK).detach(), 0.0)
+        loss_NK = torch.where(valid_NK, self.position_loss(stats), 0.0)
+        return (weights_NK * loss_NK).sum() / weights_NK.sum().clamp_min(1e-8)
+
+
+LOSSES: dict[str, type[Loss]] = {}
+
+
+def register_loss(name: str) -> Callable[[type[Loss]], type[Loss]]:
+    def decorator(cls: type[Loss]) -> type[Loss]:
+        if name in LOSSES:
+            raise ValueError(f"loss {name!r} is already registered")
+        LOSSES[name] = cls
+        return cls
+
+    return decorator
+
+
+def build_loss(cfg: LossConfig) -> Loss:
+    if cfg.name not in LOSSES:
+        raise ValueError(f"unknown loss.name={cfg.name!r}; known options: {sorted(LOSSES)}")
+    return LOSSES[cfg.name](cfg)
+
+
+def _soft_kl_loss(stats: PositionStats, cfg: LossConfig) -> Tensor:
+    T2 = cfg.temperature**2
+    return cfg.kl_weight * T2 * stats.kl + (1.0 - cfg.kl_weight) * stats.ce
+
+
+@register_loss("hard_ce")
+class HardCELoss(Loss):
+    def position_loss(self, stats):
+        return stats.ce
+
+
+@register_loss("soft_kl")
+class SoftKLLoss(Loss):
+    needs_soft = True
+
+    def position_loss(self, stats):
+        return _soft_kl_loss(stats, self.cfg)
+
+
+@register_loss("streak")
+class StreakLoss(Loss):
+    def position_loss(self, stats):
+        return stats.ce
+
+    def position_weights(self, stats, valid_NK):
+        return streak_weights(stats.p_label, valid_NK, self.cfg.gamma, self.cfg.alpha)
+
+
+@register_loss("soft_kl_streak")
+class SoftKLStreakLoss(Loss):
+    needs_soft = True
+
+    def position_loss(self, stats):
+        return _soft_kl_loss(stats, self.cfg)
+
+    def position_weights(self, stats, valid_NK):
+        return streak_weights(stats.p_label, valid_NK, self.cfg.gamma, self.cfg.alpha)
+
+
+@register_loss("dpace")
+class DPaceLoss(Loss):
+    def position_loss(self, stats):
+        return stats.ce
+
+    def position_weights(self, stats, valid_NK):
+        return dpace_weights(stats.p_label, valid_NK, self.cfg.dpace_a)
+
+
+@register_loss("lk")
+class LKLoss(Loss):
+    needs_soft = True
+
+    def position_loss(self, stats):
+        lam_NK = torch.exp(-self.cfg.lk_eta * stats.overlap.detach())
+        return lam_NK * stats.kl + (1.0 - lam_NK) * stats.tv
+
+
+# --------------------------------------------------------------------------
+# Metrics
+# --------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def block_metrics(stats: PositionStats, valid_NK: Tensor) -> dict[str, Tensor]:
+    """Accuracy metrics as on-device tensors (no host sync).
+
+    ``acc_per_pos`` [K] and ``acc`` average ``correct`` over valid positions;
+    ``streak`` is the mean, over blocks with any valid position, of the number
+    of leading correct positions (the draft tokens a greedy verifier accepts).
+    """
+    correct_NK = (stats.correct & valid_NK).float()
+    valid_f_NK = valid_NK.float()
+    acc_per_pos = correct_NK.sum(0) / valid_f_NK.sum(0).clamp_min(1.0)
+    acc = correct_NK.sum() / valid_f_NK.sum().clamp_min(1.0)
+    streak_N = torch.cumprod(correct_NK, dim=1).sum(1)
+    block_valid_N = valid_NK.any(dim=1).float()
+    streak = (streak_N * block_valid_N).sum() / block_valid_N.sum().clamp_min(1.0)
+    return {"acc_per_pos": acc_per_pos, "acc": acc, "streak": streak}

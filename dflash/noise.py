@@ -1,0 +1,108 @@
+"""Noise on the target features fed to the drafter (DESIGN §3).
+
+Noise is added to every selected target layer *except the last one*: the last selected layer is the
+one closest to the target's output and carries most of the next-token signal, so corrupting it teaches
+the drafter to ignore its best feature (the original pipeline's convention).
+
+One schedule object per run: the trainer advances it (`advance(step)`), every producer reads
+`sigma()` from it, so all producers use the same σ at the same step.
+"""
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class NoiseConfig:
+    name: str = "none"
+    distribution: str = "uniform"  # uniform: U(-σ, σ); gaussian: N(0, σ²)
+    sigma: float = 0.05  # fixed scale for `uniform` / `gaussian` schedules
+    start: float = 0.10  # cosine: σ at step 0
+    end: float = 0.01  # cosine: σ from step `steps` on
+    steps: int = 0  # cosine horizon S; 0 → the trainer's max_steps
+
+
+class NoiseSchedule(ABC):
+    """σ as a function of the trainer's step; `add` draws the noise."""
+
+    def __init__(self, cfg: NoiseConfig, total_steps: int):
+        self.cfg = cfg
+        self.total_steps = cfg.steps or total_steps
+        self.step = 0
+
+    def advance(self, step: int) -> None:
+        self.step = step
+
+    @abstractmethod
+    def sigma_at(self, step: int) -> float: ...
+
+    def sigma(self) -> float:
+        return self.sigma_at(self.step)
+
+    def add(self, features_TLH: torch.Tensor, sigma: float, generator: torch.Generator | None = None):
+        """Features [..., L, H] with noise on every selected layer but the last (dim -2 = layers)."""
+        if sigma <= 0 or features_TLH.shape[-2] < 2:
+            return features_TLH
+        noisy = features_TLH.clone()
+        head = noisy[..., :-1, :]
+        draw = torch.empty(head.shape, dtype=torch.float32, device=head.device)
+        if self.cfg.distribution == "gaussian":
+            draw.normal_(0.0, sigma, generator=generator)
+        else:
+            draw.uniform_(-sigma, sigma, generator=generator)
+        head += draw.to(head.dtype)
+        return noisy
+
+
+NOISES: dict[str, type[NoiseSchedule]] = {}
+
+
+def register_noise(name: str):
+    def wrap(cls):
+        NOISES[name] = cls
+        return cls
+    return wrap
+
+
+@register_noise("none")
+class NoNoise(NoiseSchedule):
+    def sigma_at(self, step: int) -> float:
+        return 0.0
+
+
+@register_noise("uniform")
+class UniformNoise(NoiseSchedule):
+    """Fixed ±σ uniform noise (the original pipeline: ±0.05)."""
+
+    def sigma_at(self, step: int) -> float:
+        return self.cfg.sigma
+
+
+@register_noise("gaussian")
+class GaussianNoise(NoiseSchedule):
+    def sigma_at(self, step: int) -> float:
+        return self.cfg.sigma
+
+
+@register_noise("cosine")
+class CosineNoise(NoiseSchedule):
+    """σ(s) = end + (start − end)·½(1 + cos(π·min(s/S, 1))): strong regularisation early, precision late."""
+
+    def sigma_at(self, step: int) -> float:
+        frac = min(step / max(self.total_steps, 1), 1.0)
+        return self.cfg.end + (self.cfg.start - self.cfg.end) * 0.5 * (1 + math.cos(math.pi * frac))
+
+
+def build_noise(cfg: NoiseConfig, total_steps: int) -> NoiseSchedule:
+    if cfg.name not in NOISES:
+        raise ValueError(f"noise.name={cfg.name!r} is unknown; expected one of {sorted(NOISES)}")
+    if cfg.distribution not in ("uniform", "gaussian"):
+        raise ValueError(f"noise.distribution={cfg.distribution!r}; expected 'uniform' or 'gaussian'")
+    for key in ("sigma", "start", "end"):
+        if getattr(cfg, key) < 0:
+            raise ValueError(f"noise.{key} must be >= 0, got {getattr(cfg, key)}")
+    return NOISES[cfg.name](cfg, total_steps)

@@ -1,0 +1,317 @@
+"""The frozen target: any local Hugging Face causal LM, or a tiny random hybrid built from config.
+
+Gives the drafter what it trains on (DESIGN §1): hidden states at `layer_ids` (decoder-layer *outputs*:
+HF `hidden_states[id + 1]`), the target's greedy labels, and optionally its top-k logits as soft labels.
+Everything runs under `torch.no_grad()` with `requires_grad=False` parameters.
+
+Nothing is ever fetched from a hub: a real target is a local folder (`target.path`), loaded with
+`local_files_only=True`. `*ForConditionalGeneration` checkpoints with a nested `text_config`
+(Qwen3.5/3.6) load as their text-only causal LM.
+"""
+from __future__ import annotations
+
+import inspect
+import json
+import logging
+import os
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from dflash.drafter import default_layer_ids
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class TinyTargetSpec:
+    """A tiny random hybrid target (Gated DeltaNet : full attention = 3 : 1) for CPU runs and tests."""
+    model_type: str = "qwen3_5"  # qwen3_5 | qwen3_next
+    vocab_size: int = 260  # bytes 0..255 + bos/eos/pad/mask
+    hidden_size: int = 128
+    num_layers: int = 8
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    head_dim: int = 32
+    intermediate_size: int = 256
+    linear_num_key_heads: int = 2
+    linear_num_value_heads: int = 4
+    linear_head_dim: int = 32
+    seed: int = 1234
+
+
+@dataclass
+class TargetConfig:
+    name: str = "tiny_random"
+    path: str = ""  # local checkpoint folder; empty → build `random`
+    random: TinyTargetSpec = field(default_factory=TinyTargetSpec)
+    layer_ids: list[int] = field(default_factory=list)  # empty → evenly spaced 1 .. n_layers-3
+    mask_token_id: int = -1  # -1 → the byte tokenizer's mask token (random targets only)
+    dtype: str = "auto"  # auto: bfloat16 on GPU, float32 on CPU
+    device: str = "auto"
+    soft_top_k: int = 64  # top-k target logits kept as soft labels (losses that need them)
+    tokenizer: str = "auto"  # auto: the checkpoint's tokenizer, else bytes
+    lm_head_chunk: int = 1024  # positions per LM-head chunk when computing labels
+
+
+class ByteTokenizer:
+    """Byte-level tokenizer for the random target: ids 0..255 are bytes, then bos, eos, pad, mask."""
+    vocab_size = 260
+    bos_token_id, eos_token_id, pad_token_id, mask_token_id = 256, 257, 258, 259
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids) -> str:
+        return bytes(int(i) for i in ids if int(i) < 256).decode("utf-8", errors="replace")
+
+
+@dataclass
+class TargetInfo:
+    """What validation needs, read without loading weights."""
+    num_layers: int
+    hidden_size: int
+    vocab_size: int
+    model_type: str
+
+
+def _text_config_dict(path: Path) -> dict:
+    cfg = json.loads((path / "config.json").read_text())
+    return cfg.get("text_config") or cfg
+
+
+def read_target_info(cfg: TargetConfig) -> TargetInfo:
+    if not cfg.path:
+        r = cfg.random
+        return TargetInfo(r.num_layers, r.hidden_size, r.vocab_size, r.model_type)
+    path = Path(cfg.path)
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"target.path={cfg.path!r}: no config.json there (expected a local "
+                                f"Hugging Face checkpoint folder; nothing is downloaded)")
+    t = _text_config_dict(path)
+    return TargetInfo(int(t["num_hidden_layers"]), int(t["hidden_size"]), int(t["vocab_size"]),
+                      str(t.get("model_type", "?")))
+
+
+def resolve_layer_ids(cfg: TargetConfig, info: TargetInfo) -> list[int]:
+    return list(cfg.layer_ids) if cfg.layer_ids else default_layer_ids(info.num_layers)
+
+
+def resolve_mask_token(cfg: TargetConfig) -> int:
+    if cfg.mask_token_id >= 0:
+        return cfg.mask_token_id
+    if cfg.path:
+        raise ValueError("target.mask_token_id must be set (>= 0) for a checkpoint target")
+    return ByteTokenizer.mask_token_id
+
+
+def validate_target_config(cfg: TargetConfig) -> TargetInfo:
+    info = read_target_info(cfg)
+    ids = resolve_layer_ids(cfg, info)
+    bad = [i for i in ids if not 0 <= i < info.num_layers]
+    if bad:
+        raise ValueError(f"target.layer_ids {bad} lie outside the target's {info.num_layers} layers "
+                         f"(valid: 0..{info.num_layers - 1})")
+    if len(set(ids)) != len(ids):
+        raise ValueError(f"target.layer_ids {ids} contain duplicates")
+    mask = resolve_mask_token(cfg)
+    if not 0 <= mask < info.vocab_size:
+        raise ValueError(f"target.mask_token_id={mask} lies outside the vocabulary (size {info.vocab_size})")
+    if cfg.soft_top_k < 0:
+        raise ValueError(f"target.soft_top_k must be >= 0, got {cfg.soft_top_k}")
+    if cfg.dtype not in ("auto", "float32", "bfloat16", "float16"):
+        raise ValueError(f"target.dtype={cfg.dtype!r}; expected auto, float32, bfloat16 or float16")
+    return info
+
+
+# -- kernels ------------------------------------------------------------------------------------
+_GDN_FUNCS = ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule",
+              "causal_conv1d_fn", "causal_conv1d_update")
+
+
+def _modeling_module(model_type: str):
+    import importlib
+    name = {"qwen3_5": "qwen3_5", "qwen3_5_text": "qwen3_5", "qwen3_next": "qwen3_next"}.get(model_type)
+    return importlib.import_module(f"transformers.models.{name}.modeling_{name}") if name else None
+
+
+def _implementation(fn) -> str:
+    """Module that really runs behind a transformers kernel-with-fallback wrapper."""
+    impl = inspect.getclosurevars(fn).nonlocals.get("implementation", fn) if callable(fn) else fn
+    return getattr(impl, "__module__", "?") or "?"
+
+
+def kernel_report(model_type: str) -> dict[str, str]:
+    """Which Gated-DeltaNet kernels are active: {'chunk_gated_delta_rule': 'fla' | 'torch', ...}."""
+    mod = _modeling_module(model_type)
+    if mod is None:
+        return {}
+    out = {}
+    for name in _GDN_FUNCS:
+        if hasattr(mod, name):
+            impl = _implementation(getattr(mod, name))
+            out[name.removeprefix("torch_")] = ("torch" if impl.startswith("transformers") else impl.split(".")[0])
+    return out
+
+
+def force_torch_gdn(model_type: str) -> None:
+    """With `fla` importable but no CUDA, transformers binds the Triton kernels and crashes: rebind the
+    module's functions to their pure-torch originals (the wrapped function under `__wrapped__`)."""
+    mod = _modeling_module(model_type)
+    for name in _GDN_FUNCS if mod else ():
+        fn = getattr(mod, name, None)
+        if fn is not None and _implementation(fn).split(".")[0] != "transformers":
+            setattr(mod, name, inspect.unwrap(fn))
+
+
+def preflight_kernels(model_type: str, device: torch.device) -> dict[str, str]:
+    if device.type != "cuda":
+        force_torch_gdn(model_type)
+    report = kernel_report(model_type)
+    slow = [k for k, v in report.items() if v == "torch"]
+    if device.type == "cuda" and slow:
+        warnings.warn(f"SLOW PATH: Gated-DeltaNet kernels {slow} use the torch fallback on a GPU; install "
+                      f"flash-linear-attention / causal-conv1d (pip install '.[gpu]'). Throughput will be "
+                      f"a fraction of the fast path.", RuntimeWarning, stacklevel=2)
+    log.info("Gated-DeltaNet kernels: %s", report)
+    return report
+
+
+# -- the target ---------------------------------------------------------------------------------
+@dataclass
+class TargetBatch:
+    features_BTLH: torch.Tensor  # hidden states at the selected layers
+    labels_BT: torch.Tensor  # target argmax at each position (= its prediction of token t+1)
+    soft_vals_BTk: torch.Tensor | None = None  # top-k target logits (float32)
+    soft_idx_BTk: torch.Tensor | None = None
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return getattr(torch, name)
+
+
+def _tiny_hf_config(spec: TinyTargetSpec):
+    common = dict(vocab_size=spec.vocab_size, hidden_size=spec.hidden_size,
+                  intermediate_size=spec.intermediate_size, num_hidden_layers=spec.num_layers,
+                  num_attention_heads=spec.num_heads, num_key_value_heads=spec.num_kv_heads,
+                  head_dim=spec.head_dim, linear_num_key_heads=spec.linear_num_key_heads,
+                  linear_num_value_heads=spec.linear_num_value_heads,
+                  linear_key_head_dim=spec.linear_head_dim, linear_value_head_dim=spec.linear_head_dim,
+                  max_position_embeddings=8192, tie_word_embeddings=False,
+                  bos_token_id=ByteTokenizer.bos_token_id, eos_token_id=ByteTokenizer.eos_token_id,
+                  pad_token_id=ByteTokenizer.pad_token_id)
+    if spec.model_type == "qwen3_5":
+        from transformers import Qwen3_5TextConfig
+        return Qwen3_5TextConfig(**common)
+    if spec.model_type == "qwen3_next":
+        from transformers import Qwen3NextConfig
+        return Qwen3NextConfig(**common, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
+                               shared_expert_intermediate_size=64, decoder_sparse_step=1)
+    raise ValueError(f"target.random.model_type={spec.model_type!r}; expected qwen3_5 or qwen3_next")
+
+
+def build_random_model(spec: TinyTargetSpec):
+    from transformers import AutoModelForCausalLM
+    hf_cfg = _tiny_hf_config(spec)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(spec.seed)
+        return AutoModelForCausalLM.from_config(hf_cfg)
+
+
+class Target:
+    def __init__(self, cfg: TargetConfig):
+        self.cfg = cfg
+        info = validate_target_config(cfg)
+        self.info = info
+        self.device = resolve_device(cfg.device)
+        self.dtype = resolve_dtype(cfg.dtype, self.device)
+        self.kernels = preflight_kernels(info.model_type, self.device)
+        self.layer_ids = resolve_layer_ids(cfg, info)
+        self.mask_token_id = resolve_mask_token(cfg)
+        self.model = self._load().to(device=self.device, dtype=self.dtype).eval()
+        self.model.requires_grad_(False)
+        self.decoder = self.model.get_decoder()
+        self.tokenizer = self._tokenizer()
+        self.identity = self._identity()
+
+    def _load(self):
+        if not self.cfg.path:
+            return build_random_model(self.cfg.random)
+        from transformers import AutoModelForCausalLM
+        return AutoModelForCausalLM.from_pretrained(self.cfg.path, local_files_only=True, dtype=self.dtype)
+
+    def _tokenizer(self):
+        if self.cfg.path and self.cfg.tokenizer == "auto":
+            from transformers import AutoTokenizer
+            try:
+                return AutoTokenizer.from_pretrained(self.cfg.path, local_files_only=True)
+            except (OSError, ValueError) as e:
+                log.warning("target.path has no usable tokenizer (%s); using bytes", e)
+        return ByteTokenizer()
+
+    def _identity(self) -> str:
+        """Stable identity for caches: the checkpoint's path + weights mtime, or the random spec."""
+        if not self.cfg.path:
+            return f"random:{self.cfg.random}"
+        files = sorted(Path(self.cfg.path).glob("*.safetensors"))
+        stamp = [(f.name, f.stat().st_size, int(f.stat().st_mtime)) for f in files]
+        return f"path:{os.path.abspath(self.cfg.path)}:{stamp}"
+
+    @property
+    def hidden_size(self) -> int:
+        return self.info.hidden_size
+
+    @property
+    def vocab_size(self) -> int:
+        return self.info.vocab_size
+
+    def embed_weight(self) -> torch.Tensor:
+        return self.model.get_input_embeddings().weight
+
+    def lm_head_weight(self) -> torch.Tensor:
+        return self.model.get_output_embeddings().weight
+
+    @torch.no_grad()
+    def forward_features(self, input_ids_BT: torch.Tensor, soft_top_k: int = 0) -> TargetBatch:
+        """Target forward: selected-layer features, greedy labels and optional top-k soft labels."""
+        input_ids_BT = input_ids_BT.to(self.device)
+        out = self.decoder(input_ids=input_ids_BT, output_hidden_states=True, use_cache=False)
+        feats = torch.stack([out.hidden_states[i + 1] for i in self.layer_ids], dim=2)
+        labels, vals, idx = self.labels_from_hidden(out.last_hidden_state, soft_top_k)
+        return TargetBatch(feats, labels, vals, idx)
+
+    def labels_from_hidden(self, last_BTH: torch.Tensor, soft_top_k: int):
+        """LM head in chunks of positions: the full [T, V] logits of a 250k vocabulary never live at once."""
+        head = self.lm_head_weight()
+        B, T, _ = last_BTH.shape
+        flat = last_BTH.reshape(B * T, -1)
+        k = min(soft_top_k, self.vocab_size)
+        labels, vals, idx = [], [], []
+        for s in range(0, B * T, self.cfg.lm_head_chunk):
+            logits = (flat[s:s + self.cfg.lm_head_chunk] @ head.T).float()
+            labels.append(logits.argmax(-1))
+            if k:
+                v, i = logits.topk(k, dim=-1)
+                vals.append(v)
+                idx.append(i)
+        lab = torch.cat(labels).view(B, T)
+        if not k:
+            return lab, None, None
+        return lab, torch.cat(vals).view(B, T, k), torch.cat(idx).view(B, T, k)
+
+    def logits(self, input_ids_BT: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids=input_ids_BT.to(self.device)).logits
+
+
+def build_target(cfg: TargetConfig) -> Target:
+    return Target(cfg)

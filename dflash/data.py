@@ -95,3 +95,5 @@ def validate_data_config(cfg: DataConfig) -> None:
     if not 2 <= cfg.min_len <= cfg.max_len:
         raise ValueError(f"data.min_len/max_len must satisfy 2 <= min_len <= max_len, got "
                          f"{cfg.min_len}/{cfg.max_len}")
+    if cfg.source != "synthetic":
+        _corpus_files(cfg)  # raises, naming data.path, when there is nothing to read

@@ -5,8 +5,13 @@ z-lab / SGLang / vLLM load such a folder; `load_drafter` reads it back (ours or 
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
+import shutil
+import tempfile
+import uuid
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -33,6 +38,7 @@ def serving_config(drafter: DFlashDrafter, vocab_size: int, dtype: torch.dtype) 
         "rms_norm_eps": c.rms_norm_eps,
         "rope_theta": c.rope_theta,
         "rope_scaling": None,
+        "rope_parameters": {"rope_type": "default", "rope_theta": c.rope_theta},  # transformers >= 5
         "max_position_embeddings": 32768,
         "vocab_size": vocab_size,
         "tie_word_embeddings": False,
@@ -45,14 +51,17 @@ def serving_config(drafter: DFlashDrafter, vocab_size: int, dtype: torch.dtype) 
 
 
 def save_drafter(drafter: DFlashDrafter, out_dir: str | os.PathLike, dtype: torch.dtype | None = None,
-                 extra: dict | None = None) -> Path:
-    """Writes config.json + model.safetensors atomically (each file replaced whole)."""
+                 extra: dict | None = None, vocab_size: int | None = None) -> Path:
+    """Writes config.json + model.safetensors atomically (each file replaced whole). `vocab_size`
+    defaults to the attached LM head's (0 when none is attached)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     dtype = dtype or next(drafter.parameters()).dtype
     tensors = {k: v.detach().to("cpu", dtype).contiguous() for k, v in drafter.state_dict().items()}
     atomic_write(out / "model.safetensors", lambda tmp: save_file(tensors, tmp, metadata={"format": "pt"}))
-    cfg = serving_config(drafter, int(drafter.lm_head_VH.shape[0]) if drafter.lm_head_VH.numel() else 0, dtype)
+    if vocab_size is None:
+        vocab_size = int(drafter.lm_head_VH.shape[0]) if drafter.lm_head_VH.numel() else 0
+    cfg = serving_config(drafter, int(vocab_size), dtype)
     if extra:
         cfg["dflash_training"] = extra
     atomic_write_text(out / "config.json", json.dumps(cfg, indent=2))
@@ -69,25 +78,262 @@ def drafter_config_from_serving(cfg: dict) -> DrafterConfig:
         rope_theta=float(cfg.get("rope_theta") or (cfg.get("rope_parameters") or {}).get("rope_theta", 1e6)))
 
 
+_REQUIRED = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+             "num_key_value_heads")
+
+
+def read_serving_config(folder: str | os.PathLike) -> dict:
+    """config.json of a serving folder, checked for what `load_drafter` needs; errors name the file."""
+    folder = Path(folder)
+    f = folder / "config.json"
+    if not folder.is_dir():
+        raise FileNotFoundError(f"{folder}: not a folder (expected a DFlash serving folder with config.json "
+                                f"and *.safetensors)")
+    if not f.is_file():
+        raise FileNotFoundError(f"{f}: missing (expected a DFlash serving folder: config.json with "
+                                f"\"architectures\": [\"DFlashDraftModel\"] and *.safetensors weights)")
+    try:
+        cfg = json.loads(f.read_text())
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ValueError(f"{f}: not valid JSON ({e})") from e
+    if not isinstance(cfg, dict):
+        raise ValueError(f"{f}: expected a JSON object, got {type(cfg).__name__}")
+    arch = cfg.get("architectures") or []
+    if arch and not any("DFlash" in a for a in arch):
+        raise ValueError(f"{f}: architectures={arch}; expected [\"DFlashDraftModel\"] (is this a target "
+                         f"model folder rather than a drafter?)")
+    missing = [k for k in _REQUIRED if k not in cfg]
+    if missing:
+        raise ValueError(f"{f}: missing Qwen3 decoder field(s) {missing}")
+    dcfg = cfg.get("dflash_config") or {}
+    if dcfg.get("target_layer_ids", cfg.get("target_layer_ids")) is None:
+        raise ValueError(f"{f}: missing dflash_config.target_layer_ids (the target layers the drafter reads)")
+    if dcfg.get("mask_token_id", cfg.get("mask_token_id")) is None:
+        raise ValueError(f"{f}: missing dflash_config.mask_token_id")
+    rope = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
+    if rope.get("rope_type", rope.get("type", "default")) not in ("default", None):
+        raise ValueError(f"{f}: rope type {rope.get('rope_type', rope.get('type'))!r} is not supported "
+                         f"(this drafter implements plain RoPE only)")
+    if cfg.get("use_sliding_window"):
+        raise ValueError(f"{f}: use_sliding_window=true is not supported (DFlash drafters attend to all context)")
+    if cfg.get("attention_bias"):
+        raise ValueError(f"{f}: attention_bias=true is not supported (DFlash drafters have no biases)")
+    if cfg.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"{f}: hidden_act={cfg['hidden_act']!r}; expected \"silu\"")
+    return cfg
+
+
 def load_drafter(folder: str | os.PathLike, device: str | torch.device = "cpu",
                  dtype: torch.dtype = torch.float32) -> DFlashDrafter:
-    """Loads a serving-format folder (ours or a published DFlash drafter)."""
+    """Loads a serving-format folder (ours or a published DFlash drafter). Errors name the file and
+    what was expected there."""
     folder = Path(folder)
-    if not (folder / "config.json").is_file():
-        raise FileNotFoundError(f"{folder}: no config.json (expected a DFlash serving folder)")
-    cfg = json.loads((folder / "config.json").read_text())
-    dcfg = cfg.get("dflash_config", {})
-    layer_ids = dcfg.get("target_layer_ids", cfg.get("target_layer_ids"))
+    cfg = read_serving_config(folder)
+    dcfg = cfg.get("dflash_config") or {}
+    layer_ids = [int(i) for i in dcfg.get("target_layer_ids", cfg.get("target_layer_ids"))]
     mask = dcfg.get("mask_token_id", cfg.get("mask_token_id"))
-    if layer_ids is None or mask is None:
-        raise ValueError(f"{folder}/config.json lacks dflash_config.target_layer_ids / mask_token_id")
-    drafter = DFlashDrafter(drafter_config_from_serving(cfg), cfg["hidden_size"],
+    drafter = DFlashDrafter(drafter_config_from_serving(cfg), int(cfg["hidden_size"]),
                             int(cfg.get("num_target_layers", max(layer_ids) + 1)), int(mask), layer_ids)
-    state = {}
-    for f in sorted(folder.glob("*.safetensors")):
-        state.update(load_file(str(f)))
-    missing, unexpected = drafter.load_state_dict(state, strict=False)
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{folder}: no *.safetensors weight file next to config.json")
+    state: dict[str, torch.Tensor] = {}
+    origin: dict[str, Path] = {}
+    for f in files:
+        try:
+            part = load_file(str(f))
+        except Exception as e:
+            raise ValueError(f"{f}: unreadable safetensors file ({type(e).__name__}: {e})") from e
+        state.update(part)
+        origin.update(dict.fromkeys(part, f))
+    expected = drafter.state_dict()
+    missing = [k for k in expected if k not in state]
+    unexpected = [k for k in state if k not in expected]
     if missing or unexpected:
-        raise ValueError(f"{folder}: weights do not match DFlashDraftModel (missing {missing[:5]}, "
-                         f"unexpected {unexpected[:5]})")
+        raise ValueError(f"{folder}: weights do not match DFlashDraftModel built from config.json "
+                         f"({len(missing)} missing, e.g. {missing[:5]}; {len(unexpected)} unexpected, "
+                         f"e.g. {unexpected[:5]})")
+    bad = [(k, tuple(state[k].shape), tuple(v.shape)) for k, v in expected.items() if state[k].shape != v.shape]
+    if bad:
+        k, got, want = bad[0]
+        raise ValueError(f"{origin[k]}: tensor {k!r} has shape {got}, but {folder / 'config.json'} implies "
+                         f"{want} ({len(bad)} mismatched tensors)")
+    drafter.load_state_dict(state, strict=True)
     return drafter.to(device=device, dtype=dtype)
+
+
+# ----------------------------------------------------------------------------------- export
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def parse_dtype(name: str | torch.dtype) -> torch.dtype:
+    if isinstance(name, torch.dtype):
+        return name
+    key = str(name).removeprefix("torch.")
+    if key not in _DTYPES:
+        raise ValueError(f"dtype {name!r}; expected one of {sorted(_DTYPES)}")
+    return _DTYPES[key]
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Atomically swap two paths (Linux renameat2 RENAME_EXCHANGE). False where unsupported."""
+    try:
+        import ctypes
+        libc = ctypes.CDLL(None, use_errno=True)
+        fn = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    AT_FDCWD, RENAME_EXCHANGE = -100, 2
+    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    if fn(AT_FDCWD, os.fsencode(a), AT_FDCWD, os.fsencode(b), RENAME_EXCHANGE) == 0:
+        return True
+    return False
+
+
+def replace_dir(tmp: Path, out: Path) -> None:
+    """Put the finished folder `tmp` at `out`: an atomic swap where the OS allows, else two renames
+    (the old folder is moved aside first, so `out` is never a half-written folder)."""
+    if not out.exists():
+        os.rename(tmp, out)
+    elif _exchange(tmp, out):  # tmp now holds the old folder
+        shutil.rmtree(tmp, ignore_errors=True)
+    else:
+        old = out.with_name(f".{out.name}.old-{uuid.uuid4().hex[:8]}")
+        os.rename(out, old)
+        try:
+            os.rename(tmp, out)
+        except BaseException:
+            os.rename(old, out)
+            raise
+        shutil.rmtree(old, ignore_errors=True)
+    _fsync_dir(out.parent)
+
+
+def write_serving_folder(drafter: DFlashDrafter, out_dir: str | os.PathLike, dtype: torch.dtype | None = None,
+                         extra: dict | None = None, vocab_size: int | None = None) -> Path:
+    """`save_drafter` into a temp folder beside `out_dir`, then swap it in whole. An existing `out_dir`
+    must be a serving folder (config.json) or empty; anything else is refused, not overwritten."""
+    out = Path(out_dir).absolute()
+    if out.exists():
+        if not out.is_dir():
+            raise FileExistsError(f"{out}: exists and is not a folder")
+        if any(out.iterdir()) and not (out / "config.json").is_file():
+            raise FileExistsError(f"{out}: a non-empty folder that is not a serving folder (no config.json); "
+                                  f"refusing to replace it")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        save_drafter(drafter, tmp, dtype=dtype, extra=extra, vocab_size=vocab_size)
+        _fsync_dir(tmp)
+        os.chmod(tmp, 0o755)
+        replace_dir(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+@dataclass
+class ExportSource:
+    drafter: DFlashDrafter
+    vocab_size: int
+    extra: dict
+    origin: Path
+
+
+def _drafter_from_checkpoint(pt: Path) -> ExportSource:
+    """A trainer checkpoint (`checkpoints/step_*.pt`) → drafter; target facts (mask token, layer ids,
+    vocab) from the same run's final/config.json when present, else from the saved target config."""
+    from dflash.checkpoint import load_checkpoint
+    try:
+        state = load_checkpoint(pt)
+    except Exception as e:
+        raise ValueError(f"{pt}: unreadable checkpoint ({type(e).__name__}: {e})") from e
+    if not isinstance(state, dict) or "drafter" not in state or "config" not in state:
+        raise ValueError(f"{pt}: not a dflash training checkpoint (expected a dict with 'drafter' and "
+                         f"'config', as written by dflash.trainer)")
+    weights, run_cfg = state["drafter"], state["config"]
+    if "fc.weight" not in weights:
+        raise ValueError(f"{pt}: 'drafter' state has no fc.weight (not a DFlash drafter state dict)")
+    known = {f.name for f in dataclasses.fields(DrafterConfig)}
+    dcfg = DrafterConfig(**{k: v for k, v in (run_cfg.get("drafter") or {}).items() if k in known})
+    H, in_features = weights["fc.weight"].shape
+    final_cfg = pt.parent.parent / "final" / "config.json"
+    if final_cfg.is_file():
+        sc = read_serving_config(final_cfg.parent)
+        d = sc.get("dflash_config") or {}
+        layer_ids, mask = list(d["target_layer_ids"]), int(d["mask_token_id"])
+        n_target, vocab = int(sc["num_target_layers"]), int(sc.get("vocab_size", 0))
+    else:
+        from dflash.target import (TargetConfig, TinyTargetSpec, read_target_info, resolve_layer_ids,
+                                   resolve_mask_token)
+        t = dict(run_cfg.get("target") or {})
+        spec = TinyTargetSpec(**{k: v for k, v in (t.pop("random", None) or {}).items()
+                                 if k in {f.name for f in dataclasses.fields(TinyTargetSpec)}})
+        tcfg = TargetConfig(**{k: v for k, v in t.items() if k in {f.name for f in dataclasses.fields(TargetConfig)}},
+                            random=spec)
+        info = read_target_info(tcfg)
+        layer_ids, mask = resolve_layer_ids(tcfg, info), resolve_mask_token(tcfg)
+        n_target, vocab = info.num_layers, info.vocab_size
+    if in_features != len(layer_ids) * H:
+        raise ValueError(f"{pt}: fc.weight is {tuple(weights['fc.weight'].shape)} but the run's target "
+                         f"layer ids {layer_ids} imply ({H}, {len(layer_ids) * H})")
+    drafter = DFlashDrafter(dcfg, int(H), n_target, mask, layer_ids)
+    try:
+        drafter.load_state_dict(weights, strict=True)
+    except RuntimeError as e:
+        raise ValueError(f"{pt}: drafter weights do not match its saved config: {e}") from e
+    extra = {"source_checkpoint": pt.name, "step": state.get("step")}
+    for k in ("target", "loss"):
+        name = (run_cfg.get(k) or {}).get("name")
+        if name:
+            extra[k] = name
+    return ExportSource(drafter.float(), vocab, extra, pt)
+
+
+def _from_serving(folder: Path) -> ExportSource:
+    cfg = read_serving_config(folder)
+    return ExportSource(load_drafter(folder), int(cfg.get("vocab_size", 0)),
+                        dict(cfg.get("dflash_training") or {}), folder)
+
+
+def resolve_export_source(source: str | os.PathLike) -> ExportSource:
+    """A run dir (its final/ serving folder, else its latest checkpoint), a serving folder, or a .pt."""
+    from dflash.checkpoint import latest_checkpoint
+    src = Path(source)
+    if src.is_file():
+        if src.suffix != ".pt":
+            raise ValueError(f"{src}: expected a run directory, a serving folder or a checkpoint .pt file")
+        return _drafter_from_checkpoint(src)
+    if not src.is_dir():
+        raise FileNotFoundError(f"{src}: no such run directory or checkpoint")
+    if (src / "config.json").is_file():
+        return _from_serving(src)
+    if (src / "final" / "config.json").is_file():
+        return _from_serving(src / "final")
+    ckpt = latest_checkpoint(src / "checkpoints")
+    if ckpt is not None:
+        return _drafter_from_checkpoint(ckpt)
+    raise FileNotFoundError(f"{src}: neither a serving folder (config.json), a run directory with final/ "
+                            f"nor one with checkpoints/step_*.pt")
+
+
+def export_drafter(source: str | os.PathLike, out_dir: str | os.PathLike,
+                   dtype: str | torch.dtype = "bfloat16") -> Path:
+    """Writes the serving folder (DESIGN §6) for a run dir / serving folder / checkpoint, atomically."""
+    src = resolve_export_source(source)
+    return write_serving_folder(src.drafter, out_dir, dtype=parse_dtype(dtype), extra=src.extra or None,
+                                vocab_size=src.vocab_size)

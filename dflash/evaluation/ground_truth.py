@@ -1,0 +1,165 @@
+"""Ground truth for the eval suite: the target's greedy continuation of each prompt and its features.
+
+For each prompt: `greedy_decode` (the target's own greedy output, `max_new_tokens` long, no stop on EOS)
+then ONE `target.forward_features` over prompt + continuation for the features the drafter conditions on.
+
+Cached on disk under `cache_dir/<key>.gt`, key = sha256 of (format version, target identity, layer ids,
+target dtype and device type, suite prompts, max_new_tokens): changing any of them misses. A cache file is
+written atomically (`dflash.checkpoint.atomic_write`) and carries the sha256 of its payload; a file that
+cannot be read, fails its checksum, or does not match the expected shapes is rebuilt (with a warning),
+never trusted.
+"""
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import logging
+import os
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from dflash.checkpoint import atomic_write
+from dflash.evaluation.prompts import Task
+from dflash.evaluation.speculative import greedy_decode
+
+log = logging.getLogger(__name__)
+
+FORMAT_VERSION = 1
+_MAGIC = b"DFLASH-EVAL-GT\n"
+
+
+@dataclass
+class TaskTruth:
+    name: str
+    prompt_ids: torch.Tensor  # [P] long
+    continuation: torch.Tensor  # [N] long: the target's greedy tokens at positions P..P+N-1
+    features: torch.Tensor  # [P+N, L, H] target features of prompt + continuation (CPU, target dtype)
+    consistency: float = 1.0  # fraction of continuation tokens the one-shot forward's argmax agrees with
+
+    @property
+    def prompt_len(self) -> int:
+        return int(self.prompt_ids.numel())
+
+    @property
+    def n_new(self) -> int:
+        return int(self.continuation.numel())
+
+    @property
+    def tokens(self) -> torch.Tensor:
+        return torch.cat([self.prompt_ids, self.continuation])
+
+
+def cache_key(target, tasks: list[Task], max_new_tokens: int) -> str:
+    dev = getattr(target, "device", None)
+    payload = {
+        "format": FORMAT_VERSION,
+        "target": str(target.identity),
+        "layer_ids": [int(i) for i in target.layer_ids],
+        "dtype": str(getattr(target, "dtype", "")),
+        "device_type": getattr(dev, "type", str(dev)),
+        "prompts": [[t.name, t.prompt] for t in tasks],
+        "max_new_tokens": int(max_new_tokens),
+    }
+    return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
+
+
+def cache_path(cache_dir: str | os.PathLike, key: str) -> Path:
+    return Path(cache_dir) / f"{key}.gt"
+
+
+@torch.no_grad()
+def build_ground_truth(target, tasks: list[Task], max_new_tokens: int) -> list[TaskTruth]:
+    out = []
+    for t in tasks:
+        ids = list(target.tokenizer.encode(t.prompt))
+        if not ids:
+            raise ValueError(f"eval task {t.name!r}: the prompt tokenizes to nothing")
+        cont = greedy_decode(target, ids, max_new_tokens).tokens
+        full = torch.tensor(ids + cont, dtype=torch.long)
+        batch = target.forward_features(full[None], 0)
+        labels = batch.labels_BT[0, len(ids) - 1:-1].cpu()
+        agree = float((labels == torch.tensor(cont)).float().mean())
+        if agree < 1.0:
+            log.warning("eval task %s: the one-shot forward's argmax agrees with the greedy continuation on "
+                        "%.1f%% of tokens (numerics of cached vs. full-sequence forward)", t.name, 100 * agree)
+        out.append(TaskTruth(t.name, torch.tensor(ids, dtype=torch.long), torch.tensor(cont, dtype=torch.long),
+                             batch.features_BTLH[0].detach().cpu().contiguous(), agree))
+    return out
+
+
+# -- cache file ---------------------------------------------------------------------------------
+def _serialize(key: str, truths: list[TaskTruth]) -> bytes:
+    buf = io.BytesIO()
+    torch.save({"format": FORMAT_VERSION, "key": key,
+                "tasks": [{"name": t.name, "prompt_ids": t.prompt_ids, "continuation": t.continuation,
+                           "features": t.features, "consistency": t.consistency} for t in truths]}, buf)
+    payload = buf.getvalue()
+    header = json.dumps({"format": FORMAT_VERSION, "key": key, "sha256": hashlib.sha256(payload).hexdigest(),
+                         "nbytes": len(payload)}).encode()
+    return _MAGIC + header + b"\n" + payload
+
+
+def save_ground_truth(path: str | os.PathLike, key: str, truths: list[TaskTruth]) -> None:
+    data = _serialize(key, truths)
+    atomic_write(path, lambda tmp: Path(tmp).write_bytes(data))
+
+
+def load_ground_truth(path: str | os.PathLike, key: str) -> list[TaskTruth]:
+    """Raises ValueError (or an I/O error) on anything not exactly as written for `key`."""
+    raw = Path(path).read_bytes()
+    if not raw.startswith(_MAGIC):
+        raise ValueError("not a dflash ground-truth file")
+    header_end = raw.index(b"\n", len(_MAGIC))
+    header = json.loads(raw[len(_MAGIC):header_end])
+    payload = raw[header_end + 1:]
+    if header.get("format") != FORMAT_VERSION or header.get("key") != key:
+        raise ValueError("format or key mismatch")
+    if len(payload) != header.get("nbytes") or hashlib.sha256(payload).hexdigest() != header.get("sha256"):
+        raise ValueError("checksum mismatch (truncated or corrupt)")
+    data = torch.load(io.BytesIO(payload), map_location="cpu", weights_only=True)
+    if data.get("key") != key:
+        raise ValueError("key mismatch in payload")
+    return [TaskTruth(d["name"], d["prompt_ids"], d["continuation"], d["features"],
+                      float(d.get("consistency", 1.0))) for d in data["tasks"]]
+
+
+def _validate(truths: list[TaskTruth], target, tasks: list[Task], max_new_tokens: int) -> None:
+    if [t.name for t in truths] != [t.name for t in tasks]:
+        raise ValueError("task names differ")
+    L, H = len(target.layer_ids), int(target.hidden_size)
+    for tr, task in zip(truths, tasks):
+        ids = list(target.tokenizer.encode(task.prompt))
+        if tr.prompt_ids.dtype != torch.long or tr.prompt_ids.tolist() != ids:
+            raise ValueError(f"{tr.name}: prompt tokens differ")
+        if tr.continuation.dtype != torch.long or tr.continuation.shape != (max_new_tokens,):
+            raise ValueError(f"{tr.name}: continuation shape {tuple(tr.continuation.shape)}")
+        if tr.features.shape != (len(ids) + max_new_tokens, L, H):
+            raise ValueError(f"{tr.name}: features shape {tuple(tr.features.shape)}")
+        if not bool(torch.isfinite(tr.features).all()):
+            raise ValueError(f"{tr.name}: non-finite features")
+
+
+def load_or_build_ground_truth(target, tasks: list[Task], max_new_tokens: int,
+                               cache_dir: str | os.PathLike | None) -> tuple[list[TaskTruth], bool]:
+    """(truths, hit). `cache_dir` None or empty: no disk cache."""
+    if not cache_dir:
+        return build_ground_truth(target, tasks, max_new_tokens), False
+    key = cache_key(target, tasks, max_new_tokens)
+    path = cache_path(cache_dir, key)
+    if path.exists():
+        try:
+            truths = load_ground_truth(path, key)
+            _validate(truths, target, tasks, max_new_tokens)
+            log.info("eval ground truth: cache hit %s", path)
+            return truths, True
+        except Exception as e:  # noqa: BLE001 - any failure means: do not trust, rebuild
+            warnings.warn(f"eval ground-truth cache {path} is unreadable or invalid ({type(e).__name__}: {e}); "
+                          f"rebuilding it", RuntimeWarning, stacklevel=2)
+    truths = build_ground_truth(target, tasks, max_new_tokens)
+    save_ground_truth(path, key, truths)
+    log.info("eval ground truth: built and cached %s", path)
+    return truths, False

@@ -1,0 +1,71 @@
+"""Eval suites: a list of named prompts, each the start of a Python source file (a `def` line and its
+docstring, after any imports it needs) so that a code model continues it as code.
+
+A suite is a built-in name (a JSON file shipped in `dflash/evaluation/suites/`, e.g. `coding10`) or a
+path to a JSON file holding `[{"name": ..., "prompt": ...}, ...]`.
+"""
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class Task:
+    name: str
+    prompt: str
+
+
+_NAME = re.compile(r"^[A-Za-z0-9_.\-]+$")
+
+
+def builtin_suites() -> list[str]:
+    root = resources.files("dflash.evaluation") / "suites"
+    return sorted(p.name[:-5] for p in root.iterdir() if p.name.endswith(".json"))
+
+
+def _read_suite_text(suite: str) -> tuple[str, str]:
+    root = resources.files("dflash.evaluation") / "suites"
+    if _NAME.match(suite) and not suite.endswith(".json"):
+        f = root / f"{suite}.json"
+        if f.is_file():
+            return f.read_text(encoding="utf-8"), f"built-in suite {suite!r}"
+    path = Path(suite).expanduser()
+    if path.is_file():
+        return path.read_text(encoding="utf-8"), str(path)
+    raise FileNotFoundError(f"eval.suite={suite!r} is neither a built-in suite ({', '.join(builtin_suites())}) "
+                            f"nor a JSON file")
+
+
+def parse_suite(data, where: str = "suite") -> list[Task]:
+    if isinstance(data, dict) and "tasks" in data:
+        data = data["tasks"]
+    if not isinstance(data, list) or not data:
+        raise ValueError(f"{where}: expected a non-empty JSON list of {{name, prompt}} objects")
+    tasks, seen = [], set()
+    for i, item in enumerate(data):
+        if not isinstance(item, dict) or not isinstance(item.get("name"), str) \
+                or not isinstance(item.get("prompt"), str):
+            raise ValueError(f"{where}: item {i} must be an object with string 'name' and 'prompt'")
+        name, prompt = item["name"], item["prompt"]
+        if not _NAME.match(name):
+            raise ValueError(f"{where}: task name {name!r} may only use letters, digits, '_', '-', '.'")
+        if name in seen:
+            raise ValueError(f"{where}: duplicate task name {name!r}")
+        if not prompt.strip():
+            raise ValueError(f"{where}: task {name!r} has an empty prompt")
+        seen.add(name)
+        tasks.append(Task(name, prompt))
+    return tasks
+
+
+def load_suite(suite: str) -> list[Task]:
+    text, where = _read_suite_text(suite)
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{where}: not valid JSON ({e})") from e
+    return parse_suite(data, where)

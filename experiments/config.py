@@ -1,0 +1,35 @@
+"""Hydra composition against the typed schema; the only place (with the entry points) that knows Hydra.
+
+`compose_config(overrides)` returns a plain `dflash.config.RunConfig`: the structured schema registered
+here makes Hydra reject unknown keys and wrong types while composing, naming the key.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from hydra import compose, initialize_config_dir
+from hydra.core.config_store import ConfigStore
+from hydra.errors import HydraException
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from dflash.config import ConfigError, RunConfig, from_dict
+
+CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
+ConfigStore.instance().store(name="schema", node=RunConfig)
+
+
+def compose_config(overrides: list[str] | None = None, config_name: str = "config") -> RunConfig:
+    """Compose conf/config.yaml with Hydra-style overrides (e.g. ['+loss=soft_kl', 'seed=3'])."""
+    try:
+        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+            cfg = compose(config_name=config_name, overrides=list(overrides or []))
+        # `+key=value` force-adds keys even into a structured node: the strict rebuild rejects them.
+        return from_dict(OmegaConf.to_container(cfg, resolve=True))
+    except (HydraException, OmegaConfBaseException) as e:
+        cause = f" ({e.__cause__})" if e.__cause__ else ""
+        raise ConfigError(f"config: {e}{cause}".strip()) from e
+
+
+def group_options(group: str) -> list[str]:
+    return sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml"))

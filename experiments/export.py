@@ -1,0 +1,50 @@
+"""Export a drafter to the serving format (DESIGN §6) that z-lab / SGLang / vLLM load.
+
+    python -m experiments.export runs/<run> --out exported/my-drafter [--dtype bfloat16]
+    python -m experiments.export runs/<run>/checkpoints/step_00001000.pt --out exported/step1000
+
+The source is a run directory (its `final/` serving folder, else its latest checkpoint), a serving
+folder, or a trainer checkpoint `.pt`. The folder is written beside `--out` and swapped in whole: an
+interrupted export never leaves a half folder where a previous export was. Read one back with
+`dflash.export.load_drafter(DIR)` (also works for published DFlash drafters).
+
+Serve it next to its target with SGLang:
+
+    python -m sglang.launch_server --model-path <target> --speculative-algorithm DFLASH \\
+        --speculative-draft-model-path <DIR> --speculative-dflash-block-size 16
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from dflash.export import export_drafter, read_serving_config
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m experiments.export", description=__doc__.split("\n\n")[0])
+    p.add_argument("source", help="run directory, serving folder, or checkpoint .pt")
+    p.add_argument("--out", required=True, help="serving folder to write (replaced whole if it exists)")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],
+                   help="weight dtype in the folder (default %(default)s)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> Path:
+    args = build_parser().parse_args(argv)
+    try:
+        out = export_drafter(args.source, args.out, args.dtype)
+    except (OSError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(2) from e
+    cfg = read_serving_config(out)
+    d = cfg["dflash_config"]
+    print(f"wrote {out}: {cfg['num_hidden_layers']} layers, hidden {cfg['hidden_size']}, block {cfg['block_size']}, "
+          f"target layers {d['target_layer_ids']} of {cfg['num_target_layers']}, mask {d['mask_token_id']}, "
+          f"vocab {cfg['vocab_size']}, {cfg['torch_dtype']}")
+    return out
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,108 @@
+"""Promote an evaluated run through the gate (DESIGN §5).
+
+    python -m experiments.promote runs/20260101-120000-ab12-soft_kl
+    python -m experiments.promote <mlflow run id> --tracking-uri sqlite:////abs/mlflow.db --dry-run
+    python -m experiments.promote <run dir> --margin 0.05 --floor 3.0 --alias champion
+
+Exit code 0 when the gate ran, whether it promoted or refused (a refusal is a normal outcome, printed
+with its reason); 2 on bad input (no such run or store, a run dir without MLflow tracking).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import sys
+from pathlib import Path
+
+from dflash.promotion import Decision, PromoteConfig, PromotionError, check_store, promote
+
+_RUN_ID = re.compile(r"^[0-9a-f]{32}$")
+DEFAULT_URI = "sqlite:///mlflow.db"
+
+
+class BadInput(Exception):
+    pass
+
+
+def _find_run_dir(path: Path) -> Path:
+    """A run dir, its `final/` folder, or a checkpoint inside it → the dir holding mlflow_run.json."""
+    p = path.resolve()
+    for cand in [p, *p.parents][:4]:
+        if (cand / "mlflow_run.json").is_file():
+            return cand
+    if (p / "config.yaml").is_file() or (p / "metrics.jsonl").is_file():
+        raise BadInput(f"{path}: a run directory without mlflow_run.json (tracked with "
+                       f"tracking.enabled=false, or MLflow was down); it cannot be promoted")
+    raise BadInput(f"{path}: not a run directory (no mlflow_run.json here or in the folders above)")
+
+
+def _resolve_sqlite(uri: str, run_dir: Path | None) -> str:
+    """A relative `sqlite:///x.db` is relative to the training process's cwd: look for it from here,
+    then from the folders above the run dir (runs/<name> sits next to mlflow.db by default)."""
+    if not uri.startswith("sqlite:///") or uri.startswith("sqlite:////"):
+        return uri
+    rel, _, query = uri[len("sqlite:///"):].partition("?")
+    if not rel or rel == ":memory:":
+        return uri
+    bases = [Path.cwd()] + ([run_dir, *run_dir.parents][:4] if run_dir is not None else [])
+    for base in bases:
+        if (base / rel).is_file():
+            return f"sqlite:///{(base / rel).resolve()}" + (f"?{query}" if query else "")
+    return uri
+
+
+def resolve_target(target: str, tracking_uri: str | None) -> tuple[str, str]:
+    """(run_id, tracking_uri) from a run dir / checkpoint path or a run id."""
+    path = Path(target)
+    if path.exists():
+        run_dir = _find_run_dir(path)
+        info_file = run_dir / "mlflow_run.json"
+        try:
+            info = json.loads(info_file.read_text())
+            run_id = info["run_id"]
+        except (ValueError, KeyError) as e:
+            raise BadInput(f"{info_file}: unreadable or without run_id ({e})") from e
+        uri = tracking_uri or info.get("tracking_uri") or os.environ.get("MLFLOW_TRACKING_URI") or DEFAULT_URI
+        return run_id, _resolve_sqlite(uri, run_dir)
+    if _RUN_ID.match(target):
+        uri = tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or DEFAULT_URI
+        return target, _resolve_sqlite(uri, None)
+    raise BadInput(f"{target!r} is neither an existing run directory nor an MLflow run id (32 hex chars)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    d = PromoteConfig()
+    p = argparse.ArgumentParser(prog="python -m experiments.promote", description=__doc__.split("\n\n")[0])
+    p.add_argument("target", help="run directory (or its final/ or a checkpoint inside it), or an MLflow run id")
+    p.add_argument("--dry-run", action="store_true", help="show the decision; register and tag nothing")
+    p.add_argument("--margin", type=float, default=d.margin, help="must beat the holder by more than this")
+    p.add_argument("--floor", type=float, default=d.floor, help="and be at least this")
+    p.add_argument("--alias", default=d.alias)
+    p.add_argument("--model-name", default=d.model_name)
+    p.add_argument("--metric", default=d.metric, help="gate metric (default %(default)s)")
+    p.add_argument("--tracking-uri", default="", help="default: the run's own (mlflow_run.json)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> Decision:
+    args = build_parser().parse_args(argv)
+    try:
+        run_id, uri = resolve_target(args.target, args.tracking_uri or None)
+        check_store(uri)
+        cfg = PromoteConfig(model_name=args.model_name, alias=args.alias, metric=args.metric,
+                            margin=args.margin, floor=args.floor, tracking_uri=uri)
+        decision = promote(run_id, cfg, uri, dry_run=args.dry_run)
+    except (BadInput, PromotionError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(2) from e
+    print(decision.summary())
+    print(f"  {cfg.metric}: candidate {decision.candidate_value}, holder "
+          f"{'v' + decision.holder_version if decision.holder_version else 'none'} ({decision.holder_value}); "
+          f"margin {cfg.margin}, floor {cfg.floor}; store {uri}")
+    return decision
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,36 @@
+"""One training run: `python -m experiments.run [+loss=soft_kl] [+noise=cosine] [key=value ...]`.
+
+Thin on purpose: compose the config, call `dflash.trainer.train`, print the result. Sweeps, tests and
+notebooks call the same functions. `--cfg` prints the resolved config and exits.
+"""
+from __future__ import annotations
+
+import logging
+import sys
+
+import yaml
+
+from dflash.config import ConfigError, to_dict
+from dflash.trainer import train
+from experiments.config import compose_config
+
+
+def main(argv: list[str] | None = None) -> dict:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    show = "--cfg" in argv
+    cfg = compose_config([a for a in argv if a != "--cfg"])
+    if show:
+        print(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+        return {}
+    result = train(cfg)
+    print(f"run dir: {result.run_dir}\nmlflow run: {result.run_id}\nfinal drafter: {result.checkpoint}")
+    return result.metrics
+
+
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        main()
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)

@@ -1,0 +1,44 @@
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+# Overrides that make a run take seconds on CPU (the real model classes, tiny sizes).
+FAST = [
+    "target.random.hidden_size=64", "target.random.num_layers=4", "target.random.intermediate_size=128",
+    "target.random.head_dim=16", "target.random.linear_head_dim=16", "target.layer_ids=[0,1,2]",
+    "drafter.num_layers=1", "drafter.head_dim=16", "drafter.intermediate_size=128", "drafter.block_size=8",
+    "data.num_sequences=24", "data.min_len=24", "data.max_len=72", "trainer.num_anchors=4",
+    "trainer.max_steps=6", "trainer.warmup_steps=2", "trainer.checkpoint_every=3",
+    "buffer.min_ready=2", "buffer.max_depth=4", "buffer.timeout_s=60", "tracking.log_every=1",
+    "tracking.console=false", "tracking.system_metrics=false",
+]
+
+
+@pytest.fixture
+def fast_cfg(tmp_path):
+    """compose_config with FAST overrides, a temp run dir and a temp sqlite MLflow store."""
+    from experiments.config import compose_config
+
+    def make(*overrides, run="run"):
+        return compose_config(FAST + [f"run_dir={tmp_path / run}",
+                                      f"tracking.tracking_uri=sqlite:///{tmp_path / 'mlflow.db'}",
+                                      *overrides])
+    return make

@@ -1,0 +1,71 @@
+"""The training mask against the inference path: the most common reason re-implementations train to 98%
+accuracy and serve at 10% acceptance is an off-by-one here (DESIGN §1)."""
+import torch
+
+from dflash.drafter import DFlashDrafter, DrafterConfig, default_layer_ids, training_mask
+
+
+def _drafter(bs=6, hidden=32, L=3, V=50):
+    torch.manual_seed(0)
+    cfg = DrafterConfig(num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, intermediate_size=64, block_size=bs)
+    d = DFlashDrafter(cfg, hidden, num_target_layers=8, mask_token_id=V - 1, target_layer_ids=list(range(L))).double()
+    d.attach_target_head(torch.randn(V, hidden, dtype=torch.float64), torch.randn(V, hidden, dtype=torch.float64))
+    return d.eval()
+
+
+def test_training_logits_equal_inference_logits():
+    d = _drafter()
+    T, L, H, bs = 40, 3, 32, d.block_size
+    feats = torch.randn(1, T, L, H, dtype=torch.float64)
+    tokens = torch.randint(0, 49, (1, T))
+    anchors = torch.tensor([[1, 7, 8, 20, T - bs + 1]])
+    with torch.no_grad():
+        train_h = d(feats, anchors, tokens.gather(1, anchors))  # [1, N, bs-1, H]
+    for n, a in enumerate(anchors[0].tolist()):
+        cache = d.new_cache()
+        d.extend_context(cache, feats[:, :a], start=0)  # the committed context: positions < anchor
+        infer_h = d.draft_hidden(cache, tokens[:, a])
+        assert torch.allclose(d.logits(train_h[:, n]), d.logits(infer_h), atol=1e-9), f"anchor {a}"
+
+
+def test_incremental_context_equals_one_shot():
+    d = _drafter()
+    feats = torch.randn(1, 30, 3, 32, dtype=torch.float64)
+    c1, c2 = d.new_cache(), d.new_cache()
+    d.extend_context(c1, feats[:, :25], 0)
+    d.extend_context(c2, feats[:, :10], 0)
+    d.extend_context(c2, feats[:, 10:18], 10)
+    d.extend_context(c2, feats[:, 14:25], 14)  # overlapping extension crops first (rollback)
+    anchor = torch.tensor([5])
+    assert torch.allclose(d.draft_hidden(c1, anchor), d.draft_hidden(c2, anchor), atol=1e-10)
+
+
+def test_blocks_do_not_see_each_other_or_later_context():
+    d = _drafter()
+    T = 30
+    feats = torch.randn(1, T, 3, 32, dtype=torch.float64)
+    tokens = torch.randint(0, 49, (1, T))
+    anchors = torch.tensor([[4, 12]])
+    with torch.no_grad():
+        h = d(feats, anchors, tokens.gather(1, anchors))
+        feats2 = feats.clone()
+        feats2[:, 12:] += 1.0  # context at/after the second anchor, invisible to both blocks' past
+        h2 = d(feats2, anchors, tokens.gather(1, anchors))
+        tokens3 = tokens.clone()
+        tokens3[0, 12] = (tokens[0, 12] + 1) % 49  # second block's anchor token
+        h3 = d(feats, anchors, tokens3.gather(1, anchors))
+    assert torch.allclose(h, h2)
+    assert torch.allclose(h[:, 0], h3[:, 0]) and not torch.allclose(h[:, 1], h3[:, 1])
+
+
+def test_training_mask_shape_and_content():
+    m = training_mask(torch.tensor([[2, 5]]), ctx_len=6, block_size=3)
+    assert m.shape == (1, 6, 12)
+    assert m[0, 0, :6].tolist() == [True, True, False, False, False, False]
+    assert m[0, 3, :6].tolist() == [True] * 5 + [False]
+    assert m[0, 0, 6:].tolist() == [True] * 3 + [False] * 3
+
+
+def test_default_layer_ids():
+    assert default_layer_ids(64) == [1, 16, 31, 46, 61]
+    assert default_layer_ids(8) == [1, 2, 3, 4, 5]

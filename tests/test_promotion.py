@@ -1,0 +1,320 @@
+"""The promotion gate against a real MLflow sqlite store: promote, refuse (with the reason recorded),
+margin, floor, failed/NaN runs, dry-run, the CLI, and two promotions racing."""
+from __future__ import annotations
+
+import json
+import math
+import multiprocessing as mp
+import shutil
+import threading
+import time
+
+import pytest
+
+pytest.importorskip("mlflow")
+from mlflow.entities import Metric  # noqa: E402
+from mlflow.tracking import MlflowClient  # noqa: E402
+
+import dflash.promotion as promotion  # noqa: E402
+from dflash.promotion import DECISION_TAG, REASON_TAG, PromoteConfig, PromotionError, auto_promote, promote  # noqa: E402
+
+MODEL = "dflash-drafter"
+
+
+class Store:
+    def __init__(self, tmp_path, template=None):
+        self.tmp = tmp_path
+        self.uri = f"sqlite:///{tmp_path}/mlflow.db"
+        if template is not None:  # an already-migrated empty database: creating one takes seconds
+            shutil.copy(template, tmp_path / "mlflow.db")
+        self.client = MlflowClient(self.uri)
+        self.exp = self.client.create_experiment("promo", artifact_location=(tmp_path / "art").as_uri())
+        ck = tmp_path / "ckpt_src"
+        ck.mkdir()
+        (ck / "config.json").write_text('{"architectures": ["DFlashDraftModel"]}')
+        (ck / "model.safetensors").write_bytes(b"tiny")
+        self.ckpt = ck
+
+    def run(self, tau: float | None, status: str = "FINISHED", checkpoint: bool = True, name: str = "") -> str:
+        c = self.client
+        r = c.create_run(self.exp, run_name=name or None, tags={"loss": "soft_kl", "dflash.kind": "train"})
+        rid = r.info.run_id
+        ts = int(time.time() * 1000)
+        ms = [Metric("train/loss", 1.0, ts, 10)]
+        if tau is not None:
+            ms += [Metric("eval/tau_vanilla", tau - 0.5, ts, 5),  # an earlier, cheaper eval
+                   Metric("eval/tau_vanilla", tau, ts + 1, 10),
+                   Metric("eval/tau_tree_4", tau + 1.0, ts + 1, 10),
+                   Metric("eval/tau_tree_8", tau + 2.0, ts + 1, 10)]
+        c.log_batch(rid, metrics=ms)
+        c.log_param(rid, "loss.name", "soft_kl")
+        if checkpoint:
+            c.log_artifacts(rid, str(self.ckpt), "checkpoint")
+        c.log_text(rid, json.dumps({"fizzbuzz": 3.0}), "eval/per_task.json")
+        c.set_terminated(rid, status)
+        return rid
+
+    def holder(self) -> str | None:
+        try:
+            return str(self.client.get_registered_model(MODEL).aliases.get("champion") or "") or None
+        except Exception:
+            return None
+
+    def versions(self, run_id: str | None = None) -> list:
+        try:
+            vs = self.client.search_model_versions(f"name='{MODEL}'")
+        except Exception:
+            return []
+        return [v for v in vs if run_id is None or v.run_id == run_id]
+
+    def version(self, v: str):
+        return self.client.get_model_version(MODEL, v)
+
+
+@pytest.fixture(scope="module")
+def empty_db(tmp_path_factory):
+    d = tmp_path_factory.mktemp("template")
+    MlflowClient(f"sqlite:///{d}/mlflow.db").search_experiments()  # creates and migrates the schema
+    return d / "mlflow.db"
+
+
+@pytest.fixture
+def store(tmp_path, empty_db):
+    return Store(tmp_path, empty_db)
+
+
+def test_first_promotion_wins_and_records_everything(store):
+    rid = store.run(3.0)
+    d = promote(rid, PromoteConfig(), store.uri)
+    assert d.promoted and d.version == "1" and d.candidate_value == 3.0  # the final value, not step 5's
+    assert d.holder_version is None and "no current @champion holder" in d.reason
+    assert store.holder() == "1"
+    mv = store.version("1")
+    assert mv.run_id == rid
+    assert mv.source == store.client.get_run(rid).info.artifact_uri + "/checkpoint"
+    t = mv.tags
+    assert t[DECISION_TAG] == "promoted" and t[REASON_TAG] == d.reason
+    assert float(t["eval/tau_vanilla"]) == 3.0 and float(t["eval/tau_tree_4"]) == 4.0
+    assert float(t["eval/tau_tree_8"]) == 5.0
+    assert t["dflash.task_table"] == f"runs:/{rid}/eval/per_task.json"
+    assert json.loads(t["dflash.config"]) == {"loss.name": "soft_kl"}
+    assert t["dflash.config_uri"] == f"runs:/{rid}/config.yaml" and t["dflash.loss"] == "soft_kl"
+    run_tags = store.client.get_run(rid).data.tags
+    assert run_tags[DECISION_TAG] == "promoted" and run_tags["dflash.promotion.version"] == "1"
+
+
+def test_worse_refused_with_reason_on_version(store):
+    promote(store.run(3.0), PromoteConfig(), store.uri)
+    worse = store.run(2.5)
+    d = promote(worse, PromoteConfig(), store.uri)
+    assert not d.promoted and d.version == "2" and d.holder_version == "1" and d.holder_value == 3.0
+    assert "does not beat holder @champion v1" in d.reason
+    assert store.holder() == "1"
+    t = store.version("2").tags
+    assert t[DECISION_TAG] == "refused" and t[REASON_TAG] == d.reason
+    assert t["dflash.promotion.holder_version"] == "1"
+    # an equal value does not beat the holder either (strictly greater is required)
+    assert not promote(store.run(3.0), PromoteConfig(), store.uri).promoted
+    better = promote(store.run(3.2), PromoteConfig(), store.uri)
+    assert better.promoted and store.holder() == better.version
+    assert store.version("1").tags["dflash.promotion.superseded_by"] == better.version
+
+
+def test_margin(store):
+    cfg = PromoteConfig(margin=0.5)
+    promote(store.run(3.0), cfg, store.uri)
+    d = promote(store.run(3.3), cfg, store.uri)
+    assert not d.promoted and "margin 0.5000" in d.reason and store.holder() == "1"
+    assert store.version(d.version).tags[DECISION_TAG] == "refused"
+    d = promote(store.run(3.6), cfg, store.uri)
+    assert d.promoted and store.holder() == d.version
+
+
+def test_floor(store):
+    cfg = PromoteConfig(floor=4.0)
+    d = promote(store.run(3.5), cfg, store.uri)  # no holder: only the floor applies
+    assert not d.promoted and "below the floor 4.0000" in d.reason and store.holder() is None
+    assert store.version(d.version).tags[DECISION_TAG] == "refused"
+    promote(store.run(4.5), PromoteConfig(), store.uri)
+    d = promote(store.run(5.0), PromoteConfig(floor=6.0), store.uri)  # beats holder, below floor
+    assert not d.promoted and "below the floor" in d.reason and store.holder() == "2"
+
+
+@pytest.mark.parametrize("case", ["failed", "nan", "inf", "no_metric", "no_checkpoint", "running"])
+def test_ineligible_runs_never_registered_nor_aliased(store, case):
+    promote(store.run(2.0), PromoteConfig(), store.uri)
+    rid = {"failed": lambda: store.run(9.0, status="FAILED"),
+           "nan": lambda: store.run(math.nan),
+           "inf": lambda: store.run(math.inf),
+           "no_metric": lambda: store.run(None),
+           "no_checkpoint": lambda: store.run(9.0, checkpoint=False),
+           "running": lambda: store.run(9.0, status="RUNNING")}[case]()
+    d = promote(rid, PromoteConfig(), store.uri)
+    assert not d.promoted and d.version is None
+    expect = {"failed": "FAILED", "nan": "nan", "inf": "inf", "no_metric": "no eval/tau_vanilla",
+              "no_checkpoint": "no 'checkpoint' artifact", "running": "RUNNING"}[case]
+    assert expect in d.reason
+    assert store.versions(rid) == [] and store.holder() == "1"
+    tags = store.client.get_run(rid).data.tags
+    assert tags[DECISION_TAG] == "refused" and tags[REASON_TAG] == d.reason
+
+
+def test_dry_run_registers_nothing(store):
+    rid = store.run(3.0)
+    d = promote(rid, PromoteConfig(), store.uri, dry_run=True)
+    assert d.promoted and d.dry_run and d.version is None and "would promote" in d.summary()
+    with pytest.raises(Exception):
+        store.client.get_registered_model(MODEL)  # not even the registered model was created
+    assert DECISION_TAG not in store.client.get_run(rid).data.tags
+    promote(rid, PromoteConfig(), store.uri)
+    worse = store.run(1.0)
+    d = promote(worse, PromoteConfig(), store.uri, dry_run=True)
+    assert not d.promoted and d.holder_version == "1" and "does not beat" in d.reason
+    assert len(store.versions()) == 1 and DECISION_TAG not in store.client.get_run(worse).data.tags
+    d = promote(store.run(math.nan), PromoteConfig(), store.uri, dry_run=True)
+    assert not d.promoted and len(store.versions()) == 1
+
+
+def test_same_run_again_is_refused_without_new_version(store):
+    rid = store.run(3.0)
+    promote(rid, PromoteConfig(), store.uri)
+    d = promote(rid, PromoteConfig(), store.uri)
+    assert not d.promoted and "already holds" in d.reason and len(store.versions()) == 1
+
+
+def test_holder_without_metric_tag_uses_its_run_metric(store):
+    rid = store.run(3.0)
+    store.client.create_registered_model(MODEL)
+    mv = store.client.create_model_version(MODEL, "file:///x", run_id=rid)  # aliased by hand, no tags
+    store.client.set_registered_model_alias(MODEL, "champion", mv.version)
+    d = promote(store.run(2.0), PromoteConfig(), store.uri)
+    assert not d.promoted and d.holder_value == 3.0
+
+
+def test_bad_input(store, tmp_path):
+    with pytest.raises(PromotionError, match="not found"):
+        promote("0" * 32, PromoteConfig(), store.uri)
+    with pytest.raises(PromotionError, match="no database file"):
+        promote(store.run(3.0), PromoteConfig(), f"sqlite:///{tmp_path}/missing.db")
+    assert not (tmp_path / "missing.db").exists()
+    assert auto_promote(store.run(3.0), PromoteConfig(enabled=False), store.uri) is None
+    assert auto_promote(None, PromoteConfig(enabled=True), store.uri) is None
+
+
+# ------------------------------------------------------------------------------------------ race
+def test_race_threads_exactly_one_winner(store, monkeypatch):
+    """The critical section is widened with a sleep after reading the holder: without the lock both
+    would read 'no holder' and both would set the alias."""
+    a, b = store.run(3.0), store.run(3.0)
+    real = promotion._current_holder
+    barrier = threading.Barrier(2)
+
+    def slow_holder(client, cfg):
+        out = real(client, cfg)
+        time.sleep(0.3)
+        return out
+
+    def slow_lock(uri, timeout=300.0):
+        barrier.wait()  # both threads arrive at the lock together
+        return real_lock(uri, timeout)
+
+    real_lock = promotion.registry_lock
+    monkeypatch.setattr(promotion, "_current_holder", slow_holder)
+    monkeypatch.setattr(promotion, "registry_lock", slow_lock)
+    results = {}
+
+    def go(rid):
+        results[rid] = promote(rid, PromoteConfig(), store.uri)
+
+    ts = [threading.Thread(target=go, args=(r,)) for r in (a, b)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(60)
+    assert set(results) == {a, b}
+    winners = [d for d in results.values() if d.promoted]
+    losers = [d for d in results.values() if not d.promoted]
+    assert len(winners) == 1 and len(losers) == 1
+    assert store.holder() == winners[0].version
+    assert losers[0].holder_version == winners[0].version and "does not beat" in losers[0].reason
+    assert store.version(losers[0].version).tags[DECISION_TAG] == "refused"
+    assert store.version(winners[0].version).tags[DECISION_TAG] == "promoted"
+
+
+def _promote_in_process(run_id, uri, ready, go, q):
+    import dflash.promotion  # noqa: F401  (imports mlflow lazily: warm it up before the start signal)
+    import mlflow.tracking  # noqa: F401
+    ready.put(run_id)
+    go.wait(60)
+    d = promote(run_id, PromoteConfig(), uri)
+    q.put(d.to_dict())
+
+
+def test_race_processes_exactly_one_winner(store):
+    runs = [store.run(3.0), store.run(3.0)]
+    ctx = mp.get_context("spawn")
+    q, ready, go = ctx.Queue(), ctx.Queue(), ctx.Event()
+    ps = [ctx.Process(target=_promote_in_process, args=(r, store.uri, ready, go, q)) for r in runs]
+    for p in ps:
+        p.start()
+    for _ in ps:
+        ready.get(timeout=60)
+    go.set()  # both start the promotion at the same moment
+    out = [q.get(timeout=90) for _ in ps]
+    for p in ps:
+        p.join(30)
+        assert p.exitcode == 0
+    winners = [d for d in out if d["promoted"]]
+    assert len(winners) == 1, out
+    loser = next(d for d in out if not d["promoted"])
+    assert store.holder() == winners[0]["version"]
+    assert store.version(loser["version"]).tags[DECISION_TAG] == "refused"
+    assert len(store.versions()) == 2
+
+
+# ------------------------------------------------------------------------------------------- CLI
+def _run_dir(tmp_path, store, rid, uri=None):
+    d = tmp_path / "runs" / "r1"
+    (d / "final").mkdir(parents=True, exist_ok=True)
+    (d / "config.yaml").write_text("seed: 0\n")
+    (d / "mlflow_run.json").write_text(json.dumps({"tracking_uri": uri or store.uri, "run_id": rid}))
+    return d
+
+
+def test_cli(store, tmp_path, capsys, monkeypatch):
+    from experiments.promote import main
+    rid = store.run(3.0)
+    run_dir = _run_dir(tmp_path, store, rid)
+    d = main([str(run_dir), "--dry-run"])
+    assert d.promoted and d.dry_run and store.versions() == []
+    assert "[dry run] would promote" in capsys.readouterr().out
+    d = main([str(run_dir / "final"), "--floor", "2.5"])
+    assert d.promoted and store.holder() == d.version
+    assert "PROMOTED" in capsys.readouterr().out
+    d = main([store.run(3.1), "--tracking-uri", store.uri, "--margin", "0.5"])
+    assert not d.promoted and "REFUSED" in capsys.readouterr().out  # refusal: a normal return
+    d = main([store.run(5.0), "--tracking-uri", store.uri, "--alias", "canary", "--model-name", "other"])
+    assert d.promoted and store.client.get_registered_model("other").aliases == {"canary": 1}
+    # a relative sqlite URI in mlflow_run.json is found from the folders above the run dir
+    monkeypatch.chdir(run_dir)
+    (run_dir / "mlflow_run.json").write_text(json.dumps({"tracking_uri": "sqlite:///mlflow.db", "run_id": rid}))
+    assert "already holds" in main([str(run_dir)]).reason
+
+
+@pytest.mark.parametrize("argv, msg", [
+    (["does/not/exist"], "neither an existing run directory nor an MLflow run id"),
+    (["0" * 32, "--tracking-uri", "TMP/none.db"], "no database file"),
+    (["0" * 32, "--tracking-uri", "STORE"], "not found"),
+    (["RUNDIR_NO_MLFLOW"], "without mlflow_run.json"),
+])
+def test_cli_bad_input_exits_nonzero(store, tmp_path, capsys, argv, msg):
+    from experiments.promote import main
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    (bare / "config.yaml").write_text("seed: 0\n")
+    argv = [a.replace("TMP/", f"sqlite:///{tmp_path}/").replace("STORE", store.uri)
+            .replace("RUNDIR_NO_MLFLOW", str(bare)) for a in argv]
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2
+    assert msg in capsys.readouterr().err

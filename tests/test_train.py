@@ -1,0 +1,99 @@
+"""CPU smoke run, MLflow contents, exact resume, SIGKILL resume, tracking outage."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from mlflow.tracking import MlflowClient
+
+from dflash.trainer import train
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _losses(run_dir):
+    rows = [json.loads(l) for l in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["train/loss"] for r in rows if "train/loss" in r}
+
+
+def test_smoke_run_lands_in_mlflow(fast_cfg, tmp_path):
+    cfg = fast_cfg("+loss=soft_kl", "+noise=cosine", "tracking.system_metrics=true")
+    res = train(cfg)
+    assert res.run_id and (res.run_dir / "final" / "model.safetensors").is_file()
+    client = MlflowClient(cfg.tracking.tracking_uri)
+    run = client.get_run(res.run_id)
+    assert run.info.status == "FINISHED"
+    p, t, m = run.data.params, run.data.tags, run.data.metrics
+    assert p["loss.name"] == "soft_kl" and p["noise.name"] == "cosine" and p["loss.temperature"] == "2.0"
+    assert t["loss"] == "soft_kl" and t["noise"] == "cosine" and t["buffer"] == "r10_20" and "git_sha" in t
+    for key in ["train/loss", "train/acc", "train/acc_pos01", "train/streak", "train/lr", "train/noise_sigma",
+                "perf/target_tok_s", "perf/drafter_tok_s", "perf/pipeline_tok_s", "buffer/depth_b0",
+                "buffer/total", "sys/host_rss_gb"]:
+        assert key in m, key
+    assert len(client.get_metric_history(res.run_id, "train/loss")) == cfg.trainer.max_steps
+    arts = {a.path for a in client.list_artifacts(res.run_id)}
+    assert {"config.yaml", "checkpoint"} <= arts
+    assert {a.path for a in client.list_artifacts(res.run_id, "checkpoint")} >= {
+        "checkpoint/config.json", "checkpoint/model.safetensors"}
+    assert m["train/noise_sigma"] < 0.1
+
+
+def test_resume_reproduces_the_uninterrupted_run(fast_cfg, tmp_path):
+    full = train(fast_cfg("+buffer=deterministic", "buffer.max_depth=4", "buffer.min_ready=4",
+                          "+noise=uniform", "+loss=streak", run="full"))
+    ref = _losses(full.run_dir)
+    # Interrupted copy: the run dir as it stood after the step-3 checkpoint.
+    part = tmp_path / "part"
+    (part / "checkpoints").mkdir(parents=True)
+    ck = full.run_dir / "checkpoints"
+    (part / "checkpoints" / "step_00000003.pt").write_bytes((ck / "step_00000003.pt").read_bytes())
+    (part / "config.yaml").write_text((full.run_dir / "config.yaml").read_text().replace(str(full.run_dir), str(part)))
+    res = train(fast_cfg(f"resume={part}", run="ignored"))
+    got = _losses(res.run_dir)
+    assert sorted(got) == [4, 5, 6]
+    for s in (4, 5, 6):
+        assert got[s] == pytest.approx(ref[s], rel=1e-6, abs=1e-7), (s, got, ref)
+
+
+def test_tracking_outage_keeps_training(fast_cfg, monkeypatch):
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "2")
+    cfg = fast_cfg("tracking.tracking_uri=http://127.0.0.1:9")
+    with pytest.warns(RuntimeWarning, match="127.0.0.1:9"):
+        res = train(cfg)
+    assert len(_losses(res.run_dir)) == cfg.trainer.max_steps
+    assert res.run_id is None
+
+
+def test_producer_error_stops_the_run_with_that_error(fast_cfg, monkeypatch):
+    from dflash import target as target_mod
+
+    def boom(self, *a, **k):
+        raise RuntimeError("target exploded")
+    monkeypatch.setattr(target_mod.Target, "forward_features", boom)
+    with pytest.raises(Exception, match="target exploded|producer"):
+        train(fast_cfg())
+
+
+@pytest.mark.slow
+def test_sigkill_then_resume(tmp_path):
+    from tests.conftest import FAST
+    run_dir = tmp_path / "killed"
+    args = [sys.executable, "-m", "experiments.run", *FAST, "trainer.max_steps=40", "trainer.checkpoint_every=2",
+            f"run_dir={run_dir}", f"tracking.tracking_uri=sqlite:///{tmp_path / 'mlflow.db'}"]
+    proc = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 240
+    while time.time() < deadline and not list((run_dir / "checkpoints").glob("step_*.pt"))[1:]:
+        time.sleep(0.2)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    saved = json.loads((run_dir / "checkpoints" / "latest.json").read_text())["step"]
+    assert 2 <= saved < 40
+    out = subprocess.run([sys.executable, "-m", "experiments.run", f"resume={run_dir}", "trainer.max_steps=1"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert max(_losses(run_dir)) == 40
+    assert not list((run_dir / "checkpoints").glob(".step_*")), "no torn temp files left behind"

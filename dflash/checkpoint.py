@@ -50,6 +50,8 @@ def save_checkpoint(ckpt_dir: str | os.PathLike, step: int, state: dict[str, Any
 def latest_checkpoint(ckpt_dir: str | os.PathLike) -> Path | None:
     """The checkpoint `latest.json` names; falls back to the newest readable step file."""
     ckpt_dir = Path(ckpt_dir)
+    for tmp in ckpt_dir.glob(".step_*"):  # a write cut short by a kill; the previous file is intact
+        tmp.unlink(missing_ok=True)
     pointer = ckpt_dir / "latest.json"
     if pointer.is_file():
         f = ckpt_dir / json.loads(pointer.read_text())["file"]

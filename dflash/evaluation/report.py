@@ -1,0 +1,286 @@
+"""`evaluate(drafter, target, cfg) -> EvalReport` and `make_evaluator(cfg)` for the trainer.
+
+Metrics (all floats):
+- `eval/tau_vanilla`: mean τ over all rounds of all tasks (pooled); `eval/tau_tree_{b}` per budget;
+- `eval/acc_pos{k:02d}`, k = 1..bs−1: P(block position k accepted | reached) in vanilla rounds
+  (0.0 when position k was never reached);
+- `eval/task/{name}/tau_vanilla`, `eval/task/{name}/tau_tree_{b}`;
+- `eval/num_tasks`, `eval/rounds`, `eval/gt_consistency`, `eval/seconds`;
+- with real decoding: `eval/real/tau`, `eval/real/lossless` (fraction of tasks whose output equals the
+  target's greedy output token for token), `eval/real/tau_matches_sim` (fraction of tasks whose real τ
+  sequence equals the simulated one), `eval/real/tok_s`, `eval/real/greedy_tok_s`, `eval/real/speedup`.
+
+Artifacts (`EvalReport.log_artifacts(logger)`): `eval/tasks.json`, `eval/tasks.md`,
+`eval/acceptance_per_position.png`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import math
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import torch
+
+from dflash.evaluation import EvalConfig
+from dflash.evaluation.acceptance import DrafterProposer, Proposer, TaskResult, simulate
+from dflash.evaluation.ground_truth import TaskTruth, cache_key, load_or_build_ground_truth
+from dflash.evaluation.prompts import Task, load_suite
+from dflash.evaluation.speculative import greedy_decode, speculative_decode
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class EvalReport:
+    metrics: dict[str, float]
+    table: list[dict[str, Any]]  # one row per task
+    acc_pos: list[float]  # vanilla P(accepted | reached) per block position 1..bs-1
+    reached_pos: list[int]
+    block_size: int
+    budgets: list[int]
+    info: dict[str, Any] = field(default_factory=dict)
+    results: list[TaskResult] = field(default_factory=list, repr=False)
+
+    # -- serialisation ---------------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        return {"metrics": self.metrics, "tasks": self.table, "acc_pos": self.acc_pos,
+                "reached_pos": self.reached_pos, "block_size": self.block_size, "budgets": self.budgets,
+                "info": self.info}
+
+    def _columns(self) -> list[tuple[str, str]]:
+        cols = [("task", "task"), ("prompt_tokens", "prompt"), ("rounds", "rounds"),
+                ("tau_vanilla", "τ vanilla")]
+        cols += [(f"tau_tree_{b}", f"τ tree-{b}") for b in self.budgets]
+        if any("real_tau" in r for r in self.table):
+            cols += [("real_tau", "τ real"), ("lossless", "lossless"), ("spec_tok_s", "spec tok/s"),
+                     ("greedy_tok_s", "greedy tok/s")]
+        return cols
+
+    def _rows(self) -> list[list[str]]:
+        def fmt(v):
+            if isinstance(v, bool):
+                return "yes" if v else "NO"
+            if isinstance(v, float):
+                return "nan" if math.isnan(v) else f"{v:.2f}"
+            return str(v)
+        cols = self._columns()
+        rows = [[fmt(r.get(k, "")) for k, _ in cols] for r in self.table]
+        mean = {"task": "ALL (pooled)", "prompt_tokens": "", "rounds": int(self.metrics.get("eval/rounds", 0)),
+                "tau_vanilla": self.metrics.get("eval/tau_vanilla", float("nan"))}
+        for b in self.budgets:
+            mean[f"tau_tree_{b}"] = self.metrics.get(f"eval/tau_tree_{b}", float("nan"))
+        if "eval/real/tau" in self.metrics:
+            mean.update(real_tau=self.metrics["eval/real/tau"],
+                        lossless=self.metrics["eval/real/lossless"] == 1.0,
+                        spec_tok_s=self.metrics["eval/real/tok_s"],
+                        greedy_tok_s=self.metrics["eval/real/greedy_tok_s"])
+        rows.append([fmt(mean.get(k, "")) for k, _ in cols])
+        return rows
+
+    def to_markdown(self) -> str:
+        cols = self._columns()
+        lines = ["| " + " | ".join(h for _, h in cols) + " |", "|" + "---|" * len(cols)]
+        lines += ["| " + " | ".join(r) + " |" for r in self._rows()]
+        lines += ["", "Per-position acceptance (vanilla, P(accepted | reached)):", "",
+                  "| position | " + " | ".join(str(k + 1) for k in range(len(self.acc_pos))) + " |",
+                  "|---|" + "---|" * len(self.acc_pos),
+                  "| rate | " + " | ".join(f"{a:.2f}" for a in self.acc_pos) + " |",
+                  "| reached | " + " | ".join(str(n) for n in self.reached_pos) + " |"]
+        return "\n".join(lines) + "\n"
+
+    def console_table(self) -> str:
+        cols = self._columns()
+        rows = self._rows()
+        widths = [max(len(h), *(len(r[i]) for r in rows)) for i, (_, h) in enumerate(cols)]
+        line = lambda cells: "  ".join(c.ljust(w) if i == 0 else c.rjust(w)  # noqa: E731
+                                       for i, (c, w) in enumerate(zip(cells, widths)))
+        out = [line([h for _, h in cols]), line(["-" * w for w in widths])]
+        out += [line(r) for r in rows[:-1]] + [line(["-" * w for w in widths]), line(rows[-1])]
+        out.append("acceptance by position: " + " ".join(f"{k + 1}:{a:.2f}" for k, a in enumerate(self.acc_pos)))
+        return "\n".join(out)
+
+    def figure(self):
+        import matplotlib
+        matplotlib.use("Agg", force=False)
+        from matplotlib.figure import Figure
+        fig = Figure(figsize=(7, 3.6))
+        ax = fig.add_subplot(1, 1, 1)
+        ks = list(range(1, len(self.acc_pos) + 1))
+        ax.bar(ks, self.acc_pos, color="#4477aa")
+        ax.set_xlabel("block position k")
+        ax.set_ylabel("P(accepted | reached)")
+        ax.set_ylim(0, 1.05)
+        ax.set_xticks(ks)
+        title = f"τ vanilla {self.metrics.get('eval/tau_vanilla', float('nan')):.2f}"
+        title += "".join(f", tree-{b} {self.metrics.get(f'eval/tau_tree_{b}', float('nan')):.2f}"
+                         for b in self.budgets)
+        ax.set_title(title)
+        ax2 = ax.twinx()
+        ax2.plot(ks, self.reached_pos, color="#cc6677", marker="o", lw=1)
+        ax2.set_ylabel("rounds reaching k", color="#cc6677")
+        fig.tight_layout()
+        return fig
+
+    def save(self, out_dir: str | os.PathLike) -> dict[str, Path]:
+        """Writes tasks.json, tasks.md and acceptance_per_position.png into `out_dir`."""
+        from dflash.checkpoint import atomic_write, atomic_write_text
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        paths = {"json": out / "tasks.json", "md": out / "tasks.md", "png": out / "acceptance_per_position.png"}
+        atomic_write_text(paths["json"], json.dumps(self.to_dict(), indent=2, default=str))
+        atomic_write_text(paths["md"], self.to_markdown())
+        fig = self.figure()
+        atomic_write(paths["png"], lambda tmp: fig.savefig(tmp, format="png", dpi=120))
+        return paths
+
+    def log_artifacts(self, logger, prefix: str = "eval") -> None:
+        """Per-task table (JSON + markdown) and the per-position PNG through a `dflash.tracking.Logger`."""
+        logger.log_dict(self.to_dict(), f"{prefix}/tasks.json")
+        logger.log_text(self.to_markdown(), f"{prefix}/tasks.md")
+        logger.log_figure(self.figure(), f"{prefix}/acceptance_per_position.png")
+
+
+# -- evaluation --------------------------------------------------------------------------------------
+def check_compatible(drafter, target) -> None:
+    if list(drafter.target_layer_ids) != list(target.layer_ids):
+        raise ValueError(f"drafter expects target layers {list(drafter.target_layer_ids)} but the target "
+                         f"gives {list(target.layer_ids)} (set target.layer_ids)")
+    if int(drafter.hidden_size) != int(target.hidden_size):
+        raise ValueError(f"drafter hidden size {drafter.hidden_size} != target hidden size {target.hidden_size}")
+    if drafter.lm_head_VH.numel() == 0:
+        drafter.attach_target_head(target.embed_weight(), target.lm_head_weight())
+
+
+def _real_decode(drafter, target, truths: Sequence[TaskTruth], results: Sequence[TaskResult],
+                 table: list[dict]) -> dict[str, float]:
+    first = truths[0]
+    warm = min(8, first.n_new)
+    greedy_decode(target, first.prompt_ids, warm)  # warm-up (allocator, kernels): untimed
+    speculative_decode(drafter, target, first.prompt_ids, warm)
+    taus, lossless, same_tau = [], 0, 0
+    spec_s = greedy_s = 0.0
+    spec_n = greedy_n = 0
+    for truth, res, row in zip(truths, results, table):
+        g = greedy_decode(target, truth.prompt_ids, truth.n_new)
+        s = speculative_decode(drafter, target, truth.prompt_ids, truth.n_new)
+        ok = s.tokens == g.tokens
+        lossless += ok
+        same_tau += s.taus == res.taus_vanilla
+        taus += s.taus
+        spec_s, greedy_s = spec_s + s.seconds, greedy_s + g.seconds
+        spec_n, greedy_n = spec_n + len(s.tokens), greedy_n + len(g.tokens)
+        row.update(real_tau=s.mean_tau, lossless=ok, tau_matches_sim=s.taus == res.taus_vanilla,
+                   spec_tok_s=s.tokens_per_s, greedy_tok_s=g.tokens_per_s,
+                   greedy_matches_truth=g.tokens == truth.continuation.tolist())
+        if not ok:
+            first_bad = next(i for i, (a, b) in enumerate(zip(s.tokens, g.tokens)) if a != b)
+            log.warning("real decoding of %s diverges from greedy at token %d", truth.name, first_bad)
+    n = len(truths)
+    spec_tok_s, greedy_tok_s = spec_n / max(spec_s, 1e-9), greedy_n / max(greedy_s, 1e-9)
+    return {"eval/real/tau": sum(taus) / max(len(taus), 1), "eval/real/lossless": lossless / n,
+            "eval/real/tau_matches_sim": same_tau / n, "eval/real/tok_s": spec_tok_s,
+            "eval/real/greedy_tok_s": greedy_tok_s, "eval/real/speedup": spec_tok_s / greedy_tok_s}
+
+
+@torch.no_grad()
+def evaluate(drafter, target, cfg: EvalConfig, tasks: Sequence[Task] | None = None, *,
+             truths: Sequence[TaskTruth] | None = None, limit: int | None = None,
+             proposer: Proposer | None = None, real_decode: bool | None = None) -> EvalReport:
+    """Ground truth (cached) → simulated vanilla / DDTree rounds → metrics, per-task table.
+
+    `tasks`: default the suite of `cfg.suite`; `truths`: precomputed ground truth (skips the cache);
+    `limit`: only the first `limit` tasks; `proposer`: replaces the drafter (tests); `real_decode`:
+    default `cfg.real_decode`. The drafter is put in eval mode and restored to its previous mode."""
+    t0 = time.perf_counter()
+    info: dict[str, Any] = {"suite": cfg.suite, "max_new_tokens": cfg.max_new_tokens,
+                            "target": str(getattr(target, "identity", ""))}
+    if truths is None:
+        tasks = list(tasks) if tasks is not None else load_suite(cfg.suite)
+        truths, hit = load_or_build_ground_truth(target, list(tasks), cfg.max_new_tokens, cfg.cache_dir)
+        info.update(cache_hit=hit, cache_key=cache_key(target, list(tasks), cfg.max_new_tokens))
+    truths = list(truths)[:limit] if limit else list(truths)
+    if not truths:
+        raise ValueError("evaluate: no tasks")
+    budgets = [int(b) for b in cfg.tree_budgets]
+    was_training = drafter.training
+    drafter.eval()
+    try:
+        check_compatible(drafter, target)
+        bs = drafter.block_size
+        results = simulate(truths, proposer or DrafterProposer(drafter), bs, budgets)
+        table = []
+        for tr, r in zip(truths, results):
+            row = {"task": r.name, "prompt_tokens": r.prompt_len, "new_tokens": r.n_new,
+                   "rounds": len(r.taus_vanilla), "tau_vanilla": r.tau_vanilla}
+            row.update({f"tau_tree_{b}": r.tau_tree(b) for b in budgets})
+            row["gt_consistency"] = tr.consistency
+            table.append(row)
+        metrics = _metrics(results, budgets, bs)
+        metrics["eval/gt_consistency"] = sum(t.consistency for t in truths) / len(truths)
+        if cfg.real_decode if real_decode is None else real_decode:
+            metrics.update(_real_decode(drafter, target, truths, results, table))
+    finally:
+        drafter.train(was_training)
+    metrics["eval/seconds"] = time.perf_counter() - t0
+    reached = [sum(r.reached[k] for r in results) for k in range(bs - 1)]
+    acc = [sum(r.accepted[k] for r in results) / reached[k] if reached[k] else 0.0 for k in range(bs - 1)]
+    info["block_size"] = bs
+    return EvalReport(metrics, table, acc, reached, bs, budgets, info, results)
+
+
+def _metrics(results: Sequence[TaskResult], budgets: Sequence[int], bs: int) -> dict[str, float]:
+    pooled = [t for r in results for t in r.taus_vanilla]
+    m: dict[str, float] = {"eval/tau_vanilla": sum(pooled) / len(pooled) if pooled else float("nan")}
+    for b in budgets:
+        tt = [t for r in results for t in r.taus_tree[b]]
+        m[f"eval/tau_tree_{b}"] = sum(tt) / len(tt) if tt else float("nan")
+    for k in range(bs - 1):
+        reached = sum(r.reached[k] for r in results)
+        m[f"eval/acc_pos{k + 1:02d}"] = sum(r.accepted[k] for r in results) / reached if reached else 0.0
+    for r in results:
+        m[f"eval/task/{r.name}/tau_vanilla"] = r.tau_vanilla
+        for b in budgets:
+            m[f"eval/task/{r.name}/tau_tree_{b}"] = r.tau_tree(b)
+    m["eval/num_tasks"] = float(len(results))
+    m["eval/rounds"] = float(len(pooled))
+    return m
+
+
+Evaluator = Callable[..., dict]
+
+
+def make_evaluator(cfg: EvalConfig, tasks: Sequence[Task] | None = None,
+                   out_dir: str | os.PathLike | None = None) -> Evaluator | None:
+    """For the trainer: `evaluator(drafter, target, step, final, logger=None) -> {eval/...: float}`.
+
+    `final=False`: the first `cfg.subset` prompts, simulated only, no artifacts. `final=True`: the whole
+    suite (and real decoding if `cfg.real_decode`), the console table printed, and the artifacts logged
+    through `logger` (and written to `out_dir` if given). The ground truth of the whole suite is built or
+    loaded once and kept in memory. Returns None when `cfg.enabled` is False."""
+    if not cfg.enabled:
+        return None
+    suite = list(tasks) if tasks is not None else load_suite(cfg.suite)
+    memo: dict[str, list[TaskTruth]] = {}
+
+    def evaluator(drafter, target, step: int, final: bool, logger=None) -> dict[str, float]:
+        key = cache_key(target, suite, cfg.max_new_tokens)
+        if key not in memo:
+            memo.clear()
+            memo[key], _ = load_or_build_ground_truth(target, suite, cfg.max_new_tokens, cfg.cache_dir)
+        report = evaluate(drafter, target, cfg, truths=memo[key], limit=None if final else cfg.subset,
+                          real_decode=cfg.real_decode if final else False)
+        if final:
+            print(f"eval at step {step} ({len(report.table)} tasks):\n{report.console_table()}", flush=True)
+            if logger is not None:
+                report.log_artifacts(logger)
+            if out_dir:
+                report.save(out_dir)
+        return dict(report.metrics)
+
+    return evaluator

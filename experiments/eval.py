@@ -1,0 +1,194 @@
+"""Evaluated acceptance of a drafter: `python -m experiments.eval <run dir | serving folder | checkpoint.pt>
+[key=value ...]`.
+
+- A run directory (has `config.yaml`): its resolved config, then `key=value` overrides on top (type-checked
+  against the schema, e.g. `eval.real_decode=true eval.max_new_tokens=128 target.device=cpu`); the drafter is
+  `final/` (the serving folder), or the newest `checkpoints/step_*.pt` when the run has no `final/`.
+- A serving folder (`config.json` with `DFlashDraftModel`, ours or a published drafter): the run config is
+  composed from `conf/` with Hydra overrides (`experiments.config.compose_config`), so the target comes from
+  the overrides (`target=...`, `target.path=...`, `target.mask_token_id=...`).
+- A training checkpoint file (`checkpoints/step_*.pt`): the config stored in it, plus overrides.
+
+It prints the per-task table, writes tasks.json / tasks.md / acceptance_per_position.png to the output
+folder (`--out=DIR`; default `<run dir>/eval/<timestamp>` or `runs/eval-<timestamp>`), and logs to MLflow.
+
+MLflow: a NEW run, tagged `dflash.kind=eval`, `dflash.evaluated_path=<path>` and, when the run dir has
+`mlflow_run.json`, `dflash.evaluated_run=<run_id>` in the training run's own tracking store and experiment;
+the training run only gets a pointer tag `dflash.last_eval_run`. Why not log into the training run: it is
+finished and reopening it flips its status; an eval with other settings (suite, length, budgets) would
+write a second, different value into its `eval/*` series at the same step; and several evals of one run
+(or concurrent ones) stay separate and comparable, found by tag. `main(argv)` returns the metrics.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import sys
+from pathlib import Path
+
+import yaml
+
+from dflash.config import ConfigError, RunConfig, from_dict
+from dflash.evaluation import EvalConfig, validate_eval_config
+from dflash.evaluation.report import evaluate
+from dflash.target import Target, resolve_device
+from dflash.tracking import build_loggers, default_run_name, flatten_config
+
+log = logging.getLogger(__name__)
+
+
+def _has_eval_field() -> bool:
+    return any(f.name == "eval" for f in dataclasses.fields(RunConfig))
+
+
+def _split_eval_overrides(overrides: list[str]) -> tuple[list[str], list[str]]:
+    """Until `RunConfig` has an `eval` field, `eval.*` overrides are applied to an EvalConfig here."""
+    if _has_eval_field():
+        return overrides, []
+    ev = [o for o in overrides if o.lstrip("+").startswith("eval.")]
+    return [o for o in overrides if o not in ev], [o.lstrip("+")[len("eval."):] for o in ev]
+
+
+def _merge_dotlist(schema_obj, base: dict, dotlist: list[str]) -> dict:
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+    bad = [o for o in dotlist if o.startswith(("+", "~")) or "=" not in o]
+    if bad:
+        raise ConfigError(f"overrides on a saved run config must be plain key=value, got {bad}")
+    try:
+        merged = OmegaConf.merge(OmegaConf.structured(schema_obj), base, OmegaConf.from_dotlist(dotlist))
+        return OmegaConf.to_container(merged, resolve=True)
+    except OmegaConfBaseException as e:
+        raise ConfigError(f"config override: {e}") from e
+
+
+def _saved_config(d: dict, overrides: list[str]) -> RunConfig:
+    return from_dict(_merge_dotlist(RunConfig, d, overrides))
+
+
+def _eval_config(cfg: RunConfig, eval_overrides: list[str]) -> EvalConfig:
+    base = getattr(cfg, "eval", None) or EvalConfig()
+    if eval_overrides:
+        base = EvalConfig(**_merge_dotlist(EvalConfig, dataclasses.asdict(base), eval_overrides))
+    return base
+
+
+def resolve_source(path: Path, overrides: list[str]):
+    """-> (RunConfig, EvalConfig, drafter loader, training run dir or None, default step)."""
+    from dflash.export import load_drafter
+    overrides, ev_over = _split_eval_overrides(overrides)
+    if path.is_dir() and (path / "config.yaml").is_file():
+        cfg = _saved_config(yaml.safe_load((path / "config.yaml").read_text()), overrides)
+        final = path / "final"
+        if (final / "config.json").is_file():
+            return cfg, _eval_config(cfg, ev_over), lambda dev: load_drafter(final, dev), path, cfg.trainer.max_steps
+        from dflash.checkpoint import latest_checkpoint
+        ckpt = latest_checkpoint(path / "checkpoints")
+        if ckpt is None:
+            raise ConfigError(f"{path}: neither final/ nor a checkpoint in checkpoints/")
+        path = ckpt
+    if path.is_file():
+        from dflash.checkpoint import load_checkpoint
+        state = load_checkpoint(path)
+        cfg = _saved_config(state["config"], overrides)
+        run_dir = path.parent.parent if path.parent.name == "checkpoints" else None
+
+        def load_ckpt(dev, state=state, cfg=cfg):
+            from dflash.drafter import build_drafter
+            from dflash.target import read_target_info, resolve_layer_ids, resolve_mask_token
+            ti = read_target_info(cfg.target)
+            d = build_drafter(cfg.drafter, ti.hidden_size, ti.num_layers, resolve_mask_token(cfg.target),
+                              resolve_layer_ids(cfg.target, ti))
+            d.load_state_dict(state["drafter"])
+            return d.to(dev)
+        return cfg, _eval_config(cfg, ev_over), load_ckpt, run_dir, int(state.get("step", 0))
+    if path.is_dir() and (path / "config.json").is_file():
+        from experiments.config import compose_config
+        cfg = compose_config(overrides)
+        return cfg, _eval_config(cfg, ev_over), lambda dev: load_drafter(path, dev), None, 0
+    raise ConfigError(f"{path}: not a run directory (config.yaml), a serving folder (config.json) or a "
+                      f"checkpoint file")
+
+
+def _mlflow_info(run_dir: Path | None) -> dict:
+    f = run_dir / "mlflow_run.json" if run_dir else None
+    if f is not None and f.is_file():
+        try:
+            return json.loads(f.read_text())
+        except (OSError, json.JSONDecodeError):
+            log.warning("%s is unreadable; the eval run is not linked to the training run", f)
+    return {}
+
+
+def _parse_argv(argv: list[str]) -> tuple[Path, list[str], Path | None]:
+    out, rest = None, []
+    for a in argv:
+        if a.startswith("--out="):
+            out = Path(a.split("=", 1)[1])
+        elif a in ("-h", "--help"):
+            print(__doc__)
+            raise SystemExit(0)
+        else:
+            rest.append(a)
+    if not rest:
+        raise ConfigError("usage: python -m experiments.eval <run dir | serving folder | checkpoint.pt> "
+                          "[key=value ...] [--out=DIR]")
+    return Path(rest[0]), rest[1:], out
+
+
+def main(argv: list[str] | None = None) -> dict:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    path, overrides, out = _parse_argv(argv)
+    cfg, ecfg, load, run_dir, step = resolve_source(path, overrides)
+    try:
+        validate_eval_config(ecfg)
+    except (ValueError, FileNotFoundError) as e:
+        raise ConfigError(str(e)) from e
+    target = Target(cfg.target)
+    dev = target.device if ecfg.device == "auto" else resolve_device(ecfg.device)
+    drafter = load(dev)
+    drafter.attach_target_head(target.embed_weight(), target.lm_head_weight())
+
+    stamp = default_run_name()
+    out = out or ((run_dir / "eval" / stamp) if run_dir else Path("runs") / f"eval-{stamp}")
+    ml = _mlflow_info(run_dir)
+    tracking = cfg.tracking
+    if ml.get("tracking_uri"):
+        tracking = dataclasses.replace(tracking, tracking_uri=ml["tracking_uri"],
+                                       experiment=ml.get("experiment", tracking.experiment))
+    tracking = dataclasses.replace(tracking, run_name=f"eval-{ml.get('run_name') or path.name}-{stamp[-4:]}",
+                                   system_metrics=False)
+    tags = {"dflash.kind": "eval", "dflash.evaluated_path": str(path.resolve()), "target": cfg.target.name,
+            "eval.suite": ecfg.suite}
+    if ml.get("run_id"):
+        tags["dflash.evaluated_run"] = ml["run_id"]
+    params = {"eval": dataclasses.asdict(ecfg), "target": dataclasses.asdict(cfg.target),
+              "drafter": {"block_size": drafter.block_size, "num_layers": len(drafter.layers)}}
+    loggers = build_loggers(tracking, out, flatten_config(params), tags, None)
+    status = "FAILED"
+    try:
+        report = evaluate(drafter, target, ecfg)
+        print(report.console_table(), flush=True)
+        loggers.log(report.metrics, step)
+        report.log_artifacts(loggers)
+        paths = report.save(out)
+        status = "FINISHED"
+    finally:
+        loggers.close(status)
+    if ml.get("run_id") and loggers.run_id and loggers.mlflow is not None and loggers.mlflow.healthy:
+        try:
+            loggers.mlflow.client.set_tag(ml["run_id"], "dflash.last_eval_run", loggers.run_id)
+        except Exception as e:  # noqa: BLE001 - a pointer tag is a convenience
+            log.warning("could not tag the evaluated run %s: %s", ml["run_id"], e)
+    print(f"eval output: {out} ({', '.join(p.name for p in paths.values())})\nmlflow eval run: {loggers.run_id}")
+    return report.metrics
+
+
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        main()
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)

@@ -1,0 +1,330 @@
+"""Serving format (DESIGN §6): export → load_drafter gives identical logits; the folder loads by name,
+strictly, into an independent re-implementation of the reference `DFlashDraftModel` forward built from
+transformers' Qwen3 pieces and gives the same block hidden states; export is atomic; errors name files."""
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file
+from torch import nn
+
+from dflash.drafter import DFlashDrafter, DrafterConfig
+from dflash.export import (export_drafter, load_drafter, read_serving_config, save_drafter,
+                           write_serving_folder)
+
+H, V, MASK, LAYER_IDS, N_TARGET = 32, 50, 49, [1, 3, 4], 6
+
+
+def _drafter(seed: int = 0, bs: int = 5) -> DFlashDrafter:
+    torch.manual_seed(seed)
+    cfg = DrafterConfig(num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, intermediate_size=48,
+                        block_size=bs, rope_theta=10_000.0)
+    d = DFlashDrafter(cfg, H, N_TARGET, MASK, LAYER_IDS)
+    with torch.no_grad():  # norms away from 1 so that a swapped norm name would show
+        for name, p in d.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+    d.attach_target_head(torch.randn(V, H), torch.randn(V, H))
+    return d.eval()
+
+
+def _inputs(T: int = 20, seed: int = 1):
+    g = torch.Generator().manual_seed(seed)
+    feats = torch.randn(2, T, len(LAYER_IDS), H, generator=g)
+    tokens = torch.randint(0, V - 1, (2, T), generator=g)
+    anchors = torch.tensor([[1, 6, 11], [3, 9, 14]])
+    return feats, tokens, anchors
+
+
+def _outputs(d: DFlashDrafter, feats, tokens, anchors):
+    with torch.no_grad():
+        train = d.logits(d(feats, anchors, tokens.gather(1, anchors)))
+        cache = d.new_cache()
+        d.extend_context(cache, feats[:, :12], start=0)
+        infer = d.logits(d.draft_hidden(cache, tokens[:, 12]))
+    return train, infer
+
+
+def _with_head(loaded: DFlashDrafter, src: DFlashDrafter) -> DFlashDrafter:
+    loaded.attach_target_head(src.embed_VH, src.lm_head_VH)
+    return loaded.eval()
+
+
+def _run_dir(tmp_path: Path, d: DFlashDrafter) -> Path:
+    run = tmp_path / "run"
+    save_drafter(d, run / "final", extra={"target": "tiny_random", "loss": "soft_kl"})
+    return run
+
+
+# --------------------------------------------------------------------------------- round trip
+def test_export_then_import_gives_identical_logits(tmp_path):
+    d = _drafter()
+    out = export_drafter(_run_dir(tmp_path, d), tmp_path / "served", dtype="float32")
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["architectures"] == ["DFlashDraftModel"] and cfg["block_size"] == 5
+    assert cfg["num_target_layers"] == N_TARGET and cfg["vocab_size"] == V
+    assert cfg["dflash_config"] == {"mask_token_id": MASK, "target_layer_ids": LAYER_IDS}
+    assert cfg["dflash_training"]["loss"] == "soft_kl"
+    back = _with_head(load_drafter(out), d)
+    inputs = _inputs()
+    for a, b in zip(_outputs(d, *inputs), _outputs(back, *inputs)):
+        assert torch.equal(a, b)
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
+
+
+def test_export_bfloat16(tmp_path):
+    d = _drafter()
+    out = export_drafter(_run_dir(tmp_path, d), tmp_path / "served")  # default dtype: bfloat16
+    assert read_serving_config(out)["torch_dtype"] == "bfloat16"
+    assert all(t.dtype == torch.bfloat16 for t in load_file(str(out / "model.safetensors")).values())
+    back = _with_head(load_drafter(out), d)
+    inputs = _inputs()
+    for a, b in zip(_outputs(d, *inputs), _outputs(back, *inputs)):
+        assert torch.allclose(a, b, atol=0.1, rtol=0.05)
+
+
+def test_export_from_training_checkpoint(tmp_path):
+    d = _drafter()
+    run = _run_dir(tmp_path, d)
+    (run / "checkpoints").mkdir()
+    other = _drafter(seed=7)  # the checkpoint's weights differ from final/
+    torch.save({"step": 4, "drafter": other.state_dict(),
+                "config": {"drafter": dataclasses.asdict(other.cfg), "target": {"name": "tiny_random"},
+                           "loss": {"name": "hard_ce"}}},
+               run / "checkpoints" / "step_00000004.pt")
+    out = export_drafter(run / "checkpoints" / "step_00000004.pt", tmp_path / "from_pt", dtype="float32")
+    cfg = read_serving_config(out)
+    assert cfg["dflash_training"] == {"source_checkpoint": "step_00000004.pt", "step": 4,
+                                      "target": "tiny_random", "loss": "hard_ce"}
+    back = _with_head(load_drafter(out), other)
+    inputs = _inputs()
+    for a, b in zip(_outputs(other, *inputs), _outputs(back, *inputs)):
+        assert torch.equal(a, b)
+
+
+def test_export_from_checkpoint_without_final_reads_target_config(tmp_path):
+    """No final/ yet (run interrupted): target facts come from the saved config (tiny random target)."""
+    from dflash.target import ByteTokenizer, TinyTargetSpec
+    spec = TinyTargetSpec(hidden_size=H, num_layers=N_TARGET)
+    torch.manual_seed(0)
+    d = DFlashDrafter(DrafterConfig(num_layers=1, num_heads=4, num_kv_heads=2, head_dim=8, intermediate_size=48,
+                                    block_size=4), H, N_TARGET, ByteTokenizer.mask_token_id, [1, 2])
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    torch.save({"step": 2, "drafter": d.state_dict(),
+                "config": {"drafter": dataclasses.asdict(d.cfg),
+                           "target": {"name": "tiny_random", "random": dataclasses.asdict(spec),
+                                      "layer_ids": [1, 2]}}},
+               run / "checkpoints" / "step_00000002.pt")
+    out = export_drafter(run, tmp_path / "served", dtype="float32")  # run dir → latest checkpoint
+    cfg = read_serving_config(out)
+    assert cfg["vocab_size"] == spec.vocab_size and cfg["num_target_layers"] == N_TARGET
+    assert cfg["dflash_config"] == {"mask_token_id": ByteTokenizer.mask_token_id, "target_layer_ids": [1, 2]}
+    back = load_drafter(out)
+    assert all(torch.equal(a, b) for a, b in zip(d.state_dict().values(), back.state_dict().values()))
+
+
+# ---------------------------------------------------------------------------------- atomicity
+def test_export_replaces_whole_and_failure_keeps_old(tmp_path, monkeypatch):
+    import dflash.export as ex
+    out = tmp_path / "served"
+    write_serving_folder(_drafter(seed=0), out, dtype=torch.float32, vocab_size=V)
+    (out / "stale.txt").write_text("from an older export")
+    write_serving_folder(_drafter(seed=1), out, dtype=torch.float32, vocab_size=V)
+    assert not (out / "stale.txt").exists()  # the folder was replaced whole, not merged into
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+
+    def boom(*a, **k):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(ex, "save_file", boom)
+    with pytest.raises(OSError, match="disk full"):
+        write_serving_folder(_drafter(seed=2), out, dtype=torch.float32, vocab_size=V)
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["served"]  # no temp folder left behind
+
+    monkeypatch.setattr(ex, "_exchange", lambda a, b: False)  # the two-rename fallback
+    monkeypatch.undo()
+    monkeypatch.setattr(ex, "_exchange", lambda a, b: False)
+    write_serving_folder(_drafter(seed=3), out, dtype=torch.float32, vocab_size=V)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["served"]
+    assert torch.equal(load_drafter(out).fc.weight, _drafter(seed=3).fc.weight)
+
+
+def test_export_refuses_to_replace_a_foreign_folder(tmp_path):
+    foreign = tmp_path / "notes"
+    foreign.mkdir()
+    (foreign / "thesis.tex").write_text("x")
+    with pytest.raises(FileExistsError, match="not a serving folder"):
+        write_serving_folder(_drafter(), foreign, vocab_size=V)
+    assert (foreign / "thesis.tex").exists()
+
+
+# ------------------------------------------------------------------------------- import errors
+def test_load_errors_name_the_file(tmp_path):
+    out = write_serving_folder(_drafter(), tmp_path / "f", dtype=torch.float32, vocab_size=V)
+    cfg_file = out / "config.json"
+    good = json.loads(cfg_file.read_text())
+
+    with pytest.raises(FileNotFoundError, match=r"nope.*not a folder"):
+        load_drafter(tmp_path / "nope")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(FileNotFoundError, match=r"empty/config\.json: missing"):
+        load_drafter(empty)
+
+    def broken(change, match, exc=ValueError):
+        cfg_file.write_text(change if isinstance(change, str) else json.dumps(change))
+        with pytest.raises(exc, match=match):
+            load_drafter(out)
+        cfg_file.write_text(json.dumps(good))
+
+    broken("{not json", r"config\.json: not valid JSON")
+    broken({**good, "architectures": ["Qwen3ForCausalLM"]}, r"config\.json: architectures=.*DFlashDraftModel")
+    broken({k: v for k, v in good.items() if k != "num_key_value_heads"}, r"missing .*num_key_value_heads")
+    broken({**good, "dflash_config": {"mask_token_id": 1}}, r"config\.json: missing dflash_config\.target_layer_ids")
+    broken({**good, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope type 'yarn' is not supported")
+    broken({**good, "intermediate_size": 64}, r"model\.safetensors: tensor 'layers\.0\.mlp\.gate_proj\.weight' "
+                                              r"has shape \(48, 32\).*\(64, 32\)")
+    broken({**good, "num_hidden_layers": 3}, r"3 missing, e\.g\. \['layers\.2\.")
+    weights = out / "model.safetensors"
+    data = weights.read_bytes()
+    weights.write_bytes(b"garbage")
+    with pytest.raises(ValueError, match=r"model\.safetensors: unreadable safetensors"):
+        load_drafter(out)
+    weights.unlink()
+    with pytest.raises(FileNotFoundError, match=r"no \*\.safetensors"):
+        load_drafter(out)
+    weights.write_bytes(data)
+    load_drafter(out)
+
+
+def test_cli(tmp_path, capsys):
+    from experiments.export import main
+    d = _drafter()
+    out = main([str(_run_dir(tmp_path, d)), "--out", str(tmp_path / "served"), "--dtype", "float32"])
+    assert "block 5" in capsys.readouterr().out and (out / "model.safetensors").is_file()
+    with pytest.raises(SystemExit) as e:
+        main([str(tmp_path / "missing"), "--out", str(tmp_path / "x")])
+    assert e.value.code == 2 and "no such run directory" in capsys.readouterr().err
+    bogus = tmp_path / "bogus.pt"
+    torch.save({"weights": 1}, bogus)
+    with pytest.raises(SystemExit):
+        main([str(bogus), "--out", str(tmp_path / "x")])
+    assert "not a dflash training checkpoint" in capsys.readouterr().err
+
+
+# ------------------------------------------------- the published DFlashDraftModel, from scratch
+modeling_qwen3 = pytest.importorskip("transformers.models.qwen3.modeling_qwen3")
+Qwen3Config, Qwen3MLP = modeling_qwen3.Qwen3Config, modeling_qwen3.Qwen3MLP
+Qwen3RMSNorm, Qwen3RotaryEmbedding, rotate_half = (modeling_qwen3.Qwen3RMSNorm, modeling_qwen3.Qwen3RotaryEmbedding,
+                                                   modeling_qwen3.rotate_half)
+
+
+class RefAttention(nn.Module):
+    def __init__(self, c):
+        super().__init__()
+        self.nh, self.nkv, self.hd = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        self.q_proj = nn.Linear(c.hidden_size, self.nh * self.hd, bias=c.attention_bias)
+        self.k_proj = nn.Linear(c.hidden_size, self.nkv * self.hd, bias=c.attention_bias)
+        self.v_proj = nn.Linear(c.hidden_size, self.nkv * self.hd, bias=c.attention_bias)
+        self.o_proj = nn.Linear(self.nh * self.hd, c.hidden_size, bias=c.attention_bias)
+        self.q_norm = Qwen3RMSNorm(self.hd, eps=c.rms_norm_eps)
+        self.k_norm = Qwen3RMSNorm(self.hd, eps=c.rms_norm_eps)
+
+    def forward(self, h, target_hidden, cos, sin):
+        B, Q, _ = h.shape
+        kv_in = torch.cat([target_hidden, h], dim=1)  # K/V from context then block
+        S = kv_in.shape[1]
+        q = self.q_norm(self.q_proj(h).view(B, Q, self.nh, self.hd)).transpose(1, 2)
+        k = self.k_norm(self.k_proj(kv_in).view(B, S, self.nkv, self.hd)).transpose(1, 2)
+        v = self.v_proj(kv_in).view(B, S, self.nkv, self.hd).transpose(1, 2)
+        cos, sin = cos[:, None], sin[:, None]
+        q = q * cos[..., -Q:, :] + rotate_half(q) * sin[..., -Q:, :]  # queries: the block's positions
+        k = k * cos + rotate_half(k) * sin  # keys: [ctx..., block...]
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=False, enable_gqa=True)
+        return self.o_proj(out.transpose(1, 2).reshape(B, Q, -1))
+
+
+class RefLayer(nn.Module):
+    def __init__(self, c):
+        super().__init__()
+        self.self_attn = RefAttention(c)
+        self.mlp = Qwen3MLP(c)
+        self.input_layernorm = Qwen3RMSNorm(c.hidden_size, eps=c.rms_norm_eps)
+        self.post_attention_layernorm = Qwen3RMSNorm(c.hidden_size, eps=c.rms_norm_eps)
+
+    def forward(self, h, target_hidden, cos, sin):
+        h = h + self.self_attn(self.input_layernorm(h), target_hidden, cos, sin)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class RefDFlashDraftModel(nn.Module):
+    """Written from the description of z-lab's DFlashDraftModel forward: module names, config fields
+    (num_target_layers, block_size, dflash_config.target_layer_ids) and math as published."""
+
+    def __init__(self, c):
+        super().__init__()
+        self.target_layer_ids = c.dflash_config["target_layer_ids"]
+        self.block_size = c.block_size
+        self.num_target_layers = c.num_target_layers
+        self.layers = nn.ModuleList(RefLayer(c) for _ in range(c.num_hidden_layers))
+        self.norm = Qwen3RMSNorm(c.hidden_size, eps=c.rms_norm_eps)
+        self.rotary_emb = Qwen3RotaryEmbedding(c)
+        self.fc = nn.Linear(len(self.target_layer_ids) * c.hidden_size, c.hidden_size, bias=False)
+        self.hidden_norm = Qwen3RMSNorm(c.hidden_size, eps=c.rms_norm_eps)
+
+    def forward(self, noise_embedding, target_hidden, position_ids):
+        target_hidden = self.hidden_norm(self.fc(target_hidden))
+        cos, sin = self.rotary_emb(noise_embedding, position_ids)
+        h = noise_embedding
+        for layer in self.layers:
+            h = layer(h, target_hidden, cos, sin)
+        return self.norm(h)
+
+
+def _reference(folder: Path) -> RefDFlashDraftModel:
+    c = Qwen3Config.from_pretrained(str(folder))
+    ref = RefDFlashDraftModel(c)
+    ref.load_state_dict(load_file(str(folder / "model.safetensors")), strict=True)  # names must match
+    return ref.eval()
+
+
+def test_reference_dflash_model_loads_folder_and_matches(tmp_path):
+    d = _drafter().double()
+    d.attach_target_head(torch.randn(V, H, dtype=torch.float64), torch.randn(V, H, dtype=torch.float64))
+    out = write_serving_folder(d, tmp_path / "served", dtype=torch.float64)
+    ref = _reference(out).double()
+    assert ref.block_size == d.block_size and ref.num_target_layers == N_TARGET
+    assert ref.target_layer_ids == LAYER_IDS
+    feats, tokens, anchors = _inputs(T=24)
+    feats = feats.double()
+    bs = d.block_size
+
+    def ref_block(b: int, ctx_len: int, anchor_token) -> torch.Tensor:
+        ids = torch.full((1, bs), MASK)
+        ids[0, 0] = anchor_token
+        noise = F.embedding(ids, d.embed_VH)
+        target_hidden = feats[b:b + 1, :ctx_len].flatten(2)  # cat of the selected layers' features
+        pos = torch.arange(ctx_len + bs)[None]
+        with torch.no_grad():
+            return ref(noise, target_hidden, pos)[0]  # [bs, H]
+
+    with torch.no_grad():  # inference path: the whole context cached, block right after it
+        cache = d.new_cache()
+        d.extend_context(cache, feats[:, :17], start=0)
+        ours = d.draft_hidden(cache, tokens[:, 17])
+    for b in range(2):
+        theirs = ref_block(b, 17, tokens[b, 17])
+        assert torch.allclose(ours[b], theirs[1:], atol=1e-10)
+
+    with torch.no_grad():  # training path: block n sees exactly the context before its anchor
+        train = d(feats, anchors, tokens.gather(1, anchors))
+    for b in range(2):
+        for n, a in enumerate(anchors[b].tolist()):
+            assert torch.allclose(train[b, n], ref_block(b, a, tokens[b, a])[1:], atol=1e-10), (b, a)

@@ -150,9 +150,10 @@ def load_drafter(folder: str | os.PathLike, device: str | torch.device = "cpu",
     missing = [k for k in expected if k not in state]
     unexpected = [k for k in state if k not in expected]
     if missing or unexpected:
-        raise ValueError(f"{folder}: weights do not match DFlashDraftModel built from config.json "
-                         f"({len(missing)} missing, e.g. {missing[:5]}; {len(unexpected)} unexpected, "
-                         f"e.g. {unexpected[:5]})")
+        parts = ([f"{len(missing)} missing, e.g. {missing[:5]}"] if missing else []) + \
+                ([f"{len(unexpected)} unexpected, e.g. {unexpected[:5]}"] if unexpected else [])
+        raise ValueError(f"{folder}: tensor names in {[f.name for f in files]} do not match the "
+                         f"DFlashDraftModel that config.json describes ({'; '.join(parts)})")
     bad = [(k, tuple(state[k].shape), tuple(v.shape)) for k, v in expected.items() if state[k].shape != v.shape]
     if bad:
         k, got, want = bad[0]

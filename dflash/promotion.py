@@ -44,7 +44,8 @@ DECISION_TAG = "dflash.promotion.decision"
 REASON_TAG = "dflash.promotion.reason"
 PREFIX = "dflash.promotion."
 PROMOTED, REFUSED = "promoted", "refused"
-_TAG_VALUE_LIMIT = 5000  # well under MLflow's registry limit; keeps the UI readable
+_TAG_VALUE_LIMIT = 5000  # reasons and run tags: keeps the UI readable
+_CONFIG_TAG_LIMIT = 60_000  # the flattened run config (MLflow's registry tag limit is 100,000)
 
 
 @dataclass
@@ -263,8 +264,8 @@ def _compare(value: float, holder, holder_value: float | None, cfg: PromoteConfi
                    f"margin {_fmt(cfg.margin)}")
 
 
-def _clip(s: str) -> str:
-    return s if len(s) <= _TAG_VALUE_LIMIT else s[:_TAG_VALUE_LIMIT - 14] + "...[truncated]"
+def _clip(s: str, limit: int = _TAG_VALUE_LIMIT) -> str:
+    return s if len(s) <= limit else s[:limit - 14] + "...[truncated]"
 
 
 def _task_table_ref(client, run_id: str) -> str:
@@ -292,7 +293,7 @@ def _version_tags(client, run, cfg: PromoteConfig, value: float) -> dict[str, st
         "dflash.gate_metric": cfg.metric,
         "dflash.task_table": _task_table_ref(client, run_id),
         "dflash.config_uri": f"runs:/{run_id}/config.yaml",
-        "dflash.config": _clip(json.dumps(dict(sorted(run.data.params.items())))),
+        "dflash.config": _clip(json.dumps(dict(sorted(run.data.params.items()))), _CONFIG_TAG_LIMIT),
     })
     for k in ("loss", "noise", "buffer", "target", "git_sha", "dflash.run_dir"):
         if k in run.data.tags:

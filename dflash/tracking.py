@@ -561,7 +561,8 @@ class MLflowLogger(Logger):
         status = str(status).upper()
         if status not in _VALID_STATUSES:
             status = "FINISHED"
-        self._call("set_terminated failed", self.client.set_terminated, self._run_id, status)
+        if self._active:
+            self._call("set_terminated failed", self.client.set_terminated, self._run_id, status)
         self._closed = True
 
 

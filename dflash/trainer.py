@@ -219,7 +219,7 @@ class Trainer:
             raise
         finally:
             producers.shutdown()
-            loggers.close(status)
+            _close_quietly(loggers, status)
         return result
 
     def _saved_run_id(self) -> str | None:
@@ -269,6 +269,16 @@ class Trainer:
             loggers.log(ev, self.cfg.trainer.max_steps)
             metrics.update(ev)
         return final
+
+
+def _close_quietly(loggers, status: str) -> None:
+    """Closing the loggers must never mask the run's own exception."""
+    try:
+        loggers.close(status)
+    except Exception as e:  # noqa: BLE001
+        if status == "FINISHED":
+            raise
+        log.warning("closing the loggers failed too: %s", e)
 
 
 class _Window:

@@ -46,9 +46,10 @@ def test_sibling_and_child_pushes_by_hand():
     assert build_tree(logp, 1) == [(0,)]
     assert build_tree(logp, 2) == [(0,), (0, 0)]  # child -0.3 beats sibling -1.0
     assert build_tree(logp, 4) == [(0,), (0, 0), (1,), (1, 0)]  # then -1.0, -1.2
-    assert build_tree(logp, 100) == sorted(_all_nodes(2, 2) if False else build_tree(logp, 100),
-                                           key=lambda n: -node_score(logp, n))
-    assert len(build_tree(logp, 100)) == 3 + 3 * 2  # whole tree, then the heap runs dry
+    whole = build_tree(logp, 100)
+    assert set(whole) == {n for n in itertools.product(range(3), repeat=1)} | {
+        (a, b) for a in range(3) for b in range(2)}
+    assert len(whole) == 3 + 3 * 2  # the whole tree, then the heap runs dry
     assert build_tree(logp, 0) == []
 
 

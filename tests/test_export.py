@@ -148,9 +148,8 @@ def test_export_replaces_whole_and_failure_keeps_old(tmp_path, monkeypatch):
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["served"]  # no temp folder left behind
 
-    monkeypatch.setattr(ex, "_exchange", lambda a, b: False)  # the two-rename fallback
     monkeypatch.undo()
-    monkeypatch.setattr(ex, "_exchange", lambda a, b: False)
+    monkeypatch.setattr(ex, "_exchange", lambda a, b: False)  # the two-rename fallback
     write_serving_folder(_drafter(seed=3), out, dtype=torch.float32, vocab_size=V)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["served"]
     assert torch.equal(load_drafter(out).fc.weight, _drafter(seed=3).fc.weight)
@@ -191,7 +190,8 @@ def test_load_errors_name_the_file(tmp_path):
     broken({**good, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope type 'yarn' is not supported")
     broken({**good, "intermediate_size": 64}, r"model\.safetensors: tensor 'layers\.0\.mlp\.gate_proj\.weight' "
                                               r"has shape \(48, 32\).*\(64, 32\)")
-    broken({**good, "num_hidden_layers": 3}, r"3 missing, e\.g\. \['layers\.2\.")
+    broken({**good, "num_hidden_layers": 3}, r"11 missing, e\.g\. \['layers\.2\.")
+    broken({**good, "num_hidden_layers": 1}, r"11 unexpected, e\.g\. \['layers\.1\.")
     weights = out / "model.safetensors"
     data = weights.read_bytes()
     weights.write_bytes(b"garbage")

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import json
 import math
-import multiprocessing as mp
+import os
 import shutil
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -241,33 +244,39 @@ def test_race_threads_exactly_one_winner(store, monkeypatch):
     assert store.version(winners[0].version).tags[DECISION_TAG] == "promoted"
 
 
-def _promote_in_process(run_id, uri, ready, go, q):
-    import dflash.promotion  # noqa: F401  (imports mlflow lazily: warm it up before the start signal)
-    import mlflow.tracking  # noqa: F401
-    ready.put(run_id)
-    go.wait(60)
-    d = promote(run_id, PromoteConfig(), uri)
-    q.put(d.to_dict())
+_CHILD = """
+import json, sys
+from dflash.promotion import PromoteConfig, promote
+from mlflow.tracking import MlflowClient
+MlflowClient(sys.argv[2]).search_experiments(max_results=1)  # open the store before the start signal
+print("ready", flush=True)
+sys.stdin.readline()  # the start signal: both children promote at the same moment
+print(json.dumps(promote(sys.argv[1], PromoteConfig(), sys.argv[2]).to_dict()), flush=True)
+"""
 
 
 def test_race_processes_exactly_one_winner(store):
     runs = [store.run(3.0), store.run(3.0)]
-    ctx = mp.get_context("spawn")
-    q, ready, go = ctx.Queue(), ctx.Queue(), ctx.Event()
-    ps = [ctx.Process(target=_promote_in_process, args=(r, store.uri, ready, go, q)) for r in runs]
-    for p in ps:
-        p.start()
-    for _ in ps:
-        ready.get(timeout=60)
-    go.set()  # both start the promotion at the same moment
-    out = [q.get(timeout=90) for _ in ps]
-    for p in ps:
-        p.join(30)
-        assert p.exitcode == 0
+    root = Path(__file__).resolve().parent.parent
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
+    ps = [subprocess.Popen([sys.executable, "-c", _CHILD, r, store.uri], stdin=subprocess.PIPE,
+                           stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env) for r in runs]
+    try:
+        for p in ps:
+            assert p.stdout.readline().strip() == "ready"
+        for p in ps:
+            p.stdin.write("go\n")
+            p.stdin.flush()
+        out = [json.loads(p.communicate(timeout=120)[0].strip().splitlines()[-1]) for p in ps]
+    finally:
+        for p in ps:
+            if p.poll() is None:
+                p.kill()
+    assert [p.returncode for p in ps] == [0, 0]
     winners = [d for d in out if d["promoted"]]
     assert len(winners) == 1, out
     loser = next(d for d in out if not d["promoted"])
-    assert store.holder() == winners[0]["version"]
+    assert store.holder() == winners[0]["version"] and loser["holder_version"] == winners[0]["version"]
     assert store.version(loser["version"]).tags[DECISION_TAG] == "refused"
     assert len(store.versions()) == 2
 
@@ -318,3 +327,28 @@ def test_cli_bad_input_exits_nonzero(store, tmp_path, capsys, argv, msg):
         main(argv)
     assert e.value.code == 2
     assert msg in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------ with a real run
+def test_training_run_then_promote_and_export(fast_cfg, tmp_path, capsys):
+    """A real (tiny, CPU) training run: its run dir, mlflow_run.json and `checkpoint` artifact are what
+    the gate and the export read. The eval metric is logged by hand here (evaluation is tested apart)."""
+    pytest.importorskip("experiments.config")
+    from dflash.export import load_drafter
+    from dflash.trainer import train
+    from experiments.export import main as export_main
+    from experiments.promote import main as promote_main
+    cfg = fast_cfg()
+    res = train(cfg)
+    client = MlflowClient(cfg.tracking.tracking_uri)
+    assert "already" not in promote_main([str(res.run_dir), "--dry-run"]).reason
+    d = promote_main([str(res.run_dir)])
+    assert not d.promoted and "no eval/tau_vanilla" in d.reason  # not evaluated: refused
+    client.log_metric(res.run_id, "eval/tau_vanilla", 1.7, step=cfg.trainer.max_steps)
+    d = promote_main([str(res.run_dir)])
+    assert d.promoted and client.get_model_version_by_alias(MODEL, "champion").run_id == res.run_id
+    mv = client.get_model_version(MODEL, d.version)
+    assert json.loads(mv.tags["dflash.config"])["loss.name"] == cfg.loss.name
+    served = export_main([str(res.run_dir), "--out", str(tmp_path / "served")])
+    assert load_drafter(served).block_size == cfg.drafter.block_size
+    capsys.readouterr()

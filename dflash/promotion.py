@@ -343,6 +343,8 @@ def promote(run_id: str, cfg: PromoteConfig, tracking_uri: str | None, dry_run: 
     uri = cfg.tracking_uri or tracking_uri or ""
     if not uri:
         raise PromotionError("no tracking URI: set promote.tracking_uri or pass the run's tracking URI")
+    if not (math.isfinite(cfg.margin) and math.isfinite(cfg.floor)):
+        raise PromotionError(f"promote.margin={cfg.margin} and promote.floor={cfg.floor} must be finite")
     check_store(uri)
     client = _client(uri)
     run = _get_run(client, run_id, uri)

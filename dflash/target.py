@@ -14,6 +14,8 @@ import inspect
 import json
 import logging
 import os
+import threading
+import time
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -243,6 +245,10 @@ class Target:
         self.decoder = self.model.get_decoder()
         self.tokenizer = self._tokenizer()
         self.identity = self._identity()
+        # One forward at a time per target: producers share the device's default stream anyway, and
+        # Triton's autotuner (FLA kernels) is not thread-safe — two threads tuning the same kernel race.
+        self._lock = threading.Lock()
+        self.busy_s, self.tokens_done = 0.0, 0  # forward time and tokens, for perf/target_tok_s
 
     def _load(self):
         if not self.cfg.path:
@@ -285,9 +291,15 @@ class Target:
     def forward_features(self, input_ids_BT: torch.Tensor, soft_top_k: int = 0) -> TargetBatch:
         """Target forward: selected-layer features, greedy labels and optional top-k soft labels."""
         input_ids_BT = input_ids_BT.to(self.device)
-        out = self.decoder(input_ids=input_ids_BT, output_hidden_states=True, use_cache=False)
-        feats = torch.stack([out.hidden_states[i + 1] for i in self.layer_ids], dim=2)
-        labels, vals, idx = self.labels_from_hidden(out.last_hidden_state, soft_top_k)
+        with self._lock:
+            t0 = time.perf_counter()
+            out = self.decoder(input_ids=input_ids_BT, output_hidden_states=True, use_cache=False)
+            feats = torch.stack([out.hidden_states[i + 1] for i in self.layer_ids], dim=2)
+            labels, vals, idx = self.labels_from_hidden(out.last_hidden_state, soft_top_k)
+            if feats.is_cuda:
+                torch.cuda.current_stream(feats.device).synchronize()  # producer thread only
+            self.busy_s += time.perf_counter() - t0
+            self.tokens_done += input_ids_BT.numel()
         return TargetBatch(feats, labels, vals, idx)
 
     def labels_from_hidden(self, last_BTH: torch.Tensor, soft_top_k: int):

@@ -19,7 +19,8 @@ from mlflow.entities import Metric  # noqa: E402
 from mlflow.tracking import MlflowClient  # noqa: E402
 
 import dflash.promotion as promotion  # noqa: E402
-from dflash.promotion import DECISION_TAG, REASON_TAG, PromoteConfig, PromotionError, auto_promote, promote  # noqa: E402
+from dflash.promotion import (DECISION_TAG, REASON_TAG, PromoteConfig, PromotionError,  # noqa: E402
+                              auto_promote, promote)
 
 MODEL = "dflash-drafter"
 
@@ -200,6 +201,8 @@ def test_bad_input(store, tmp_path):
     with pytest.raises(PromotionError, match="no database file"):
         promote(store.run(3.0), PromoteConfig(), f"sqlite:///{tmp_path}/missing.db")
     assert not (tmp_path / "missing.db").exists()
+    with pytest.raises(PromotionError, match="must be finite"):
+        promote(store.run(3.0), PromoteConfig(margin=math.nan), store.uri)
     assert auto_promote(store.run(3.0), PromoteConfig(enabled=False), store.uri) is None
     assert auto_promote(None, PromoteConfig(enabled=True), store.uri) is None
 

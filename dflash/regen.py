@@ -1,0 +1,250 @@
+"""Drafter training data written by the target itself (issue 4 §3).
+
+The drafter learns to predict the target, so its training sequences should look like what the target
+writes: each corpus sequence keeps its first `prompt_len` tokens (the prompt) and the rest is replaced by
+the target's greedy continuation. `regenerate_sequences` does this in batches on the target's device and
+stores the result in `cache_dir` under a fingerprint of everything that decides it (target identity,
+dtype, device type, the input tokens, the settings, the caller's corpus fingerprint); a later call with
+the same fingerprint reads the file back instead of generating. Files are written atomically and carry a
+checksum: a torn or corrupt file is rebuilt, never trusted.
+
+Batching needs no padding: sequences are grouped by prompt length (all equal when every sequence is at
+least `prompt_len + 1` tokens long), and a batch generates its longest continuation, each row cropped to
+its own length (greedy decoding is causal, so cropping is exact). Generation runs the decoder with a
+Hugging Face cache (prefill, then one token per forward; `DynamicCache(config=...)`, a long-standing API)
+and the target's chunked LM head; `use_cache=False` recomputes the whole prefix at every step (slow; a
+reference for tests).
+"""
+from __future__ import annotations
+
+import hashlib
+import inspect
+import io
+import json
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Sequence
+
+import torch
+
+from dflash.checkpoint import atomic_write
+
+log = logging.getLogger(__name__)
+
+FORMAT_VERSION = 1
+_MAGIC = b"DFLASH-REGEN\n"
+
+
+# -- greedy generation ------------------------------------------------------------------------------
+def _new_cache(decoder):
+    from transformers import DynamicCache
+    try:
+        return DynamicCache(config=decoder.config)
+    except TypeError:  # older signature
+        return DynamicCache()
+
+
+def _cache_kwarg(decoder) -> str:
+    """The decoder's cache argument: `past_key_values`, renamed `cache` in transformers >= 5.2x."""
+    try:
+        params = inspect.signature(decoder.forward).parameters
+    except (TypeError, ValueError):
+        return "past_key_values"
+    return "cache" if "cache" in params and "past_key_values" not in params else "past_key_values"
+
+
+def _next_tokens(target, last_hidden_BTH: torch.Tensor) -> torch.Tensor:
+    labels, _, _ = target.labels_from_hidden(last_hidden_BTH[:, -1:], 0)
+    return labels[:, -1]
+
+
+@torch.no_grad()
+def greedy_generate(target, prompt_ids_BP: torch.Tensor, max_new_tokens: int,
+                    use_cache: bool = True) -> torch.Tensor:
+    """The target's greedy continuation of each row of an equal-length prompt batch: LongTensor [B, N]
+    on the CPU. Never stops early (an end-of-text token is just another token)."""
+    ids = torch.as_tensor(prompt_ids_BP, dtype=torch.long)
+    if ids.dim() == 1:
+        ids = ids[None]
+    B, P = ids.shape
+    if P < 1 or max_new_tokens < 1:
+        raise ValueError(f"greedy_generate needs a non-empty prompt and max_new_tokens >= 1 (got {P}, "
+                         f"{max_new_tokens})")
+    dev = target.device
+    ids = ids.to(dev)
+    decoder = target.decoder
+    out_tokens = []
+    if not use_cache:
+        seq = ids
+        for _ in range(max_new_tokens):
+            h = decoder(input_ids=seq, use_cache=False).last_hidden_state
+            tok = _next_tokens(target, h)
+            out_tokens.append(tok)
+            seq = torch.cat([seq, tok[:, None]], dim=1)
+        return torch.stack(out_tokens, 1).cpu()
+    cache, kw = _new_cache(decoder), _cache_kwarg(decoder)
+    pos = torch.arange(P, device=dev)[None].expand(B, -1)
+    h = decoder(input_ids=ids, position_ids=pos, use_cache=True, **{kw: cache}).last_hidden_state
+    tok = _next_tokens(target, h)
+    out_tokens.append(tok)
+    for i in range(max_new_tokens - 1):
+        pos = torch.full((B, 1), P + i, device=dev, dtype=torch.long)
+        h = decoder(input_ids=tok[:, None], position_ids=pos, use_cache=True, **{kw: cache}).last_hidden_state
+        tok = _next_tokens(target, h)
+        out_tokens.append(tok)
+    return torch.stack(out_tokens, 1).cpu()
+
+
+# -- fingerprint and cache file ---------------------------------------------------------------------
+def _as_token_lists(target, sequences: Sequence) -> list[list[int]]:
+    out = []
+    for s in sequences:
+        if isinstance(s, str):
+            out.append(list(target.tokenizer.encode(s)))
+        elif isinstance(s, torch.Tensor):
+            out.append([int(x) for x in s.reshape(-1).tolist()])
+        else:
+            out.append([int(x) for x in s])
+    return out
+
+
+def regen_key(target, seqs: list[list[int]], prompt_len: int, gen_len: int | None,
+              corpus_fingerprint: str = "") -> str:
+    h = hashlib.sha256()
+    for s in seqs:
+        h.update(len(s).to_bytes(4, "little"))
+        h.update(torch.tensor(s, dtype=torch.int64).numpy().tobytes())
+    dev = getattr(target, "device", None)
+    payload = {"format": FORMAT_VERSION, "target": str(target.identity),
+               "dtype": str(getattr(target, "dtype", "")), "device_type": getattr(dev, "type", str(dev)),
+               "prompt_len": int(prompt_len), "gen_len": None if gen_len is None else int(gen_len),
+               "corpus": corpus_fingerprint, "inputs": h.hexdigest(), "n": len(seqs)}
+    return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
+
+
+def regen_cache_path(cache_dir: str | os.PathLike, key: str) -> Path:
+    return Path(cache_dir) / f"regen-{key[:32]}.pt"
+
+
+def save_regen(path: str | os.PathLike, key: str, seqs: list[torch.Tensor], meta: dict) -> None:
+    buf = io.BytesIO()
+    lengths = [int(s.numel()) for s in seqs]
+    flat = torch.cat([s.reshape(-1).to(torch.int64) for s in seqs]) if seqs else torch.zeros(0, dtype=torch.long)
+    torch.save({"format": FORMAT_VERSION, "key": key, "lengths": lengths, "tokens": flat, "meta": meta}, buf)
+    payload = buf.getvalue()
+    header = json.dumps({"format": FORMAT_VERSION, "key": key, "nbytes": len(payload),
+                         "sha256": hashlib.sha256(payload).hexdigest()}).encode()
+    data = _MAGIC + header + b"\n" + payload
+    atomic_write(path, lambda tmp: Path(tmp).write_bytes(data))
+
+
+def load_regen(path: str | os.PathLike, key: str) -> list[torch.Tensor]:
+    """Raises (ValueError, OSError, …) on anything not exactly as written for `key`."""
+    raw = Path(path).read_bytes()
+    if not raw.startswith(_MAGIC):
+        raise ValueError("not a dflash regen file")
+    end = raw.index(b"\n", len(_MAGIC))
+    header = json.loads(raw[len(_MAGIC):end])
+    payload = raw[end + 1:]
+    if header.get("format") != FORMAT_VERSION or header.get("key") != key:
+        raise ValueError("format or key mismatch")
+    if len(payload) != header.get("nbytes") or hashlib.sha256(payload).hexdigest() != header.get("sha256"):
+        raise ValueError("checksum mismatch (truncated or corrupt)")
+    data = torch.load(io.BytesIO(payload), map_location="cpu", weights_only=True)
+    if data.get("key") != key:
+        raise ValueError("key mismatch in payload")
+    lengths, flat = [int(n) for n in data["lengths"]], data["tokens"]
+    if flat.dtype != torch.int64 or flat.numel() != sum(lengths):
+        raise ValueError("token count mismatch")
+    return [t.clone() for t in torch.split(flat, lengths)] if lengths else []
+
+
+# -- regeneration ---------------------------------------------------------------------------------------
+def _plan(lengths: list[int], prompt_len: int, gen_len: int | None) -> list[tuple[int, int]]:
+    """(prompt tokens kept, tokens to generate) for each sequence."""
+    plan = []
+    for n in lengths:
+        if n < 1:
+            raise ValueError("regenerate_sequences: an input sequence is empty")
+        if gen_len is None:  # keep the sequence's length: prompt + (n - prompt) generated tokens
+            p = min(prompt_len, n - 1) if n > 1 else 1
+            plan.append((p, max(n - p, 1)))
+        else:
+            plan.append((min(prompt_len, n), gen_len))
+    return plan
+
+
+@torch.no_grad()
+def build_regen(target, seqs: list[list[int]], prompt_len: int, gen_len: int | None,
+                batch_size: int) -> list[torch.Tensor]:
+    plan = _plan([len(s) for s in seqs], prompt_len, gen_len)
+    order = sorted(range(len(seqs)), key=lambda i: (plan[i][0], -plan[i][1], i))
+    out: list[torch.Tensor | None] = [None] * len(seqs)
+    t0, done_tok, last_log = time.perf_counter(), 0, time.perf_counter()
+    i = 0
+    while i < len(order):
+        p = plan[order[i]][0]
+        batch = [order[i]]
+        while i + len(batch) < len(order) and len(batch) < batch_size and plan[order[i + len(batch)]][0] == p:
+            batch.append(order[i + len(batch)])
+        i += len(batch)
+        n_max = max(plan[j][1] for j in batch)
+        prompts = torch.tensor([seqs[j][:p] for j in batch], dtype=torch.long)
+        gen = greedy_generate(target, prompts, n_max)
+        for r, j in enumerate(batch):
+            out[j] = torch.cat([prompts[r], gen[r, :plan[j][1]]])
+        done_tok += len(batch) * n_max
+        if time.perf_counter() - last_log > 30:
+            last_log = time.perf_counter()
+            log.info("regen: %d/%d sequences, %.0f generated tok/s", i, len(order),
+                     done_tok / (last_log - t0))
+    return out  # type: ignore[return-value]
+
+
+def regenerate_sequences(target, sequences: Sequence, prompt_len: int = 32, gen_len: int | None = None,
+                         batch_size: int = 64, cache_dir: str | os.PathLike | None = ".cache/dflash/regen",
+                         corpus_fingerprint: str = "", stats: dict | None = None) -> list[torch.Tensor]:
+    """Each sequence's first `prompt_len` tokens followed by the target's greedy continuation.
+
+    `sequences`: token sequences (LongTensors or int lists) or texts (encoded with `target.tokenizer`).
+    `gen_len`: tokens generated per sequence; None keeps every sequence's own length (at least one
+    generated token). Returns 1-D LongTensors on the CPU, in input order. `cache_dir` empty/None: no
+    disk cache. `stats`, when given, receives {hit, path, key, seconds, generated_tokens}."""
+    if prompt_len < 1:
+        raise ValueError(f"regen prompt_len must be >= 1, got {prompt_len}")
+    if gen_len is not None and gen_len < 1:
+        raise ValueError(f"regen gen_len must be >= 1 or None, got {gen_len}")
+    if batch_size < 1:
+        raise ValueError(f"regen batch_size must be >= 1, got {batch_size}")
+    seqs = _as_token_lists(target, sequences)
+    key = regen_key(target, seqs, prompt_len, gen_len, corpus_fingerprint)
+    info = {"hit": False, "path": None, "key": key, "seconds": 0.0, "generated_tokens": 0}
+    path = regen_cache_path(cache_dir, key) if cache_dir else None
+    if path is not None and path.is_file():
+        try:
+            result = load_regen(path, key)
+            if len(result) != len(seqs):
+                raise ValueError("sequence count mismatch")
+            info.update(hit=True, path=str(path))
+            if stats is not None:
+                stats.update(info)
+            log.info("regen: reusing %s (%d sequences)", path, len(result))
+            return result
+        except Exception as e:  # torn, corrupt or foreign file: rebuild
+            log.warning("regen: cache file %s unusable (%s); regenerating", path, e)
+    t0 = time.perf_counter()
+    result = build_regen(target, seqs, prompt_len, gen_len, batch_size)
+    info["seconds"] = time.perf_counter() - t0
+    info["generated_tokens"] = sum(int(r.numel()) for r in result) - sum(
+        p for p, _ in _plan([len(s) for s in seqs], prompt_len, gen_len))
+    if path is not None:
+        save_regen(path, key, result, {"target": str(target.identity), "prompt_len": prompt_len,
+                                       "gen_len": gen_len, "corpus": corpus_fingerprint})
+        info["path"] = str(path)
+    log.info("regen: %d sequences, %d generated tokens in %.1f s", len(result), info["generated_tokens"],
+             info["seconds"])
+    if stats is not None:
+        stats.update(info)
+    return result

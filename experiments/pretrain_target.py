@@ -1,0 +1,134 @@
+"""Pretrain the shipped reference target: `python -m experiments.pretrain_target [key=value ...] [--out DIR]`.
+
+Corpus → tokenizer → pretraining → `dflash/assets/reference_target/` (or `--out` / `out_dir=`) and the
+results file `benchmarks/reference_target.md` (`results_path=`; `results_path=` empty skips it). Keys are
+`dflash.pretrain.PretrainConfig` fields, nested with dots: `time_budget_s=600`, `corpus.heldout_per_10k=500`,
+`tracking.enabled=false`; values parse as JSON when they can (numbers, true/false, lists), else as strings.
+`--cfg` prints the resolved config and exits. The eval prompts are the `coding10` suite of
+`dflash.evaluation` (a few built-in `def` prompts when that package is missing).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import shlex
+import sys
+from dataclasses import asdict
+
+from dflash.pretrain import PretrainConfig, pretrain
+
+FALLBACK_PROMPTS = [
+    ("fizzbuzz", 'def fizzbuzz(n: int) -> list[str]:\n    """Return the FizzBuzz sequence for 1..n."""\n'),
+    ("binary_search", 'def binary_search(items: list[int], target: int) -> int:\n'
+                      '    """Return the index of target in the sorted list items, or -1."""\n'),
+    ("read_lines", 'import os\n\n\ndef read_lines(path):\n    """Return the lines of a text file."""\n'),
+    ("class_stack", 'class Stack:\n    """A last-in first-out stack."""\n\n    def __init__(self):\n'),
+]
+
+
+def eval_prompts(suite: str = "coding10") -> list[tuple[str, str]]:
+    try:
+        from dflash.evaluation import load_suite
+        return [(t.name, t.prompt) for t in load_suite(suite)]
+    except Exception as e:  # the evaluation package is another issue's work: keep the recipe runnable
+        logging.getLogger(__name__).warning("eval suite %r unavailable (%s); using %d fallback prompts", suite, e,
+                                            len(FALLBACK_PROMPTS))
+        return list(FALLBACK_PROMPTS)
+
+
+class OverrideError(ValueError):
+    """A bad command-line override (exit status 2, no traceback)."""
+
+
+def _parse_value(raw: str, current):
+    if isinstance(current, str):
+        return raw
+    try:
+        value = json.loads(raw)
+    except json.JSONDecodeError:
+        low = raw.lower()
+        if low in ("true", "false"):
+            return low == "true"
+        raise ValueError(f"cannot parse {raw!r} as a {type(current).__name__}")
+    if isinstance(current, bool):
+        if not isinstance(value, bool):
+            raise ValueError(f"expected true/false, got {raw!r}")
+        return value
+    if isinstance(current, float) and isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    if isinstance(current, int) and not isinstance(current, bool):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or int(value) != value:
+            raise ValueError(f"expected an integer, got {raw!r}")
+        return int(value)
+    if isinstance(current, list) and not isinstance(value, list):
+        raise ValueError(f"expected a JSON list, got {raw!r}")
+    return value
+
+
+def apply_overrides(cfg, overrides: list[str]):
+    for item in overrides:
+        if "=" not in item:
+            raise OverrideError(f"override {item!r} is not key=value")
+        key, raw = item.split("=", 1)
+        obj, parts = cfg, key.split(".")
+        for p in parts[:-1]:
+            if not dataclasses.is_dataclass(obj) or not hasattr(obj, p):
+                raise OverrideError(f"unknown config key {key!r}")
+            obj = getattr(obj, p)
+        leaf = parts[-1]
+        names = {f.name for f in dataclasses.fields(obj)} if dataclasses.is_dataclass(obj) else set()
+        if leaf not in names:
+            raise OverrideError(f"unknown config key {key!r} (known here: {', '.join(sorted(names))})")
+        current = getattr(obj, leaf)
+        if dataclasses.is_dataclass(current):
+            raise OverrideError(f"{key!r} is a group; set its fields ({key}.<field>=...)")
+        try:
+            setattr(obj, leaf, _parse_value(raw, current))
+        except ValueError as e:
+            raise OverrideError(f"{key}: {e}") from None
+    return cfg
+
+
+def build_config(argv: list[str]) -> PretrainConfig:
+    cfg = PretrainConfig(results_path="benchmarks/reference_target.md")
+    args, i = [], 0
+    while i < len(argv):
+        a = argv[i]
+        if a == "--out":
+            if i + 1 >= len(argv):
+                raise OverrideError("--out needs a directory")
+            args.append(f"out_dir={argv[i + 1]}")
+            i += 2
+            continue
+        if a.startswith("--out="):
+            args.append(f"out_dir={a.split('=', 1)[1]}")
+        elif a != "--cfg":
+            args.append(a)
+        i += 1
+    return apply_overrides(cfg, args)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    cfg = build_config(argv)
+    if "--cfg" in argv:
+        print(json.dumps(asdict(cfg), indent=1))
+        return {}
+    command = "python -m experiments.pretrain_target" + "".join(" " + shlex.quote(a) for a in argv)
+    result = pretrain(cfg, prompts=eval_prompts, command=command)
+    m = result["metrics"]
+    print(f"wrote {result['out_dir']}" + (f" and {cfg.results_path}" if cfg.results_path else ""))
+    print(f"held-out test loss {m['test_loss']:.4f} (ppl {m['test_ppl']:.2f}) vs unigram ppl {m['unigram_ppl']:.1f}; "
+          f"{m['params']:,} params, {m['bf16_bytes'] / 1e6:.1f} MB bf16; {m['tokens_per_s']:,.0f} tok/s; "
+          f"{m['steps']} steps ({m['stop_reason']}); kernels {result['meta']['gdn_kernels']['choice']}")
+    return m
+
+
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        main()
+    except OverrideError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)

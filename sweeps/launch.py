@@ -1,0 +1,329 @@
+"""Launch (or resume) an Optuna sweep whose trials are short dflash training runs tracked in MLflow.
+
+    python -m sweeps.launch <sweep name | path.yaml> [n_trials=8] [workers=2] [storage=...] [study=...]
+                            [out=sweeps_out] [timeout=SECONDS] [gpus=0,1,...] [sweep.KEY=VALUE ...]
+                            [any Hydra override of the run config ...] [--check]
+
+- `<sweep>`: a file in conf/sweep/ (loss_variants, noise_schedule, buffer_settings, cpu_smoke) or a path.
+- `n_trials`: trials this launch adds to the study (default 8). Re-running the same command resumes the
+  study (same storage + study name) and runs `n_trials` more.
+- `workers`: worker processes on this machine (spawned; one per GPU, round-robin, when GPUs exist).
+  `workers=1` runs in this process.
+- `storage`: default the journal file `<out>/<study>.journal`; or an RDB URL (postgresql://…) to share the
+  study between machines (each machine runs its own launch against the same URL).
+- `study`: default the sweep's `name`.
+- `out`: where trial run dirs (`<out>/<study>/trial_00012`), worker logs and the default journal go.
+- `sweep.KEY=VALUE`: edit the sweep definition for this launch (`sweep.sampler.seed=3`,
+  `sweep.pruner.type=none`, `sweep.objective.metric=eval/tau_tree_8`).
+- everything else `key=value` / `+group=option`: Hydra overrides of the run config, applied after the
+  sweep's `fixed` (an override of the same key replaces the fixed one, e.g. `+target=qwen3_6_27b
+  target.path=/models/...`). Searched keys cannot be overridden.
+- `--check`: validate the sweep and compose every searched group option, then exit.
+
+MLflow: one parent run per study (experiment `tracking.experiment` of the composed config) holding the
+sweep definition (`sweep.yaml`), sampler / pruner / objective, storage, and — updated as trials finish —
+`sweep.best_value`, `sweep.best_params`, `sweep.best_run_id`, `sweep.best_checkpoint` (a drafter folder
+for `python -m experiments.promote <sweep.best_run_dir>`). Each trial's training run is its child.
+
+`main(argv)` returns a summary dict; exit status 0, 1 when a worker died (the study stays usable: its
+trial is marked FAIL), 2 on invalid input.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import multiprocessing as mp
+import os
+import socket
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from dflash.config import ConfigError
+from sweeps.space import SweepError
+
+DEFAULT_OUT = "sweeps_out"
+LAUNCH_KEYS = {"n_trials", "workers", "storage", "study", "out", "timeout", "gpus"}
+
+log = logging.getLogger("sweeps.launch")
+
+
+@dataclasses.dataclass
+class LaunchArgs:
+    sweep: str
+    n_trials: int = 8
+    workers: int = 1
+    storage: str = ""
+    study: str = ""
+    out: str = DEFAULT_OUT
+    timeout: float | None = None
+    gpus: list[str] | None = None
+    sweep_overrides: list[str] = dataclasses.field(default_factory=list)
+    overrides: list[str] = dataclasses.field(default_factory=list)
+    check: bool = False
+
+
+def parse_args(argv: list[str]) -> LaunchArgs:
+    if not argv or argv[0] in ("-h", "--help"):
+        print(__doc__)
+        raise SystemExit(0 if argv else 2)
+    check = "--check" in argv
+    argv = [a for a in argv if a != "--check"]
+    bad_flags = [a for a in argv if a.startswith("--")]
+    if bad_flags:
+        raise SweepError(f"unknown option(s) {bad_flags}; see python -m sweeps.launch --help")
+    a = LaunchArgs(sweep=argv[0], check=check)
+    for arg in argv[1:]:
+        if "=" not in arg:
+            raise SweepError(f"argument {arg!r}: expected key=value (see --help)")
+        key, value = arg.split("=", 1)
+        if key in LAUNCH_KEYS:
+            try:
+                if key in ("n_trials", "workers"):
+                    setattr(a, key, int(value))
+                elif key == "timeout":
+                    a.timeout = float(value)
+                elif key == "gpus":
+                    a.gpus = [g for g in value.split(",") if g != ""]
+                else:
+                    setattr(a, key, value)
+            except ValueError:
+                raise SweepError(f"{key}={value!r}: expected a number") from None
+        elif key.startswith("sweep."):
+            a.sweep_overrides.append(arg[len("sweep."):])
+        else:
+            a.overrides.append(arg)
+    if a.n_trials < 0:
+        raise SweepError(f"n_trials must be >= 0, got {a.n_trials}")
+    if a.workers < 1:
+        raise SweepError(f"workers must be >= 1, got {a.workers}")
+    return a
+
+
+def detect_gpus() -> list[str]:
+    vis = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if vis is not None:
+        return [g.strip() for g in vis.split(",") if g.strip() and g.strip() != "-1"]
+    try:
+        import torch
+        return [str(i) for i in range(torch.cuda.device_count())]
+    except Exception:  # noqa: BLE001
+        return []
+
+
+def validate(sweep, base_overrides: list[str], out_dir: Path):
+    """Compose the base config and one config per searched group option; check every searched key."""
+    from dflash.config import to_dict
+    from dflash.config import validate as validate_run
+    from sweeps.objective import compose_trial_config, validate_eval
+    from sweeps.space import check_against_config, merge_overrides
+
+    probe = [f"run_dir={out_dir / '_probe'}"]
+    cfg, ecfg = compose_trial_config(merge_overrides(base_overrides, probe))
+    validate_run(cfg)
+    validate_eval(ecfg)
+    check_against_config(sweep, to_dict(cfg))
+    for p in sweep.space:
+        if p.is_group:
+            for opt in p.choices:
+                try:
+                    c, _ = compose_trial_config(merge_overrides(base_overrides, [p.override(opt)], probe))
+                    validate_run(c)
+                except ConfigError as e:
+                    raise SweepError(f"space.{p.key}: option {opt!r} does not compose with the fixed "
+                                     f"overrides: {e}") from e
+    return cfg
+
+
+def _parent_params(sweep, storage_desc: str) -> dict[str, Any]:
+    p: dict[str, Any] = {"sweep.name": sweep.name, "objective.metric": sweep.objective.metric,
+                         "objective.direction": sweep.objective.direction, "sampler.type": sweep.sampler.type,
+                         "pruner.type": sweep.pruner.type, "storage": storage_desc}
+    p.update({f"sampler.{k}": v for k, v in sweep.sampler.options.items()})
+    p.update({f"pruner.{k}": v for k, v in sweep.pruner.options.items()})
+    p.update({f"space.{q.key}": json.dumps(q.to_dict(), default=str) for q in sweep.space})
+    return p
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    import optuna
+
+    from dflash.sweep_support import SweepTracker
+    from sweeps.objective import reconcile_children, study_summary, update_parent
+    from sweeps.space import check_conflicts, load_sweep, merge_overrides
+    from sweeps.storage import describe, make_storage, reap_stale
+    from sweeps.worker import Tickets, WorkerSpec, worker_main
+
+    args = parse_args(list(sys.argv[1:] if argv is None else argv))
+    sweep = load_sweep(args.sweep, args.sweep_overrides)
+    check_conflicts(sweep, args.overrides)
+    base_overrides = merge_overrides(sweep.fixed, args.overrides)
+    study_name = args.study or sweep.name
+    out_root = Path(args.out).resolve()
+    out_dir = out_root / study_name
+    storage = args.storage or str(out_root / f"{study_name}.journal")
+    storage_desc = describe(storage)
+    base_cfg = validate(sweep, base_overrides, out_dir)
+    if args.check:
+        print(f"sweep {sweep.name}: OK ({len(sweep.space)} parameters; objective "
+              f"{sweep.objective.direction} {sweep.objective.metric}; overrides {base_overrides})")
+        return {"check": "ok", "sweep": sweep.name}
+
+    study = optuna.create_study(study_name=study_name, storage=make_storage(storage),
+                                direction=sweep.objective.direction, load_if_exists=True)
+    if study.direction.name.lower() != sweep.objective.direction:
+        raise SweepError(f"study {study_name!r} in {storage_desc} is {study.direction.name.lower()}; the sweep "
+                         f"says objective.direction={sweep.objective.direction}")
+    old_digest = study.user_attrs.get("sweep.digest")
+    if old_digest and old_digest != sweep.digest():
+        log.warning("study %s was started with a different sweep definition (%s, now %s); resuming anyway",
+                    study_name, old_digest, sweep.digest())
+    n_before = len(study.trials)
+    launch_no = int(study.user_attrs.get("sweep.launches", 0)) + 1
+    study.set_user_attr("sweep.launches", launch_no)
+    study.set_user_attr("sweep.name", sweep.name)
+    study.set_user_attr("sweep.digest", sweep.digest())
+    study.set_user_attr("sweep.objective", sweep.objective.metric)
+
+    tracker, parent_id = None, None
+    tr = base_cfg.tracking
+    if tr.enabled:
+        tracker = SweepTracker(tr.tracking_uri, tr.experiment)
+        prev = study.user_attrs.get("mlflow.parent_run_id")
+        if prev and study.user_attrs.get("mlflow.tracking_uri") != tr.tracking_uri:
+            prev = None  # another store: a new parent there
+        tags = {"optuna.storage": storage_desc, "optuna.direction": sweep.objective.direction,
+                "optuna.sampler": sweep.sampler.type, "optuna.pruner": sweep.pruner.type,
+                "sweep.name": sweep.name, "sweep.objective": sweep.objective.metric,
+                "sweep.definition_path": sweep.path, "sweep.launches": launch_no,
+                "sweep.out_dir": str(out_dir), "sweep.fixed": " ".join(base_overrides)}
+        parent_id = tracker.ensure_parent(study_name, prev, tags, _parent_params(sweep, storage_desc))
+        study.set_user_attr("mlflow.parent_run_id", parent_id)
+        study.set_user_attr("mlflow.tracking_uri", tr.tracking_uri)
+        study.set_user_attr("mlflow.experiment", tr.experiment)
+        launch = {"argv": list(sys.argv[1:] if argv is None else argv), "host": socket.gethostname(),
+                  "launch": launch_no, "n_trials": args.n_trials, "workers": args.workers,
+                  "storage": storage_desc, "overrides": base_overrides}
+        tracker.log_text(parent_id, sweep.to_yaml(), "sweep.yaml")
+        tracker.log_text(parent_id, json.dumps(launch, indent=1), f"launches/launch_{launch_no:03d}.json")
+    else:
+        log.warning("tracking.enabled=false: no MLflow parent/child runs for this sweep")
+
+    reaped = reap_stale(study, tracker)
+    reconcile_children(study, tracker, parent_id)
+    if reaped:
+        print(f"[sweep {study_name}] marked stale trial(s) {reaped} FAIL (their worker is gone)", file=sys.stderr)
+
+    gpus = args.gpus if args.gpus is not None else detect_gpus()
+    if gpus and args.workers > len(gpus):
+        log.warning("%d workers share %d GPU(s) round-robin", args.workers, len(gpus))
+    threads = None if gpus else max(1, (os.cpu_count() or 1) // args.workers)
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    deadline = time.time() + args.timeout if args.timeout else None
+    specs = [WorkerSpec(index=i, sweep=sweep, base_overrides=base_overrides, storage=storage,
+                        study_name=study_name, out_dir=str(out_dir), lease_dir=str(out_dir / "leases"),
+                        parent_run_id=parent_id, tracking_uri=tr.tracking_uri if tr.enabled else None,
+                        experiment=tr.experiment, seed_offset=1000 * i + 7919 * n_before,
+                        gpu=gpus[i % len(gpus)] if gpus else None, threads=threads,
+                        log_file=str(out_dir / "logs" / f"{stamp}-launch{launch_no}-w{i}.log"), deadline=deadline)
+             for i in range(args.workers)]
+    print(f"[sweep {study_name}] storage {storage_desc} | {n_before} trials so far | +{args.n_trials} with "
+          f"{args.workers} worker(s){' on GPUs ' + ','.join(gpus) if gpus else ' on CPU'} | mlflow parent "
+          f"{parent_id} ({tr.tracking_uri if tr.enabled else 'off'})", file=sys.stderr, flush=True)
+
+    lost: list[str] = []
+    status = "FINISHED"
+    try:
+        if args.workers == 1:
+            worker_main(specs[0], Tickets(args.n_trials), in_process=True)
+        else:
+            lost = _run_workers(specs, args.n_trials, study, tracker)
+    except KeyboardInterrupt:
+        status = "KILLED"
+        raise
+    finally:
+        reap_stale(study, tracker)
+        reconcile_children(study, tracker, parent_id)
+        summary = update_parent(study, tracker, parent_id)
+        if tracker is not None and parent_id:
+            tracker.update_parent(parent_id, {"sweep.lost_workers": len(lost)} if lost else {}, {}, 0)
+            tracker.end(parent_id, status)
+    summary.update(study=study_name, storage=storage_desc, parent_run_id=parent_id, n_before=n_before,
+                   n_new=summary["n_trials"] - n_before, lost_workers=lost, out_dir=str(out_dir))
+    _print_summary(summary)
+    return summary
+
+
+def _run_workers(specs, n_trials: int, study, tracker) -> list[str]:
+    from sweeps.storage import reap_stale
+    from sweeps.worker import Tickets, worker_main
+
+    ctx = mp.get_context("spawn")
+    tickets = Tickets(n_trials, ctx)
+    procs = []
+    for spec in specs:
+        saved = os.environ.get("CUDA_VISIBLE_DEVICES")
+        if spec.gpu is not None:  # the child inherits the environment at spawn
+            os.environ["CUDA_VISIBLE_DEVICES"] = spec.gpu
+        try:
+            p = ctx.Process(target=worker_main, args=(spec, tickets), name=f"sweep-w{spec.index}")
+            p.start()
+        finally:
+            if spec.gpu is not None:
+                if saved is None:
+                    os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+                else:
+                    os.environ["CUDA_VISIBLE_DEVICES"] = saved
+        procs.append((spec, p))
+    lost: list[str] = []
+    try:
+        alive = list(procs)
+        while alive:
+            for spec, p in list(alive):
+                p.join(timeout=0.5)
+                if p.exitcode is None:
+                    continue
+                alive.remove((spec, p))
+                if p.exitcode != 0:
+                    lost.append(f"w{spec.index} pid {p.pid} exit {p.exitcode}")
+                    reaped = reap_stale(study, tracker)
+                    print(f"[sweep {study.study_name}] worker w{spec.index} (pid {p.pid}) exited with "
+                          f"{p.exitcode}; its trial(s) {reaped} marked FAIL; {tickets.left} trial(s) left for the "
+                          f"other workers (log: {spec.log_file})", file=sys.stderr, flush=True)
+    except BaseException:
+        for _, p in procs:
+            if p.is_alive():
+                p.terminate()
+        for _, p in procs:
+            p.join(timeout=30)
+        raise
+    return lost
+
+
+def _print_summary(s: dict[str, Any]) -> None:
+    c = s["states"]
+    lines = [f"study {s['study']} ({s['storage']}): {s['n_trials']} trials (+{s['n_new']}): "
+             f"{c.get('COMPLETE', 0)} complete, {c.get('PRUNED', 0)} pruned, {c.get('FAIL', 0)} failed, "
+             f"{c.get('RUNNING', 0)} running"]
+    b = s.get("best")
+    if b:
+        lines.append(f"best trial #{b['number']}: {b['value']:.6g} {json.dumps(b['params'], default=str)}")
+        lines.append(f"best run: {b['run_id']} dir {b['run_dir']}\n  promote: python -m experiments.promote "
+                     f"{b['run_dir']}")
+    if s.get("parent_run_id"):
+        lines.append(f"mlflow parent run: {s['parent_run_id']}")
+    if s.get("lost_workers"):
+        lines.append(f"lost workers: {', '.join(s['lost_workers'])}")
+    print("\n".join(lines), flush=True)
+
+
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        res = main()
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    sys.exit(1 if res.get("lost_workers") else 0)

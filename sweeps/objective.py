@@ -1,0 +1,249 @@
+"""One trial: sampled overrides → composed run config → `train()` with a pruning evaluator → objective.
+
+The trial's training run is the MLflow child of the study's parent run: it is created (tagged
+`mlflow.parentRunId`, `optuna.study_name`, `optuna.trial_number`, `optuna.state=RUNNING`) before training
+starts and the trainer logs into it (`dflash.sweep_support.train_into_run`). When the trial ends, the
+Optuna callback `TrialEnd` writes `optuna.state` (COMPLETE / PRUNED / FAIL), `optuna.pruned_step`,
+`optuna.value`, sets the run status (FINISHED / KILLED / FAILED) and refreshes the parent (best value,
+params, run, checkpoint; trial counts).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import socket
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from dflash.config import ConfigError, RunConfig
+from dflash.sweep_support import (TAG_PRUNED_STEP, TAG_VALUE, EvalPruned, PruningEvaluator, SweepTracker,
+                                  train_into_run)
+from sweeps.space import SweepDef, merge_overrides, override_key, suggest
+
+ATTR_RUN_ID, ATTR_RUN_DIR, ATTR_CKPT, ATTR_ERROR = "mlflow.run_id", "sweep.run_dir", "sweep.checkpoint", "sweep.error"
+
+
+@dataclass
+class TrialContext:
+    sweep: SweepDef
+    base_overrides: list[str]  # the sweep's fixed overrides merged with the command line's
+    out_dir: str  # trial run dirs: <out_dir>/trial_00012
+    study_name: str
+    parent_run_id: str | None = None
+    lease_attrs: dict[str, Any] = field(default_factory=dict)
+    worker: int = 0
+
+
+# --------------------------------------------------------------------------- config + evaluator
+
+
+def _has_eval_field() -> bool:
+    return any(f.name == "eval" for f in dataclasses.fields(RunConfig))
+
+
+def split_eval_overrides(overrides: list[str]) -> tuple[list[str], list[str]]:
+    """Until `RunConfig` has an `eval` section, `eval.*` overrides are applied to an `EvalConfig` here."""
+    if _has_eval_field():
+        return list(overrides), []
+    ev = [o for o in overrides if override_key(o).split(".")[0] == "eval"]
+    return [o for o in overrides if o not in ev], [o.lstrip("+")[len("eval."):] for o in ev]
+
+
+def compose_trial_config(overrides: list[str]) -> tuple[RunConfig, Any]:
+    """-> (RunConfig, EvalConfig or None when the evaluation package is unavailable)."""
+    from experiments.config import compose_config
+
+    run_ov, eval_ov = split_eval_overrides(overrides)
+    cfg = compose_config(run_ov)
+    return cfg, eval_config(cfg, eval_ov)
+
+
+def eval_config(cfg: RunConfig, eval_overrides: list[str]):
+    try:
+        from dflash.evaluation import EvalConfig
+    except ImportError:
+        if eval_overrides:
+            raise ConfigError(f"eval overrides {eval_overrides} given but dflash.evaluation is unavailable")
+        return None
+    base = getattr(cfg, "eval", None) or EvalConfig()
+    if not eval_overrides:
+        return base
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+    try:
+        merged = OmegaConf.merge(OmegaConf.structured(EvalConfig), dataclasses.asdict(base),
+                                 OmegaConf.from_dotlist(eval_overrides))
+        return EvalConfig(**OmegaConf.to_container(merged, resolve=True))
+    except OmegaConfBaseException as e:
+        raise ConfigError(f"eval override: {e}") from e
+
+
+def validate_eval(ecfg) -> None:
+    if ecfg is None:
+        return
+    from dflash.evaluation import validate_eval_config
+    try:
+        validate_eval_config(ecfg)
+    except (ValueError, FileNotFoundError) as e:
+        raise ConfigError(str(e)) from e
+
+
+def base_evaluator(ecfg):
+    """The real evaluator (`dflash.evaluation.make_evaluator`), or None (eval disabled / unavailable)."""
+    if ecfg is None or not getattr(ecfg, "enabled", True):
+        return None
+    from dflash.evaluation import make_evaluator
+    return make_evaluator(ecfg)
+
+
+# --------------------------------------------------------------------------- the trial
+
+
+def run_trial(trial, ctx: TrialContext, tracker: SweepTracker | None) -> float:
+    sampled, values = suggest(trial, ctx.sweep)
+    run_dir = Path(ctx.out_dir).resolve() / f"trial_{trial.number:05d}"
+    overrides = merge_overrides(ctx.base_overrides, sampled, [f"run_dir={run_dir}"])
+    for k, v in {**ctx.lease_attrs, ATTR_RUN_DIR: str(run_dir), "sweep.worker": ctx.worker,
+                 "sweep.overrides": json.dumps(sampled)}.items():
+        trial.set_user_attr(k, v)
+    try:
+        cfg, ecfg = compose_trial_config(overrides)
+        run_id = None
+        if tracker is not None and ctx.parent_run_id and cfg.tracking.enabled:
+            run_id = tracker.create_child(
+                ctx.parent_run_id, ctx.study_name, trial.number, run_name=f"{ctx.study_name}-t{trial.number:03d}",
+                tags={"sweep.name": ctx.sweep.name, "sweep.overrides": " ".join(sampled),
+                      "optuna.params": json.dumps(values, default=str)})
+            if run_id:
+                trial.set_user_attr(ATTR_RUN_ID, run_id)
+        evaluator = PruningEvaluator(trial, ctx.sweep.objective.metric, run_dir, base=base_evaluator(ecfg))
+        result = train_into_run(cfg, evaluator, run_id)
+        if result.checkpoint is not None:
+            trial.set_user_attr(ATTR_CKPT, str(Path(result.checkpoint).resolve()))
+        metric = ctx.sweep.objective.metric
+        if metric not in result.metrics:
+            shown = ", ".join(sorted(k for k in result.metrics if "/task/" not in k)[:40])
+            raise ConfigError(f"objective metric {metric!r} is not among the run's final metrics ({shown}); "
+                              f"set the sweep's objective.metric (eval/* needs the evaluator enabled)")
+        value = float(result.metrics[metric])
+        if not math.isfinite(value):
+            raise FloatingPointError(f"objective {metric}={value}")
+        return value
+    except EvalPruned:
+        raise
+    except BaseException as e:
+        try:
+            trial.set_user_attr(ATTR_ERROR, f"{type(e).__name__}: {e}"[:2000])
+        except Exception:  # noqa: BLE001
+            pass
+        raise
+
+
+# --------------------------------------------------------------------------- bookkeeping
+
+
+def study_summary(study) -> dict[str, Any]:
+    from optuna.trial import TrialState
+
+    trials = study.get_trials(deepcopy=False)
+    counts = {s.name: 0 for s in (TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL, TrialState.RUNNING)}
+    for t in trials:
+        counts[t.state.name] = counts.get(t.state.name, 0) + 1
+    out: dict[str, Any] = {"n_trials": len(trials), "states": counts, "best": None}
+    complete = [t for t in trials if t.state == TrialState.COMPLETE]
+    if complete:
+        b = study.best_trial
+        out["best"] = {"number": b.number, "value": b.value, "params": dict(b.params),
+                       "run_id": b.user_attrs.get(ATTR_RUN_ID), "run_dir": b.user_attrs.get(ATTR_RUN_DIR),
+                       "checkpoint": b.user_attrs.get(ATTR_CKPT), "host": b.user_attrs.get("sweep.host")}
+    return out
+
+
+def update_parent(study, tracker: SweepTracker | None, parent_id: str | None,
+                  finished=None) -> dict[str, Any]:
+    """Refresh the parent run from the study (best trial, counts); `finished`: a trial that just ended."""
+    summary = study_summary(study)
+    if tracker is None or not parent_id:
+        return summary
+    c = summary["states"]
+    n_done = c["COMPLETE"] + c["PRUNED"] + c["FAIL"]
+    tags: dict[str, Any] = {"sweep.n_trials": summary["n_trials"], "sweep.n_complete": c["COMPLETE"],
+                            "sweep.n_pruned": c["PRUNED"], "sweep.n_failed": c["FAIL"],
+                            "sweep.n_running": c["RUNNING"]}
+    metrics: dict[str, float] = {"sweep/n_complete": c["COMPLETE"], "sweep/n_pruned": c["PRUNED"],
+                                 "sweep/n_failed": c["FAIL"]}
+    b = summary["best"]
+    if b is not None:
+        tags.update({"sweep.best_trial": b["number"], "sweep.best_value": b["value"],
+                     "sweep.best_params": json.dumps(b["params"], default=str),
+                     "sweep.best_run_id": b["run_id"] or "", "sweep.best_run_dir": b["run_dir"] or "",
+                     "sweep.best_checkpoint": b["checkpoint"] or "", "sweep.best_host": b["host"] or ""})
+        tags.update({f"best.{k}": v for k, v in b["params"].items()})
+        metrics["sweep/best_value"] = b["value"]
+    tracker.update_parent(parent_id, tags, metrics, step=n_done)
+    if finished is not None and finished.state.name == "COMPLETE":
+        tracker.update_parent(parent_id, {}, {"sweep/trial_value": finished.value}, step=finished.number)
+    return summary
+
+
+def reconcile_children(study, tracker: SweepTracker | None, parent_id: str | None) -> int:
+    """Make every child run's `optuna.state` (and status) agree with its finished trial; returns fixes."""
+    if tracker is None or not parent_id:
+        return 0
+    from dflash.sweep_support import TAG_STATE
+    runs = {r.info.run_id: r for r in tracker.children(parent_id)}
+    fixed = 0
+    for t in study.get_trials(deepcopy=False):
+        rid = t.user_attrs.get(ATTR_RUN_ID)
+        if not rid or rid not in runs or not t.state.is_finished():
+            continue
+        r = runs[rid]
+        want_status = {"COMPLETE": "FINISHED", "PRUNED": "KILLED", "FAIL": "FAILED"}[t.state.name]
+        if r.data.tags.get(TAG_STATE) != t.state.name or r.info.status != want_status:
+            tracker.finish_child(rid, t.state.name, _outcome_tags(t))
+            fixed += 1
+    return fixed
+
+
+def _outcome_tags(t) -> dict[str, Any]:
+    tags: dict[str, Any] = {}
+    if t.state.name == "PRUNED" and t.last_step is not None:
+        tags[TAG_PRUNED_STEP] = t.last_step
+    if t.state.name == "COMPLETE" and t.value is not None:
+        tags[TAG_VALUE] = t.value
+    if t.state.name == "FAIL":
+        tags["optuna.fail_reason"] = t.user_attrs.get(ATTR_ERROR, "")[:1000]
+    return tags
+
+
+class TrialEnd:
+    """Optuna callback run in the worker after each trial is told."""
+
+    def __init__(self, tracker: SweepTracker | None, parent_id: str | None, worker: int, console=None):
+        self.tracker, self.parent_id, self.worker = tracker, parent_id, worker
+        self.console = console or sys.stderr
+        self.consecutive_failures = 0
+
+    def __call__(self, study, t) -> None:
+        self.consecutive_failures = self.consecutive_failures + 1 if t.state.name == "FAIL" else 0
+        rid = t.user_attrs.get(ATTR_RUN_ID)
+        if self.tracker is not None and rid:
+            self.tracker.finish_child(rid, t.state.name, _outcome_tags(t))
+        summary = update_parent(study, self.tracker, self.parent_id, finished=t)
+        what = {"COMPLETE": f"value={t.value:.6g}", "PRUNED": f"pruned at step {t.last_step}",
+                "FAIL": t.user_attrs.get(ATTR_ERROR, "failed")[:300]}.get(t.state.name, "")
+        best = summary["best"]
+        tail = f" | best #{best['number']} {best['value']:.6g}" if best else ""
+        print(f"[sweep {study.study_name} w{self.worker} pid {os.getpid()} @{socket.gethostname()}] trial "
+              f"{t.number} {t.state.name} {what} {json.dumps(t.params, default=str)}{tail}",
+              file=self.console, flush=True)
+        try:
+            import torch
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+        except Exception:  # noqa: BLE001
+            pass

@@ -1,0 +1,131 @@
+"""A sweep worker: one process (pinned to one GPU when there are GPUs) taking trials until the launch's
+shared ticket count runs out. `worker_main` is the `multiprocessing` (spawn) target and also runs
+in-process for `workers=1`. Keep this module's imports light: the CUDA device must be chosen (through
+CUDA_VISIBLE_DEVICES) before anything initializes CUDA."""
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+MAX_CONSECUTIVE_FAILURES = 5
+
+
+class Tickets:
+    """How many trials this launch still has to start, shared by its workers."""
+
+    def __init__(self, n: int, mp_context=None):
+        if mp_context is not None:
+            self._v = mp_context.Value("i", int(n))
+            self._lock = None
+        else:
+            self._v, self._lock = None, threading.Lock()
+            self._n = int(n)
+
+    def take(self) -> bool:
+        if self._v is not None:
+            with self._v.get_lock():
+                if self._v.value <= 0:
+                    return False
+                self._v.value -= 1
+                return True
+        with self._lock:
+            if self._n <= 0:
+                return False
+            self._n -= 1
+            return True
+
+    @property
+    def left(self) -> int:
+        return self._v.value if self._v is not None else self._n
+
+    def __getstate__(self):
+        return {"_v": self._v, "_n": getattr(self, "_n", 0)}
+
+    def __setstate__(self, st):
+        self._v, self._n, self._lock = st["_v"], st["_n"], threading.Lock()
+
+
+@dataclass
+class WorkerSpec:
+    index: int
+    sweep: Any  # sweeps.space.SweepDef
+    base_overrides: list[str]
+    storage: str
+    study_name: str
+    out_dir: str
+    lease_dir: str
+    parent_run_id: str | None
+    tracking_uri: str | None  # None: no MLflow bookkeeping (tracking disabled)
+    experiment: str
+    seed_offset: int = 0
+    gpu: str | None = None  # CUDA_VISIBLE_DEVICES for this worker
+    threads: int | None = None  # torch CPU threads
+    log_file: str | None = None  # redirect this process's stdout/stderr (spawned workers)
+    deadline: float | None = None  # time.time() after which no new trial starts
+    extra_env: dict[str, str] = field(default_factory=dict)
+
+
+def _redirect(log_file: str):
+    """Send fd 1/2 (trainer progress, warnings, transformers) to the log; return a console stream for the
+    one-line trial summaries."""
+    os.makedirs(os.path.dirname(log_file), exist_ok=True)
+    console = os.fdopen(os.dup(2), "w", buffering=1)
+    fd = os.open(log_file, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    return console
+
+
+def worker_main(spec: WorkerSpec, tickets: Tickets, in_process: bool = False) -> int:
+    """Returns the number of trials this worker ran."""
+    if spec.gpu is not None:
+        os.environ["CUDA_VISIBLE_DEVICES"] = spec.gpu
+    os.environ.update(spec.extra_env)
+    console = _redirect(spec.log_file) if (spec.log_file and not in_process) else sys.stderr
+
+    import optuna
+
+    from dflash.sweep_support import SweepTracker
+    from sweeps.objective import TrialContext, TrialEnd, run_trial
+    from sweeps.space import build_pruner, build_sampler
+    from sweeps.storage import Lease, make_storage, reap_stale
+
+    if not in_process:
+        optuna.logging.set_verbosity(optuna.logging.WARNING)
+        if spec.threads:
+            import torch
+            torch.set_num_threads(spec.threads)
+    study = optuna.load_study(study_name=spec.study_name, storage=make_storage(spec.storage),
+                              sampler=build_sampler(spec.sweep.sampler, spec.seed_offset),
+                              pruner=build_pruner(spec.sweep.pruner))
+    tracker = SweepTracker(spec.tracking_uri, spec.experiment) if spec.tracking_uri else None
+    lease = Lease(spec.lease_dir)
+    ctx = TrialContext(sweep=spec.sweep, base_overrides=spec.base_overrides, out_dir=spec.out_dir,
+                       study_name=spec.study_name, parent_run_id=spec.parent_run_id,
+                       lease_attrs=lease.attrs(), worker=spec.index)
+    end = TrialEnd(tracker, spec.parent_run_id, spec.index, console)
+    ran = 0
+    try:
+        while True:
+            if spec.deadline is not None and time.time() >= spec.deadline:
+                break
+            if not tickets.take():
+                break
+            reap_stale(study, tracker)
+            study.optimize(lambda trial: run_trial(trial, ctx, tracker), n_trials=1, catch=(Exception,),
+                           callbacks=[end], gc_after_trial=True)
+            ran += 1
+            if end.consecutive_failures >= MAX_CONSECUTIVE_FAILURES:
+                print(f"[sweep {spec.study_name} w{spec.index}] {end.consecutive_failures} trials failed in a "
+                      f"row; this worker stops (see {spec.log_file or 'the log above'})", file=console, flush=True)
+                break
+    finally:
+        lease.release()
+    return ran

@@ -1,0 +1,119 @@
+"""`python -m experiments.eval` on a run directory and on a bare serving folder (MLflow in a temp store)."""
+from __future__ import annotations
+
+import json
+import warnings
+
+import pytest
+import torch
+import yaml
+
+from dflash.config import RunConfig, to_dict
+from dflash.drafter import DrafterConfig, build_drafter
+from dflash.export import save_drafter
+from dflash.target import TargetConfig, read_target_info, resolve_layer_ids, resolve_mask_token
+from dflash.tracking import MLflowLogger, TrackingConfig
+
+mlflow = pytest.importorskip("mlflow")
+pytest.importorskip("hydra")
+from mlflow.tracking import MlflowClient  # noqa: E402
+
+from experiments import eval as eval_cli  # noqa: E402
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny ops: intra-op threads only contend on a shared CPU
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("evalcli")
+    (d / "suite.json").write_text(json.dumps([{"name": "sq", "prompt": "def sq(x):\n"},
+                                              {"name": "inc", "prompt": "def inc(x):\n    return"}]))
+    return d
+
+
+def _drafter_folder(folder, tcfg: TargetConfig):
+    info = read_target_info(tcfg)
+    torch.manual_seed(0)
+    d = build_drafter(DrafterConfig(block_size=4), info.hidden_size, info.num_layers,
+                      resolve_mask_token(tcfg), resolve_layer_ids(tcfg, info))
+    save_drafter(d, folder)
+
+
+def _eval_overrides(workdir) -> list[str]:
+    return [f"eval.suite={workdir / 'suite.json'}", "eval.max_new_tokens=6", "eval.tree_budgets=[2,4]",
+            f"eval.cache_dir={workdir / 'gt'}"]
+
+
+def test_run_dir_logs_a_linked_eval_run(workdir):
+    store = f"sqlite:///{workdir}/mlflow.db"
+    run_dir = workdir / "run"
+    cfg = RunConfig(run_dir=str(run_dir), target=TargetConfig(device="cpu"),
+                    tracking=TrackingConfig(tracking_uri=store, experiment="evalcli", console=False))
+    run_dir.mkdir()
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+    _drafter_folder(run_dir / "final", cfg.target)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        train = MLflowLogger(cfg.tracking, tags={"dflash.kind": "train"})
+        train.close("FINISHED")
+    (run_dir / "mlflow_run.json").write_text(json.dumps({"tracking_uri": store, "experiment": "evalcli",
+                                                         "run_id": train.run_id, "run_name": "r"}))
+
+    metrics = eval_cli.main([str(run_dir), *_eval_overrides(workdir)])
+    assert {"eval/tau_vanilla", "eval/tau_tree_2", "eval/tau_tree_4", "eval/acc_pos03"} <= set(metrics)
+    assert "eval/task/sq/tau_vanilla" in metrics and metrics["eval/num_tasks"] == 2
+
+    client = MlflowClient(store)
+    exp = client.get_experiment_by_name("evalcli")
+    evals = client.search_runs([exp.experiment_id], "tags.`dflash.kind` = 'eval'")
+    assert len(evals) == 1
+    ev = evals[0]
+    assert ev.data.tags["dflash.evaluated_run"] == train.run_id and ev.info.status == "FINISHED"
+    assert ev.data.metrics["eval/tau_vanilla"] == pytest.approx(metrics["eval/tau_vanilla"])
+    assert ev.data.params["eval.max_new_tokens"] == "6"
+    arts = {a.path for a in client.list_artifacts(ev.info.run_id, "eval")}
+    assert arts == {"eval/tasks.json", "eval/tasks.md", "eval/acceptance_per_position.png"}
+    trained = client.get_run(train.run_id)
+    assert trained.info.status == "FINISHED" and trained.data.tags["dflash.last_eval_run"] == ev.info.run_id
+    assert not any(k.startswith("eval/") for k in trained.data.metrics)  # the training run is left as it was
+    outs = list((run_dir / "eval").iterdir())
+    assert len(outs) == 1 and (outs[0] / "tasks.md").is_file()
+
+
+def test_bare_serving_folder_takes_the_target_from_overrides(workdir):
+    folder = workdir / "published"
+    _drafter_folder(folder, TargetConfig())
+    out = workdir / "out"
+    metrics = eval_cli.main([str(folder), "tracking.enabled=false", "target.device=cpu",
+                             *_eval_overrides(workdir), "eval.real_decode=true", f"--out={out}"])
+    assert metrics["eval/real/lossless"] == 1.0 and metrics["eval/real/tau_matches_sim"] == 1.0
+    assert (out / "tasks.json").is_file() and (out / "metrics.jsonl").is_file()
+
+
+def test_run_without_final_uses_its_latest_checkpoint(workdir):
+    from dflash.checkpoint import save_checkpoint
+    run_dir = workdir / "crashed"
+    cfg = RunConfig(run_dir=str(run_dir), target=TargetConfig(device="cpu"),
+                    drafter=DrafterConfig(block_size=3), tracking=TrackingConfig(enabled=False, console=False))
+    run_dir.mkdir()
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+    info = read_target_info(cfg.target)
+    d = build_drafter(cfg.drafter, info.hidden_size, info.num_layers, resolve_mask_token(cfg.target),
+                      resolve_layer_ids(cfg.target, info))
+    save_checkpoint(run_dir / "checkpoints", 7, {"step": 7, "drafter": d.state_dict(), "config": to_dict(cfg)})
+    metrics = eval_cli.main([str(run_dir), *_eval_overrides(workdir)])
+    assert set(k for k in metrics if k.startswith("eval/acc_pos")) == {"eval/acc_pos01", "eval/acc_pos02"}
+    lines = (next((run_dir / "eval").iterdir()) / "metrics.jsonl").read_text().splitlines()
+    assert json.loads(lines[-1])["step"] == 7
+
+
+def test_bad_path_is_a_config_error(workdir):
+    from dflash.config import ConfigError
+    with pytest.raises(ConfigError, match="not a run directory"):
+        eval_cli.main([str(workdir / "nope")])

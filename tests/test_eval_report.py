@@ -1,0 +1,144 @@
+"""evaluate() metrics and report, make_evaluator() for the trainer (dflash.evaluation.report)."""
+from __future__ import annotations
+
+import json
+import math
+import warnings
+
+import pytest
+import torch
+
+from dflash.drafter import DrafterConfig, build_drafter
+from dflash.evaluation import EvalConfig, validate_eval_config
+from dflash.evaluation.acceptance import oracle_proposer, wrong_proposer
+from dflash.evaluation.prompts import Task
+from dflash.evaluation.report import evaluate, make_evaluator
+from dflash.target import Target, TargetConfig
+from dflash.tracking import Logger
+
+TASKS = [Task("one", "def one():\n"), Task("two", "def two(x):\n    return"), Task("three", "x = [\n")]
+BS = 4
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny ops: intra-op threads only contend on a shared CPU
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def target():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return Target(TargetConfig(device="cpu"))
+
+
+@pytest.fixture
+def drafter(target):
+    torch.manual_seed(0)
+    d = build_drafter(DrafterConfig(block_size=BS), target.hidden_size, target.info.num_layers,
+                      target.mask_token_id, target.layer_ids)
+    return d  # no target head attached: evaluate attaches it
+
+
+@pytest.fixture
+def cfg(tmp_path_factory):
+    return EvalConfig(max_new_tokens=9, tree_budgets=[2, 4], subset=2,
+                      cache_dir=str(tmp_path_factory.getbasetemp() / "gt-cache"))
+
+
+class FakeLogger(Logger):
+    def __init__(self):
+        self.calls = []
+
+    def log(self, metrics, step):
+        self.calls.append(("log", dict(metrics), step))
+
+    def log_dict(self, d, name):
+        json.dumps(d)  # serialisable
+        self.calls.append(("log_dict", d, name))
+
+    def log_text(self, text, name):
+        self.calls.append(("log_text", text, name))
+
+    def log_figure(self, fig, name):
+        import io
+        buf = io.BytesIO()
+        fig.savefig(buf, format="png")
+        assert buf.getvalue().startswith(b"\x89PNG")
+        self.calls.append(("log_figure", fig, name))
+
+
+def test_evaluate_metric_keys_and_table(target, drafter, cfg):
+    drafter.train()
+    rep = evaluate(drafter, target, cfg, TASKS, real_decode=True)
+    assert drafter.training  # mode restored
+    m = rep.metrics
+    want = {"eval/tau_vanilla", "eval/tau_tree_2", "eval/tau_tree_4", "eval/num_tasks", "eval/rounds",
+            "eval/gt_consistency", "eval/seconds", "eval/real/tau", "eval/real/lossless",
+            "eval/real/tau_matches_sim", "eval/real/tok_s", "eval/real/greedy_tok_s", "eval/real/speedup"}
+    want |= {f"eval/acc_pos{k:02d}" for k in range(1, BS)}
+    want |= {f"eval/task/{t.name}/{s}" for t in TASKS for s in ("tau_vanilla", "tau_tree_2", "tau_tree_4")}
+    assert set(m) == want
+    assert all(isinstance(v, float) and math.isfinite(v) for v in m.values())
+    assert 1.0 <= m["eval/tau_vanilla"] <= BS and m["eval/num_tasks"] == 3
+    assert m["eval/real/lossless"] == 1.0 and m["eval/real/tau_matches_sim"] == 1.0
+    assert m["eval/real/tau"] == pytest.approx(m["eval/tau_vanilla"])
+    assert [r["task"] for r in rep.table] == [t.name for t in TASKS]
+    assert all(r["lossless"] and r["tau_matches_sim"] for r in rep.table)
+    text = rep.console_table()
+    assert "ALL (pooled)" in text and "τ tree-4" in text and "one" in text
+    md = rep.to_markdown()
+    assert md.startswith("| task |") and "Per-position acceptance" in md
+
+
+def test_evaluate_with_oracle_and_wrong_proposers(target, drafter, cfg):
+    # max_new_tokens = 9: 8 tokens after the first anchor = 2 full rounds of bs = 4 for the oracle
+    rep = evaluate(drafter, target, cfg, TASKS, proposer=oracle_proposer(BS, target.vocab_size))
+    assert rep.metrics["eval/tau_vanilla"] == BS and rep.metrics["eval/tau_tree_4"] == BS
+    assert rep.acc_pos == [1.0] * (BS - 1)
+    rep = evaluate(drafter, target, cfg, TASKS, proposer=wrong_proposer(BS, target.vocab_size))
+    assert rep.metrics["eval/tau_vanilla"] == 1.0 and rep.metrics["eval/tau_tree_2"] == 1.0
+    assert rep.metrics["eval/acc_pos01"] == 0.0 and rep.reached_pos[1:] == [0] * (BS - 2)
+
+
+def test_make_evaluator_subset_then_final_with_artifacts(target, drafter, cfg, tmp_path):
+    ev = make_evaluator(cfg, tasks=TASKS, out_dir=tmp_path / "eval")
+    drafter.train()
+    lg = FakeLogger()
+    m = ev(drafter, target, 10, False, lg)
+    assert drafter.training
+    assert m["eval/num_tasks"] == cfg.subset and not lg.calls  # cheap: no artifacts
+    assert "eval/task/three/tau_vanilla" not in m and "eval/real/tau" not in m
+    m = ev(drafter, target, 20, True, lg)
+    assert drafter.training
+    assert m["eval/num_tasks"] == 3 and "eval/task/three/tau_vanilla" in m
+    names = {c[2]: c[0] for c in lg.calls}
+    assert names == {"eval/tasks.json": "log_dict", "eval/tasks.md": "log_text",
+                     "eval/acceptance_per_position.png": "log_figure"}
+    table = next(c[1] for c in lg.calls if c[0] == "log_dict")
+    assert [r["task"] for r in table["tasks"]] == ["one", "two", "three"]
+    assert (tmp_path / "eval" / "acceptance_per_position.png").read_bytes().startswith(b"\x89PNG")
+    # the trainer's current 4-argument call works too (no logger: no artifacts)
+    assert ev(drafter, target, 30, False)["eval/num_tasks"] == cfg.subset
+    assert make_evaluator(EvalConfig(enabled=False)) is None
+
+
+def test_incompatible_drafter_is_refused(target, cfg):
+    d = build_drafter(DrafterConfig(block_size=BS), target.hidden_size, target.info.num_layers,
+                      target.mask_token_id, [1, 2])
+    with pytest.raises(ValueError, match="target layers"):
+        evaluate(d, target, cfg, TASKS)
+
+
+def test_validate_eval_config():
+    validate_eval_config(EvalConfig())
+    for bad, match in [(dict(max_new_tokens=1), "max_new_tokens"), (dict(subset=0), "subset"),
+                       (dict(tree_budgets=[4, 0]), "tree_budgets"), (dict(tree_budgets=[4, 4]), "duplicates"),
+                       (dict(device="tpu"), "eval.device")]:
+        with pytest.raises(ValueError, match=match):
+            validate_eval_config(EvalConfig(**bad))
+    with pytest.raises(FileNotFoundError, match="eval.suite"):
+        validate_eval_config(EvalConfig(suite="/no/such/file.json"))

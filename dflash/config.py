@@ -17,6 +17,7 @@ from dflash.data import DataConfig, validate_data_config
 from dflash.drafter import DrafterConfig
 from dflash.losses import LOSSES, LossConfig
 from dflash.noise import NoiseConfig, build_noise
+from dflash.promotion import PromoteConfig
 from dflash.target import TargetConfig, validate_target_config
 from dflash.tracking import TrackingConfig
 
@@ -57,6 +58,7 @@ class RunConfig:
     data: DataConfig = field(default_factory=DataConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
+    promote: PromoteConfig = field(default_factory=PromoteConfig)
 
 
 def _positive(section: str, obj: Any, *keys: str) -> None:

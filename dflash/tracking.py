@@ -67,6 +67,15 @@ class TrackingConfig:
 # --------------------------------------------------------------------------- helpers
 
 
+def absolute_sqlite_uri(uri: str) -> str:
+    """`sqlite:///mlflow.db` is relative to the process's working folder; pin it so the run directory's
+    records (mlflow_run.json, config.yaml) still point at the same store from anywhere."""
+    prefix = "sqlite:///"
+    if uri.startswith(prefix) and not uri.startswith(prefix + "/") and ":memory:" not in uri:
+        return prefix + os.path.abspath(uri[len(prefix):])
+    return uri
+
+
 def default_run_name() -> str:
     """``YYYYmmdd-HHMMSS-xxxx`` (local time + 4 random hex chars)."""
     return f"{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(2)}"

@@ -28,9 +28,10 @@ from dflash.drafter import DFlashDrafter, build_drafter
 from dflash.losses import block_metrics, build_loss, compute_position_stats
 from dflash.noise import build_noise
 from dflash.pipeline import ItemSource, ProducerPool
+from dflash.promotion import auto_promote
 from dflash.sysmetrics import system_metrics
 from dflash.target import Target, resolve_device
-from dflash.tracking import build_loggers, default_run_name, flatten_config, git_sha
+from dflash.tracking import absolute_sqlite_uri, build_loggers, default_run_name, flatten_config, git_sha
 
 log = logging.getLogger(__name__)
 
@@ -114,7 +115,10 @@ class MetricAccumulator:
 
 class Trainer:
     def __init__(self, cfg: RunConfig, evaluator: Evaluator | None = None):
-        self.cfg = cfg = resolve_run(cfg)
+        cfg = resolve_run(cfg)
+        cfg = dataclasses.replace(cfg, tracking=dataclasses.replace(
+            cfg.tracking, tracking_uri=absolute_sqlite_uri(cfg.tracking.tracking_uri)))
+        self.cfg = cfg
         validate(cfg)  # bad input fails here, before the target loads or anything is written
         self.evaluator = evaluator
         torch.manual_seed(cfg.seed)
@@ -220,6 +224,8 @@ class Trainer:
         finally:
             producers.shutdown()
             _close_quietly(loggers, status)
+        # The gate reads the closed (FINISHED) run's evaluated metrics: only after close.
+        auto_promote(result.run_id, c.promote, c.tracking.tracking_uri)
         return result
 
     def _saved_run_id(self) -> str | None:

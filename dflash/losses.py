@@ -76,9 +76,18 @@ def _ce_and_correct(logits_CV: Tensor, labels_C: Tensor) -> tuple[Tensor, Tensor
     return ce_C, correct_C
 
 
+def _chunk_logits(hidden_CD: Tensor, lm_head_VD: Tensor) -> Tensor:
+    """[C, V] logits in float32 (float64 for float64 inputs); a bf16/fp16 head multiplies on tensor cores
+    in its own dtype and only the chunk's logits are upcast — never a float32 copy of a 250k-row head."""
+    out_dtype = torch.promote_types(hidden_CD.dtype, torch.float32)
+    if lm_head_VD.dtype in (torch.bfloat16, torch.float16):
+        return (hidden_CD.to(lm_head_VD.dtype) @ lm_head_VD.T).to(out_dtype)
+    return hidden_CD.to(out_dtype) @ lm_head_VD.to(out_dtype).T
+
+
 def _hard_chunk(hidden_CD: Tensor, lm_head_VD: Tensor, labels_C: Tensor) -> tuple[Tensor, Tensor]:
     """CE and correctness for one chunk of positions."""
-    return _ce_and_correct(hidden_CD.to(lm_head_VD.dtype) @ lm_head_VD.T, labels_C)
+    return _ce_and_correct(_chunk_logits(hidden_CD, lm_head_VD), labels_C)
 
 
 def _soft_chunk(
@@ -90,7 +99,7 @@ def _soft_chunk(
     temperature: float,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """CE, correctness, KL, TV and overlap (top-k soft labels) for one chunk."""
-    logits_CV = hidden_CD.to(lm_head_VD.dtype) @ lm_head_VD.T
+    logits_CV = _chunk_logits(hidden_CD, lm_head_VD)
     ce_C, correct_C = _ce_and_correct(logits_CV, labels_C)
     valid_C = labels_C != IGNORE_INDEX
 
@@ -132,7 +141,8 @@ def compute_position_stats(
 ) -> PositionStats:
     """Per-position CE / KL / TV stats of the drafter, computed in LM-head chunks.
 
-    Logits are formed in float32 (float64 if the inputs are float64).  Each
+    Logits are float32 (float64 if the inputs are float64; a bf16 head multiplies
+    in bf16 with the chunk's logits upcast).  Each
     chunk of ``chunk_size`` flattened positions runs under non-reentrant
     activation checkpointing, so only [chunk, V] logits exist at any time.
     Soft labels are the target's top-k logits (``soft_vals``) at vocabulary
@@ -144,9 +154,7 @@ def compute_position_stats(
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
 
-    compute_dtype = torch.promote_types(hidden_NKD.dtype, torch.float32)
-    # Cast the (possibly bf16) head once, not once per chunk.
-    lm_head = lm_head_VD.to(compute_dtype)
+    lm_head = lm_head_VD
     hidden_PD = hidden_NKD.reshape(N * K, D)
     labels_P = labels_NK.reshape(N * K)
     if need_soft:

@@ -222,12 +222,16 @@ def _tiny_hf_config(spec: TinyTargetSpec):
     raise ValueError(f"target.random.model_type={spec.model_type!r}; expected qwen3_5 or qwen3_next")
 
 
-def build_random_model(spec: TinyTargetSpec):
+def build_random_model(spec: TinyTargetSpec, device: torch.device | None = None,
+                       dtype: torch.dtype = torch.float32):
+    """Random weights built directly on `device` in `dtype` (a 27B-shaped target is 54 GB in bf16: it
+    must never pass through host memory in float32). Seeded, so CPU builds are reproducible."""
     from transformers import AutoModelForCausalLM
     hf_cfg = _tiny_hf_config(spec)
-    with torch.random.fork_rng(devices=[]):
+    device = device or torch.device("cpu")
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), torch.device(device):
         torch.manual_seed(spec.seed)
-        return AutoModelForCausalLM.from_config(hf_cfg)
+        return AutoModelForCausalLM.from_config(hf_cfg, dtype=dtype)
 
 
 class Target:
@@ -252,7 +256,7 @@ class Target:
 
     def _load(self):
         if not self.cfg.path:
-            return build_random_model(self.cfg.random)
+            return build_random_model(self.cfg.random, self.device, self.dtype)
         from transformers import AutoModelForCausalLM
         return AutoModelForCausalLM.from_pretrained(self.cfg.path, local_files_only=True, dtype=self.dtype)
 

@@ -505,7 +505,7 @@ def check_against_config(sweep: SweepDef, cfg: dict[str, Any]) -> None:
         if p.type == "int" and not (isinstance(node, int) and not isinstance(node, bool)):
             raise SweepError(f"{sweep.path or sweep.name}: space.{p.key}: int range on a "
                              f"{type(node).__name__} key (current value {node!r})")
-        if p.type == "float" and not (isinstance(node, (int, float)) and not isinstance(node, bool)):
+        if p.type == "float" and not isinstance(node, float):
             raise SweepError(f"{sweep.path or sweep.name}: space.{p.key}: float range on a "
                              f"{type(node).__name__} key (current value {node!r})")
 

@@ -293,7 +293,8 @@ def test_low_precision_inputs_give_float32_stats():
     stats.ce.sum().backward()
     assert h16.grad.dtype == torch.bfloat16 and w16.grad.dtype == torch.bfloat16
     ref = compute_position_stats(h16.detach().double(), w16.detach().double(), labels)
-    torch.testing.assert_close(stats.ce.double(), ref.ce, rtol=1e-5, atol=1e-5)
+    # A bf16 head multiplies in bf16 (no float32 copy of a 250k-row head): logits carry bf16 rounding.
+    torch.testing.assert_close(stats.ce.double(), ref.ce, rtol=2e-2, atol=2e-2)
 
 
 def test_no_grad_path_skips_checkpoint():

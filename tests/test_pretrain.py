@@ -118,11 +118,11 @@ def tiny_cfg(root, tmp_path, **kw) -> PretrainConfig:
     base = dict(corpus=CorpusConfig(root=str(root), heldout_per_10k=2500), vocab_size=384, hidden_size=32,
                 num_layers=4, intermediate_size=64, num_heads=2, num_kv_heads=1, head_dim=16,
                 linear_num_key_heads=2, linear_num_value_heads=2, linear_head_dim=16, seq_len=64, batch_size=8,
-                max_steps=36, lr=1e-2, warmup_steps=4, eval_every=12, eval_tokens=2048, final_eval_tokens=4096,
-                log_every=6, device="cpu", max_new_tokens=4, out_dir=str(tmp_path / "target"),
+                max_steps=24, lr=1e-2, warmup_steps=4, eval_every=8, eval_tokens=2048, final_eval_tokens=4096,
+                log_every=4, device="cpu", max_new_tokens=4, out_dir=str(tmp_path / "target"),
                 run_dir=str(tmp_path / "run"), results_path=str(tmp_path / "results.md"),
-                tracking=TrackingConfig(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}", console=False,
-                                        system_metrics=False))
+                # MLflow itself is covered by test_tracking; its import + sqlite setup costs ~10 s here
+                tracking=TrackingConfig(enabled=False, console=False, system_metrics=False))
     base.update(kw)
     return PretrainConfig(**base)
 
@@ -146,7 +146,7 @@ def test_tiny_pretrain_writes_a_loadable_target(small_root, tmp_path):
     evals = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     val = [e["eval/val_loss"] for e in evals if "eval/val_loss" in e]
     assert len(val) >= 3 and min(val[1:]) < val[0] - 0.5
-    assert m["steps"] == 36 and m["stop_reason"] == "max_steps"
+    assert m["steps"] == 24 and m["stop_reason"] == "max_steps"
     assert m["test_loss"] < m["unigram_loss"] and m["test_ppl"] < m["unigram_ppl"]
     # the folder loads through the same code as any checkpoint
     target = Target(TargetConfig(path=str(out), mask_token_id=meta["mask_token_id"], layer_ids=[0, 1, 2]))
@@ -166,9 +166,8 @@ def test_tiny_pretrain_writes_a_loadable_target(small_root, tmp_path):
 
 
 def test_time_budget_is_a_hard_stop_that_still_writes(small_root, tmp_path):
-    cfg = tiny_cfg(small_root, tmp_path, max_steps=10 ** 6, time_budget_s=6.0, finalize_reserve_s=1.0,
-                   eval_every=0, results_path="", tracking=TrackingConfig(enabled=False, console=False,
-                                                                          system_metrics=False))
+    cfg = tiny_cfg(small_root, tmp_path, max_steps=10 ** 6, time_budget_s=5.0, finalize_reserve_s=1.0,
+                   eval_every=0, results_path="")
     res = pretrain(cfg)
     assert res["metrics"]["stop_reason"] == "time budget" and 0 < res["metrics"]["steps"] < 10 ** 6
     assert (Path(res["out_dir"]) / "model.safetensors").is_file()
@@ -176,8 +175,7 @@ def test_time_budget_is_a_hard_stop_that_still_writes(small_root, tmp_path):
 
 
 def test_size_limit_is_checked_before_training(small_root, tmp_path):
-    cfg = tiny_cfg(small_root, tmp_path, max_bf16_bytes=10_000,
-                   tracking=TrackingConfig(enabled=False, console=False, system_metrics=False))
+    cfg = tiny_cfg(small_root, tmp_path, max_bf16_bytes=10_000)
     with pytest.raises(ValueError, match="max_bf16_bytes"):
         pretrain(cfg)
     assert not (tmp_path / "target").exists()

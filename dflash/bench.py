@@ -1,0 +1,220 @@
+"""Throughput benchmark at production shapes (issue: production-shape throughput).
+
+Measured side by side in one process, on one device:
+- `peak`: a bf16 matmul (n×n×n) — the MFU denominator, measured on the spot;
+- `target`: the frozen target's forward with hidden states and LM-head labels (what a producer does);
+- `drafter`: full training steps (forward, chunked LM-head loss, backward, fused AdamW) on synthetic
+  features of the same shape, with a per-phase time breakdown;
+- `pipeline`: the real trainer (producer thread → buffer → drafter steps) on synthetic sequences.
+
+FLOPs are counted by `torch.utils.flop_counter.FlopCounterMode` on one real call of each side (matmuls and
+attention; the Gated-DeltaNet recurrences run in Triton kernels that the counter cannot see, so the target's
+figure is a slight undercount and its MFU conservative). Throughput does not depend on weight values: the
+27B-shaped target is built with random weights directly on the GPU.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass
+
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+from dflash.config import RunConfig
+from dflash.losses import build_loss, compute_position_stats
+from dflash.target import Target
+
+
+@dataclass
+class BenchConfig:
+    seq_len: int = 2048
+    target_batch: int = 4  # sequences per target forward
+    anchors: int = 256  # blocks per sequence in the drafter step
+    drafter_batch: int = 1  # sequences per drafter step
+    warmup: int = 3
+    iters: int = 10
+    peak_n: int = 8192
+    pipeline_steps: int = 20  # 0 skips the pipeline measurement
+    sections: str = "peak,target,drafter,pipeline"
+
+
+def _timed(fn, iters: int, device: torch.device) -> float:
+    """Mean seconds per call (CUDA-synchronised around the loop, not inside it)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return (time.perf_counter() - t0) / iters
+
+
+def _flops(fn) -> int:
+    with FlopCounterMode(display=False) as counter:
+        fn()
+    return counter.get_total_flops()
+
+
+def matmul_peak(n: int, device: torch.device, iters: int = 10) -> float:
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
+    for _ in range(3):
+        a @ b
+    return 2 * n**3 / _timed(lambda: a @ b, iters, device)
+
+
+def bench_target(target: Target, b: BenchConfig) -> dict:
+    ids = torch.randint(0, target.vocab_size - 1, (b.target_batch, b.seq_len), device=target.device)
+    run = lambda: target.forward_features(ids)  # noqa: E731
+    for _ in range(b.warmup):  # also warms FLA's autotuning for this shape before timing
+        run()
+    flops = _flops(run) / ids.numel()
+    sec = _timed(run, b.iters, target.device)
+    return {"tok_s": ids.numel() / sec, "flops_per_tok": flops, "sec_per_call": sec}
+
+
+class DrafterStepBench:
+    """One trainer-shaped drafter step on synthetic features, with a CUDA-event phase breakdown."""
+
+    def __init__(self, cfg: RunConfig, target: Target, b: BenchConfig):
+        from dflash.drafter import build_drafter
+        self.cfg, self.b, self.device = cfg, b, target.device
+        t = target
+        self.drafter = build_drafter(cfg.drafter, t.hidden_size, t.info.num_layers, t.mask_token_id,
+                                     t.layer_ids).to(t.device)
+        self.drafter.attach_target_head(t.embed_weight(), t.lm_head_weight())
+        self.opt = torch.optim.AdamW(self.drafter.parameters(), lr=1e-4, fused=t.device.type == "cuda")
+        self.loss_fn = build_loss(cfg.loss)
+        bs, T, B = cfg.drafter.block_size, b.seq_len, b.drafter_batch
+        gen = torch.Generator(device="cpu").manual_seed(0)
+        self.features = torch.randn(B, T, len(t.layer_ids), t.hidden_size, dtype=t.dtype, device=t.device)
+        n = min(b.anchors, T - bs + 1)
+        self.anchors = torch.stack([torch.randperm(T - bs + 1, generator=gen)[:n].sort().values + 1
+                                    for _ in range(B)]).to(t.device)
+        self.anchor_tokens = torch.randint(0, t.vocab_size - 1, (B, n), device=t.device)
+        self.labels = torch.randint(0, t.vocab_size - 1, (B * n, bs - 1), device=t.device)
+        self.phases: dict[str, float] = {}
+
+    def step(self, timed: bool = False) -> None:
+        ev = [torch.cuda.Event(enable_timing=True) for _ in range(5)] if timed else None
+        mark = (lambda i: ev[i].record()) if timed else (lambda i: None)  # noqa: E731
+        mark(0)
+        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.device.type == "cuda"):
+            hidden = self.drafter(self.features, self.anchors, self.anchor_tokens)
+        mark(1)
+        B, N, K, H = hidden.shape
+        stats = compute_position_stats(hidden.reshape(B * N, K, H), self.drafter.lm_head_VH, self.labels,
+                                       chunk_size=self.cfg.loss.chunk_size)
+        loss = self.loss_fn(stats, self.labels != -100)
+        mark(2)
+        loss.backward()
+        mark(3)
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        mark(4)
+        if timed:
+            torch.cuda.synchronize()
+            names = ["drafter_forward", "lm_head_loss", "backward", "optimizer"]
+            for i, name in enumerate(names):
+                self.phases[name] = self.phases.get(name, 0.0) + ev[i].elapsed_time(ev[i + 1]) / 1e3
+
+    def run(self) -> dict:
+        for _ in range(self.b.warmup):
+            self.step()
+        flops = _flops(self.step)
+        sec = _timed(self.step, self.b.iters, self.device)
+        if self.device.type == "cuda":
+            self.phases = {}
+            for _ in range(3):
+                self.step(timed=True)
+            self.phases = {k: v / 3 for k, v in self.phases.items()}
+        data_tokens = self.b.drafter_batch * self.b.seq_len
+        return {"tok_s": data_tokens / sec, "flops_per_tok": flops / data_tokens, "sec_per_step": sec,
+                "phases": self.phases}
+
+
+def bench_pipeline(cfg: RunConfig, target: Target, b: BenchConfig) -> dict:
+    """The real trainer on synthetic sequences of exactly `seq_len` tokens; throughput after warm-up."""
+    from dflash.trainer import Trainer
+    run_cfg = dataclasses.replace(
+        cfg,
+        data=dataclasses.replace(cfg.data, source="synthetic", min_len=b.seq_len, max_len=b.seq_len,
+                                 num_sequences=max(64, 4 * b.pipeline_steps)),
+        trainer=dataclasses.replace(cfg.trainer, max_steps=b.pipeline_steps, num_anchors=b.anchors,
+                                    sequences_per_step=b.drafter_batch, checkpoint_every=10**9,
+                                    eval_every=0, warmup_steps=1),
+        tracking=dataclasses.replace(cfg.tracking, enabled=False, console=False,
+                                     log_every=max(1, b.pipeline_steps // 2)))
+    trainer = Trainer(run_cfg, target=target)
+    trainer._finish = lambda loggers, metrics: None  # a benchmark writes no final drafter
+    metrics = trainer.run().metrics  # the second half of the run: autotuning and warm-up excluded
+    return {k: v for k, v in metrics.items() if k.startswith(("perf/", "buffer/total"))}
+
+
+def run_bench(cfg: RunConfig, b: BenchConfig) -> dict:
+    sections = set(b.sections.split(","))
+    target = Target(cfg.target)
+    dev = target.device
+    out: dict = {"device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
+                 "kernels": target.kernels}
+    if dev.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(dev)
+    if "peak" in sections:
+        out["peak_flops"] = matmul_peak(b.peak_n if dev.type == "cuda" else 512, dev)
+    if "target" in sections:
+        out["target"] = bench_target(target, b)
+    if "drafter" in sections:
+        out["drafter"] = DrafterStepBench(cfg, target, b).run()
+    if "pipeline" in sections and b.pipeline_steps:
+        out["pipeline"] = bench_pipeline(cfg, target, b)
+    if dev.type == "cuda":
+        out["peak_mem_gb"] = torch.cuda.max_memory_allocated(dev) / 2**30
+    return derive(out)
+
+
+def derive(out: dict) -> dict:
+    """MFU of each side and of the pipeline (target + drafter FLOPs per data token)."""
+    peak = out.get("peak_flops")
+    t, d, p = out.get("target"), out.get("drafter"), out.get("pipeline")
+    if peak and t:
+        t["mfu"] = t["tok_s"] * t["flops_per_tok"] / peak
+    if peak and d:
+        d["mfu"] = d["tok_s"] * d["flops_per_tok"] / peak
+    if t and d:
+        serial = 1 / (1 / t["tok_s"] + 1 / d["tok_s"])
+        out["back_to_back_tok_s"] = serial
+        if peak:
+            out["back_to_back_mfu"] = serial * (t["flops_per_tok"] + d["flops_per_tok"]) / peak
+    if p and t and d and peak:
+        tok = p.get("perf/pipeline_tok_s", 0.0)
+        p["mfu"] = tok * (t["flops_per_tok"] + d["flops_per_tok"]) / peak
+    return out
+
+
+def format_table(out: dict) -> str:
+    rows = [("device", out["device"], ""), ("kernels", str(out["kernels"]), "")]
+    if "peak_flops" in out:
+        rows.append(("matmul peak", f"{out['peak_flops'] / 1e12:.0f} TFLOP/s", "measured"))
+    for side in ("target", "drafter"):
+        if side in out:
+            s = out[side]
+            rows.append((f"{side} tok/s", f"{s['tok_s']:,.0f}",
+                         f"{s['flops_per_tok'] / 1e9:.1f} GFLOP/tok, MFU {s.get('mfu', 0):.0%}"))
+    if "back_to_back_tok_s" in out:
+        rows.append(("back-to-back tok/s", f"{out['back_to_back_tok_s']:,.0f}",
+                     f"MFU {out.get('back_to_back_mfu', 0):.0%} (serial sum of the two sides)"))
+    if "pipeline" in out:
+        p = out["pipeline"]
+        rows.append(("pipeline tok/s", f"{p.get('perf/pipeline_tok_s', 0):,.0f}",
+                     f"MFU {p.get('mfu', 0):.0%}; consumer waits {p.get('perf/consumer_wait_frac', 0):.0%}"))
+    if "drafter" in out and out["drafter"].get("phases"):
+        ph = out["drafter"]["phases"]
+        total = sum(ph.values()) or 1
+        rows.append(("drafter step", " | ".join(f"{k} {v * 1e3:.1f} ms" for k, v in ph.items()),
+                     " | ".join(f"{v / total:.0%}" for v in ph.values())))
+    if "peak_mem_gb" in out:
+        rows.append(("peak GPU memory", f"{out['peak_mem_gb']:.1f} GiB", ""))
+    w = max(len(r[0]) for r in rows)
+    return "\n".join(f"{a:<{w}}  {b}  {c}" for a, b, c in rows)

@@ -1,0 +1,85 @@
+"""Throughput at production shapes, side by side in one run:
+
+    python -m experiments.bench +target=qwen3_6_27b_random +drafter=published bench.seq_len=2048 bench.anchors=256
+
+Prints target-only, drafter-only, back-to-back and pipeline tokens/s, FLOPs per token, MFU against a matmul
+peak measured on the spot, peak memory and the drafter step's time breakdown; logs them to MLflow (a run
+tagged dflash.kind=bench) and appends them to benchmarks/RESULTS.md with the command line.
+`bench.*` keys are this command's own (dflash.bench.BenchConfig); everything else is the run config.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import shlex
+import sys
+from datetime import datetime, timezone
+from pathlib import Path
+
+from dflash.bench import BenchConfig, format_table, run_bench
+from dflash.config import ConfigError, to_dict
+from dflash.tracking import MLflowLogger, flatten_config
+from experiments.config import compose_config
+
+RESULTS = Path(__file__).resolve().parent.parent / "benchmarks" / "RESULTS.md"
+
+
+def parse_bench_args(argv: list[str]) -> tuple[BenchConfig, list[str], str | None]:
+    fields = {f.name: f for f in dataclasses.fields(BenchConfig)}
+    bench, rest, results = BenchConfig(), [], str(RESULTS)
+    for a in argv:
+        if a.startswith("bench."):
+            key, _, val = a[len("bench."):].partition("=")
+            if key not in fields:
+                raise ConfigError(f"unknown key bench.{key}; expected one of {sorted(fields)}")
+            typ = type(getattr(bench, key))
+            try:
+                setattr(bench, key, typ(val))
+            except ValueError as e:
+                raise ConfigError(f"bench.{key}={val!r}: expected {typ.__name__}") from e
+        elif a.startswith("results="):
+            results = a.partition("=")[2] or None
+        else:
+            rest.append(a)
+    return bench, rest, results
+
+
+def _flat_numbers(d: dict, prefix: str = "") -> dict[str, float]:
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_flat_numbers(v, f"{prefix}{k}/"))
+        elif isinstance(v, (int, float)):
+            out[f"perf/bench/{prefix}{k}".replace("perf/bench/perf/", "perf/bench/")] = float(v)
+    return out
+
+
+def main(argv: list[str] | None = None) -> dict:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    bench, overrides, results = parse_bench_args(argv)
+    cfg = compose_config(overrides)
+    out = run_bench(cfg, bench)
+    table = format_table(out)
+    print(table, flush=True)
+    ml = MLflowLogger(cfg.tracking, flatten_config({**to_dict(cfg), "bench": dataclasses.asdict(bench)}),
+                      {"dflash.kind": "bench", "target": cfg.target.name})
+    ml.log(_flat_numbers(out), 0)
+    ml.log_dict(out, "bench.json")
+    ml.close()
+    if results:
+        cmd = "python -m experiments.bench " + " ".join(shlex.quote(a) for a in argv)
+        stamp = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+        with open(results, "a") as f:
+            f.write(f"\n### {stamp}\n\n`{cmd}`\n\n```\n{table}\n```\n\n<details><summary>raw</summary>\n\n"
+                    f"```json\n{json.dumps(out, indent=1, default=str)}\n```\n</details>\n")
+    return out
+
+
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        main()
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)

@@ -40,7 +40,7 @@ class CorpusConfig:
     exclude_dirs: list[str] = field(default_factory=lambda: [
         "site-packages", "dist-packages", "__pycache__", "idlelib", "test", "tests"])
     max_file_bytes: int = 512_000  # larger files are skipped (pydoc_data/topics.py is one big string)
-    heldout_per_10k: int = 500  # share of files held out, in 1/10,000 (500 = 5%)
+    heldout_per_10k: int = 1000  # share of files held out, in 1/10,000 (1000 = 10%), half val, half test
     salt: str = "dflash-corpus-v1"
     limit_files: int = 0  # > 0: only the first n files in sorted order (tests, smoke runs)
 

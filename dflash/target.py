@@ -145,6 +145,41 @@ def _implementation(fn) -> str:
     return getattr(impl, "__module__", "?") or "?"
 
 
+def _fla_conv1d():
+    """FLA's Triton causal conv1d ([B, T, D] layout), across FLA versions; None when unavailable."""
+    for mod_name in ("fla.modules.convolution", "fla.modules.conv", "fla.ops.convolution"):
+        try:
+            import importlib
+            fn = getattr(importlib.import_module(mod_name), "causal_conv1d", None)
+        except Exception:  # noqa: BLE001 - any import failure means "not available"
+            fn = None
+        if fn is not None:
+            return fn
+    return None
+
+
+def use_fla_short_conv(model_type: str) -> bool:
+    """causal-conv1d builds only from source (no offline install); FLA ships a Triton short convolution.
+    Put it behind transformers' `causal_conv1d_fn` call ([B, D, T] in and out) when that is the torch path."""
+    mod = _modeling_module(model_type)
+    current = getattr(mod, "causal_conv1d_fn", None) if mod else None
+    conv = _fla_conv1d()
+    if current is None or conv is None or getattr(current, "_dflash_backend", None):
+        return bool(current is not None and getattr(current, "_dflash_backend", None))
+    if not _implementation(current).startswith("transformers"):
+        return False  # causal-conv1d itself is active
+
+    def causal_conv1d_fn(x, weight, bias=None, activation=None, **_):
+        y = conv(x.transpose(1, 2), weight=weight, bias=bias, activation=activation)
+        y = y[0] if isinstance(y, tuple) else y
+        return y.transpose(1, 2)
+
+    causal_conv1d_fn._dflash_backend = "fla"
+    causal_conv1d_fn.__wrapped__ = inspect.unwrap(current)  # the torch reference stays reachable
+    mod.causal_conv1d_fn = causal_conv1d_fn
+    return True
+
+
 def kernel_report(model_type: str) -> dict[str, str]:
     """Which Gated-DeltaNet kernels are active: {'chunk_gated_delta_rule': 'fla' | 'torch', ...}."""
     mod = _modeling_module(model_type)
@@ -153,6 +188,10 @@ def kernel_report(model_type: str) -> dict[str, str]:
     out = {}
     for name in _GDN_FUNCS:
         if hasattr(mod, name):
+            backend = getattr(getattr(mod, name), "_dflash_backend", None)
+            if backend:
+                out[name.removeprefix("torch_")] = backend
+                continue
             impl = _implementation(getattr(mod, name))
             out[name.removeprefix("torch_")] = ("torch" if impl.startswith("transformers") else impl.split(".")[0])
     return out
@@ -164,13 +203,16 @@ def force_torch_gdn(model_type: str) -> None:
     mod = _modeling_module(model_type)
     for name in _GDN_FUNCS if mod else ():
         fn = getattr(mod, name, None)
-        if fn is not None and _implementation(fn).split(".")[0] != "transformers":
+        if fn is not None and (getattr(fn, "_dflash_backend", None)
+                               or _implementation(fn).split(".")[0] != "transformers"):
             setattr(mod, name, inspect.unwrap(fn))
 
 
 def preflight_kernels(model_type: str, device: torch.device) -> dict[str, str]:
     if device.type != "cuda":
         force_torch_gdn(model_type)
+    else:
+        use_fla_short_conv(model_type)
     report = kernel_report(model_type)
     slow = [k for k, v in report.items() if v == "torch"]
     if device.type == "cuda" and slow:

@@ -1,0 +1,5 @@
+"""Optuna sweeps over dflash run configs: definitions (`space`), one trial (`objective`), storage and
+dead-worker handling (`storage`), worker processes (`worker`), the command line (`launch`).
+
+    python -m sweeps.launch loss_variants n_trials=24 workers=4
+"""

@@ -35,6 +35,7 @@ import json
 import logging
 import multiprocessing as mp
 import os
+import re
 import socket
 import sys
 import time
@@ -125,6 +126,12 @@ def validate(sweep, base_overrides: list[str], out_dir: Path):
     validate_run(cfg)
     validate_eval(ecfg)
     check_against_config(sweep, to_dict(cfg))
+    if sweep.objective.metric.startswith("eval/") and (ecfg is None or not getattr(ecfg, "enabled", True)):
+        raise SweepError(f"objective.metric={sweep.objective.metric} needs the evaluator, but eval is disabled or "
+                         f"dflash.evaluation is unavailable")
+    if sweep.pruner.type != "none" and not cfg.trainer.eval_every:
+        log.warning("trainer.eval_every=0: no intermediate reports, so the %s pruner never prunes",
+                    sweep.pruner.type)
     for p in sweep.space:
         if p.is_group:
             for opt in p.choices:
@@ -153,7 +160,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     from dflash.sweep_support import SweepTracker
     from sweeps.objective import reconcile_children, study_summary, update_parent
     from sweeps.space import check_conflicts, load_sweep, merge_overrides
-    from sweeps.storage import describe, make_storage, reap_stale
+    from sweeps.storage import describe, ensure_sqlite_dir, make_storage, reap_stale
     from sweeps.worker import Tickets, WorkerSpec, worker_main
 
     args = parse_args(list(sys.argv[1:] if argv is None else argv))
@@ -161,6 +168,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     check_conflicts(sweep, args.overrides)
     base_overrides = merge_overrides(sweep.fixed, args.overrides)
     study_name = args.study or sweep.name
+    if not re.fullmatch(r"[A-Za-z0-9_.\-]+", study_name):
+        raise SweepError(f"study={study_name!r}: use letters, digits, '_', '-', '.'")
     out_root = Path(args.out).resolve()
     out_dir = out_root / study_name
     storage = args.storage or str(out_root / f"{study_name}.journal")
@@ -190,6 +199,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     tracker, parent_id = None, None
     tr = base_cfg.tracking
     if tr.enabled:
+        ensure_sqlite_dir(tr.tracking_uri)
         tracker = SweepTracker(tr.tracking_uri, tr.experiment)
         prev = study.user_attrs.get("mlflow.parent_run_id")
         if prev and study.user_attrs.get("mlflow.tracking_uri") != tr.tracking_uri:
@@ -219,7 +229,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     gpus = args.gpus if args.gpus is not None else detect_gpus()
     if gpus and args.workers > len(gpus):
         log.warning("%d workers share %d GPU(s) round-robin", args.workers, len(gpus))
-    threads = None if gpus else max(1, (os.cpu_count() or 1) // args.workers)
+    threads = max(1, (os.cpu_count() or 1) // args.workers)
     stamp = time.strftime("%Y%m%d-%H%M%S")
     deadline = time.time() + args.timeout if args.timeout else None
     specs = [WorkerSpec(index=i, sweep=sweep, base_overrides=base_overrides, storage=storage,

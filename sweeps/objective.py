@@ -108,6 +108,7 @@ def run_trial(trial, ctx: TrialContext, tracker: SweepTracker | None) -> float:
     run_dir = Path(ctx.out_dir).resolve() / f"trial_{trial.number:05d}"
     overrides = merge_overrides(ctx.base_overrides, sampled, [f"run_dir={run_dir}"])
     for k, v in {**ctx.lease_attrs, ATTR_RUN_DIR: str(run_dir), "sweep.worker": ctx.worker,
+                 "sweep.gpu": os.environ.get("CUDA_VISIBLE_DEVICES", ""),
                  "sweep.overrides": json.dumps(sampled)}.items():
         trial.set_user_attr(k, v)
     try:
@@ -238,7 +239,9 @@ class TrialEnd:
                 "FAIL": t.user_attrs.get(ATTR_ERROR, "failed")[:300]}.get(t.state.name, "")
         best = summary["best"]
         tail = f" | best #{best['number']} {best['value']:.6g}" if best else ""
-        print(f"[sweep {study.study_name} w{self.worker} pid {os.getpid()} @{socket.gethostname()}] trial "
+        gpu = os.environ.get("CUDA_VISIBLE_DEVICES")
+        where = f"pid {os.getpid()} @{socket.gethostname()}" + (f" gpu {gpu}" if gpu else "")
+        print(f"[sweep {study.study_name} w{self.worker} {where}] trial "
               f"{t.number} {t.state.name} {what} {json.dumps(t.params, default=str)}{tail}",
               file=self.console, flush=True)
         try:

@@ -45,10 +45,19 @@ def journal_path(desc: str) -> Path:
     return Path(desc)
 
 
+def ensure_sqlite_dir(uri: str) -> None:
+    """sqlite:///rel/x.db or sqlite:////abs/x.db: create the file's folder (sqlite will not)."""
+    if uri.startswith("sqlite:///"):
+        path = uri[len("sqlite:///"):].split("?", 1)[0]
+        if path and path != ":memory:":
+            Path(path).expanduser().parent.mkdir(parents=True, exist_ok=True)
+
+
 def make_storage(desc: str):
     import optuna
 
     if is_rdb(desc):
+        ensure_sqlite_dir(desc)
         engine_kwargs = {"connect_args": {"timeout": 60}} if desc.startswith("sqlite") else None
         return optuna.storages.RDBStorage(desc, engine_kwargs=engine_kwargs, heartbeat_interval=HEARTBEAT_S,
                                           grace_period=GRACE_S)

@@ -19,6 +19,15 @@ SMALL_FILES = ["bisect.py", "colorsys.py", "keyword.py", "fnmatch.py", "glob.py"
                "textwrap.py", "copy.py", "this.py", "stat.py", "abc.py", "numbers.py", "queue.py"]
 
 
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny models gain nothing from intra-op threads, and spinning threads crawl on a shared CPU."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
 @pytest.fixture(scope="module")
 def small_root(tmp_path_factory):
     """A tiny corpus root: a few standard-library modules, one in a `tests` dir that must be skipped."""
@@ -117,8 +126,8 @@ def test_folder_write_is_atomic(tmp_path):
 def tiny_cfg(root, tmp_path, **kw) -> PretrainConfig:
     base = dict(corpus=CorpusConfig(root=str(root), heldout_per_10k=2500), vocab_size=384, hidden_size=32,
                 num_layers=4, intermediate_size=64, num_heads=2, num_kv_heads=1, head_dim=16,
-                linear_num_key_heads=2, linear_num_value_heads=2, linear_head_dim=16, seq_len=64, batch_size=8,
-                max_steps=24, lr=1e-2, warmup_steps=4, eval_every=8, eval_tokens=2048, final_eval_tokens=4096,
+                linear_num_key_heads=2, linear_num_value_heads=2, linear_head_dim=16, seq_len=64, batch_size=6,
+                max_steps=24, lr=1e-2, warmup_steps=4, eval_every=8, eval_tokens=1024, final_eval_tokens=2048,
                 log_every=4, device="cpu", max_new_tokens=4, out_dir=str(tmp_path / "target"),
                 run_dir=str(tmp_path / "run"), results_path=str(tmp_path / "results.md"),
                 # MLflow itself is covered by test_tracking; its import + sqlite setup costs ~10 s here

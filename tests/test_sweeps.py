@@ -236,7 +236,8 @@ def test_sweep_two_workers_pruning_resume_and_mlflow(tmp_path, eval_cache):
 
     first = main(_argv(tmp_path, eval_cache, "n_trials=4", "workers=2"))
     assert first["n_trials"] == 4 and first["lost_workers"] == []
-    second = main(_argv(tmp_path, eval_cache, "n_trials=2", "workers=2"))  # same storage + study: resumes
+    # same storage + study: resumes (in this process: workers=1 runs here, no spawn)
+    second = main(_argv(tmp_path, eval_cache, "n_trials=2", "workers=1"))
     assert second["n_before"] == 4 and second["n_trials"] == 6
     assert second["parent_run_id"] == first["parent_run_id"]
 

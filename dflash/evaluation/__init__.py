@@ -40,7 +40,7 @@ def validate_eval_config(cfg: EvalConfig) -> None:
         raise ValueError(f"eval.tree_budgets must be positive integers, got {list(cfg.tree_budgets)}")
     if len(set(cfg.tree_budgets)) != len(cfg.tree_budgets):
         raise ValueError(f"eval.tree_budgets has duplicates: {list(cfg.tree_budgets)}")
-    if cfg.device != "auto" and not cfg.device.split(":")[0] in ("cpu", "cuda", "mps"):
+    if cfg.device != "auto" and cfg.device.split(":")[0] not in ("cpu", "cuda", "mps"):
         raise ValueError(f"eval.device={cfg.device!r}; expected auto, cpu, cuda[:i] or mps")
     if cfg.enabled:
         load_suite(cfg.suite)  # raises FileNotFoundError / ValueError naming eval.suite

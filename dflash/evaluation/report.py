@@ -20,7 +20,6 @@ Artifacts (`EvalReport.log_artifacts(logger)`): `eval/tasks.json`, `eval/tasks.m
 """
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import math

@@ -10,9 +10,15 @@
   accepted need no re-advance. The scheme is exact: the committed state is the state after exactly the
   committed tokens, as in plain greedy decoding.
 
-Only long-standing public pieces are used: `DynamicCache(config=...)`, a decoder forward with
-`output_hidden_states`, and the cache's per-layer `keys`/`values` and `conv_states`/`recurrent_states`
-(transformers 5.x). A cache of any other layout falls back to a deep-copied snapshot (exact, slower).
+It relies on `DynamicCache(config=...)`, a decoder forward with `output_hidden_states`, and the cache's
+per-layer attributes `keys`/`values` and `conv_states`/`recurrent_states`
+(transformers 5.x; checked on 5.17 and 5.24). A cache of any other layout falls back to a deep-copied
+snapshot (exact, slower). The decoder's cache argument is `past_key_values` in 5.17 and `cache` in 5.24
+(the old name deprecated); the name is read from the forward's signature.
+
+Numerics: in float32 the loop reproduces greedy decoding token for token (CPU and GPU tests). In bfloat16 a
+block-verify forward and a one-token forward round differently, so equality can break at exact or near
+ties of the target's logits — a property of the arithmetic, not of the algorithm.
 
 `greedy_decode` is the target's own greedy output (prefill, then one token per forward); the evaluation
 ground truth is produced by it, and `speculative_decode` must reproduce it token for token.
@@ -20,11 +26,10 @@ ground truth is produced by it, and `speculative_decode` must reproduce it token
 from __future__ import annotations
 
 import copy
-from contextlib import nullcontext
 import inspect
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 
@@ -52,7 +57,7 @@ def _new_hf_cache(decoder):
 
 
 def _cache_kwarg(decoder) -> str:
-    """transformers ≥ 5.2x renamed the decoder's `past_key_values` argument to `cache`."""
+    """Recent transformers renamed the decoder's `past_key_values` argument to `cache`."""
     try:
         params = inspect.signature(decoder.forward).parameters
     except (TypeError, ValueError):
@@ -76,18 +81,19 @@ class TargetSession:
 
     # -- forward ---------------------------------------------------------------------------------
     @torch.no_grad()
-    def forward(self, ids_T: torch.Tensor):
+    def forward(self, ids_T: torch.Tensor, features: bool | None = None):
         """Feeds tokens at positions length..length+T-1. Returns (features [1,T,L,H] or None,
         greedy labels [T]: label i is the target's token for position length+i+1)."""
+        want_feats = self.need_features if features is None else features
         ids = ids_T.to(self.device).view(1, -1)
         T = ids.shape[1]
         pos = torch.arange(self.length, self.length + T, device=self.device)[None]
         out = self.decoder(input_ids=ids, position_ids=pos, use_cache=True,
-                           output_hidden_states=self.need_features, **{self._kw: self.cache})
+                           output_hidden_states=want_feats, **{self._kw: self.cache})
         self.forwards += 1
         self.length += T
         feats = None
-        if self.need_features:
+        if want_feats:
             feats = torch.stack([out.hidden_states[i + 1] for i in self.target.layer_ids], dim=2)
         labels, _, _ = self.target.labels_from_hidden(out.last_hidden_state, 0)
         return feats, labels[0]
@@ -152,7 +158,7 @@ class TargetSession:
             self.length = start + keep
             return
         self.restore(snap)
-        self.forward(block_T[:keep])  # re-advance the recurrent states over exactly the committed tokens
+        self.forward(block_T[:keep], features=False)  # re-advance the states over exactly the committed tokens
 
 
 # -- decoding loops ---------------------------------------------------------------------------------
@@ -189,9 +195,6 @@ def greedy_decode(target, prompt_ids: list[int] | torch.Tensor, max_new_tokens: 
     tokens = torch.cat(out).tolist()  # one host sync at the end
     _sync(target.device)
     return DecodeResult(tokens[:max_new_tokens], time.perf_counter() - t0, sess.forwards)
-
-
-DraftFn = Callable[[torch.Tensor], torch.Tensor]
 
 
 @torch.no_grad()

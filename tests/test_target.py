@@ -1,0 +1,76 @@
+"""Target adapter: local checkpoints (incl. *ForConditionalGeneration with a nested text_config), features
+at layer ids (+1 offset), labels, top-k, kernel preflight."""
+import functools
+import importlib
+import importlib.util
+
+import pytest
+import torch
+
+from dflash.target import Target, TargetConfig, TinyTargetSpec, kernel_report, preflight_kernels
+
+SMALL = TinyTargetSpec(hidden_size=64, num_layers=4, intermediate_size=128, head_dim=16, linear_head_dim=16)
+
+
+def test_features_labels_and_topk_match_the_model():
+    t = Target(TargetConfig(random=SMALL, layer_ids=[0, 2]))
+    ids = torch.randint(0, 256, (2, 40))
+    out = t.forward_features(ids, soft_top_k=5)
+    ref = t.model(input_ids=ids, output_hidden_states=True)
+    assert torch.allclose(out.features_BTLH[:, :, 0], ref.hidden_states[1], atol=1e-5)
+    assert torch.allclose(out.features_BTLH[:, :, 1], ref.hidden_states[3], atol=1e-5)
+    assert torch.equal(out.labels_BT, ref.logits.argmax(-1))
+    top = ref.logits.topk(5, dim=-1)
+    assert torch.allclose(out.soft_vals_BTk, top.values, atol=1e-4) and torch.equal(out.soft_idx_BTk, top.indices)
+    assert not any(p.requires_grad for p in t.model.parameters())
+
+
+def test_conditional_generation_checkpoint_loads_as_text_model(tmp_path):
+    from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
+    text = dict(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
+                linear_key_head_dim=16, linear_value_head_dim=16)
+    vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64)
+    torch.manual_seed(0)
+    full = Qwen3_5ForConditionalGeneration(Qwen3_5Config(text_config=text, vision_config=vision)).eval()
+    full.save_pretrained(tmp_path / "ckpt")
+    t = Target(TargetConfig(path=str(tmp_path / "ckpt"), layer_ids=[1, 2], mask_token_id=299, tokenizer="bytes"))
+    assert (t.info.num_layers, t.vocab_size, t.hidden_size) == (4, 300, 64)
+    ids = torch.randint(0, 300, (1, 20))
+    with torch.no_grad():
+        ref = full(input_ids=ids).logits
+    assert torch.equal(t.forward_features(ids).labels_BT, ref.argmax(-1))
+
+
+def test_qwen3_next_tiny_target_runs():
+    t = Target(TargetConfig(random=TinyTargetSpec(model_type="qwen3_next", hidden_size=64, num_layers=4,
+                                                  intermediate_size=128, head_dim=16, linear_head_dim=16)))
+    assert t.forward_features(torch.randint(0, 256, (1, 16))).features_BTLH.shape == (1, 16, 1, 64)
+
+
+def test_fla_bound_without_cuda_falls_back_to_torch(monkeypatch):
+    """With `fla` importable, transformers binds its Triton kernels at import; without CUDA they crash.
+    Simulate that binding and check the preflight restores the torch path."""
+    mod = importlib.import_module("transformers.models.qwen3_5.modeling_qwen3_5")
+    original = mod.torch_chunk_gated_delta_rule
+
+    def fake_fla_kernel(*a, **k):
+        raise RuntimeError("Triton: no CUDA driver")
+    fake_fla_kernel.__module__ = "fla.ops.gated_delta_rule.chunk"
+
+    def make_wrapper(implementation):
+        @functools.wraps(original)
+        def wrapped(*a, **k):
+            return implementation(*a, **k)
+        return wrapped
+    monkeypatch.setattr(mod, "torch_chunk_gated_delta_rule", make_wrapper(fake_fla_kernel))
+    assert kernel_report("qwen3_5")["chunk_gated_delta_rule"] == "fla"
+    report = preflight_kernels("qwen3_5", torch.device("cpu"))
+    assert report["chunk_gated_delta_rule"] == "torch"
+    Target(TargetConfig(random=SMALL)).forward_features(torch.randint(0, 256, (1, 70)))  # runs, no crash
+
+
+@pytest.mark.skipif(importlib.util.find_spec("fla") is not None, reason="fla installed: no slow path to warn about")
+def test_gpu_slow_path_warns(monkeypatch):
+    with pytest.warns(RuntimeWarning, match="SLOW PATH"):
+        preflight_kernels("qwen3_5", torch.device("cuda"))

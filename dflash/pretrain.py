@@ -23,14 +23,15 @@ Gated-DeltaNet kernels on CUDA (DESIGN §7): FLA's backward is wrong or refused 
 computed once with the bound kernels (FLA) and once with transformers' pure-torch functions; FLA trains
 only if it runs and agrees (relative gradient error ≤ `grad_check_tol` overall and ≤ 4× that for every
 parameter with a non-negligible gradient). Otherwise the torch functions train. The module's functions
-are restored afterwards, so the target itself still runs forward with FLA. The choice is recorded.
+are restored afterwards, so the target itself still runs forward with FLA. The choice is recorded. The short
+convolution always trains on transformers' torch path (cuDNN conv1d); FLA's Triton short convolution, which
+`dflash.target` installs when it loads a target on CUDA, is used forward-only.
 
 Logs to MLflow through `dflash.tracking.build_loggers` (kind tag `pretrain_target`) like every run.
 """
 from __future__ import annotations
 
 import copy
-import dataclasses
 import importlib.util
 import inspect
 import json
@@ -39,7 +40,6 @@ import math
 import os
 import platform
 import shutil
-import sys
 import time
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
@@ -180,6 +180,7 @@ class GdnKernels:
 
     def __init__(self, model_type: str):
         from dflash.target import _GDN_FUNCS, _modeling_module
+        self.model_type = model_type
         self.mod = _modeling_module(model_type)
         self.bound = {n: getattr(self.mod, n) for n in _GDN_FUNCS if self.mod is not None and hasattr(self.mod, n)}
 
@@ -192,12 +193,8 @@ class GdnKernels:
             setattr(self.mod, n, fn)
 
     def report(self) -> dict[str, str]:
-        from dflash.target import _implementation
-        out = {}
-        for n in self.bound:
-            impl = _implementation(getattr(self.mod, n))
-            out[n.removeprefix("torch_")] = "torch" if impl.startswith("transformers") else impl.split(".")[0]
-        return out
+        from dflash.target import kernel_report
+        return kernel_report(self.model_type)
 
 
 def _version_tuple(v: str) -> tuple[int, ...]:
@@ -275,8 +272,11 @@ def select_gdn_kernels(model, device: torch.device, cfg: PretrainConfig, amp_dty
     try:
         sw.use_torch()
         loss_t, grads_t = loss_and_grads(model, ids, amp_dtype)
-    finally:
-        sw.restore()
+    except Exception as e:  # nothing to compare against: train on the torch functions
+        model.zero_grad(set_to_none=True)
+        details["reason"] = f"torch reference step raised {type(e).__name__}: {str(e)[:300]}"
+        return "torch", details, sw
+    sw.restore()
     try:
         loss_f, grads_f = loss_and_grads(model, ids, amp_dtype)
     except Exception as e:  # FLA refuses (e.g. its Hopper/Triton guard) or crashes
@@ -285,6 +285,7 @@ def select_gdn_kernels(model, device: torch.device, cfg: PretrainConfig, amp_dty
         details.update(reason=f"FLA forward+backward raised {type(e).__name__}: {str(e)[:300]}",
                        loss_torch=loss_t)
         return "torch", details, sw
+    del ids
     cmp = compare_grads(grads_t, grads_f)
     ok = (cmp["finite"] and math.isfinite(loss_f) and abs(loss_f - loss_t) <= 1e-2 * max(abs(loss_t), 1)
           and cmp["global_rel_err"] <= cfg.grad_check_tol and cmp["worst_rel_err"] <= 4 * cfg.grad_check_tol)
@@ -500,12 +501,16 @@ def normalize_prompts(prompts: PromptArg) -> list[tuple[str, str]]:
 
 
 def generate_continuations(folder: str | os.PathLike, meta: dict, prompts: list[tuple[str, str]],
-                           max_new_tokens: int, device: str) -> list[dict]:
-    """Loads the written folder through `dflash.target.Target` and decodes each prompt greedily."""
+                           max_new_tokens: int, device: str, force_torch: bool = False) -> tuple[list[dict], dict]:
+    """Loads the written folder through `dflash.target.Target` and decodes each prompt greedily. Returns the
+    continuations and the Gated-DeltaNet kernels they ran with (`force_torch`: transformers' torch functions)."""
     from dflash.regen import greedy_generate
-    from dflash.target import Target, TargetConfig
+    from dflash.target import Target, TargetConfig, force_torch_gdn, kernel_report
     target = Target(TargetConfig(name="reference_target", path=str(folder), mask_token_id=meta["mask_token_id"],
                                  layer_ids=list(meta["layer_ids"]), device=device))
+    if force_torch:  # after the Target's own kernel set-up: its forward reads the module's functions per call
+        force_torch_gdn(target.info.model_type)
+    report = kernel_report(target.info.model_type)
     out = []
     for name, prompt in prompts:
         ids = list(target.tokenizer.encode(prompt))
@@ -513,7 +518,7 @@ def generate_continuations(folder: str | os.PathLike, meta: dict, prompts: list[
         cont = greedy_generate(target, torch.tensor([ids]), max_new_tokens)[0].tolist()
         out.append({"name": name, "prompt": prompt, "prompt_tokens": len(ids), "continuation_ids": cont,
                     "continuation": target.tokenizer.decode(cont), "seconds": time.perf_counter() - t0})
-    return out
+    return out, report
 
 
 def _fmt(v, nd=3):
@@ -557,8 +562,8 @@ def results_markdown(result: dict, command: str = "") -> str:
         lines += [f"Gated-DeltaNet kernels for generation: {result['continuations_note']}.", ""]
     for c in result.get("continuations", []):
         lines += [f"### {c['name']}", "", f"Prompt ({c['prompt_tokens']} tokens):", "", "```python",
-                  c["prompt"].rstrip("\n"), "```", "", f"Target's greedy continuation ({len(c['continuation_ids'])} tokens):",
-                  "", "```python", c["continuation"].replace("```", "ʼʼʼ"), "```", ""]
+                  c["prompt"].rstrip("\n"), "```", "",
+                  f"Target's greedy continuation ({len(c['continuation_ids'])} tokens):", "", "```python", c["continuation"].replace("```", "ʼʼʼ"), "```", ""]
     return "\n".join(lines) + "\n"
 
 
@@ -794,15 +799,15 @@ def _train_and_finish(cfg, device, amp_dtype, logger, model, tok, corpus, cstats
     if plist:  # the weights are on disk already: a failure here costs the continuations, not the model
         kernels.restore()  # the target runs forward with the kernels transformers bound (FLA on GPU)
         try:
-            continuations = generate_continuations(out, meta, plist, cfg.max_new_tokens, str(device))
-            gen_note = "kernels as bound: " + ", ".join(f"{k}={v}" for k, v in kernels.report().items())
+            continuations, rep = generate_continuations(out, meta, plist, cfg.max_new_tokens, str(device))
+            gen_note = ", ".join(f"{k}={v}" for k, v in rep.items())
         except Exception as e:
-            log.exception("continuations with the bound kernels failed; retrying with the torch functions")
-            gen_note = f"bound kernels failed ({type(e).__name__}: {str(e)[:200]}); "
-            kernels.use_torch()
+            log.exception("continuations with the target's kernels failed; retrying with the torch functions")
+            gen_note = f"the target's kernels failed ({type(e).__name__}: {str(e)[:200]}); "
             try:
-                continuations = generate_continuations(out, meta, plist, cfg.max_new_tokens, str(device))
-                gen_note += "generated with the torch functions"
+                continuations, rep = generate_continuations(out, meta, plist, cfg.max_new_tokens, str(device),
+                                                            force_torch=True)
+                gen_note += "generated with " + ", ".join(f"{k}={v}" for k, v in rep.items())
             except Exception as e2:
                 log.exception("continuations failed")
                 gen_note += f"torch functions failed too ({type(e2).__name__}: {str(e2)[:200]})"

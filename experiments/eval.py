@@ -9,15 +9,20 @@
   the overrides (`target=...`, `target.path=...`, `target.mask_token_id=...`).
 - A training checkpoint file (`checkpoints/step_*.pt`): the config stored in it, plus overrides.
 
-It prints the per-task table, writes tasks.json / tasks.md / acceptance_per_position.png to the output
-folder (`--out=DIR`; default `<run dir>/eval/<timestamp>` or `runs/eval-<timestamp>`), and logs to MLflow.
+It prints the per-task table, writes tasks.json / tasks.md / acceptance_per_position.png to `report/` in the
+output folder (`--out=DIR`; default `<run dir>/eval/<timestamp>` or `runs/eval-<timestamp>`), and logs to
+MLflow.
 
 MLflow: a NEW run, tagged `dflash.kind=eval`, `dflash.evaluated_path=<path>` and, when the run dir has
 `mlflow_run.json`, `dflash.evaluated_run=<run_id>` in the training run's own tracking store and experiment;
-the training run only gets a pointer tag `dflash.last_eval_run`. Why not log into the training run: it is
-finished and reopening it flips its status; an eval with other settings (suite, length, budgets) would
-write a second, different value into its `eval/*` series at the same step; and several evals of one run
-(or concurrent ones) stay separate and comparable, found by tag. `main(argv)` returns the metrics.
+the training run only gets a pointer tag `dflash.last_eval_run`. Why not log into the training run by
+default: it is finished and reopening it flips its status (a concurrent promotion would see RUNNING); an
+eval with other settings (suite, length, budgets) would write a second, different value into the `eval/*`
+series the promotion gate reads, at the same step; several evals of one run stay separate and comparable,
+found by tag. The trainer's own end-of-run eval is what normally puts `eval/*` on the training run.
+`--into-run` also writes this eval's metrics (at the run's final step) and artifacts into the evaluated
+training run, without touching its status: for a run trained without eval that must go through
+`experiments.promote`. `main(argv)` returns the metrics.
 """
 from __future__ import annotations
 
@@ -121,11 +126,38 @@ def _mlflow_info(run_dir: Path | None) -> dict:
     return {}
 
 
-def _parse_argv(argv: list[str]) -> tuple[Path, list[str], Path | None]:
-    out, rest = None, []
+def _resolve_uri(uri: str, run_dir: Path | None) -> str:
+    """A relative sqlite URI in mlflow_run.json is relative to the training process's cwd."""
+    try:
+        from experiments.promote import _resolve_sqlite
+    except ImportError:  # pragma: no cover - promote is optional here
+        return uri
+    return _resolve_sqlite(uri, run_dir)
+
+
+def _log_into_run(uri: str, run_id: str, metrics: dict[str, float], step: int, art_dir: Path) -> None:
+    """Adds the eval metrics and artifacts to an existing (finished) run through the plain client, so its
+    status never changes (a reopened run would read RUNNING to a concurrent promotion)."""
+    import time
+
+    from mlflow.entities import Metric
+    from mlflow.tracking import MlflowClient
+    client = MlflowClient(tracking_uri=uri)
+    ts = int(time.time() * 1000)
+    ms = [Metric(k, float(v), ts, int(step)) for k, v in metrics.items()]
+    for i in range(0, len(ms), 1000):
+        client.log_batch(run_id, metrics=ms[i:i + 1000])
+    client.log_artifacts(run_id, str(art_dir), "eval")
+    client.set_tag(run_id, "dflash.eval.source", "experiments.eval")
+
+
+def _parse_argv(argv: list[str]) -> tuple[Path, list[str], Path | None, bool]:
+    out, rest, into = None, [], False
     for a in argv:
         if a.startswith("--out="):
             out = Path(a.split("=", 1)[1])
+        elif a == "--into-run":
+            into = True
         elif a in ("-h", "--help"):
             print(__doc__)
             raise SystemExit(0)
@@ -133,14 +165,17 @@ def _parse_argv(argv: list[str]) -> tuple[Path, list[str], Path | None]:
             rest.append(a)
     if not rest:
         raise ConfigError("usage: python -m experiments.eval <run dir | serving folder | checkpoint.pt> "
-                          "[key=value ...] [--out=DIR]")
-    return Path(rest[0]), rest[1:], out
+                          "[key=value ...] [--out=DIR] [--into-run]")
+    return Path(rest[0]), rest[1:], out, into
 
 
 def main(argv: list[str] | None = None) -> dict:
     argv = list(sys.argv[1:] if argv is None else argv)
-    path, overrides, out = _parse_argv(argv)
+    path, overrides, out, into_run = _parse_argv(argv)
     cfg, ecfg, load, run_dir, step = resolve_source(path, overrides)
+    ml = _mlflow_info(run_dir)
+    if into_run and not ml.get("run_id"):
+        raise ConfigError(f"--into-run: {path} is not a tracked run directory (no mlflow_run.json)")
     try:
         validate_eval_config(ecfg)
     except (ValueError, FileNotFoundError) as e:
@@ -152,9 +187,9 @@ def main(argv: list[str] | None = None) -> dict:
 
     stamp = default_run_name()
     out = out or ((run_dir / "eval" / stamp) if run_dir else Path("runs") / f"eval-{stamp}")
-    ml = _mlflow_info(run_dir)
     tracking = cfg.tracking
     if ml.get("tracking_uri"):
+        ml["tracking_uri"] = _resolve_uri(ml["tracking_uri"], run_dir)
         tracking = dataclasses.replace(tracking, tracking_uri=ml["tracking_uri"],
                                        experiment=ml.get("experiment", tracking.experiment))
     tracking = dataclasses.replace(tracking, run_name=f"eval-{ml.get('run_name') or path.name}-{stamp[-4:]}",
@@ -172,7 +207,10 @@ def main(argv: list[str] | None = None) -> dict:
         print(report.console_table(), flush=True)
         loggers.log(report.metrics, step)
         report.log_artifacts(loggers)
-        paths = report.save(out)
+        paths = report.save(out / "report")
+        if into_run:
+            _log_into_run(ml["tracking_uri"], ml["run_id"], report.metrics, step, out / "report")
+            print(f"eval metrics and artifacts also logged into the evaluated run {ml['run_id']}")
         status = "FINISHED"
     finally:
         loggers.close(status)
@@ -181,7 +219,8 @@ def main(argv: list[str] | None = None) -> dict:
             loggers.mlflow.client.set_tag(ml["run_id"], "dflash.last_eval_run", loggers.run_id)
         except Exception as e:  # noqa: BLE001 - a pointer tag is a convenience
             log.warning("could not tag the evaluated run %s: %s", ml["run_id"], e)
-    print(f"eval output: {out} ({', '.join(p.name for p in paths.values())})\nmlflow eval run: {loggers.run_id}")
+    print(f"eval output: {out / 'report'} ({', '.join(p.name for p in paths.values())})\n"
+          f"mlflow eval run: {loggers.run_id}")
     return report.metrics
 
 

@@ -91,9 +91,9 @@ def apply_overrides(cfg, overrides: list[str]):
 
 
 def build_config(argv: list[str]) -> PretrainConfig:
-    # the shipped recipe: ~10 minutes on one H200 (time_budget_s covers setup + training; the final eval, the
-    # save and the continuations fit in finalize_reserve_s)
-    cfg = PretrainConfig(results_path="benchmarks/reference_target.md", time_budget_s=540.0)
+    # the shipped recipe: under 10 minutes on one H200 (time_budget_s is the whole pretrain(): setup, then
+    # training until finalize_reserve_s before the end, then the final eval, the save and the continuations)
+    cfg = PretrainConfig(results_path="benchmarks/reference_target.md", time_budget_s=480.0)
     args, i = [], 0
     while i < len(argv):
         a = argv[i]

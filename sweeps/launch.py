@@ -158,7 +158,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     import optuna
 
     from dflash.sweep_support import SweepTracker
-    from sweeps.objective import reconcile_children, study_summary, update_parent
+    from sweeps.objective import reconcile_children, update_parent
     from sweeps.space import check_conflicts, load_sweep, merge_overrides
     from sweeps.storage import describe, ensure_sqlite_dir, make_storage, reap_stale
     from sweeps.worker import Tickets, WorkerSpec, worker_main

@@ -231,12 +231,23 @@ class TrialEnd:
 
     def __call__(self, study, t) -> None:
         self.consecutive_failures = self.consecutive_failures + 1 if t.state.name == "FAIL" else 0
+        try:
+            self._report(study, t)
+        except Exception as e:  # noqa: BLE001 - bookkeeping must not kill the worker
+            print(f"[sweep {study.study_name} w{self.worker}] trial {t.number} {t.state.name}; bookkeeping "
+                  f"failed: {type(e).__name__}: {e}", file=self.console, flush=True)
+
+    def _report(self, study, t) -> None:
         rid = t.user_attrs.get(ATTR_RUN_ID)
         if self.tracker is not None and rid:
             self.tracker.finish_child(rid, t.state.name, _outcome_tags(t))
         summary = update_parent(study, self.tracker, self.parent_id, finished=t)
-        what = {"COMPLETE": f"value={t.value:.6g}", "PRUNED": f"pruned at step {t.last_step}",
-                "FAIL": t.user_attrs.get(ATTR_ERROR, "failed")[:300]}.get(t.state.name, "")
+        if t.state.name == "COMPLETE" and t.value is not None:
+            what = f"value={t.value:.6g}"
+        elif t.state.name == "PRUNED":
+            what = f"pruned at step {t.last_step}"
+        else:
+            what = str(t.user_attrs.get(ATTR_ERROR, "failed"))[:300]
         best = summary["best"]
         tail = f" | best #{best['number']} {best['value']:.6g}" if best else ""
         gpu = os.environ.get("CUDA_VISIBLE_DEVICES")

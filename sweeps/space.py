@@ -218,14 +218,13 @@ def _apply_dotted(raw: Any, override: str, where: str) -> None:
         raise SweepError(f"{where}: cannot apply sweep override {override!r}")
     node = raw
     for p in parts[:-1]:
-        if not isinstance(node.get(p), dict):
-            node[p] = {} if node.get(p) is None else _not_mapping(where, key, p)
-        node = node[p]
+        nxt = node.get(p)
+        if nxt is None:
+            nxt = node[p] = {}
+        elif not isinstance(nxt, dict):
+            raise SweepError(f"{where}: sweep override {key!r}: {p!r} is not a mapping")
+        node = nxt
     node[parts[-1]] = yaml.safe_load(value) if value != "" else ""
-
-
-def _not_mapping(where: str, key: str, part: str):
-    raise SweepError(f"{where}: sweep override {key!r}: {part!r} is not a mapping")
 
 
 def parse_sweep(raw: Any, where: str = "sweep", default_name: str = "sweep", path: str = "") -> SweepDef:

@@ -59,8 +59,10 @@ def make_storage(desc: str):
     if is_rdb(desc):
         ensure_sqlite_dir(desc)
         engine_kwargs = {"connect_args": {"timeout": 60}} if desc.startswith("sqlite") else None
-        return optuna.storages.RDBStorage(desc, engine_kwargs=engine_kwargs, heartbeat_interval=HEARTBEAT_S,
-                                          grace_period=GRACE_S)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+            return optuna.storages.RDBStorage(desc, engine_kwargs=engine_kwargs,
+                                              heartbeat_interval=HEARTBEAT_S, grace_period=GRACE_S)
     from optuna.storages.journal import JournalFileBackend, JournalStorage
 
     path = journal_path(desc)

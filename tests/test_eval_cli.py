@@ -50,9 +50,10 @@ def _eval_overrides(workdir) -> list[str]:
             f"eval.cache_dir={workdir / 'gt'}"]
 
 
-def test_run_dir_logs_a_linked_eval_run(workdir):
+def _tracked_run(workdir, name):
+    """A finished 'training' run: config.yaml, final/, an MLflow run and its mlflow_run.json."""
     store = f"sqlite:///{workdir}/mlflow.db"
-    run_dir = workdir / "run"
+    run_dir = workdir / name
     cfg = RunConfig(run_dir=str(run_dir), target=TargetConfig(device="cpu"),
                     tracking=TrackingConfig(tracking_uri=store, experiment="evalcli", console=False))
     run_dir.mkdir()
@@ -63,15 +64,20 @@ def test_run_dir_logs_a_linked_eval_run(workdir):
         train = MLflowLogger(cfg.tracking, tags={"dflash.kind": "train"})
         train.close("FINISHED")
     (run_dir / "mlflow_run.json").write_text(json.dumps({"tracking_uri": store, "experiment": "evalcli",
-                                                         "run_id": train.run_id, "run_name": "r"}))
+                                                         "run_id": train.run_id, "run_name": name}))
+    return store, run_dir, train
 
+
+def test_run_dir_logs_a_linked_eval_run(workdir):
+    store, run_dir, train = _tracked_run(workdir, "run")
     metrics = eval_cli.main([str(run_dir), *_eval_overrides(workdir)])
     assert {"eval/tau_vanilla", "eval/tau_tree_2", "eval/tau_tree_4", "eval/acc_pos03"} <= set(metrics)
     assert "eval/task/sq/tau_vanilla" in metrics and metrics["eval/num_tasks"] == 2
 
     client = MlflowClient(store)
     exp = client.get_experiment_by_name("evalcli")
-    evals = client.search_runs([exp.experiment_id], "tags.`dflash.kind` = 'eval'")
+    evals = client.search_runs([exp.experiment_id],
+                               f"tags.`dflash.kind` = 'eval' and tags.`dflash.evaluated_run` = '{train.run_id}'")
     assert len(evals) == 1
     ev = evals[0]
     assert ev.data.tags["dflash.evaluated_run"] == train.run_id and ev.info.status == "FINISHED"
@@ -83,7 +89,23 @@ def test_run_dir_logs_a_linked_eval_run(workdir):
     assert trained.info.status == "FINISHED" and trained.data.tags["dflash.last_eval_run"] == ev.info.run_id
     assert not any(k.startswith("eval/") for k in trained.data.metrics)  # the training run is left as it was
     outs = list((run_dir / "eval").iterdir())
-    assert len(outs) == 1 and (outs[0] / "tasks.md").is_file()
+    assert len(outs) == 1 and (outs[0] / "report" / "tasks.md").is_file()
+    assert json.loads((outs[0] / "mlflow_run.json").read_text())["run_id"] == ev.info.run_id
+    assert json.loads((run_dir / "mlflow_run.json").read_text())["run_id"] == train.run_id  # untouched
+
+
+def test_into_run_makes_the_training_run_carry_the_eval(workdir):
+    store, run_dir, train = _tracked_run(workdir, "run2")
+    train_id = train.run_id
+    metrics = eval_cli.main([str(run_dir), *_eval_overrides(workdir), "--into-run"])
+    client = MlflowClient(store)
+    trained = client.get_run(train_id)
+    assert trained.info.status == "FINISHED"
+    assert trained.data.metrics["eval/tau_vanilla"] == pytest.approx(metrics["eval/tau_vanilla"])
+    hist = client.get_metric_history(train_id, "eval/tau_vanilla")
+    assert [h.step for h in hist] == [RunConfig().trainer.max_steps]
+    arts = {a.path for a in client.list_artifacts(train_id, "eval")}
+    assert "eval/tasks.json" in arts and "eval/acceptance_per_position.png" in arts
 
 
 def test_bare_serving_folder_takes_the_target_from_overrides(workdir):
@@ -93,7 +115,9 @@ def test_bare_serving_folder_takes_the_target_from_overrides(workdir):
     metrics = eval_cli.main([str(folder), "tracking.enabled=false", "target.device=cpu",
                              *_eval_overrides(workdir), "eval.real_decode=true", f"--out={out}"])
     assert metrics["eval/real/lossless"] == 1.0 and metrics["eval/real/tau_matches_sim"] == 1.0
-    assert (out / "tasks.json").is_file() and (out / "metrics.jsonl").is_file()
+    assert (out / "report" / "tasks.json").is_file() and (out / "metrics.jsonl").is_file()
+    with pytest.raises(eval_cli.ConfigError, match="--into-run"):
+        eval_cli.main([str(folder), "tracking.enabled=false", "--into-run"])
 
 
 def test_run_without_final_uses_its_latest_checkpoint(workdir):

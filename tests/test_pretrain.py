@@ -13,7 +13,8 @@ from dflash.pretrain import (PretrainConfig, compare_grads, estimate_bf16_bytes,
                              write_folder_atomically)
 from dflash.tracking import TrackingConfig
 
-CODE = 'def f(x: int) -> str:\n    """Docstring: é ü 😀."""\n\tif x  >=  10:\n        return "big"\r\n    return str(x)\n'
+CODE = ('def f(x: int) -> str:\n    """Docstring: é ü 😀."""\n\tif x  >=  10:\n        return "big"\r\n'
+        '    return str(x)\n')
 STDLIB = Path(sysconfig.get_paths()["stdlib"])
 SMALL_FILES = ["bisect.py", "colorsys.py", "keyword.py", "fnmatch.py", "glob.py", "heapq.py", "shlex.py",
                "textwrap.py", "copy.py", "this.py", "stat.py", "abc.py", "numbers.py", "queue.py"]

@@ -346,3 +346,53 @@ def test_killed_worker_leaves_the_study_usable(tmp_path, eval_cache):
     assert t2.state == TrialState.PRUNED  # cpu_smoke trial 2: lr=1e-5
     parent = later["parent_run_id"]
     assert len(_children(client, parent)) == 3
+
+
+def test_trial_end_callback_never_kills_the_worker(capsys):
+    import io
+
+    from sweeps.objective import TrialEnd
+
+    study = optuna.create_study()
+    for outcome in ("fail", "prune", "ok"):
+        t = study.ask()
+        if outcome == "fail":
+            t.set_user_attr("sweep.error", "RuntimeError: boom")
+            study.tell(t, state=TrialState.FAIL)
+        elif outcome == "prune":
+            t.report(1.0, 3)
+            study.tell(t, state=TrialState.PRUNED)
+        else:
+            study.tell(t, 0.5)
+    console = io.StringIO()
+    end = TrialEnd(None, None, 0, console)
+    for ft in study.get_trials():
+        end(study, ft)
+    out = console.getvalue()
+    assert "trial 0 FAIL RuntimeError: boom" in out and "trial 1 PRUNED pruned at step 3" in out
+    assert "trial 2 COMPLETE value=0.5" in out and end.consecutive_failures == 0
+
+
+def test_rdb_storage(tmp_path, eval_cache):
+    """An RDB URL (here sqlite; postgresql://… alike) holds the study, with Optuna's heartbeat on."""
+    from sweeps.launch import main
+    from sweeps.storage import make_storage
+
+    url = f"sqlite:///{tmp_path / 'db' / 'optuna.db'}"  # the folder is created
+    res = main(_argv(tmp_path, eval_cache, "n_trials=1", "workers=1", f"storage={url}", "study=rdb"))
+    assert res["storage"] == url and res["n_trials"] == 1
+    storage = make_storage(url)
+    assert storage.get_heartbeat_interval() > 0
+    study = optuna.load_study(study_name="rdb", storage=storage)
+    assert study.trials[0].state == TrialState.COMPLETE  # trial 0 of cpu_smoke: lr=1e-2
+    assert study.user_attrs["mlflow.parent_run_id"] == res["parent_run_id"]
+
+
+def test_cpu_smoke_keeps_the_fast_overrides():
+    from sweeps.space import override_key
+    from tests.conftest import FAST
+
+    fixed = {override_key(o): o for o in load_sweep("cpu_smoke").fixed}
+    changed = {"buffer.min_ready": "buffer.min_ready=4"}  # the deterministic buffer pulls at full depth (4)
+    for o in FAST:
+        assert fixed.get(override_key(o)) == changed.get(override_key(o), o), o

@@ -78,6 +78,8 @@ class TargetSession:
         self.length = 0  # committed tokens in the cache
         self.forwards = 0
         self._layered = hasattr(self.cache, "layers")
+        # One forward at a time per target (Target._lock: Triton's autotuner is not thread-safe).
+        self._lock = getattr(target, "_lock", None) or nullcontext()
 
     # -- forward ---------------------------------------------------------------------------------
     @torch.no_grad()
@@ -88,14 +90,15 @@ class TargetSession:
         ids = ids_T.to(self.device).view(1, -1)
         T = ids.shape[1]
         pos = torch.arange(self.length, self.length + T, device=self.device)[None]
-        out = self.decoder(input_ids=ids, position_ids=pos, use_cache=True,
-                           output_hidden_states=want_feats, **{self._kw: self.cache})
+        with self._lock:  # the target's producers may run forwards in other threads (training)
+            out = self.decoder(input_ids=ids, position_ids=pos, use_cache=True,
+                               output_hidden_states=want_feats, **{self._kw: self.cache})
+            feats = None
+            if want_feats:
+                feats = torch.stack([out.hidden_states[i + 1] for i in self.target.layer_ids], dim=2)
+            labels, _, _ = self.target.labels_from_hidden(out.last_hidden_state, 0)
         self.forwards += 1
         self.length += T
-        feats = None
-        if want_feats:
-            feats = torch.stack([out.hidden_states[i + 1] for i in self.target.layer_ids], dim=2)
-        labels, _, _ = self.target.labels_from_hidden(out.last_hidden_state, 0)
         return feats, labels[0]
 
     # -- rollback --------------------------------------------------------------------------------

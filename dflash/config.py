@@ -15,6 +15,7 @@ from typing import Any
 from dflash.buffer import BufferConfig, validate_buffer_config
 from dflash.data import DataConfig, validate_data_config
 from dflash.drafter import DrafterConfig
+from dflash.evaluation import EvalConfig, validate_eval_config
 from dflash.losses import LOSSES, LossConfig
 from dflash.noise import NoiseConfig, build_noise
 from dflash.promotion import PromoteConfig
@@ -58,6 +59,7 @@ class RunConfig:
     data: DataConfig = field(default_factory=DataConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     promote: PromoteConfig = field(default_factory=PromoteConfig)
 
 
@@ -95,6 +97,7 @@ def validate(cfg: RunConfig) -> None:
         validate_data_config(cfg.data)
         build_noise(cfg.noise, cfg.trainer.max_steps)
         validate_target_config(cfg.target)
+        validate_eval_config(cfg.eval)
     except ConfigError:
         raise
     except (ValueError, FileNotFoundError) as e:

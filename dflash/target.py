@@ -79,6 +79,16 @@ class TargetInfo:
     model_type: str
 
 
+ASSETS = Path(__file__).resolve().parent / "assets"
+
+
+def checkpoint_path(cfg: TargetConfig) -> str:
+    """`target.path`, with `builtin:NAME` meaning a checkpoint shipped in the package (dflash/assets/NAME)."""
+    if cfg.path.startswith("builtin:"):
+        return str(ASSETS / cfg.path.removeprefix("builtin:"))
+    return cfg.path
+
+
 def _text_config_dict(path: Path) -> dict:
     cfg = json.loads((path / "config.json").read_text())
     return cfg.get("text_config") or cfg
@@ -88,7 +98,7 @@ def read_target_info(cfg: TargetConfig) -> TargetInfo:
     if not cfg.path:
         r = cfg.random
         return TargetInfo(r.num_layers, r.hidden_size, r.vocab_size, r.model_type)
-    path = Path(cfg.path)
+    path = Path(checkpoint_path(cfg))
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"target.path={cfg.path!r}: no config.json there (expected a local "
                                 f"Hugging Face checkpoint folder; nothing is downloaded)")
@@ -105,6 +115,9 @@ def resolve_mask_token(cfg: TargetConfig) -> int:
     if cfg.mask_token_id >= 0:
         return cfg.mask_token_id
     if cfg.path:
+        meta = Path(checkpoint_path(cfg)) / "dflash_target.json"  # written by experiments.pretrain_target
+        if meta.is_file():
+            return int(json.loads(meta.read_text())["mask_token_id"])
         raise ValueError("target.mask_token_id must be set (>= 0) for a checkpoint target")
     return ByteTokenizer.mask_token_id
 
@@ -300,13 +313,14 @@ class Target:
         if not self.cfg.path:
             return build_random_model(self.cfg.random, self.device, self.dtype)
         from transformers import AutoModelForCausalLM
-        return AutoModelForCausalLM.from_pretrained(self.cfg.path, local_files_only=True, dtype=self.dtype)
+        return AutoModelForCausalLM.from_pretrained(checkpoint_path(self.cfg), local_files_only=True,
+                                                    dtype=self.dtype)
 
     def _tokenizer(self):
         if self.cfg.path and self.cfg.tokenizer == "auto":
             from transformers import AutoTokenizer
             try:
-                return AutoTokenizer.from_pretrained(self.cfg.path, local_files_only=True)
+                return AutoTokenizer.from_pretrained(checkpoint_path(self.cfg), local_files_only=True)
             except (OSError, ValueError) as e:
                 log.warning("target.path has no usable tokenizer (%s); using bytes", e)
         return ByteTokenizer()
@@ -315,9 +329,9 @@ class Target:
         """Stable identity for caches: the checkpoint's path + weights mtime, or the random spec."""
         if not self.cfg.path:
             return f"random:{self.cfg.random}"
-        files = sorted(Path(self.cfg.path).glob("*.safetensors"))
-        stamp = [(f.name, f.stat().st_size, int(f.stat().st_mtime)) for f in files]
-        return f"path:{os.path.abspath(self.cfg.path)}:{stamp}"
+        files = sorted(Path(checkpoint_path(self.cfg)).glob("*.safetensors"))
+        stamp = [(f.name, f.stat().st_size, _file_digest(f)) for f in files]
+        return f"path:{os.path.abspath(checkpoint_path(self.cfg))}:{stamp}"
 
     @property
     def hidden_size(self) -> int:
@@ -369,6 +383,14 @@ class Target:
 
     def logits(self, input_ids_BT: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids=input_ids_BT.to(self.device)).logits
+
+
+def _file_digest(path: Path, limit: int = 1 << 20) -> str:
+    """Content hash of the first MiB and the size: a changed checkpoint misses caches, a fresh clone
+    (new mtimes, same bytes) does not."""
+    import hashlib
+    with open(path, "rb") as f:
+        return hashlib.sha256(f.read(limit)).hexdigest()[:16]
 
 
 def build_target(cfg: TargetConfig) -> Target:

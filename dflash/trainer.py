@@ -23,7 +23,8 @@ from dflash.batching import make_batch
 from dflash.buffer import BucketedBuffer
 from dflash.checkpoint import atomic_write_text, latest_checkpoint, load_checkpoint, save_checkpoint
 from dflash.config import ConfigError, RunConfig, from_dict, to_dict, validate
-from dflash.data import build_sequences
+from dflash.data import build_training_sequences
+from dflash.evaluation import make_evaluator
 from dflash.drafter import DFlashDrafter, build_drafter
 from dflash.losses import block_metrics, build_loss, compute_position_stats
 from dflash.noise import build_noise
@@ -35,8 +36,9 @@ from dflash.tracking import absolute_sqlite_uri, build_loggers, default_run_name
 
 log = logging.getLogger(__name__)
 
-# An evaluator takes (drafter, target, step, final) and returns `eval/…` metrics (issue: evaluation).
-Evaluator = Callable[[DFlashDrafter, Target, int, bool], dict]
+# An evaluator takes (drafter, target, step, final, logger) and returns `eval/…` metrics; by default
+# `dflash.evaluation.make_evaluator(cfg.eval)` (cheap subset every trainer.eval_every steps, full suite at the end).
+Evaluator = Callable[[DFlashDrafter, Target, int, bool, object], dict]
 
 
 @dataclass
@@ -120,17 +122,16 @@ class Trainer:
             cfg.tracking, tracking_uri=absolute_sqlite_uri(cfg.tracking.tracking_uri)))
         self.cfg = cfg
         validate(cfg)  # bad input fails here, before the target loads or anything is written
-        self.evaluator = evaluator
         torch.manual_seed(cfg.seed)
         random.seed(cfg.seed)
         self.run_dir = make_run_dir(cfg)
+        self.evaluator = evaluator if evaluator is not None else make_evaluator(cfg.eval, out_dir=self.run_dir / "eval")
         atomic_write_text(self.run_dir / "config.yaml", yaml.safe_dump(to_dict(cfg), sort_keys=False))
         self.target = target or Target(cfg.target)  # benchmarks reuse one (54 GB) target
         self.device = resolve_device(cfg.trainer.device)
         self.loss_fn = build_loss(cfg.loss)
         self.drafter = self._build_drafter()
-        self.sequences = build_sequences(cfg.data, self.target.tokenizer.encode, self.target.vocab_size,
-                                         cfg.seed)
+        self.sequences = build_training_sequences(cfg.data, self.target, cfg.seed)
         self.noise = build_noise(cfg.noise, cfg.trainer.max_steps)
         self.opt = torch.optim.AdamW(self.drafter.parameters(), lr=cfg.trainer.lr,
                                      weight_decay=cfg.trainer.weight_decay, betas=(0.9, 0.95),
@@ -246,8 +247,9 @@ class Trainer:
             if done % c.tracking.log_every == 0 or done == c.trainer.max_steps:
                 metrics = self._read_metrics(acc, window, done)
                 loggers.log(metrics, done)
-            if c.trainer.eval_every and self.evaluator and done % c.trainer.eval_every == 0:
-                loggers.log(self.evaluator(self.drafter, self.target, done, False), done)
+            if (c.trainer.eval_every and self.evaluator and done % c.trainer.eval_every == 0
+                    and done < c.trainer.max_steps):  # the final full-suite eval logs at max_steps
+                loggers.log(self.evaluator(self.drafter, self.target, done, False, loggers), done)
             if done % c.trainer.checkpoint_every == 0 or done == c.trainer.max_steps:
                 self._checkpoint(done)
         return metrics
@@ -271,7 +273,7 @@ class Trainer:
         save_drafter(self.drafter, final, extra={"target": self.cfg.target.name, "loss": self.cfg.loss.name})
         loggers.log_artifact(str(final), "checkpoint")
         if self.evaluator:
-            ev = self.evaluator(self.drafter, self.target, self.cfg.trainer.max_steps, True)
+            ev = self.evaluator(self.drafter, self.target, self.cfg.trainer.max_steps, True, loggers)
             loggers.log(ev, self.cfg.trainer.max_steps)
             metrics.update(ev)
         return final

@@ -8,7 +8,7 @@ import os
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 MAX_CONSECUTIVE_FAILURES = 5
@@ -66,7 +66,6 @@ class WorkerSpec:
     threads: int | None = None  # torch CPU threads
     log_file: str | None = None  # redirect this process's stdout/stderr (spawned workers)
     deadline: float | None = None  # time.time() after which no new trial starts
-    extra_env: dict[str, str] = field(default_factory=dict)
 
 
 def _redirect(log_file: str):
@@ -85,9 +84,8 @@ def _redirect(log_file: str):
 
 def worker_main(spec: WorkerSpec, tickets: Tickets, in_process: bool = False) -> int:
     """Returns the number of trials this worker ran."""
-    if spec.gpu is not None:
+    if not in_process and spec.gpu is not None:  # own process: pin it before anything initializes CUDA
         os.environ["CUDA_VISIBLE_DEVICES"] = spec.gpu
-    os.environ.update(spec.extra_env)
     console = _redirect(spec.log_file) if (spec.log_file and not in_process) else sys.stderr
 
     import optuna

@@ -15,7 +15,7 @@ from dflash.noise import build_noise
 from dflash.target import read_target_info, resolve_layer_ids
 from experiments.config import CONF_DIR, compose_config, group_options
 
-GROUPS = ["target", "drafter", "loss", "noise", "buffer", "data", "trainer", "tracking", "promote"]
+GROUPS = ["target", "drafter", "loss", "noise", "buffer", "data", "trainer", "tracking", "eval", "promote"]
 ROOT = Path(__file__).resolve().parent.parent
 
 

@@ -581,8 +581,8 @@ class ConsoleLogger(Logger):
     ``step 120/1000 | loss 2.314 | acc 0.412 | streak 1.83 | 12.3k tok/s | buf 14/20 | ETA 3m12s``
 
     From ``train/loss``, ``train/acc``, ``train/streak``, ``perf/drafter_tok_s`` (else
-    ``perf/pipeline_tok_s``), ``buffer/total``, ``buffer/max_depth``, plus any ``eval/*``
-    keys (``| eval loss 2.1 acc 0.45``). Missing keys are skipped; a call with none of
+    ``perf/pipeline_tok_s``), ``buffer/total``, ``buffer/max_depth``, plus the ``eval/tau*``
+    τ keys (``| eval tau_vanilla 2.1 tau_tree_4 2.6``). Missing keys are skipped; a call with none of
     these keys (e.g. only ``sys/*``) prints nothing. ETA uses the wall-clock step rate
     since the first ``log`` call.
     """
@@ -614,7 +614,7 @@ class ConsoleLogger(Logger):
             if "buffer/max_depth" in m:
                 buf += f"/{int(m['buffer/max_depth'])}"
             parts.append(buf)
-        ev = [f"{k[len('eval/'):]} {_fmt_num(v)}" for k, v in m.items() if k.startswith("eval/")]
+        ev = [f"{k[len('eval/'):]} {_fmt_num(v)}" for k, v in m.items() if k.startswith("eval/tau")]
         if ev:
             parts.append("eval " + " ".join(ev))
         if not parts:

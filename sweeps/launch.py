@@ -158,6 +158,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     import optuna
 
     from dflash.sweep_support import SweepTracker
+    from dflash.tracking import absolute_sqlite_uri
     from sweeps.objective import reconcile_children, update_parent
     from sweeps.space import check_conflicts, load_sweep, merge_overrides
     from sweeps.storage import describe, ensure_sqlite_dir, make_storage, reap_stale
@@ -199,6 +200,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     tracker, parent_id = None, None
     tr = base_cfg.tracking
     if tr.enabled:
+        tr = dataclasses.replace(tr, tracking_uri=absolute_sqlite_uri(tr.tracking_uri))  # as the trainer does
         ensure_sqlite_dir(tr.tracking_uri)
         tracker = SweepTracker(tr.tracking_uri, tr.experiment)
         prev = study.user_attrs.get("mlflow.parent_run_id")

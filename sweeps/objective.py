@@ -9,7 +9,6 @@ params, run, checkpoint; trial counts).
 """
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 import os
@@ -22,7 +21,7 @@ from typing import Any
 from dflash.config import ConfigError, RunConfig
 from dflash.sweep_support import (TAG_PRUNED_STEP, TAG_VALUE, EvalPruned, PruningEvaluator, SweepTracker,
                                   train_into_run)
-from sweeps.space import SweepDef, merge_overrides, override_key, suggest
+from sweeps.space import SweepDef, merge_overrides, suggest
 
 ATTR_RUN_ID, ATTR_RUN_DIR, ATTR_CKPT, ATTR_ERROR = "mlflow.run_id", "sweep.run_dir", "sweep.checkpoint", "sweep.error"
 
@@ -41,45 +40,12 @@ class TrialContext:
 # --------------------------------------------------------------------------- config + evaluator
 
 
-def _has_eval_field() -> bool:
-    return any(f.name == "eval" for f in dataclasses.fields(RunConfig))
-
-
-def split_eval_overrides(overrides: list[str]) -> tuple[list[str], list[str]]:
-    """Until `RunConfig` has an `eval` section, `eval.*` overrides are applied to an `EvalConfig` here."""
-    if _has_eval_field():
-        return list(overrides), []
-    ev = [o for o in overrides if override_key(o).split(".")[0] == "eval"]
-    return [o for o in overrides if o not in ev], [o.lstrip("+")[len("eval."):] for o in ev]
-
-
 def compose_trial_config(overrides: list[str]) -> tuple[RunConfig, Any]:
-    """-> (RunConfig, EvalConfig or None when the evaluation package is unavailable)."""
+    """-> (RunConfig, its EvalConfig). `eval.*` overrides compose like any other key."""
     from experiments.config import compose_config
 
-    run_ov, eval_ov = split_eval_overrides(overrides)
-    cfg = compose_config(run_ov)
-    return cfg, eval_config(cfg, eval_ov)
-
-
-def eval_config(cfg: RunConfig, eval_overrides: list[str]):
-    try:
-        from dflash.evaluation import EvalConfig
-    except ImportError:
-        if eval_overrides:
-            raise ConfigError(f"eval overrides {eval_overrides} given but dflash.evaluation is unavailable")
-        return None
-    base = getattr(cfg, "eval", None) or EvalConfig()
-    if not eval_overrides:
-        return base
-    from omegaconf import OmegaConf
-    from omegaconf.errors import OmegaConfBaseException
-    try:
-        merged = OmegaConf.merge(OmegaConf.structured(EvalConfig), dataclasses.asdict(base),
-                                 OmegaConf.from_dotlist(eval_overrides))
-        return EvalConfig(**OmegaConf.to_container(merged, resolve=True))
-    except OmegaConfBaseException as e:
-        raise ConfigError(f"eval override: {e}") from e
+    cfg = compose_config(overrides)
+    return cfg, getattr(cfg, "eval", None)
 
 
 def validate_eval(ecfg) -> None:
@@ -92,12 +58,13 @@ def validate_eval(ecfg) -> None:
         raise ConfigError(str(e)) from e
 
 
-def base_evaluator(ecfg):
-    """The real evaluator (`dflash.evaluation.make_evaluator`), or None (eval disabled / unavailable)."""
+def base_evaluator(ecfg, out_dir=None):
+    """The evaluator the trainer would build itself (`dflash.evaluation.make_evaluator(cfg.eval,
+    out_dir=<run dir>/eval)`), or None when eval is disabled."""
     if ecfg is None or not getattr(ecfg, "enabled", True):
         return None
     from dflash.evaluation import make_evaluator
-    return make_evaluator(ecfg)
+    return make_evaluator(ecfg, out_dir=out_dir)
 
 
 # --------------------------------------------------------------------------- the trial
@@ -121,7 +88,8 @@ def run_trial(trial, ctx: TrialContext, tracker: SweepTracker | None) -> float:
                       "optuna.params": json.dumps(values, default=str)})
             if run_id:
                 trial.set_user_attr(ATTR_RUN_ID, run_id)
-        evaluator = PruningEvaluator(trial, ctx.sweep.objective.metric, run_dir, base=base_evaluator(ecfg))
+        evaluator = PruningEvaluator(trial, ctx.sweep.objective.metric, run_dir,
+                                     base=base_evaluator(ecfg, out_dir=run_dir / "eval"))
         result = train_into_run(cfg, evaluator, run_id)
         if result.checkpoint is not None:
             trial.set_user_attr(ATTR_CKPT, str(Path(result.checkpoint).resolve()))

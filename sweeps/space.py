@@ -45,8 +45,9 @@ from dflash.config import ConfigError
 
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 SWEEP_DIR = CONF_DIR / "sweep"
-# Config groups whose option is switched with `+group=option` (the base entry sits in conf/config.yaml).
-GROUPS = ("loss", "noise", "buffer", "target", "drafter", "data", "trainer", "tracking")
+# Config groups whose option is switched with `+group=option` (the base entry sits in conf/config.yaml):
+# every folder of conf/ but sweep/ (sweep definitions are not part of the run config).
+GROUPS = tuple(sorted(p.name for p in CONF_DIR.iterdir() if p.is_dir() and p.name != "sweep"))
 # Keys a sweep may not search or fix: the launcher owns them.
 RESERVED_KEYS = ("run_dir", "resume")
 

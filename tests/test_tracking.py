@@ -267,7 +267,8 @@ def test_console_format(capsys):
     assert lg.format({"train/loss": 1.0, "perf/pipeline_tok_s": 850.0}, 130, now=1006.0) == (
         "step 130/1000 | loss 1.000 | 850 tok/s | ETA 2m54s"
     )
-    assert lg.format({"eval/acc": 0.5}, 140, now=1008.0).startswith("step 140/1000 | eval acc 0.5 | ETA")
+    assert lg.format({"eval/tau_vanilla": 2.5, "eval/task/x/tau_vanilla": 9}, 140, now=1008.0).startswith(
+        "step 140/1000 | eval tau_vanilla 2.5 | ETA")  # per-task and per-position keys stay off the console
     assert lg.format({"sys/host_rss_gb": 1.0}, 150) is None
 
     lg2 = ConsoleLogger(total_steps=1000)

@@ -320,7 +320,9 @@ class Target:
         if self.cfg.path and self.cfg.tokenizer == "auto":
             from transformers import AutoTokenizer
             try:
-                return AutoTokenizer.from_pretrained(checkpoint_path(self.cfg), local_files_only=True)
+                tok = AutoTokenizer.from_pretrained(checkpoint_path(self.cfg), local_files_only=True)
+                tok.model_max_length = 1 << 30  # whole corpus files are encoded, then cut into sequences
+                return tok
             except (OSError, ValueError) as e:
                 log.warning("target.path has no usable tokenizer (%s); using bytes", e)
         return ByteTokenizer()

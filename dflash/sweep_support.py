@@ -12,7 +12,6 @@
 """
 from __future__ import annotations
 
-import inspect
 import json
 import logging
 import math
@@ -107,22 +106,9 @@ class PruningEvaluator:
 
 
 def train_into_run(cfg, evaluator=None, run_id: str | None = None):
-    """`dflash.trainer.train(cfg, evaluator)` logging into the existing MLflow run `run_id`.
-
-    Uses `train(..., run_id=...)` when the trainer has that argument; until then a `Trainer` subclass
-    whose `_saved_run_id()` returns `run_id` (the trainer reopens it exactly as on resume)."""
+    """`dflash.trainer.train(cfg, evaluator)` logging into the existing MLflow run `run_id`."""
     from dflash import trainer as T
-
-    if run_id is None:
-        return T.train(cfg, evaluator)
-    if "run_id" in inspect.signature(T.train).parameters:
-        return T.train(cfg, evaluator, run_id=run_id)
-
-    class _IntoRun(T.Trainer):
-        def _saved_run_id(self) -> str | None:
-            return run_id
-
-    return _IntoRun(cfg, evaluator).run()
+    return T.train(cfg, evaluator, run_id=run_id)
 
 
 def redact_uri(uri: str) -> str:

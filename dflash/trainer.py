@@ -116,7 +116,8 @@ class MetricAccumulator:
 
 
 class Trainer:
-    def __init__(self, cfg: RunConfig, evaluator: Evaluator | None = None, target: Target | None = None):
+    def __init__(self, cfg: RunConfig, evaluator: Evaluator | None = None, target: Target | None = None,
+                 run_id: str | None = None):
         cfg = resolve_run(cfg)
         cfg = dataclasses.replace(cfg, tracking=dataclasses.replace(
             cfg.tracking, tracking_uri=absolute_sqlite_uri(cfg.tracking.tracking_uri)))
@@ -128,6 +129,7 @@ class Trainer:
         self.evaluator = evaluator if evaluator is not None else make_evaluator(cfg.eval, out_dir=self.run_dir / "eval")
         atomic_write_text(self.run_dir / "config.yaml", yaml.safe_dump(to_dict(cfg), sort_keys=False))
         self.target = target or Target(cfg.target)  # benchmarks reuse one (54 GB) target
+        self.run_id = run_id  # log into an existing MLflow run (a sweep trial's child run)
         self.device = resolve_device(cfg.trainer.device)
         self.loss_fn = build_loss(cfg.loss)
         self.drafter = self._build_drafter()
@@ -210,7 +212,7 @@ class Trainer:
     def run(self) -> TrainResult:
         c = self.cfg
         loggers = build_loggers(c.tracking, self.run_dir, flatten_config(to_dict(c)), run_tags(c),
-                                c.trainer.max_steps, run_id=self._saved_run_id())
+                                c.trainer.max_steps, run_id=self.run_id or self._saved_run_id())
         loggers.set_tags({f"kernel.{k}": v for k, v in self.target.kernels.items()})
         loggers.log_artifact(str(self.run_dir / "config.yaml"))
         status, result = "FAILED", TrainResult(self.run_dir, loggers.run_id)
@@ -219,8 +221,8 @@ class Trainer:
             result.metrics = self._loop(producers, loggers)
             result.checkpoint = self._finish(loggers, result.metrics)
             status = "FINISHED"
-        except KeyboardInterrupt:
-            status = "KILLED"
+        except BaseException as e:  # a pruned sweep trial carries run_status="KILLED"
+            status = getattr(e, "run_status", "KILLED" if isinstance(e, KeyboardInterrupt) else "FAILED")
             raise
         finally:
             producers.shutdown()
@@ -326,5 +328,5 @@ class _Window:
         return out
 
 
-def train(cfg: RunConfig, evaluator: Evaluator | None = None) -> TrainResult:
-    return Trainer(cfg, evaluator).run()
+def train(cfg: RunConfig, evaluator: Evaluator | None = None, *, run_id: str | None = None) -> TrainResult:
+    return Trainer(cfg, evaluator, run_id=run_id).run()

@@ -112,7 +112,7 @@ def test_bare_serving_folder_takes_the_target_from_overrides(workdir):
     folder = workdir / "published"
     _drafter_folder(folder, TargetConfig())
     out = workdir / "out"
-    metrics = eval_cli.main([str(folder), "tracking.enabled=false", "target.device=cpu",
+    metrics = eval_cli.main([str(folder), "+target=tiny_random", "tracking.enabled=false", "target.device=cpu",
                              *_eval_overrides(workdir), "eval.real_decode=true", f"--out={out}"])
     assert metrics["eval/real/lossless"] == 1.0 and metrics["eval/real/tau_matches_sim"] == 1.0
     assert (out / "report" / "tasks.json").is_file() and (out / "metrics.jsonl").is_file()

@@ -63,3 +63,38 @@ def latest_checkpoint(ckpt_dir: str | os.PathLike) -> Path | None:
 
 def load_checkpoint(path: str | os.PathLike, map_location: str | torch.device = "cpu") -> dict[str, Any]:
     return torch.load(path, map_location=map_location, weights_only=False)
+
+
+def save_checked(path: str | os.PathLike, magic: bytes, fmt: int, key: str, obj: dict) -> None:
+    """A cache file that can be verified before it is trusted: `magic`, a JSON header (format, key, payload
+    size and sha256), then the torch-saved payload. Written atomically."""
+    import hashlib
+    import io
+    buf = io.BytesIO()
+    torch.save({"format": fmt, "key": key, **obj}, buf)
+    payload = buf.getvalue()
+    header = json.dumps({"format": fmt, "key": key, "nbytes": len(payload),
+                         "sha256": hashlib.sha256(payload).hexdigest()}).encode()
+    data = magic + header + b"\n" + payload
+    atomic_write(path, lambda tmp: Path(tmp).write_bytes(data))
+
+
+def load_checked(path: str | os.PathLike, magic: bytes, fmt: int, key: str) -> dict:
+    """The payload of a `save_checked` file; raises ValueError (or an I/O error) on anything not exactly as
+    written for `key` (wrong magic, format, key, size or checksum), so a corrupt cache is rebuilt."""
+    import hashlib
+    import io
+    raw = Path(path).read_bytes()
+    if not raw.startswith(magic):
+        raise ValueError(f"{path}: not a {magic.strip().decode()} file")
+    end = raw.index(b"\n", len(magic))
+    header = json.loads(raw[len(magic):end])
+    payload = raw[end + 1:]
+    if header.get("format") != fmt or header.get("key") != key:
+        raise ValueError(f"{path}: format or key mismatch")
+    if len(payload) != header.get("nbytes") or hashlib.sha256(payload).hexdigest() != header.get("sha256"):
+        raise ValueError(f"{path}: checksum mismatch (truncated or corrupt)")
+    data = torch.load(io.BytesIO(payload), map_location="cpu", weights_only=True)
+    if data.get("key") != key:
+        raise ValueError(f"{path}: key mismatch in payload")
+    return data

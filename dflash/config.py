@@ -122,7 +122,6 @@ def _build(cls, d: dict, prefix: str):
         raise ConfigError(f"unknown config key(s): {', '.join(prefix + k for k in unknown)}")
     kwargs = {}
     for name, value in d.items():
-        ftype = fields[name].type
         sub = _dataclass_of(cls, name)
         kwargs[name] = _build(sub, value, f"{prefix}{name}.") if sub else value
     return cls(**kwargs)

@@ -790,7 +790,6 @@ def _train_and_finish(cfg, device, amp_dtype, logger, model, tok, corpus, cstats
         (tmp / TARGET_META).write_text(json.dumps(meta, indent=1, default=str) + "\n")
 
     out = write_folder_atomically(cfg.out_dir, write)
-    del save_model
     log.info("wrote %s", out)
 
     # 7. continuations through the shipped-target loading path (module kernels restored first)

@@ -18,8 +18,6 @@ reference for tests).
 from __future__ import annotations
 
 import hashlib
-import inspect
-import io
 import json
 import logging
 import os
@@ -29,7 +27,8 @@ from typing import Sequence
 
 import torch
 
-from dflash.checkpoint import atomic_write
+from dflash.checkpoint import load_checked, save_checked
+from dflash.target import cache_kwarg, new_hf_cache
 
 log = logging.getLogger(__name__)
 
@@ -38,23 +37,6 @@ _MAGIC = b"DFLASH-REGEN\n"
 
 
 # -- greedy generation ------------------------------------------------------------------------------
-def _new_cache(decoder):
-    from transformers import DynamicCache
-    try:
-        return DynamicCache(config=decoder.config)
-    except TypeError:  # older signature
-        return DynamicCache()
-
-
-def _cache_kwarg(decoder) -> str:
-    """The decoder's cache argument: `past_key_values`, renamed `cache` in transformers >= 5.2x."""
-    try:
-        params = inspect.signature(decoder.forward).parameters
-    except (TypeError, ValueError):
-        return "past_key_values"
-    return "cache" if "cache" in params and "past_key_values" not in params else "past_key_values"
-
-
 def _next_tokens(target, last_hidden_BTH: torch.Tensor) -> torch.Tensor:
     labels, _, _ = target.labels_from_hidden(last_hidden_BTH[:, -1:], 0)
     return labels[:, -1]
@@ -84,7 +66,7 @@ def greedy_generate(target, prompt_ids_BP: torch.Tensor, max_new_tokens: int,
             out_tokens.append(tok)
             seq = torch.cat([seq, tok[:, None]], dim=1)
         return torch.stack(out_tokens, 1).cpu()
-    cache, kw = _new_cache(decoder), _cache_kwarg(decoder)
+    cache, kw = new_hf_cache(decoder), cache_kwarg(decoder)
     pos = torch.arange(P, device=dev)[None].expand(B, -1)
     h = decoder(input_ids=ids, position_ids=pos, use_cache=True, **{kw: cache}).last_hidden_state
     tok = _next_tokens(target, h)
@@ -129,32 +111,14 @@ def regen_cache_path(cache_dir: str | os.PathLike, key: str) -> Path:
 
 
 def save_regen(path: str | os.PathLike, key: str, seqs: list[torch.Tensor], meta: dict) -> None:
-    buf = io.BytesIO()
     lengths = [int(s.numel()) for s in seqs]
     flat = torch.cat([s.reshape(-1).to(torch.int64) for s in seqs]) if seqs else torch.zeros(0, dtype=torch.long)
-    torch.save({"format": FORMAT_VERSION, "key": key, "lengths": lengths, "tokens": flat, "meta": meta}, buf)
-    payload = buf.getvalue()
-    header = json.dumps({"format": FORMAT_VERSION, "key": key, "nbytes": len(payload),
-                         "sha256": hashlib.sha256(payload).hexdigest()}).encode()
-    data = _MAGIC + header + b"\n" + payload
-    atomic_write(path, lambda tmp: Path(tmp).write_bytes(data))
+    save_checked(path, _MAGIC, FORMAT_VERSION, key, {"lengths": lengths, "tokens": flat, "meta": meta})
 
 
 def load_regen(path: str | os.PathLike, key: str) -> list[torch.Tensor]:
     """Raises (ValueError, OSError, …) on anything not exactly as written for `key`."""
-    raw = Path(path).read_bytes()
-    if not raw.startswith(_MAGIC):
-        raise ValueError("not a dflash regen file")
-    end = raw.index(b"\n", len(_MAGIC))
-    header = json.loads(raw[len(_MAGIC):end])
-    payload = raw[end + 1:]
-    if header.get("format") != FORMAT_VERSION or header.get("key") != key:
-        raise ValueError("format or key mismatch")
-    if len(payload) != header.get("nbytes") or hashlib.sha256(payload).hexdigest() != header.get("sha256"):
-        raise ValueError("checksum mismatch (truncated or corrupt)")
-    data = torch.load(io.BytesIO(payload), map_location="cpu", weights_only=True)
-    if data.get("key") != key:
-        raise ValueError("key mismatch in payload")
+    data = load_checked(path, _MAGIC, FORMAT_VERSION, key)
     lengths, flat = [int(n) for n in data["lengths"]], data["tokens"]
     if flat.dtype != torch.int64 or flat.numel() != sum(lengths):
         raise ValueError("token count mismatch")

@@ -236,6 +236,24 @@ def preflight_kernels(model_type: str, device: torch.device) -> dict[str, str]:
     return report
 
 
+# -- driving the decoder with a cache (generation, verification) ------------------------------------
+def new_hf_cache(decoder):
+    from transformers import DynamicCache
+    try:
+        return DynamicCache(config=decoder.config)
+    except TypeError:  # older signature
+        return DynamicCache()
+
+
+def cache_kwarg(decoder) -> str:
+    """The decoder's cache argument: `past_key_values`, renamed `cache` in recent transformers."""
+    try:
+        params = inspect.signature(decoder.forward).parameters
+    except (TypeError, ValueError):
+        return "past_key_values"
+    return "cache" if "cache" in params and "past_key_values" not in params else "past_key_values"
+
+
 # -- the target ---------------------------------------------------------------------------------
 @dataclass
 class TargetBatch:

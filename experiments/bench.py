@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import logging
 import shlex
 import sys
 from datetime import datetime, timezone
@@ -20,7 +19,7 @@ from pathlib import Path
 from dflash.bench import BenchConfig, format_table, run_bench
 from dflash.config import ConfigError, to_dict
 from dflash.tracking import MLflowLogger, flatten_config
-from experiments.config import compose_config
+from experiments.config import compose_config, run_cli
 
 RESULTS = Path(__file__).resolve().parent.parent / "benchmarks" / "RESULTS.md"
 
@@ -77,9 +76,4 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    try:
-        main()
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+    run_cli(main)

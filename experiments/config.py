@@ -33,3 +33,15 @@ def compose_config(overrides: list[str] | None = None, config_name: str = "confi
 
 def group_options(group: str) -> list[str]:
     return sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml"))
+
+
+def run_cli(main) -> None:
+    """`python -m experiments.X`: logging on, bad input → `error: …` on stderr and exit status 2."""
+    import logging
+    import sys
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        main()
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)

@@ -5,14 +5,13 @@ notebooks call the same functions. `--cfg` prints the resolved config and exits.
 """
 from __future__ import annotations
 
-import logging
 import sys
 
 import yaml
 
-from dflash.config import ConfigError, to_dict
+from dflash.config import to_dict
 from dflash.trainer import train
-from experiments.config import compose_config
+from experiments.config import compose_config, run_cli
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -28,9 +27,4 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    try:
-        main()
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+    run_cli(main)

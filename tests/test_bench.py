@@ -1,5 +1,4 @@
 """The benchmark runs end to end at tiny shapes on CPU and reports every figure it promises."""
-from pathlib import Path
 
 from experiments.bench import main
 from tests.conftest import FAST

@@ -21,13 +21,6 @@ from mlflow.tracking import MlflowClient  # noqa: E402
 from experiments import eval as eval_cli  # noqa: E402
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny ops: intra-op threads only contend on a shared CPU
-    yield
-    torch.set_num_threads(n)
-
 
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory):

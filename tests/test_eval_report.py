@@ -20,13 +20,6 @@ TASKS = [Task("one", "def one():\n"), Task("two", "def two(x):\n    return"), Ta
 BS = 4
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny ops: intra-op threads only contend on a shared CPU
-    yield
-    torch.set_num_threads(n)
-
 
 @pytest.fixture(scope="module")
 def target():

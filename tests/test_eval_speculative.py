@@ -19,13 +19,6 @@ N = 24
 TASKS = [Task("fib", 'def fib(n):\n    """Fibonacci."""\n'), Task("rev", "def rev(s):\n    return")]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny ops: intra-op threads only contend on a shared CPU
-    yield
-    torch.set_num_threads(n)
-
 
 @pytest.fixture(scope="module")
 def target():

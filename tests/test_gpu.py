@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from dflash.target import Target, TargetConfig, TinyTargetSpec, kernel_report
+from dflash.target import Target, TargetConfig, TinyTargetSpec
 
 pytestmark = pytest.mark.gpu
 

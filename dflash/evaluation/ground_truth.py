@@ -12,7 +12,6 @@ never trusted.
 from __future__ import annotations
 
 import hashlib
-import io
 import json
 import logging
 import os
@@ -22,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from dflash.checkpoint import atomic_write
+from dflash.checkpoint import load_checked, save_checked
 from dflash.evaluation.prompts import Task
 from dflash.evaluation.speculative import greedy_decode
 
@@ -92,37 +91,15 @@ def build_ground_truth(target, tasks: list[Task], max_new_tokens: int) -> list[T
 
 
 # -- cache file ---------------------------------------------------------------------------------
-def _serialize(key: str, truths: list[TaskTruth]) -> bytes:
-    buf = io.BytesIO()
-    torch.save({"format": FORMAT_VERSION, "key": key,
-                "tasks": [{"name": t.name, "prompt_ids": t.prompt_ids, "continuation": t.continuation,
-                           "features": t.features, "consistency": t.consistency} for t in truths]}, buf)
-    payload = buf.getvalue()
-    header = json.dumps({"format": FORMAT_VERSION, "key": key, "sha256": hashlib.sha256(payload).hexdigest(),
-                         "nbytes": len(payload)}).encode()
-    return _MAGIC + header + b"\n" + payload
-
-
 def save_ground_truth(path: str | os.PathLike, key: str, truths: list[TaskTruth]) -> None:
-    data = _serialize(key, truths)
-    atomic_write(path, lambda tmp: Path(tmp).write_bytes(data))
+    tasks = [{"name": t.name, "prompt_ids": t.prompt_ids, "continuation": t.continuation,
+              "features": t.features, "consistency": t.consistency} for t in truths]
+    save_checked(path, _MAGIC, FORMAT_VERSION, key, {"tasks": tasks})
 
 
 def load_ground_truth(path: str | os.PathLike, key: str) -> list[TaskTruth]:
     """Raises ValueError (or an I/O error) on anything not exactly as written for `key`."""
-    raw = Path(path).read_bytes()
-    if not raw.startswith(_MAGIC):
-        raise ValueError("not a dflash ground-truth file")
-    header_end = raw.index(b"\n", len(_MAGIC))
-    header = json.loads(raw[len(_MAGIC):header_end])
-    payload = raw[header_end + 1:]
-    if header.get("format") != FORMAT_VERSION or header.get("key") != key:
-        raise ValueError("format or key mismatch")
-    if len(payload) != header.get("nbytes") or hashlib.sha256(payload).hexdigest() != header.get("sha256"):
-        raise ValueError("checksum mismatch (truncated or corrupt)")
-    data = torch.load(io.BytesIO(payload), map_location="cpu", weights_only=True)
-    if data.get("key") != key:
-        raise ValueError("key mismatch in payload")
+    data = load_checked(path, _MAGIC, FORMAT_VERSION, key)
     return [TaskTruth(d["name"], d["prompt_ids"], d["continuation"], d["features"],
                       float(d.get("consistency", 1.0))) for d in data["tasks"]]
 

@@ -26,7 +26,6 @@ ground truth is produced by it, and `speculative_decode` must reproduce it token
 from __future__ import annotations
 
 import copy
-import inspect
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass, field
@@ -34,6 +33,7 @@ from dataclasses import dataclass, field
 import torch
 
 from dflash.drafter import DFlashDrafter
+from dflash.target import cache_kwarg, new_hf_cache
 
 
 def drafter_autocast(drafter, enabled: bool | None = None):
@@ -48,23 +48,6 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _new_hf_cache(decoder):
-    from transformers import DynamicCache
-    try:
-        return DynamicCache(config=decoder.config)
-    except TypeError:  # very old signature
-        return DynamicCache()
-
-
-def _cache_kwarg(decoder) -> str:
-    """Recent transformers renamed the decoder's `past_key_values` argument to `cache`."""
-    try:
-        params = inspect.signature(decoder.forward).parameters
-    except (TypeError, ValueError):
-        return "past_key_values"
-    return "cache" if "cache" in params and "past_key_values" not in params else "past_key_values"
-
-
 class TargetSession:
     """One sequence (batch 1) decoded incrementally through the target with a rollback-able cache."""
 
@@ -73,8 +56,8 @@ class TargetSession:
         self.decoder = target.decoder
         self.device = target.device
         self.need_features = need_features
-        self.cache = _new_hf_cache(self.decoder)
-        self._kw = _cache_kwarg(self.decoder)
+        self.cache = new_hf_cache(self.decoder)
+        self._kw = cache_kwarg(self.decoder)
         self.length = 0  # committed tokens in the cache
         self.forwards = 0
         self._layered = hasattr(self.cache, "layers")

@@ -23,7 +23,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from dflash.config import RunConfig
 from dflash.losses import build_loss, compute_position_stats
-from dflash.target import Target
+from dflash.target import Target, torch_gdn_path
 
 
 @dataclass
@@ -36,7 +36,7 @@ class BenchConfig:
     iters: int = 10
     peak_n: int = 8192
     pipeline_steps: int = 20  # 0 skips the pipeline measurement
-    sections: str = "peak,target,drafter,pipeline"
+    sections: str = "peak,target,target_torch,drafter,pipeline"  # target_torch: the torch GDN fallback
 
 
 def _timed(fn, iters: int, device: torch.device) -> float:
@@ -63,6 +63,15 @@ def matmul_peak(n: int, device: torch.device, iters: int = 10) -> float:
     for _ in range(3):
         a @ b
     return 2 * n**3 / _timed(lambda: a @ b, iters, device)
+
+
+def bench_target_torch(target: Target, b: BenchConfig) -> dict:
+    """The same forward on transformers' pure-torch Gated-DeltaNet path: what a machine without the fast
+    kernels gets, measured beside the fast path in the same process."""
+    with torch_gdn_path(target.info.model_type) as kernels:
+        out = bench_target(target, dataclasses.replace(b, warmup=1, iters=max(1, b.iters // 2)))
+    out["kernels"] = kernels
+    return out
 
 
 def bench_target(target: Target, b: BenchConfig) -> dict:
@@ -165,6 +174,8 @@ def run_bench(cfg: RunConfig, b: BenchConfig) -> dict:
         out["peak_flops"] = matmul_peak(b.peak_n if dev.type == "cuda" else 512, dev)
     if "target" in sections:
         out["target"] = bench_target(target, b)
+    if "target_torch" in sections and any(v != "torch" for v in target.kernels.values()):
+        out["target_torch"] = bench_target_torch(target, b)  # skipped where the fast path is absent anyway
     if "drafter" in sections:
         out["drafter"] = DrafterStepBench(cfg, target, b).run()
     if "pipeline" in sections and b.pipeline_steps:
@@ -202,6 +213,10 @@ def format_table(out: dict) -> str:
             s = out[side]
             rows.append((f"{side} tok/s", f"{s['tok_s']:,.0f}",
                          f"{s['flops_per_tok'] / 1e9:.1f} GFLOP/tok, MFU {s.get('mfu', 0):.0%}"))
+    if "target_torch" in out:
+        s, fast = out["target_torch"], out.get("target", {}).get("tok_s", 0.0)
+        rows.append(("target tok/s, torch GDN", f"{s['tok_s']:,.0f}",
+                     f"fast path is {fast / s['tok_s']:.2f}x" if s["tok_s"] else ""))
     if "back_to_back_tok_s" in out:
         rows.append(("back-to-back tok/s", f"{out['back_to_back_tok_s']:,.0f}",
                      f"MFU {out.get('back_to_back_mfu', 0):.0%} (serial sum of the two sides)"))

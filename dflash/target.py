@@ -17,6 +17,7 @@ import os
 import threading
 import time
 import warnings
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -219,6 +220,20 @@ def force_torch_gdn(model_type: str) -> None:
         if fn is not None and (getattr(fn, "_dflash_backend", None)
                                or _implementation(fn).split(".")[0] != "transformers"):
             setattr(mod, name, inspect.unwrap(fn))
+
+
+@contextmanager
+def torch_gdn_path(model_type: str):
+    """Temporarily run the Gated-DeltaNet functions on their pure-torch reference (benchmarks compare the
+    fast path against it in one process); the bound kernels come back on exit."""
+    mod = _modeling_module(model_type)
+    saved = {n: getattr(mod, n) for n in _GDN_FUNCS if mod is not None and hasattr(mod, n)}
+    try:
+        force_torch_gdn(model_type)
+        yield kernel_report(model_type)
+    finally:
+        for name, fn in saved.items():
+            setattr(mod, name, fn)
 
 
 def preflight_kernels(model_type: str, device: torch.device) -> dict[str, str]:

@@ -3,6 +3,7 @@ at layer ids (+1 offset), labels, top-k, kernel preflight."""
 import functools
 import importlib
 import importlib.util
+import inspect
 
 import pytest
 import torch
@@ -74,3 +75,18 @@ def test_fla_bound_without_cuda_falls_back_to_torch(monkeypatch):
 def test_gpu_slow_path_warns(monkeypatch):
     with pytest.warns(RuntimeWarning, match="SLOW PATH"):
         preflight_kernels("qwen3_5", torch.device("cuda"))
+
+
+def test_torch_gdn_path_is_temporary(monkeypatch):
+    from dflash.target import torch_gdn_path
+    mod = importlib.import_module("transformers.models.qwen3_5.modeling_qwen3_5")
+    original = mod.torch_chunk_gated_delta_rule
+
+    def fast(*a, **k):
+        return original(*a, **k)
+    fast._dflash_backend = "fla"
+    fast.__wrapped__ = inspect.unwrap(original)
+    monkeypatch.setattr(mod, "torch_chunk_gated_delta_rule", fast)
+    with torch_gdn_path("qwen3_5") as report:
+        assert report["chunk_gated_delta_rule"] == "torch"
+    assert mod.torch_chunk_gated_delta_rule is fast

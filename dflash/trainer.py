@@ -50,8 +50,10 @@ class TrainResult:
 
 
 def resolve_run(cfg: RunConfig) -> RunConfig:
-    """For `resume=<dir>`: the saved resolved config of that run (its run_dir and resume filled in)."""
-    if not cfg.resume:
+    """For `resume=<dir>`: the saved resolved config of that run (its run_dir and resume filled in).
+    A config whose run_dir already is the resumed dir was resolved by the caller (e.g. `experiments.run`
+    applying key=value overrides on top of the saved config) and is used as given."""
+    if not cfg.resume or Path(cfg.run_dir or ".").resolve() == Path(cfg.resume).resolve():
         return cfg
     saved = Path(cfg.resume) / "config.yaml"
     if not saved.is_file():
@@ -156,7 +158,8 @@ class Trainer:
             if self.cfg.resume:
                 raise ConfigError(f"resume={self.cfg.resume!r}: no readable checkpoint in checkpoints/")
             return 0, 0, []
-        state = load_checkpoint(ckpt, map_location=self.device)
+        state = load_checkpoint(ckpt, map_location="cpu")  # RNG states must stay on the CPU; the
+        # optimizer and model copy their tensors to the parameters' device when loading
         self.drafter.load_state_dict(state["drafter"])
         self.opt.load_state_dict(state["optimizer"])
         self.sched.load_state_dict(state["scheduler"])

@@ -31,6 +31,29 @@ def compose_config(overrides: list[str] | None = None, config_name: str = "confi
         raise ConfigError(f"config: {e}{cause}".strip()) from e
 
 
+def resume_config(run_dir: str, overrides: list[str]) -> RunConfig:
+    """The saved config of `run_dir` with `key=value` overrides on top (e.g. trainer.max_steps=2000 to extend a
+    run). Group options cannot change on resume: that would be another run."""
+    import yaml
+    saved = Path(run_dir) / "config.yaml"
+    if not saved.is_file():
+        raise ConfigError(f"resume={run_dir!r}: no config.yaml there")
+    groups = [o for o in overrides if o.startswith("+") or o.split("=")[0] in GROUPS]
+    if groups:
+        raise ConfigError(f"resume: {groups} would change a config group; only key=value overrides apply on resume")
+    try:
+        merged = OmegaConf.merge(OmegaConf.structured(RunConfig), yaml.safe_load(saved.read_text()),
+                                 OmegaConf.from_dotlist(overrides))
+        d = OmegaConf.to_container(merged, resolve=True)
+    except OmegaConfBaseException as e:
+        raise ConfigError(f"resume: {e}") from e
+    d.update(run_dir=str(run_dir), resume=str(run_dir))
+    return from_dict(d)
+
+
+GROUPS = ("target", "drafter", "loss", "noise", "buffer", "data", "trainer", "tracking", "eval", "promote")
+
+
 def group_options(group: str) -> list[str]:
     return sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml"))
 

@@ -11,13 +11,16 @@ import yaml
 
 from dflash.config import to_dict
 from dflash.trainer import train
-from experiments.config import compose_config, run_cli
+from experiments.config import compose_config, resume_config, run_cli
 
 
 def main(argv: list[str] | None = None) -> dict:
     argv = list(sys.argv[1:] if argv is None else argv)
     show = "--cfg" in argv
-    cfg = compose_config([a for a in argv if a != "--cfg"])
+    overrides = [a for a in argv if a != "--cfg"]
+    resume = next((a.partition("=")[2] for a in overrides if a.startswith("resume=")), "")
+    others = [a for a in overrides if not a.startswith("resume=")]
+    cfg = resume_config(resume, others) if resume else compose_config(overrides)
     if show:
         print(yaml.safe_dump(to_dict(cfg), sort_keys=False))
         return {}

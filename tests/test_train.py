@@ -92,8 +92,18 @@ def test_sigkill_then_resume(tmp_path):
     proc.wait()
     saved = json.loads((run_dir / "checkpoints" / "latest.json").read_text())["step"]
     assert 2 <= saved < 40
-    out = subprocess.run([sys.executable, "-m", "experiments.run", f"resume={run_dir}", "trainer.max_steps=1"],
+    out = subprocess.run([sys.executable, "-m", "experiments.run", f"resume={run_dir}"],
                          cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
     assert max(_losses(run_dir)) == 40
     assert not list((run_dir / "checkpoints").glob(".step_*")), "no torn temp files left behind"
+
+
+def test_resume_can_extend_a_run_but_not_change_its_groups(fast_cfg):
+    from dflash.config import ConfigError
+    from experiments.run import main
+    first = train(fast_cfg())
+    main([f"resume={first.run_dir}", "trainer.max_steps=8"])
+    assert sorted(_losses(first.run_dir))[-1] == 8
+    with pytest.raises(ConfigError, match="config group"):
+        main([f"resume={first.run_dir}", "+loss=soft_kl"])

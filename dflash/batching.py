@@ -60,8 +60,7 @@ def make_batch(items: list[Item], *, block_size: int, num_anchors: int, seed: in
         feats[b, : f.shape[0]] = noise.add(f, sigma, gen)
         anchors_BN[b, : a.numel()] = a
         valid_BN[b, : a.numel()] = True
-    anchors_BN = anchors_BN.to(device)
-    valid_BN = valid_BN.to(device)
+    anchors_BN, valid_BN = _to_device(anchors_BN, device), _to_device(valid_BN, device)
     pos_BNK = anchors_BN[:, :, None] + torch.arange(K, device=device)  # label positions a .. a+K-1
     tokens = torch.stack([_pad(it.tokens_T.to(device), T) for it in items])
     labels = torch.stack([_pad(it.labels_T.to(device), T) for it in items])
@@ -76,6 +75,13 @@ def make_batch(items: list[Item], *, block_size: int, num_anchors: int, seed: in
     anchor_tokens = tokens.gather(1, anchors_BN)
     return DrafterBatch(feats, anchors_BN, anchor_tokens, labels_BNK, soft_vals, soft_idx,
                         sum(it.tokens_T.numel() for it in items))
+
+
+def _to_device(x: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Host → GPU without a host sync: a plain copy from pageable memory waits for the whole stream."""
+    if device.type != "cuda":
+        return x.to(device)
+    return x.pin_memory().to(device, non_blocking=True)
 
 
 def _pad(x: torch.Tensor, T: int) -> torch.Tensor:

@@ -16,14 +16,6 @@ N = 4
 TASKS = [Task("add", "def add(a, b):\n"), Task("neg", "def neg(x):\n")]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """The tiny target's ops are far too small for intra-op threads; on a shared CPU they only contend."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
 
 @pytest.fixture(scope="module")
 def target():

@@ -21,14 +21,6 @@ SMALL_FILES = ["bisect.py", "colorsys.py", "keyword.py", "fnmatch.py", "glob.py"
 
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny models gain nothing from intra-op threads, and spinning threads crawl on a shared CPU."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
 @pytest.fixture(scope="module")
 def small_root(tmp_path_factory):
     """A tiny corpus root: a few standard-library modules, one in a `tests` dir that must be skipped."""

@@ -8,14 +8,6 @@ from dflash.target import Target, TargetConfig, TinyTargetSpec
 
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny models gain nothing from intra-op threads, and spinning threads crawl on a shared CPU."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
 @pytest.fixture(scope="module")
 def target():
     spec = TinyTargetSpec(hidden_size=32, num_layers=4, intermediate_size=64, num_heads=2, num_kv_heads=1,

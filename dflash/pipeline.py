@@ -37,12 +37,16 @@ class Item:
 
 
 class ItemSource:
-    """Maps global item indices to (epoch, sequence index); hands out fresh indices thread-safely."""
+    """Maps global item indices to (epoch, sequence index); hands out fresh indices thread-safely.
+
+    With `world` data-parallel ranks, rank r takes g = n·world + r for its n-th item: the ranks together
+    walk each epoch's order once, each its own share."""
 
     def __init__(self, sequences: list[torch.Tensor], seed: int, next_index: int = 0,
-                 replay: list[int] | None = None):
+                 replay: list[int] | None = None, rank: int = 0, world: int = 1):
         self.sequences = sequences
         self.seed = seed
+        self.rank, self.world = rank, world
         self._next = next_index
         self._replay = list(replay or [])
         self._orders: dict[int, list[int]] = {}
@@ -60,7 +64,7 @@ class ItemSource:
             if self._replay:
                 g = self._replay.pop(0)
             else:
-                g, self._next = self._next, self._next + 1
+                g, self._next = self._next * self.world + self.rank, self._next + 1
             return (g, *self.locate(g))
 
 

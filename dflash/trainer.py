@@ -25,6 +25,8 @@ from dflash.checkpoint import atomic_write_text, latest_checkpoint, load_checkpo
 from dflash.config import ConfigError, RunConfig, from_dict, to_dict, validate
 from dflash.data import build_training_sequences
 from dflash.evaluation import make_evaluator
+from dflash.distributed import (DistInfo, broadcast_object, gather_objects, init_distributed, mean_, sum_,
+                                shutdown as shutdown_distributed, wrap_ddp)
 from dflash.drafter import DFlashDrafter, build_drafter
 from dflash.losses import block_metrics, build_loss, compute_position_stats
 from dflash.noise import build_noise
@@ -32,7 +34,7 @@ from dflash.pipeline import ItemSource, ProducerPool
 from dflash.promotion import auto_promote
 from dflash.sysmetrics import system_metrics
 from dflash.target import Target, resolve_device
-from dflash.tracking import absolute_sqlite_uri, build_loggers, default_run_name, flatten_config, git_sha
+from dflash.tracking import MultiLogger, absolute_sqlite_uri, build_loggers, default_run_name, flatten_config, git_sha
 
 log = logging.getLogger(__name__)
 
@@ -88,8 +90,8 @@ def lr_lambda(cfg: RunConfig) -> Callable[[int], float]:
 class MetricAccumulator:
     """Sums on the device; `read()` is the only host sync, done every `log_every` steps."""
 
-    def __init__(self, K: int, device: torch.device):
-        self.K, self.device = K, device
+    def __init__(self, K: int, device: torch.device, dist_info: DistInfo = DistInfo()):
+        self.K, self.device, self.dist = K, device, dist_info
         self.reset()
 
     def reset(self) -> None:
@@ -109,8 +111,9 @@ class MetricAccumulator:
 
     def read(self) -> dict[str, float]:
         n = max(self.steps, 1)
-        vals = torch.cat([torch.stack([self.loss, self.acc, self.streak, self.grad_norm, self.nonfinite]),
-                          self.acc_pos]).cpu().tolist()
+        vec = torch.cat([torch.stack([self.loss, self.acc, self.streak, self.grad_norm, self.nonfinite]),
+                         self.acc_pos])
+        vals = mean_(vec, self.dist).cpu().tolist()  # ranks averaged: one collective per interval
         out = {"train/loss": vals[0] / n, "train/acc": vals[1] / n, "train/streak": vals[2] / n,
                "train/grad_norm": vals[3] / n, "train/nonfinite_steps": vals[4]}
         out.update({f"train/acc_pos{k + 1:02d}": v / n for k, v in enumerate(vals[5:])})
@@ -120,6 +123,7 @@ class MetricAccumulator:
 class Trainer:
     def __init__(self, cfg: RunConfig, evaluator: Evaluator | None = None, target: Target | None = None,
                  run_id: str | None = None):
+        self.dist = init_distributed()  # torchrun: one rank per GPU; a plain process is rank 0 of 1
         cfg = resolve_run(cfg)
         cfg = dataclasses.replace(cfg, tracking=dataclasses.replace(
             cfg.tracking, tracking_uri=absolute_sqlite_uri(cfg.tracking.tracking_uri)))
@@ -127,14 +131,18 @@ class Trainer:
         validate(cfg)  # bad input fails here, before the target loads or anything is written
         torch.manual_seed(cfg.seed)
         random.seed(cfg.seed)
-        self.run_dir = make_run_dir(cfg)
-        self.evaluator = evaluator if evaluator is not None else make_evaluator(cfg.eval, out_dir=self.run_dir / "eval")
-        atomic_write_text(self.run_dir / "config.yaml", yaml.safe_dump(to_dict(cfg), sort_keys=False))
+        main = self.dist.is_main
+        self.run_dir = Path(broadcast_object(str(make_run_dir(cfg)) if main else None, self.dist))
+        self.evaluator = None if not main else (
+            evaluator if evaluator is not None else make_evaluator(cfg.eval, out_dir=self.run_dir / "eval"))
+        if main:
+            atomic_write_text(self.run_dir / "config.yaml", yaml.safe_dump(to_dict(cfg), sort_keys=False))
         self.target = target or Target(cfg.target)  # benchmarks reuse one (54 GB) target
         self.run_id = run_id  # log into an existing MLflow run (a sweep trial's child run)
         self.device = resolve_device(cfg.trainer.device)
         self.loss_fn = build_loss(cfg.loss)
         self.drafter = self._build_drafter()
+        self.train_model = wrap_ddp(self.drafter, self.dist, self.device)  # the drafter itself on one process
         self.sequences = build_training_sequences(cfg.data, self.target, cfg.seed)
         self.noise = build_noise(cfg.noise, cfg.trainer.max_steps)
         self.opt = torch.optim.AdamW(self.drafter.parameters(), lr=cfg.trainer.lr,
@@ -143,7 +151,7 @@ class Trainer:
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lr_lambda(cfg))
         self.buffer = BucketedBuffer(cfg.buffer, seed=cfg.seed)
         self.start_step, next_item, replay = self._restore()
-        self.source = ItemSource(self.sequences, cfg.seed, next_item, replay)
+        self.source = ItemSource(self.sequences, cfg.seed, next_item, replay, self.dist.rank, self.dist.world)
 
     def _build_drafter(self) -> DFlashDrafter:
         t = self.target
@@ -163,19 +171,25 @@ class Trainer:
         self.drafter.load_state_dict(state["drafter"])
         self.opt.load_state_dict(state["optimizer"])
         self.sched.load_state_dict(state["scheduler"])
-        self.buffer.load_state_dict(state["buffer"])
-        torch.set_rng_state(state["rng"]["torch"])
-        random.setstate(state["rng"]["python"])
+        if len(state["ranks"]) != self.dist.world:
+            raise ConfigError(f"resume={self.cfg.resume!r}: checkpoint written by {len(state['ranks'])} ranks, "
+                              f"this run has {self.dist.world} (data order and buffers are per rank)")
+        mine = state["ranks"][self.dist.rank]
+        self.buffer.load_state_dict(mine["buffer"])
+        torch.set_rng_state(mine["rng"]["torch"])
+        random.setstate(mine["rng"]["python"])
         log.info("resumed from %s at step %d", ckpt, state["step"])
-        pending = [key for _, key in state["pending_keys"]]
-        return state["step"], state["items_put"], pending
+        return state["step"], mine["items_put"], [key for _, key in mine["pending_keys"]]
 
-    def _checkpoint(self, step: int) -> Path:
+    def _checkpoint(self, step: int) -> Path | None:
+        """Every rank's buffer, data position and RNG go into rank 0's one file (a collective: all ranks call)."""
         buf_state, pending = self.buffer.snapshot()
+        ranks = gather_objects({"buffer": buf_state, "pending_keys": pending, "items_put": sum(buf_state["puts"]),
+                                "rng": {"torch": torch.get_rng_state(), "python": random.getstate()}}, self.dist)
+        if not self.dist.is_main:
+            return None
         state = {"step": step, "drafter": self.drafter.state_dict(), "optimizer": self.opt.state_dict(),
-                 "scheduler": self.sched.state_dict(), "buffer": buf_state, "pending_keys": pending,
-                 "items_put": sum(buf_state["puts"]), "config": to_dict(self.cfg),
-                 "rng": {"torch": torch.get_rng_state(), "python": random.getstate()}}
+                 "scheduler": self.sched.state_dict(), "ranks": ranks, "config": to_dict(self.cfg)}
         return save_checkpoint(self.run_dir / "checkpoints", step, state, self.cfg.trainer.keep_checkpoints)
 
     def _step(self, items, acc: MetricAccumulator) -> int:
@@ -183,7 +197,7 @@ class Trainer:
         batch = make_batch(items, block_size=c.drafter.block_size, num_anchors=c.trainer.num_anchors,
                            seed=c.seed, noise=self.noise, sigma=self.noise.sigma(), device=self.device)
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self._autocast()):
-            hidden = self.drafter(batch.features_BTLH, batch.anchors_BN, batch.anchor_tokens_BN)
+            hidden = self.train_model(batch.features_BTLH, batch.anchors_BN, batch.anchor_tokens_BN)
         B, N, K, H = hidden.shape
         soft = batch.soft_vals_BNKk is not None
         stats = compute_position_stats(
@@ -215,7 +229,8 @@ class Trainer:
     def run(self) -> TrainResult:
         c = self.cfg
         loggers = build_loggers(c.tracking, self.run_dir, flatten_config(to_dict(c)), run_tags(c),
-                                c.trainer.max_steps, run_id=self.run_id or self._saved_run_id())
+                                c.trainer.max_steps, run_id=self.run_id or self._saved_run_id()) \
+            if self.dist.is_main else MultiLogger([])
         loggers.set_tags({f"kernel.{k}": v for k, v in self.target.kernels.items()})
         loggers.log_artifact(str(self.run_dir / "config.yaml"))
         status, result = "FAILED", TrainResult(self.run_dir, loggers.run_id)
@@ -230,8 +245,10 @@ class Trainer:
         finally:
             producers.shutdown()
             _close_quietly(loggers, status)
+            shutdown_distributed(self.dist)
         # The gate reads the closed (FINISHED) run's evaluated metrics: only after close.
-        auto_promote(result.run_id, c.promote, c.tracking.tracking_uri)
+        if self.dist.is_main:
+            auto_promote(result.run_id, c.promote, c.tracking.tracking_uri)
         return result
 
     def _saved_run_id(self) -> str | None:
@@ -241,9 +258,9 @@ class Trainer:
 
     def _loop(self, producers: ProducerPool, loggers) -> dict[str, float]:
         c, K = self.cfg, self.cfg.drafter.block_size - 1
-        acc = MetricAccumulator(K, self.device)
+        acc = MetricAccumulator(K, self.device, self.dist)
         metrics: dict[str, float] = {}
-        window = _Window(producers, self.buffer)
+        window = _Window(producers, self.buffer, self.dist)
         for step in range(self.start_step, c.trainer.max_steps):
             self.noise.advance(step)
             items = [self.buffer.get() for _ in range(c.trainer.sequences_per_step)]
@@ -272,7 +289,9 @@ class Trainer:
             m.update(system_metrics())
         return m
 
-    def _finish(self, loggers, metrics: dict) -> Path:
+    def _finish(self, loggers, metrics: dict) -> Path | None:
+        if not self.dist.is_main:
+            return None
         final = self.run_dir / "final"
         from dflash.export import save_drafter
         save_drafter(self.drafter, final, extra={"target": self.cfg.target.name, "loss": self.cfg.loss.name})
@@ -301,8 +320,8 @@ class _Window:
     put back into) the buffer's stock over the window, so a pre-filled buffer draining does not inflate it.
     """
 
-    def __init__(self, producers: ProducerPool, buffer: BucketedBuffer):
-        self.producers, self.buffer = producers, buffer
+    def __init__(self, producers: ProducerPool, buffer: BucketedBuffer, dist_info: DistInfo = DistInfo()):
+        self.producers, self.buffer, self.dist = producers, buffer, dist_info
         self.tokens, self.items = 0, 0
         self.t0 = time.perf_counter()
         self.prod0 = producers.perf()
@@ -325,6 +344,10 @@ class _Window:
                "perf/drafter_tok_s": self.tokens / max(wall - waited, 1e-9),
                "perf/target_tok_s": (prod_tokens - self.prod0[0]) / max(prod_busy - self.prod0[1], 1e-9),
                "perf/consumer_wait_frac": waited / wall, "buffer/max_depth": max_depth}
+        if self.dist.enabled:  # throughput of all ranks together
+            keys = [k for k in out if k.endswith("_tok_s")]
+            total = sum_(torch.tensor([out[k] for k in keys], dtype=torch.float64), self.dist).tolist()
+            out.update(dict(zip(keys, total)), **{"perf/world_size": self.dist.world})
         out.update({k: v for k, v in stats.items() if k.startswith("buffer/depth") or k == "buffer/total"})
         self.tokens, self.items, self.t0, self.prod0 = 0, 0, now, (prod_tokens, prod_busy)
         self.wait0, self.depth0 = stats["buffer/get_wait_s"], stats["buffer/total"]

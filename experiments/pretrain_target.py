@@ -17,6 +17,8 @@ import sys
 from dataclasses import asdict
 
 from dflash.pretrain import PretrainConfig, pretrain
+from dflash.config import ConfigError
+from experiments.config import run_cli
 
 FALLBACK_PROMPTS = [
     ("fizzbuzz", 'def fizzbuzz(n: int) -> list[str]:\n    """Return the FizzBuzz sequence for 1..n."""\n'),
@@ -37,7 +39,7 @@ def eval_prompts(suite: str = "coding10") -> list[tuple[str, str]]:
         return list(FALLBACK_PROMPTS)
 
 
-class OverrideError(ValueError):
+class OverrideError(ConfigError):
     """A bad command-line override (exit status 2, no traceback)."""
 
 
@@ -128,9 +130,4 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    try:
-        main()
-    except OverrideError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+    run_cli(main)

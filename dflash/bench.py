@@ -22,6 +22,7 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from dflash.config import RunConfig
+from dflash.distributed import init_distributed
 from dflash.losses import build_loss, compute_position_stats
 from dflash.target import Target, torch_gdn_path
 
@@ -36,6 +37,7 @@ class BenchConfig:
     iters: int = 10
     peak_n: int = 8192
     pipeline_steps: int = 20  # 0 skips the pipeline measurement
+    profile_steps: int = 5  # pipeline steps traced by the profiler to count host syncs (0: no trace)
     sections: str = "peak,target,target_torch,drafter,pipeline"  # target_torch: the torch GDN fallback
 
 
@@ -144,30 +146,97 @@ class DrafterStepBench:
                 "phases": self.phases}
 
 
+# CUDA runtime calls that block the host until the GPU catches up (their *Async variants do not).
+SYNC_CALLS = frozenset({"cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize",
+                        "cudaMemcpy", "cudaMemcpy2D", "cudaMemset", "cudaStreamWaitEvent_sync"})
+
+
+def count_step_syncs(events, step_name: str = "dflash.train_step") -> dict[str, int]:
+    """Blocking CUDA runtime calls made *inside* the traced training steps, on the step's own thread
+    (producer threads sync on purpose, to time their forwards; the consumer must not)."""
+    steps = [e for e in events if e.name == step_name]
+    threads = {e.thread for e in steps}
+    spans = [(e.time_range.start, e.time_range.end) for e in steps]
+    syncs = [e for e in events if e.name in SYNC_CALLS and e.thread in threads
+             and any(a <= e.time_range.start <= b for a, b in spans)]
+    out = {"steps": len(steps), "syncs": len(syncs)}
+    for e in syncs:
+        out[e.name] = out.get(e.name, 0) + 1
+    return out
+
+
+def _traced(trainer, start: int, n: int, result: dict):
+    """Wraps `trainer._step` so steps start .. start+n-1 run under the profiler."""
+    from torch.profiler import ProfilerActivity, profile
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if trainer.device.type == "cuda" else [])
+    prof, step, calls = profile(activities=acts), trainer._step, [0]
+
+    def traced_step(items, acc):
+        i = calls[0]
+        calls[0] += 1
+        if i == start:
+            prof.start()
+        out = step(items, acc)  # the trainer's loop marks it "dflash.train_step"
+        if i == start + n - 1:
+            prof.stop()
+            result.update(count_step_syncs(prof.events()))
+        return out
+    return traced_step
+
+
 def bench_pipeline(cfg: RunConfig, target: Target, b: BenchConfig) -> dict:
-    """The real trainer on synthetic sequences of exactly `seq_len` tokens; throughput after warm-up."""
+    """The real trainer on synthetic sequences of exactly `seq_len` tokens; throughput after warm-up,
+    then `profile_steps` steps traced to count host syncs inside the step."""
     from dflash.trainer import Trainer
+    steps = b.pipeline_steps + b.profile_steps
     run_cfg = dataclasses.replace(
         cfg,
         data=dataclasses.replace(cfg.data, source="synthetic", min_len=b.seq_len, max_len=b.seq_len,
-                                 num_sequences=max(64, 4 * b.pipeline_steps)),
-        trainer=dataclasses.replace(cfg.trainer, max_steps=b.pipeline_steps, num_anchors=b.anchors,
+                                 num_sequences=max(64, 4 * steps)),
+        trainer=dataclasses.replace(cfg.trainer, max_steps=steps, num_anchors=b.anchors,
                                     sequences_per_step=b.drafter_batch, checkpoint_every=10**9,
                                     eval_every=0, warmup_steps=1),
         tracking=dataclasses.replace(cfg.tracking, enabled=False, console=False,
                                      log_every=max(1, b.pipeline_steps // 2)))
     trainer = Trainer(run_cfg, target=target)
     trainer._finish = lambda loggers, metrics: None  # a benchmark writes no final drafter
-    metrics = trainer.run().metrics  # the second half of the run: autotuning and warm-up excluded
-    return {k: v for k, v in metrics.items() if k.startswith(("perf/", "buffer/total"))}
+    syncs: dict = {}
+    if b.profile_steps:
+        trainer._step = _traced(trainer, b.pipeline_steps, b.profile_steps, syncs)
+    metrics = _metrics_at(trainer, b.pipeline_steps)  # the interval ending there: warm-up excluded
+    out = {k: v for k, v in metrics.items() if k.startswith(("perf/", "buffer/total"))}
+    if syncs:
+        out["host_syncs_per_step"] = syncs["syncs"] / max(syncs["steps"], 1)
+        out["sync_calls"] = {k: v for k, v in syncs.items() if k not in ("steps", "syncs")}
+    out["producer_batch"] = cfg.trainer.producer_batch
+    return out
+
+
+def _metrics_at(trainer, step: int) -> dict:
+    """The metrics logged at `step` (the run itself goes on to trace the profiled steps)."""
+    seen: dict = {}
+    real_read = trainer._read_metrics
+
+    def read(acc, window, done):
+        m = real_read(acc, window, done)
+        if done == step:
+            seen.update(m)
+        return m
+    trainer._read_metrics = read
+    trainer.run()
+    return seen
 
 
 def run_bench(cfg: RunConfig, b: BenchConfig) -> dict:
     sections = set(b.sections.split(","))
+    info = init_distributed()  # under torchrun: before the target, so "cuda" is this rank's GPU
     target = Target(cfg.target)
     dev = target.device
+    split = cfg.trainer.device not in ("auto", str(dev)) and "cuda" in cfg.trainer.device
     out: dict = {"device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
-                 "kernels": target.kernels}
+                 "kernels": target.kernels, "world_size": info.world,
+                 # GPUs the pipeline uses: one per rank, two per rank when target and drafter are split
+                 "gpus": info.world * (2 if split else 1)}
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats(dev)
     if "peak" in sections:
@@ -200,7 +269,9 @@ def derive(out: dict) -> dict:
             out["back_to_back_mfu"] = serial * (t["flops_per_tok"] + d["flops_per_tok"]) / peak
     if p and t and d and peak:
         tok = p.get("perf/pipeline_tok_s", 0.0)
-        p["mfu"] = tok * (t["flops_per_tok"] + d["flops_per_tok"]) / peak
+        gpus = out.get("gpus", 1)
+        p["mfu"] = tok * (t["flops_per_tok"] + d["flops_per_tok"]) / (peak * gpus)
+        p["tok_s_per_gpu"] = tok / gpus
     return out
 
 
@@ -223,7 +294,12 @@ def format_table(out: dict) -> str:
     if "pipeline" in out:
         p = out["pipeline"]
         rows.append(("pipeline tok/s", f"{p.get('perf/pipeline_tok_s', 0):,.0f}",
-                     f"MFU {p.get('mfu', 0):.0%}; consumer waits {p.get('perf/consumer_wait_frac', 0):.0%}"))
+                     f"{out.get('gpus', 1)} GPU(s), {p.get('tok_s_per_gpu', 0):,.0f}/GPU, MFU {p.get('mfu', 0):.0%}; "
+                     f"consumer waits {p.get('perf/consumer_wait_frac', 0):.0%}; "
+                     f"producer batch {p.get('producer_batch', 1)}"))
+        if "host_syncs_per_step" in p:
+            rows.append(("host syncs in step", f"{p['host_syncs_per_step']:.2f}/step",
+                         f"profiler trace; {p.get('sync_calls') or 'none'}"))
     if "drafter" in out and out["drafter"].get("phases"):
         ph = out["drafter"]["phases"]
         total = sum(ph.values()) or 1

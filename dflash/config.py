@@ -43,7 +43,10 @@ class TrainerConfig:
     dtype: str = "float32"  # drafter parameter dtype (master weights)
     autocast: str = "auto"  # auto: bfloat16 autocast on GPU, off on CPU
     producers: int = 1  # target producer threads (deterministic buffers force 1)
+    producer_batch: int = 1  # sequences a producer claims per target forward (grouped by length, right-padded)
     eval_every: int = 0  # steps between cheap evals (0 = only at the end)
+    time_budget_s: float = 0.0  # stop at the first log interval past this much training time (0: off);
+    # the final checkpoint and full eval still run. For equal-time comparisons; the LR follows max_steps.
 
 
 @dataclass
@@ -79,7 +82,9 @@ def validate(cfg: RunConfig) -> None:
         if cfg.loss.name not in LOSSES:
             raise ConfigError(f"loss.name={cfg.loss.name!r} is unknown; expected one of {sorted(LOSSES)}")
         _positive("trainer", cfg.trainer, "max_steps", "sequences_per_step", "num_anchors", "lr",
-                  "checkpoint_every", "producers")
+                  "checkpoint_every", "producers", "producer_batch")
+        if cfg.trainer.time_budget_s < 0:
+            raise ConfigError(f"trainer.time_budget_s must be >= 0 (0: off), got {cfg.trainer.time_budget_s}")
         _positive("drafter", cfg.drafter, "num_layers", "num_heads", "num_kv_heads", "head_dim",
                   "intermediate_size")
         if cfg.drafter.num_heads % cfg.drafter.num_kv_heads:

@@ -68,13 +68,29 @@ class ItemSource:
             return (g, *self.locate(g))
 
 
+def length_groups(lengths: list[int], max_waste: float = 0.25) -> list[list[int]]:
+    """Indices grouped for batched forwards, longest first: a group grows while right-padding every member
+    to its longest adds at most `max_waste` of its real tokens."""
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    groups: list[list[int]] = []
+    for i in order:
+        g = groups[-1] if groups else None
+        if g and (len(g) + 1) * lengths[g[0]] <= (1 + max_waste) * (sum(lengths[j] for j in g) + lengths[i]):
+            g.append(i)
+        else:
+            groups.append([i])
+    return groups
+
+
 class ProducerPool:
-    """`n` producer threads feeding one buffer."""
+    """`n` producer threads feeding one buffer; each claims `batch` items per round and runs the target
+    on them in length groups (one forward per group). Items are put in claim order, so a single producer
+    puts keys in order and a checkpoint's item count stays an exact resume point."""
 
     def __init__(self, target: Target, buffer: BucketedBuffer, source: ItemSource, n: int,
-                 soft_top_k: int):
+                 soft_top_k: int, batch: int = 1):
         self.target, self.buffer, self.source = target, buffer, source
-        self.soft_top_k = soft_top_k
+        self.soft_top_k, self.batch = soft_top_k, batch
         self.stop = threading.Event()
         self.threads = [threading.Thread(target=self._run, name=f"producer-{i}", daemon=True)
                         for i in range(n)]
@@ -84,18 +100,35 @@ class ProducerPool:
             t.start()
         return self
 
-    def produce(self, g: int, epoch: int, idx: int) -> Item:
-        tokens = self.source.sequences[idx]
-        out = self.target.forward_features(tokens[None], self.soft_top_k)
-        soft = (out.soft_vals_BTk[0], out.soft_idx_BTk[0]) if out.soft_vals_BTk is not None else (None, None)
-        return Item(g, epoch, idx, tokens.to(self.target.device), out.features_BTLH[0], out.labels_BT[0], *soft)
+    def produce(self, claims: list[tuple[int, int, int]]) -> list[Item]:
+        """Target features for claimed (key, epoch, index) triples, in claim order.
+
+        Right-padding is exact for a causal model: attention, the Gated-DeltaNet recurrence and its short
+        convolution only look back, so positions < len never see the pad tokens."""
+        seqs = [self.source.sequences[idx] for _, _, idx in claims]
+        items: list[Item | None] = [None] * len(claims)
+        for group in length_groups([s.numel() for s in seqs]):
+            T = seqs[group[0]].numel()
+            ids = torch.zeros(len(group), T, dtype=seqs[group[0]].dtype)
+            for row, i in enumerate(group):
+                ids[row, : seqs[i].numel()] = seqs[i]
+            out = self.target.forward_features(ids, self.soft_top_k)
+            for row, i in enumerate(group):
+                L, (g, epoch, idx) = seqs[i].numel(), claims[i]
+                soft = (None, None) if out.soft_vals_BTk is None else \
+                    (out.soft_vals_BTk[row, :L], out.soft_idx_BTk[row, :L])
+                items[i] = Item(g, epoch, idx, seqs[i].to(self.target.device), out.features_BTLH[row, :L],
+                                out.labels_BT[row, :L], *soft)
+        return items
 
     def _run(self) -> None:
+        if self.target.device.type == "cuda":
+            torch.cuda.set_device(self.target.device)  # Triton kernels launch on the thread's current GPU
         try:
             while not self.stop.is_set():
-                g, epoch, idx = self.source.claim()
-                item = self.produce(g, epoch, idx)
-                self.buffer.put(item, item.tokens_T.numel(), key=g)
+                claims = [self.source.claim() for _ in range(self.batch)]
+                for item in self.produce(claims):
+                    self.buffer.put(item, item.tokens_T.numel(), key=item.key)
         except Exception as e:  # noqa: BLE001 - handed to the consumer through the buffer
             if not self.stop.is_set():
                 self.buffer.fail(e, source=threading.current_thread().name)

@@ -279,9 +279,13 @@ class TargetBatch:
 
 
 def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
+    """With an index always: a bare "cuda" means the *calling thread's* current GPU, which is GPU 0 in a
+    fresh producer thread even on torchrun rank 1 (CUDA's current device is per host thread)."""
+    dev = torch.device("cuda" if name == "auto" and torch.cuda.is_available() else
+                       "cpu" if name == "auto" else name)
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
+    return dev
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:

@@ -140,6 +140,8 @@ class Trainer:
         self.target = target or Target(cfg.target)  # benchmarks reuse one (54 GB) target
         self.run_id = run_id  # log into an existing MLflow run (a sweep trial's child run)
         self.device = resolve_device(cfg.trainer.device)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)  # the drafter may sit on another GPU than the target
         self.loss_fn = build_loss(cfg.loss)
         self.drafter = self._build_drafter()
         self.train_model = wrap_ddp(self.drafter, self.dist, self.device)  # the drafter itself on one process
@@ -224,7 +226,7 @@ class Trainer:
         top_k = self.cfg.target.soft_top_k if self.loss_fn.needs_soft else 0
         if self.loss_fn.needs_soft and top_k == 0:
             raise ConfigError(f"loss.name={self.cfg.loss.name} needs soft labels: target.soft_top_k must be > 0")
-        return ProducerPool(self.target, self.buffer, self.source, n, top_k).start()
+        return ProducerPool(self.target, self.buffer, self.source, n, top_k, self.cfg.trainer.producer_batch).start()
 
     def run(self) -> TrainResult:
         c = self.cfg
@@ -261,20 +263,33 @@ class Trainer:
         acc = MetricAccumulator(K, self.device, self.dist)
         metrics: dict[str, float] = {}
         window = _Window(producers, self.buffer, self.dist)
+        t_start, done = time.perf_counter(), self.start_step
         for step in range(self.start_step, c.trainer.max_steps):
             self.noise.advance(step)
             items = [self.buffer.get() for _ in range(c.trainer.sequences_per_step)]
-            window.add(self._step(items, acc), len(items))
+            with torch.profiler.record_function("dflash.train_step"):  # free unless a profiler runs
+                window.add(self._step(items, acc), len(items))
             done = step + 1
-            if done % c.tracking.log_every == 0 or done == c.trainer.max_steps:
+            last = done == c.trainer.max_steps
+            if done % c.tracking.log_every == 0 or last:
                 metrics = self._read_metrics(acc, window, done)
                 loggers.log(metrics, done)
-            if (c.trainer.eval_every and self.evaluator and done % c.trainer.eval_every == 0
-                    and done < c.trainer.max_steps):  # the final full-suite eval logs at max_steps
+                last = last or self._out_of_time(t_start)
+            if c.trainer.eval_every and self.evaluator and done % c.trainer.eval_every == 0 and not last:
                 loggers.log(self.evaluator(self.drafter, self.target, done, False, loggers), done)
-            if done % c.trainer.checkpoint_every == 0 or done == c.trainer.max_steps:
+            if done % c.trainer.checkpoint_every == 0 or last:
                 self._checkpoint(done)
+            if last:
+                break
+        self.final_step = done
         return metrics
+
+    def _out_of_time(self, t_start: float) -> bool:
+        """Rank 0's clock decides for every rank (checked only at log intervals: no extra sync)."""
+        budget = self.cfg.trainer.time_budget_s
+        if budget <= 0:
+            return False
+        return bool(broadcast_object(time.perf_counter() - t_start >= budget, self.dist))
 
     def _read_metrics(self, acc: MetricAccumulator, window: "_Window", step: int) -> dict[str, float]:
         m = acc.read()  # the one host sync of the interval
@@ -297,8 +312,8 @@ class Trainer:
         save_drafter(self.drafter, final, extra={"target": self.cfg.target.name, "loss": self.cfg.loss.name})
         loggers.log_artifact(str(final), "checkpoint")
         if self.evaluator:
-            ev = self.evaluator(self.drafter, self.target, self.cfg.trainer.max_steps, True, loggers)
-            loggers.log(ev, self.cfg.trainer.max_steps)
+            ev = self.evaluator(self.drafter, self.target, self.final_step, True, loggers)
+            loggers.log(ev, self.final_step)
             metrics.update(ev)
         return final
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import shlex
 import sys
 from datetime import datetime, timezone
@@ -59,6 +60,8 @@ def main(argv: list[str] | None = None) -> dict:
     bench, overrides, results = parse_bench_args(argv)
     cfg = compose_config(overrides)
     out = run_bench(cfg, bench)
+    if int(os.environ.get("RANK", "0")) != 0:  # torchrun: rank 0 reports for all ranks
+        return out
     table = format_table(out)
     print(table, flush=True)
     ml = MLflowLogger(cfg.tracking, flatten_config({**to_dict(cfg), "bench": dataclasses.asdict(bench)}),
@@ -67,7 +70,9 @@ def main(argv: list[str] | None = None) -> dict:
     ml.log_dict(out, "bench.json")
     ml.close()
     if results:
-        cmd = "python -m experiments.bench " + " ".join(shlex.quote(a) for a in argv)
+        launcher = (f"torchrun --nproc_per_node={os.environ['LOCAL_WORLD_SIZE']} -m" if "LOCAL_WORLD_SIZE" in os.environ
+                    else "python -m")
+        cmd = f"{launcher} experiments.bench " + " ".join(shlex.quote(a) for a in argv)
         stamp = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
         with open(results, "a") as f:
             f.write(f"\n### {stamp}\n\n`{cmd}`\n\n```\n{table}\n```\n\n<details><summary>raw</summary>\n\n"

@@ -61,7 +61,10 @@ def group_options(group: str) -> list[str]:
 def run_cli(main) -> None:
     """`python -m experiments.X`: logging on, bad input → `error: …` on stderr and exit status 2."""
     import logging
+    import os
     import sys
+    # Fewer, growable allocator segments: the drafter's variable-length steps otherwise fragment the cache.
+    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     try:
         main()

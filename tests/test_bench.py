@@ -12,6 +12,22 @@ def test_bench_reports_all_sections(tmp_path):
     for side in ("target", "drafter"):
         assert out[side]["tok_s"] > 0 and out[side]["flops_per_tok"] > 0 and 0 < out[side]["mfu"]
     assert out["pipeline"]["perf/pipeline_tok_s"] > 0 and "mfu" in out["pipeline"]
+    assert out["pipeline"]["host_syncs_per_step"] == 0  # CPU: nothing to sync, but the trace ran
     assert out["back_to_back_tok_s"] < min(out["target"]["tok_s"], out["drafter"]["tok_s"])
     text = results.read_text()
     assert "python -m experiments.bench" in text and "pipeline tok/s" in text
+
+
+def test_count_step_syncs_counts_only_the_steps_own_blocking_calls():
+    from types import SimpleNamespace as E
+
+    from dflash.bench import count_step_syncs
+
+    def ev(name, thread, start, end=None):
+        return E(name=name, thread=thread, time_range=E(start=start, end=end if end is not None else start + 1))
+    events = [ev("dflash.train_step", 1, 0, 100), ev("dflash.train_step", 1, 200, 300),
+              ev("cudaStreamSynchronize", 1, 50), ev("cudaMemcpyAsync", 1, 60),  # async: not a sync
+              ev("cudaStreamSynchronize", 2, 50),  # a producer thread's own sync
+              ev("cudaMemcpy", 1, 150),  # between steps: the interval's metric read
+              ev("cudaMemcpy", 1, 250)]
+    assert count_step_syncs(events) == {"steps": 2, "syncs": 2, "cudaStreamSynchronize": 1, "cudaMemcpy": 1}

@@ -107,3 +107,16 @@ def test_resume_can_extend_a_run_but_not_change_its_groups(fast_cfg):
     assert sorted(_losses(first.run_dir))[-1] == 8
     with pytest.raises(ConfigError, match="config group"):
         main([f"resume={first.run_dir}", "+loss=soft_kl"])
+
+
+def test_time_budget_stops_at_a_log_interval_with_checkpoint_and_final(fast_cfg):
+    res = train(fast_cfg("trainer.time_budget_s=1e-6", "trainer.max_steps=50", "trainer.producer_batch=3"))
+    assert sorted(_losses(res.run_dir)) == [1]  # log_every=1: the first interval is past the budget
+    assert (res.run_dir / "checkpoints" / "step_00000001.pt").is_file()
+    assert (res.run_dir / "final" / "model.safetensors").is_file()
+
+
+def test_negative_time_budget_is_rejected(fast_cfg):
+    from dflash.config import ConfigError, validate
+    with pytest.raises(ConfigError, match="trainer.time_budget_s"):
+        validate(fast_cfg("trainer.time_budget_s=-1"))

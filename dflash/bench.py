@@ -294,7 +294,7 @@ def format_table(out: dict) -> str:
     if "pipeline" in out:
         p = out["pipeline"]
         rows.append(("pipeline tok/s", f"{p.get('perf/pipeline_tok_s', 0):,.0f}",
-                     f"{out.get('gpus', 1)} GPU(s), {p.get('tok_s_per_gpu', 0):,.0f}/GPU, MFU {p.get('mfu', 0):.0%}; "
+                     f"{out.get('gpus', 1)} device(s), {p.get('tok_s_per_gpu', 0):,.0f} each, MFU {p.get('mfu', 0):.0%}; "
                      f"consumer waits {p.get('perf/consumer_wait_frac', 0):.0%}; "
                      f"producer batch {p.get('producer_batch', 1)}"))
         if "host_syncs_per_step" in p:

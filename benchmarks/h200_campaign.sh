@@ -1,0 +1,59 @@
+#!/usr/bin/env bash
+# The GPU runs behind benchmarks/RESULTS.md and the closing notes of issues 4-6, exactly as run on a
+# 2 x H200 machine:   bash benchmarks/h200_campaign.sh <stage>      (stages: a, b)
+# Everything a stage writes lands in $OUT (default ./gpu_out): logs, MLflow sqlite files, results tables,
+# packed into one tarball at the end. Each stage keeps inside 10 minutes of wall time.
+#
+# a  GPU 0: the 27B-shaped benchmark (issue 6), one H200, then its pipeline with producer_batch=1 (before).
+#    GPU 1: the reference target's fast-vs-torch benchmark (issue 4), then side by side on the same GPU:
+#           5-minute hard_ce and soft_kl runs on target-regenerated data (issue 4) and the loss sweep (issue 5).
+# b  Both GPUs: the 27B-shaped pipeline under torchrun (DDP, target+drafter on each GPU), then target on
+#    GPU 0 and drafter on GPU 1 in one process (issue 6).
+set -uo pipefail
+STAGE=${1:?stage a or b}
+OUT=${OUT:-gpu_out}
+W=gpu_work/$STAGE
+mkdir -p "$OUT" "$W"
+if [ -d .whl ]; then  # the GPU machine has torch/transformers/triton but not our other dependencies
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+  export PYTHONPATH=/tmp/site:$PWD
+fi
+export PYTHONUNBUFFERED=1
+BIG="+target=qwen3_6_27b_random +drafter=published bench.seq_len=2048 bench.anchors=256"
+REGEN="+data=target_regen data.num_sequences=8192 data.regen_batch_size=512"
+db() { echo "tracking.tracking_uri=sqlite:///$PWD/$W/$1.db"; }
+
+stage_a() {
+  ( export CUDA_VISIBLE_DEVICES=0
+    timeout 330 python -m experiments.bench $BIG +trainer=gpu trainer.producer_batch=4 \
+      bench.sections=peak,target,drafter,pipeline results=$W/RESULTS_27b_1gpu.md "$(db bench27b)" > $W/bench27b.log 2>&1
+    timeout 170 python -m experiments.bench $BIG +trainer=gpu trainer.producer_batch=1 \
+      bench.sections=pipeline bench.profile_steps=0 results=$W/RESULTS_27b_pb1.md "$(db bench27b_pb1)" > $W/bench27b_pb1.log 2>&1
+  ) &
+  ( export CUDA_VISIBLE_DEVICES=1
+    timeout 90 python -m experiments.bench +target=reference +trainer=gpu bench.seq_len=1024 bench.target_batch=8 \
+      bench.anchors=64 bench.sections=peak,target,target_torch,drafter,pipeline results=$W/RESULTS_ref.md "$(db bench_ref)" \
+      > $W/bench_ref.log 2>&1
+    for loss in hard_ce soft_kl; do
+      timeout 420 python -m experiments.run +trainer=gpu $REGEN +loss=$loss trainer.time_budget_s=300 trainer.max_steps=6000 \
+        trainer.eval_every=1000 trainer.checkpoint_every=2000 run_dir=$W/i4_$loss "$(db i4_$loss)" > $W/i4_$loss.log 2>&1 &
+      [ $loss = hard_ce ] && for i in $(seq 90); do ls .cache/dflash/regen/*.pt >/dev/null 2>&1 && break; sleep 2; done
+    done
+    timeout 380 python -m sweeps.launch loss_variants n_trials=16 workers=2 gpus=1 timeout=230 out=$W/sweeps $REGEN \
+      "$(db sweep)" > $W/sweep.log 2>&1
+    wait
+  ) &
+  wait
+}
+
+stage_b() {
+  timeout 300 torchrun --nproc_per_node=2 -m experiments.bench $BIG +trainer=gpu trainer.producer_batch=4 \
+    bench.sections=peak,target,drafter,pipeline results=$W/RESULTS_27b_2gpu_ddp.md "$(db bench27b_ddp)" > $W/bench27b_ddp.log 2>&1
+  timeout 260 python -m experiments.bench $BIG +trainer=gpu trainer.producer_batch=4 target.device=cuda:0 trainer.device=cuda:1 \
+    bench.sections=peak,target,drafter,pipeline results=$W/RESULTS_27b_2gpu_split.md "$(db bench27b_split)" > $W/bench27b_split.log 2>&1
+}
+
+stage_$STAGE
+nvidia-smi --query-gpu=index,memory.used,utilization.gpu --format=csv > $W/nvidia_smi.txt 2>&1
+tar czf "$OUT/stage_$STAGE.tgz" --exclude='*.pt' --exclude='*.safetensors' -C gpu_work "$STAGE"
+for f in $W/*.log; do echo "== $f"; grep -v "^INFO\|^W1\|Warning" "$f" | tail -14; done

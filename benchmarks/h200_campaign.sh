@@ -7,8 +7,9 @@
 # a  GPU 0: the 27B-shaped benchmark (issue 6), one H200, then its pipeline with producer_batch=1 (before).
 #    GPU 1: the reference target's fast-vs-torch benchmark (issue 4), then side by side on the same GPU:
 #           5-minute hard_ce and soft_kl runs on target-regenerated data (issue 4) and the loss sweep (issue 5).
-# b  Both GPUs: the 27B-shaped pipeline under torchrun (DDP, target+drafter on each GPU), then target on
-#    GPU 0 and drafter on GPU 1 in one process (issue 6).
+# b  Both GPUs: the 27B-shaped pipeline under torchrun (DDP, target+drafter on each GPU); then the one-H200
+#    benchmark on GPU 0 beside the reference target's fast-vs-torch benchmark on GPU 1; then, time allowing,
+#    target on GPU 0 and drafter on GPU 1 in one process (issue 6).
 set -uo pipefail
 STAGE=${1:?stage a or b}
 OUT=${OUT:-gpu_out}
@@ -47,10 +48,22 @@ stage_a() {
 }
 
 stage_b() {
+  local t0=$SECONDS
   timeout 300 torchrun --nproc_per_node=2 -m experiments.bench $BIG +trainer=gpu trainer.producer_batch=4 \
     bench.sections=peak,target,drafter,pipeline results=$W/RESULTS_27b_2gpu_ddp.md "$(db bench27b_ddp)" > $W/bench27b_ddp.log 2>&1
-  timeout 260 python -m experiments.bench $BIG +trainer=gpu trainer.producer_batch=4 target.device=cuda:0 trainer.device=cuda:1 \
-    bench.sections=peak,target,drafter,pipeline results=$W/RESULTS_27b_2gpu_split.md "$(db bench27b_split)" > $W/bench27b_split.log 2>&1
+  ( export CUDA_VISIBLE_DEVICES=0
+    timeout 270 python -m experiments.bench $BIG +trainer=gpu trainer.producer_batch=4 \
+      bench.sections=peak,target,drafter,pipeline results=$W/RESULTS_27b_1gpu.md "$(db bench27b)" > $W/bench27b.log 2>&1 ) &
+  ( export CUDA_VISIBLE_DEVICES=1
+    timeout 150 python -m experiments.bench +target=reference +trainer=gpu bench.seq_len=1024 bench.target_batch=8 \
+      bench.anchors=64 bench.sections=peak,target,target_torch,drafter,pipeline results=$W/RESULTS_ref.md "$(db bench_ref)" \
+      > $W/bench_ref.log 2>&1 ) &
+  wait
+  if (( SECONDS - t0 < 330 )); then  # target on GPU 0, drafter on GPU 1, one process
+    timeout $(( 560 - (SECONDS - t0) )) python -m experiments.bench $BIG +trainer=gpu trainer.producer_batch=4 \
+      target.device=cuda:0 trainer.device=cuda:1 bench.sections=peak,target,drafter,pipeline \
+      results=$W/RESULTS_27b_2gpu_split.md "$(db bench27b_split)" > $W/bench27b_split.log 2>&1
+  fi
 }
 
 stage_$STAGE

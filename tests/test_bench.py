@@ -31,3 +31,22 @@ def test_count_step_syncs_counts_only_the_steps_own_blocking_calls():
               ev("cudaMemcpy", 1, 150),  # between steps: the interval's metric read
               ev("cudaMemcpy", 1, 250)]
     assert count_step_syncs(events) == {"steps": 2, "syncs": 2, "cudaStreamSynchronize": 1, "cudaMemcpy": 1}
+
+
+def test_fused_attention_flops_handle_gqa_masks_and_causal():
+    import torch
+
+    from dflash.bench import _sdpa_flop_mapping
+
+    aten = torch.ops.aten
+    mapping = _sdpa_flop_mapping()
+    eff, flash = mapping[aten._scaled_dot_product_efficient_attention], mapping[aten._scaled_dot_product_flash_attention]
+    q, k, v = torch.randn(2, 8, 16, 32), torch.randn(2, 2, 24, 32), torch.randn(2, 2, 24, 32)  # GQA 8:2
+    dense = 2 * 2 * 8 * 16 * 24 * (32 + 32)  # QK^T and PV over every key
+    assert flash(q, k, v, 0.0, False) == dense
+    mask = torch.zeros(2, 1, 16, 24, dtype=torch.bool)
+    mask[..., :6] = True  # a quarter of the keys visible
+    assert eff(q, k, v, mask, False) == dense // 4
+    assert flash(q, k, k, 0.0, True) == int(dense * 17 / 48)  # causal: (s_q + 1) / (2 s_k) of the keys
+    bwd = mapping[aten._scaled_dot_product_efficient_attention_backward]
+    assert bwd(torch.randn(2, 8, 16, 32), q, k, v, mask) == 2 * dense // 4

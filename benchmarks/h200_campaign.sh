@@ -10,8 +10,10 @@
 # b  Both GPUs: the 27B-shaped pipeline under torchrun (DDP, target+drafter on each GPU); then the one-H200
 #    benchmark on GPU 0 beside the reference target's fast-vs-torch benchmark on GPU 1; then, time allowing,
 #    target on GPU 0 and drafter on GPU 1 in one process (issue 6).
+# c  The split layout (target GPU 0, drafter GPU 1); then 8 more trials of stage a's loss sweep, one worker per
+#    GPU (copy stage a's loss_variants.journal and sweep.db into gpu_carry/ and carry it).
 set -uo pipefail
-STAGE=${1:?stage a or b}
+STAGE=${1:?stage a, b or c}
 OUT=${OUT:-gpu_out}
 W=gpu_work/$STAGE
 mkdir -p "$OUT" "$W"
@@ -64,6 +66,16 @@ stage_b() {
       target.device=cuda:0 trainer.device=cuda:1 bench.sections=peak,target,drafter,pipeline \
       results=$W/RESULTS_27b_2gpu_split.md "$(db bench27b_split)" > $W/bench27b_split.log 2>&1
   fi
+}
+
+stage_c() {  # the split layout, then more trials of stage a's sweep (its journal + MLflow db carried in gpu_carry/)
+  timeout 250 python -m experiments.bench $BIG +trainer=gpu trainer.producer_batch=4 target.device=cuda:0 \
+    trainer.device=cuda:1 bench.sections=peak,target,drafter,pipeline results=$W/RESULTS_27b_2gpu_split.md \
+    "$(db bench27b_split)" > $W/bench27b_split.log 2>&1
+  mkdir -p gpu_work/a/sweeps && cp gpu_carry/loss_variants.journal gpu_work/a/sweeps/ && cp gpu_carry/sweep.db gpu_work/a/
+  timeout 230 python -m sweeps.launch loss_variants n_trials=8 workers=2 gpus=0,1 timeout=130 out=gpu_work/a/sweeps $REGEN \
+    "tracking.tracking_uri=sqlite:///$PWD/gpu_work/a/sweep.db" > $W/sweep.log 2>&1
+  cp gpu_work/a/sweep.db gpu_work/a/sweeps/loss_variants.journal $W/
 }
 
 stage_$STAGE

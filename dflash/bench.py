@@ -193,25 +193,46 @@ SYNC_CALLS = frozenset({"cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaE
                         "cudaMemcpy", "cudaMemcpy2D", "cudaMemset", "cudaStreamWaitEvent_sync"})
 
 
-def count_step_syncs(events, step_name: str = "dflash.train_step") -> dict[str, int]:
+def count_step_syncs(events, step_name: str = "dflash.train_step") -> dict:
     """Blocking CUDA runtime calls made *inside* the traced training steps, on the step's own thread
-    (producer threads sync on purpose, to time their forwards; the consumer must not)."""
-    steps = [e for e in events if e.name == step_name]
+    (producer threads sync on purpose, to time their forwards; the consumer must not). `sites` names, for
+    each, the innermost op around it and the nearest frame of our code (when the trace has stacks)."""
+    steps = [e for e in events if e.name == step_name and _on_cpu(e)]  # not the GPU-side annotation
     threads = {e.thread for e in steps}
     spans = [(e.time_range.start, e.time_range.end) for e in steps]
     syncs = [e for e in events if e.name in SYNC_CALLS and e.thread in threads
              and any(a <= e.time_range.start <= b for a, b in spans)]
-    out = {"steps": len(steps), "syncs": len(syncs)}
+    out: dict = {"steps": len(steps), "syncs": len(syncs), "sites": {}}
     for e in syncs:
         out[e.name] = out.get(e.name, 0) + 1
+        site = _sync_site(e, events)
+        out["sites"][site] = out["sites"].get(site, 0) + 1
     return out
+
+
+def _on_cpu(e) -> bool:
+    return str(getattr(e, "device_type", "CPU")).endswith("CPU")
+
+
+def _sync_site(sync, events) -> str:
+    """'op @ file:line' of the innermost CPU op on the same thread that encloses the sync call."""
+    t = sync.time_range.start
+    around = [e for e in events if e is not sync and e.thread == sync.thread and _on_cpu(e)
+              and e.time_range.start <= t <= e.time_range.end and e.name not in SYNC_CALLS
+              and e.name != "dflash.train_step"]
+    if not around:
+        return sync.name
+    inner = max(around, key=lambda e: e.time_range.start)
+    frames = [f for e in sorted(around, key=lambda e: -e.time_range.start) for f in (getattr(e, "stack", None) or [])
+              if "dflash" in f or "experiments" in f]
+    return inner.name + (f" @ {frames[0]}" if frames else "")
 
 
 def _traced(trainer, start: int, n: int, result: dict):
     """Wraps `trainer._step` so steps start .. start+n-1 run under the profiler."""
     from torch.profiler import ProfilerActivity, profile
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if trainer.device.type == "cuda" else [])
-    prof, step, calls = profile(activities=acts), trainer._step, [0]
+    prof, step, calls = profile(activities=acts, with_stack=True), trainer._step, [0]
 
     def traced_step(items, acc):
         i = calls[0]
@@ -249,7 +270,8 @@ def bench_pipeline(cfg: RunConfig, target: Target, b: BenchConfig) -> dict:
     out = {k: v for k, v in metrics.items() if k.startswith(("perf/", "buffer/total"))}
     if syncs:
         out["host_syncs_per_step"] = syncs["syncs"] / max(syncs["steps"], 1)
-        out["sync_calls"] = {k: v for k, v in syncs.items() if k not in ("steps", "syncs")}
+        out["sync_calls"] = {k: v for k, v in syncs.items() if k not in ("steps", "syncs", "sites")}
+        out["sync_sites"] = syncs["sites"]
     out["producer_batch"] = cfg.trainer.producer_batch
     return out
 
@@ -341,7 +363,7 @@ def format_table(out: dict) -> str:
                      f"producer batch {p.get('producer_batch', 1)}"))
         if "host_syncs_per_step" in p:
             rows.append(("host syncs in step", f"{p['host_syncs_per_step']:.2f}/step",
-                         f"profiler trace; {p.get('sync_calls') or 'none'}"))
+                         f"profiler trace; {p.get('sync_calls') or 'none'}; at {p.get('sync_sites') or '-'}"))
     if "drafter" in out and out["drafter"].get("phases"):
         ph = out["drafter"]["phases"]
         total = sum(ph.values()) or 1

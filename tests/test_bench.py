@@ -30,7 +30,11 @@ def test_count_step_syncs_counts_only_the_steps_own_blocking_calls():
               ev("cudaStreamSynchronize", 2, 50),  # a producer thread's own sync
               ev("cudaMemcpy", 1, 150),  # between steps: the interval's metric read
               ev("cudaMemcpy", 1, 250)]
-    assert count_step_syncs(events) == {"steps": 2, "syncs": 2, "cudaStreamSynchronize": 1, "cudaMemcpy": 1}
+    events.append(ev("aten::item", 1, 240, 260))
+    got = count_step_syncs(events)
+    assert got["steps"] == 2 and got["syncs"] == 2
+    assert got["cudaStreamSynchronize"] == 1 and got["cudaMemcpy"] == 1
+    assert got["sites"] == {"cudaStreamSynchronize": 1, "aten::item": 1}
 
 
 def test_fused_attention_flops_handle_gqa_masks_and_causal():

@@ -38,6 +38,7 @@ class BenchConfig:
     peak_n: int = 8192
     pipeline_steps: int = 20  # 0 skips the pipeline measurement
     profile_steps: int = 5  # pipeline steps traced by the profiler to count host syncs (0: no trace)
+    sync_stacks: int = 0  # 1: record Python stacks in that trace to name each sync's call site (slow to process)
     sections: str = "peak,target,target_torch,drafter,pipeline"  # target_torch: the torch GDN fallback
 
 
@@ -203,9 +204,11 @@ def count_step_syncs(events, step_name: str = "dflash.train_step") -> dict:
     syncs = [e for e in events if e.name in SYNC_CALLS and e.thread in threads
              and any(a <= e.time_range.start <= b for a, b in spans)]
     out: dict = {"steps": len(steps), "syncs": len(syncs), "sites": {}}
+    ops = [e for e in events if e.thread in threads and _on_cpu(e) and e.name not in SYNC_CALLS
+           and e.name != step_name] if syncs else []
     for e in syncs:
         out[e.name] = out.get(e.name, 0) + 1
-        site = _sync_site(e, events)
+        site = _sync_site(e, ops)
         out["sites"][site] = out["sites"].get(site, 0) + 1
     return out
 
@@ -214,12 +217,10 @@ def _on_cpu(e) -> bool:
     return str(getattr(e, "device_type", "CPU")).endswith("CPU")
 
 
-def _sync_site(sync, events) -> str:
-    """'op @ file:line' of the innermost CPU op on the same thread that encloses the sync call."""
+def _sync_site(sync, ops) -> str:
+    """'op @ file:line' of the innermost CPU op (of the step's thread) that encloses the sync call."""
     t = sync.time_range.start
-    around = [e for e in events if e is not sync and e.thread == sync.thread and _on_cpu(e)
-              and e.time_range.start <= t <= e.time_range.end and e.name not in SYNC_CALLS
-              and e.name != "dflash.train_step"]
+    around = [e for e in ops if e.thread == sync.thread and e.time_range.start <= t <= e.time_range.end]
     if not around:
         return sync.name
     inner = max(around, key=lambda e: e.time_range.start)
@@ -228,11 +229,11 @@ def _sync_site(sync, events) -> str:
     return inner.name + (f" @ {frames[0]}" if frames else "")
 
 
-def _traced(trainer, start: int, n: int, result: dict):
+def _traced(trainer, start: int, n: int, result: dict, stacks: bool = False):
     """Wraps `trainer._step` so steps start .. start+n-1 run under the profiler."""
     from torch.profiler import ProfilerActivity, profile
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if trainer.device.type == "cuda" else [])
-    prof, step, calls = profile(activities=acts, with_stack=True), trainer._step, [0]
+    prof, step, calls = profile(activities=acts, with_stack=stacks), trainer._step, [0]
 
     def traced_step(items, acc):
         i = calls[0]
@@ -265,7 +266,7 @@ def bench_pipeline(cfg: RunConfig, target: Target, b: BenchConfig) -> dict:
     trainer._finish = lambda loggers, metrics: None  # a benchmark writes no final drafter
     syncs: dict = {}
     if b.profile_steps:
-        trainer._step = _traced(trainer, b.pipeline_steps, b.profile_steps, syncs)
+        trainer._step = _traced(trainer, b.pipeline_steps, b.profile_steps, syncs, bool(b.sync_stacks))
     metrics = _metrics_at(trainer, b.pipeline_steps)  # the interval ending there: warm-up excluded
     out = {k: v for k, v in metrics.items() if k.startswith(("perf/", "buffer/total"))}
     if syncs:
@@ -331,11 +332,11 @@ def derive(out: dict) -> dict:
         out["back_to_back_tok_s"] = serial
         if peak:
             out["back_to_back_mfu"] = serial * (t["flops_per_tok"] + d["flops_per_tok"]) / peak
-    if p and t and d and peak:
-        tok = p.get("perf/pipeline_tok_s", 0.0)
-        gpus = out.get("gpus", 1)
-        p["mfu"] = tok * (t["flops_per_tok"] + d["flops_per_tok"]) / (peak * gpus)
+    if p:
+        tok, gpus = p.get("perf/pipeline_tok_s", 0.0), out.get("gpus", 1)
         p["tok_s_per_gpu"] = tok / gpus
+        if t and d and peak:
+            p["mfu"] = tok * (t["flops_per_tok"] + d["flops_per_tok"]) / (peak * gpus)
     return out
 
 
@@ -358,7 +359,8 @@ def format_table(out: dict) -> str:
     if "pipeline" in out:
         p = out["pipeline"]
         rows.append(("pipeline tok/s", f"{p.get('perf/pipeline_tok_s', 0):,.0f}",
-                     f"{out.get('gpus', 1)} device(s), {p.get('tok_s_per_gpu', 0):,.0f} each, MFU {p.get('mfu', 0):.0%}; "
+                     f"{out.get('gpus', 1)} device(s), {p.get('tok_s_per_gpu', 0):,.0f} each, "
+                     f"MFU {'n/a' if 'mfu' not in p else format(p['mfu'], '.0%')}; "
                      f"consumer waits {p.get('perf/consumer_wait_frac', 0):.0%}; "
                      f"producer batch {p.get('producer_batch', 1)}"))
         if "host_syncs_per_step" in p:

@@ -55,9 +55,10 @@ def make_batch(items: list[Item], *, block_size: int, num_anchors: int, seed: in
     anchors_BN = torch.ones(B, N, dtype=torch.long)
     valid_BN = torch.zeros(B, N, dtype=torch.bool)
     for b, (it, a) in enumerate(zip(items, anchors)):
-        gen = torch.Generator(device=device).manual_seed(item_seed(seed, it.epoch, it.index) + 7)
         f = it.features_TLH.to(device, non_blocking=True)
-        feats[b, : f.shape[0]] = noise.add(f, sigma, gen)
+        if sigma > 0:  # re-seeded per item: the noise of an item never depends on what came before it
+            f = noise.add(f, sigma, _noise_generator(device).manual_seed(item_seed(seed, it.epoch, it.index) + 7))
+        feats[b, : f.shape[0]] = f
         anchors_BN[b, : a.numel()] = a
         valid_BN[b, : a.numel()] = True
     anchors_BN, valid_BN = _to_device(anchors_BN, device), _to_device(valid_BN, device)
@@ -75,6 +76,17 @@ def make_batch(items: list[Item], *, block_size: int, num_anchors: int, seed: in
     anchor_tokens = tokens.gather(1, anchors_BN)
     return DrafterBatch(feats, anchors_BN, anchor_tokens, labels_BNK, soft_vals, soft_idx,
                         sum(it.tokens_T.numel() for it in items))
+
+
+_GENERATORS: dict[torch.device, torch.Generator] = {}
+
+
+def _noise_generator(device: torch.device) -> torch.Generator:
+    """One generator per device, made once: constructing a CUDA generator allocates its state on the GPU,
+    which is not free to do every step (the consumer thread alone calls this)."""
+    if device not in _GENERATORS:
+        _GENERATORS[device] = torch.Generator(device=device)
+    return _GENERATORS[device]
 
 
 def _to_device(x: torch.Tensor, device: torch.device) -> torch.Tensor:

@@ -39,7 +39,9 @@ class BenchConfig:
     pipeline_steps: int = 20  # 0 skips the pipeline measurement
     profile_steps: int = 5  # pipeline steps traced by the profiler to count host syncs (0: no trace)
     sync_stacks: int = 0  # 1: record Python stacks in that trace to name each sync's call site (slow to process)
-    sections: str = "peak,target,target_torch,drafter,pipeline"  # target_torch: the torch GDN fallback
+    # target_torch: the torch GDN fallback; drafter_ungrouped: the drafter step with all anchors in one
+    # attention call (drafter.attn_group=0), beside the grouped one
+    sections: str = "peak,target,target_torch,drafter,drafter_ungrouped,pipeline"
 
 
 def _timed(fn, iters: int, device: torch.device) -> float:
@@ -194,20 +196,30 @@ SYNC_CALLS = frozenset({"cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaE
                         "cudaMemcpy", "cudaMemcpy2D", "cudaMemset", "cudaStreamWaitEvent_sync"})
 
 
+# Ops that read a GPU value back to the host (an implicit sync on CUDA); visible in a CPU trace too.
+HOST_READ_OPS = frozenset({"aten::_local_scalar_dense", "aten::item", "aten::nonzero", "aten::masked_select",
+                           "aten::_unique2", "aten::unique_consecutive"})
+
+
 def count_step_syncs(events, step_name: str = "dflash.train_step") -> dict:
-    """Blocking CUDA runtime calls made *inside* the traced training steps, on the step's own thread
-    (producer threads sync on purpose, to time their forwards; the consumer must not). `sites` names, for
-    each, the innermost op around it and the nearest frame of our code (when the trace has stacks)."""
+    """Blocking CUDA runtime calls and host-read ops made *inside* the traced training steps, on the step's
+    own thread (producer threads sync on purpose, to time their forwards; the consumer must not). `sites`
+    names each one's place: the innermost `dflash.*` phase, the innermost op around it, and the nearest frame
+    of our code when the trace has stacks."""
     steps = [e for e in events if e.name == step_name and _on_cpu(e)]  # not the GPU-side annotation
     threads = {e.thread for e in steps}
     spans = [(e.time_range.start, e.time_range.end) for e in steps]
-    syncs = [e for e in events if e.name in SYNC_CALLS and e.thread in threads
-             and any(a <= e.time_range.start <= b for a, b in spans)]
-    out: dict = {"steps": len(steps), "syncs": len(syncs), "sites": {}}
+
+    def in_step(e) -> bool:
+        return e.thread in threads and any(a <= e.time_range.start <= b for a, b in spans)
+    syncs = [e for e in events if e.name in SYNC_CALLS and in_step(e)]
+    reads = [e for e in events if e.name in HOST_READ_OPS and in_step(e)]
+    out: dict = {"steps": len(steps), "syncs": len(syncs), "host_reads": len(reads), "sites": {}}
     ops = [e for e in events if e.thread in threads and _on_cpu(e) and e.name not in SYNC_CALLS
-           and e.name != step_name] if syncs else []
+           and e.name != step_name] if syncs or reads else []
     for e in syncs:
         out[e.name] = out.get(e.name, 0) + 1
+    for e in syncs + reads:
         site = _sync_site(e, ops)
         out["sites"][site] = out["sites"].get(site, 0) + 1
     return out
@@ -217,16 +229,18 @@ def _on_cpu(e) -> bool:
     return str(getattr(e, "device_type", "CPU")).endswith("CPU")
 
 
-def _sync_site(sync, ops) -> str:
-    """'op @ file:line' of the innermost CPU op (of the step's thread) that encloses the sync call."""
-    t = sync.time_range.start
-    around = [e for e in ops if e.thread == sync.thread and e.time_range.start <= t <= e.time_range.end]
-    if not around:
-        return sync.name
-    inner = max(around, key=lambda e: e.time_range.start)
-    frames = [f for e in sorted(around, key=lambda e: -e.time_range.start) for f in (getattr(e, "stack", None) or [])
-              if "dflash" in f or "experiments" in f]
-    return inner.name + (f" @ {frames[0]}" if frames else "")
+def _sync_site(event, ops) -> str:
+    """'phase: op @ file:line' for an event, from the CPU ops of its thread that enclose it."""
+    t = event.time_range.start
+    around = sorted((e for e in ops if e is not event and e.thread == event.thread
+                     and e.time_range.start <= t <= e.time_range.end), key=lambda e: -e.time_range.start)
+    phase = next((e.name for e in around if e.name.startswith("dflash.")), "")
+    op = next((e.name for e in around if not e.name.startswith("dflash.")), None)
+    frames = [f for e in around for f in (getattr(e, "stack", None) or []) if "dflash" in f or "experiments" in f]
+    where = event.name if op is None or event.name in HOST_READ_OPS else op
+    if event.name in HOST_READ_OPS and op is not None:
+        where = f"{op} > {event.name}"
+    return (f"{phase}: " if phase else "") + where + (f" @ {frames[0]}" if frames else "")
 
 
 def _traced(trainer, start: int, n: int, result: dict, stacks: bool = False):
@@ -271,7 +285,8 @@ def bench_pipeline(cfg: RunConfig, target: Target, b: BenchConfig) -> dict:
     out = {k: v for k, v in metrics.items() if k.startswith(("perf/", "buffer/total"))}
     if syncs:
         out["host_syncs_per_step"] = syncs["syncs"] / max(syncs["steps"], 1)
-        out["sync_calls"] = {k: v for k, v in syncs.items() if k not in ("steps", "syncs", "sites")}
+        out["host_reads_per_step"] = syncs["host_reads"] / max(syncs["steps"], 1)
+        out["sync_calls"] = {k: v for k, v in syncs.items() if k not in ("steps", "syncs", "sites", "host_reads")}
         out["sync_sites"] = syncs["sites"]
     out["producer_batch"] = cfg.trainer.producer_batch
     return out
@@ -301,7 +316,7 @@ def run_bench(cfg: RunConfig, b: BenchConfig) -> dict:
     out: dict = {"device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
                  "kernels": target.kernels, "world_size": info.world,
                  # GPUs the pipeline uses: one per rank, two per rank when target and drafter are split
-                 "gpus": info.world * (2 if split else 1)}
+                 "gpus": info.world * (2 if split else 1), "attn_group": cfg.drafter.attn_group}
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats(dev)
     if "peak" in sections:
@@ -312,6 +327,9 @@ def run_bench(cfg: RunConfig, b: BenchConfig) -> dict:
         out["target_torch"] = bench_target_torch(target, b)  # skipped where the fast path is absent anyway
     if "drafter" in sections:
         out["drafter"] = DrafterStepBench(cfg, target, b).run()
+    if "drafter_ungrouped" in sections and 0 < cfg.drafter.attn_group < b.anchors:
+        one_call = dataclasses.replace(cfg, drafter=dataclasses.replace(cfg.drafter, attn_group=0))
+        out["drafter_ungrouped"] = DrafterStepBench(one_call, target, b).run()
     if "pipeline" in sections and b.pipeline_steps:
         out["pipeline"] = bench_pipeline(cfg, target, b)
     if dev.type == "cuda":
@@ -353,6 +371,10 @@ def format_table(out: dict) -> str:
         s, fast = out["target_torch"], out.get("target", {}).get("tok_s", 0.0)
         rows.append(("target tok/s, torch GDN", f"{s['tok_s']:,.0f}",
                      f"fast path is {fast / s['tok_s']:.2f}x" if s["tok_s"] else ""))
+    if "drafter_ungrouped" in out:
+        s, grouped = out["drafter_ungrouped"], out.get("drafter", {}).get("tok_s", 0.0)
+        rows.append(("drafter tok/s, one attn call", f"{s['tok_s']:,.0f}",
+                     f"groups of {out.get('attn_group', '?')} are {grouped / s['tok_s']:.2f}x" if s["tok_s"] else ""))
     if "back_to_back_tok_s" in out:
         rows.append(("back-to-back tok/s", f"{out['back_to_back_tok_s']:,.0f}",
                      f"MFU {out.get('back_to_back_mfu', 0):.0%} (serial sum of the two sides)"))
@@ -364,7 +386,8 @@ def format_table(out: dict) -> str:
                      f"consumer waits {p.get('perf/consumer_wait_frac', 0):.0%}; "
                      f"producer batch {p.get('producer_batch', 1)}"))
         if "host_syncs_per_step" in p:
-            rows.append(("host syncs in step", f"{p['host_syncs_per_step']:.2f}/step",
+            rows.append(("host syncs in step", f"{p['host_syncs_per_step']:.2f}/step, "
+                         f"{p.get('host_reads_per_step', 0):.2f} host reads/step",
                          f"profiler trace; {p.get('sync_calls') or 'none'}; at {p.get('sync_sites') or '-'}"))
     if "drafter" in out and out["drafter"].get("phases"):
         ph = out["drafter"]["phases"]

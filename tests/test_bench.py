@@ -7,12 +7,17 @@ from tests.conftest import FAST
 def test_bench_reports_all_sections(tmp_path):
     results = tmp_path / "RESULTS.md"
     out = main([*FAST, "bench.seq_len=48", "bench.anchors=4", "bench.target_batch=1", "bench.iters=1",
-                "bench.warmup=1", "bench.pipeline_steps=4", f"results={results}",
+                "bench.warmup=1", "bench.pipeline_steps=4", "drafter.attn_group=2", f"results={results}",
                 f"tracking.tracking_uri=sqlite:///{tmp_path / 'm.db'}", f"run_dir={tmp_path / 'run'}"])
     for side in ("target", "drafter"):
         assert out[side]["tok_s"] > 0 and out[side]["flops_per_tok"] > 0 and 0 < out[side]["mfu"]
     assert out["pipeline"]["perf/pipeline_tok_s"] > 0 and "mfu" in out["pipeline"]
+    assert out["drafter_ungrouped"]["tok_s"] > 0  # FAST: 4 anchors, groups of 2 beside one call
     assert out["pipeline"]["host_syncs_per_step"] == 0  # CPU: nothing to sync, but the trace ran
+    # no op in the step reads a device value back (.item(), nonzero, ...): a sync on CUDA, visible on CPU
+    # (the CPU's unfused AdamW reads its step counts on the host: allowed there, fused on the GPU)
+    sites = out["pipeline"]["sync_sites"]
+    assert all(site.startswith("dflash.optimizer:") for site in sites), sites
     assert out["back_to_back_tok_s"] < min(out["target"]["tok_s"], out["drafter"]["tok_s"])
     text = results.read_text()
     assert "python -m experiments.bench" in text and "pipeline tok/s" in text
@@ -30,11 +35,13 @@ def test_count_step_syncs_counts_only_the_steps_own_blocking_calls():
               ev("cudaStreamSynchronize", 2, 50),  # a producer thread's own sync
               ev("cudaMemcpy", 1, 150),  # between steps: the interval's metric read
               ev("cudaMemcpy", 1, 250)]
-    events.append(ev("aten::item", 1, 240, 260))
+    events += [ev("aten::item", 1, 240, 260), ev("dflash.optimizer", 1, 230, 270), ev("aten::_local_scalar_dense", 1, 245)]
     got = count_step_syncs(events)
-    assert got["steps"] == 2 and got["syncs"] == 2
+    assert got["steps"] == 2 and got["syncs"] == 2 and got["host_reads"] == 2
     assert got["cudaStreamSynchronize"] == 1 and got["cudaMemcpy"] == 1
-    assert got["sites"] == {"cudaStreamSynchronize": 1, "aten::item": 1}
+    assert got["sites"] == {"cudaStreamSynchronize": 1,
+                            "dflash.optimizer: aten::item": 2,  # the read op itself, and the memcpy inside it
+                            "dflash.optimizer: aten::item > aten::_local_scalar_dense": 1}
 
 
 def test_fused_attention_flops_handle_gqa_masks_and_causal():

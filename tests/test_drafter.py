@@ -1,20 +1,23 @@
 """The training mask against the inference path: the most common reason re-implementations train to 98%
 accuracy and serve at 10% acceptance is an off-by-one here (DESIGN §1)."""
+import pytest
 import torch
 
 from dflash.drafter import DFlashDrafter, DrafterConfig, default_layer_ids, training_mask
 
 
-def _drafter(bs=6, hidden=32, L=3, V=50):
+def _drafter(bs=6, hidden=32, L=3, V=50, attn_group=16):
     torch.manual_seed(0)
-    cfg = DrafterConfig(num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, intermediate_size=64, block_size=bs)
+    cfg = DrafterConfig(num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, intermediate_size=64, block_size=bs,
+                        attn_group=attn_group)
     d = DFlashDrafter(cfg, hidden, num_target_layers=8, mask_token_id=V - 1, target_layer_ids=list(range(L))).double()
     d.attach_target_head(torch.randn(V, hidden, dtype=torch.float64), torch.randn(V, hidden, dtype=torch.float64))
     return d.eval()
 
 
-def test_training_logits_equal_inference_logits():
-    d = _drafter()
+@pytest.mark.parametrize("attn_group", [0, 2])  # one call for all blocks; groups of 2 (3 groups, one padded)
+def test_training_logits_equal_inference_logits(attn_group):
+    d = _drafter(attn_group=attn_group)
     T, L, H, bs = 40, 3, 32, d.block_size
     feats = torch.randn(1, T, L, H, dtype=torch.float64)
     tokens = torch.randint(0, 49, (1, T))
@@ -69,3 +72,22 @@ def test_training_mask_shape_and_content():
 def test_default_layer_ids():
     assert default_layer_ids(64) == [1, 16, 31, 46, 61]
     assert default_layer_ids(8) == [1, 2, 3, 4, 5]
+
+
+@pytest.mark.parametrize("group", [1, 3, 4, 7, 64])
+def test_grouped_anchors_equal_one_call_with_gradients(group):
+    """Grouping is only a different batching of the same attention: outputs and gradients match."""
+    T, N = 48, 7
+    feats = torch.randn(2, T, 3, 32, dtype=torch.float64)
+    tokens = torch.randint(0, 49, (2, T))
+    anchors = torch.stack([torch.randperm(T - 6)[:N].sort().values + 1 for _ in range(2)])
+    outs, grads = [], []
+    for g in (0, group):
+        d = _drafter(attn_group=g).train()
+        h = d(feats, anchors, tokens.gather(1, anchors))
+        h.pow(2).sum().backward()
+        outs.append(h.detach())
+        grads.append(torch.cat([p.grad.flatten() for p in d.parameters()]))
+    assert outs[1].shape == (2, N, 5, 32)
+    torch.testing.assert_close(outs[1], outs[0], rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(grads[1], grads[0], rtol=1e-9, atol=1e-9)

@@ -57,6 +57,9 @@ class EvalReport:
                 "reached_pos": self.reached_pos, "block_size": self.block_size, "budgets": self.budgets,
                 "info": self.info}
 
+    def _rates(self) -> list[str]:
+        return [f"{a:.2f}" if n else "-" for a, n in zip(self.acc_pos, self.reached_pos)]
+
     def _columns(self) -> list[tuple[str, str]]:
         cols = [("task", "task"), ("prompt_tokens", "prompt"), ("rounds", "rounds"),
                 ("tau_vanilla", "τ vanilla")]
@@ -94,7 +97,8 @@ class EvalReport:
         lines += ["", "Per-position acceptance (vanilla, P(accepted | reached)):", "",
                   "| position | " + " | ".join(str(k + 1) for k in range(len(self.acc_pos))) + " |",
                   "|---|" + "---|" * len(self.acc_pos),
-                  "| rate | " + " | ".join(f"{a:.2f}" for a in self.acc_pos) + " |",
+                  "| rate | " + " | ".join(self._rates()) + " |",
+                  "| reached | " + " | ".join(str(n) for n in self.reached_pos) + " |",
                   "| reached | " + " | ".join(str(n) for n in self.reached_pos) + " |"]
         return "\n".join(lines) + "\n"
 
@@ -106,7 +110,8 @@ class EvalReport:
                                        for i, (c, w) in enumerate(zip(cells, widths)))
         out = [line([h for _, h in cols]), line(["-" * w for w in widths])]
         out += [line(r) for r in rows[:-1]] + [line(["-" * w for w in widths]), line(rows[-1])]
-        out.append("acceptance by position: " + " ".join(f"{k + 1}:{a:.2f}" for k, a in enumerate(self.acc_pos)))
+        out.append("acceptance by position (P(accepted | reached); - never reached): "
+                   + " ".join(f"{k + 1}:{r}" for k, r in enumerate(self._rates())))
         return "\n".join(out)
 
     def figure(self):

@@ -12,8 +12,10 @@
 #    target on GPU 0 and drafter on GPU 1 in one process (issue 6).
 # c  The split layout (target GPU 0, drafter GPU 1); then 8 more trials of stage a's loss sweep, one worker per
 #    GPU (copy stage a's loss_variants.journal and sweep.db into gpu_carry/ and carry it).
+# d  Not run yet: the grouped-anchor drafter step beside the one-call step and the step's sync sites (with
+#    stacks) on GPU 0; then the split layout without a profiler trace.
 set -uo pipefail
-STAGE=${1:?stage a, b or c}
+STAGE=${1:?stage a, b, c or d}
 OUT=${OUT:-gpu_out}
 W=gpu_work/$STAGE
 mkdir -p "$OUT" "$W"
@@ -76,6 +78,15 @@ stage_c() {  # the split layout, then more trials of stage a's sweep (its journa
   timeout 230 python -m sweeps.launch loss_variants n_trials=8 workers=2 gpus=0,1 timeout=130 out=gpu_work/a/sweeps $REGEN \
     "tracking.tracking_uri=sqlite:///$PWD/gpu_work/a/sweep.db" > $W/sweep.log 2>&1
   cp gpu_work/a/sweep.db gpu_work/a/sweeps/loss_variants.journal $W/
+}
+
+stage_d() {  # next: grouped vs one-call drafter attention and the sync sites (GPU 0), then the split layout
+  timeout 300 python -m experiments.bench $BIG +trainer=gpu trainer.producer_batch=4 bench.pipeline_steps=10 \
+    bench.profile_steps=2 bench.sync_stacks=1 bench.sections=peak,target,drafter,drafter_ungrouped,pipeline \
+    results=$W/RESULTS_27b_1gpu.md "$(db bench27b)" > $W/bench27b.log 2>&1
+  timeout 250 python -m experiments.bench $BIG +trainer=gpu trainer.producer_batch=4 target.device=cuda:0 \
+    trainer.device=cuda:1 bench.profile_steps=0 bench.sections=peak,target,drafter,pipeline \
+    results=$W/RESULTS_27b_2gpu_split.md "$(db bench27b_split)" > $W/bench27b_split.log 2>&1
 }
 
 stage_$STAGE

@@ -24,6 +24,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from dflash.config import RunConfig
 from dflash.distributed import init_distributed
 from dflash.losses import build_loss, compute_position_stats
+from dflash.profiling import traced_steps
 from dflash.target import Target, torch_gdn_path
 
 
@@ -191,77 +192,6 @@ class DrafterStepBench:
                 "phases": self.phases}
 
 
-# CUDA runtime calls that block the host until the GPU catches up (their *Async variants do not).
-SYNC_CALLS = frozenset({"cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize",
-                        "cudaMemcpy", "cudaMemcpy2D", "cudaMemset", "cudaStreamWaitEvent_sync"})
-
-
-# Ops that read a GPU value back to the host (an implicit sync on CUDA); visible in a CPU trace too.
-HOST_READ_OPS = frozenset({"aten::_local_scalar_dense", "aten::item", "aten::nonzero", "aten::masked_select",
-                           "aten::_unique2", "aten::unique_consecutive"})
-
-
-def count_step_syncs(events, step_name: str = "dflash.train_step") -> dict:
-    """Blocking CUDA runtime calls and host-read ops made *inside* the traced training steps, on the step's
-    own thread (producer threads sync on purpose, to time their forwards; the consumer must not). `sites`
-    names each one's place: the innermost `dflash.*` phase, the innermost op around it, and the nearest frame
-    of our code when the trace has stacks."""
-    steps = [e for e in events if e.name == step_name and _on_cpu(e)]  # not the GPU-side annotation
-    threads = {e.thread for e in steps}
-    spans = [(e.time_range.start, e.time_range.end) for e in steps]
-
-    def in_step(e) -> bool:
-        return e.thread in threads and any(a <= e.time_range.start <= b for a, b in spans)
-    syncs = [e for e in events if e.name in SYNC_CALLS and in_step(e)]
-    reads = [e for e in events if e.name in HOST_READ_OPS and in_step(e)]
-    out: dict = {"steps": len(steps), "syncs": len(syncs), "host_reads": len(reads), "sites": {}}
-    ops = [e for e in events if e.thread in threads and _on_cpu(e) and e.name not in SYNC_CALLS
-           and e.name != step_name] if syncs or reads else []
-    for e in syncs:
-        out[e.name] = out.get(e.name, 0) + 1
-    for e in syncs + reads:
-        site = _sync_site(e, ops)
-        out["sites"][site] = out["sites"].get(site, 0) + 1
-    return out
-
-
-def _on_cpu(e) -> bool:
-    return str(getattr(e, "device_type", "CPU")).endswith("CPU")
-
-
-def _sync_site(event, ops) -> str:
-    """'phase: op @ file:line' for an event, from the CPU ops of its thread that enclose it."""
-    t = event.time_range.start
-    around = sorted((e for e in ops if e is not event and e.thread == event.thread
-                     and e.time_range.start <= t <= e.time_range.end), key=lambda e: -e.time_range.start)
-    phase = next((e.name for e in around if e.name.startswith("dflash.")), "")
-    op = next((e.name for e in around if not e.name.startswith("dflash.")), None)
-    frames = [f for e in around for f in (getattr(e, "stack", None) or []) if "dflash" in f or "experiments" in f]
-    where = event.name if op is None or event.name in HOST_READ_OPS else op
-    if event.name in HOST_READ_OPS and op is not None:
-        where = f"{op} > {event.name}"
-    return (f"{phase}: " if phase else "") + where + (f" @ {frames[0]}" if frames else "")
-
-
-def _traced(trainer, start: int, n: int, result: dict, stacks: bool = False):
-    """Wraps `trainer._step` so steps start .. start+n-1 run under the profiler."""
-    from torch.profiler import ProfilerActivity, profile
-    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if trainer.device.type == "cuda" else [])
-    prof, step, calls = profile(activities=acts, with_stack=stacks), trainer._step, [0]
-
-    def traced_step(items, acc):
-        i = calls[0]
-        calls[0] += 1
-        if i == start:
-            prof.start()
-        out = step(items, acc)  # the trainer's loop marks it "dflash.train_step"
-        if i == start + n - 1:
-            prof.stop()
-            result.update(count_step_syncs(prof.events()))
-        return out
-    return traced_step
-
-
 def bench_pipeline(cfg: RunConfig, target: Target, b: BenchConfig) -> dict:
     """The real trainer on synthetic sequences of exactly `seq_len` tokens; throughput after warm-up,
     then `profile_steps` steps traced to count host syncs inside the step."""
@@ -280,7 +210,7 @@ def bench_pipeline(cfg: RunConfig, target: Target, b: BenchConfig) -> dict:
     trainer._finish = lambda loggers, metrics: None  # a benchmark writes no final drafter
     syncs: dict = {}
     if b.profile_steps:
-        trainer._step = _traced(trainer, b.pipeline_steps, b.profile_steps, syncs, bool(b.sync_stacks))
+        trainer._step = traced_steps(trainer, b.pipeline_steps, b.profile_steps, syncs, bool(b.sync_stacks))
     metrics = _metrics_at(trainer, b.pipeline_steps)  # the interval ending there: warm-up excluded
     out = {k: v for k, v in metrics.items() if k.startswith(("perf/", "buffer/total"))}
     if syncs:
@@ -381,13 +311,13 @@ def format_table(out: dict) -> str:
     if "pipeline" in out:
         p = out["pipeline"]
         rows.append(("pipeline tok/s", f"{p.get('perf/pipeline_tok_s', 0):,.0f}",
-                     f"{out.get('gpus', 1)} device(s), {p.get('tok_s_per_gpu', 0):,.0f} each, "
-                     f"MFU {'n/a' if 'mfu' not in p else format(p['mfu'], '.0%')}; "
-                     f"consumer waits {p.get('perf/consumer_wait_frac', 0):.0%}; "
-                     f"producer batch {p.get('producer_batch', 1)}"))
+                     (f"{out.get('gpus', 1)} device(s), {p.get('tok_s_per_gpu', 0):,.0f} each, "
+                      f"MFU {'n/a' if 'mfu' not in p else format(p['mfu'], '.0%')}; "
+                      f"consumer waits {p.get('perf/consumer_wait_frac', 0):.0%}; "
+                      f"producer batch {p.get('producer_batch', 1)}")))
         if "host_syncs_per_step" in p:
-            rows.append(("host syncs in step", f"{p['host_syncs_per_step']:.2f}/step, "
-                         f"{p.get('host_reads_per_step', 0):.2f} host reads/step",
+            rows.append(("host syncs in step", (f"{p['host_syncs_per_step']:.2f}/step, "
+                                                f"{p.get('host_reads_per_step', 0):.2f} host reads/step"),
                          f"profiler trace; {p.get('sync_calls') or 'none'}; at {p.get('sync_sites') or '-'}"))
     if "drafter" in out and out["drafter"].get("phases"):
         ph = out["drafter"]["phases"]

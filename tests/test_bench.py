@@ -26,7 +26,7 @@ def test_bench_reports_all_sections(tmp_path):
 def test_count_step_syncs_counts_only_the_steps_own_blocking_calls():
     from types import SimpleNamespace as E
 
-    from dflash.bench import count_step_syncs
+    from dflash.profiling import count_step_syncs
 
     def ev(name, thread, start, end=None):
         return E(name=name, thread=thread, time_range=E(start=start, end=end if end is not None else start + 1))

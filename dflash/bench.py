@@ -26,6 +26,7 @@ from dflash.distributed import init_distributed
 from dflash.losses import build_loss, compute_position_stats
 from dflash.profiling import traced_steps
 from dflash.target import Target, torch_gdn_path
+from dflash.tracking import read_jsonl_metrics
 
 
 @dataclass
@@ -211,7 +212,9 @@ def bench_pipeline(cfg: RunConfig, target: Target, b: BenchConfig) -> dict:
     syncs: dict = {}
     if b.profile_steps:
         trainer._step = traced_steps(trainer, b.pipeline_steps, b.profile_steps, syncs, bool(b.sync_stacks))
-    metrics = _metrics_at(trainer, b.pipeline_steps)  # the interval ending there: warm-up excluded
+    trainer.run()
+    # the interval that ends at pipeline_steps (warm-up before it, the profiled steps after it)
+    metrics = next((r for r in read_jsonl_metrics(trainer.run_dir) if r.get("step") == b.pipeline_steps), {})
     out = {k: v for k, v in metrics.items() if k.startswith(("perf/", "buffer/total"))}
     if syncs:
         out["host_syncs_per_step"] = syncs["syncs"] / max(syncs["steps"], 1)
@@ -220,21 +223,6 @@ def bench_pipeline(cfg: RunConfig, target: Target, b: BenchConfig) -> dict:
         out["sync_sites"] = syncs["sites"]
     out["producer_batch"] = cfg.trainer.producer_batch
     return out
-
-
-def _metrics_at(trainer, step: int) -> dict:
-    """The metrics logged at `step` (the run itself goes on to trace the profiled steps)."""
-    seen: dict = {}
-    real_read = trainer._read_metrics
-
-    def read(acc, window, done):
-        m = real_read(acc, window, done)
-        if done == step:
-            seen.update(m)
-        return m
-    trainer._read_metrics = read
-    trainer.run()
-    return seen
 
 
 def run_bench(cfg: RunConfig, b: BenchConfig) -> dict:

@@ -12,7 +12,6 @@
 """
 from __future__ import annotations
 
-import json
 import logging
 import math
 import os
@@ -22,6 +21,8 @@ from pathlib import Path
 from typing import Any, Callable, Mapping
 
 import optuna
+
+from dflash.tracking import read_jsonl_metrics
 
 log = logging.getLogger(__name__)
 
@@ -47,18 +48,7 @@ class EvalPruned(optuna.TrialPruned):
 
 def last_logged(run_dir: str | os.PathLike, key: str, max_step: int | None = None) -> float | None:
     """The latest value of `key` in `<run_dir>/metrics.jsonl` (at a step <= max_step), or None."""
-    path = Path(run_dir) / "metrics.jsonl"
-    if not path.is_file():
-        return None
-    try:
-        lines = path.read_text(encoding="utf-8").splitlines()
-    except OSError:
-        return None
-    for line in reversed(lines):
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError:  # a torn last line
-            continue
+    for rec in reversed(read_jsonl_metrics(run_dir)):
         if key in rec and (max_step is None or int(rec.get("step", 0)) <= max_step):
             v = rec[key]
             return float(v) if isinstance(v, (int, float)) else None

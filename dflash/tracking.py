@@ -258,6 +258,22 @@ class Logger(ABC):
             self.close("FAILED")
 
 
+def read_jsonl_metrics(run_dir: str | os.PathLike) -> list[dict[str, Any]]:
+    """The records of `<run_dir>/metrics.jsonl`, oldest first ([] when absent; a torn line is skipped)."""
+    path = Path(run_dir) / "metrics.jsonl"
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except OSError:
+        return []
+    records = []
+    for line in lines:
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return records
+
+
 class JsonlLogger(Logger):
     """Appends ``{"step", "time", **metrics}`` per ``log`` call to ``run_dir/metrics.jsonl``.
 

@@ -16,7 +16,6 @@ shows each once, as the cell's value or through `display`). Only `MlflowClient` 
 """
 from __future__ import annotations
 
-import math
 import re
 from typing import Any, Iterable, Sequence
 
@@ -404,10 +403,3 @@ def summary_frame(info: dict[str, Any], keys: Sequence[str] = ("train/loss", "tr
     m = info["metrics"]
     return pd.DataFrame({"metric": [k for k in keys if k in m],
                          "value": [m[k] for k in keys if k in m]}).set_index("metric")
-
-
-def finite(x: Any) -> bool:
-    try:
-        return math.isfinite(float(x))
-    except (TypeError, ValueError):
-        return False

@@ -13,6 +13,7 @@ import tempfile
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -234,10 +235,18 @@ def write_serving_folder(drafter: DFlashDrafter, out_dir: str | os.PathLike, dty
         if any(out.iterdir()) and not (out / "config.json").is_file():
             raise FileExistsError(f"{out}: a non-empty folder that is not a serving folder (no config.json); "
                                   f"refusing to replace it")
+    return write_dir_atomically(out, lambda tmp: save_drafter(drafter, tmp, dtype=dtype, extra=extra,
+                                                              vocab_size=vocab_size))
+
+
+def write_dir_atomically(out_dir: str | os.PathLike, write: Callable[[Path], object]) -> Path:
+    """`write(tmp)` fills a temp folder beside `out_dir`, which is then swapped in whole (`replace_dir`);
+    on any error the temp folder goes and `out_dir` stays as it was."""
+    out = Path(out_dir).absolute()
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:
-        save_drafter(drafter, tmp, dtype=dtype, extra=extra, vocab_size=vocab_size)
+        write(tmp)
         _fsync_dir(tmp)
         os.chmod(tmp, 0o755)
         replace_dir(tmp, out)
@@ -279,8 +288,13 @@ def _drafter_from_checkpoint(pt: Path) -> ExportSource:
         layer_ids, mask = list(d["target_layer_ids"]), int(d["mask_token_id"])
         n_target, vocab = int(sc["num_target_layers"]), int(sc.get("vocab_size", 0))
     else:
-        from dflash.target import (TargetConfig, TinyTargetSpec, read_target_info, resolve_layer_ids,
-                                   resolve_mask_token)
+        from dflash.target import (
+            TargetConfig,
+            TinyTargetSpec,
+            read_target_info,
+            resolve_layer_ids,
+            resolve_mask_token,
+        )
         t = dict(run_cfg.get("target") or {})
         spec = TinyTargetSpec(**{k: v for k, v in (t.pop("random", None) or {}).items()
                                  if k in {f.name for f in dataclasses.fields(TinyTargetSpec)}})

@@ -49,14 +49,25 @@ from typing import Callable, Sequence
 import torch
 import torch.nn.functional as F
 
-from dflash.corpus import (EOS_TOKEN, MASK_TOKEN, PAD_TOKEN, CorpusConfig, encode_documents, load_corpus,
-                           save_tokenizer, tokenizer_fingerprint, train_tokenizer)
+from dflash.corpus import (
+    EOS_TOKEN,
+    MASK_TOKEN,
+    PAD_TOKEN,
+    CorpusConfig,
+    encode_documents,
+    load_corpus,
+    save_tokenizer,
+    tokenizer_fingerprint,
+    train_tokenizer,
+)
+from dflash.export import write_dir_atomically
+from dflash.target import TARGET_META, resolve_device
 from dflash.tracking import TrackingConfig, build_loggers, default_run_name, git_sha
+from dflash.trainer import warmup_cosine
 
 log = logging.getLogger(__name__)
 
 FORMAT_VERSION = 1
-TARGET_META = "dflash_target.json"
 
 
 @dataclass
@@ -421,11 +432,8 @@ def token_byte_lengths(tok) -> torch.Tensor:
 
 # -- schedule -----------------------------------------------------------------------------------------
 def lr_at(cfg: PretrainConfig, step: int, time_frac: float) -> float:
-    if step < cfg.warmup_steps:
-        return cfg.lr * (step + 1) / cfg.warmup_steps
-    span = max(cfg.max_steps - cfg.warmup_steps, 1)
-    frac = min(max((step - cfg.warmup_steps) / span, time_frac), 1.0)
-    return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * frac)))
+    """The trainer's warmup + cosine, whose progress is also pushed on by the wall clock (`time_frac`)."""
+    return cfg.lr * warmup_cosine(step, cfg.warmup_steps, cfg.max_steps, cfg.min_lr_ratio, time_frac)
 
 
 def _param_groups(model, weight_decay: float):
@@ -439,26 +447,12 @@ def _param_groups(model, weight_decay: float):
 
 # -- saving -------------------------------------------------------------------------------------------
 def write_folder_atomically(out_dir: str | os.PathLike, write: Callable[[Path], None]) -> Path:
-    """`write(tmp)` fills a temp folder next to `out_dir`, which then replaces `out_dir` by renames."""
+    """`write(tmp)` fills a temp folder next to `out_dir`, which then replaces `out_dir` whole; temp folders
+    a killed earlier run left behind are cleared first."""
     out = Path(out_dir).resolve()
-    out.parent.mkdir(parents=True, exist_ok=True)
     for stale in out.parent.glob(f".{out.name}.tmp-*"):
         shutil.rmtree(stale, ignore_errors=True)
-    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
-    old = out.parent / f".{out.name}.old-{os.getpid()}"
-    tmp.mkdir()
-    try:
-        write(tmp)
-        if out.exists():
-            os.replace(out, old)
-        os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if old.exists() and not out.exists():
-            os.replace(old, out)
-        raise
-    shutil.rmtree(old, ignore_errors=True)
-    return out
+    return write_dir_atomically(out, write)
 
 
 def _fix_tokenizer_config(folder: Path) -> None:
@@ -469,12 +463,6 @@ def _fix_tokenizer_config(folder: Path) -> None:
     p.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
     (folder / "special_tokens_map.json").write_text(json.dumps(
         {"eos_token": EOS_TOKEN, "pad_token": PAD_TOKEN, "mask_token": MASK_TOKEN}, indent=2) + "\n")
-
-
-def read_target_meta(path: str | os.PathLike) -> dict:
-    """The `dflash_target.json` of a folder written by `pretrain` ({} when absent)."""
-    p = Path(path) / TARGET_META
-    return json.loads(p.read_text()) if p.is_file() else {}
 
 
 # -- prompts / results --------------------------------------------------------------------------------
@@ -568,12 +556,6 @@ def results_markdown(result: dict, command: str = "") -> str:
 
 
 # -- the recipe ---------------------------------------------------------------------------------------
-def _resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
-
-
 def _env(device: torch.device) -> dict:
     import transformers
     env = {"python": platform.python_version(), "torch": torch.__version__,
@@ -592,7 +574,7 @@ def pretrain(cfg: PretrainConfig, prompts: PromptArg = None, command: str = "") 
     """Runs the recipe (module docstring). Returns {"metrics", "meta", "out_dir", "continuations", "run_dir"}."""
     t_start = time.perf_counter()
     validate_pretrain_config(cfg)
-    device = _resolve_device(cfg.device)
+    device = resolve_device(cfg.device)
     amp_dtype = (torch.bfloat16 if (cfg.autocast == "bfloat16" or (cfg.autocast == "auto" and device.type == "cuda"))
                  else None)
     deadline = t_start + cfg.time_budget_s if cfg.time_budget_s > 0 else math.inf

@@ -38,6 +38,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
+from dflash.tracking import sqlite_db_path, truncate
+
 log = logging.getLogger(__name__)
 
 DECISION_TAG = "dflash.promotion.decision"
@@ -100,25 +102,16 @@ def _as_float(s: Any) -> float | None:
         return None
 
 
-def _sqlite_path(uri: str) -> Path | None:
-    if not uri.startswith("sqlite:///"):
-        return None
-    db = uri[len("sqlite:///"):].split("?", 1)[0]
-    if not db or db == ":memory:":
-        return None
-    return Path(db).expanduser().resolve()
-
-
 def check_store(uri: str) -> None:
     """A sqlite store must already exist: opening a missing one would silently create an empty db."""
-    db = _sqlite_path(uri)
+    db = sqlite_db_path(uri)
     if db is not None and not db.is_file():
         raise PromotionError(f"tracking store {uri!r}: no database file at {db} (pass the URI the run "
                              f"was tracked with, e.g. sqlite:////abs/path/mlflow.db)")
 
 
 def _lock_path(uri: str) -> Path:
-    db = _sqlite_path(uri)
+    db = sqlite_db_path(uri)
     if db is not None:
         return db.with_name(db.name + ".promote.lock")
     key = hashlib.sha1(uri.encode()).hexdigest()[:16]
@@ -135,7 +128,7 @@ def registry_lock(uri: str, timeout: float = 300.0, stale_after: float = 600.0) 
     """
     path = _lock_path(uri)
     deadline = time.monotonic() + timeout
-    if _sqlite_path(uri) is not None:
+    if sqlite_db_path(uri) is not None:
         import fcntl
         path.parent.mkdir(parents=True, exist_ok=True)
         with open(path, "a+") as f:
@@ -264,10 +257,6 @@ def _compare(value: float, holder, holder_value: float | None, cfg: PromoteConfi
                    f"margin {_fmt(cfg.margin)}")
 
 
-def _clip(s: str, limit: int = _TAG_VALUE_LIMIT) -> str:
-    return s if len(s) <= limit else s[:limit - 14] + "...[truncated]"
-
-
 def _task_table_ref(client, run_id: str) -> str:
     """runs:/ URI of the per-task table the evaluation logged (an `eval/` artifact named like a table)."""
     try:
@@ -293,18 +282,18 @@ def _version_tags(client, run, cfg: PromoteConfig, value: float) -> dict[str, st
         "dflash.gate_metric": cfg.metric,
         "dflash.task_table": _task_table_ref(client, run_id),
         "dflash.config_uri": f"runs:/{run_id}/config.yaml",
-        "dflash.config": _clip(json.dumps(dict(sorted(run.data.params.items()))), _CONFIG_TAG_LIMIT),
+        "dflash.config": truncate(json.dumps(dict(sorted(run.data.params.items()))), _CONFIG_TAG_LIMIT),
     })
     for k in ("loss", "noise", "buffer", "target", "git_sha", "dflash.run_dir"):
         if k in run.data.tags:
-            tags[k if k.startswith("dflash.") else f"dflash.{k}"] = _clip(run.data.tags[k])
+            tags[k if k.startswith("dflash.") else f"dflash.{k}"] = truncate(run.data.tags[k], _TAG_VALUE_LIMIT)
     return tags
 
 
 def _decision_tags(d: Decision, cfg: PromoteConfig) -> dict[str, str]:
     return {
         DECISION_TAG: PROMOTED if d.promoted else REFUSED,
-        REASON_TAG: _clip(d.reason),
+        REASON_TAG: truncate(d.reason, _TAG_VALUE_LIMIT),
         PREFIX + "alias": cfg.alias,
         PREFIX + "metric": cfg.metric,
         PREFIX + "margin": repr(float(cfg.margin)),

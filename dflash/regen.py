@@ -201,8 +201,7 @@ def regenerate_sequences(target, sequences: Sequence, prompt_len: int = 32, gen_
     t0 = time.perf_counter()
     result = build_regen(target, seqs, prompt_len, gen_len, batch_size)
     info["seconds"] = time.perf_counter() - t0
-    info["generated_tokens"] = sum(int(r.numel()) for r in result) - sum(
-        p for p, _ in _plan([len(s) for s in seqs], prompt_len, gen_len))
+    info["generated_tokens"] = sum(g for _, g in _plan([len(s) for s in seqs], prompt_len, gen_len))
     if path is not None:
         save_regen(path, key, result, {"target": str(target.identity), "prompt_len": prompt_len,
                                        "gen_len": gen_len, "corpus": corpus_fingerprint})

@@ -7,8 +7,6 @@
 - `SweepTracker`: the MLflow side of a study through `MlflowClient`: one parent run per study, each
   trial's training run pre-created as its child (tag `mlflow.parentRunId`), trial state tags, the best
   trial's value / params / checkpoint on the parent.
-- `train_into_run(cfg, evaluator, run_id)`: `dflash.trainer.train` logging into an existing MLflow run
-  (the pre-created child).
 """
 from __future__ import annotations
 
@@ -22,7 +20,7 @@ from typing import Any, Callable, Mapping
 
 import optuna
 
-from dflash.tracking import read_jsonl_metrics
+from dflash.tracking import get_or_create_experiment, read_jsonl_metrics
 
 log = logging.getLogger(__name__)
 
@@ -32,6 +30,8 @@ TAG_STUDY = "optuna.study_name"
 TAG_TRIAL = "optuna.trial_number"
 TAG_STATE = "optuna.state"
 TAG_PRUNED_STEP = "optuna.pruned_step"
+# The MLflow run status a finished trial's child run ends with.
+RUN_STATUS = {"COMPLETE": "FINISHED", "PRUNED": "KILLED", "FAIL": "FAILED"}
 TAG_VALUE = "optuna.value"
 
 
@@ -66,7 +66,6 @@ class PruningEvaluator:
                  base: Callable[..., Mapping[str, float]] | None = None):
         self.trial, self.metric, self.run_dir, self.base = trial, metric, Path(run_dir), base
         self.reports: list[tuple[int, float]] = []
-        self.pruned_step: int | None = None
         self._warned = False
 
     def __call__(self, drafter, target, step: int, final: bool, logger=None) -> dict[str, float]:
@@ -90,15 +89,8 @@ class PruningEvaluator:
         self.trial.report(value, step)
         self.reports.append((step, value))
         if self.trial.should_prune():
-            self.pruned_step = step
             raise EvalPruned(step, value, self.metric)
         return out
-
-
-def train_into_run(cfg, evaluator=None, run_id: str | None = None):
-    """`dflash.trainer.train(cfg, evaluator)` logging into the existing MLflow run `run_id`."""
-    from dflash import trainer as T
-    return T.train(cfg, evaluator, run_id=run_id)
 
 
 def redact_uri(uri: str) -> str:
@@ -136,34 +128,15 @@ class SweepTracker:
     @property
     def experiment_id(self) -> str:
         if self._experiment_id is None:
-            self._experiment_id = self._retry("get/create experiment", self._get_or_create_experiment,
+            self._experiment_id = self._retry("get/create experiment", lambda: get_or_create_experiment(self.client, self.experiment, self.tracking_uri),
                                               quiet=False)
         return self._experiment_id  # type: ignore[return-value]
-
-    def _get_or_create_experiment(self) -> str:
-        from mlflow.exceptions import MlflowException
-
-        from dflash.tracking import _sqlite_artifact_location
-
-        exp = self.client.get_experiment_by_name(self.experiment)
-        if exp is not None:
-            if exp.lifecycle_stage == "deleted":
-                self.client.restore_experiment(exp.experiment_id)
-            return exp.experiment_id
-        try:
-            return self.client.create_experiment(
-                self.experiment, artifact_location=_sqlite_artifact_location(self.tracking_uri))
-        except MlflowException:
-            exp = self.client.get_experiment_by_name(self.experiment)
-            if exp is None:
-                raise
-            return exp.experiment_id
 
     def _tags(self, run_id: str, tags: Mapping[str, Any]) -> None:
         from mlflow.entities import RunTag
 
-        from dflash.tracking import MAX_TAG_VAL_LENGTH, _truncate
-        rt = [RunTag(k, _truncate("" if v is None else str(v), MAX_TAG_VAL_LENGTH)) for k, v in tags.items()]
+        from dflash.tracking import MAX_TAG_VAL_LENGTH, truncate
+        rt = [RunTag(k, truncate("" if v is None else str(v), MAX_TAG_VAL_LENGTH)) for k, v in tags.items()]
         if rt:
             self._retry("set tags", self.client.log_batch, run_id, tags=rt)
 
@@ -193,8 +166,8 @@ class SweepTracker:
                               tags={"dflash.kind": PARENT_KIND, TAG_STUDY: study_name}, quiet=False)
             from mlflow.entities import Param
 
-            from dflash.tracking import MAX_PARAM_VAL_LENGTH, _truncate
-            ps = [Param(k, _truncate(str(v), MAX_PARAM_VAL_LENGTH)) for k, v in params.items()]
+            from dflash.tracking import MAX_PARAM_VAL_LENGTH, truncate
+            ps = [Param(k, truncate(str(v), MAX_PARAM_VAL_LENGTH)) for k, v in params.items()]
             for i in range(0, len(ps), 100):
                 self._retry("log parent params", self.client.log_batch, run.info.run_id, params=ps[i:i + 100])
         else:
@@ -232,7 +205,7 @@ class SweepTracker:
         """Trial outcome on the child: `optuna.state`, extra tags, and the run status it implies
         (COMPLETE → FINISHED, PRUNED → KILLED, FAIL → FAILED) when it is not that already."""
         self._tags(run_id, {TAG_STATE: state, **(tags or {})})
-        want = {"COMPLETE": "FINISHED", "PRUNED": "KILLED", "FAIL": "FAILED"}.get(state)
+        want = RUN_STATUS.get(state)
         run = self._retry("get child", self.client.get_run, run_id)
         if want and run is not None and run.info.status != want:
             self.end(run_id, want)

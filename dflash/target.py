@@ -112,13 +112,22 @@ def resolve_layer_ids(cfg: TargetConfig, info: TargetInfo) -> list[int]:
     return list(cfg.layer_ids) if cfg.layer_ids else default_layer_ids(info.num_layers)
 
 
+TARGET_META = "dflash_target.json"  # written beside the weights by experiments.pretrain_target
+
+
+def read_target_meta(path: str | os.PathLike) -> dict:
+    """The `dflash_target.json` of a target folder ({} when absent)."""
+    p = Path(path) / TARGET_META
+    return json.loads(p.read_text()) if p.is_file() else {}
+
+
 def resolve_mask_token(cfg: TargetConfig) -> int:
     if cfg.mask_token_id >= 0:
         return cfg.mask_token_id
     if cfg.path:
-        meta = Path(checkpoint_path(cfg)) / "dflash_target.json"  # written by experiments.pretrain_target
-        if meta.is_file():
-            return int(json.loads(meta.read_text())["mask_token_id"])
+        meta = read_target_meta(checkpoint_path(cfg))
+        if meta:
+            return int(meta["mask_token_id"])
         raise ValueError("target.mask_token_id must be set (>= 0) for a checkpoint target")
     return ByteTokenizer.mask_token_id
 

@@ -155,7 +155,8 @@ def _to_float(v: Any) -> float | None:
         return None
 
 
-def _truncate(s: str, limit: int) -> str:
+def truncate(s: str, limit: int) -> str:
+    """`s` cut to `limit` characters, ending in TRUNCATION_MARKER when cut (MLflow tag/param limits)."""
     if len(s) <= limit:
         return s
     return s[: limit - len(TRUNCATION_MARKER)] + TRUNCATION_MARKER
@@ -201,15 +202,53 @@ def _fmt_num(v: float) -> str:
     return f"{v:.4g}"
 
 
-def _sqlite_artifact_location(uri: str) -> str | None:
-    """For ``sqlite:///path/x.db`` -> ``file:///abs/path/mlartifacts`` (artifacts next to the db,
-    not in the current working directory). None for other stores (server default)."""
+def sqlite_db_path(uri: str) -> Path | None:
+    """The absolute database file of a ``sqlite:///…`` URI; None for other stores and in-memory sqlite."""
     if not uri.startswith("sqlite:///"):
         return None
     db = uri[len("sqlite:///") :].split("?", 1)[0]
     if not db or db == ":memory:":
         return None
-    return (Path(db).expanduser().resolve().parent / "mlartifacts").as_uri()
+    return Path(db).expanduser().resolve()
+
+
+def resolve_relative_sqlite(uri: str, run_dir: Path | None) -> str:
+    """A relative `sqlite:///x.db` is relative to the training process's cwd: look for it from here,
+    then from the folders above the run dir (runs/<name> sits next to mlflow.db by default)."""
+    if not uri.startswith("sqlite:///") or uri.startswith("sqlite:////"):
+        return uri
+    rel, _, query = uri[len("sqlite:///"):].partition("?")
+    if not rel or rel == ":memory:":
+        return uri
+    bases = [Path.cwd()] + ([run_dir, *run_dir.parents][:4] if run_dir is not None else [])
+    for base in bases:
+        if (base / rel).is_file():
+            return f"sqlite:///{(base / rel).resolve()}" + (f"?{query}" if query else "")
+    return uri
+
+
+def _sqlite_artifact_location(uri: str) -> str | None:
+    """For ``sqlite:///path/x.db`` -> ``file:///abs/path/mlartifacts`` (artifacts next to the db,
+    not in the current working directory). None for other stores (server default)."""
+    db = sqlite_db_path(uri)
+    return None if db is None else (db.parent / "mlartifacts").as_uri()
+
+
+def get_or_create_experiment(client, name: str, tracking_uri: str) -> str:
+    """The id of experiment `name` (restored if deleted, created if missing; a concurrent creation wins)."""
+    from mlflow.exceptions import MlflowException
+    exp = client.get_experiment_by_name(name)
+    if exp is not None:
+        if getattr(exp, "lifecycle_stage", "active") == "deleted":
+            client.restore_experiment(exp.experiment_id)
+        return exp.experiment_id
+    try:
+        return client.create_experiment(name, artifact_location=_sqlite_artifact_location(tracking_uri))
+    except MlflowException:
+        exp = client.get_experiment_by_name(name)  # created concurrently
+        if exp is None:
+            raise
+        return exp.experiment_id
 
 
 # --------------------------------------------------------------------------- loggers
@@ -425,7 +464,7 @@ class MLflowLogger(Logger):
         attempts = 3 if self.tracking_uri.startswith("sqlite:") else 1
         for attempt in range(attempts):
             try:
-                self.experiment_id = self._get_or_create_experiment(MlflowException)
+                self.experiment_id = get_or_create_experiment(self.client, self.cfg.experiment, self.tracking_uri)
                 break
             except Exception:
                 if attempt == attempts - 1:
@@ -455,23 +494,6 @@ class MLflowLogger(Logger):
         run = self.client.create_run(self.experiment_id, run_name=self.run_name)
         self._run_id = run.info.run_id
 
-    def _get_or_create_experiment(self, MlflowException: type) -> str:
-        name = self.cfg.experiment
-        exp = self.client.get_experiment_by_name(name)
-        if exp is not None:
-            if getattr(exp, "lifecycle_stage", "active") == "deleted":
-                self.client.restore_experiment(exp.experiment_id)
-            return exp.experiment_id
-        try:
-            return self.client.create_experiment(
-                name, artifact_location=_sqlite_artifact_location(self.tracking_uri)
-            )
-        except MlflowException:
-            exp = self.client.get_experiment_by_name(name)  # created concurrently
-            if exp is None:
-                raise
-            return exp.experiment_id
-
     # ---- logging
     def log(self, metrics: Mapping[str, float], step: int) -> None:
         if not self._active or not metrics:
@@ -498,7 +520,7 @@ class MLflowLogger(Logger):
         changed: dict[str, str] = {}
         for k, v in flat.items():
             key = _sanitize_key(k)
-            val = _truncate(v, MAX_PARAM_VAL_LENGTH)
+            val = truncate(v, MAX_PARAM_VAL_LENGTH)
             old = self._existing_params.get(key)
             if old is None:
                 new.append(Param(key, val))
@@ -517,7 +539,7 @@ class MLflowLogger(Logger):
             return
         from mlflow.entities import RunTag
 
-        ts = [RunTag(_sanitize_key(k), _truncate(_param_str(v), MAX_TAG_VAL_LENGTH)) for k, v in tags.items()]
+        ts = [RunTag(_sanitize_key(k), truncate(_param_str(v), MAX_TAG_VAL_LENGTH)) for k, v in tags.items()]
         for chunk in _chunks(ts, MAX_PARAMS_TAGS_PER_BATCH):
             if not self._call("log_batch(tags) failed", self.client.log_batch, self._run_id, tags=list(chunk)):
                 return

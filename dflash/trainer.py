@@ -21,20 +21,40 @@ import yaml
 
 from dflash.batching import make_batch
 from dflash.buffer import BucketedBuffer
-from dflash.checkpoint import atomic_write_text, latest_checkpoint, load_checkpoint, save_checkpoint
+from dflash.checkpoint import (
+    atomic_write_text,
+    latest_checkpoint,
+    load_checkpoint,
+    save_checkpoint,
+)
 from dflash.config import ConfigError, RunConfig, from_dict, to_dict, validate
 from dflash.data import build_training_sequences
-from dflash.evaluation import make_evaluator
-from dflash.distributed import (DistInfo, broadcast_object, gather_objects, init_distributed, mean_, sum_,
-                                shutdown as shutdown_distributed, wrap_ddp)
+from dflash.distributed import (
+    DistInfo,
+    broadcast_object,
+    gather_objects,
+    init_distributed,
+    mean_,
+    sum_,
+    wrap_ddp,
+)
+from dflash.distributed import shutdown as shutdown_distributed
 from dflash.drafter import DFlashDrafter, build_drafter
+from dflash.evaluation import make_evaluator
 from dflash.losses import block_metrics, build_loss, compute_position_stats
 from dflash.noise import build_noise
 from dflash.pipeline import ItemSource, ProducerPool
 from dflash.promotion import auto_promote
 from dflash.sysmetrics import system_metrics
 from dflash.target import Target, resolve_device
-from dflash.tracking import MultiLogger, absolute_sqlite_uri, build_loggers, default_run_name, flatten_config, git_sha
+from dflash.tracking import (
+    MultiLogger,
+    absolute_sqlite_uri,
+    build_loggers,
+    default_run_name,
+    flatten_config,
+    git_sha,
+)
 
 log = logging.getLogger(__name__)
 
@@ -76,15 +96,18 @@ def run_tags(cfg: RunConfig) -> dict[str, str]:
             "dflash.kind": "train"}
 
 
+def warmup_cosine(step: int, warmup: int, max_steps: int, min_ratio: float, progress_floor: float = 0.0) -> float:
+    """LR factor: linear warmup over `warmup` steps, then cosine from 1 to `min_ratio` at `max_steps`
+    (progress is at least `progress_floor`, e.g. the wall-clock fraction of a time budget)."""
+    if step < warmup:
+        return (step + 1) / warmup
+    frac = min(max((step - warmup) / max(max_steps - warmup, 1), progress_floor), 1.0)
+    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * frac))
+
+
 def lr_lambda(cfg: RunConfig) -> Callable[[int], float]:
     t = cfg.trainer
-
-    def f(step: int) -> float:
-        if step < t.warmup_steps:
-            return (step + 1) / t.warmup_steps
-        frac = min((step - t.warmup_steps) / max(t.max_steps - t.warmup_steps, 1), 1.0)
-        return t.min_lr_ratio + (1 - t.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * frac))
-    return f
+    return lambda step: warmup_cosine(step, t.warmup_steps, t.max_steps, t.min_lr_ratio)
 
 
 class MetricAccumulator:

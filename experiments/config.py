@@ -51,7 +51,9 @@ def resume_config(run_dir: str, overrides: list[str]) -> RunConfig:
     return from_dict(d)
 
 
-GROUPS = ("target", "drafter", "loss", "noise", "buffer", "data", "trainer", "tracking", "eval", "promote")
+# Config groups whose option is switched with `+group=option` (the base entry sits in conf/config.yaml):
+# every folder of conf/ but sweep/ (sweep definitions are not part of the run config).
+GROUPS = tuple(sorted(p.name for p in CONF_DIR.iterdir() if p.is_dir() and p.name != "sweep"))
 
 
 def group_options(group: str) -> list[str]:

@@ -35,24 +35,17 @@ from pathlib import Path
 import yaml
 
 from dflash.config import ConfigError, RunConfig, from_dict
-from dflash.evaluation import EvalConfig, validate_eval_config
+from dflash.evaluation import validate_eval_config
 from dflash.evaluation.report import evaluate
 from dflash.target import Target, resolve_device
-from dflash.tracking import build_loggers, default_run_name, flatten_config
+from dflash.tracking import (
+    build_loggers,
+    default_run_name,
+    flatten_config,
+    resolve_relative_sqlite,
+)
 
 log = logging.getLogger(__name__)
-
-
-def _has_eval_field() -> bool:
-    return any(f.name == "eval" for f in dataclasses.fields(RunConfig))
-
-
-def _split_eval_overrides(overrides: list[str]) -> tuple[list[str], list[str]]:
-    """Until `RunConfig` has an `eval` field, `eval.*` overrides are applied to an EvalConfig here."""
-    if _has_eval_field():
-        return overrides, []
-    ev = [o for o in overrides if o.lstrip("+").startswith("eval.")]
-    return [o for o in overrides if o not in ev], [o.lstrip("+")[len("eval."):] for o in ev]
 
 
 def _merge_dotlist(schema_obj, base: dict, dotlist: list[str]) -> dict:
@@ -72,22 +65,14 @@ def _saved_config(d: dict, overrides: list[str]) -> RunConfig:
     return from_dict(_merge_dotlist(RunConfig, d, overrides))
 
 
-def _eval_config(cfg: RunConfig, eval_overrides: list[str]) -> EvalConfig:
-    base = getattr(cfg, "eval", None) or EvalConfig()
-    if eval_overrides:
-        base = EvalConfig(**_merge_dotlist(EvalConfig, dataclasses.asdict(base), eval_overrides))
-    return base
-
-
 def resolve_source(path: Path, overrides: list[str]):
     """-> (RunConfig, EvalConfig, drafter loader, training run dir or None, default step)."""
     from dflash.export import load_drafter
-    overrides, ev_over = _split_eval_overrides(overrides)
     if path.is_dir() and (path / "config.yaml").is_file():
         cfg = _saved_config(yaml.safe_load((path / "config.yaml").read_text()), overrides)
         final = path / "final"
         if (final / "config.json").is_file():
-            return cfg, _eval_config(cfg, ev_over), lambda dev: load_drafter(final, dev), path, cfg.trainer.max_steps
+            return cfg, cfg.eval, lambda dev: load_drafter(final, dev), path, cfg.trainer.max_steps
         from dflash.checkpoint import latest_checkpoint
         ckpt = latest_checkpoint(path / "checkpoints")
         if ckpt is None:
@@ -101,17 +86,21 @@ def resolve_source(path: Path, overrides: list[str]):
 
         def load_ckpt(dev, state=state, cfg=cfg):
             from dflash.drafter import build_drafter
-            from dflash.target import read_target_info, resolve_layer_ids, resolve_mask_token
+            from dflash.target import (
+                read_target_info,
+                resolve_layer_ids,
+                resolve_mask_token,
+            )
             ti = read_target_info(cfg.target)
             d = build_drafter(cfg.drafter, ti.hidden_size, ti.num_layers, resolve_mask_token(cfg.target),
                               resolve_layer_ids(cfg.target, ti))
             d.load_state_dict(state["drafter"])
             return d.to(dev)
-        return cfg, _eval_config(cfg, ev_over), load_ckpt, run_dir, int(state.get("step", 0))
+        return cfg, cfg.eval, load_ckpt, run_dir, int(state.get("step", 0))
     if path.is_dir() and (path / "config.json").is_file():
         from experiments.config import compose_config
         cfg = compose_config(overrides)
-        return cfg, _eval_config(cfg, ev_over), lambda dev: load_drafter(path, dev), None, 0
+        return cfg, cfg.eval, lambda dev: load_drafter(path, dev), None, 0
     raise ConfigError(f"{path}: not a run directory (config.yaml), a serving folder (config.json) or a "
                       f"checkpoint file")
 
@@ -124,15 +113,6 @@ def _mlflow_info(run_dir: Path | None) -> dict:
         except (OSError, json.JSONDecodeError):
             log.warning("%s is unreadable; the eval run is not linked to the training run", f)
     return {}
-
-
-def _resolve_uri(uri: str, run_dir: Path | None) -> str:
-    """A relative sqlite URI in mlflow_run.json is relative to the training process's cwd."""
-    try:
-        from experiments.promote import _resolve_sqlite
-    except ImportError:  # pragma: no cover - promote is optional here
-        return uri
-    return _resolve_sqlite(uri, run_dir)
 
 
 def _log_into_run(uri: str, run_id: str, metrics: dict[str, float], step: int, art_dir: Path) -> None:
@@ -183,13 +163,12 @@ def main(argv: list[str] | None = None) -> dict:
     target = Target(cfg.target)
     dev = target.device if ecfg.device == "auto" else resolve_device(ecfg.device)
     drafter = load(dev)
-    drafter.attach_target_head(target.embed_weight(), target.lm_head_weight())
 
     stamp = default_run_name()
     out = out or ((run_dir / "eval" / stamp) if run_dir else Path("runs") / f"eval-{stamp}")
     tracking = cfg.tracking
     if ml.get("tracking_uri"):
-        ml["tracking_uri"] = _resolve_uri(ml["tracking_uri"], run_dir)
+        ml["tracking_uri"] = resolve_relative_sqlite(ml["tracking_uri"], run_dir)
         tracking = dataclasses.replace(tracking, tracking_uri=ml["tracking_uri"],
                                        experiment=ml.get("experiment", tracking.experiment))
     tracking = dataclasses.replace(tracking, run_name=f"eval-{ml.get('run_name') or path.name}-{stamp[-4:]}",

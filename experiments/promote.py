@@ -16,7 +16,8 @@ import re
 import sys
 from pathlib import Path
 
-from dflash.promotion import Decision, PromoteConfig, PromotionError, check_store, promote
+from dflash.promotion import Decision, PromoteConfig, PromotionError, promote
+from dflash.tracking import resolve_relative_sqlite
 
 _RUN_ID = re.compile(r"^[0-9a-f]{32}$")
 DEFAULT_URI = "sqlite:///mlflow.db"
@@ -38,21 +39,6 @@ def _find_run_dir(path: Path) -> Path:
     raise BadInput(f"{path}: not a run directory (no mlflow_run.json here or in the folders above)")
 
 
-def _resolve_sqlite(uri: str, run_dir: Path | None) -> str:
-    """A relative `sqlite:///x.db` is relative to the training process's cwd: look for it from here,
-    then from the folders above the run dir (runs/<name> sits next to mlflow.db by default)."""
-    if not uri.startswith("sqlite:///") or uri.startswith("sqlite:////"):
-        return uri
-    rel, _, query = uri[len("sqlite:///"):].partition("?")
-    if not rel or rel == ":memory:":
-        return uri
-    bases = [Path.cwd()] + ([run_dir, *run_dir.parents][:4] if run_dir is not None else [])
-    for base in bases:
-        if (base / rel).is_file():
-            return f"sqlite:///{(base / rel).resolve()}" + (f"?{query}" if query else "")
-    return uri
-
-
 def resolve_target(target: str, tracking_uri: str | None) -> tuple[str, str]:
     """(run_id, tracking_uri) from a run dir / checkpoint path or a run id."""
     path = Path(target)
@@ -65,10 +51,10 @@ def resolve_target(target: str, tracking_uri: str | None) -> tuple[str, str]:
         except (ValueError, KeyError) as e:
             raise BadInput(f"{info_file}: unreadable or without run_id ({e})") from e
         uri = tracking_uri or info.get("tracking_uri") or os.environ.get("MLFLOW_TRACKING_URI") or DEFAULT_URI
-        return run_id, _resolve_sqlite(uri, run_dir)
+        return run_id, resolve_relative_sqlite(uri, run_dir)
     if _RUN_ID.match(target):
         uri = tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or DEFAULT_URI
-        return target, _resolve_sqlite(uri, None)
+        return target, resolve_relative_sqlite(uri, None)
     raise BadInput(f"{target!r} is neither an existing run directory nor an MLflow run id (32 hex chars)")
 
 
@@ -90,7 +76,6 @@ def main(argv: list[str] | None = None) -> Decision:
     args = build_parser().parse_args(argv)
     try:
         run_id, uri = resolve_target(args.target, args.tracking_uri or None)
-        check_store(uri)
         cfg = PromoteConfig(model_name=args.model_name, alias=args.alias, metric=args.metric,
                             margin=args.margin, floor=args.floor, tracking_uri=uri)
         decision = promote(run_id, cfg, uri, dry_run=args.dry_run)

@@ -42,12 +42,9 @@ from typing import Any
 import yaml
 
 from dflash.config import ConfigError
+from experiments.config import CONF_DIR, GROUPS, group_options
 
-CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 SWEEP_DIR = CONF_DIR / "sweep"
-# Config groups whose option is switched with `+group=option` (the base entry sits in conf/config.yaml):
-# every folder of conf/ but sweep/ (sweep definitions are not part of the run config).
-GROUPS = tuple(sorted(p.name for p in CONF_DIR.iterdir() if p.is_dir() and p.name != "sweep"))
 # Keys a sweep may not search or fix: the launcher owns them.
 RESERVED_KEYS = ("run_dir", "resume")
 
@@ -362,7 +359,7 @@ def _parse_space(space: Any, where: str) -> list[Param]:
 
 
 def _check_group_options(group: str, choices: list[Any], where: str, at: str) -> None:
-    known = sorted(q.stem for q in (CONF_DIR / group).glob("*.yaml"))
+    known = group_options(group)
     bad = [c for c in choices if not isinstance(c, str) or c not in known]
     if bad:
         raise SweepError(f"{where}: {at}.choices: unknown {group} option(s) {bad}; known: {', '.join(known)}")

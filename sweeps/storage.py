@@ -47,10 +47,10 @@ def journal_path(desc: str) -> Path:
 
 def ensure_sqlite_dir(uri: str) -> None:
     """sqlite:///rel/x.db or sqlite:////abs/x.db: create the file's folder (sqlite will not)."""
-    if uri.startswith("sqlite:///"):
-        path = uri[len("sqlite:///"):].split("?", 1)[0]
-        if path and path != ":memory:":
-            Path(path).expanduser().parent.mkdir(parents=True, exist_ok=True)
+    from dflash.tracking import sqlite_db_path
+    db = sqlite_db_path(uri)
+    if db is not None:
+        db.parent.mkdir(parents=True, exist_ok=True)
 
 
 def make_storage(desc: str):

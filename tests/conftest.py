@@ -43,3 +43,25 @@ def fast_cfg(tmp_path):
                                       f"tracking.tracking_uri=sqlite:///{tmp_path / 'mlflow.db'}",
                                       *overrides])
     return make
+
+
+@pytest.fixture(scope="session")
+def reference_target():
+    """The shipped reference target on the CPU, loaded once for the whole session (read-only use)."""
+    import warnings
+
+    from dflash.target import Target, TargetConfig
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return Target(TargetConfig(device="cpu"))
+
+
+class LenCache:
+    """The cache of a scripted test drafter: only the committed length (DrafterCache's crop contract)."""
+
+    def __init__(self):
+        self.length = 0
+
+    def crop(self, n):
+        self.length = min(self.length, n)
+

@@ -15,17 +15,10 @@ from dflash.evaluation.prompts import load_suite
 from dflash.evaluation.report import evaluate
 from dflash.evaluation.speculative import greedy_decode, speculative_decode
 from dflash.target import Target, TargetConfig
+from tests.conftest import LenCache
 
 pytestmark = pytest.mark.gpu
 N = 64
-
-
-class _LenCache:
-    def __init__(self):
-        self.length = 0
-
-    def crop(self, n):
-        self.length = min(self.length, n)
 
 
 class OracleDrafter(nn.Module):
@@ -38,7 +31,7 @@ class OracleDrafter(nn.Module):
         self.vocab, self.block_size = vocab, bs
 
     def new_cache(self):
-        return _LenCache()
+        return LenCache()
 
     def extend_context(self, cache, features_BTLH, start):
         cache.length = start + features_BTLH.shape[1]

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import copy
-import warnings
 
 import pytest
 import torch
@@ -10,7 +9,6 @@ import torch
 from dflash.evaluation import ground_truth as gt
 from dflash.evaluation.prompts import Task, load_suite
 from dflash.evaluation.speculative import greedy_decode
-from dflash.target import Target, TargetConfig
 
 N = 4
 TASKS = [Task("add", "def add(a, b):\n"), Task("neg", "def neg(x):\n")]
@@ -18,10 +16,8 @@ TASKS = [Task("add", "def add(a, b):\n"), Task("neg", "def neg(x):\n")]
 
 
 @pytest.fixture(scope="module")
-def target():
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return Target(TargetConfig(device="cpu"))
+def target(reference_target):
+    return reference_target
 
 
 @pytest.fixture(scope="module")

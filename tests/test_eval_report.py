@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import json
 import math
-import warnings
 
 import pytest
 import torch
@@ -13,7 +12,6 @@ from dflash.evaluation import EvalConfig, validate_eval_config
 from dflash.evaluation.acceptance import oracle_proposer, wrong_proposer
 from dflash.evaluation.prompts import Task
 from dflash.evaluation.report import evaluate, make_evaluator
-from dflash.target import Target, TargetConfig
 from dflash.tracking import Logger
 
 TASKS = [Task("one", "def one():\n"), Task("two", "def two(x):\n    return"), Task("three", "x = [\n")]
@@ -22,10 +20,8 @@ BS = 4
 
 
 @pytest.fixture(scope="module")
-def target():
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return Target(TargetConfig(device="cpu"))
+def target(reference_target):
+    return reference_target
 
 
 @pytest.fixture

@@ -2,8 +2,6 @@
 with rejections (Gated-DeltaNet state rolled back), and real τ == simulated τ round for round."""
 from __future__ import annotations
 
-import warnings
-
 import pytest
 import torch
 from torch import nn
@@ -12,8 +10,12 @@ from dflash.drafter import DrafterConfig, build_drafter
 from dflash.evaluation.acceptance import DrafterProposer, simulate_task
 from dflash.evaluation.ground_truth import build_ground_truth
 from dflash.evaluation.prompts import Task
-from dflash.evaluation.speculative import TargetSession, greedy_decode, speculative_decode
-from dflash.target import Target, TargetConfig
+from dflash.evaluation.speculative import (
+    TargetSession,
+    greedy_decode,
+    speculative_decode,
+)
+from tests.conftest import LenCache
 
 N = 24
 TASKS = [Task("fib", 'def fib(n):\n    """Fibonacci."""\n'), Task("rev", "def rev(s):\n    return")]
@@ -21,10 +23,8 @@ TASKS = [Task("fib", 'def fib(n):\n    """Fibonacci."""\n'), Task("rev", "def re
 
 
 @pytest.fixture(scope="module")
-def target():
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        t = Target(TargetConfig(device="cpu"))
+def target(reference_target):
+    t = reference_target
     assert t.info.model_type == "qwen3_5" and "linear_attention" in t.model.config.layer_types
     return t
 
@@ -42,14 +42,6 @@ def _random_drafter(target, bs=4, seed=0):
     return d.eval()
 
 
-class _LenCache:
-    def __init__(self):
-        self.length = 0
-
-    def crop(self, n):
-        self.length = min(self.length, n)
-
-
 class PatternDrafter(nn.Module):
     """Knows the target's tokens; proposes them except at random positions (1 in `period`), where it
     proposes a wrong token — rounds then accept 0..bs-1 drafts, exercising every rollback length."""
@@ -64,7 +56,7 @@ class PatternDrafter(nn.Module):
         self.target_layer_ids, self.hidden_size = None, None
 
     def new_cache(self):
-        return _LenCache()
+        return LenCache()
 
     def extend_context(self, cache, features_BTLH, start):
         assert start <= cache.length or cache.length == start

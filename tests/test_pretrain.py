@@ -9,8 +9,8 @@ import torch
 
 from dflash.corpus import (MASK_TOKEN, SPECIAL_TOKENS, CorpusConfig, list_files, load_corpus, save_tokenizer,
                            split_of, train_tokenizer)
-from dflash.pretrain import (PretrainConfig, compare_grads, estimate_bf16_bytes, lr_at, pretrain, read_target_meta,
-                             write_folder_atomically)
+from dflash.pretrain import PretrainConfig, compare_grads, estimate_bf16_bytes, lr_at, pretrain, write_folder_atomically
+from dflash.target import read_target_meta
 from dflash.tracking import TrackingConfig
 
 CODE = ('def f(x: int) -> str:\n    """Docstring: é ü 😀."""\n\tif x  >=  10:\n        return "big"\r\n'

@@ -33,7 +33,11 @@ import torch
 
 from dflash.evaluation import EvalConfig
 from dflash.evaluation.acceptance import DrafterProposer, Proposer, TaskResult, simulate
-from dflash.evaluation.ground_truth import TaskTruth, cache_key, load_or_build_ground_truth
+from dflash.evaluation.ground_truth import (
+    TaskTruth,
+    cache_key,
+    load_or_build_ground_truth,
+)
 from dflash.evaluation.prompts import Task, load_suite
 from dflash.evaluation.speculative import greedy_decode, speculative_decode
 
@@ -98,7 +102,6 @@ class EvalReport:
                   "| position | " + " | ".join(str(k + 1) for k in range(len(self.acc_pos))) + " |",
                   "|---|" + "---|" * len(self.acc_pos),
                   "| rate | " + " | ".join(self._rates()) + " |",
-                  "| reached | " + " | ".join(str(n) for n in self.reached_pos) + " |",
                   "| reached | " + " | ".join(str(n) for n in self.reached_pos) + " |"]
         return "\n".join(lines) + "\n"
 
@@ -241,10 +244,16 @@ def evaluate(drafter, target, cfg: EvalConfig, tasks: Sequence[Task] | None = No
     finally:
         drafter.train(was_training)
     metrics["eval/seconds"] = time.perf_counter() - t0
-    reached = [sum(r.reached[k] for r in results) for k in range(bs - 1)]
-    acc = [sum(r.accepted[k] for r in results) / reached[k] if reached[k] else 0.0 for k in range(bs - 1)]
+    acc, reached = _position_acceptance(results, bs)
     info["block_size"] = bs
     return EvalReport(metrics, table, acc, reached, bs, budgets, info, results)
+
+
+def _position_acceptance(results: Sequence[TaskResult], bs: int) -> tuple[list[float], list[int]]:
+    """Vanilla P(accepted | reached) per block position 1..bs-1 (0.0 where never reached), and the counts."""
+    reached = [sum(r.reached[k] for r in results) for k in range(bs - 1)]
+    acc = [sum(r.accepted[k] for r in results) / reached[k] if reached[k] else 0.0 for k in range(bs - 1)]
+    return acc, reached
 
 
 def _metrics(results: Sequence[TaskResult], budgets: Sequence[int], bs: int) -> dict[str, float]:
@@ -253,9 +262,7 @@ def _metrics(results: Sequence[TaskResult], budgets: Sequence[int], bs: int) -> 
     for b in budgets:
         tt = [t for r in results for t in r.taus_tree[b]]
         m[f"eval/tau_tree_{b}"] = sum(tt) / len(tt) if tt else float("nan")
-    for k in range(bs - 1):
-        reached = sum(r.reached[k] for r in results)
-        m[f"eval/acc_pos{k + 1:02d}"] = sum(r.accepted[k] for r in results) / reached if reached else 0.0
+    m.update({f"eval/acc_pos{k + 1:02d}": a for k, a in enumerate(_position_acceptance(results, bs)[0])})
     for r in results:
         m[f"eval/task/{r.name}/tau_vanilla"] = r.tau_vanilla
         for b in budgets:

@@ -93,10 +93,22 @@ class DrafterAttention(nn.Module):
         blk_k, blk_v = self.project_kv(block_BQH, blk_cos, blk_sin)
         k = torch.cat([ctx_k, blk_k], dim=2)
         v = torch.cat([ctx_v, blk_v], dim=2)
+        gqa = self.num_heads != self.num_kv_heads
+        if mask_BQK is not None and gqa:
+            # SDPA takes enable_gqa only on its flash kernel, which has no masks: a mask with enable_gqa falls
+            # back to the math kernel (fp32 scores materialised, slow backward). Expanded heads keep the
+            # memory-efficient kernel (pytorch/pytorch#139586; measured in benchmarks/RESULTS.md).
+            k, v = _expand_heads(k, self.num_heads), _expand_heads(v, self.num_heads)
+            gqa = False
         out = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=None if mask_BQK is None else mask_BQK[:, None],
-            enable_gqa=self.num_heads != self.num_kv_heads)
+            q, k, v, attn_mask=None if mask_BQK is None else mask_BQK[:, None], enable_gqa=gqa)
         return self.o_proj(out.transpose(1, 2).reshape(B, Q, -1))
+
+
+def _expand_heads(x_BhSd: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """[B, kv_heads, S, d] → [B, num_heads, S, d], each K/V head serving its num_heads/kv_heads query heads."""
+    B, h, S, d = x_BhSd.shape
+    return x_BhSd[:, :, None].expand(B, h, num_heads // h, S, d).reshape(B, num_heads, S, d)
 
 
 class DrafterMLP(nn.Module):

@@ -328,6 +328,16 @@ class BucketedBuffer:
             return self._total == self.cfg.max_depth
         return self._total >= self.cfg.min_ready
 
+    def ready(self) -> bool:
+        """Whether a `get` would return now without waiting (an inline producer tops up until it is)."""
+        with self._cond:
+            return self._error is not None or self._ready()
+
+    def space(self) -> int:
+        """Items a `put` can still add without blocking."""
+        with self._cond:
+            return max(self.cfg.max_depth - self._total, 0)
+
     # -------------------------------------------------------------- producer
     def put(self, item: Any, length: int, key: Any = None) -> None:
         """Add ``item`` (a sequence of ``length`` tokens); blocks while full."""

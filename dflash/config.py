@@ -27,6 +27,9 @@ class ConfigError(ValueError):
     """Bad input, found before any work starts."""
 
 
+PRODUCER_MODES = ("auto", "thread", "inline")
+
+
 @dataclass
 class TrainerConfig:
     max_steps: int = 120
@@ -44,6 +47,9 @@ class TrainerConfig:
     autocast: str = "auto"  # auto: bfloat16 autocast on GPU, off on CPU
     producers: int = 1  # target producer threads (deterministic buffers force 1)
     producer_batch: int = 1  # sequences a producer claims per target forward (grouped by length, right-padded)
+    # thread: producer threads run the target beside the drafter; inline: the consumer runs the target itself
+    # whenever the buffer runs short (no second thread); auto: inline when target and drafter share one GPU
+    producer_mode: str = "auto"
     eval_every: int = 0  # steps between cheap evals (0 = only at the end)
     time_budget_s: float = 0.0  # stop at the first log interval past this much training time (0: off);
     # the final checkpoint and full eval still run. For equal-time comparisons; the LR follows max_steps.
@@ -83,6 +89,9 @@ def validate(cfg: RunConfig) -> None:
             raise ConfigError(f"loss.name={cfg.loss.name!r} is unknown; expected one of {sorted(LOSSES)}")
         _positive("trainer", cfg.trainer, "max_steps", "sequences_per_step", "num_anchors", "lr",
                   "checkpoint_every", "producers", "producer_batch")
+        if cfg.trainer.producer_mode not in PRODUCER_MODES:
+            raise ConfigError(f"trainer.producer_mode={cfg.trainer.producer_mode!r} is unknown; "
+                              f"expected one of {list(PRODUCER_MODES)}")
         if cfg.trainer.time_budget_s < 0:
             raise ConfigError(f"trainer.time_budget_s must be >= 0 (0: off), got {cfg.trainer.time_budget_s}")
         _positive("drafter", cfg.drafter, "num_layers", "num_heads", "num_kv_heads", "head_dim",

@@ -15,6 +15,7 @@ half-written tensor (the original pipeline's NaNs came from packing on a second 
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import dataclass
 
 import torch
@@ -85,15 +86,20 @@ def length_groups(lengths: list[int], max_waste: float = 0.25) -> list[list[int]
 class ProducerPool:
     """`n` producer threads feeding one buffer; each claims `batch` items per round and runs the target
     on them in length groups (one forward per group). Items are put in claim order, so a single producer
-    puts keys in order and a checkpoint's item count stays an exact resume point."""
+    puts keys in order and a checkpoint's item count stays an exact resume point.
+
+    `inline`: no threads; the consumer tops the buffer up itself (`next_item`) whenever a get would wait.
+    On one GPU shared by target and drafter the two sides serialise on the device anyway, and a second
+    Python thread only adds contention for the GIL and the allocator (measured in benchmarks/RESULTS.md)."""
 
     def __init__(self, target: Target, buffer: BucketedBuffer, source: ItemSource, n: int,
-                 soft_top_k: int, batch: int = 1):
+                 soft_top_k: int, batch: int = 1, inline: bool = False):
         self.target, self.buffer, self.source = target, buffer, source
-        self.soft_top_k, self.batch = soft_top_k, batch
+        self.soft_top_k, self.batch, self.inline = soft_top_k, batch, inline
+        self.inline_s = 0.0  # consumer time spent producing (inline mode): counted as its wait
         self.stop = threading.Event()
-        self.threads = [threading.Thread(target=self._run, name=f"producer-{i}", daemon=True)
-                        for i in range(n)]
+        self.threads = [] if inline else [threading.Thread(target=self._run, name=f"producer-{i}", daemon=True)
+                                          for i in range(n)]
 
     def start(self) -> "ProducerPool":
         for t in self.threads:
@@ -121,14 +127,26 @@ class ProducerPool:
                                 out.labels_BT[row, :L], *soft)
         return items
 
+    def next_item(self) -> Item:
+        """The consumer's get; in inline mode it first runs the target until the buffer is ready."""
+        if self.inline:
+            t0 = time.perf_counter()
+            while not self.buffer.ready():
+                claims = [self.source.claim() for _ in range(max(1, min(self.batch, self.buffer.space())))]
+                self._put(self.produce(claims))
+            self.inline_s += time.perf_counter() - t0
+        return self.buffer.get()
+
+    def _put(self, items: list[Item]) -> None:
+        for item in items:
+            self.buffer.put(item, item.tokens_T.numel(), key=item.key)
+
     def _run(self) -> None:
         if self.target.device.type == "cuda":
             torch.cuda.set_device(self.target.device)  # Triton kernels launch on the thread's current GPU
         try:
             while not self.stop.is_set():
-                claims = [self.source.claim() for _ in range(self.batch)]
-                for item in self.produce(claims):
-                    self.buffer.put(item, item.tokens_T.numel(), key=item.key)
+                self._put(self.produce([self.source.claim() for _ in range(self.batch)]))
         except Exception as e:  # noqa: BLE001 - handed to the consumer through the buffer
             if not self.stop.is_set():
                 self.buffer.fail(e, source=threading.current_thread().name)

@@ -250,7 +250,14 @@ class Trainer:
         top_k = self.cfg.target.soft_top_k if self.loss_fn.needs_soft else 0
         if self.loss_fn.needs_soft and top_k == 0:
             raise ConfigError(f"loss.name={self.cfg.loss.name} needs soft labels: target.soft_top_k must be > 0")
-        return ProducerPool(self.target, self.buffer, self.source, n, top_k, self.cfg.trainer.producer_batch).start()
+        return ProducerPool(self.target, self.buffer, self.source, n, top_k, self.cfg.trainer.producer_batch,
+                            inline=self._inline_producer()).start()
+
+    def _inline_producer(self) -> bool:
+        mode = self.cfg.trainer.producer_mode
+        if mode == "auto":  # one GPU for both sides: they take turns on it anyway
+            return self.device.type == "cuda" and self.device == self.target.device
+        return mode == "inline"
 
     def run(self) -> TrainResult:
         c = self.cfg
@@ -290,7 +297,7 @@ class Trainer:
         t_start, done = time.perf_counter(), self.start_step
         for step in range(self.start_step, c.trainer.max_steps):
             self.noise.advance(step)
-            items = [self.buffer.get() for _ in range(c.trainer.sequences_per_step)]
+            items = [producers.next_item() for _ in range(c.trainer.sequences_per_step)]
             with torch.profiler.record_function("dflash.train_step"):  # free unless a profiler runs
                 window.add(self._step(items, acc), len(items))
             done = step + 1
@@ -365,7 +372,11 @@ class _Window:
         self.t0 = time.perf_counter()
         self.prod0 = producers.perf()
         stats = buffer.stats()
-        self.wait0, self.depth0 = stats["buffer/get_wait_s"], stats["buffer/total"]
+        self.wait0, self.depth0 = self._waited(stats), stats["buffer/total"]
+
+    def _waited(self, stats: dict) -> float:
+        """Consumer seconds not spent on drafter steps: waiting on the buffer, or producing inline."""
+        return stats["buffer/get_wait_s"] + self.producers.inline_s
 
     def add(self, tokens: int, items: int) -> None:
         self.tokens += tokens
@@ -376,7 +387,7 @@ class _Window:
         stats = self.buffer.stats()
         prod_tokens, prod_busy = self.producers.perf()
         wall = max(now - self.t0, 1e-9)
-        waited = stats["buffer/get_wait_s"] - self.wait0
+        waited = self._waited(stats) - self.wait0
         drained = (self.depth0 - stats["buffer/total"]) * self.tokens / max(self.items, 1)
         out = {"perf/pipeline_tok_s": max(self.tokens - drained, 0.0) / wall,
                "perf/consumed_tok_s": self.tokens / wall,
@@ -389,7 +400,7 @@ class _Window:
             out.update(dict(zip(keys, total)), **{"perf/world_size": self.dist.world})
         out.update({k: v for k, v in stats.items() if k.startswith("buffer/depth") or k == "buffer/total"})
         self.tokens, self.items, self.t0, self.prod0 = 0, 0, now, (prod_tokens, prod_busy)
-        self.wait0, self.depth0 = stats["buffer/get_wait_s"], stats["buffer/total"]
+        self.wait0, self.depth0 = self._waited(stats), stats["buffer/total"]
         return out
 
 

@@ -59,6 +59,21 @@ def test_resume_reproduces_the_uninterrupted_run(fast_cfg, tmp_path):
         assert got[s] == pytest.approx(ref[s], rel=1e-6, abs=1e-7), (s, got, ref)
 
 
+def test_inline_producer_trains_exactly_like_a_producer_thread(fast_cfg):
+    """A deterministic buffer hands out the same items whoever fills it: the consumer topping the buffer up
+    itself (one GPU's default) must give the producer thread's losses step for step."""
+    det = ("+buffer=deterministic", "buffer.max_depth=4", "buffer.min_ready=4", "trainer.producer_batch=3")
+    threaded = _losses(train(fast_cfg(*det, "trainer.producer_mode=thread", run="thread")).run_dir)
+    inline = _losses(train(fast_cfg(*det, "trainer.producer_mode=inline", run="inline")).run_dir)
+    assert threaded == inline and len(inline) == 6
+
+
+def test_unknown_producer_mode_is_rejected(fast_cfg):
+    from dflash.config import ConfigError
+    with pytest.raises(ConfigError, match="trainer.producer_mode"):
+        train(fast_cfg("trainer.producer_mode=eager"))
+
+
 def test_tracking_outage_keeps_training(fast_cfg, monkeypatch):
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "2")
     cfg = fast_cfg("tracking.tracking_uri=http://127.0.0.1:9")
@@ -74,8 +89,9 @@ def test_producer_error_stops_the_run_with_that_error(fast_cfg, monkeypatch):
     def boom(self, *a, **k):
         raise RuntimeError("target exploded")
     monkeypatch.setattr(target_mod.Target, "forward_features", boom)
-    with pytest.raises(Exception, match="target exploded|producer"):
-        train(fast_cfg())
+    for mode in ("thread", "inline"):
+        with pytest.raises(Exception, match="target exploded|producer"):
+            train(fast_cfg(f"trainer.producer_mode={mode}"))
 
 
 @pytest.mark.slow

@@ -12,10 +12,17 @@
 #    target on GPU 0 and drafter on GPU 1 in one process (issue 6).
 # c  The split layout (target GPU 0, drafter GPU 1); then 8 more trials of stage a's loss sweep, one worker per
 #    GPU (copy stage a's loss_variants.journal and sweep.db into gpu_carry/ and carry it).
-# d  Not run yet: the grouped-anchor drafter step beside the one-call step and the step's sync sites (with
-#    stacks) on GPU 0; then the split layout without a profiler trace.
+# d  (superseded by e, not run) the grouped-anchor drafter step beside the one-call step; the split layout.
+# e  Session 4, before/after in one process each. GPU 0: the drafter step under every speed setting
+#    (attention kernel, fused LM-head loss, torch.compile) beside today's default and the session-3 default.
+#    GPU 1: the one-H200 pipeline, inline producer (default) beside the producer thread, sync sites with stacks.
+#    (As run, the kernels had their first names, sdpa = K/V heads expanded and sdpa_gqa = masked GQA; they are
+#    sdpa_expanded and sdpa now, and this stage is written with today's names.)
+# f  GPU 0: the variants stage e could not measure (flex, compile); GPU 1: the one-H200 pipeline, inline beside
+#    thread; then both GPUs: torchrun DDP (target + drafter on each GPU), then the split layout (target GPU 0,
+#    drafter GPU 1, one process).
 set -uo pipefail
-STAGE=${1:?stage a, b, c or d}
+STAGE=${1:?stage a, b, c, d, e or f}
 OUT=${OUT:-gpu_out}
 W=gpu_work/$STAGE
 mkdir -p "$OUT" "$W"
@@ -89,7 +96,43 @@ stage_d() {  # next: grouped vs one-call drafter attention and the sync sites (G
     results=$W/RESULTS_27b_2gpu_split.md "$(db bench27b_split)" > $W/bench27b_split.log 2>&1
 }
 
-stage_$STAGE
+OLD="loss.lm_head_grad=recompute"  # session 3's default step (masked-GQA SDPA, recomputing LM-head loss)
+
+stage_e() {
+  ( export CUDA_VISIBLE_DEVICES=0
+    timeout 560 python -m experiments.bench $BIG +trainer=gpu bench.sections=peak,target,drafter bench.pipeline_steps=0 \
+      "bench.drafter_variants=$OLD;drafter.attn_kernel=sdpa_expanded;drafter.attn_group=0;drafter.attn_kernel=flex;trainer.compile=true;drafter.attn_kernel=flex&trainer.compile=true" \
+      results=$W/RESULTS_27b_drafter.md "$(db bench27b_drafter)" > $W/bench27b_drafter.log 2>&1 ) &
+  ( export CUDA_VISIBLE_DEVICES=1
+    timeout 560 python -m experiments.bench $BIG +trainer=gpu trainer.producer_batch=4 bench.sections=peak,target,drafter,pipeline \
+      bench.kernel_profile=0 bench.profile_steps=3 bench.sync_stacks=1 \
+      "bench.pipeline_variants=trainer.producer_mode=thread;trainer.producer_mode=thread&trainer.producer_batch=1" \
+      results=$W/RESULTS_27b_1gpu.md "$(db bench27b_1gpu)" > $W/bench27b_1gpu.log 2>&1 ) &
+  wait
+}
+
+stage_f() {  # one 2 x H200 call: phase 1 side by side, then DDP over both GPUs, then the split layout
+  local P="bench.profile_steps=0 bench.kernel_profile=0"
+  ( export CUDA_VISIBLE_DEVICES=0  # what failed or did nothing in stage e, now that FLOPs are counted eagerly
+    timeout 250 python -m experiments.bench $BIG +trainer=gpu bench.sections=peak,drafter bench.pipeline_steps=0 \
+      "bench.drafter_variants=drafter.attn_kernel=flex;trainer.compile=true;drafter.attn_kernel=sdpa_expanded" \
+      results=$W/RESULTS_27b_drafter.md "$(db bench27b_drafter)" > $W/bench27b_drafter.log 2>&1 ) &
+  ( export CUDA_VISIBLE_DEVICES=1  # one H200: inline producer (default) beside the producer thread
+    timeout 250 python -m experiments.bench $BIG +trainer=gpu trainer.producer_batch=4 bench.pipeline_steps=40 \
+      bench.sections=peak,target,drafter,pipeline bench.profile_steps=2 bench.kernel_profile=0 \
+      "bench.pipeline_variants=trainer.producer_mode=thread" \
+      results=$W/RESULTS_27b_1gpu.md "$(db bench27b_1gpu)" > $W/bench27b_1gpu.log 2>&1 ) &
+  wait
+  timeout 170 torchrun --nproc_per_node=2 -m experiments.bench $BIG +trainer=gpu trainer.producer_batch=4 \
+    bench.sections=pipeline bench.pipeline_steps=30 $P results=$W/RESULTS_27b_2gpu_ddp.md "$(db bench27b_ddp)" \
+    > $W/bench27b_ddp.log 2>&1
+  timeout 140 python -m experiments.bench $BIG +trainer=gpu trainer.producer_batch=4 target.device=cuda:0 \
+    trainer.device=cuda:1 bench.sections=pipeline bench.pipeline_steps=30 $P \
+    results=$W/RESULTS_27b_2gpu_split.md "$(db bench27b_split)" > $W/bench27b_split.log 2>&1
+}
+
+shift
+stage_$STAGE "$@"
 nvidia-smi --query-gpu=index,memory.used,utilization.gpu --format=csv > $W/nvidia_smi.txt 2>&1
 tar czf "$OUT/stage_$STAGE.tgz" --exclude='*.pt' --exclude='*.safetensors' -C gpu_work "$STAGE"
 for f in $W/*.log; do echo "== $f"; grep -v "^INFO\|^W1\|Warning" "$f" | tail -14; done

@@ -42,15 +42,20 @@ def draw_anchors(length: int, block_size: int, num_anchors: int, gen: torch.Gene
 
 
 def make_batch(items: list[Item], *, block_size: int, num_anchors: int, seed: int,
-               noise: NoiseSchedule, sigma: float, device: torch.device) -> DrafterBatch:
+               noise: NoiseSchedule, sigma: float, device: torch.device, pad_multiple: int = 1,
+               fixed_anchors: bool = False) -> DrafterBatch:
+    """`pad_multiple` rounds the batch length up and `fixed_anchors` gives every batch `num_anchors` blocks
+    (the extra ones are padding, labels IGNORE), so a compiled drafter sees few distinct shapes. Exact: the
+    padded context lies past every real anchor, where the block mask hides it."""
     B = len(items)
     T = max(it.tokens_T.numel() for it in items)
+    T = -(-T // pad_multiple) * pad_multiple
     L, H = items[0].features_TLH.shape[-2:]
     K = block_size - 1
     anchors = [draw_anchors(it.tokens_T.numel(), block_size, num_anchors,
                             torch.Generator().manual_seed(item_seed(seed, it.epoch, it.index)))
                for it in items]
-    N = max(max(a.numel() for a in anchors), 1)
+    N = num_anchors if fixed_anchors else max(max(a.numel() for a in anchors), 1)
     feats = torch.zeros(B, T, L, H, dtype=items[0].features_TLH.dtype, device=device)
     anchors_BN = torch.ones(B, N, dtype=torch.long)
     valid_BN = torch.zeros(B, N, dtype=torch.bool)

@@ -15,18 +15,23 @@ figure is a slight undercount and its MFU conservative). Throughput does not dep
 from __future__ import annotations
 
 import dataclasses
+import gc
+import json
+import logging
 import time
 from dataclasses import dataclass
 
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from dflash.config import RunConfig
+from dflash.config import RunConfig, validate, with_overrides
 from dflash.distributed import init_distributed
 from dflash.losses import build_loss, compute_position_stats
-from dflash.profiling import traced_steps
+from dflash.profiling import profile_kernels, traced_steps
 from dflash.target import Target, torch_gdn_path
 from dflash.tracking import read_jsonl_metrics
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -41,9 +46,27 @@ class BenchConfig:
     pipeline_steps: int = 20  # 0 skips the pipeline measurement
     profile_steps: int = 5  # pipeline steps traced by the profiler to count host syncs (0: no trace)
     sync_stacks: int = 0  # 1: record Python stacks in that trace to name each sync's call site (slow to process)
-    # target_torch: the torch GDN fallback; drafter_ungrouped: the drafter step with all anchors in one
-    # attention call (drafter.attn_group=0), beside the grouped one
-    sections: str = "peak,target,target_torch,drafter,drafter_ungrouped,pipeline"
+    # target_torch: the torch GDN fallback beside the fast path
+    sections: str = "peak,target,target_torch,drafter,pipeline"
+    # Before/after, side by side: the drafter step and the pipeline again under each variant, a variant being
+    # config overrides joined by '&', variants separated by ';' (e.g. "drafter.attn_group=0;trainer.compile=true")
+    drafter_variants: str = ""
+    pipeline_variants: str = ""
+    kernel_profile: int = 1  # 1: break each drafter step's GPU time down by kernel family (profiler, 2 steps)
+
+
+def parse_variants(spec: str, key: str) -> list[tuple[str, list[str]]]:
+    """'a=1&b=2;c=3' → [('a=1&b=2', ['a=1', 'b=2']), ('c=3', ['c=3'])]."""
+    return [(v.strip(), [o for o in v.strip().split("&") if o]) for v in spec.split(";") if v.strip()]
+
+
+def variant_configs(cfg: RunConfig, spec: str, key: str) -> dict[str, RunConfig]:
+    """Each variant's config, checked before any work starts (a bad key names `bench.<key>`)."""
+    out = {}
+    for label, overrides in parse_variants(spec, key):
+        out[label] = with_overrides(cfg, overrides, f"bench.{key}")
+        validate(out[label])
+    return out
 
 
 def _timed(fn, iters: int, device: torch.device) -> float:
@@ -138,11 +161,13 @@ class DrafterStepBench:
 
     def __init__(self, cfg: RunConfig, target: Target, b: BenchConfig):
         from dflash.drafter import build_drafter
+        from dflash.trainer import compile_drafter
         self.cfg, self.b, self.device = cfg, b, target.device
         t = target
         self.drafter = build_drafter(cfg.drafter, t.hidden_size, t.info.num_layers, t.mask_token_id,
                                      t.layer_ids).to(t.device)
         self.drafter.attach_target_head(t.embed_weight(), t.lm_head_weight())
+        self.model = compile_drafter(self.drafter) if cfg.trainer.compile else self.drafter
         self.opt = torch.optim.AdamW(self.drafter.parameters(), lr=1e-4, fused=t.device.type == "cuda")
         self.loss_fn = build_loss(cfg.loss)
         bs, T, B = cfg.drafter.block_size, b.seq_len, b.drafter_batch
@@ -155,16 +180,35 @@ class DrafterStepBench:
         self.labels = torch.randint(0, t.vocab_size - 1, (B * n, bs - 1), device=t.device)
         self.phases: dict[str, float] = {}
 
+    def useful_flops(self) -> int:
+        """FLOPs of one step counted on its eager SDPA twin, before anything is compiled: the attention kernel
+        and compilation change how the work runs, not how much of it is useful (masked-out keys are not counted
+        either way), and a counting dispatch mode must not meet compiled code (it breaks FlexAttention's trace
+        and sends dynamo back to eager)."""
+        from dflash.drafter_attention import attention_kernel
+        attns = [layer.self_attn for layer in self.drafter.layers]
+        saved = self.model, self.drafter.attn_kernel, [a.kernel for a in attns]
+        self.model = self.drafter
+        self.drafter.attn_kernel = attention_kernel("sdpa")
+        for a in attns:
+            a.kernel = self.drafter.attn_kernel
+        try:
+            return _flops(self.step)
+        finally:
+            self.model, self.drafter.attn_kernel = saved[0], saved[1]
+            for a, k in zip(attns, saved[2]):
+                a.kernel = k
+
     def step(self, timed: bool = False) -> None:
         ev = [torch.cuda.Event(enable_timing=True) for _ in range(5)] if timed else None
         mark = (lambda i: ev[i].record()) if timed else (lambda i: None)  # noqa: E731
         mark(0)
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.device.type == "cuda"):
-            hidden = self.drafter(self.features, self.anchors, self.anchor_tokens)
+            hidden = self.model(self.features, self.anchors, self.anchor_tokens)
         mark(1)
         B, N, K, H = hidden.shape
         stats = compute_position_stats(hidden.reshape(B * N, K, H), self.drafter.lm_head_VH, self.labels,
-                                       chunk_size=self.cfg.loss.chunk_size)
+                                       chunk_size=self.cfg.loss.chunk_size, lm_head_grad=self.cfg.loss.lm_head_grad)
         loss = self.loss_fn(stats, self.labels != -100)
         mark(2)
         loss.backward()
@@ -179,9 +223,9 @@ class DrafterStepBench:
                 self.phases[name] = self.phases.get(name, 0.0) + ev[i].elapsed_time(ev[i + 1]) / 1e3
 
     def run(self) -> dict:
+        flops = self.useful_flops()
         for _ in range(self.b.warmup):
             self.step()
-        flops = _flops(self.step)
         sec = _timed(self.step, self.b.iters, self.device)
         if self.device.type == "cuda":
             self.phases = {}
@@ -189,8 +233,11 @@ class DrafterStepBench:
                 self.step(timed=True)
             self.phases = {k: v / 3 for k, v in self.phases.items()}
         data_tokens = self.b.drafter_batch * self.b.seq_len
-        return {"tok_s": data_tokens / sec, "flops_per_tok": flops / data_tokens, "sec_per_step": sec,
-                "phases": self.phases}
+        out = {"tok_s": data_tokens / sec, "flops_per_tok": flops / data_tokens, "sec_per_step": sec,
+               "phases": self.phases}
+        if self.device.type == "cuda" and self.b.kernel_profile:
+            out["kernels"] = profile_kernels(self.step)
+        return out
 
 
 def bench_pipeline(cfg: RunConfig, target: Target, b: BenchConfig) -> dict:
@@ -222,11 +269,14 @@ def bench_pipeline(cfg: RunConfig, target: Target, b: BenchConfig) -> dict:
         out["sync_calls"] = {k: v for k, v in syncs.items() if k not in ("steps", "syncs", "sites", "host_reads")}
         out["sync_sites"] = syncs["sites"]
     out["producer_batch"] = cfg.trainer.producer_batch
+    out["producer_mode"] = "inline" if trainer.producers_inline else "thread"
     return out
 
 
 def run_bench(cfg: RunConfig, b: BenchConfig) -> dict:
     sections = set(b.sections.split(","))
+    drafter_variants = variant_configs(cfg, b.drafter_variants, "drafter_variants")
+    pipeline_variants = variant_configs(cfg, b.pipeline_variants, "pipeline_variants")
     info = init_distributed()  # under torchrun: before the target, so "cuda" is this rank's GPU
     target = Target(cfg.target)
     dev = target.device
@@ -240,19 +290,43 @@ def run_bench(cfg: RunConfig, b: BenchConfig) -> dict:
     if "peak" in sections:
         out["peak_flops"] = matmul_peak(b.peak_n if dev.type == "cuda" else 512, dev)
     if "target" in sections:
-        out["target"] = bench_target(target, b)
+        out["target"] = _measure("target", lambda: bench_target(target, b))
     if "target_torch" in sections and any(v != "torch" for v in target.kernels.values()):
-        out["target_torch"] = bench_target_torch(target, b)  # skipped where the fast path is absent anyway
+        # skipped where the fast path is absent anyway
+        out["target_torch"] = _measure("target_torch", lambda: bench_target_torch(target, b))
     if "drafter" in sections:
-        out["drafter"] = DrafterStepBench(cfg, target, b).run()
-    if "drafter_ungrouped" in sections and 0 < cfg.drafter.attn_group < b.anchors:
-        one_call = dataclasses.replace(cfg, drafter=dataclasses.replace(cfg.drafter, attn_group=0))
-        out["drafter_ungrouped"] = DrafterStepBench(one_call, target, b).run()
+        out["drafter"] = _measure("drafter", lambda: DrafterStepBench(cfg, target, b).run())
+    for label, vcfg in drafter_variants.items():
+        out.setdefault("drafter_variants", {})[label] = _measure(
+            f"drafter [{label}]", lambda vcfg=vcfg: DrafterStepBench(vcfg, target, b).run(), keep_going=True)
     if "pipeline" in sections and b.pipeline_steps:
-        out["pipeline"] = bench_pipeline(cfg, target, b)
+        out["pipeline"] = _measure("pipeline", lambda: bench_pipeline(cfg, target, b))
+    for label, vcfg in pipeline_variants.items():
+        out.setdefault("pipeline_variants", {})[label] = _measure(
+            f"pipeline [{label}]", lambda vcfg=vcfg: bench_pipeline(vcfg, target, b), keep_going=True)
     if dev.type == "cuda":
         out["peak_mem_gb"] = torch.cuda.max_memory_allocated(dev) / 2**30
     return derive(out)
+
+
+def _measure(name: str, fn, keep_going: bool = False) -> dict:
+    """One measurement, logged as soon as it is done (a run cut short by a time limit still leaves its figures
+    in the log). A failing variant is recorded and the others still run; compiled graphs and the drafter's
+    optimizer state are dropped before the next one (each holds tens of GB at production shapes)."""
+    try:
+        result = fn()
+    except Exception as e:  # noqa: BLE001 - only variants keep going
+        if not keep_going:
+            raise
+        log.exception("bench %s failed", name)
+        result = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+    finally:
+        torch._dynamo.reset()
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    log.info("bench %s: %s", name, json.dumps(result, default=str))
+    return result
 
 
 def derive(out: dict) -> dict:
@@ -268,11 +342,14 @@ def derive(out: dict) -> dict:
         out["back_to_back_tok_s"] = serial
         if peak:
             out["back_to_back_mfu"] = serial * (t["flops_per_tok"] + d["flops_per_tok"]) / peak
-    if p:
+    for p in ([p] if p else []) + list(out.get("pipeline_variants", {}).values()):
         tok, gpus = p.get("perf/pipeline_tok_s", 0.0), out.get("gpus", 1)
         p["tok_s_per_gpu"] = tok / gpus
         if t and d and peak:
             p["mfu"] = tok * (t["flops_per_tok"] + d["flops_per_tok"]) / (peak * gpus)
+    for v in out.get("drafter_variants", {}).values():
+        if peak and "tok_s" in v:
+            v["mfu"] = v["tok_s"] * v["flops_per_tok"] / peak
     return out
 
 
@@ -289,30 +366,47 @@ def format_table(out: dict) -> str:
         s, fast = out["target_torch"], out.get("target", {}).get("tok_s", 0.0)
         rows.append(("target tok/s, torch GDN", f"{s['tok_s']:,.0f}",
                      f"fast path is {fast / s['tok_s']:.2f}x" if s["tok_s"] else ""))
-    if "drafter_ungrouped" in out:
-        s, grouped = out["drafter_ungrouped"], out.get("drafter", {}).get("tok_s", 0.0)
-        rows.append(("drafter tok/s, one attn call", f"{s['tok_s']:,.0f}",
-                     f"groups of {out.get('attn_group', '?')} are {grouped / s['tok_s']:.2f}x" if s["tok_s"] else ""))
+    base = out.get("drafter", {}).get("tok_s", 0.0)
+    for label, s in out.get("drafter_variants", {}).items():
+        if "error" in s:
+            rows.append((f"drafter tok/s [{label}]", "failed", s["error"]))
+            continue
+        ratio = f"{s['tok_s'] / base:.2f}x the default, " if base else ""
+        rows.append((f"drafter tok/s [{label}]", f"{s['tok_s']:,.0f}",
+                     f"{ratio}{s['sec_per_step'] * 1e3:.1f} ms/step, MFU {s.get('mfu', 0):.0%}"))
     if "back_to_back_tok_s" in out:
         rows.append(("back-to-back tok/s", f"{out['back_to_back_tok_s']:,.0f}",
                      f"MFU {out.get('back_to_back_mfu', 0):.0%} (serial sum of the two sides)"))
     if "pipeline" in out:
+        rows.append(_pipeline_row("pipeline tok/s", out["pipeline"], out))
         p = out["pipeline"]
-        rows.append(("pipeline tok/s", f"{p.get('perf/pipeline_tok_s', 0):,.0f}",
-                     (f"{out.get('gpus', 1)} device(s), {p.get('tok_s_per_gpu', 0):,.0f} each, "
-                      f"MFU {'n/a' if 'mfu' not in p else format(p['mfu'], '.0%')}; "
-                      f"consumer waits {p.get('perf/consumer_wait_frac', 0):.0%}; "
-                      f"producer batch {p.get('producer_batch', 1)}")))
         if "host_syncs_per_step" in p:
             rows.append(("host syncs in step", (f"{p['host_syncs_per_step']:.2f}/step, "
                                                 f"{p.get('host_reads_per_step', 0):.2f} host reads/step"),
                          f"profiler trace; {p.get('sync_calls') or 'none'}; at {p.get('sync_sites') or '-'}"))
+    for label, p in out.get("pipeline_variants", {}).items():
+        rows.append(_pipeline_row(f"pipeline tok/s [{label}]", p, out))
     if "drafter" in out and out["drafter"].get("phases"):
         ph = out["drafter"]["phases"]
         total = sum(ph.values()) or 1
         rows.append(("drafter step", " | ".join(f"{k} {v * 1e3:.1f} ms" for k, v in ph.items()),
                      " | ".join(f"{v / total:.0%}" for v in ph.values())))
+    for label, d in [("default", out.get("drafter", {}))] + list(out.get("drafter_variants", {}).items()):
+        if d.get("kernels"):
+            fams = d["kernels"]["ms_per_step"]
+            rows.append((f"drafter kernels [{label}]", " | ".join(f"{k} {v:.1f}" for k, v in fams.items()),
+                         "ms/step of GPU time by kernel family"))
     if "peak_mem_gb" in out:
         rows.append(("peak GPU memory", f"{out['peak_mem_gb']:.1f} GiB", ""))
     w = max(len(r[0]) for r in rows)
     return "\n".join(f"{a:<{w}}  {b}  {c}" for a, b, c in rows)
+
+
+def _pipeline_row(name: str, p: dict, out: dict) -> tuple[str, str, str]:
+    if "error" in p:
+        return name, "failed", p["error"]
+    return (name, f"{p.get('perf/pipeline_tok_s', 0):,.0f}",
+            (f"{out.get('gpus', 1)} device(s), {p.get('tok_s_per_gpu', 0):,.0f} each, "
+             f"MFU {'n/a' if 'mfu' not in p else format(p['mfu'], '.0%')}; "
+             f"consumer waits {p.get('perf/consumer_wait_frac', 0):.0%}; "
+             f"producer batch {p.get('producer_batch', 1)}, {p.get('producer_mode', '?')}"))

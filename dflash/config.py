@@ -15,8 +15,9 @@ from typing import Any
 from dflash.buffer import BufferConfig, validate_buffer_config
 from dflash.data import DataConfig, validate_data_config
 from dflash.drafter import DrafterConfig
+from dflash.drafter_attention import ATTN_KERNELS
 from dflash.evaluation import EvalConfig, validate_eval_config
-from dflash.losses import LOSSES, LossConfig
+from dflash.losses import LM_HEAD_GRADS, LOSSES, LossConfig
 from dflash.noise import NoiseConfig, build_noise
 from dflash.promotion import PromoteConfig
 from dflash.target import TargetConfig, validate_target_config
@@ -50,6 +51,10 @@ class TrainerConfig:
     # thread: producer threads run the target beside the drafter; inline: the consumer runs the target itself
     # whenever the buffer runs short (no second thread); auto: inline when target and drafter share one GPU
     producer_mode: str = "auto"
+    # torch.compile the drafter's forward (fuses its norms, RoPE and elementwise ops; one compile per batch
+    # shape, so sequences are padded to `pad_multiple` tokens and every sequence gets num_anchors blocks)
+    compile: bool = False
+    pad_multiple: int = 1  # pad each batch's length up to a multiple of this (compile: e.g. 256)
     eval_every: int = 0  # steps between cheap evals (0 = only at the end)
     time_budget_s: float = 0.0  # stop at the first log interval past this much training time (0: off);
     # the final checkpoint and full eval still run. For equal-time comparisons; the LR follows max_steps.
@@ -88,10 +93,16 @@ def validate(cfg: RunConfig) -> None:
         if cfg.loss.name not in LOSSES:
             raise ConfigError(f"loss.name={cfg.loss.name!r} is unknown; expected one of {sorted(LOSSES)}")
         _positive("trainer", cfg.trainer, "max_steps", "sequences_per_step", "num_anchors", "lr",
-                  "checkpoint_every", "producers", "producer_batch")
+                  "checkpoint_every", "producers", "producer_batch", "pad_multiple")
         if cfg.trainer.producer_mode not in PRODUCER_MODES:
             raise ConfigError(f"trainer.producer_mode={cfg.trainer.producer_mode!r} is unknown; "
                               f"expected one of {list(PRODUCER_MODES)}")
+        if cfg.loss.lm_head_grad not in LM_HEAD_GRADS:
+            raise ConfigError(f"loss.lm_head_grad={cfg.loss.lm_head_grad!r} is unknown; "
+                              f"expected one of {sorted(LM_HEAD_GRADS)}")
+        if cfg.drafter.attn_kernel not in ATTN_KERNELS:
+            raise ConfigError(f"drafter.attn_kernel={cfg.drafter.attn_kernel!r} is unknown; "
+                              f"expected one of {sorted(ATTN_KERNELS)}")
         if cfg.trainer.time_budget_s < 0:
             raise ConfigError(f"trainer.time_budget_s must be >= 0 (0: off), got {cfg.trainer.time_budget_s}")
         _positive("drafter", cfg.drafter, "num_layers", "num_heads", "num_kv_heads", "head_dim",
@@ -147,3 +158,38 @@ def _dataclass_of(cls, name):
         obj = default.default_factory()  # type: ignore[misc]
         return type(obj) if dataclasses.is_dataclass(obj) else None
     return None
+
+
+def with_overrides(cfg: RunConfig, overrides: list[str], what: str = "override") -> RunConfig:
+    """`cfg` with dotted `key=value` overrides (e.g. 'drafter.attn_group=0'), each value parsed as its field's
+    type. For the library's own callers (a benchmark's variants); the CLI composes with Hydra instead."""
+    for text in overrides:
+        key, sep, raw = text.strip().partition("=")
+        if not sep:
+            raise ConfigError(f"{what} {text!r}: expected key=value")
+        *path, leaf = key.strip().split(".")
+        cfg = _replace_path(cfg, path, leaf, raw.strip(), f"{what} {text!r}")
+    return cfg
+
+
+def _replace_path(obj: Any, path: list[str], leaf: str, raw: str, where: str) -> Any:
+    if path:
+        head = path[0]
+        if not (dataclasses.is_dataclass(obj) and hasattr(obj, head) and dataclasses.is_dataclass(getattr(obj, head))):
+            raise ConfigError(f"{where}: {head!r} is not a config section")
+        return dataclasses.replace(obj, **{head: _replace_path(getattr(obj, head), path[1:], leaf, raw, where)})
+    if leaf not in {f.name for f in dataclasses.fields(obj)}:
+        raise ConfigError(f"{where}: unknown key {leaf!r} in {type(obj).__name__}")
+    current = getattr(obj, leaf)
+    try:
+        if isinstance(current, bool):
+            if raw.lower() not in ("true", "false", "1", "0"):
+                raise ValueError(raw)
+            value: Any = raw.lower() in ("true", "1")
+        else:
+            value = type(current)(raw) if isinstance(current, (int, float, str)) else None
+    except ValueError as e:
+        raise ConfigError(f"{where}: expected {type(current).__name__}") from e
+    if value is None:
+        raise ConfigError(f"{where}: {leaf!r} ({type(current).__name__}) cannot be set this way")
+    return dataclasses.replace(obj, **{leaf: value})

@@ -8,6 +8,8 @@ arXiv 2602.06036).
   The context feature does not pass through the layer's input norm (as in the reference implementation).
 - RoPE with absolute positions: context token j sits at position j, block token k of anchor a at a + k.
 - No embedding or LM head of its own: the target's, frozen, are attached as non-persistent buffers.
+- Training attention runs through a kernel chosen by `attn_kernel` (dflash/drafter_attention.py: SDPA with a
+  bool mask, or FlexAttention with a block-sparse mask); inference (mask None) is always plain SDPA.
 
 Module and parameter names follow the reference `DFlashDraftModel` (z-lab/dflash `dflash/model.py`), so
 the serving export is a plain state-dict save.
@@ -19,6 +21,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from dflash.drafter_attention import attention_kernel, training_mask  # noqa: F401 (training_mask: re-export)
 
 
 @dataclass
@@ -36,6 +40,10 @@ class DrafterConfig:
     # blocks' keys, not to every block of the sequence (all hidden by the mask anyway): at 256 anchors, 2,048
     # tokens and groups of 16 that is 2,304 keys per query instead of 6,144. 0: one call for all anchors.
     attn_group: int = 16
+    # Training only: attention kernel (dflash/drafter_attention.py). "sdpa": SDPA, bool mask, anchor groups,
+    # enable_gqa; "sdpa_expanded": the same with K/V heads copied out (for SDPA builds without masked GQA);
+    # "flex": FlexAttention, one call over all anchors with a block-sparse mask, native GQA.
+    attn_kernel: str = "sdpa"
 
 
 class RMSNorm(nn.Module):
@@ -71,6 +79,7 @@ class DrafterAttention(nn.Module):
     def __init__(self, hidden: int, cfg: DrafterConfig):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.kernel = attention_kernel(cfg.attn_kernel)
         self.q_proj = nn.Linear(hidden, cfg.num_heads * cfg.head_dim, bias=False)
         self.k_proj = nn.Linear(hidden, cfg.num_kv_heads * cfg.head_dim, bias=False)
         self.v_proj = nn.Linear(hidden, cfg.num_kv_heads * cfg.head_dim, bias=False)
@@ -85,30 +94,20 @@ class DrafterAttention(nn.Module):
         v = self.v_proj(x_BSH).view(B, S, self.num_kv_heads, self.head_dim).transpose(1, 2)
         return apply_rope(k, cos, sin), v
 
-    def forward(self, block_BQH, q_cos, q_sin, ctx_k, ctx_v, blk_cos, blk_sin, mask_BQK):
-        """Block queries attend to [context K/V, block K/V]; `mask_BQK` (bool, True = visible) or None."""
+    def forward(self, block_BQH, q_cos, q_sin, ctx_k, ctx_v, blk_cos, blk_sin, mask):
+        """Block queries attend to [context K/V, block K/V]. `mask`: the kernel's training mask, or None at
+        inference (one block after the cache, sees everything)."""
         B, Q, _ = block_BQH.shape
         q = self.q_norm(self.q_proj(block_BQH).view(B, Q, self.num_heads, self.head_dim)).transpose(1, 2)
         q = apply_rope(q, q_cos, q_sin)
         blk_k, blk_v = self.project_kv(block_BQH, blk_cos, blk_sin)
         k = torch.cat([ctx_k, blk_k], dim=2)
         v = torch.cat([ctx_v, blk_v], dim=2)
-        gqa = self.num_heads != self.num_kv_heads
-        if mask_BQK is not None and gqa:
-            # SDPA takes enable_gqa only on its flash kernel, which has no masks: a mask with enable_gqa falls
-            # back to the math kernel (fp32 scores materialised, slow backward). Expanded heads keep the
-            # memory-efficient kernel (pytorch/pytorch#139586; measured in benchmarks/RESULTS.md).
-            k, v = _expand_heads(k, self.num_heads), _expand_heads(v, self.num_heads)
-            gqa = False
-        out = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=None if mask_BQK is None else mask_BQK[:, None], enable_gqa=gqa)
+        if mask is None:  # no mask: SDPA's flash kernel takes GQA natively, whatever the training kernel
+            out = F.scaled_dot_product_attention(q, k, v, enable_gqa=self.num_heads != self.num_kv_heads)
+        else:
+            out = self.kernel.attend(q, k, v, mask, self.num_heads, self.num_kv_heads)
         return self.o_proj(out.transpose(1, 2).reshape(B, Q, -1))
-
-
-def _expand_heads(x_BhSd: torch.Tensor, num_heads: int) -> torch.Tensor:
-    """[B, kv_heads, S, d] → [B, num_heads, S, d], each K/V head serving its num_heads/kv_heads query heads."""
-    B, h, S, d = x_BhSd.shape
-    return x_BhSd[:, :, None].expand(B, h, num_heads // h, S, d).reshape(B, num_heads, S, d)
 
 
 class DrafterMLP(nn.Module):
@@ -130,9 +129,9 @@ class DrafterLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(hidden, cfg.rms_norm_eps)
         self.mlp = DrafterMLP(hidden, cfg.intermediate_size)
 
-    def forward(self, block_BQH, rope, ctx_kv, mask_BQK):
+    def forward(self, block_BQH, rope, ctx_kv, mask):
         q_cos, q_sin = rope
-        attn = self.self_attn(self.input_layernorm(block_BQH), q_cos, q_sin, *ctx_kv, q_cos, q_sin, mask_BQK)
+        attn = self.self_attn(self.input_layernorm(block_BQH), q_cos, q_sin, *ctx_kv, q_cos, q_sin, mask)
         h = block_BQH + attn
         return h + self.mlp(self.post_attention_layernorm(h))
 
@@ -163,20 +162,6 @@ class DrafterCache:
                 self.k[i], self.v[i] = self.k[i][:, :, :length], self.v[i][:, :, :length]
 
 
-def training_mask(anchors_BN: torch.Tensor, ctx_len: int, block_size: int) -> torch.Tensor:
-    """Bool mask [B, N·bs, ctx_len + N·bs]: block n sees context j < anchor_n and its own block, both
-    directions inside the block; blocks never see each other. This is exactly what the block sees at
-    inference (context = committed features before the anchor), tested against the inference path."""
-    B, N = anchors_BN.shape
-    dev = anchors_BN.device
-    ctx_pos = torch.arange(ctx_len, device=dev)
-    sees_ctx_BNT = ctx_pos[None, None, :] < anchors_BN[:, :, None]
-    sees_ctx = sees_ctx_BNT[:, :, None, :].expand(B, N, block_size, ctx_len).reshape(B, N * block_size, ctx_len)
-    block_id = torch.arange(N * block_size, device=dev) // block_size  # (no repeat_interleave: older torch syncs)
-    sees_blk = (block_id[:, None] == block_id[None, :]).expand(B, -1, -1)
-    return torch.cat([sees_ctx, sees_blk], dim=-1)
-
-
 def _per_group(x_BhTd: torch.Tensor, G: int) -> torch.Tensor:
     """[B, ...] → [B·G, ...], each batch row repeated for its G anchor groups (row b·G + g)."""
     B = x_BhTd.shape[0]
@@ -193,6 +178,7 @@ class DFlashDrafter(nn.Module):
         self.mask_token_id = mask_token_id
         self.target_layer_ids = list(target_layer_ids)
         self.num_target_layers = num_target_layers
+        self.attn_kernel = attention_kernel(cfg.attn_kernel)  # unknown name: ValueError here, at build time
         self.fc = nn.Linear(len(target_layer_ids) * hidden_size, hidden_size, bias=False)
         self.hidden_norm = RMSNorm(hidden_size, cfg.rms_norm_eps)
         self.layers = nn.ModuleList(DrafterLayer(hidden_size, cfg) for _ in range(cfg.num_layers))
@@ -229,11 +215,11 @@ class DFlashDrafter(nn.Module):
     def _rope(self, positions_BS: torch.Tensor, dtype):
         return rope_cos_sin(positions_BS, self.cfg.head_dim, self.cfg.rope_theta, dtype)
 
-    def _run_layers(self, block_BQH, blk_pos_BQ, ctx_kv_per_layer, mask_BQK):
+    def _run_layers(self, block_BQH, blk_pos_BQ, ctx_kv_per_layer, mask):
         rope = self._rope(blk_pos_BQ, block_BQH.dtype)
         h = block_BQH
         for layer, ctx_kv in zip(self.layers, ctx_kv_per_layer):
-            h = layer(h, rope, ctx_kv, mask_BQK)
+            h = layer(h, rope, ctx_kv, mask)
         return self.norm(h)
 
     # -- training --------------------------------------------------------------------------------
@@ -242,15 +228,18 @@ class DFlashDrafter(nn.Module):
         """Training forward over N blocks per sequence at once. Returns the final hidden states of block
         positions 1..bs-1, shape [B, N, bs-1, H]; position k predicts token anchor + k.
 
-        Anchors run in G groups of g (`attn_group`) as a batch of B·G: each group gets the whole context's
-        K/V and its own blocks. Same result as one call over all N blocks (tested), less attention work."""
+        With a kernel that groups anchors (SDPA), anchors run in G groups of g (`attn_group`) as a batch of
+        B·G: each group gets the whole context's K/V and its own blocks. Same result as one call over all N
+        blocks (tested), less attention work. A block-sparse kernel (flex) skips the unseen tiles itself and
+        takes all N in one call. The mask is built once here and shared by all layers."""
         B, T = features_BTLH.shape[:2]
         N, bs = anchors_BN.shape[1], self.block_size
         ctx = self.context(features_BTLH)
         ctx_pos = torch.arange(T, device=ctx.device).expand(B, T)
         ctx_cos, ctx_sin = self._rope(ctx_pos, ctx.dtype)
         ctx_kv = [layer.self_attn.project_kv(ctx, ctx_cos, ctx_sin) for layer in self.layers]
-        g = self.cfg.attn_group if 0 < self.cfg.attn_group < N else N
+        grouped = self.attn_kernel.groups_anchors and 0 < self.cfg.attn_group < N
+        g = self.cfg.attn_group if grouped else N
         G = -(-N // g)
         if G * g != N:  # pad with copies of the last anchor; their outputs are dropped below
             pad_BP = anchors_BN[:, -1:].expand(B, G * g - N)
@@ -260,7 +249,7 @@ class DFlashDrafter(nn.Module):
             ctx_kv = [(_per_group(k, G), _per_group(v, G)) for k, v in ctx_kv]
         anchors_Mg = anchors_BN.reshape(B * G, g)  # M = B·G attention batches
         blk_pos = (anchors_Mg[:, :, None] + torch.arange(bs, device=ctx.device)).view(B * G, g * bs)
-        mask = training_mask(anchors_Mg, T, bs)
+        mask = self.attn_kernel.mask(anchors_Mg, T, bs)
         h = self._run_layers(self.block_embeddings(anchor_tokens_BN.reshape(B * G, g)), blk_pos, ctx_kv, mask)
         return h.view(B, G * g, bs, -1)[:, :N, 1:]
 

@@ -13,9 +13,12 @@ Sources:
   * KL/TV mixture gated by the distribution overlap (acceptance rate): LK losses.
 
 The LM head is shared with the target (V up to ~250k), so drafter logits are
-computed in float32, chunk by chunk, under activation checkpointing: only
-per-position scalars leave a chunk, and the N*K*V logits never exist at once,
-neither in the forward nor in the backward pass.
+computed in float32, chunk by chunk: only per-position scalars leave a chunk,
+and the N*K*V logits never exist at once, neither in the forward nor in the
+backward pass.  Two interchangeable paths compute them (``loss.lm_head_grad``):
+"fused" (``dflash.lm_head_loss``) forms each stat's gradient wrt the hidden
+state in the forward and never recomputes logits; "recompute" runs each chunk
+under activation checkpointing and recomputes its logits in the backward.
 """
 
 from abc import ABC, abstractmethod
@@ -26,7 +29,8 @@ import torch
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
-IGNORE_INDEX = -100
+from dflash.lm_head_loss import IGNORE_INDEX, fused_position_stats
+from dflash.lm_head_loss import chunk_logits as _chunk_logits
 
 
 @dataclass
@@ -39,6 +43,7 @@ class LossConfig:
     dpace_a: float = 0.5  # dpace: floor a in q~ = (1-a) q + a
     lk_eta: float = 3.0  # lk: lambda = exp(-eta * overlap)
     chunk_size: int = 1024  # positions per LM-head chunk
+    lm_head_grad: str = "fused"  # LM-head gradient path: fused (no logits recompute) | recompute (checkpointed)
 
 
 def position_decay(
@@ -74,15 +79,6 @@ def _ce_and_correct(logits_CV: Tensor, labels_C: Tensor) -> tuple[Tensor, Tensor
     ce_C = torch.where(valid_C, torch.logsumexp(logits_CV, dim=-1) - label_logit_C, 0.0)
     correct_C = (logits_CV.argmax(dim=-1) == labels_C) & valid_C
     return ce_C, correct_C
-
-
-def _chunk_logits(hidden_CD: Tensor, lm_head_VD: Tensor) -> Tensor:
-    """[C, V] logits in float32 (float64 for float64 inputs); a bf16/fp16 head multiplies on tensor cores
-    in its own dtype and only the chunk's logits are upcast — never a float32 copy of a 250k-row head."""
-    out_dtype = torch.promote_types(hidden_CD.dtype, torch.float32)
-    if lm_head_VD.dtype in (torch.bfloat16, torch.float16):
-        return (hidden_CD.to(lm_head_VD.dtype) @ lm_head_VD.T).to(out_dtype)
-    return hidden_CD.to(out_dtype) @ lm_head_VD.to(out_dtype).T
 
 
 def _hard_chunk(hidden_CD: Tensor, lm_head_VD: Tensor, labels_C: Tensor) -> tuple[Tensor, Tensor]:
@@ -128,6 +124,44 @@ def _maybe_checkpoint(fn: Callable, *args) -> tuple[Tensor, ...]:
     return fn(*args)
 
 
+def _recompute_position_stats(
+    hidden_PD: Tensor,
+    lm_head_VD: Tensor,
+    labels_P: Tensor,
+    soft_vals_Pk: Tensor | None,
+    soft_idx_Pk: Tensor | None,
+    *,
+    temperature: float,
+    chunk_size: int,
+) -> tuple[Tensor | None, ...]:
+    """(ce, kl, tv, overlap, p_label, correct), each [P]: chunks under activation checkpointing,
+    whose backward recomputes the chunk's logits (also differentiates a trainable head)."""
+    outputs = []
+    for start in range(0, hidden_PD.shape[0], chunk_size):
+        sl = slice(start, start + chunk_size)
+        if soft_vals_Pk is not None:
+            outputs.append(
+                _maybe_checkpoint(
+                    _soft_chunk, hidden_PD[sl], lm_head_VD, labels_P[sl],
+                    soft_vals_Pk[sl], soft_idx_Pk[sl], temperature,
+                )
+            )
+        else:
+            outputs.append(_maybe_checkpoint(_hard_chunk, hidden_PD[sl], lm_head_VD, labels_P[sl]))
+    ce, correct, *soft = (torch.cat(parts) for parts in zip(*outputs))
+    kl, tv, overlap = soft if soft else (None, None, None)
+    p_label = torch.where(labels_P != IGNORE_INDEX, torch.exp(-ce.detach()), 0.0)
+    return ce, kl, tv, overlap, p_label, correct
+
+
+# loss.lm_head_grad -> per-position stats over flattened positions; both return
+# (ce, kl, tv, overlap, p_label, correct), each [P], the soft ones None without soft labels.
+LM_HEAD_GRADS: dict[str, Callable[..., tuple[Tensor | None, ...]]] = {
+    "fused": fused_position_stats,
+    "recompute": _recompute_position_stats,
+}
+
+
 def compute_position_stats(
     hidden_NKD: Tensor,
     lm_head_VD: Tensor,
@@ -138,47 +172,40 @@ def compute_position_stats(
     temperature: float = 1.0,
     chunk_size: int = 1024,
     need_soft: bool = False,
+    lm_head_grad: str = "fused",
 ) -> PositionStats:
     """Per-position CE / KL / TV stats of the drafter, computed in LM-head chunks.
 
     Logits are float32 (float64 if the inputs are float64; a bf16 head multiplies
-    in bf16 with the chunk's logits upcast).  Each
-    chunk of ``chunk_size`` flattened positions runs under non-reentrant
-    activation checkpointing, so only [chunk, V] logits exist at any time.
-    Soft labels are the target's top-k logits (``soft_vals``) at vocabulary
-    indices ``soft_idx``; they are only used when ``need_soft`` is set.
+    in bf16 with the chunk's logits upcast), ``chunk_size`` flattened positions at
+    a time, so only [chunk, V] logits exist at any time.  ``lm_head_grad`` picks
+    how the gradient wrt the hidden state is made (see ``LM_HEAD_GRADS``): "fused"
+    in the forward, without recomputing logits; "recompute" under activation
+    checkpointing.  A head that requires grad always takes "recompute" (the fused
+    path treats the head as frozen).  Soft labels are the target's top-k logits
+    (``soft_vals``) at vocabulary indices ``soft_idx``; they are only used when
+    ``need_soft`` is set.
     """
     N, K, D = hidden_NKD.shape
     if need_soft and (soft_vals_NKk is None or soft_idx_NKk is None):
         raise ValueError("need_soft=True requires soft_vals_NKk and soft_idx_NKk")
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    if lm_head_grad not in LM_HEAD_GRADS:
+        raise ValueError(f"unknown loss.lm_head_grad={lm_head_grad!r}; known options: {sorted(LM_HEAD_GRADS)}")
+    if lm_head_VD.requires_grad:  # only the recompute path differentiates the head
+        lm_head_grad = "recompute"
 
-    lm_head = lm_head_VD
-    hidden_PD = hidden_NKD.reshape(N * K, D)
-    labels_P = labels_NK.reshape(N * K)
+    soft_vals_Pk = soft_idx_Pk = None
     if need_soft:
         k = soft_vals_NKk.shape[-1]
         soft_vals_Pk = soft_vals_NKk.reshape(N * K, k)
         soft_idx_Pk = soft_idx_NKk.reshape(N * K, k)
-
-    outputs = []
-    for start in range(0, N * K, chunk_size):
-        sl = slice(start, start + chunk_size)
-        if need_soft:
-            outputs.append(
-                _maybe_checkpoint(
-                    _soft_chunk, hidden_PD[sl], lm_head, labels_P[sl],
-                    soft_vals_Pk[sl], soft_idx_Pk[sl], temperature,
-                )
-            )
-        else:
-            outputs.append(_maybe_checkpoint(_hard_chunk, hidden_PD[sl], lm_head, labels_P[sl]))
-    ce, correct, *soft = (torch.cat(parts).reshape(N, K) for parts in zip(*outputs))
-
-    valid_NK = labels_NK != IGNORE_INDEX
-    p_label = torch.where(valid_NK, torch.exp(-ce.detach()), 0.0)
-    kl, tv, overlap = soft if need_soft else (None, None, None)
+    per_position = LM_HEAD_GRADS[lm_head_grad](
+        hidden_NKD.reshape(N * K, D), lm_head_VD, labels_NK.reshape(N * K), soft_vals_Pk, soft_idx_Pk,
+        temperature=temperature, chunk_size=chunk_size,
+    )
+    ce, kl, tv, overlap, p_label, correct = (None if t is None else t.reshape(N, K) for t in per_position)
     return PositionStats(ce=ce, kl=kl, tv=tv, overlap=overlap, p_label=p_label, correct=correct)
 
 

@@ -76,3 +76,59 @@ def traced_steps(trainer, start: int, n: int, result: dict, stacks: bool = False
             result.update(count_step_syncs(prof.events()))
         return out
     return traced_step
+
+
+# Kernel families, first match wins (names of cuBLAS/CUTLASS/SDPA/Triton/fused-optimizer kernels on Hopper).
+KERNEL_FAMILIES = (
+    ("triton", ("triton_",)),  # torch.compile's fused kernels (their names list the ops they fuse)
+    ("attention", ("fmha", "flash", "attention", "flex", "sdpa")),
+    ("gemm", ("gemm", "cutlass", "nvjet", "cublas", "sm90_xmma", "matmul", "wgmma")),
+    ("optimizer", ("adam", "multi_tensor", "foreach")),
+    ("softmax/reduce", ("softmax", "reduce", "logsumexp", "norm", "argmax", "max_kernel")),
+    ("copy/index", ("copy", "cat", "fill", "index", "gather", "scatter", "embedding", "memcpy", "memset")),
+    ("elementwise", ("elementwise", "vectorized", "unrolled")),
+)
+
+
+def kernel_family(name: str) -> str:
+    low = name.lower()
+    return next((fam for fam, keys in KERNEL_FAMILIES if any(k in low for k in keys)), "other")
+
+
+def kernel_breakdown(events, steps: int, top: int = 8) -> dict:
+    """GPU time per step by kernel family, and the costliest kernels, from a profiler's device events:
+    where a step's time goes once the phases (forward, loss, backward, optimizer) are known."""
+    per_kernel: dict[str, list] = {}
+    for e in events:
+        if _on_cpu(e) or not e.name or _is_annotation(e):
+            continue
+        us = e.time_range.end - e.time_range.start
+        k = per_kernel.setdefault(e.name, [0.0, 0])
+        k[0] += us
+        k[1] += 1
+    families: dict[str, float] = {}
+    for name, (us, _) in per_kernel.items():
+        fam = kernel_family(name)
+        families[fam] = families.get(fam, 0.0) + us / 1e3 / steps
+    ranked = sorted(per_kernel.items(), key=lambda kv: -kv[1][0])[:top]
+    return {"ms_per_step": dict(sorted(families.items(), key=lambda kv: -kv[1])),
+            "top": [{"kernel": n[:90], "ms_per_step": us / 1e3 / steps, "calls_per_step": c / steps}
+                    for n, (us, c) in ranked]}
+
+
+def _is_annotation(e) -> bool:
+    """A record_function range mirrored on the GPU timeline (e.g. 'Optimizer.step#AdamW.step'), not a kernel:
+    counting it would count its kernels twice."""
+    return bool(getattr(e, "is_user_annotation", False)) or "#" in e.name or e.name.startswith(("dflash.", "ProfilerStep"))
+
+
+def profile_kernels(fn, steps: int = 2) -> dict:
+    """Run `fn` `steps` times under the CUDA profiler and break the device time down by kernel."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            fn()
+        torch.cuda.synchronize()
+    return kernel_breakdown(prof.events(), steps)

@@ -168,6 +168,9 @@ class Trainer:
         self.loss_fn = build_loss(cfg.loss)
         self.drafter = self._build_drafter()
         self.train_model = wrap_ddp(self.drafter, self.dist, self.device)  # the drafter itself on one process
+        if cfg.trainer.compile:
+            self.train_model = compile_drafter(self.train_model)
+        self.producers_inline = self._inline_producer()
         self.sequences = build_training_sequences(cfg.data, self.target, cfg.seed)
         self.noise = build_noise(cfg.noise, cfg.trainer.max_steps)
         self.opt = torch.optim.AdamW(self.drafter.parameters(), lr=cfg.trainer.lr,
@@ -220,7 +223,8 @@ class Trainer:
     def _step(self, items, acc: MetricAccumulator) -> int:
         c = self.cfg
         batch = make_batch(items, block_size=c.drafter.block_size, num_anchors=c.trainer.num_anchors,
-                           seed=c.seed, noise=self.noise, sigma=self.noise.sigma(), device=self.device)
+                           seed=c.seed, noise=self.noise, sigma=self.noise.sigma(), device=self.device,
+                           pad_multiple=c.trainer.pad_multiple, fixed_anchors=c.trainer.compile)
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self._autocast()):
             hidden = self.train_model(batch.features_BTLH, batch.anchors_BN, batch.anchor_tokens_BN)
         B, N, K, H = hidden.shape
@@ -229,7 +233,8 @@ class Trainer:
             hidden.reshape(B * N, K, H), self.drafter.lm_head_VH, batch.labels_BNK.reshape(B * N, K),
             soft_vals_NKk=batch.soft_vals_BNKk.flatten(0, 1) if soft else None,
             soft_idx_NKk=batch.soft_idx_BNKk.flatten(0, 1) if soft else None,
-            temperature=c.loss.temperature, chunk_size=c.loss.chunk_size, need_soft=self.loss_fn.needs_soft)
+            temperature=c.loss.temperature, chunk_size=c.loss.chunk_size, need_soft=self.loss_fn.needs_soft,
+            lm_head_grad=c.loss.lm_head_grad)
         valid = batch.labels_BNK.reshape(B * N, K) != -100
         loss = self.loss_fn(stats, valid)
         loss.backward()
@@ -251,7 +256,7 @@ class Trainer:
         if self.loss_fn.needs_soft and top_k == 0:
             raise ConfigError(f"loss.name={self.cfg.loss.name} needs soft labels: target.soft_top_k must be > 0")
         return ProducerPool(self.target, self.buffer, self.source, n, top_k, self.cfg.trainer.producer_batch,
-                            inline=self._inline_producer()).start()
+                            inline=self.producers_inline).start()
 
     def _inline_producer(self) -> bool:
         mode = self.cfg.trainer.producer_mode
@@ -402,6 +407,13 @@ class _Window:
         self.tokens, self.items, self.t0, self.prod0 = 0, 0, now, (prod_tokens, prod_busy)
         self.wait0, self.depth0 = self._waited(stats), stats["buffer/total"]
         return out
+
+
+def compile_drafter(model: torch.nn.Module) -> torch.nn.Module:
+    """torch.compile'd forward (the loss and optimizer stay eager). Shapes are few when batches are padded
+    (trainer.pad_multiple) and anchors fixed; torch marks a dimension dynamic once it has seen it change."""
+    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 32)
+    return torch.compile(model)
 
 
 def train(cfg: RunConfig, evaluator: Evaluator | None = None, *, run_id: str | None = None) -> TrainResult:

@@ -8,11 +8,20 @@ def test_bench_reports_all_sections(tmp_path):
     results = tmp_path / "RESULTS.md"
     out = main([*FAST, "bench.seq_len=48", "bench.anchors=4", "bench.target_batch=1", "bench.iters=1",
                 "bench.warmup=1", "bench.pipeline_steps=4", "drafter.attn_group=2", f"results={results}",
+                "bench.drafter_variants=drafter.attn_group=0;loss.lm_head_grad=recompute&loss.chunk_size=7",
+                "bench.pipeline_variants=trainer.producer_mode=inline",
                 f"tracking.tracking_uri=sqlite:///{tmp_path / 'm.db'}", f"run_dir={tmp_path / 'run'}"])
     for side in ("target", "drafter"):
         assert out[side]["tok_s"] > 0 and out[side]["flops_per_tok"] > 0 and 0 < out[side]["mfu"]
     assert out["pipeline"]["perf/pipeline_tok_s"] > 0 and "mfu" in out["pipeline"]
-    assert out["drafter_ungrouped"]["tok_s"] > 0  # FAST: 4 anchors, groups of 2 beside one call
+    variants = out["drafter_variants"]  # FAST: 4 anchors, groups of 2 beside one call; the recomputing loss
+    assert set(variants) == {"drafter.attn_group=0", "loss.lm_head_grad=recompute&loss.chunk_size=7"}
+    assert all(v["tok_s"] > 0 and v["mfu"] > 0 for v in variants.values())
+    # the recomputing LM-head loss multiplies the head once more: more FLOPs for the same tokens
+    assert variants["loss.lm_head_grad=recompute&loss.chunk_size=7"]["flops_per_tok"] > out["drafter"]["flops_per_tok"]
+    assert out["pipeline"]["producer_mode"] == "thread"  # CPU: auto keeps the producer thread
+    assert out["pipeline_variants"]["trainer.producer_mode=inline"]["producer_mode"] == "inline"
+    assert out["pipeline_variants"]["trainer.producer_mode=inline"]["perf/pipeline_tok_s"] > 0
     assert out["pipeline"]["host_syncs_per_step"] == 0  # CPU: nothing to sync, but the trace ran
     # no op in the step reads a device value back (.item(), nonzero, ...): a sync on CUDA, visible on CPU
     # (the CPU's unfused AdamW reads its step counts on the host: allowed there, fused on the GPU)
@@ -21,6 +30,19 @@ def test_bench_reports_all_sections(tmp_path):
     assert out["back_to_back_tok_s"] < min(out["target"]["tok_s"], out["drafter"]["tok_s"])
     text = results.read_text()
     assert "python -m experiments.bench" in text and "pipeline tok/s" in text
+    assert "drafter tok/s [drafter.attn_group=0]" in text and "pipeline tok/s [trainer.producer_mode=inline]" in text
+
+
+def test_bad_variant_is_rejected_before_any_work(tmp_path, monkeypatch):
+    import pytest
+
+    from dflash import bench
+    from dflash.config import ConfigError
+    monkeypatch.setattr(bench, "Target", lambda *a, **k: pytest.fail("built the target before checking variants"))
+    for bad, msg in [("drafter.attn_grup=0", "unknown key 'attn_grup'"), ("trainer.producer_mode=eager", "producer_mode"),
+                     ("drafter.attn_group=two", "expected int")]:
+        with pytest.raises(ConfigError, match=msg):
+            main([*FAST, f"bench.drafter_variants={bad}", "results=", f"run_dir={tmp_path / 'run'}"])
 
 
 def test_count_step_syncs_counts_only_the_steps_own_blocking_calls():
@@ -61,3 +83,22 @@ def test_fused_attention_flops_handle_gqa_masks_and_causal():
     assert flash(q, k, k, 0.0, True) == int(dense * 17 / 48)  # causal: (s_q + 1) / (2 s_k) of the keys
     bwd = mapping[aten._scaled_dot_product_efficient_attention_backward]
     assert bwd(torch.randn(2, 8, 16, 32), q, k, v, mask) == 2 * dense // 4
+
+
+def test_kernel_breakdown_groups_device_time_and_skips_annotations():
+    from types import SimpleNamespace as E
+
+    from dflash.profiling import kernel_breakdown
+
+    def ev(name, us, device="CUDA"):
+        return E(name=name, device_type=f"DeviceType.{device}", time_range=E(start=0, end=us))
+    events = [ev("nvjet_sm90_tst_320x128_64x3_1x2_h_bz_coopB_NNT", 3000), ev("nvjet_sm90_tst_256x128", 1000),
+              ev("cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wgmma", 500),
+              ev("triton_per_fused__to_copy_add_mean_mul_pow_rsqrt_0", 400),
+              ev("void at::native::unrolled_elementwise_kernel<at::native::direct_copy_kernel_cuda", 200),
+              ev("Optimizer.step#AdamW.step", 9000),  # a GPU-side annotation: its kernels are listed apart
+              ev("aten::mm", 7000, device="CPU")]
+    got = kernel_breakdown(events, steps=2)
+    assert got["ms_per_step"] == {"gemm": 2.0, "attention": 0.25, "triton": 0.2, "copy/index": 0.1}
+    assert got["top"][0] == {"kernel": "nvjet_sm90_tst_320x128_64x3_1x2_h_bz_coopB_NNT", "ms_per_step": 1.5,
+                             "calls_per_step": 0.5}

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU runs behind benchmarks/RESULTS.md and the closing notes of issues 4-6, exactly as run on a
-# 2 x H200 machine:   bash benchmarks/h200_campaign.sh <stage>      (stages: a, b)
+# 2 x H200 machine:   bash benchmarks/h200_campaign.sh <stage>      (stages a-g; g on one H200)
 # Everything a stage writes lands in $OUT (default ./gpu_out): logs, MLflow sqlite files, results tables,
 # packed into one tarball at the end. Each stage keeps inside 10 minutes of wall time.
 #
@@ -21,8 +21,9 @@
 # f  GPU 0: the variants stage e could not measure (flex, compile); GPU 1: the one-H200 pipeline, inline beside
 #    thread; then both GPUs: torchrun DDP (target + drafter on each GPU), then the split layout (target GPU 0,
 #    drafter GPU 1, one process).
+# g  One H200: the pipeline inline beside the producer thread and beside the compiled drafter.
 set -uo pipefail
-STAGE=${1:?stage a, b, c, d, e or f}
+STAGE=${1:?stage a, b, c, d, e, f or g}
 OUT=${OUT:-gpu_out}
 W=gpu_work/$STAGE
 mkdir -p "$OUT" "$W"
@@ -31,7 +32,8 @@ if [ -d .whl ]; then  # the GPU machine has torch/transformers/triton but not ou
   export PYTHONPATH=/tmp/site:$PWD
 fi
 export PYTHONUNBUFFERED=1
-BIG="+target=qwen3_6_27b_random +drafter=published bench.seq_len=2048 bench.anchors=256"
+# Stages a-g ran before +trainer=gpu turned on the compiled drafter: pinned off here so they reproduce as run.
+BIG="+target=qwen3_6_27b_random +drafter=published bench.seq_len=2048 bench.anchors=256 trainer.compile=false trainer.pad_multiple=1"
 REGEN="+data=target_regen data.num_sequences=8192 data.regen_batch_size=512"
 db() { echo "tracking.tracking_uri=sqlite:///$PWD/$W/$1.db"; }
 
@@ -129,6 +131,14 @@ stage_f() {  # one 2 x H200 call: phase 1 side by side, then DDP over both GPUs,
   timeout 140 python -m experiments.bench $BIG +trainer=gpu trainer.producer_batch=4 target.device=cuda:0 \
     trainer.device=cuda:1 bench.sections=pipeline bench.pipeline_steps=30 $P \
     results=$W/RESULTS_27b_2gpu_split.md "$(db bench27b_split)" > $W/bench27b_split.log 2>&1
+}
+
+stage_g() {  # one H200 (kind nvidia-h200): the pipeline, inline (default) beside the producer thread and beside
+  # the compiled drafter on padded shapes, 20 steps each
+  timeout 310 python -m experiments.bench $BIG +trainer=gpu trainer.producer_batch=4 \
+    bench.sections=pipeline bench.pipeline_steps=20 bench.profile_steps=0 bench.kernel_profile=0 \
+    "bench.pipeline_variants=trainer.producer_mode=thread;trainer.compile=true&trainer.pad_multiple=256" \
+    results=$W/RESULTS_g.md "$(db g)" > $W/g.log 2>&1
 }
 
 shift

@@ -20,6 +20,7 @@ import json
 import logging
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from torch.utils.flop_counter import FlopCounterMode
@@ -29,9 +30,10 @@ from dflash.distributed import init_distributed
 from dflash.losses import build_loss, compute_position_stats
 from dflash.profiling import profile_kernels, traced_steps
 from dflash.target import Target, torch_gdn_path
-from dflash.tracking import read_jsonl_metrics
+from dflash.tracking import default_run_name, read_jsonl_metrics
 
 log = logging.getLogger(__name__)
+_STARTED = default_run_name()  # one benchmark folder per process
 
 
 @dataclass
@@ -242,7 +244,8 @@ class DrafterStepBench:
 
 def bench_pipeline(cfg: RunConfig, target: Target, b: BenchConfig) -> dict:
     """The real trainer on synthetic sequences of exactly `seq_len` tokens; throughput after warm-up,
-    then `profile_steps` steps traced to count host syncs inside the step."""
+    then `profile_steps` steps traced to count host syncs inside the step. `cfg.run_dir` must be this
+    measurement's own: its metrics.jsonl is read back."""
     from dflash.trainer import Trainer
     steps = b.pipeline_steps + b.profile_steps
     run_cfg = dataclasses.replace(
@@ -289,6 +292,7 @@ def run_bench(cfg: RunConfig, b: BenchConfig) -> dict:
         torch.cuda.reset_peak_memory_stats(dev)
     if "peak" in sections:
         out["peak_flops"] = matmul_peak(b.peak_n if dev.type == "cuda" else 512, dev)
+        log.info("bench peak: %.0f TFLOP/s", out["peak_flops"] / 1e12)
     if "target" in sections:
         out["target"] = _measure("target", lambda: bench_target(target, b))
     if "target_torch" in sections and any(v != "torch" for v in target.kernels.values()):
@@ -300,13 +304,21 @@ def run_bench(cfg: RunConfig, b: BenchConfig) -> dict:
         out.setdefault("drafter_variants", {})[label] = _measure(
             f"drafter [{label}]", lambda vcfg=vcfg: DrafterStepBench(vcfg, target, b).run(), keep_going=True)
     if "pipeline" in sections and b.pipeline_steps:
-        out["pipeline"] = _measure("pipeline", lambda: bench_pipeline(cfg, target, b))
-    for label, vcfg in pipeline_variants.items():
+        out["pipeline"] = _measure("pipeline", lambda: bench_pipeline(in_dir(cfg, "pipeline"), target, b))
+    for i, (label, vcfg) in enumerate(pipeline_variants.items()):
         out.setdefault("pipeline_variants", {})[label] = _measure(
-            f"pipeline [{label}]", lambda vcfg=vcfg: bench_pipeline(vcfg, target, b), keep_going=True)
+            f"pipeline [{label}]", lambda vcfg=vcfg, i=i: bench_pipeline(in_dir(vcfg, f"pipeline_variant{i}"), target, b),
+            keep_going=True)
     if dev.type == "cuda":
         out["peak_mem_gb"] = torch.cuda.max_memory_allocated(dev) / 2**30
     return derive(out)
+
+
+def in_dir(cfg: RunConfig, name: str) -> RunConfig:
+    """`cfg` with its own run folder under the benchmark's (`run_dir`, else runs/bench-<time>): every pipeline
+    measurement writes and reads back its own metrics.jsonl."""
+    base = cfg.run_dir or f"runs/bench-{_STARTED}"
+    return dataclasses.replace(cfg, run_dir=str(Path(base) / name))
 
 
 def _measure(name: str, fn, keep_going: bool = False) -> dict:

@@ -119,7 +119,11 @@ def kernel_breakdown(events, steps: int, top: int = 8) -> dict:
 def _is_annotation(e) -> bool:
     """A record_function range mirrored on the GPU timeline (e.g. 'Optimizer.step#AdamW.step'), not a kernel:
     counting it would count its kernels twice."""
-    return bool(getattr(e, "is_user_annotation", False)) or "#" in e.name or e.name.startswith(("dflash.", "ProfilerStep"))
+    name = e.name
+    if getattr(e, "is_user_annotation", False) or name.startswith(("dflash.", "ProfilerStep")):
+        return True
+    # 'Class.method#Class.method' is an annotation; kernels carry '#' only inside '{lambda()#1}' template args
+    return "#" in name and not any(c in name for c in "(<{ ")
 
 
 def profile_kernels(fn, steps: int = 2) -> dict:

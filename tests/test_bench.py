@@ -21,7 +21,12 @@ def test_bench_reports_all_sections(tmp_path):
     assert variants["loss.lm_head_grad=recompute&loss.chunk_size=7"]["flops_per_tok"] > out["drafter"]["flops_per_tok"]
     assert out["pipeline"]["producer_mode"] == "thread"  # CPU: auto keeps the producer thread
     assert out["pipeline_variants"]["trainer.producer_mode=inline"]["producer_mode"] == "inline"
-    assert out["pipeline_variants"]["trainer.producer_mode=inline"]["perf/pipeline_tok_s"] > 0
+    inline = out["pipeline_variants"]["trainer.producer_mode=inline"]
+    assert inline["perf/pipeline_tok_s"] > 0
+    # each pipeline measurement reads its own metrics (a shared folder once handed the variant the default's)
+    assert inline["perf/consumed_tok_s"] != out["pipeline"]["perf/consumed_tok_s"]
+    for sub in ("pipeline", "pipeline_variant0"):
+        assert (tmp_path / "run" / sub / "metrics.jsonl").is_file()
     assert out["pipeline"]["host_syncs_per_step"] == 0  # CPU: nothing to sync, but the trace ran
     # no op in the step reads a device value back (.item(), nonzero, ...): a sync on CUDA, visible on CPU
     # (the CPU's unfused AdamW reads its step counts on the host: allowed there, fused on the GPU)
@@ -96,9 +101,12 @@ def test_kernel_breakdown_groups_device_time_and_skips_annotations():
               ev("cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wgmma", 500),
               ev("triton_per_fused__to_copy_add_mean_mul_pow_rsqrt_0", 400),
               ev("void at::native::unrolled_elementwise_kernel<at::native::direct_copy_kernel_cuda", 200),
+              ev("void at::native::vectorized_elementwise_kernel<4, at::native::(anonymous namespace)::"
+                 "launch_clamp_scalar(at::TensorIteratorBase&)::{lambda()#1}::operator()() const>", 600),
               ev("Optimizer.step#AdamW.step", 9000),  # a GPU-side annotation: its kernels are listed apart
               ev("aten::mm", 7000, device="CPU")]
     got = kernel_breakdown(events, steps=2)
-    assert got["ms_per_step"] == {"gemm": 2.0, "attention": 0.25, "triton": 0.2, "copy/index": 0.1}
+    assert got["ms_per_step"] == {"gemm": 2.0, "elementwise": 0.3, "attention": 0.25, "triton": 0.2,
+                                 "copy/index": 0.1}
     assert got["top"][0] == {"kernel": "nvjet_sm90_tst_320x128_64x3_1x2_h_bz_coopB_NNT", "ms_per_step": 1.5,
                              "calls_per_step": 0.5}

@@ -57,7 +57,7 @@ class BenchConfig:
     kernel_profile: int = 1  # 1: break each drafter step's GPU time down by kernel family (profiler, 2 steps)
 
 
-def parse_variants(spec: str, key: str) -> list[tuple[str, list[str]]]:
+def parse_variants(spec: str) -> list[tuple[str, list[str]]]:
     """'a=1&b=2;c=3' → [('a=1&b=2', ['a=1', 'b=2']), ('c=3', ['c=3'])]."""
     return [(v.strip(), [o for o in v.strip().split("&") if o]) for v in spec.split(";") if v.strip()]
 
@@ -65,7 +65,7 @@ def parse_variants(spec: str, key: str) -> list[tuple[str, list[str]]]:
 def variant_configs(cfg: RunConfig, spec: str, key: str) -> dict[str, RunConfig]:
     """Each variant's config, checked before any work starts (a bad key names `bench.<key>`)."""
     out = {}
-    for label, overrides in parse_variants(spec, key):
+    for label, overrides in parse_variants(spec):
         out[label] = with_overrides(cfg, overrides, f"bench.{key}")
         validate(out[label])
     return out
@@ -188,18 +188,12 @@ class DrafterStepBench:
         either way), and a counting dispatch mode must not meet compiled code (it breaks FlexAttention's trace
         and sends dynamo back to eager)."""
         from dflash.drafter_attention import attention_kernel
-        attns = [layer.self_attn for layer in self.drafter.layers]
-        saved = self.model, self.drafter.attn_kernel, [a.kernel for a in attns]
-        self.model = self.drafter
-        self.drafter.attn_kernel = attention_kernel("sdpa")
-        for a in attns:
-            a.kernel = self.drafter.attn_kernel
+        saved = self.model, self.drafter.attn_kernel
+        self.model, self.drafter.attn_kernel = self.drafter, attention_kernel("sdpa")
         try:
             return _flops(self.step)
         finally:
-            self.model, self.drafter.attn_kernel = saved[0], saved[1]
-            for a, k in zip(attns, saved[2]):
-                a.kernel = k
+            self.model, self.drafter.attn_kernel = saved
 
     def step(self, timed: bool = False) -> None:
         ev = [torch.cuda.Event(enable_timing=True) for _ in range(5)] if timed else None

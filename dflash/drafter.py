@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dflash.drafter_attention import attention_kernel, training_mask  # noqa: F401 (training_mask: re-export)
+from dflash.drafter_attention import KernelMask, attention_kernel, training_mask  # noqa: F401 (training_mask: re-export)
 
 
 @dataclass
@@ -79,7 +79,6 @@ class DrafterAttention(nn.Module):
     def __init__(self, hidden: int, cfg: DrafterConfig):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.kernel = attention_kernel(cfg.attn_kernel)
         self.q_proj = nn.Linear(hidden, cfg.num_heads * cfg.head_dim, bias=False)
         self.k_proj = nn.Linear(hidden, cfg.num_kv_heads * cfg.head_dim, bias=False)
         self.v_proj = nn.Linear(hidden, cfg.num_kv_heads * cfg.head_dim, bias=False)
@@ -94,9 +93,9 @@ class DrafterAttention(nn.Module):
         v = self.v_proj(x_BSH).view(B, S, self.num_kv_heads, self.head_dim).transpose(1, 2)
         return apply_rope(k, cos, sin), v
 
-    def forward(self, block_BQH, q_cos, q_sin, ctx_k, ctx_v, blk_cos, blk_sin, mask):
-        """Block queries attend to [context K/V, block K/V]. `mask`: the kernel's training mask, or None at
-        inference (one block after the cache, sees everything)."""
+    def forward(self, block_BQH, q_cos, q_sin, ctx_k, ctx_v, blk_cos, blk_sin, mask: KernelMask | None):
+        """Block queries attend to [context K/V, block K/V]. `mask`: the training kernel with its mask, or None
+        at inference (one block after the cache, sees everything)."""
         B, Q, _ = block_BQH.shape
         q = self.q_norm(self.q_proj(block_BQH).view(B, Q, self.num_heads, self.head_dim)).transpose(1, 2)
         q = apply_rope(q, q_cos, q_sin)
@@ -106,7 +105,7 @@ class DrafterAttention(nn.Module):
         if mask is None:  # no mask: SDPA's flash kernel takes GQA natively, whatever the training kernel
             out = F.scaled_dot_product_attention(q, k, v, enable_gqa=self.num_heads != self.num_kv_heads)
         else:
-            out = self.kernel.attend(q, k, v, mask, self.num_heads, self.num_kv_heads)
+            out = mask.kernel.attend(q, k, v, mask.mask, self.num_heads, self.num_kv_heads)
         return self.o_proj(out.transpose(1, 2).reshape(B, Q, -1))
 
 
@@ -249,7 +248,7 @@ class DFlashDrafter(nn.Module):
             ctx_kv = [(_per_group(k, G), _per_group(v, G)) for k, v in ctx_kv]
         anchors_Mg = anchors_BN.reshape(B * G, g)  # M = B·G attention batches
         blk_pos = (anchors_Mg[:, :, None] + torch.arange(bs, device=ctx.device)).view(B * G, g * bs)
-        mask = self.attn_kernel.mask(anchors_Mg, T, bs)
+        mask = KernelMask(self.attn_kernel, self.attn_kernel.mask(anchors_Mg, T, bs))  # one for all layers
         h = self._run_layers(self.block_embeddings(anchor_tokens_BN.reshape(B * G, g)), blk_pos, ctx_kv, mask)
         return h.view(B, G * g, bs, -1)[:, :N, 1:]
 

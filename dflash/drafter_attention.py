@@ -15,7 +15,7 @@ whose flash kernel takes GQA natively when there is no mask.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Protocol
+from typing import Any, Callable, NamedTuple, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -58,6 +58,13 @@ class AttentionKernel(Protocol):
 
     def attend(self, q_BhQd: torch.Tensor, k_BhKd: torch.Tensor, v_BhKd: torch.Tensor, mask: Any,
                num_heads: int, num_kv_heads: int) -> torch.Tensor: ...
+
+
+class KernelMask(NamedTuple):
+    """A training forward's kernel and the mask it built, handed to every layer (the drafter alone holds the
+    kernel choice)."""
+    kernel: AttentionKernel
+    mask: Any
 
 
 def expand_heads(x_BhSd: torch.Tensor, num_heads: int) -> torch.Tensor:

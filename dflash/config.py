@@ -2,7 +2,7 @@
 
 The library never imports Hydra. `experiments/` composes YAML groups against this schema (a Hydra
 structured config built from `RunConfig`, so unknown keys and wrong types fail at compose time) and
-hands a plain `RunConfig` to `dflash.trainer.train`. Tests, sweeps and notebooks build `RunConfig`
+hands a plain `RunConfig` to `dflash.training.trainer.train`. Tests, sweeps and notebooks build `RunConfig`
 directly or through the same compose helper.
 """
 from __future__ import annotations
@@ -12,16 +12,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dflash.buffer import BufferConfig, validate_buffer_config
-from dflash.data import DataConfig, validate_data_config
-from dflash.drafter import DrafterConfig
-from dflash.drafter_attention import ATTN_KERNELS
+from dflash.training.buffer import BufferConfig, validate_buffer_config
+from dflash.data.sources import DataConfig, validate_data_config
+from dflash.drafter.model import DrafterConfig
+from dflash.drafter.attention import ATTN_KERNELS
 from dflash.evaluation import EvalConfig, validate_eval_config
-from dflash.losses import LM_HEAD_GRADS, LOSSES, LossConfig
-from dflash.noise import NoiseConfig, build_noise
-from dflash.promotion import PromoteConfig
-from dflash.target import TargetConfig, validate_target_config
-from dflash.tracking import TrackingConfig
+from dflash.training.losses import LM_HEAD_GRADS, LOSSES, LossConfig
+from dflash.training.noise import NoiseConfig, build_noise
+from dflash.serving.promotion import PromoteConfig
+from dflash.target.model import TargetConfig, validate_target_config
+from dflash.tracking.loggers import TrackingConfig
 
 
 class ConfigError(ValueError):

@@ -17,9 +17,9 @@ import sys
 from datetime import datetime, timezone
 from pathlib import Path
 
-from dflash.bench import BenchConfig, format_table, run_bench
+from dflash.bench.runner import BenchConfig, format_table, run_bench
 from dflash.config import ConfigError, to_dict
-from dflash.tracking import MLflowLogger, flatten_config
+from dflash.tracking.loggers import MLflowLogger, flatten_config
 from experiments.config import compose_config, run_cli
 
 RESULTS = Path(__file__).resolve().parent.parent / "benchmarks" / "RESULTS.md"

@@ -37,8 +37,9 @@ import yaml
 from dflash.config import ConfigError, RunConfig, from_dict
 from dflash.evaluation import validate_eval_config
 from dflash.evaluation.report import evaluate
-from dflash.target import Target, resolve_device
-from dflash.tracking import (
+from dflash.target.model import Target
+from dflash.devices import resolve_device
+from dflash.tracking.loggers import (
     build_loggers,
     default_run_name,
     flatten_config,
@@ -67,30 +68,26 @@ def _saved_config(d: dict, overrides: list[str]) -> RunConfig:
 
 def resolve_source(path: Path, overrides: list[str]):
     """-> (RunConfig, EvalConfig, drafter loader, training run dir or None, default step)."""
-    from dflash.export import load_drafter
+    from dflash.serving.export import load_drafter
     if path.is_dir() and (path / "config.yaml").is_file():
         cfg = _saved_config(yaml.safe_load((path / "config.yaml").read_text()), overrides)
         final = path / "final"
         if (final / "config.json").is_file():
             return cfg, cfg.eval, lambda dev: load_drafter(final, dev), path, cfg.trainer.max_steps
-        from dflash.checkpoint import latest_checkpoint
+        from dflash.training.checkpoint import latest_checkpoint
         ckpt = latest_checkpoint(path / "checkpoints")
         if ckpt is None:
             raise ConfigError(f"{path}: neither final/ nor a checkpoint in checkpoints/")
         path = ckpt
     if path.is_file():
-        from dflash.checkpoint import load_checkpoint
+        from dflash.training.checkpoint import load_checkpoint
         state = load_checkpoint(path)
         cfg = _saved_config(state["config"], overrides)
         run_dir = path.parent.parent if path.parent.name == "checkpoints" else None
 
         def load_ckpt(dev, state=state, cfg=cfg):
-            from dflash.drafter import build_drafter
-            from dflash.target import (
-                read_target_info,
-                resolve_layer_ids,
-                resolve_mask_token,
-            )
+            from dflash.drafter.model import build_drafter
+            from dflash.target.model import read_target_info, resolve_layer_ids, resolve_mask_token
             ti = read_target_info(cfg.target)
             d = build_drafter(cfg.drafter, ti.hidden_size, ti.num_layers, resolve_mask_token(cfg.target),
                               resolve_layer_ids(cfg.target, ti))

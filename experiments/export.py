@@ -6,7 +6,7 @@
 The source is a run directory (its `final/` serving folder, else its latest checkpoint), a serving
 folder, or a trainer checkpoint `.pt`. The folder is written beside `--out` and swapped in whole: an
 interrupted export never leaves a half folder where a previous export was. Read one back with
-`dflash.export.load_drafter(DIR)` (also works for published DFlash drafters).
+`dflash.serving.export.load_drafter(DIR)` (also works for published DFlash drafters).
 
 Serve it next to its target with SGLang:
 
@@ -19,7 +19,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from dflash.export import export_drafter, read_serving_config
+from dflash.serving.export import export_drafter, read_serving_config
 
 
 def build_parser() -> argparse.ArgumentParser:

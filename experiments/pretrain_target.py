@@ -2,7 +2,7 @@
 
 Corpus → tokenizer → pretraining → `dflash/assets/reference_target/` (or `--out` / `out_dir=`) and the
 results file `benchmarks/reference_target.md` (`results_path=`; `results_path=` empty skips it). Keys are
-`dflash.pretrain.PretrainConfig` fields, nested with dots: `time_budget_s=600`, `corpus.heldout_per_10k=500`,
+`dflash.pretrain.recipe.PretrainConfig` fields, nested with dots: `time_budget_s=600`, `corpus.heldout_per_10k=500`,
 `tracking.enabled=false`; values parse as JSON when they can (numbers, true/false, lists), else as strings.
 `--cfg` prints the resolved config and exits. The eval prompts are the `coding10` suite of
 `dflash.evaluation` (a few built-in `def` prompts when that package is missing).
@@ -16,7 +16,7 @@ import shlex
 import sys
 from dataclasses import asdict
 
-from dflash.pretrain import PretrainConfig, pretrain
+from dflash.pretrain.recipe import PretrainConfig, pretrain
 from dflash.config import ConfigError
 from experiments.config import run_cli
 

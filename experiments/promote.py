@@ -16,8 +16,8 @@ import re
 import sys
 from pathlib import Path
 
-from dflash.promotion import Decision, PromoteConfig, PromotionError, promote
-from dflash.tracking import resolve_relative_sqlite
+from dflash.serving.promotion import Decision, PromoteConfig, PromotionError, promote
+from dflash.tracking.loggers import resolve_relative_sqlite
 
 _RUN_ID = re.compile(r"^[0-9a-f]{32}$")
 DEFAULT_URI = "sqlite:///mlflow.db"

@@ -1,6 +1,6 @@
 """One training run: `python -m experiments.run [+loss=soft_kl] [+noise=cosine] [key=value ...]`.
 
-Thin on purpose: compose the config, call `dflash.trainer.train`, print the result. Sweeps, tests and
+Thin on purpose: compose the config, call `dflash.training.trainer.train`, print the result. Sweeps, tests and
 notebooks call the same functions. `--cfg` prints the resolved config and exits.
 """
 from __future__ import annotations
@@ -10,7 +10,7 @@ import sys
 import yaml
 
 from dflash.config import to_dict
-from dflash.trainer import train
+from dflash.training.trainer import train
 from experiments.config import compose_config, resume_config, run_cli
 
 

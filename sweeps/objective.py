@@ -2,7 +2,7 @@
 
 The trial's training run is the MLflow child of the study's parent run: it is created (tagged
 `mlflow.parentRunId`, `optuna.study_name`, `optuna.trial_number`, `optuna.state=RUNNING`) before training
-starts and the trainer logs into it (`dflash.trainer.train(..., run_id=…)`). When the trial ends, the
+starts and the trainer logs into it (`dflash.training.trainer.train(..., run_id=…)`). When the trial ends, the
 Optuna callback `TrialEnd` writes `optuna.state` (COMPLETE / PRUNED / FAIL), `optuna.pruned_step`,
 `optuna.value`, sets the run status (FINISHED / KILLED / FAILED) and refreshes the parent (best value,
 params, run, checkpoint; trial counts).
@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from dflash.config import ConfigError, RunConfig
-from dflash.sweep_support import TAG_PRUNED_STEP, TAG_VALUE, EvalPruned, PruningEvaluator, SweepTracker
+from sweeps.support import TAG_PRUNED_STEP, TAG_VALUE, EvalPruned, PruningEvaluator, SweepTracker
 from sweeps.space import SweepDef, merge_overrides, suggest
 
 ATTR_RUN_ID, ATTR_RUN_DIR, ATTR_CKPT, ATTR_ERROR = "mlflow.run_id", "sweep.run_dir", "sweep.checkpoint", "sweep.error"
@@ -89,7 +89,7 @@ def run_trial(trial, ctx: TrialContext, tracker: SweepTracker | None) -> float:
                 trial.set_user_attr(ATTR_RUN_ID, run_id)
         evaluator = PruningEvaluator(trial, ctx.sweep.objective.metric, run_dir,
                                      base=base_evaluator(ecfg, out_dir=run_dir / "eval"))
-        from dflash.trainer import train  # imported late: the launcher process never trains
+        from dflash.training.trainer import train  # imported late: the launcher process never trains
         result = train(cfg, evaluator, run_id=run_id)
         if result.checkpoint is not None:
             trial.set_user_attr(ATTR_CKPT, str(Path(result.checkpoint).resolve()))
@@ -163,7 +163,7 @@ def reconcile_children(study, tracker: SweepTracker | None, parent_id: str | Non
     """Make every child run's `optuna.state` (and status) agree with its finished trial; returns fixes."""
     if tracker is None or not parent_id:
         return 0
-    from dflash.sweep_support import RUN_STATUS, TAG_STATE
+    from sweeps.support import RUN_STATUS, TAG_STATE
     runs = {r.info.run_id: r for r in tracker.children(parent_id)}
     fixed = 0
     for t in study.get_trials(deepcopy=False):

@@ -47,7 +47,7 @@ def journal_path(desc: str) -> Path:
 
 def ensure_sqlite_dir(uri: str) -> None:
     """sqlite:///rel/x.db or sqlite:////abs/x.db: create the file's folder (sqlite will not)."""
-    from dflash.tracking import sqlite_db_path
+    from dflash.tracking.loggers import sqlite_db_path
     db = sqlite_db_path(uri)
     if db is not None:
         db.parent.mkdir(parents=True, exist_ok=True)
@@ -71,7 +71,7 @@ def make_storage(desc: str):
 
 
 def describe(desc: str) -> str:
-    from dflash.sweep_support import redact_uri
+    from sweeps.support import redact_uri
     return redact_uri(desc) if is_rdb(desc) else str(journal_path(desc).resolve())
 
 

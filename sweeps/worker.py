@@ -90,7 +90,7 @@ def worker_main(spec: WorkerSpec, tickets: Tickets, in_process: bool = False) ->
 
     import optuna
 
-    from dflash.sweep_support import SweepTracker
+    from sweeps.support import SweepTracker
     from sweeps.objective import TrialContext, TrialEnd, run_trial
     from sweeps.space import build_pruner, build_sampler
     from sweeps.storage import Lease, make_storage, reap_stale

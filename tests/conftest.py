@@ -50,7 +50,7 @@ def reference_target():
     """The shipped reference target on the CPU, loaded once for the whole session (read-only use)."""
     import warnings
 
-    from dflash.target import Target, TargetConfig
+    from dflash.target.model import Target, TargetConfig
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         return Target(TargetConfig(device="cpu"))

@@ -1,11 +1,11 @@
 """Fixed-shape batches (trainer.pad_multiple, fixed anchors for a compiled drafter) change no result."""
 import torch
 
-from dflash.batching import make_batch
-from dflash.drafter import DrafterConfig, build_drafter
-from dflash.losses import LossConfig, build_loss, compute_position_stats
-from dflash.noise import NoiseConfig, build_noise
-from dflash.pipeline import Item
+from dflash.training.batching import make_batch
+from dflash.drafter.model import DrafterConfig, build_drafter
+from dflash.training.losses import LossConfig, build_loss, compute_position_stats
+from dflash.training.noise import NoiseConfig, build_noise
+from dflash.training.pipeline import Item
 
 V, H, L, BS = 50, 16, 2, 4
 
@@ -72,7 +72,7 @@ def test_the_drafter_compiles_as_one_graph_with_the_same_result():
 def test_trainer_compile_runs_padded_fixed_shape_steps(fast_cfg, monkeypatch):
     import functools
 
-    from dflash import trainer as trainer_mod
+    from dflash.training import trainer as trainer_mod
     seen = []
     real_make_batch = trainer_mod.make_batch
 

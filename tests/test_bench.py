@@ -41,7 +41,7 @@ def test_bench_reports_all_sections(tmp_path):
 def test_bad_variant_is_rejected_before_any_work(tmp_path, monkeypatch):
     import pytest
 
-    from dflash import bench
+    from dflash.bench import runner as bench
     from dflash.config import ConfigError
     monkeypatch.setattr(bench, "Target", lambda *a, **k: pytest.fail("built the target before checking variants"))
     for bad, msg in [("drafter.attn_grup=0", "unknown key 'attn_grup'"), ("trainer.producer_mode=eager", "producer_mode"),
@@ -53,7 +53,7 @@ def test_bad_variant_is_rejected_before_any_work(tmp_path, monkeypatch):
 def test_count_step_syncs_counts_only_the_steps_own_blocking_calls():
     from types import SimpleNamespace as E
 
-    from dflash.profiling import count_step_syncs
+    from dflash.bench.profiling import count_step_syncs
 
     def ev(name, thread, start, end=None):
         return E(name=name, thread=thread, time_range=E(start=start, end=end if end is not None else start + 1))
@@ -74,7 +74,7 @@ def test_count_step_syncs_counts_only_the_steps_own_blocking_calls():
 def test_fused_attention_flops_handle_gqa_masks_and_causal():
     import torch
 
-    from dflash.bench import _sdpa_flop_mapping
+    from dflash.bench.runner import _sdpa_flop_mapping
 
     aten = torch.ops.aten
     mapping = _sdpa_flop_mapping()
@@ -93,7 +93,7 @@ def test_fused_attention_flops_handle_gqa_masks_and_causal():
 def test_kernel_breakdown_groups_device_time_and_skips_annotations():
     from types import SimpleNamespace as E
 
-    from dflash.profiling import kernel_breakdown
+    from dflash.bench.profiling import kernel_breakdown
 
     def ev(name, us, device="CUDA"):
         return E(name=name, device_type=f"DeviceType.{device}", time_range=E(start=0, end=us))

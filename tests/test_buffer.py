@@ -1,4 +1,4 @@
-"""Tests for dflash.buffer (pure Python, CPU, fast; every thread is joined with a timeout)."""
+"""Tests for dflash.training.buffer (pure Python, CPU, fast; every thread is joined with a timeout)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from dflash.buffer import (
+from dflash.training.buffer import (
     POLICIES,
     BucketedBuffer,
     BufferClosed,

@@ -7,12 +7,12 @@ from pathlib import Path
 import pytest
 import yaml
 
-from dflash.buffer import BucketedBuffer
+from dflash.training.buffer import BucketedBuffer
 from dflash.config import ConfigError, RunConfig, validate
-from dflash.drafter import build_drafter
-from dflash.losses import build_loss
-from dflash.noise import build_noise
-from dflash.target import read_target_info, resolve_layer_ids
+from dflash.drafter.model import build_drafter
+from dflash.training.losses import build_loss
+from dflash.training.noise import build_noise
+from dflash.target.model import read_target_info, resolve_layer_ids
 from experiments.config import CONF_DIR, compose_config, group_options
 
 GROUPS = ["target", "drafter", "loss", "noise", "buffer", "data", "trainer", "tracking", "eval", "promote"]

@@ -3,7 +3,8 @@ accuracy and serve at 10% acceptance is an off-by-one here (DESIGN §1)."""
 import pytest
 import torch
 
-from dflash.drafter import DFlashDrafter, DrafterConfig, default_layer_ids, training_mask
+from dflash.drafter.model import DFlashDrafter, DrafterConfig, training_mask
+from dflash.target.model import default_layer_ids
 
 
 def _drafter(bs=6, hidden=32, L=3, V=50, attn_group=16):

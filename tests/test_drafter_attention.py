@@ -5,8 +5,8 @@ import torch
 import torch.nn.attention.flex_attention as flex_module
 from torch.nn.attention.flex_attention import create_mask
 
-from dflash.drafter import DFlashDrafter, DrafterConfig, build_drafter, training_mask
-from dflash.drafter_attention import ATTN_KERNELS, FlexKernel, block_mask_mod
+from dflash.drafter.model import DFlashDrafter, DrafterConfig, build_drafter, training_mask
+from dflash.drafter.attention import ATTN_KERNELS, FlexKernel, block_mask_mod
 
 pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")  # eager on CPU
 

@@ -9,10 +9,10 @@ import torch
 import yaml
 
 from dflash.config import RunConfig, to_dict
-from dflash.drafter import DrafterConfig, build_drafter
-from dflash.export import save_drafter
-from dflash.target import TargetConfig, read_target_info, resolve_layer_ids, resolve_mask_token
-from dflash.tracking import MLflowLogger, TrackingConfig
+from dflash.drafter.model import DrafterConfig, build_drafter
+from dflash.serving.export import save_drafter
+from dflash.target.model import TargetConfig, read_target_info, resolve_layer_ids, resolve_mask_token
+from dflash.tracking.loggers import MLflowLogger, TrackingConfig
 
 mlflow = pytest.importorskip("mlflow")
 pytest.importorskip("hydra")
@@ -114,7 +114,7 @@ def test_bare_serving_folder_takes_the_target_from_overrides(workdir):
 
 
 def test_run_without_final_uses_its_latest_checkpoint(workdir):
-    from dflash.checkpoint import save_checkpoint
+    from dflash.training.checkpoint import save_checkpoint
     run_dir = workdir / "crashed"
     cfg = RunConfig(run_dir=str(run_dir), target=TargetConfig(device="cpu"),
                     drafter=DrafterConfig(block_size=3), tracking=TrackingConfig(enabled=False, console=False))

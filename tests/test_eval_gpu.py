@@ -8,13 +8,13 @@ import pytest
 import torch
 from torch import nn
 
-from dflash.drafter import DrafterConfig, build_drafter
+from dflash.drafter.model import DrafterConfig, build_drafter
 from dflash.evaluation import EvalConfig
 from dflash.evaluation.ground_truth import load_or_build_ground_truth
 from dflash.evaluation.prompts import load_suite
 from dflash.evaluation.report import evaluate
 from dflash.evaluation.speculative import greedy_decode, speculative_decode
-from dflash.target import Target, TargetConfig
+from dflash.target.model import Target, TargetConfig
 from tests.conftest import LenCache
 
 pytestmark = pytest.mark.gpu

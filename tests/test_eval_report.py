@@ -7,12 +7,12 @@ import math
 import pytest
 import torch
 
-from dflash.drafter import DrafterConfig, build_drafter
+from dflash.drafter.model import DrafterConfig, build_drafter
 from dflash.evaluation import EvalConfig, validate_eval_config
 from dflash.evaluation.acceptance import oracle_proposer, wrong_proposer
 from dflash.evaluation.prompts import Task
 from dflash.evaluation.report import evaluate, make_evaluator
-from dflash.tracking import Logger
+from dflash.tracking.loggers import Logger
 
 TASKS = [Task("one", "def one():\n"), Task("two", "def two(x):\n    return"), Task("three", "x = [\n")]
 BS = 4

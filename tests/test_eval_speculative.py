@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from dflash.drafter import DrafterConfig, build_drafter
+from dflash.drafter.model import DrafterConfig, build_drafter
 from dflash.evaluation.acceptance import DrafterProposer, simulate_task
 from dflash.evaluation.ground_truth import build_ground_truth
 from dflash.evaluation.prompts import Task

@@ -13,8 +13,8 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 from torch import nn
 
-from dflash.drafter import DFlashDrafter, DrafterConfig
-from dflash.export import (export_drafter, load_drafter, read_serving_config, save_drafter,
+from dflash.drafter.model import DFlashDrafter, DrafterConfig
+from dflash.serving.export import (export_drafter, load_drafter, read_serving_config, save_drafter,
                            write_serving_folder)
 
 H, V, MASK, LAYER_IDS, N_TARGET = 32, 50, 49, [1, 3, 4], 6
@@ -109,7 +109,7 @@ def test_export_from_training_checkpoint(tmp_path):
 
 def test_export_from_checkpoint_without_final_reads_target_config(tmp_path):
     """No final/ yet (run interrupted): target facts come from the saved config (tiny random target)."""
-    from dflash.target import ByteTokenizer, TinyTargetSpec
+    from dflash.target.model import ByteTokenizer, TinyTargetSpec
     spec = TinyTargetSpec(hidden_size=H, num_layers=N_TARGET)
     torch.manual_seed(0)
     d = DFlashDrafter(DrafterConfig(num_layers=1, num_heads=4, num_kv_heads=2, head_dim=8, intermediate_size=48,
@@ -131,7 +131,7 @@ def test_export_from_checkpoint_without_final_reads_target_config(tmp_path):
 
 # ---------------------------------------------------------------------------------- atomicity
 def test_export_replaces_whole_and_failure_keeps_old(tmp_path, monkeypatch):
-    import dflash.export as ex
+    import dflash.serving.export as ex
     out = tmp_path / "served"
     write_serving_folder(_drafter(seed=0), out, dtype=torch.float32, vocab_size=V)
     (out / "stale.txt").write_text("from an older export")

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from dflash.target import Target, TargetConfig, TinyTargetSpec
+from dflash.target.model import Target, TargetConfig, TinyTargetSpec
 
 pytestmark = pytest.mark.gpu
 
@@ -33,7 +33,7 @@ def test_fla_forward_matches_torch_fallback():
 
 
 def test_gpu_training_steps(fast_cfg):
-    from dflash.trainer import train
+    from dflash.training.trainer import train
     res = train(fast_cfg("trainer.device=cuda", "target.device=cuda", "+loss=soft_kl"))
     assert res.metrics["train/loss"] == res.metrics["train/loss"]  # not NaN
 
@@ -42,7 +42,7 @@ def test_gpu_training_steps(fast_cfg):
 def test_drafter_kernels_and_compile_match_the_default_on_gpu(kernel, compiled):
     """The speed settings measured in benchmarks/RESULTS.md change how the step runs, not what it computes:
     outputs and gradients under bf16 autocast agree with the default SDPA kernel, eager."""
-    from dflash.drafter import DrafterConfig, build_drafter
+    from dflash.drafter.model import DrafterConfig, build_drafter
     torch.manual_seed(0)
     V, H, B, T, N, bs = 512, 256, 2, 300, 12, 16
     cfg = DrafterConfig(num_layers=2, num_heads=8, num_kv_heads=2, head_dim=32, intermediate_size=512, block_size=bs)

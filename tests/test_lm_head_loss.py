@@ -1,4 +1,4 @@
-"""The fused LM-head path (dflash.lm_head_loss) against the checkpointed recompute path of dflash.losses."""
+"""The fused LM-head path (dflash.training.lm_head_loss) against the checkpointed recompute path of dflash.training.losses."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
-from dflash.losses import (
+from dflash.training.losses import (
     LOSSES,
     LossConfig,
     block_metrics,

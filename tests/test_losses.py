@@ -1,4 +1,4 @@
-"""Tests for dflash.losses against slow, per-position Python-loop references."""
+"""Tests for dflash.training.losses against slow, per-position Python-loop references."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import math
 import pytest
 import torch
 
-import dflash.losses as losses_module
-from dflash.losses import (
+import dflash.training.losses as losses_module
+from dflash.training.losses import (
     LOSSES,
     Loss,
     LossConfig,

@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from dflash.noise import NOISES, NoiseConfig, build_noise
+from dflash.training.noise import NOISES, NoiseConfig, build_noise
 
 
 def test_cosine_endpoints_and_monotonic():

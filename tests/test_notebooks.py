@@ -15,7 +15,7 @@ NOTEBOOKS = ["ablation.ipynb", "run_deep_dive.ipynb"]
 @pytest.fixture(scope="module")
 def store(tmp_path_factory):
     """Three tiny runs with eval: hard_ce × seeds {0, 1}, streak × seed 0 (experiment 'nb')."""
-    from dflash.trainer import train
+    from dflash.training.trainer import train
     from experiments.config import compose_config
     from tests.conftest import FAST
 
@@ -69,9 +69,9 @@ def test_notebooks_are_committed_clean(name):
             assert c.outputs == [] and c.execution_count is None, f"{name}: clear the outputs before committing"
     params = [c for c in nb.cells if "parameters" in c.metadata.get("tags", [])]
     assert len(params) == 1, f"{name}: exactly one cell tagged 'parameters'"
-    # Library code stays in dflash/: the notebooks only call dflash.analysis (no mlflow client code here).
+    # Library code stays in dflash/: the notebooks only call dflash.tracking.analysis (no mlflow client code here).
     src = "\n".join(c.source for c in nb.cells if c.cell_type == "code")
-    assert "from dflash import analysis" in src and "MlflowClient" not in src
+    assert "from dflash.tracking import analysis" in src and "MlflowClient" not in src
 
 
 def test_ablation_notebook(store):
@@ -94,7 +94,7 @@ def test_run_deep_dive_notebook(store):
 
 
 def test_analysis_table_on_store(store):
-    from dflash import analysis as A
+    from dflash.tracking import analysis as A
 
     uri, ids, has_eval = store
     runs = A.load_runs(uri, "nb")

@@ -4,9 +4,9 @@ import threading
 import pytest
 import torch
 
-from dflash.buffer import BucketedBuffer, BufferConfig
-from dflash.pipeline import ItemSource, ProducerPool, length_groups
-from dflash.target import Target, TargetConfig, TinyTargetSpec
+from dflash.training.buffer import BucketedBuffer, BufferConfig
+from dflash.training.pipeline import ItemSource, ProducerPool, length_groups
+from dflash.target.model import Target, TargetConfig, TinyTargetSpec
 
 
 def test_length_groups_bound_the_padding():

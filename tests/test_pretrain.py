@@ -7,11 +7,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from dflash.corpus import (MASK_TOKEN, SPECIAL_TOKENS, CorpusConfig, list_files, load_corpus, save_tokenizer,
+from dflash.data.corpus import (MASK_TOKEN, SPECIAL_TOKENS, CorpusConfig, list_files, load_corpus, save_tokenizer,
                            split_of, train_tokenizer)
-from dflash.pretrain import PretrainConfig, compare_grads, estimate_bf16_bytes, lr_at, pretrain, write_folder_atomically
-from dflash.target import read_target_meta
-from dflash.tracking import TrackingConfig
+from dflash.pretrain.recipe import PretrainConfig, compare_grads, estimate_bf16_bytes, lr_at, pretrain, write_folder_atomically
+from dflash.target.model import read_target_meta
+from dflash.tracking.loggers import TrackingConfig
 
 CODE = ('def f(x: int) -> str:\n    """Docstring: é ü 😀."""\n\tif x  >=  10:\n        return "big"\r\n'
         '    return str(x)\n')
@@ -132,7 +132,7 @@ def tiny_cfg(root, tmp_path, **kw) -> PretrainConfig:
 def test_tiny_pretrain_writes_a_loadable_target(small_root, tmp_path):
     from transformers import AutoTokenizer
 
-    from dflash.target import Target, TargetConfig
+    from dflash.target.model import Target, TargetConfig
     cfg = tiny_cfg(small_root, tmp_path)
     res = pretrain(cfg, prompts=[("f", "def add(a, b):\n")], command="pytest")
     m, out = res["metrics"], Path(res["out_dir"])
@@ -159,7 +159,7 @@ def test_tiny_pretrain_writes_a_loadable_target(small_root, tmp_path):
     tok = AutoTokenizer.from_pretrained(str(out), local_files_only=True)
     assert tok.mask_token_id == 2 and tok.decode(tok.encode(CODE)) == CODE
     # results: the continuation is the shipped target's own greedy output
-    from dflash.regen import greedy_generate
+    from dflash.data.regen import greedy_generate
     (c,) = res["continuations"]
     want = greedy_generate(target, torch.tensor([target.tokenizer.encode("def add(a, b):\n")]), 4)[0].tolist()
     assert c["continuation_ids"] == want

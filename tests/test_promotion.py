@@ -18,8 +18,8 @@ pytest.importorskip("mlflow")
 from mlflow.entities import Metric  # noqa: E402
 from mlflow.tracking import MlflowClient  # noqa: E402
 
-import dflash.promotion as promotion  # noqa: E402
-from dflash.promotion import (DECISION_TAG, REASON_TAG, PromoteConfig, PromotionError,  # noqa: E402
+import dflash.serving.promotion as promotion  # noqa: E402
+from dflash.serving.promotion import (DECISION_TAG, REASON_TAG, PromoteConfig, PromotionError,  # noqa: E402
                               auto_promote, promote)
 
 MODEL = "dflash-drafter"
@@ -249,7 +249,7 @@ def test_race_threads_exactly_one_winner(store, monkeypatch):
 
 _CHILD = """
 import json, sys
-from dflash.promotion import PromoteConfig, promote
+from dflash.serving.promotion import PromoteConfig, promote
 from mlflow.tracking import MlflowClient
 MlflowClient(sys.argv[2]).search_experiments(max_results=1)  # open the store before the start signal
 print("ready", flush=True)
@@ -337,8 +337,8 @@ def test_training_run_then_promote_and_export(fast_cfg, tmp_path, capsys):
     """A real (tiny, CPU) training run: its run dir, mlflow_run.json and `checkpoint` artifact are what
     the gate and the export read. The eval metric is logged by hand here (evaluation is tested apart)."""
     pytest.importorskip("experiments.config")
-    from dflash.export import load_drafter
-    from dflash.trainer import train
+    from dflash.serving.export import load_drafter
+    from dflash.training.trainer import train
     from experiments.export import main as export_main
     from experiments.promote import main as promote_main
     cfg = fast_cfg()

@@ -2,9 +2,9 @@
 import pytest
 import torch
 
-import dflash.regen as regen
-from dflash.regen import greedy_generate, regen_cache_path, regenerate_sequences
-from dflash.target import Target, TargetConfig, TinyTargetSpec
+import dflash.data.regen as regen
+from dflash.data.regen import greedy_generate, regen_cache_path, regenerate_sequences
+from dflash.target.model import Target, TargetConfig, TinyTargetSpec
 
 
 

@@ -194,7 +194,7 @@ def test_reap_stale_fails_trials_of_dead_workers(tmp_path):
 
 
 def test_pruning_evaluator_reports_and_prunes(tmp_path):
-    from dflash.sweep_support import EvalPruned, PruningEvaluator
+    from sweeps.support import EvalPruned, PruningEvaluator
 
     study = optuna.create_study(direction="minimize", pruner=optuna.pruners.ThresholdPruner(upper=1.0))
     trial = study.ask()
@@ -231,7 +231,7 @@ def _children(client, parent_id):
 
 
 def test_sweep_two_workers_pruning_resume_and_mlflow(tmp_path, eval_cache):
-    from dflash import analysis as A
+    from dflash.tracking import analysis as A
     from sweeps.launch import main
 
     first = main(_argv(tmp_path, eval_cache, "n_trials=4", "workers=2"))

@@ -8,7 +8,8 @@ import inspect
 import pytest
 import torch
 
-from dflash.target import Target, TargetConfig, TinyTargetSpec, kernel_report, preflight_kernels
+from dflash.target.model import Target, TargetConfig, TinyTargetSpec
+from dflash.target.kernels import kernel_report, preflight_kernels
 
 SMALL = TinyTargetSpec(hidden_size=64, num_layers=4, intermediate_size=128, head_dim=16, linear_head_dim=16)
 
@@ -78,7 +79,7 @@ def test_gpu_slow_path_warns(monkeypatch):
 
 
 def test_torch_gdn_path_is_temporary(monkeypatch):
-    from dflash.target import torch_gdn_path
+    from dflash.target.kernels import torch_gdn_path
     mod = importlib.import_module("transformers.models.qwen3_5.modeling_qwen3_5")
     original = mod.torch_chunk_gated_delta_rule
 

@@ -1,4 +1,4 @@
-"""Tests for dflash.tracking / dflash.sysmetrics against a real MLflow sqlite store (CPU)."""
+"""Tests for dflash.tracking.loggers / dflash.tracking.sysmetrics against a real MLflow sqlite store (CPU)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from dflash.sysmetrics import system_metrics
-from dflash.tracking import (
+from dflash.tracking.sysmetrics import system_metrics
+from dflash.tracking.loggers import (
     TRUNCATION_MARKER,
     ConsoleLogger,
     JsonlLogger,

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from mlflow.tracking import MlflowClient
 
-from dflash.trainer import train
+from dflash.training.trainer import train
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -84,7 +84,7 @@ def test_tracking_outage_keeps_training(fast_cfg, monkeypatch):
 
 
 def test_producer_error_stops_the_run_with_that_error(fast_cfg, monkeypatch):
-    from dflash import target as target_mod
+    from dflash.target import model as target_mod
 
     def boom(self, *a, **k):
         raise RuntimeError("target exploded")

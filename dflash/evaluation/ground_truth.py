@@ -5,7 +5,7 @@ then ONE `target.forward_features` over prompt + continuation for the features t
 
 Cached on disk under `cache_dir/<key>.gt`, key = sha256 of (format version, target identity, layer ids,
 target dtype and device type, suite prompts, max_new_tokens): changing any of them misses. A cache file is
-written atomically (`dflash.checkpoint.atomic_write`) and carries the sha256 of its payload; a file that
+written atomically (`dflash.training.checkpoint.atomic_write`) and carries the sha256 of its payload; a file that
 cannot be read, fails its checksum, or does not match the expected shapes is rebuilt (with a warning),
 never trusted.
 """
@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from dflash.checkpoint import load_checked, save_checked
+from dflash.atomic import load_checked, save_checked
 from dflash.evaluation.prompts import Task
 from dflash.evaluation.speculative import greedy_decode
 

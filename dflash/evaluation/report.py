@@ -141,7 +141,7 @@ class EvalReport:
 
     def save(self, out_dir: str | os.PathLike) -> dict[str, Path]:
         """Writes tasks.json, tasks.md and acceptance_per_position.png into `out_dir`."""
-        from dflash.checkpoint import atomic_write, atomic_write_text
+        from dflash.atomic import atomic_write, atomic_write_text
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
         paths = {"json": out / "tasks.json", "md": out / "tasks.md", "png": out / "acceptance_per_position.png"}
@@ -152,7 +152,7 @@ class EvalReport:
         return paths
 
     def log_artifacts(self, logger, prefix: str = "eval") -> None:
-        """Per-task table (JSON + markdown) and the per-position PNG through a `dflash.tracking.Logger`."""
+        """Per-task table (JSON + markdown) and the per-position PNG through a `dflash.tracking.loggers.Logger`."""
         logger.log_dict(self.to_dict(), f"{prefix}/tasks.json")
         logger.log_text(self.to_markdown(), f"{prefix}/tasks.md")
         logger.log_figure(self.figure(), f"{prefix}/acceptance_per_position.png")

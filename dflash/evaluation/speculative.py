@@ -32,8 +32,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from dflash.drafter import DFlashDrafter
-from dflash.target import cache_kwarg, new_hf_cache
+from dflash.drafter.model import DFlashDrafter
+from dflash.target.cache import cache_kwarg, new_hf_cache
 
 
 def drafter_autocast(drafter, enabled: bool | None = None):

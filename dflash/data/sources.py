@@ -7,7 +7,7 @@ Sources (`data.source`):
 - `synthetic`: seeded random tokens (throughput and shape tests; acceptance on it means nothing).
 - `target_regen`: sequences of `regen_base` whose continuations the target itself regenerates (greedy,
   batched, cached by fingerprint): the drafter learns the target's behaviour on text that looks like what
-  the target writes (`dflash.regen`).
+  the target writes (`dflash.data.regen`).
 
 Lengths are drawn uniformly in [min_len, max_len] so the buffer's length buckets see a real mix.
 The epoch order is a seeded permutation of (seed, epoch): resuming at (epoch, cursor) replays it exactly.
@@ -95,7 +95,7 @@ def build_training_sequences(cfg: DataConfig, target, seed: int) -> list[torch.T
         return build_sequences(cfg, target.tokenizer.encode, target.vocab_size, seed)
     base = dataclasses.replace(cfg, source=cfg.regen_base)
     sequences = build_sequences(base, target.tokenizer.encode, target.vocab_size, seed)
-    from dflash.regen import regenerate_sequences
+    from dflash.data.regen import regenerate_sequences
     fingerprint = json.dumps(dataclasses.asdict(base), sort_keys=True) + f":seed={seed}"
     return regenerate_sequences(target, sequences, cfg.regen_prompt_len, None, cfg.regen_batch_size,
                                 cfg.regen_cache_dir or None, corpus_fingerprint=fingerprint)

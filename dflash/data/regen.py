@@ -27,8 +27,8 @@ from typing import Sequence
 
 import torch
 
-from dflash.checkpoint import load_checked, save_checked
-from dflash.target import cache_kwarg, new_hf_cache
+from dflash.atomic import load_checked, save_checked
+from dflash.target.cache import cache_kwarg, new_hf_cache
 
 log = logging.getLogger(__name__)
 

@@ -2,7 +2,7 @@
 
 `pretrain(cfg, prompts)` runs the whole recipe in one process:
 
-1. corpus (`dflash.corpus`: the running Python's standard library, file-level train / val / test split);
+1. corpus (`dflash.data.corpus`: the running Python's standard library, file-level train / val / test split);
 2. byte-level BPE tokenizer trained on the train split only (`<|endoftext|>`, `<|pad|>`, `<|mask|>` at 0..2);
 3. a `Qwen3_5ForCausalLM` (Gated DeltaNet : full attention = 3 : 1 — transformers' default layer types put
    full attention on every 4th layer), checked to stay under `max_bf16_bytes` before any training;
@@ -15,7 +15,7 @@
    overfit) and reported on the `test` files, next to a unigram model's perplexity on the same tokens;
 6. the Hugging Face folder (bf16 safetensors, config, tokenizer, `dflash_target.json` with the mask token,
    layer ids, recipe, corpus fingerprint and held-out metrics), written to a temp dir then renamed;
-7. greedy continuations of the eval prompts, produced by loading that folder through `dflash.target.Target`
+7. greedy continuations of the eval prompts, produced by loading that folder through `dflash.target.model.Target`
    exactly as every run will, written with the numbers to a results markdown (`results_path`).
 
 Gated-DeltaNet kernels on CUDA (DESIGN §7): FLA's backward is wrong or refused on Hopper with Triton
@@ -25,9 +25,9 @@ only if it runs and agrees (relative gradient error ≤ `grad_check_tol` overall
 parameter with a non-negligible gradient). Otherwise the torch functions train. The module's functions
 are restored afterwards, so the target itself still runs forward with FLA. The choice is recorded. The short
 convolution always trains on transformers' torch path (cuDNN conv1d); FLA's Triton short convolution, which
-`dflash.target` installs when it loads a target on CUDA, is used forward-only.
+`dflash.target.model` installs when it loads a target on CUDA, is used forward-only.
 
-Logs to MLflow through `dflash.tracking.build_loggers` (kind tag `pretrain_target`) like every run.
+Logs to MLflow through `dflash.tracking.loggers.build_loggers` (kind tag `pretrain_target`) like every run.
 """
 from __future__ import annotations
 
@@ -49,7 +49,7 @@ from typing import Callable, Sequence
 import torch
 import torch.nn.functional as F
 
-from dflash.corpus import (
+from dflash.data.corpus import (
     EOS_TOKEN,
     MASK_TOKEN,
     PAD_TOKEN,
@@ -60,10 +60,11 @@ from dflash.corpus import (
     tokenizer_fingerprint,
     train_tokenizer,
 )
-from dflash.export import write_dir_atomically
-from dflash.target import TARGET_META, resolve_device
-from dflash.tracking import TrackingConfig, build_loggers, default_run_name, git_sha
-from dflash.trainer import warmup_cosine
+from dflash.serving.export import write_dir_atomically
+from dflash.target.model import TARGET_META
+from dflash.devices import resolve_device
+from dflash.tracking.loggers import TrackingConfig, build_loggers, default_run_name, git_sha
+from dflash.training.trainer import warmup_cosine
 
 log = logging.getLogger(__name__)
 
@@ -190,7 +191,7 @@ class GdnKernels:
     importable) and the pure-torch originals; `restore()` puts the bound ones back."""
 
     def __init__(self, model_type: str):
-        from dflash.target import _GDN_FUNCS, _modeling_module
+        from dflash.target.kernels import _GDN_FUNCS, _modeling_module
         self.model_type = model_type
         self.mod = _modeling_module(model_type)
         self.bound = {n: getattr(self.mod, n) for n in _GDN_FUNCS if self.mod is not None and hasattr(self.mod, n)}
@@ -204,7 +205,7 @@ class GdnKernels:
             setattr(self.mod, n, fn)
 
     def report(self) -> dict[str, str]:
-        from dflash.target import kernel_report
+        from dflash.target.kernels import kernel_report
         return kernel_report(self.model_type)
 
 
@@ -490,10 +491,11 @@ def normalize_prompts(prompts: PromptArg) -> list[tuple[str, str]]:
 
 def generate_continuations(folder: str | os.PathLike, meta: dict, prompts: list[tuple[str, str]],
                            max_new_tokens: int, device: str, force_torch: bool = False) -> tuple[list[dict], dict]:
-    """Loads the written folder through `dflash.target.Target` and decodes each prompt greedily. Returns the
+    """Loads the written folder through `dflash.target.model.Target` and decodes each prompt greedily. Returns the
     continuations and the Gated-DeltaNet kernels they ran with (`force_torch`: transformers' torch functions)."""
-    from dflash.regen import greedy_generate
-    from dflash.target import Target, TargetConfig, force_torch_gdn, kernel_report
+    from dflash.data.regen import greedy_generate
+    from dflash.target.model import Target, TargetConfig
+    from dflash.target.kernels import force_torch_gdn, kernel_report
     target = Target(TargetConfig(name="reference_target", path=str(folder), mask_token_id=meta["mask_token_id"],
                                  layer_ids=list(meta["layer_ids"]), device=device))
     if force_torch:  # after the Target's own kernel set-up: its forward reads the module's functions per call
@@ -543,7 +545,7 @@ def results_markdown(result: dict, command: str = "") -> str:
         f"Test tokens scored: {m['test_tokens']:,}; best val loss {_fmt(m['val_loss'])} "
         f"(ppl {_fmt(m['val_ppl'], 2)}).",
         "",
-        f"## Greedy continuations ({meta['recipe']['max_new_tokens']} tokens, loaded through `dflash.target.Target`)",
+        f"## Greedy continuations ({meta['recipe']['max_new_tokens']} tokens, loaded through `dflash.target.model.Target`)",
         "",
     ]
     if result.get("continuations_note"):
@@ -635,7 +637,7 @@ def pretrain(cfg: PretrainConfig, prompts: PromptArg = None, command: str = "") 
 def _train_and_finish(cfg, device, amp_dtype, logger, model, tok, corpus, cstats, train_tokens, val_tokens,
                       test_tokens, eos_id, pad_id, mask_id, n_params, nbytes, kdetails, kernels, setup,
                       t_start, train_deadline, prompts, command, run_dir) -> dict:
-    from dflash.drafter import default_layer_ids
+    from dflash.target.model import default_layer_ids
     byte_len = token_byte_lengths(tok)
     sampler = WindowSampler(train_tokens.to(device), cfg.seq_len, cfg.batch_size, cfg.seed)
     val_windows = eval_windows(val_tokens, cfg.seq_len, cfg.eval_tokens)
@@ -694,7 +696,7 @@ def _train_and_finish(cfg, device, amp_dtype, logger, model, tok, corpus, cstats
                  "train/epoch": sampler.epochs_done,
                  "perf/tok_s": (step - last_log_step) * tokens_per_step / max(t - last_log_t, 1e-9)}
             if cfg.tracking.system_metrics:
-                from dflash.sysmetrics import system_metrics
+                from dflash.tracking.sysmetrics import system_metrics
                 m.update(system_metrics())
             logger.log(m, step)
             loss_acc.zero_()

@@ -10,20 +10,19 @@ Nothing is ever fetched from a hub: a real target is a local folder (`target.pat
 """
 from __future__ import annotations
 
-import inspect
 import json
 import logging
 import os
 import threading
 import time
-import warnings
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from dflash.drafter import default_layer_ids
+from dflash.devices import resolve_device, resolve_dtype
+from dflash.target.kernels import preflight_kernels
+
 
 log = logging.getLogger(__name__)
 
@@ -80,7 +79,7 @@ class TargetInfo:
     model_type: str
 
 
-ASSETS = Path(__file__).resolve().parent / "assets"
+ASSETS = Path(__file__).resolve().parents[1] / "assets"
 
 
 def checkpoint_path(cfg: TargetConfig) -> str:
@@ -106,6 +105,15 @@ def read_target_info(cfg: TargetConfig) -> TargetInfo:
     t = _text_config_dict(path)
     return TargetInfo(int(t["num_hidden_layers"]), int(t["hidden_size"]), int(t["vocab_size"]),
                       str(t.get("model_type", "?")))
+
+
+def default_layer_ids(num_target_layers: int, count: int = 5) -> list[int]:
+    """Evenly spaced from layer 1 to n_layers − 3 (Qwen3.6-27B, 64 layers → [1, 16, 31, 46, 61])."""
+    lo, hi = 1, num_target_layers - 3
+    if hi <= lo:
+        return sorted({min(lo, num_target_layers - 1)})
+    count = min(count, hi - lo + 1)
+    return [round(lo + i * (hi - lo) / (count - 1)) for i in range(count)] if count > 1 else [lo]
 
 
 def resolve_layer_ids(cfg: TargetConfig, info: TargetInfo) -> list[int]:
@@ -151,133 +159,6 @@ def validate_target_config(cfg: TargetConfig) -> TargetInfo:
     return info
 
 
-# -- kernels ------------------------------------------------------------------------------------
-_GDN_FUNCS = ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule",
-              "causal_conv1d_fn", "causal_conv1d_update")
-
-
-def _modeling_module(model_type: str):
-    import importlib
-    name = {"qwen3_5": "qwen3_5", "qwen3_5_text": "qwen3_5", "qwen3_next": "qwen3_next"}.get(model_type)
-    return importlib.import_module(f"transformers.models.{name}.modeling_{name}") if name else None
-
-
-def _implementation(fn) -> str:
-    """Module that really runs behind a transformers kernel-with-fallback wrapper."""
-    impl = inspect.getclosurevars(fn).nonlocals.get("implementation", fn) if callable(fn) else fn
-    return getattr(impl, "__module__", "?") or "?"
-
-
-def _fla_conv1d():
-    """FLA's Triton causal conv1d ([B, T, D] layout), across FLA versions; None when unavailable."""
-    for mod_name in ("fla.modules.convolution", "fla.modules.conv", "fla.ops.convolution"):
-        try:
-            import importlib
-            fn = getattr(importlib.import_module(mod_name), "causal_conv1d", None)
-        except Exception:  # noqa: BLE001 - any import failure means "not available"
-            fn = None
-        if fn is not None:
-            return fn
-    return None
-
-
-def use_fla_short_conv(model_type: str) -> bool:
-    """causal-conv1d builds only from source (no offline install); FLA ships a Triton short convolution.
-    Put it behind transformers' `causal_conv1d_fn` call ([B, D, T] in and out) when that is the torch path."""
-    mod = _modeling_module(model_type)
-    current = getattr(mod, "causal_conv1d_fn", None) if mod else None
-    conv = _fla_conv1d()
-    if current is None or conv is None or getattr(current, "_dflash_backend", None):
-        return bool(current is not None and getattr(current, "_dflash_backend", None))
-    if not _implementation(current).startswith("transformers"):
-        return False  # causal-conv1d itself is active
-
-    def causal_conv1d_fn(x, weight, bias=None, activation=None, **_):
-        y = conv(x.transpose(1, 2), weight=weight, bias=bias, activation=activation)
-        y = y[0] if isinstance(y, tuple) else y
-        return y.transpose(1, 2)
-
-    causal_conv1d_fn._dflash_backend = "fla"
-    causal_conv1d_fn.__wrapped__ = inspect.unwrap(current)  # the torch reference stays reachable
-    mod.causal_conv1d_fn = causal_conv1d_fn
-    return True
-
-
-def kernel_report(model_type: str) -> dict[str, str]:
-    """Which Gated-DeltaNet kernels are active: {'chunk_gated_delta_rule': 'fla' | 'torch', ...}."""
-    mod = _modeling_module(model_type)
-    if mod is None:
-        return {}
-    out = {}
-    for name in _GDN_FUNCS:
-        if hasattr(mod, name):
-            backend = getattr(getattr(mod, name), "_dflash_backend", None)
-            if backend:
-                out[name.removeprefix("torch_")] = backend
-                continue
-            impl = _implementation(getattr(mod, name))
-            out[name.removeprefix("torch_")] = ("torch" if impl.startswith("transformers") else impl.split(".")[0])
-    return out
-
-
-def force_torch_gdn(model_type: str) -> None:
-    """With `fla` importable but no CUDA, transformers binds the Triton kernels and crashes: rebind the
-    module's functions to their pure-torch originals (the wrapped function under `__wrapped__`)."""
-    mod = _modeling_module(model_type)
-    for name in _GDN_FUNCS if mod else ():
-        fn = getattr(mod, name, None)
-        if fn is not None and (getattr(fn, "_dflash_backend", None)
-                               or _implementation(fn).split(".")[0] != "transformers"):
-            setattr(mod, name, inspect.unwrap(fn))
-
-
-@contextmanager
-def torch_gdn_path(model_type: str):
-    """Temporarily run the Gated-DeltaNet functions on their pure-torch reference (benchmarks compare the
-    fast path against it in one process); the bound kernels come back on exit."""
-    mod = _modeling_module(model_type)
-    saved = {n: getattr(mod, n) for n in _GDN_FUNCS if mod is not None and hasattr(mod, n)}
-    try:
-        force_torch_gdn(model_type)
-        yield kernel_report(model_type)
-    finally:
-        for name, fn in saved.items():
-            setattr(mod, name, fn)
-
-
-def preflight_kernels(model_type: str, device: torch.device) -> dict[str, str]:
-    if device.type != "cuda":
-        force_torch_gdn(model_type)
-    else:
-        use_fla_short_conv(model_type)
-    report = kernel_report(model_type)
-    slow = [k for k, v in report.items() if v == "torch"]
-    if device.type == "cuda" and slow:
-        warnings.warn(f"SLOW PATH: Gated-DeltaNet kernels {slow} use the torch fallback on a GPU; install "
-                      f"flash-linear-attention / causal-conv1d (pip install '.[gpu]'). Throughput will be "
-                      f"a fraction of the fast path.", RuntimeWarning, stacklevel=2)
-    log.info("Gated-DeltaNet kernels: %s", report)
-    return report
-
-
-# -- driving the decoder with a cache (generation, verification) ------------------------------------
-def new_hf_cache(decoder):
-    from transformers import DynamicCache
-    try:
-        return DynamicCache(config=decoder.config)
-    except TypeError:  # older signature
-        return DynamicCache()
-
-
-def cache_kwarg(decoder) -> str:
-    """The decoder's cache argument: `past_key_values`, renamed `cache` in recent transformers."""
-    try:
-        params = inspect.signature(decoder.forward).parameters
-    except (TypeError, ValueError):
-        return "past_key_values"
-    return "cache" if "cache" in params and "past_key_values" not in params else "past_key_values"
-
-
 # -- the target ---------------------------------------------------------------------------------
 @dataclass
 class TargetBatch:
@@ -285,22 +166,6 @@ class TargetBatch:
     labels_BT: torch.Tensor  # target argmax at each position (= its prediction of token t+1)
     soft_vals_BTk: torch.Tensor | None = None  # top-k target logits (float32)
     soft_idx_BTk: torch.Tensor | None = None
-
-
-def resolve_device(name: str) -> torch.device:
-    """With an index always: a bare "cuda" means the *calling thread's* current GPU, which is GPU 0 in a
-    fresh producer thread even on torchrun rank 1 (CUDA's current device is per host thread)."""
-    dev = torch.device("cuda" if name == "auto" and torch.cuda.is_available() else
-                       "cpu" if name == "auto" else name)
-    if dev.type == "cuda" and dev.index is None:
-        dev = torch.device("cuda", torch.cuda.current_device())
-    return dev
-
-
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return getattr(torch, name)
 
 
 def _tiny_hf_config(spec: TinyTargetSpec):

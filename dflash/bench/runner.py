@@ -26,11 +26,12 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from dflash.config import RunConfig, validate, with_overrides
-from dflash.distributed import init_distributed
-from dflash.losses import build_loss, compute_position_stats
-from dflash.profiling import profile_kernels, traced_steps
-from dflash.target import Target, torch_gdn_path
-from dflash.tracking import default_run_name, read_jsonl_metrics
+from dflash.training.distributed import init_distributed
+from dflash.training.losses import build_loss, compute_position_stats
+from dflash.bench.profiling import profile_kernels, traced_steps
+from dflash.target.model import Target
+from dflash.target.kernels import torch_gdn_path
+from dflash.tracking.loggers import default_run_name, read_jsonl_metrics
 
 log = logging.getLogger(__name__)
 _STARTED = default_run_name()  # one benchmark folder per process
@@ -162,8 +163,8 @@ class DrafterStepBench:
     """One trainer-shaped drafter step on synthetic features, with a CUDA-event phase breakdown."""
 
     def __init__(self, cfg: RunConfig, target: Target, b: BenchConfig):
-        from dflash.drafter import build_drafter
-        from dflash.trainer import compile_drafter
+        from dflash.drafter.model import build_drafter
+        from dflash.training.trainer import compile_drafter
         self.cfg, self.b, self.device = cfg, b, target.device
         t = target
         self.drafter = build_drafter(cfg.drafter, t.hidden_size, t.info.num_layers, t.mask_token_id,
@@ -187,7 +188,7 @@ class DrafterStepBench:
         and compilation change how the work runs, not how much of it is useful (masked-out keys are not counted
         either way), and a counting dispatch mode must not meet compiled code (it breaks FlexAttention's trace
         and sends dynamo back to eager)."""
-        from dflash.drafter_attention import attention_kernel
+        from dflash.drafter.attention import attention_kernel
         saved = self.model, self.drafter.attn_kernel
         self.model, self.drafter.attn_kernel = self.drafter, attention_kernel("sdpa")
         try:
@@ -240,7 +241,7 @@ def bench_pipeline(cfg: RunConfig, target: Target, b: BenchConfig) -> dict:
     """The real trainer on synthetic sequences of exactly `seq_len` tokens; throughput after warm-up,
     then `profile_steps` steps traced to count host syncs inside the step. `cfg.run_dir` must be this
     measurement's own: its metrics.jsonl is read back."""
-    from dflash.trainer import Trainer
+    from dflash.training.trainer import Trainer
     steps = b.pipeline_steps + b.profile_steps
     run_cfg = dataclasses.replace(
         cfg,

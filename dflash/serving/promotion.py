@@ -6,7 +6,7 @@ and move the serving alias only when its acceptance beats the current holder.
 Rules, in order:
 1. The run must be FINISHED, have the gate metric (`eval/tau_vanilla` by default) and a finite value,
    and have a `checkpoint` artifact. Otherwise the decision is "refused", nothing is registered, and the
-   reason is written on the *run* as tags (`dflash.promotion.decision` / `dflash.promotion.reason`).
+   reason is written on the *run* as tags (`dflash.serving.promotion.decision` / `dflash.serving.promotion.reason`).
 2. Otherwise a model version is registered (source = the run's `checkpoint` artifact URI, `run_id` set)
    with every `eval/` metric (τ per budget), the per-task table reference and the run's config as tags.
 3. The alias moves to it only if `value >= floor` and `value > holder + margin`, where the holder is the
@@ -38,7 +38,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
-from dflash.tracking import sqlite_db_path, truncate
+from dflash.tracking.loggers import sqlite_db_path, truncate
 
 log = logging.getLogger(__name__)
 

@@ -20,7 +20,7 @@ from typing import Any, Callable, Mapping
 
 import optuna
 
-from dflash.tracking import get_or_create_experiment, read_jsonl_metrics
+from dflash.tracking.loggers import get_or_create_experiment, read_jsonl_metrics
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +56,7 @@ def last_logged(run_dir: str | os.PathLike, key: str, max_step: int | None = Non
 
 
 class PruningEvaluator:
-    """`evaluator(drafter, target, step, final, logger=None)` for `dflash.trainer.train`.
+    """`evaluator(drafter, target, step, final, logger=None)` for `dflash.training.trainer.train`.
 
     Calls `base` (the real evaluator, may be None), then — for intermediate calls only — reports the
     objective `metric` at `step` to `trial` and raises `EvalPruned` when `trial.should_prune()`. The
@@ -135,7 +135,7 @@ class SweepTracker:
     def _tags(self, run_id: str, tags: Mapping[str, Any]) -> None:
         from mlflow.entities import RunTag
 
-        from dflash.tracking import MAX_TAG_VAL_LENGTH, truncate
+        from dflash.tracking.loggers import MAX_TAG_VAL_LENGTH, truncate
         rt = [RunTag(k, truncate("" if v is None else str(v), MAX_TAG_VAL_LENGTH)) for k, v in tags.items()]
         if rt:
             self._retry("set tags", self.client.log_batch, run_id, tags=rt)
@@ -166,7 +166,7 @@ class SweepTracker:
                               tags={"dflash.kind": PARENT_KIND, TAG_STUDY: study_name}, quiet=False)
             from mlflow.entities import Param
 
-            from dflash.tracking import MAX_PARAM_VAL_LENGTH, truncate
+            from dflash.tracking.loggers import MAX_PARAM_VAL_LENGTH, truncate
             ps = [Param(k, truncate(str(v), MAX_PARAM_VAL_LENGTH)) for k, v in params.items()]
             for i in range(0, len(ps), 100):
                 self._retry("log parent params", self.client.log_batch, run.info.run_id, params=ps[i:i + 100])

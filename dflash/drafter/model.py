@@ -8,7 +8,7 @@ arXiv 2602.06036).
   The context feature does not pass through the layer's input norm (as in the reference implementation).
 - RoPE with absolute positions: context token j sits at position j, block token k of anchor a at a + k.
 - No embedding or LM head of its own: the target's, frozen, are attached as non-persistent buffers.
-- Training attention runs through a kernel chosen by `attn_kernel` (dflash/drafter_attention.py: SDPA with a
+- Training attention runs through a kernel chosen by `attn_kernel` (dflash/drafter/attention.py: SDPA with a
   bool mask, or FlexAttention with a block-sparse mask); inference (mask None) is always plain SDPA.
 
 Module and parameter names follow the reference `DFlashDraftModel` (z-lab/dflash `dflash/model.py`), so
@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dflash.drafter_attention import KernelMask, attention_kernel, training_mask  # noqa: F401 (training_mask: re-export)
+from dflash.drafter.attention import KernelMask, attention_kernel, training_mask  # noqa: F401 (training_mask: re-export)
 
 
 @dataclass
@@ -40,7 +40,7 @@ class DrafterConfig:
     # blocks' keys, not to every block of the sequence (all hidden by the mask anyway): at 256 anchors, 2,048
     # tokens and groups of 16 that is 2,304 keys per query instead of 6,144. 0: one call for all anchors.
     attn_group: int = 16
-    # Training only: attention kernel (dflash/drafter_attention.py). "sdpa": SDPA, bool mask, anchor groups,
+    # Training only: attention kernel (dflash/drafter/attention.py). "sdpa": SDPA, bool mask, anchor groups,
     # enable_gqa; "sdpa_expanded": the same with K/V heads copied out (for SDPA builds without masked GQA);
     # "flex": FlexAttention, one call over all anchors with a block-sparse mask, native GQA.
     attn_kernel: str = "sdpa"
@@ -279,15 +279,6 @@ class DFlashDrafter(nn.Module):
 
     def logits(self, hidden_BKH: torch.Tensor) -> torch.Tensor:
         return hidden_BKH.float() @ self.lm_head_VH.float().T
-
-
-def default_layer_ids(num_target_layers: int, count: int = 5) -> list[int]:
-    """Evenly spaced from layer 1 to n_layers − 3 (Qwen3.6-27B, 64 layers → [1, 16, 31, 46, 61])."""
-    lo, hi = 1, num_target_layers - 3
-    if hi <= lo:
-        return sorted({min(lo, num_target_layers - 1)})
-    count = min(count, hi - lo + 1)
-    return [round(lo + i * (hi - lo) / (count - 1)) for i in range(count)] if count > 1 else [lo]
 
 
 def build_drafter(cfg: DrafterConfig, hidden_size: int, num_target_layers: int, mask_token_id: int,

@@ -19,17 +19,13 @@ from typing import Callable
 import torch
 import yaml
 
-from dflash.batching import make_batch
-from dflash.buffer import BucketedBuffer
-from dflash.checkpoint import (
-    atomic_write_text,
-    latest_checkpoint,
-    load_checkpoint,
-    save_checkpoint,
-)
+from dflash.training.batching import make_batch
+from dflash.training.buffer import BucketedBuffer
+from dflash.atomic import atomic_write_text
+from dflash.training.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from dflash.config import ConfigError, RunConfig, from_dict, to_dict, validate
-from dflash.data import build_training_sequences
-from dflash.distributed import (
+from dflash.data.sources import build_training_sequences
+from dflash.training.distributed import (
     DistInfo,
     broadcast_object,
     gather_objects,
@@ -38,16 +34,17 @@ from dflash.distributed import (
     sum_,
     wrap_ddp,
 )
-from dflash.distributed import shutdown as shutdown_distributed
-from dflash.drafter import DFlashDrafter, build_drafter
+from dflash.training.distributed import shutdown as shutdown_distributed
+from dflash.drafter.model import DFlashDrafter, build_drafter
 from dflash.evaluation import make_evaluator
-from dflash.losses import block_metrics, build_loss, compute_position_stats
-from dflash.noise import build_noise
-from dflash.pipeline import ItemSource, ProducerPool
-from dflash.promotion import auto_promote
-from dflash.sysmetrics import system_metrics
-from dflash.target import Target, resolve_device
-from dflash.tracking import (
+from dflash.training.losses import block_metrics, build_loss, compute_position_stats
+from dflash.training.noise import build_noise
+from dflash.training.pipeline import ItemSource, ProducerPool
+from dflash.serving.promotion import auto_promote
+from dflash.tracking.sysmetrics import system_metrics
+from dflash.target.model import Target
+from dflash.devices import resolve_device
+from dflash.tracking.loggers import (
     MultiLogger,
     absolute_sqlite_uri,
     build_loggers,
@@ -344,7 +341,7 @@ class Trainer:
         if not self.dist.is_main:
             return None
         final = self.run_dir / "final"
-        from dflash.export import save_drafter
+        from dflash.serving.export import save_drafter
         save_drafter(self.drafter, final, extra={"target": self.cfg.target.name, "loss": self.cfg.loss.name})
         loggers.log_artifact(str(final), "checkpoint")
         if self.evaluator:

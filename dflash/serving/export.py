@@ -18,8 +18,8 @@ from typing import Callable
 import torch
 from safetensors.torch import load_file, save_file
 
-from dflash.checkpoint import atomic_write, atomic_write_text
-from dflash.drafter import DFlashDrafter, DrafterConfig
+from dflash.atomic import atomic_write, atomic_write_text
+from dflash.drafter.model import DFlashDrafter, DrafterConfig
 
 
 def serving_config(drafter: DFlashDrafter, vocab_size: int, dtype: torch.dtype) -> dict:
@@ -267,14 +267,14 @@ class ExportSource:
 def _drafter_from_checkpoint(pt: Path) -> ExportSource:
     """A trainer checkpoint (`checkpoints/step_*.pt`) → drafter; target facts (mask token, layer ids,
     vocab) from the same run's final/config.json when present, else from the saved target config."""
-    from dflash.checkpoint import load_checkpoint
+    from dflash.training.checkpoint import load_checkpoint
     try:
         state = load_checkpoint(pt)
     except Exception as e:
         raise ValueError(f"{pt}: unreadable checkpoint ({type(e).__name__}: {e})") from e
     if not isinstance(state, dict) or "drafter" not in state or "config" not in state:
         raise ValueError(f"{pt}: not a dflash training checkpoint (expected a dict with 'drafter' and "
-                         f"'config', as written by dflash.trainer)")
+                         f"'config', as written by dflash.training.trainer)")
     weights, run_cfg = state["drafter"], state["config"]
     if "fc.weight" not in weights:
         raise ValueError(f"{pt}: 'drafter' state has no fc.weight (not a DFlash drafter state dict)")
@@ -288,7 +288,7 @@ def _drafter_from_checkpoint(pt: Path) -> ExportSource:
         layer_ids, mask = list(d["target_layer_ids"]), int(d["mask_token_id"])
         n_target, vocab = int(sc["num_target_layers"]), int(sc.get("vocab_size", 0))
     else:
-        from dflash.target import (
+        from dflash.target.model import (
             TargetConfig,
             TinyTargetSpec,
             read_target_info,
@@ -327,7 +327,7 @@ def _from_serving(folder: Path) -> ExportSource:
 
 def resolve_export_source(source: str | os.PathLike) -> ExportSource:
     """A run dir (its final/ serving folder, else its latest checkpoint), a serving folder, or a .pt."""
-    from dflash.checkpoint import latest_checkpoint
+    from dflash.training.checkpoint import latest_checkpoint
     src = Path(source)
     if src.is_file():
         if src.suffix != ".pt":

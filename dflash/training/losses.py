@@ -16,7 +16,7 @@ The LM head is shared with the target (V up to ~250k), so drafter logits are
 computed in float32, chunk by chunk: only per-position scalars leave a chunk,
 and the N*K*V logits never exist at once, neither in the forward nor in the
 backward pass.  Two interchangeable paths compute them (``loss.lm_head_grad``):
-"fused" (``dflash.lm_head_loss``) forms each stat's gradient wrt the hidden
+"fused" (``dflash.training.lm_head_loss``) forms each stat's gradient wrt the hidden
 state in the forward and never recomputes logits; "recompute" runs each chunk
 under activation checkpointing and recomputes its logits in the backward.
 """
@@ -29,8 +29,8 @@ import torch
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
-from dflash.lm_head_loss import IGNORE_INDEX, fused_position_stats
-from dflash.lm_head_loss import chunk_logits as _chunk_logits
+from dflash.training.lm_head_loss import IGNORE_INDEX, fused_position_stats
+from dflash.training.lm_head_loss import chunk_logits as _chunk_logits
 
 
 @dataclass

@@ -10,8 +10,8 @@ from dataclasses import dataclass
 
 import torch
 
-from dflash.noise import NoiseSchedule
-from dflash.pipeline import Item
+from dflash.training.noise import NoiseSchedule
+from dflash.training.pipeline import Item
 
 IGNORE = -100
 

@@ -20,9 +20,9 @@ from dataclasses import dataclass
 
 import torch
 
-from dflash.buffer import BucketedBuffer
-from dflash.data import epoch_order
-from dflash.target import Target
+from dflash.training.buffer import BucketedBuffer
+from dflash.data.sources import epoch_order
+from dflash.target.model import Target
 
 
 @dataclass

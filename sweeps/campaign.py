@@ -177,7 +177,8 @@ def run_cell(c: Campaign, cell: Cell, out: Path) -> dict:
               "seed": cell.seed, "overrides": cell.overrides, "run_dir": str(run_dir),
               "objective": c.objective, "value": last_logged(run_dir, c.objective),
               "consumed_tokens": last_logged(run_dir, "data/consumed_tokens"),
-              "epochs": last_logged(run_dir, "data/epochs"), "wall_s_this_leg": round(time.time() - t0, 1)}
+              "epochs": last_logged(run_dir, "data/epochs"), "wall_s_this_leg": round(time.time() - t0, 1),
+              "resumed": any(a.startswith("resume=") for a in cmd)}
     atomic_write_text(run_dir / "cell.json", json.dumps(result, indent=2))
     return result
 

@@ -156,7 +156,7 @@ def module_loss(name, cfg, hidden, lm_head, labels, soft_vals, soft_idx):
         soft_vals_NKk=soft_vals, soft_idx_NKk=soft_idx,
         temperature=cfg.temperature, chunk_size=cfg.chunk_size, need_soft=loss_fn.needs_soft,
     )
-    return loss_fn(stats, labels != -100), stats
+    return loss_fn.reduce(stats, labels != -100), stats
 
 
 # --------------------------------------------------------------------------
@@ -233,7 +233,7 @@ def test_hard_stats_have_no_soft_fields():
     with pytest.raises(ValueError, match="need_soft"):
         compute_position_stats(hidden, lm_head, labels, need_soft=True)
     with pytest.raises(ValueError, match="soft"):
-        build_loss(LossConfig(name="lk"))(stats, labels != -100)
+        build_loss(LossConfig(name="lk")).reduce(stats, labels != -100)
 
 
 # --------------------------------------------------------------------------

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
+from dflash.registry import Registry
+
 
 @dataclass
 class NoiseConfig:
@@ -58,14 +60,8 @@ class NoiseSchedule(ABC):
         return noisy
 
 
-NOISES: dict[str, type[NoiseSchedule]] = {}
-
-
-def register_noise(name: str):
-    def wrap(cls):
-        NOISES[name] = cls
-        return cls
-    return wrap
+NOISES: Registry[type[NoiseSchedule]] = Registry("noise.name")
+register_noise = NOISES.register
 
 
 @register_noise("none")
@@ -98,11 +94,10 @@ class CosineNoise(NoiseSchedule):
 
 
 def build_noise(cfg: NoiseConfig, total_steps: int) -> NoiseSchedule:
-    if cfg.name not in NOISES:
-        raise ValueError(f"noise.name={cfg.name!r} is unknown; expected one of {sorted(NOISES)}")
+    NOISES.check(cfg.name)
     if cfg.distribution not in ("uniform", "gaussian"):
         raise ValueError(f"noise.distribution={cfg.distribution!r}; expected 'uniform' or 'gaussian'")
     for key in ("sigma", "start", "end"):
         if getattr(cfg, key) < 0:
             raise ValueError(f"noise.{key} must be >= 0, got {getattr(cfg, key)}")
-    return NOISES[cfg.name](cfg, total_steps)
+    return NOISES.build(cfg.name, cfg, total_steps)

@@ -4,8 +4,10 @@ Noise is added to every selected target layer *except the last one*: the last se
 one closest to the target's output and carries most of the next-token signal, so corrupting it teaches
 the drafter to ignore its best feature (the original pipeline's convention).
 
-One schedule object per run: the trainer advances it (`advance(step)`), every producer reads
-`sigma()` from it, so all producers use the same σ at the same step.
+One schedule object per run: the trainer advances it (`advance(step)`) and draws the noise itself when it
+makes each batch (`dflash.training.batching.make_batch` calls `add` with `sigma()`, seeded per item), so
+the buffered target features stay clean and a resumed run draws exactly the noise the uninterrupted run did.
+Schedules register in `NOISES` (`noise.name`).
 """
 from __future__ import annotations
 

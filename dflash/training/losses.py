@@ -82,10 +82,14 @@ class LKConfig:
 
 
 @dataclass
-class LossConfig(LKConfig, SoftKLConfig, DPaceConfig, StreakConfig, LMHeadConfig):
-    """The `loss.*` keys: a loss name and every part's knobs, flat (`loss.temperature=1.5`)."""
+class _LossName:
+    name: str = "hard_ce"  # a term and a weighting (LOSSES)
 
-    name: str = "hard_ce"
+
+@dataclass
+class LossConfig(LKConfig, SoftKLConfig, DPaceConfig, StreakConfig, LMHeadConfig, _LossName):
+    """The `loss.*` keys: the loss name, then every part's knobs, flat (`loss.temperature=1.5`); a dataclass's
+    fields come in reverse MRO order, so `name` (the last base) leads in a dumped config."""
 
 
 def part_config(cfg: LossConfig, part_cls: type | None) -> Any:
@@ -314,11 +318,6 @@ class LKTerm(PositionTerm):
 
 # --------------------------------------------------------------------------
 # Position weightings w [N, K]
-# --------------------------------------------------------------------------
-
-
-# --------------------------------------------------------------------------
-# Position weights
 # --------------------------------------------------------------------------
 
 

@@ -242,8 +242,6 @@ class DFlashDrafter(nn.Module):
         self.target_layer_ids = list(target_layer_ids)
         self.num_target_layers = num_target_layers
         validate_drafter_config(cfg)  # unknown kernel, bad layer_types: ValueError here, at build time
-        if cfg.rope_theta <= 0:
-            raise ValueError("drafter.rope_theta=0 means the target's: build with cfg.for_target(target_theta)")
         self.attn_kernel = attention_kernel(cfg.attn_kernel)
         self.layer_attention = cfg.layer_attention()
         self.fc = nn.Linear(len(target_layer_ids) * hidden_size, hidden_size, bias=False)
@@ -280,6 +278,9 @@ class DFlashDrafter(nn.Module):
         return F.embedding(ids.view(B, -1), self.embed_VH).to(self.fc.weight.dtype)
 
     def _rope(self, positions_BS: torch.Tensor, dtype):
+        if self.cfg.rope_theta <= 0:  # trainer, eval and export resolve it before building; a bare build may not
+            raise ValueError("drafter.rope_theta=0 (the target's) was not resolved: build the drafter from "
+                             "cfg.for_target(target_rope_theta)")
         return rope_cos_sin(positions_BS, self.cfg.head_dim, self.cfg.rope_theta, dtype)
 
     def _run_layers(self, block_BQH, blk_pos_BQ, ctx_kv_per_layer, masks):

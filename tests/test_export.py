@@ -521,3 +521,18 @@ def test_automodel_trust_remote_code_in_a_fresh_interpreter_matches_ours(tmp_pat
     assert not any(s.startswith(repo) for s in theirs["sys_path"])
     torch.testing.assert_close(theirs["logits"].float(), ours, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(theirs["logits_cached"].float(), ours, rtol=1e-5, atol=1e-5)
+
+
+def test_training_run_writes_a_complete_folder_for_a_windowed_drafter(fast_cfg):
+    """The trainer's final/ carries the target's facts; rope_theta 0 trained with the target's theta."""
+    from dflash.serving.export import read_target_facts
+    from dflash.training.trainer import train
+    cfg = fast_cfg("+tracking=off", "drafter.num_layers=2", "drafter.layer_types=[sliding_attention,full_attention]",
+                   "drafter.sliding_window=16", "drafter.rope_theta=0.0", "trainer.max_steps=2",
+                   "trainer.checkpoint_every=2")
+    final = train(cfg).run_dir / "final"
+    facts = read_target_facts(cfg.target)
+    sc = read_serving_config(final)
+    assert sc["auto_map"] and (final / MODELING_FILE).is_file() and sc["sliding_window"] == 16
+    assert sc["max_position_embeddings"] == facts.max_position_embeddings and sc["rope_theta"] == facts.rope_theta
+    assert load_drafter(final, target=facts).cfg.layer_types == ["sliding_attention", "full_attention"]

@@ -536,3 +536,18 @@ def test_training_run_writes_a_complete_folder_for_a_windowed_drafter(fast_cfg):
     assert sc["auto_map"] and (final / MODELING_FILE).is_file() and sc["sliding_window"] == 16
     assert sc["max_position_embeddings"] == facts.max_position_embeddings and sc["rope_theta"] == facts.rope_theta
     assert load_drafter(final, target=facts).cfg.layer_types == ["sliding_attention", "full_attention"]
+
+
+def test_cli_target_gives_a_bare_source_the_targets_facts(tmp_path, capsys):
+    from experiments.export import main
+    torch.manual_seed(0)
+    d = DFlashDrafter(DrafterConfig(num_layers=1, num_heads=2, num_kv_heads=1, head_dim=16, intermediate_size=32,
+                                    block_size=4), 384, 8, 2, [1, 3, 5])  # the reference target's shape
+    save_drafter(d, tmp_path / "bare")  # no target facts: a bare folder
+    out = main([str(tmp_path / "bare"), "--out", str(tmp_path / "served"), "--target", "builtin:reference_target"])
+    assert "context 4096" in capsys.readouterr().out
+    sc = read_serving_config(out)
+    assert sc["dflash_config"]["mask_token"] == "<|mask|>" and sc["vocab_size"] == 4096 and sc["auto_map"]
+    with pytest.raises(SystemExit) as e:  # a drafter that does not fit the named target: refused, by field
+        main([str(_run_dir(tmp_path, _drafter())), "--out", str(tmp_path / "x"), "--target", "builtin:reference_target"])
+    assert e.value.code == 2 and "hidden_size=32 but the target's is 384" in capsys.readouterr().err

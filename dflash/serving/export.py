@@ -552,11 +552,16 @@ def resolve_export_source(source: str | os.PathLike) -> ExportSource:
 
 
 def export_drafter(source: str | os.PathLike, out_dir: str | os.PathLike,
-                   dtype: str | torch.dtype = "bfloat16", target: TargetFacts | None = None) -> Path:
+                   dtype: str | torch.dtype = "bfloat16",
+                   target: TargetFacts | str | os.PathLike | None = None) -> Path:
     """Writes the serving folder (DESIGN §6) for a run dir / serving folder / checkpoint, atomically.
-    `target` (e.g. `read_target_facts(TargetConfig(path=...))`) replaces the facts the source records (needed
-    when the source is a bare folder: no context length or mask string of its own)."""
+    `target` (its facts, or a local target folder: config.json + tokenizer) replaces the facts the source
+    records (needed when the source is a bare folder: no context length or mask string of its own)."""
     src = resolve_export_source(source)
+    if target is not None and not isinstance(target, TargetFacts):
+        from dflash.target.model import TargetConfig
+        target = read_target_facts(TargetConfig(name="export", path=str(target),
+                                                mask_token_id=src.drafter.mask_token_id))
     target = target or src.target
     vocab = target.vocab_size if target else src.vocab_size
     return write_serving_folder(src.drafter, out_dir, dtype=parse_dtype(dtype), extra=src.extra or None,

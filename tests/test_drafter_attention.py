@@ -297,3 +297,4 @@ def test_rope_theta_zero_takes_the_targets():
     feats, tokens, anchors = _batch()
     with pytest.raises(ValueError, match=r"rope_theta=0 \(the target's\) was not resolved"):
         d(feats, anchors, tokens.gather(1, anchors))
+

@@ -256,7 +256,7 @@ def test_windowed_flex_builds_one_mask_per_kind(monkeypatch):
     assert [c[3].window for c in calls] == [WINDOW, None]  # two kinds, three layers
 
 
-def test_windowed_cache_rollback_within_a_block_and_refusal_beyond():
+def test_windowed_cache_rollback_within_a_block_and_restart_beyond():
     d = _windowed(layer_types=["sliding_attention"] * 2).eval()
     feats, tokens, _ = _batch()
     one, steps = d.new_cache(), d.new_cache()
@@ -266,8 +266,12 @@ def test_windowed_cache_rollback_within_a_block_and_refusal_beyond():
     d.extend_context(steps, feats[:, 32 - BS:30], 32 - BS)  # roll back one block (the slack), then re-extend
     anchor = tokens[:, 30]
     torch.testing.assert_close(d.draft_hidden(one, anchor), d.draft_hidden(steps, anchor), rtol=1e-5, atol=1e-5)
-    with pytest.raises(ValueError, match=r"cannot roll back to 10: sliding layer 0 \(window 9\)"):
-        steps.crop(10)
+    steps.crop(10)  # further back than the windowed layers keep: the cache starts over ...
+    assert steps.length == 0 and all(k is None for k in steps.k)
+    with pytest.raises(ValueError, match=r"extend_context\(start=10\): the drafter cache holds positions 0\.\.-1"):
+        d.extend_context(steps, feats[:, 10:30], 10)  # ... and refuses a gap
+    d.extend_context(steps, feats[:, :30], steps.length)  # the evaluation's way: extend from cache.length
+    torch.testing.assert_close(d.draft_hidden(one, anchor), d.draft_hidden(steps, anchor), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("change,match", [
@@ -298,3 +302,17 @@ def test_rope_theta_zero_takes_the_targets():
     with pytest.raises(ValueError, match=r"rope_theta=0 \(the target's\) was not resolved"):
         d(feats, anchors, tokens.gather(1, anchors))
 
+
+
+def test_evaluation_revisits_earlier_positions_with_a_windowed_drafter():
+    """The tree evaluation proposes again from the prompt after the vanilla pass: the windowed cache starts over
+    and gives what a fresh cache gives."""
+    from dflash.evaluation.acceptance import DrafterProposer
+    from dflash.evaluation.ground_truth import TaskTruth
+    d = _windowed().eval()
+    feats, tokens, _ = _batch()
+    truth = TaskTruth("t", tokens[0, :8], tokens[0, 8:], feats[0])
+    walked, fresh = DrafterProposer(d), DrafterProposer(d)
+    for p in (8, 20, 33):
+        walked(truth, p)
+    torch.testing.assert_close(walked(truth, 12), fresh(truth, 12), rtol=1e-5, atol=1e-5)

@@ -206,11 +206,14 @@ class DrafterCache:
         return self.k[layer], self.v[layer]
 
     def crop(self, length: int) -> None:
+        """Keep positions < length. A rollback past what a windowed layer still keeps empties the cache
+        (length 0): the caller extends again from `length` (the evaluation revisits earlier positions so)."""
         length = min(length, self.length)
-        for i, w in enumerate(self.windows):
-            if w is not None and self.first[i] > max(0, length - (w - 1)):
-                raise ValueError(f"drafter cache: cannot roll back to {length}: sliding layer {i} (window {w}) "
-                                 f"keeps positions from {self.first[i]} on (rollbacks of up to {self.slack})")
+        if any(w is not None and self.first[i] > max(0, length - (w - 1)) for i, w in enumerate(self.windows)):
+            self.k, self.v = [None] * len(self.k), [None] * len(self.v)
+            self.first, self.length = [0] * len(self.k), 0
+            return
+        for i in range(len(self.k)):
             if self.k[i] is not None:
                 keep = length - self.first[i]
                 self.k[i], self.v[i] = self.k[i][:, :, :keep], self.v[i][:, :, :keep]
@@ -333,6 +336,9 @@ class DFlashDrafter(nn.Module):
     def extend_context(self, cache: DrafterCache, features_BTLH: torch.Tensor, start: int) -> None:
         """Append context features for positions start..start+T-1 to the cache (after cropping to start)."""
         cache.crop(start)
+        if cache.length != start:  # a gap, or a rollback that emptied the cache: positions would be wrong
+            raise ValueError(f"extend_context(start={start}): the drafter cache holds positions 0..{cache.length - 1}; "
+                             f"extend from cache.length")
         B, T = features_BTLH.shape[:2]
         ctx = self.context(features_BTLH)
         pos = torch.arange(start, start + T, device=ctx.device).expand(B, T)

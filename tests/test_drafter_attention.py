@@ -268,7 +268,7 @@ def test_windowed_cache_rollback_within_a_block_and_restart_beyond():
     torch.testing.assert_close(d.draft_hidden(one, anchor), d.draft_hidden(steps, anchor), rtol=1e-5, atol=1e-5)
     steps.crop(10)  # further back than the windowed layers keep: the cache starts over ...
     assert steps.length == 0 and all(k is None for k in steps.k)
-    with pytest.raises(ValueError, match=r"extend_context\(start=10\): the drafter cache holds positions 0\.\.-1"):
+    with pytest.raises(ValueError, match=r"extend_context\(start=10\): the drafter cache holds 0 positions"):
         d.extend_context(steps, feats[:, 10:30], 10)  # ... and refuses a gap
     d.extend_context(steps, feats[:, :30], steps.length)  # the evaluation's way: extend from cache.length
     torch.testing.assert_close(d.draft_hidden(one, anchor), d.draft_hidden(steps, anchor), rtol=1e-5, atol=1e-5)

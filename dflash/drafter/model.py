@@ -337,7 +337,7 @@ class DFlashDrafter(nn.Module):
         """Append context features for positions start..start+T-1 to the cache (after cropping to start)."""
         cache.crop(start)
         if cache.length != start:  # a gap, or a rollback that emptied the cache: positions would be wrong
-            raise ValueError(f"extend_context(start={start}): the drafter cache holds positions 0..{cache.length - 1}; "
+            raise ValueError(f"extend_context(start={start}): the drafter cache holds {cache.length} positions; "
                              f"extend from cache.length")
         B, T = features_BTLH.shape[:2]
         ctx = self.context(features_BTLH)
@@ -352,13 +352,13 @@ class DFlashDrafter(nn.Module):
         """Full layers: None (plain SDPA, nothing hidden). Windowed layers: their one block's training mask over
         the positions their cache keeps, through the "sdpa" kernel (so training and inference share one mask)."""
         anchors_B1 = torch.full((B, 1), cache.length, device=device)
+        built: dict[tuple, KernelMask] = {}  # windowed layers with one window keep the same positions: one mask
         masks: list[KernelMask | None] = []
-        for i, a in enumerate(self.layer_attention):
-            if a.window is None:
-                masks.append(None)
-                continue
-            m = training_mask(anchors_B1, cache.length - cache.first[i], self.block_size, a, cache.first[i])
-            masks.append(KernelMask(ATTN_KERNELS["sdpa"], m[:, None]))
+        for a, first in zip(self.layer_attention, cache.first):
+            if a.window is not None and (a, first) not in built:
+                m = training_mask(anchors_B1, cache.length - first, self.block_size, a, first)
+                built[a, first] = KernelMask(ATTN_KERNELS["sdpa"], m[:, None])
+            masks.append(None if a.window is None else built[a, first])
         return masks
 
     @torch.no_grad()

@@ -18,9 +18,11 @@ from __future__ import annotations
 
 import bisect
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from dflash.evaluation.acceptance import Proposal
-from dflash.evaluation.ground_truth import TaskTruth
+if TYPE_CHECKING:  # importing dflash.evaluation stays cheap: EvalConfig holds PromptLookupConfig
+    from dflash.evaluation.acceptance import Proposal
+    from dflash.evaluation.ground_truth import TaskTruth
 
 NO_TOKEN = -1
 
@@ -81,7 +83,8 @@ class PromptLookupProposer:
         self.k, self.min_n, self.max_n = block_size - 1, min_n, max_n
         self._index: dict[str, tuple[list[int], dict]] = {}
 
-    def __call__(self, truth: TaskTruth, p: int) -> Proposal:
+    def __call__(self, truth: "TaskTruth", p: int) -> "Proposal":
+        from dflash.evaluation.acceptance import Proposal
         if truth.name not in self._index:
             toks = truth.tokens.tolist()
             self._index[truth.name] = (toks, ngram_index(toks, self.min_n, self.max_n))

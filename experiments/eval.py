@@ -44,7 +44,7 @@ import yaml
 
 from dflash.config import ConfigError, RunConfig, from_dict
 from dflash.evaluation import validate_eval_config
-from dflash.evaluation.evaluator import evaluate_suites, merged_metrics
+from dflash.evaluation.evaluator import evaluate_suites, merged_metrics, summary_table
 from dflash.evaluation.pairing import NotPaired, paired_delta
 from dflash.target.model import Target
 from dflash.devices import resolve_device
@@ -206,6 +206,7 @@ def main(argv: list[str] | None = None) -> dict:
             report.log_artifacts(loggers, "eval" if i == 0 else f"eval/suite/{name}")
             saved = report.save(out / "report" if i == 0 else out / "report" / "suite" / name)
             paths = saved if i == 0 else paths
+        print(summary_table(metrics, ecfg.ci_level), flush=True)
         if other_drafter is not None:
             metrics.update(_compare(reports, evaluate_suites(other_drafter, target, ecfg), ecfg, path.name,
                                     other_label, out / "report", loggers))

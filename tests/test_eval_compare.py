@@ -11,7 +11,7 @@ import torch
 from dflash.drafter.model import DrafterConfig, build_drafter
 from dflash.evaluation import EvalConfig, HeldoutSuiteConfig, validate_eval_config
 from dflash.evaluation.evaluator import SuiteEvaluator
-from dflash.evaluation.heldout import build_heldout_tasks, heldout_tasks
+from dflash.evaluation.heldout import build_heldout_tasks, corpus_config, heldout_tasks
 from dflash.evaluation.prompts import Task, resolve_suite
 from dflash.serving.export import save_drafter
 from dflash.target.model import TargetConfig, read_target_info, resolve_layer_ids, resolve_mask_token
@@ -34,7 +34,7 @@ def test_heldout_suite_comes_from_heldout_files_and_is_cached(tmp_path):
     cfg = HeldoutSuiteConfig(num_prompts=12)
     tasks = build_heldout_tasks(cfg)
     assert len(tasks) == 12 and len({t.name for t in tasks}) == 12
-    heldout = {d.path.removesuffix(".py").replace("/", ".") for d in load_corpus(cfg.corpus).heldout}
+    heldout = {d.path.removesuffix(".py").replace("/", ".") for d in load_corpus(corpus_config(cfg)).heldout}
     for t in tasks:
         assert any(t.name.startswith(p + ".") for p in heldout)  # every prompt from a held-out file
         assert t.prompt.lstrip().startswith(("def ", "class ", "async def ", "@"))

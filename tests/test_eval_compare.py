@@ -95,3 +95,17 @@ def test_compare_two_drafters_on_one_ground_truth(tmp_path):
     assert "eval/suite/suite/compare/delta_tau_tree_2" in other
     saved = json.loads((tmp_path / "o2" / "report" / "compare.json").read_text())
     assert saved["suites"][0]["prompts"] == 4 and "Δ tree-2 nodes" in (tmp_path / "o2" / "report" / "compare.md").read_text()
+
+
+def test_notebook_ci_table_reads_the_interval_keys():
+    pd = pytest.importorskip("pandas")
+    from dflash.tracking.analysis import ci_table
+    runs = pd.DataFrame([{"run_name": "r1", "loss": "hard_ce", "eval/tau_vanilla": 2.1,
+                          "eval/tau_vanilla_ci_low": 1.9, "eval/tau_vanilla_ci_high": 2.3,
+                          "eval/tau_prompt_lookup": 1.5, "eval/tau_over_prompt_lookup": 1.4,
+                          "eval/suite/heldout/tau_vanilla": 1.8, "eval/suite/heldout/tau_vanilla_ci_low": 1.7,
+                          "eval/suite/heldout/tau_vanilla_ci_high": 1.95}])
+    t = ci_table(runs)
+    assert list(t["suite"]) == ["objective", "heldout"]
+    assert t.iloc[0]["tau_vanilla"] == "2.10 [1.90, 2.30]" and t.iloc[0]["tau_prompt_lookup"] == "1.50"
+    assert t.iloc[0]["tau_over_prompt_lookup"] == "1.40" and t.iloc[1]["tau_vanilla"] == "1.80 [1.70, 1.95]"

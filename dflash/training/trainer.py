@@ -178,6 +178,8 @@ class Trainer:
             self.train_model = compile_drafter(self.train_model)
         self.producers_inline = self._inline_producer()
         self.sequences = build_training_sequences(cfg.data, self.target, cfg.seed)
+        if hasattr(self.evaluator, "use_train_sequences"):  # eval/tau_train: the generalization gap
+            self.evaluator.use_train_sequences(self.sequences)
         self.noise = build_noise(cfg.noise, cfg.trainer.max_steps)
         self.opt = torch.optim.AdamW(self.drafter.parameters(), lr=cfg.trainer.lr,
                                      weight_decay=cfg.trainer.weight_decay, betas=(0.9, 0.95),

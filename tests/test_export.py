@@ -427,7 +427,8 @@ def test_load_refuses_fields_that_disagree(tmp_path):
         cfg_file.write_text(json.dumps(good))
 
     d = good["dflash_config"]
-    refused({**good, "dflash_config": {**d, "block_size": 8}}, r"config\.json: block_size=4 but dflash_config\.block_size=8")
+    refused({**good, "dflash_config": {**d, "block_size": 8}},
+            r"config\.json: block_size=4 but dflash_config\.block_size=8")
     refused({**good, "eagle_aux_hidden_state_layer_ids": LAYER_IDS}, r"eagle_aux_hidden_state_layer_ids=\[1, 3, 4\]")
     refused({**good, "num_target_layers": 4}, r"target_layer_ids=\[1, 3, 4\] lie outside num_target_layers=4")
     refused({**good, "layer_types": ["sliding_attention"]}, r"layer_types has 1 entries but num_hidden_layers=2")
@@ -549,15 +550,17 @@ def test_cli_target_gives_a_bare_source_the_targets_facts(tmp_path, capsys):
     sc = read_serving_config(out)
     assert sc["dflash_config"]["mask_token"] == "<|mask|>" and sc["vocab_size"] == 4096 and sc["auto_map"]
     with pytest.raises(SystemExit) as e:  # a drafter that does not fit the named target: refused, by field
-        main([str(_run_dir(tmp_path, _drafter())), "--out", str(tmp_path / "x"), "--target", "builtin:reference_target"])
+        main([str(_run_dir(tmp_path, _drafter())), "--out", str(tmp_path / "x"),
+              "--target", "builtin:reference_target"])
     assert e.value.code == 2 and "hidden_size=32 but the target's is 384" in capsys.readouterr().err
 
 
 def _tiny_qwen3_target(seed=0):
     from transformers import Qwen3ForCausalLM
     torch.manual_seed(seed)
-    c = Qwen3Config(vocab_size=V, hidden_size=H, intermediate_size=64, num_hidden_layers=N_TARGET, num_attention_heads=4,
-                    num_key_value_heads=2, head_dim=8, max_position_embeddings=512, tie_word_embeddings=False)
+    c = Qwen3Config(vocab_size=V, hidden_size=H, intermediate_size=64, num_hidden_layers=N_TARGET,
+                    num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=512,
+                    tie_word_embeddings=False)
     return Qwen3ForCausalLM(c).eval()
 
 

@@ -277,7 +277,8 @@ def test_windowed_cache_rollback_within_a_block_and_restart_beyond():
 @pytest.mark.parametrize("change,match", [
     ({"layer_types": ["sliding_attention"]}, r"drafter\.layer_types has 1 entries but drafter\.num_layers=2"),
     ({"layer_types": ["sliding_attention", "chunked_attention"]}, r"drafter\.layer_types has \['chunked_attention'\]"),
-    ({"sliding_window": 2}, r"drafter\.sliding_window=2: sliding_attention layers need a window >= drafter\.block_size"),
+    ({"sliding_window": 2}, r"drafter\.sliding_window=2: sliding_attention layers need a window "
+                            r">= drafter\.block_size"),
     ({"layer_types": ["full_attention"] * 2}, r"drafter\.sliding_window=9 is set but no drafter\.layer_types"),
     ({"rope_theta": -1.0}, r"drafter\.rope_theta must be > 0, or 0"),
 ])

@@ -427,7 +427,8 @@ def test_load_refuses_fields_that_disagree(tmp_path):
         cfg_file.write_text(json.dumps(good))
 
     d = good["dflash_config"]
-    refused({**good, "dflash_config": {**d, "block_size": 8}}, r"config\.json: block_size=4 but dflash_config\.block_size=8")
+    refused({**good, "dflash_config": {**d, "block_size": 8}},
+            r"config\.json: block_size=4 but dflash_config\.block_size=8")
     refused({**good, "eagle_aux_hidden_state_layer_ids": LAYER_IDS}, r"eagle_aux_hidden_state_layer_ids=\[1, 3, 4\]")
     refused({**good, "num_target_layers": 4}, r"target_layer_ids=\[1, 3, 4\] lie outside num_target_layers=4")
     refused({**good, "layer_types": ["sliding_attention"]}, r"layer_types has 1 entries but num_hidden_layers=2")
@@ -549,5 +550,57 @@ def test_cli_target_gives_a_bare_source_the_targets_facts(tmp_path, capsys):
     sc = read_serving_config(out)
     assert sc["dflash_config"]["mask_token"] == "<|mask|>" and sc["vocab_size"] == 4096 and sc["auto_map"]
     with pytest.raises(SystemExit) as e:  # a drafter that does not fit the named target: refused, by field
-        main([str(_run_dir(tmp_path, _drafter())), "--out", str(tmp_path / "x"), "--target", "builtin:reference_target"])
+        main([str(_run_dir(tmp_path, _drafter())), "--out", str(tmp_path / "x"),
+              "--target", "builtin:reference_target"])
     assert e.value.code == 2 and "hidden_size=32 but the target's is 384" in capsys.readouterr().err
+
+
+def _tiny_qwen3_target(seed=0):
+    from transformers import Qwen3ForCausalLM
+    torch.manual_seed(seed)
+    c = Qwen3Config(vocab_size=V, hidden_size=H, intermediate_size=64, num_hidden_layers=N_TARGET,
+                    num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=512,
+                    tie_word_embeddings=False)
+    return Qwen3ForCausalLM(c).eval()
+
+
+def _greedy(target, ids, n):
+    with torch.no_grad():
+        for _ in range(n):
+            ids = torch.cat([ids, target(ids).logits[:, -1:].argmax(-1)], dim=1)
+    return ids
+
+
+@pytest.mark.parametrize("oracle", [False, True])
+def test_folder_spec_generate_is_the_targets_greedy_output(tmp_path, monkeypatch, oracle):
+    """z-lab's Transformers loop on the folder's model: lossless whatever the drafter proposes (random weights,
+    or the true continuation with one wrong token every other block: full and partial acceptance)."""
+    from transformers import AutoModel
+    monkeypatch.setenv("HF_MODULES_CACHE", str(tmp_path / "hf_modules"))
+    target = _tiny_qwen3_target()
+    d = _windowed()
+    d.attach_target_head(target.get_input_embeddings().weight, target.get_output_embeddings().weight)
+    out = write_serving_folder(d, tmp_path / "served", dtype=torch.float32, target=FACTS)
+    model = AutoModel.from_pretrained(str(out), trust_remote_code=True, dtype=torch.float32).eval()
+    prompt = torch.randint(0, V - 1, (1, 9), generator=torch.Generator().manual_seed(3))
+    truth = _greedy(target, prompt, 30)
+    rounds = []
+    if oracle:
+        def hook(module, args, kwargs):
+            rounds.append(kwargs["position_ids"].shape[1] - model.block_size + 1)  # L: the anchor's position + 1
+
+        model.register_forward_pre_hook(hook, with_kwargs=True)
+
+        def propose(hidden, head):
+            L = rounds[-1]
+            want = torch.cat([truth[0, L:L + model.block_size - 1],
+                              torch.zeros(model.block_size, dtype=torch.long)])[:model.block_size - 1].clone()
+            if len(rounds) % 2:
+                want[1] = (want[1] + 1) % V  # a wrong second draft token: one accepted, then the bonus
+            return F.one_hot(want, V).float()[None]
+
+        monkeypatch.setattr(model, "compute_logits", propose)
+    got = model.spec_generate(target=target, input_ids=prompt, max_new_tokens=30)
+    assert torch.equal(got, truth)
+    if oracle:  # 30 tokens in fewer rounds than tokens: whole blocks were accepted
+        assert len(rounds) < 30 / 2

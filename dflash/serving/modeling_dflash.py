@@ -14,6 +14,7 @@ module names and forward arguments of the reference `DFlashDraftModel` (z-lab/df
   (`layer_types`, `sliding_window`): keys with q_pos - k_pos < sliding_window only, causal inside the block
   (as SGLang, vLLM and z-lab run such layers unless `is_causal` says otherwise).
 - No embedding or LM head: `compute_logits(hidden, output_head)` applies the target's.
+- `spec_generate(target, input_ids, max_new_tokens, ...)`: z-lab's entry point, greedy only, lossless.
 """
 from __future__ import annotations
 
@@ -182,3 +183,40 @@ class DFlashDraftModel(PreTrainedModel):
         if isinstance(output_head, torch.Tensor):
             return hidden @ output_head.to(hidden.dtype).T
         return output_head(hidden)
+
+    @torch.no_grad()
+    def spec_generate(self, target, input_ids: torch.LongTensor, max_new_tokens: int,
+                      stop_token_ids: list[int] | None = None, temperature: float = 0.0, **kwargs) -> torch.LongTensor:
+        """Greedy speculative decoding with `target` (a transformers causal LM): each round drafts block_size - 1
+        tokens after the last committed one, the target checks them in one forward, and the longest matching
+        prefix plus the target's own next token are committed, so the output is the target's greedy output.
+        The target runs over the whole sequence each round (no target cache): simple, and right for hybrid
+        targets too, whose recurrent state a cache crop would not roll back. Returns prompt + new tokens."""
+        if temperature > 0 or input_ids.shape[0] != 1:
+            raise NotImplementedError("spec_generate here is greedy (temperature 0) with one sequence")
+        embed = target.get_input_embeddings().weight
+        head = target.get_output_embeddings().weight
+        stops = set(stop_token_ids or [])
+        P, bs = input_ids.shape[1], self.block_size
+
+        def verify(seq):
+            out = target(seq, output_hidden_states=True)
+            feats = torch.cat([out.hidden_states[i + 1] for i in self.target_layer_ids], dim=-1)
+            return out.logits.argmax(-1)[0], feats
+
+        preds, feats = verify(input_ids)
+        seq = torch.cat([input_ids, preds[-1:][None]], dim=1)
+        while seq.shape[1] - P < max_new_tokens and int(seq[0, -1]) not in stops:
+            L = seq.shape[1]  # the anchor seq[L-1] sits at position L-1; features are known for 0..L-2
+            ids = torch.full((1, bs), int(self.mask_token_id), dtype=torch.long, device=seq.device)
+            ids[0, 0] = seq[0, -1]
+            hidden = self(position_ids=torch.arange(L - 1 + bs, device=seq.device)[None],
+                          noise_embedding=F.embedding(ids, embed), target_hidden=feats[:, :L - 1])
+            draft = self.compute_logits(hidden[:, 1:], head).argmax(-1)  # [1, bs-1]
+            preds, feats = verify(torch.cat([seq, draft], dim=1))
+            want = preds[L - 1:]  # the target's next token after the anchor and after each draft token
+            m = int((draft[0] == want[:-1]).int().cumprod(0).sum())
+            new = torch.cat([draft[0, :m], want[m:m + 1]])
+            hit = [k for k, t in enumerate(new.tolist()) if t in stops]
+            seq = torch.cat([seq, new[:hit[0] + 1 if hit else None][None]], dim=1)
+        return seq[:, :P + max_new_tokens]

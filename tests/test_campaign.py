@@ -74,3 +74,31 @@ def test_campaign_runs_then_resumes_where_it_was_cut(tmp_path):
     exp = client.get_experiment_by_name("dflash-campaign-smoke")
     assert exp is not None and len(client.search_runs([exp.experiment_id])) >= 4
     assert json.loads((tmp_path / "out" / "cpu_smoke" / "summary.json").read_text())["winners"]
+
+
+def _table(key: str, sums: list[float], rounds: list[float], pl: list[float]) -> dict:
+    return {"info": {"ground_truth_key": key, "suite_label": "heldout"},
+            "tasks": [{"task": f"t{i}", "tau_sum_vanilla": s, "rounds": n, "tau_sum_tree_16": s + n,
+                       "rounds_tree_16": n, "tau_sum_prompt_lookup": p, "rounds_prompt_lookup": n}
+                      for i, (s, n, p) in enumerate(zip(sums, rounds, pl))]}
+
+
+def test_report_pairs_each_option_with_the_reference_seed_for_seed(tmp_path):
+    from sweeps.campaign_report import stage_table
+    cells = []
+    tables = {("hard_ce", 0): _table("gt", [20, 30, 25, 40], [10] * 4, [15] * 4),
+              ("hard_ce", 1): _table("gt", [22, 28, 26, 38], [10] * 4, [15] * 4),
+              ("soft_kl", 0): _table("gt", [30, 40, 35, 50], [10] * 4, [15] * 4),  # +1.0 τ on every prompt
+              ("soft_kl", 1): _table("gt", [32, 38, 36, 48], [10] * 4, [15] * 4),
+              ("lk", 0): _table("other", [20, 30, 25, 40], [10] * 4, [15] * 4)}  # another ground truth
+    for (opt, seed), t in tables.items():
+        d = tmp_path / f"{opt}{seed}" / "eval"
+        d.mkdir(parents=True)
+        (d / "tasks.json").write_text(json.dumps(t))
+        cells.append({"option": opt, "seed": seed, "run_dir": str(d.parent)})
+    rows = stage_table(cells, "heldout", "hard_ce")
+    by = {r.split("|")[1].strip(): r for r in rows[2:]}
+    assert "reference" in by["hard_ce"] and "0.000 [0.000, 0.000]" in by["hard_ce"]
+    assert "better" in by["soft_kl"] and "1.000 [1.000, 1.000]" in by["soft_kl"]
+    assert "not paired" in by["lk"]
+    assert "τ prompt-lookup" in rows[0] and "τ tree 16 nodes" in rows[0]

@@ -245,6 +245,8 @@ class Loss(ABC):
     """``loss(stats, valid_NK) = sum(w * l) / sum(w)`` over valid positions."""
 
     needs_soft: bool = False
+    # The LossConfig keys this loss reads (what the run logs as params; the others are another loss's knobs).
+    config_keys: tuple[str, ...] = ("name", "chunk_size", "lm_head_grad", "gamma")
 
     def __init__(self, cfg: LossConfig):
         self.cfg = cfg
@@ -299,6 +301,7 @@ class HardCELoss(Loss):
 @register_loss("soft_kl")
 class SoftKLLoss(Loss):
     needs_soft = True
+    config_keys = Loss.config_keys + ("temperature", "kl_weight")
 
     def position_loss(self, stats):
         return _soft_kl_loss(stats, self.cfg)
@@ -306,6 +309,8 @@ class SoftKLLoss(Loss):
 
 @register_loss("streak")
 class StreakLoss(Loss):
+    config_keys = Loss.config_keys + ("alpha",)
+
     def position_loss(self, stats):
         return stats.ce
 
@@ -316,6 +321,7 @@ class StreakLoss(Loss):
 @register_loss("soft_kl_streak")
 class SoftKLStreakLoss(Loss):
     needs_soft = True
+    config_keys = Loss.config_keys + ("temperature", "kl_weight", "alpha")
 
     def position_loss(self, stats):
         return _soft_kl_loss(stats, self.cfg)
@@ -326,6 +332,8 @@ class SoftKLStreakLoss(Loss):
 
 @register_loss("dpace")
 class DPaceLoss(Loss):
+    config_keys = ("name", "chunk_size", "lm_head_grad", "dpace_a")  # its weights replace the gamma decay
+
     def position_loss(self, stats):
         return stats.ce
 
@@ -336,6 +344,7 @@ class DPaceLoss(Loss):
 @register_loss("lk")
 class LKLoss(Loss):
     needs_soft = True
+    config_keys = Loss.config_keys + ("temperature", "lk_eta")
 
     def position_loss(self, stats):
         lam_NK = torch.exp(-self.cfg.lk_eta * stats.overlap.detach())
@@ -353,7 +362,9 @@ def block_metrics(stats: PositionStats, valid_NK: Tensor) -> dict[str, Tensor]:
 
     ``acc_per_pos`` [K] and ``acc`` average ``correct`` over valid positions;
     ``streak`` is the mean, over blocks with any valid position, of the number
-    of leading correct positions (the draft tokens a greedy verifier accepts).
+    of leading correct positions (the draft tokens a greedy verifier accepts);
+    ``ce`` the plain cross-entropy against the label over valid positions (no
+    weights: the same quantity whichever loss trains).
     """
     correct_NK = (stats.correct & valid_NK).float()
     valid_f_NK = valid_NK.float()
@@ -362,4 +373,5 @@ def block_metrics(stats: PositionStats, valid_NK: Tensor) -> dict[str, Tensor]:
     streak_N = torch.cumprod(correct_NK, dim=1).sum(1)
     block_valid_N = valid_NK.any(dim=1).float()
     streak = (streak_N * block_valid_N).sum() / block_valid_N.sum().clamp_min(1.0)
-    return {"acc_per_pos": acc_per_pos, "acc": acc, "streak": streak}
+    ce = (torch.where(valid_NK, stats.ce, 0.0)).sum() / valid_f_NK.sum().clamp_min(1.0)
+    return {"acc_per_pos": acc_per_pos, "acc": acc, "streak": streak, "ce": ce}

@@ -29,6 +29,8 @@ class NoiseConfig:
 class NoiseSchedule(ABC):
     """σ as a function of the trainer's step; `add` draws the noise."""
 
+    config_keys: tuple[str, ...] = ("name", "distribution")  # the NoiseConfig keys this schedule reads
+
     def __init__(self, cfg: NoiseConfig, total_steps: int):
         self.cfg = cfg
         self.total_steps = cfg.steps or total_steps
@@ -70,6 +72,7 @@ def register_noise(name: str):
 
 @register_noise("none")
 class NoNoise(NoiseSchedule):
+    config_keys = ("name",)
     def sigma_at(self, step: int) -> float:
         return 0.0
 
@@ -78,12 +81,15 @@ class NoNoise(NoiseSchedule):
 class UniformNoise(NoiseSchedule):
     """Fixed ±σ uniform noise (the original pipeline: ±0.05)."""
 
+    config_keys = NoiseSchedule.config_keys + ("sigma",)
+
     def sigma_at(self, step: int) -> float:
         return self.cfg.sigma
 
 
 @register_noise("gaussian")
 class GaussianNoise(NoiseSchedule):
+    config_keys = NoiseSchedule.config_keys + ("sigma",)
     def sigma_at(self, step: int) -> float:
         return self.cfg.sigma
 
@@ -91,6 +97,8 @@ class GaussianNoise(NoiseSchedule):
 @register_noise("cosine")
 class CosineNoise(NoiseSchedule):
     """σ(s) = end + (start − end)·½(1 + cos(π·min(s/S, 1))): strong regularisation early, precision late."""
+
+    config_keys = NoiseSchedule.config_keys + ("start", "end", "steps")
 
     def sigma_at(self, step: int) -> float:
         frac = min(step / max(self.total_steps, 1), 1.0)

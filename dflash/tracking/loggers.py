@@ -557,6 +557,7 @@ class MLflowLogger(Logger):
         except Exception:
             pass
 
+        quiet_library_logs()  # before the store opens: its schema setup logs 2-4 INFO lines
         self.client = MlflowClient(tracking_uri=self.tracking_uri)
         # sqlite: several processes creating the db/experiment at once may collide; retry.
         attempts = 3 if self.tracking_uri.startswith("sqlite:") else 1
@@ -602,8 +603,6 @@ class MLflowLogger(Logger):
         ts = int(time.time() * 1000)
         ms = []
         for k, v in metrics.items():
-            if self._sysmon is not None and str(k).startswith("sys/"):
-                continue  # MLflow's monitor fills the System metrics tab; metrics.jsonl keeps these
             f = _to_float(v)
             if f is not None:
                 ms.append(Metric(_sanitize_key(k), f, ts, int(step)))

@@ -355,8 +355,8 @@ class Trainer:
         m.update(window.read(self.cfg.buffer.max_depth))
         self.consumed_tokens += m.pop("data/window_tokens")
         m["data/consumed_tokens"] = self.consumed_tokens
-        if self.cfg.tracking.system_metrics:
-            m.update(system_metrics())
+        if self.cfg.tracking.system_metrics and not self.cfg.tracking.enabled:  # else MLflow's own monitor
+            m.update(system_metrics())  # logs them (the run's System metrics tab, `system/…`)
         return m
 
     def _finish(self, loggers, metrics: dict) -> Path | None:

@@ -220,24 +220,33 @@ def _fmt_tokens(v: float) -> str:
 # --------------------------------------------------------------------------- the table
 
 
+def comparable_groups(runs: pd.DataFrame, by: Sequence[str] = GROUP_COLS, pool: Sequence[str] = ()) -> pd.DataFrame:
+    """Each run's row key in `ablation_table`: the `by` keys' values and, in column `other`, every other
+    varying key as `key=value` (absent when nothing else varies). Runs with equal keys differ only in the
+    seed, in `NOT_A_FACTOR` keys and in the `pool` keys."""
+    f = factor_frame(runs)
+    for b in by:
+        if b not in f:
+            f[b] = runs[b].map(_cell) if b in runs else "-"
+    keys = f[list(by)].copy()
+    other = [k for k in varying_keys(runs) if k not in by and k not in pool]
+    if other:
+        keys["other"] = f[other].apply(lambda r: ", ".join(f"{k}={v}" for k, v in r.items() if v != "-"), axis=1)
+    return keys
+
+
 def ablation_table(runs: pd.DataFrame, by: Sequence[str] = GROUP_COLS, metrics: Sequence[str] = TAU_METRICS,
                    finished_only: bool = True, pool: Sequence[str] = ()) -> pd.DataFrame:
-    """One row per set of comparable runs (module doc): index `by` (+ `other`: the other keys that vary,
-    as `key=value`), columns (metric, mean|std|n|ci_low|ci_high), (budget, steps|tokens), (runs, seeds),
-    and (BASELINE_METRIC, mean) when logged. `pool`: keys allowed to vary inside a row."""
+    """One row per set of comparable runs (module doc, `comparable_groups`): index `by` (+ `other`),
+    columns (metric, mean|std|n|ci_low|ci_high), (budget, steps|tokens), (runs, seeds), and
+    (BASELINE_METRIC, mean) when logged. `pool`: keys allowed to vary inside a row."""
     df = runs[runs["status"] == "FINISHED"] if finished_only and "status" in runs else runs
     metrics = [m for m in metrics if m in df.columns]
     if df.empty or not metrics:
         return pd.DataFrame()
-    f = factor_frame(df)
     by = list(by)
-    for b in by:
-        if b not in f:
-            f[b] = df[b].map(_cell) if b in df else "-"
-    other = [k for k in varying_keys(df) if k not in by and k not in pool]
-    keys = f[by].copy()
-    if other:
-        keys["other"] = f[other].apply(lambda r: ", ".join(f"{k}={v}" for k, v in r.items() if v != "-"), axis=1)
+    keys = comparable_groups(df, by, pool)
+    f = factor_frame(df)
     g = df.groupby([keys[c] for c in keys.columns], sort=True)
     parts: dict[tuple[str, str], pd.Series] = {}
     for m in metrics:

@@ -95,9 +95,11 @@ def make_run_dir(cfg: RunConfig) -> Path:
 
 def tracked_params(cfg: RunConfig, loss_fn, noise) -> dict[str, str]:
     """The config as MLflow params, without knobs the run never reads: other losses' and noise schedules'
-    keys (each variant lists its own `config_keys`) and the random-target spec of a checkpoint target."""
-    return run_params(to_dict(cfg), {"loss": type(loss_fn).config_keys, "noise": type(noise).config_keys},
-                      drop=["target.random"] if cfg.target.path else [])
+    keys (each variant lists its own `config_keys`), the random-target spec of a checkpoint target, and the
+    settings of a switched-off evaluation or promotion (only their `enabled` stays)."""
+    active = {"loss": type(loss_fn).config_keys, "noise": type(noise).config_keys}
+    active.update({group: ("enabled",) for group in ("eval", "promote") if not getattr(cfg, group).enabled})
+    return run_params(to_dict(cfg), active, drop=["target.random"] if cfg.target.path else [])
 
 
 def run_tags(cfg: RunConfig) -> dict[str, str]:

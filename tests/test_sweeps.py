@@ -420,12 +420,14 @@ def test_parent_shows_the_current_best_trial_only(tmp_path):
     loss = CategoricalDistribution(["hard_ce", "soft_kl_streak"])
     study.add_trial(create_trial(
         params={"loss": "soft_kl_streak", "loss.temperature": 2.0, "loss.alpha": 1.0}, value=1.02,
-        distributions={"loss": loss, "loss.temperature": FloatDistribution(1, 3), "loss.alpha": FloatDistribution(0, 2)},
+        distributions={"loss": loss, "loss.temperature": FloatDistribution(1, 3),
+                       "loss.alpha": FloatDistribution(0, 2)},
         user_attrs={ATTR_RUN_ID: kids[0], ATTR_RUN_DIR: str(tmp_path / "trial_00000-soft_kl_streak")}))
     update_parent(study, tracker, parent)
     assert tracker.tags_of(parent)["best.loss.temperature"] == "2.0"
-    study.add_trial(create_trial(params={"loss": "hard_ce"}, distributions={"loss": loss}, value=1.07,
-                                 user_attrs={ATTR_RUN_ID: kids[1], ATTR_RUN_DIR: str(tmp_path / "trial_00001-hard_ce")}))
+    study.add_trial(create_trial(
+        params={"loss": "hard_ce"}, distributions={"loss": loss}, value=1.07,
+        user_attrs={ATTR_RUN_ID: kids[1], ATTR_RUN_DIR: str(tmp_path / "trial_00001-hard_ce")}))
     update_parent(study, tracker, parent)
     tags = tracker.tags_of(parent)
     assert {k: v for k, v in tags.items() if k.startswith("best.")} == {"best.loss": "hard_ce"}

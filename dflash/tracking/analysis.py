@@ -281,7 +281,8 @@ def format_table(table: pd.DataFrame, digits: int = 3) -> pd.DataFrame:
               or (t == BASELINE_METRIC and (t, "n") in table.columns)]:
         out[m] = table.apply(lambda row, m=m: _fmt_cell(row, m, digits), axis=1)
     if (BASELINE_METRIC, "mean") in table.columns and (BASELINE_METRIC, "n") not in table.columns:
-        out["prompt lookup τ"] = table[(BASELINE_METRIC, "mean")].map(lambda v: "" if pd.isna(v) else f"{v:.{digits}f}")
+        base = table[(BASELINE_METRIC, "mean")]
+        out["prompt lookup τ"] = base.map(lambda v: "" if pd.isna(v) else f"{v:.{digits}f}")
     if ("budget", "steps") in table.columns:
         out["steps"] = table[("budget", "steps")].map(lambda v: "" if pd.isna(v) else f"{v:.0f}")
     if ("budget", "tokens") in table.columns:

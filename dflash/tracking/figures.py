@@ -51,10 +51,13 @@ def _run_legend(fig, order: Sequence[str], labels: dict[str, str], colors: dict[
         fig.legend(handles=handles, loc="outside right upper", fontsize=8)
 
 
-def plot_curves(hist: pd.DataFrame, keys: str | Sequence[str], labels: dict[str, str] | None = None,
+def plot_curves(hist: pd.DataFrame, keys: str | Sequence[str] | None = None, labels: dict[str, str] | None = None,
                 title: str | None = None, logy: bool = False, colors: dict[str, Any] | None = None):
-    """One panel per key, one line per run, the same colour for a run in every panel. Runs: `labels`' order
-    (every labelled run is in the legend, with or without data), else the runs in `hist`."""
+    """One panel per key (default `analysis.CURVE_KEYS`, the loss-independent curves), one line per run,
+    the same colour for a run in every panel. Runs: `labels`' order (every labelled run is in the legend,
+    with or without data), else the runs in `hist`."""
+    if keys is None:
+        from dflash.tracking.analysis import CURVE_KEYS as keys
     keys = [keys] if isinstance(keys, str) else list(keys)
     order = list(labels) if labels else list(dict.fromkeys(hist["run_id"])) if not hist.empty else []
     labels = labels or {rid: str(rid)[:8] for rid in order}

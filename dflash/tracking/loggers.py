@@ -845,9 +845,12 @@ def build_loggers(
     ``cfg.console`` it prints the run's name, id, folder and the ``mlflow ui`` command first. Writes
     ``run_dir/params.json``, ``run_dir/tags.json`` and, when the MLflow run started,
     ``run_dir/mlflow_run.json`` (tracking_uri, experiment, run_id, run_name).
-    Pass ``run_id`` (e.g. from a checkpoint) to reopen that MLflow run on resume.
+    Pass ``run_id`` (e.g. from a checkpoint) to reopen that MLflow run on resume. The run's name is
+    ``cfg.run_name``, or the run folder's name when that is empty.
     """
     run_dir = Path(run_dir)
+    if not cfg.run_name:  # the MLflow run is named like its folder: one string to find both by
+        cfg = dataclasses.replace(cfg, run_name=run_dir.resolve().name)
     params = flatten_config(params or {})
     all_tags: dict[str, Any] = dict(tags or {})
     sha = git_sha()

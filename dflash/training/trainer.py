@@ -284,8 +284,7 @@ class Trainer:
 
     def run(self) -> TrainResult:
         c = self.cfg
-        tracking = dataclasses.replace(c.tracking, run_name=c.tracking.run_name or self.run_dir.name)
-        loggers = build_loggers(tracking, self.run_dir, tracked_params(c, self.loss_fn, self.noise), run_tags(c),
+        loggers = build_loggers(c.tracking, self.run_dir, tracked_params(c, self.loss_fn, self.noise), run_tags(c),
                                 c.trainer.max_steps, run_id=self.run_id or self._saved_run_id()) \
             if self.dist.is_main else MultiLogger([])
         loggers.set_tags({f"kernel.{k}": v for k, v in self.target.kernels.items()})

@@ -122,19 +122,28 @@ def _bar_errors(table: pd.DataFrame, m: str) -> tuple[pd.Series, pd.Series]:
     return below, above
 
 
+def _row_label(names: Sequence[str | None], key: Any) -> str:
+    """A table row's tick label: the factors on the first line, then what else varied, one key a line."""
+    key = key if isinstance(key, tuple) else (key,)
+    shown = [str(v) for n, v in zip(names, key) if n != "other"]
+    other = [str(v) for n, v in zip(names, key) if n == "other" and v]
+    return "\n".join([" / ".join(shown), *(o.replace(", ", "\n") for o in other)])
+
+
 def plot_tau_table(table: pd.DataFrame, metrics: Sequence[str] | None = None, title: str = "τ by group"):
     """Grouped bars rising from τ = 1 (no drafter), error bars from the evaluation's CI (else the spread
     over seeds), prompt-lookup's τ as a black tick per row when logged; the y-axis fits the data.
     `metrics`: default `analysis.TAU_METRICS`."""
     from dflash.tracking.analysis import BASELINE_METRIC, TAU_METRICS
     metrics = TAU_METRICS if metrics is None else metrics
-    fig, axes = _fig(w=max(6.0, 1.2 * max(len(table), 1) + 3))
+    labels = [_row_label(table.index.names, i) for i in table.index]
+    extra = max([lab.count("\n") for lab in labels] or [0])
+    fig, axes = _fig(w=max(6.0, 1.6 * max(len(table), 1) + 2), h=4.0 + 0.18 * extra)
     ax = axes[0][0]
     metrics = [m for m in metrics if not table.empty and (m, "mean") in table.columns]
     if table.empty or not metrics:
         _empty(ax, "no finished runs with these metrics")
         return fig
-    labels = [" / ".join(str(x) for x in i if x != "") if isinstance(i, tuple) else str(i) for i in table.index]
     width = 0.8 / len(metrics)
     lows, highs = [1.0], [1.0]
     for j, m in enumerate(metrics):
@@ -142,6 +151,10 @@ def plot_tau_table(table: pd.DataFrame, metrics: Sequence[str] | None = None, ti
         mean = table[(m, "mean")]
         below, above = _bar_errors(table, m)
         ax.bar(xs, mean - 1.0, width, bottom=1.0, yerr=[below, above], capsize=3, label=m.split("/")[-1])
+        if j == 0:  # how many runs stand behind each row
+            for x, top, n in zip(xs, mean + above, table[(m, "n")]):
+                ax.annotate(f"n={int(n)}", (x, top), textcoords="offset points", xytext=(0, 3), ha="center",
+                            fontsize=7, color="dimgray")
         lows.append(float((mean - below).min()))
         highs.append(float((mean + above).max()))
     if (BASELINE_METRIC, "mean") in table.columns and table[(BASELINE_METRIC, "mean")].notna().any():
@@ -154,7 +167,7 @@ def plot_tau_table(table: pd.DataFrame, metrics: Sequence[str] | None = None, ti
     lo, hi = min(lows), max(highs)
     pad = max(0.05 * (hi - lo), 0.01)
     ax.set_ylim(lo - pad, hi + pad)
-    ax.set_xticks(range(len(table)), labels, rotation=30, ha="right")
+    ax.set_xticks(range(len(table)), labels, fontsize=8)
     ax.set_ylabel("acceptance length τ")
     ax.set_title(title)
     ax.legend(fontsize=8)

@@ -12,7 +12,8 @@
 - `storage`: default the journal file `<out>/<study>.journal`; or an RDB URL (postgresql://…) to share the
   study between machines (each machine runs its own launch against the same URL).
 - `study`: default the sweep's `name`.
-- `out`: where trial run dirs (`<out>/<study>/trial_00012`), worker logs and the default journal go.
+- `out`: where trial run dirs (`<out>/<study>/trial_00012-<loss>-<noise>-<buffer>-s<seed>`), worker logs and
+  the default journal go (look at a study with `optuna-dashboard <out>/<study>.journal`).
 - `sweep.KEY=VALUE`: edit the sweep definition for this launch (`sweep.sampler.seed=3`,
   `sweep.pruner.type=none`, `sweep.objective.metric=eval/tau_tree_64`).
 - everything else `key=value` / `+group=option`: Hydra overrides of the run config, applied after the
@@ -39,6 +40,7 @@ import re
 import socket
 import sys
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -183,6 +185,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     study = optuna.create_study(study_name=study_name, storage=make_storage(storage),
                                 direction=sweep.objective.direction, load_if_exists=True)
+    with warnings.catch_warnings():  # experimental in Optuna 3.2-5; names the axis in optuna-dashboard
+        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+        study.set_metric_names([sweep.objective.metric])  # not "Objective 0"
     if study.direction.name.lower() != sweep.objective.direction:
         raise SweepError(f"study {study_name!r} in {storage_desc} is {study.direction.name.lower()}; the sweep "
                          f"says objective.direction={sweep.objective.direction}")
@@ -326,6 +331,8 @@ def _print_summary(s: dict[str, Any]) -> None:
                      f"{b['run_dir']}")
     if s.get("parent_run_id"):
         lines.append(f"mlflow parent run: {s['parent_run_id']}")
+    if s.get("storage") and "://" not in s["storage"]:
+        lines.append(f"study dashboard: optuna-dashboard {s['storage']}")
     if s.get("lost_workers"):
         lines.append(f"lost workers: {', '.join(s['lost_workers'])}")
     print("\n".join(lines), flush=True)

@@ -6,12 +6,19 @@ starts and the trainer logs into it (`dflash.training.trainer.train(..., run_id=
 Optuna callback `TrialEnd` writes `optuna.state` (COMPLETE / PRUNED / FAIL), `optuna.pruned_step`,
 `optuna.value`, sets the run status (FINISHED / KILLED / FAILED) and refreshes the parent (best value,
 params, run, checkpoint; trial counts).
+
+Names: a trial's run folder is `<out>/<study>/trial_00012-<loss>-<noise>-<buffer>-s<seed>` and its MLflow run
+has the same name; its Description holds the `python -m experiments.run …` line that trains it again. The
+parent's Description shows the current best trial with a link to its run; its `best.*` tags are the current
+best trial's params only (a previous best's keys are removed).
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
+import shlex
 import socket
 import sys
 from dataclasses import dataclass, field
@@ -69,22 +76,35 @@ def base_evaluator(ecfg, out_dir=None):
 # --------------------------------------------------------------------------- the trial
 
 
+def trial_description(ctx: TrialContext, number: int, overrides: list[str]) -> str:
+    """The trial run's Description: the command that trains it again (without the pruner)."""
+    cmd = shlex.join(["python", "-m", "experiments.run", *overrides])
+    return (f"Trial {number} of sweep study `{ctx.study_name}` ({ctx.sweep.name}). Train it again:\n\n"
+            f"```\n{cmd}\n```")
+
+
 def run_trial(trial, ctx: TrialContext, tracker: SweepTracker | None) -> float:
+    from dflash.training.trainer import run_label  # imported late: the launcher process never trains
+
     sampled, values = suggest(trial, ctx.sweep)
-    run_dir = Path(ctx.out_dir).resolve() / f"trial_{trial.number:05d}"
-    overrides = merge_overrides(ctx.base_overrides, sampled, [f"run_dir={run_dir}"])
-    for k, v in {**ctx.lease_attrs, ATTR_RUN_DIR: str(run_dir), "sweep.worker": ctx.worker,
+    overrides = merge_overrides(ctx.base_overrides, sampled)
+    for k, v in {**ctx.lease_attrs, "sweep.worker": ctx.worker,
                  "sweep.gpu": os.environ.get("CUDA_VISIBLE_DEVICES", ""),
                  "sweep.overrides": json.dumps(sampled)}.items():
         trial.set_user_attr(k, v)
     try:
         cfg, ecfg = compose_trial_config(overrides)
+        run_dir = Path(ctx.out_dir).resolve() / f"trial_{trial.number:05d}-{run_label(cfg)}"
+        cfg = dataclasses.replace(cfg, run_dir=str(run_dir))
+        trial.set_user_attr(ATTR_RUN_DIR, str(run_dir))
         run_id = None
         if tracker is not None and ctx.parent_run_id and cfg.tracking.enabled:
+            from dflash.tracking.loggers import NOTE, SOURCE_NAME, SOURCE_TYPE
             run_id = tracker.create_child(
-                ctx.parent_run_id, ctx.study_name, trial.number, run_name=f"{ctx.study_name}-t{trial.number:03d}",
+                ctx.parent_run_id, ctx.study_name, trial.number, run_name=run_dir.name,
                 tags={"sweep.name": ctx.sweep.name, "sweep.overrides": " ".join(sampled),
-                      "optuna.params": json.dumps(values, default=str)})
+                      "optuna.params": json.dumps(values, default=str), SOURCE_NAME: "sweeps.launch",
+                      SOURCE_TYPE: "LOCAL", NOTE: trial_description(ctx, trial.number, overrides)})
             if run_id:
                 trial.set_user_attr(ATTR_RUN_ID, run_id)
         evaluator = PruningEvaluator(trial, ctx.sweep.objective.metric, run_dir,
@@ -132,12 +152,36 @@ def study_summary(study) -> dict[str, Any]:
     return out
 
 
+def parent_description(study_name: str, summary: dict[str, Any], metric: str, experiment_id: str | None,
+                       storage: str = "") -> str:
+    """The parent run's Description (markdown): the current best trial, a link to its run, the counts."""
+    c, b = summary["states"], summary["best"]
+    lines = [f"Sweep study `{study_name}`: {summary['n_trials']} trials, {c['COMPLETE']} complete, "
+             f"{c['PRUNED']} pruned, {c['FAIL']} failed, {c['RUNNING']} running."]
+    if b is None:
+        lines.append("No complete trial yet.")
+    else:
+        run = Path(b["run_dir"]).name if b["run_dir"] else (b["run_id"] or "")
+        link = f"[{run}](#/experiments/{experiment_id}/runs/{b['run_id']})" if b["run_id"] and experiment_id \
+            else f"`{run}`"
+        params = ", ".join(f"{k}={v}" for k, v in b["params"].items())
+        lines += [f"**Best: trial {b['number']}**, {metric} = {b['value']:.4f}, run {link}", f"params: {params}"]
+        if b["run_dir"]:
+            lines.append(f"promote: `python -m experiments.promote {b['run_dir']}`")
+    if storage and "://" not in storage:
+        lines.append(f"study: `optuna-dashboard {storage}`")
+    return "\n\n".join(lines)
+
+
 def update_parent(study, tracker: SweepTracker | None, parent_id: str | None,
                   finished=None) -> dict[str, Any]:
-    """Refresh the parent run from the study (best trial, counts); `finished`: a trial that just ended."""
+    """Refresh the parent run from the study (best trial, counts, Description); `finished`: a trial that just
+    ended. The parent shows the current best trial only: `best.*` tags of an earlier best are deleted."""
     summary = study_summary(study)
     if tracker is None or not parent_id:
         return summary
+    from dflash.tracking.loggers import NOTE
+    current = tracker.tags_of(parent_id)
     c = summary["states"]
     n_done = c["COMPLETE"] + c["PRUNED"] + c["FAIL"]
     tags: dict[str, Any] = {"sweep.n_trials": summary["n_trials"], "sweep.n_complete": c["COMPLETE"],
@@ -152,7 +196,11 @@ def update_parent(study, tracker: SweepTracker | None, parent_id: str | None,
                      "sweep.best_run_id": b["run_id"] or "", "sweep.best_run_dir": b["run_dir"] or "",
                      "sweep.best_checkpoint": b["checkpoint"] or "", "sweep.best_host": b["host"] or ""})
         tags.update({f"best.{k}": v for k, v in b["params"].items()})
+        tags["sweep.best_run_name"] = Path(b["run_dir"]).name if b["run_dir"] else ""
         metrics["sweep/best_value"] = b["value"]
+    tags[NOTE] = parent_description(study.study_name, summary, current.get("sweep.objective", "objective"),
+                                    tracker.experiment_id, current.get("optuna.storage", ""))
+    tracker.delete_tags(parent_id, [k for k in current if k.startswith("best.") and k not in tags])
     tracker.update_parent(parent_id, tags, metrics, step=n_done)
     if finished is not None and finished.state.name == "COMPLETE":
         tracker.update_parent(parent_id, {}, {"sweep/trial_value": finished.value}, step=finished.number)

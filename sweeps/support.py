@@ -180,6 +180,14 @@ class SweepTracker:
         self._tags(run.info.run_id, tags)
         return run.info.run_id
 
+    def tags_of(self, run_id: str) -> dict[str, str]:
+        run = self._retry("get run", self.client.get_run, run_id)
+        return dict(run.data.tags) if run is not None else {}
+
+    def delete_tags(self, run_id: str, keys) -> None:
+        for k in keys:
+            self._retry(f"delete tag {k}", self.client.delete_tag, run_id, k)
+
     def log_text(self, run_id: str, text: str, name: str) -> None:
         self._retry(f"log artifact {name}", self.client.log_text, run_id, text, name)
 

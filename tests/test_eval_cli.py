@@ -64,7 +64,7 @@ def _tracked_run(workdir, name):
 def test_run_dir_logs_a_linked_eval_run(workdir):
     store, run_dir, train = _tracked_run(workdir, "run")
     metrics = eval_cli.main([str(run_dir), *_eval_overrides(workdir)])
-    assert {"eval/tau_vanilla", "eval/tau_tree_2", "eval/tau_tree_4", "eval/acc_pos03"} <= set(metrics)
+    assert {"eval/tau_vanilla", "eval/tau_tree_2", "eval/tau_tree_4", "eval/acc_pos01"} <= set(metrics)
     assert "eval/task/sq/tau_vanilla" in metrics and metrics["eval/num_tasks"] == 2
 
     client = MlflowClient(store)
@@ -125,7 +125,9 @@ def test_run_without_final_uses_its_latest_checkpoint(workdir):
                       resolve_layer_ids(cfg.target, info))
     save_checkpoint(run_dir / "checkpoints", 7, {"step": 7, "drafter": d.state_dict(), "config": to_dict(cfg)})
     metrics = eval_cli.main([str(run_dir), *_eval_overrides(workdir)])
-    assert set(k for k in metrics if k.startswith("eval/acc_pos")) == {"eval/acc_pos01", "eval/acc_pos02"}
+    # block size 3: positions 1..2, each logged only when some round reached it (position 1 always is)
+    assert "eval/acc_pos01" in metrics
+    assert set(k for k in metrics if k.startswith("eval/acc_pos")) <= {"eval/acc_pos01", "eval/acc_pos02"}
     lines = (next((run_dir / "eval").iterdir()) / "metrics.jsonl").read_text().splitlines()
     assert json.loads(lines[-1])["step"] == 7
 

@@ -101,7 +101,8 @@ def test_first_promotion_wins_and_records_everything(store):
     assert float(t["eval/tau_vanilla"]) == 3.0 and float(t["eval/tau_tree_16"]) == 4.0
     assert float(t["eval/tau_tree_64"]) == 5.0
     assert t["dflash.task_table"] == f"runs:/{rid}/eval/per_task.json"
-    assert json.loads(t["dflash.config"]) == {"loss.name": "soft_kl"}
+    assert "dflash.config" not in t  # the config is one link away (dflash.config_uri), not a tag blob
+    assert store.version("1").description.startswith("PROMOTED to @champion: ")
     assert t["dflash.config_uri"] == f"runs:/{rid}/config.yaml" and t["dflash.loss"] == "soft_kl"
     run_tags = store.client.get_run(rid).data.tags
     assert run_tags[DECISION_TAG] == "promoted" and run_tags["dflash.promotion.version"] == "1"
@@ -117,6 +118,7 @@ def test_worse_refused_with_reason_on_version(store):
     t = store.version("2").tags
     assert t[DECISION_TAG] == "refused" and t[REASON_TAG] == d.reason
     assert t["dflash.promotion.holder_version"] == "1"
+    assert store.version("2").description.startswith(f"REFUSED (not @champion): {d.reason}")
     # an equal value does not beat the holder either (strictly greater is required)
     assert not promote(store.run(3.0), PromoteConfig(), store.uri).promoted
     better = promote(store.run(3.2), PromoteConfig(), store.uri)
@@ -351,7 +353,8 @@ def test_training_run_then_promote_and_export(fast_cfg, tmp_path, capsys):
     d = promote_main([str(res.run_dir)])
     assert d.promoted and client.get_model_version_by_alias(MODEL, "champion").run_id == res.run_id
     mv = client.get_model_version(MODEL, d.version)
-    assert json.loads(mv.tags["dflash.config"])["loss.name"] == cfg.loss.name
+    assert mv.tags["dflash.loss"] == cfg.loss.name and mv.tags["dflash.run_name"] == res.run_dir.name
+    assert not any(k.startswith(("eval/task/", "eval/acc_pos")) for k in mv.tags)  # a short, readable set
     served = export_main([str(res.run_dir), "--out", str(tmp_path / "served")])
     assert load_drafter(served).block_size == cfg.drafter.block_size
     capsys.readouterr()

@@ -291,6 +291,12 @@ def test_sweep_two_workers_pruning_resume_and_mlflow(tmp_path, eval_cache):
                                 .read_text())
     assert parse_sweep(sweep_yaml).to_dict() == load_sweep("cpu_smoke").to_dict()
     assert len(client.get_metric_history(parent.info.run_id, "sweep/best_value")) >= 2
+    assert study.metric_names == ["train/loss"]  # optuna-dashboard names the axis, not "Objective 0"
+    for t in trials:  # a trial's run is named like its folder, which says what it is
+        name = runs[t.number].info.run_name
+        assert name == Path(t.user_attrs["sweep.run_dir"]).name and name.startswith(f"trial_{t.number:05d}-")
+        assert "python -m experiments.run" in runs[t.number].data.tags["mlflow.note.content"]
+    assert f"/runs/{pt['sweep.best_run_id']})" in pt["mlflow.note.content"]  # a link to the best trial's run
 
     # the notebooks' view of the study
     df = A.load_runs(f"sqlite:///{tmp_path / 'mlflow.db'}", "sweeps", study="cpu_smoke")
@@ -397,3 +403,35 @@ def test_cpu_smoke_keeps_the_fast_overrides():
                   "eval": None}  # the smoke sweep evaluates (eval.subset=1): its children carry eval/* metrics
     for o in FAST:
         assert fixed.get(override_key(o)) == deliberate.get(override_key(o), o), o
+
+
+def test_parent_shows_the_current_best_trial_only(tmp_path):
+    """A new best trial with fewer params removes the previous best's `best.*` keys; the parent's Description
+    links the best run."""
+    from optuna.distributions import CategoricalDistribution, FloatDistribution
+    from optuna.trial import create_trial
+
+    from sweeps.objective import ATTR_RUN_DIR, ATTR_RUN_ID, update_parent
+    from sweeps.support import SweepTracker
+    tracker = SweepTracker(f"sqlite:///{tmp_path / 'mlflow.db'}", "stale")
+    parent = tracker.ensure_parent("s", None, {"sweep.objective": "eval/tau_vanilla"}, {})
+    kids = [tracker.create_child(parent, "s", i, run_name=f"trial_{i:05d}") for i in range(2)]
+    study = optuna.create_study(direction="maximize")
+    loss = CategoricalDistribution(["hard_ce", "soft_kl_streak"])
+    study.add_trial(create_trial(
+        params={"loss": "soft_kl_streak", "loss.temperature": 2.0, "loss.alpha": 1.0}, value=1.02,
+        distributions={"loss": loss, "loss.temperature": FloatDistribution(1, 3),
+                       "loss.alpha": FloatDistribution(0, 2)},
+        user_attrs={ATTR_RUN_ID: kids[0], ATTR_RUN_DIR: str(tmp_path / "trial_00000-soft_kl_streak")}))
+    update_parent(study, tracker, parent)
+    assert tracker.tags_of(parent)["best.loss.temperature"] == "2.0"
+    study.add_trial(create_trial(
+        params={"loss": "hard_ce"}, distributions={"loss": loss}, value=1.07,
+        user_attrs={ATTR_RUN_ID: kids[1], ATTR_RUN_DIR: str(tmp_path / "trial_00001-hard_ce")}))
+    update_parent(study, tracker, parent)
+    tags = tracker.tags_of(parent)
+    assert {k: v for k, v in tags.items() if k.startswith("best.")} == {"best.loss": "hard_ce"}
+    assert tags["sweep.best_run_id"] == kids[1] and tags["sweep.best_run_name"] == "trial_00001-hard_ce"
+    note = tags["mlflow.note.content"]
+    assert f"[trial_00001-hard_ce](#/experiments/{tracker.experiment_id}/runs/{kids[1]})" in note
+    assert "eval/tau_vanilla = 1.0700" in note and "soft_kl_streak" not in note

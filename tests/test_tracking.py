@@ -339,3 +339,95 @@ def test_system_metrics_host_keys():
     assert m["sys/host_rss_gb"] > 0
     assert 0 <= m["sys/host_mem_used_pct"] <= 100
     assert all(k.startswith("sys/") and isinstance(v, float) for k, v in m.items())
+
+
+# ----------------------------------------------------------------------------- what a run is (issue 16)
+
+
+def test_run_name_is_the_run_folder_and_the_run_says_what_it_is(tmp_path, monkeypatch, capsys):
+    """No run_dir given: the folder is runs/<loss>-<noise>-<buffer>-s<seed>-<time>, the MLflow run has the
+    same name, MLflow's Source / commit / Description fields are set, and the run id, folder and `mlflow
+    ui` command are printed before the first step."""
+    from dflash.tracking.loggers import command_line
+    from dflash.training.trainer import train
+    from experiments.config import compose_config
+    from tests.conftest import FAST
+
+    monkeypatch.chdir(tmp_path)
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    cfg = compose_config(FAST + ["+loss=streak", "+noise=cosine", "seed=3", f"tracking.tracking_uri={uri}",
+                                 "tracking.console=true", "trainer.max_steps=2"])
+    res = train(cfg)
+    assert res.run_dir.parent.name == "runs" and res.run_dir.name.startswith("streak-cosine-r10_20-s3-")
+    run = MlflowClient(uri).get_run(res.run_id)
+    assert run.info.run_name == res.run_dir.name
+    t = run.data.tags
+    assert t["mlflow.source.type"] == "LOCAL" and t["mlflow.source.name"]
+    note = t["mlflow.note.content"]
+    assert command_line() in note and str(res.run_dir.resolve()) in note
+    if git_sha() != "unknown":
+        assert len(t["mlflow.source.git.commit"]) == 40 and t["mlflow.source.git.commit"] in note
+    out = capsys.readouterr().out
+    head = out[: out.index("step 1/2")]
+    assert f"mlflow run: {res.run_dir.name} ({res.run_id})" in head
+    assert f"run folder: {res.run_dir.resolve()}" in head
+    assert f"mlflow ui --backend-store-uri {uri}" in head and f"/runs/{res.run_id}" in head
+    # only the active variants' knobs: streak reads alpha and gamma, not another loss's temperature
+    p = run.data.params
+    assert {"loss.alpha", "loss.gamma", "noise.start", "noise.end", "target.random.hidden_size"} <= set(p)
+    assert not {"loss.kl_weight", "loss.temperature", "loss.dpace_a", "loss.lk_eta", "noise.sigma"} & set(p)
+    m = run.data.metrics
+    assert m["data/consumed_tokens"] > 0 and m["train/ce"] > 0  # the budget; the loss-independent CE
+
+
+def test_run_params_drop_unread_knobs():
+    from dflash.tracking.loggers import run_params
+    cfg = {"loss": {"name": "hard_ce", "gamma": 7.0, "alpha": 1.0}, "target": {"path": "/m", "random": {"h": 8}},
+           "seed": 0}
+    assert run_params(cfg, {"loss": ("name", "gamma")}, drop=["target.random"]) == {
+        "loss.name": "hard_ce", "loss.gamma": "7.0", "target.path": "/m", "seed": "0"}
+    assert "target.random.h" in run_params(cfg)
+
+
+def test_every_variant_names_real_config_keys():
+    """`config_keys` decide which params a run logs: a misspelt key would silently drop a real knob."""
+    import dataclasses
+
+    from dflash.training.losses import LOSSES, LossConfig
+    from dflash.training.noise import NOISES, NoiseConfig
+    for registry, conf in ((LOSSES, LossConfig), (NOISES, NoiseConfig)):
+        fields = {f.name for f in dataclasses.fields(conf)}
+        for name, cls in registry.items():
+            assert "name" in cls.config_keys and set(cls.config_keys) <= fields, (name, cls.config_keys)
+
+
+def test_system_metrics_land_in_mlflows_system_tab(store):
+    cfg = TrackingConfig(tracking_uri=store, experiment="t-sysmetrics", console=False,
+                         system_metrics_interval_s=0.1)
+    lg = MLflowLogger(cfg)
+    import time
+    time.sleep(0.35)
+    lg.close()
+    c = MlflowClient(store)
+    metrics = c.get_run(lg.run_id).data.metrics
+    assert 0 <= metrics["system/cpu_utilization_percentage"] <= 100
+    assert "system/system_memory_usage_megabytes" in metrics
+    assert len(c.get_metric_history(lg.run_id, "system/cpu_utilization_percentage")) >= 2
+    short = MLflowLogger(cfg)  # closed before one interval: its sample is still logged
+    time.sleep(0.02)
+    short.close()
+    assert "system/cpu_utilization_percentage" in c.get_run(short.run_id).data.metrics
+    off = MLflowLogger(TrackingConfig(tracking_uri=store, experiment="t-sysmetrics", system_metrics=False))
+    off.close()
+    assert not any(k.startswith("system/") for k in c.get_run(off.run_id).data.metrics)
+
+
+def test_reopened_run_keeps_the_description_that_made_it(store):
+    from dflash.tracking.loggers import NOTE
+    cfg = TrackingConfig(tracking_uri=store, experiment="t-note", console=False, system_metrics=False)
+    first = MLflowLogger(cfg, tags={NOTE: "python -m experiments.run +loss=soft_kl"})
+    first.close()
+    again = MLflowLogger(cfg, tags={NOTE: "pytest", "other": "x"}, run_id=first.run_id)
+    again.close()
+    tags = MlflowClient(store).get_run(first.run_id).data.tags
+    assert tags[NOTE] == "python -m experiments.run +loss=soft_kl" and tags["other"] == "x"

@@ -3,7 +3,7 @@
 Metrics (all floats):
 - `eval/tau_vanilla`: mean τ over all rounds of all tasks (pooled); `eval/tau_tree_{b}` per budget;
 - `eval/acc_pos{k:02d}`, k = 1..bs−1: P(block position k accepted | reached) in vanilla rounds
-  (0.0 when position k was never reached);
+  (only the positions some round reached: an unreached position has no acceptance, not 0.0);
 - `eval/task/{name}/tau_vanilla`, `eval/task/{name}/tau_tree_{b}`;
 - `eval/num_tasks`, `eval/rounds`, `eval/gt_consistency`, `eval/seconds`;
 - with real decoding: `eval/real/tau`, `eval/real/lossless` (fraction of tasks whose output equals the
@@ -373,7 +373,8 @@ def _metrics(results: Sequence[TaskResult], budgets: Sequence[int], bs: int) -> 
     for b in budgets:
         tt = [t for r in results for t in r.taus_tree[b]]
         m[f"eval/tau_tree_{b}"] = sum(tt) / len(tt) if tt else float("nan")
-    m.update({f"eval/acc_pos{k + 1:02d}": a for k, a in enumerate(_position_acceptance(results, bs)[0])})
+    acc, reached = _position_acceptance(results, bs)  # a position never reached has no acceptance to log
+    m.update({f"eval/acc_pos{k + 1:02d}": a for k, (a, n) in enumerate(zip(acc, reached)) if n})
     for r in results:
         m[f"eval/task/{r.name}/tau_vanilla"] = r.tau_vanilla
         for b in budgets:

@@ -8,7 +8,9 @@ Rules, in order:
    and have a `checkpoint` artifact. Otherwise the decision is "refused", nothing is registered, and the
    reason is written on the *run* as tags (`dflash.serving.promotion.decision` / `dflash.serving.promotion.reason`).
 2. Otherwise a model version is registered (source = the run's `checkpoint` artifact URI, `run_id` set)
-   with every `eval/` metric (τ per budget), the per-task table reference and the run's config as tags.
+   with a short set of tags: the headline `eval/` metrics (τ per budget, their confidence intervals,
+   prompt lookup's τ; not the per-task and per-position ones, which stay on the run), the run's name,
+   loss / noise / buffer / target, and links to the per-task table and the run's config.
 3. The alias moves to it only if all of these hold (a refusal names every one that fails):
    - `value >= floor` (default 1.1: a dead drafter, τ = 1, is never promoted);
    - it beats prompt lookup (the zero-cost n-gram baseline the eval logs beside every τ): the lower end
@@ -23,7 +25,8 @@ Rules, in order:
      (`value > holder + margin`; the holder's value is its version tag, else its run metric).
    Without a holder the holder rule is skipped.
 4. The decision, its reason, Δ vs the holder and vs prompt lookup (with their intervals) are written on
-   the version (and on the run) either way.
+   the version (and on the run) either way, and the version's description is that decision in one line
+   (the registry's "latest version" may be a refused one: serve the alias).
 
 Steps 2–4 run inside one exclusive lock per registry (an `fcntl` lock file beside the sqlite database;
 a lock directory for other stores), so two promotions racing cannot both win: the second one reads the
@@ -58,7 +61,8 @@ REASON_TAG = "dflash.promotion.reason"
 PREFIX = "dflash.promotion."
 PROMOTED, REFUSED = "promoted", "refused"
 _TAG_VALUE_LIMIT = 5000  # reasons and run tags: keeps the UI readable
-_CONFIG_TAG_LIMIT = 60_000  # the flattened run config (MLflow's registry tag limit is 100,000)
+# The eval metrics a version carries: τ per budget with its CI and the baseline, real decoding's verdict.
+_HEADLINE_EVAL = ("eval/tau", "eval/real/lossless", "eval/real/speedup")
 
 
 @dataclass
@@ -388,15 +392,13 @@ def _task_table_ref(client, run_id: str) -> str:
 
 def _version_tags(client, run, cfg: PromoteConfig, value: float) -> dict[str, str]:
     run_id = run.info.run_id
-    tags = {k: repr(float(v)) for k, v in run.data.metrics.items() if k.startswith("eval/")}
+    tags = {k: repr(float(v)) for k, v in run.data.metrics.items() if k.startswith(_HEADLINE_EVAL)}
     tags[cfg.metric] = repr(float(value))
     tags.update({
         "dflash.run_id": run_id,
         "dflash.run_name": run.info.run_name or "",
-        "dflash.gate_metric": cfg.metric,
         "dflash.task_table": _task_table_ref(client, run_id),
-        "dflash.config_uri": f"runs:/{run_id}/config.yaml",
-        "dflash.config": truncate(json.dumps(dict(sorted(run.data.params.items()))), _CONFIG_TAG_LIMIT),
+        "dflash.config_uri": f"runs:/{run_id}/config.yaml",  # the whole config: one click, not a tag blob
     })
     for k in ("loss", "noise", "buffer", "target", "git_sha", "dflash.run_dir"):
         if k in run.data.tags:
@@ -423,6 +425,12 @@ def _decision_tags(d: Decision, cfg: PromoteConfig) -> dict[str, str]:
     }
 
 
+def version_description(d: Decision, run_name: str = "") -> str:
+    """The version's description: the gate's decision in one line."""
+    head = f"PROMOTED to @{d.alias}" if d.promoted else f"REFUSED (not @{d.alias})"
+    return f"{head}: {d.reason}" + (f" (run {run_name})" if run_name else "")
+
+
 def _tag_run(client, run_id: str, tags: dict[str, str]) -> None:
     from mlflow.entities import RunTag
     try:
@@ -435,7 +443,9 @@ def _register(client, cfg: PromoteConfig, run, tags: dict[str, str]):
     from mlflow.exceptions import MlflowException
     try:
         client.create_registered_model(
-            cfg.model_name, description="DFlash drafters; the serving alias moves only through the gate")
+            cfg.model_name, description=f"DFlash drafters. Serve the version @{cfg.alias} points at: the alias moves "
+                                        "only through the gate, and a later version may be a refused one (each "
+                                        "version's description says which)")
     except MlflowException as e:
         if _error_code(e) != "RESOURCE_ALREADY_EXISTS":
             raise
@@ -502,6 +512,7 @@ def promote(run_id: str, cfg: PromoteConfig, tracking_uri: str | None, dry_run: 
                     client.set_model_version_tag(cfg.model_name, hv, PREFIX + "superseded_by", version)
         for k, v in _decision_tags(d, cfg).items():
             client.set_model_version_tag(cfg.model_name, version, k, v)
+        client.update_model_version(cfg.model_name, version, description=version_description(d, run.info.run_name))
         _tag_run(client, run_id, {**_decision_tags(d, cfg), PREFIX + "version": version,
                                   PREFIX + "model": cfg.model_name})
     log.info(d.summary())

@@ -2,6 +2,9 @@
 
 - `loggers`: one logging interface over console, `metrics.jsonl` and MLflow (`TrackingConfig`,
   `build_loggers`, key prefixes `train/ eval/ perf/ data/ sys/`).
-- `sysmetrics`: host and GPU memory / utilisation (`system_metrics`).
-- `analysis`: ablation tables, curves and per-position acceptance from the MLflow store (the notebooks' logic).
+- `sysmetrics`: MLflow's own system-metrics monitor on a run (the System metrics tab: CPU / GPU utilisation,
+  memory) and `sys/` keys for metrics.jsonl (`start_system_metrics`, `system_metrics`).
+- `analysis`: runs from the MLflow store, ablation tables that compare like with like (`ablation_table`,
+  `varying_keys`, `describe_comparison`), per-position acceptance (the notebooks' logic).
+- `figures`: the analysis' figures (one colour per run in every panel, one legend naming every run).
 """

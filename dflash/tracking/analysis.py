@@ -1,18 +1,28 @@
-"""Pull dflash runs from MLflow into pandas and draw the standard figures. Notebooks only call these.
+"""Pull dflash runs from MLflow into pandas and compare like with like. Notebooks only call these.
 
     runs = load_runs("sqlite:///mlflow.db", experiment="dflash", study="loss_variants")
-    table = ablation_table(runs, by=["loss", "noise", "buffer"])       # mean ± std over seeds (runs)
-    format_table(table)                                                # "3.41 ± 0.12 (n=3)" strings
-    hist = metric_history("sqlite:///mlflow.db", runs.run_id, ["train/loss", "eval/tau_vanilla"])
-    plot_curves(hist, "train/loss", labels=run_labels(runs))
-    plot_position_acceptance(position_acceptance(runs), labels=run_labels(runs))
+    print(describe_comparison(runs))              # what varies between these runs, what is held fixed
+    table = ablation_table(runs, by=["loss", "noise", "buffer"])
+    format_table(table)                           # "1.071 ± 0.009 [1.05, 1.09] (n=3)" strings
+    plot_tau_table(table)                         # bars from τ = 1 (no drafter), prompt lookup marked
+    hist = metric_history("sqlite:///mlflow.db", runs.run_id, CURVE_KEYS)
+    plot_curves(hist, CURVE_KEYS, labels=run_labels(runs))   # one colour per run in every panel
+
+Comparable rows: a row of `ablation_table` holds runs whose configs differ only in the seed (and in keys
+that change neither what is trained nor what is measured: `NOT_A_FACTOR`). Every config key that varies
+between the runs (`varying_keys`: a sampled learning rate, the step budget, the target, ...) is a grouping
+key: the ones asked for (`by`) as index levels, the others joined into the index level `other`, so a
+40-step trial never pools with a 120-step run, and the ± is the spread over seeds only. `pool=[keys]` lets
+named keys vary inside a row, on purpose (the row then says so). Each row shows n, its budget (trained
+steps, consumed tokens) and, when the evaluation logged them, the mean of the runs' confidence intervals
+(`<metric>_ci_low` / `_ci_high`) and prompt-lookup's τ (`eval/tau_prompt_lookup`) as the baseline.
 
 `load_runs` returns one row per training run (tag `dflash.kind=train`): ids, status, times, the grouping
-tags (`loss`, `noise`, `buffer`, `target`), `seed`, sweep tags (`trial`, `trial_state`, `pruned_step`), every
-param as `p.<key>` and every metric's latest value under its own key (`eval/tau_vanilla`, `train/loss`, …).
+tags (`loss`, `noise`, `buffer`, `target`), `seed`, sweep tags (`trial`, `trial_state`, `pruned_step`), the
+budget (`steps`, `tokens`), every param as `p.<key>` and every metric's latest value under its own key.
 Eval runs made later by `python -m experiments.eval` (tag `dflash.evaluated_run`) fill a training run's
-missing `eval/*` values. Figures are `matplotlib.figure.Figure` objects not managed by pyplot (a notebook
-shows each once, as the cell's value or through `display`). Only `MlflowClient` is used.
+missing `eval/*` values. Figures (`dflash.tracking.figures`, re-exported here) are `matplotlib.figure.Figure`
+objects not managed by pyplot. Only `MlflowClient` is used.
 """
 from __future__ import annotations
 
@@ -24,6 +34,17 @@ import pandas as pd
 TAU_METRICS = ["eval/tau_vanilla", "eval/tau_tree_16", "eval/tau_tree_64", "eval/tau_tree_256"]  # tree: nodes
 _SUITE_RE = re.compile(r"^eval/suite/(?P<suite>[^/]+)/tau_vanilla$")
 GROUP_COLS = ["loss", "noise", "buffer"]
+# Curves whose scale does not depend on the loss: comparable between runs of different losses
+# (train/loss of soft_kl is T²-scaled KL, 11-34 where CE reads ~5.5).
+CURVE_KEYS = ["train/acc", "train/streak", "train/ce", "eval/tau_vanilla"]
+BASELINE_METRIC = "eval/tau_prompt_lookup"  # τ of prompt-lookup decoding on the same ground truth
+CI_SUFFIXES = ("_ci_low", "_ci_high")
+# Config keys (and prefixes, ending in ".") that change neither what is trained nor what is measured: the
+# replicate seed, bookkeeping, placement, intermediate-eval and checkpoint cadence.
+NOT_A_FACTOR = ("seed", "run_dir", "resume", "tracking.", "promote.", "eval.cache_dir", "eval.subset",
+                "eval.device", "trainer.eval_every", "trainer.checkpoint_every", "trainer.keep_checkpoints",
+                "trainer.device", "target.device", "data.regen_cache_dir", "buffer.timeout_s")
+SHORT_NAMES = {"loss.name": "loss", "noise.name": "noise", "buffer.name": "buffer", "target.name": "target"}
 _POS_RE = re.compile(r"^(?P<prefix>.+/acc_pos)(?P<k>\d+)$")
 
 
@@ -65,6 +86,12 @@ def _num(v: Any) -> Any:
     return int(f) if f.is_integer() and "." not in str(v) and "e" not in str(v).lower() else f
 
 
+def _last_step(r) -> float:
+    """The step of the run's latest training metric (its real length under a time budget)."""
+    steps = [m.step for m in getattr(r.data, "_metric_objs", []) or [] if m.key.startswith("train/")]
+    return float(max(steps)) if steps else float("nan")
+
+
 def _row(r) -> dict[str, Any]:
     t, p = r.data.tags, r.data.params
     start = pd.to_datetime(r.info.start_time, unit="ms") if r.info.start_time else pd.NaT
@@ -81,6 +108,7 @@ def _row(r) -> dict[str, Any]:
         "trial_state": t.get("optuna.state"),
         "pruned_step": int(t["optuna.pruned_step"]) if t.get("optuna.pruned_step") else None,
         "run_dir": t.get("dflash.run_dir"),
+        "steps": _last_step(r), "tokens": r.data.metrics.get("data/consumed_tokens", float("nan")),
     }
     row.update({f"p.{k}": _num(v) for k, v in p.items()})
     row.update(dict(r.data.metrics))
@@ -127,33 +155,120 @@ def _merge_eval_runs(c, ids: list[str], df: pd.DataFrame) -> None:
                 df.at[idx[0], k] = v
 
 
+# --------------------------------------------------------------------------- what varies
+
+
+def _not_a_factor(key: str) -> bool:
+    return any(key == k or (k.endswith(".") and key.startswith(k)) for k in NOT_A_FACTOR)
+
+
+def _cell(v: Any) -> str:
+    if v is None or (isinstance(v, float) and pd.isna(v)):
+        return "-"
+    return str(v)
+
+
+def factor_frame(runs: pd.DataFrame) -> pd.DataFrame:
+    """The config of each run as strings, one column per key that could change the result (`-`: the run
+    has no such key, e.g. another loss's knob). Columns `loss`, `noise`, `buffer`, `target` first."""
+    cols: dict[str, pd.Series] = {}
+    for c in runs.columns:
+        if isinstance(c, str) and c.startswith("p.") and not _not_a_factor(c[2:]):
+            cols[SHORT_NAMES.get(c[2:], c[2:])] = runs[c]
+    for name in ("loss", "noise", "buffer", "target"):  # tags: runs logged before these were params
+        if name in runs.columns:
+            cols[name] = cols[name].where(cols[name].notna(), runs[name]) if name in cols else runs[name]
+    first = [k for k in ("loss", "noise", "buffer", "target") if k in cols]
+    order = first + sorted(k for k in cols if k not in first)
+    return pd.DataFrame({k: cols[k].map(_cell) for k in order}, index=runs.index)
+
+
+def varying_keys(runs: pd.DataFrame) -> list[str]:
+    """Config keys with more than one value among `runs` (a key some runs lack does not count by itself)."""
+    f = factor_frame(runs)
+    return [k for k in f.columns if f[k][f[k] != "-"].nunique() > 1]
+
+
+def describe_comparison(runs: pd.DataFrame, finished_only: bool = True) -> str:
+    """One paragraph: how many runs, which keys vary between them, what is held fixed, the budgets."""
+    df = runs[runs["status"] == "FINISHED"] if finished_only and "status" in runs else runs
+    if df.empty:
+        return "no finished runs"
+    f = factor_frame(df)
+    vary = varying_keys(df)
+    fixed = [k for k in ("target", "loss", "noise", "buffer") if k in f and k not in vary]
+    fixed += [k for k in ("trainer.max_steps", "trainer.lr", "trainer.time_budget_s") if k in f and k not in vary]
+    lines = [f"{len(df)} finished runs; seeds {_seeds(df)}",
+             "varying: " + (", ".join(f"{k} ({f[k].nunique()})" for k in vary) or "nothing but the seed"),
+             "fixed: " + ", ".join(f"{k}={f[k].iloc[0]}" for k in fixed)]
+    if "steps" in df and df["steps"].notna().any():
+        lines.append(f"trained steps {int(df['steps'].min())}-{int(df['steps'].max())}" +
+                     (f", tokens {_fmt_tokens(df['tokens'].min())}-{_fmt_tokens(df['tokens'].max())}"
+                      if "tokens" in df and df["tokens"].notna().any() else ""))
+    return "\n".join(lines)
+
+
+def _seeds(df: pd.DataFrame) -> str:
+    return ",".join(str(x) for x in sorted(set(df["seed"].dropna()))) if "seed" in df else ""
+
+
+def _fmt_tokens(v: float) -> str:
+    if pd.isna(v):
+        return "-"
+    return f"{v / 1e6:.2f}M" if v >= 1e6 else f"{v / 1e3:.1f}k" if v >= 1e3 else f"{v:.0f}"
+
+
+# --------------------------------------------------------------------------- the table
+
+
+def comparable_groups(runs: pd.DataFrame, by: Sequence[str] = GROUP_COLS, pool: Sequence[str] = ()) -> pd.DataFrame:
+    """Each run's row key in `ablation_table`: the `by` keys' values and, in column `other`, every other
+    varying key as `key=value` (absent when nothing else varies). Runs with equal keys differ only in the
+    seed, in `NOT_A_FACTOR` keys and in the `pool` keys."""
+    f = factor_frame(runs)
+    for b in by:
+        if b not in f:
+            f[b] = runs[b].map(_cell) if b in runs else "-"
+    keys = f[list(by)].copy()
+    other = [k for k in varying_keys(runs) if k not in by and k not in pool]
+    if other:
+        keys["other"] = f[other].apply(lambda r: ", ".join(f"{k}={v}" for k, v in r.items() if v != "-"), axis=1)
+    return keys
+
+
 def ablation_table(runs: pd.DataFrame, by: Sequence[str] = GROUP_COLS, metrics: Sequence[str] = TAU_METRICS,
-                   finished_only: bool = True) -> pd.DataFrame:
-    """Mean, std and count of each metric per group (the spread is over the group's runs: seeds, or a
-    sweep's trials). Columns: (metric, mean|std|n); plus ('runs', 'seeds')."""
-    df = runs
-    if finished_only and "status" in df:
-        df = df[df["status"] == "FINISHED"]
-    by = [b for b in by]
+                   finished_only: bool = True, pool: Sequence[str] = ()) -> pd.DataFrame:
+    """One row per set of comparable runs (module doc, `comparable_groups`): index `by` (+ `other`),
+    columns (metric, mean|std|n|ci_low|ci_high), (budget, steps|tokens), (runs, seeds), and
+    (BASELINE_METRIC, mean) when logged. `pool`: keys allowed to vary inside a row."""
+    df = runs[runs["status"] == "FINISHED"] if finished_only and "status" in runs else runs
     metrics = [m for m in metrics if m in df.columns]
     if df.empty or not metrics:
         return pd.DataFrame()
-    df = df.copy()
-    for b in by:
-        if b not in df.columns:
-            df[b] = "-"
-        df[b] = df[b].fillna("-").astype(str)
-    g = df.groupby(by, sort=True)
-    parts = {}
+    by = list(by)
+    keys = comparable_groups(df, by, pool)
+    f = factor_frame(df)
+    g = df.groupby([keys[c] for c in keys.columns], sort=True)
+    parts: dict[tuple[str, str], pd.Series] = {}
     for m in metrics:
-        parts[(m, "mean")] = g[m].mean()
-        parts[(m, "std")] = g[m].std(ddof=1)
-        parts[(m, "n")] = g[m].count()
+        parts[(m, "mean")], parts[(m, "std")], parts[(m, "n")] = g[m].mean(), g[m].std(ddof=1), g[m].count()
+        lo, hi = (f"{m}{s}" for s in CI_SUFFIXES)
+        if lo in df.columns and hi in df.columns:  # the runs' mean CI, only where every run has one
+            full = g[lo].count().eq(g[m].count()) & g[hi].count().eq(g[m].count())
+            parts[(m, "ci_low")], parts[(m, "ci_high")] = g[lo].mean().where(full), g[hi].mean().where(full)
+    if BASELINE_METRIC in df.columns and BASELINE_METRIC not in metrics:
+        parts[(BASELINE_METRIC, "mean")] = g[BASELINE_METRIC].mean()
+    for col in ("steps", "tokens"):
+        if col in df.columns:
+            parts[("budget", col)] = g[col].mean()
     parts[("runs", "seeds")] = g["seed"].agg(lambda s: ",".join(str(x) for x in sorted(set(s.dropna()))))
+    for k in pool:
+        if k in f:
+            parts[("pooled", k)] = f[k].groupby([keys[c] for c in keys.columns], sort=True).nunique()
     out = pd.DataFrame(parts)
     out.columns = pd.MultiIndex.from_tuples(out.columns)
-    first = metrics[0]
-    return out.sort_values((first, "mean"), ascending=False)
+    out.index.names = list(keys.columns)
+    return out.sort_values((metrics[0], "mean"), ascending=False)
 
 
 def ci_table(runs: pd.DataFrame, metrics: Sequence[str] = ("tau_vanilla", "tau_prompt_lookup"),
@@ -182,35 +297,65 @@ def ci_table(runs: pd.DataFrame, metrics: Sequence[str] = ("tau_vanilla", "tau_p
 
 
 def format_table(table: pd.DataFrame, digits: int = 3) -> pd.DataFrame:
-    """`mean ± std (n=k)` strings per metric; std is blank for a single run."""
+    """Readable cells: `mean ± std` (spread over seeds, n > 1), `[lo, hi]` (the evaluation's CI, when
+    logged), `(n=k)`; then the budget, prompt lookup's τ, the seeds (and pooled keys)."""
     if table.empty:
         return table
     out = pd.DataFrame(index=table.index)
-    for m in dict.fromkeys(c[0] for c in table.columns if c[0] != "runs"):
-        def fmt(row, m=m):
-            mean, std, n = row[(m, "mean")], row[(m, "std")], int(row[(m, "n")])
-            if n == 0 or pd.isna(mean):
-                return ""
-            s = f"{mean:.{digits}f}"
-            if n > 1 and not pd.isna(std):
-                s += f" ± {std:.{digits}f}"
-            return s + f" (n={n})"
-        out[m] = table.apply(fmt, axis=1)
+    tops = dict.fromkeys(c[0] for c in table.columns)
+    for m in [t for t in tops if t not in ("runs", "budget", "pooled", BASELINE_METRIC)
+              or (t == BASELINE_METRIC and (t, "n") in table.columns)]:
+        out[m] = table.apply(lambda row, m=m: _fmt_cell(row, m, digits), axis=1)
+    if (BASELINE_METRIC, "mean") in table.columns and (BASELINE_METRIC, "n") not in table.columns:
+        base = table[(BASELINE_METRIC, "mean")]
+        out["prompt lookup τ"] = base.map(lambda v: "" if pd.isna(v) else f"{v:.{digits}f}")
+    if ("budget", "steps") in table.columns:
+        out["steps"] = table[("budget", "steps")].map(lambda v: "" if pd.isna(v) else f"{v:.0f}")
+    if ("budget", "tokens") in table.columns:
+        out["tokens"] = table[("budget", "tokens")].map(_fmt_tokens)
     if ("runs", "seeds") in table.columns:
         out["seeds"] = table[("runs", "seeds")]
+    for c in [c for c in table.columns if c[0] == "pooled"]:
+        out[f"pooled {c[1]}"] = table[c].map(lambda v: f"{int(v)} values")
     return out
 
 
-def run_labels(runs: pd.DataFrame, cols: Sequence[str] = ("loss", "noise", "buffer", "seed")) -> dict[str, str]:
-    """run_id -> short label from the columns that differ between runs (or the run name)."""
-    cols = [c for c in cols if c in runs.columns and runs[c].astype(str).nunique() > 1]
-    labels = {}
-    for _, r in runs.iterrows():
-        lab = " ".join(f"{c}={r[c]}" for c in cols) if cols else str(r.get("run_name", r["run_id"][:8]))
+def _fmt_cell(row: pd.Series, m: str, digits: int) -> str:
+    mean, std, n = row[(m, "mean")], row[(m, "std")], int(row[(m, "n")])
+    if n == 0 or pd.isna(mean):
+        return ""
+    s = f"{mean:.{digits}f}"
+    if n > 1 and not pd.isna(std):
+        s += f" ± {std:.{digits}f}"
+    lo, hi = row.get((m, "ci_low"), float("nan")), row.get((m, "ci_high"), float("nan"))
+    if not (pd.isna(lo) or pd.isna(hi)):
+        s += f" [{lo:.{digits}f}, {hi:.{digits}f}]"
+    return s + f" (n={n})"
+
+
+def run_labels(runs: pd.DataFrame, cols: Sequence[str] | None = None) -> dict[str, str]:
+    """run_id -> a label unique to the run: the values of the keys that vary between `runs` (and its seed),
+    `#trial` for sweep trials; the run name when nothing varies or two runs would read the same."""
+    f = factor_frame(runs)
+    cols = [c for c in (cols if cols is not None else varying_keys(runs)) if c in f]
+    seeds = runs["seed"] if "seed" in runs else pd.Series(None, index=runs.index)
+    with_seed = seeds.dropna().nunique() > 1
+    labels: dict[str, str] = {}
+    for i, r in runs.iterrows():
+        parts = [f[c][i] if c in SHORT_NAMES.values() else f"{c.rsplit('.', 1)[-1]}={f[c][i]}"
+                 for c in cols if f[c][i] != "-"]
+        if with_seed and pd.notna(seeds[i]):
+            parts.append(f"s{seeds[i]}")
+        lab = " ".join(parts) or str(r.get("run_name") or r["run_id"][:8])
         if "trial" in runs.columns and r.get("trial") is not None and not pd.isna(r.get("trial")):
             lab = f"#{int(r['trial'])} " + lab
         labels[r["run_id"]] = lab
-    return labels
+    counts = pd.Series(list(labels.values())).value_counts()
+    names = runs.set_index("run_id")["run_name"] if "run_name" in runs else {}
+    return {rid: (f"{lab} ({names.get(rid) or rid[:8]})" if counts[lab] > 1 else lab) for rid, lab in labels.items()}
+
+
+# --------------------------------------------------------------------------- one run, the store
 
 
 def metric_history(tracking_uri: str, run_ids: Iterable[str], keys: Iterable[str]) -> pd.DataFrame:
@@ -230,12 +375,16 @@ def metric_keys(tracking_uri: str, run_id: str) -> list[str]:
 
 
 def position_acceptance(runs: pd.DataFrame, prefix: str = "eval/acc_pos") -> pd.DataFrame:
-    """Per-position acceptance (final value) -> frame indexed by run_id, columns 1..K (block position)."""
+    """Per-position acceptance (final value) -> frame indexed by run_id, columns 1..K (block position).
+
+    Positions that no round reached are not logged (there is no acceptance to log): they read NaN, and the
+    columns run to the block size (`p.drafter.block_size`) so those gaps show."""
     cols = {int(m.group("k")): c for c in runs.columns if (m := _POS_RE.match(str(c))) and m.group("prefix") == prefix}
     if not cols:
         return pd.DataFrame(index=runs["run_id"] if "run_id" in runs else None)
-    ks = sorted(cols)
-    out = runs.set_index("run_id")[[cols[k] for k in ks]].copy()
+    bs = pd.to_numeric(runs.get("p.drafter.block_size", pd.Series(dtype=float)), errors="coerce").max()
+    ks = list(range(1, max(max(cols), int(bs) - 1 if pd.notna(bs) else 0) + 1))
+    out = runs.set_index("run_id").reindex(columns=[cols.get(k, f"{prefix}{k:02d}") for k in ks])
     out.columns = ks
     return out.dropna(how="all")
 
@@ -265,167 +414,14 @@ def sweep_parent(tracking_uri: str, study: str, experiment: str | None = "dflash
             "params": dict(r.data.params), "metrics": dict(r.data.metrics)}
 
 
-# --------------------------------------------------------------------------- figures
-
-
-def _fig(nrows: int = 1, ncols: int = 1, w: float = 7.0, h: float = 4.0):
-    from matplotlib.figure import Figure
-    fig = Figure(figsize=(w * ncols, h * nrows), layout="constrained")
-    axes = fig.subplots(nrows, ncols, squeeze=False)
-    return fig, axes
-
-
-def _empty(ax, text: str) -> None:
-    ax.text(0.5, 0.5, text, ha="center", va="center", transform=ax.transAxes, color="gray")
-    ax.set_xticks([])
-    ax.set_yticks([])
-
-
-def plot_tau_table(table: pd.DataFrame, metrics: Sequence[str] = TAU_METRICS, title: str = "τ by group"):
-    """Grouped bars: mean ± std per group for each τ metric."""
-    fig, axes = _fig(w=max(6.0, 1.2 * max(len(table), 1) + 3))
-    ax = axes[0][0]
-    metrics = [m for m in metrics if not table.empty and (m, "mean") in table.columns]
-    if table.empty or not metrics:
-        _empty(ax, "no finished runs with these metrics")
-        return fig
-    labels = [" / ".join(map(str, i)) if isinstance(i, tuple) else str(i) for i in table.index]
-    width = 0.8 / len(metrics)
-    for j, m in enumerate(metrics):
-        xs = [i + (j - (len(metrics) - 1) / 2) * width for i in range(len(table))]
-        ax.bar(xs, table[(m, "mean")], width, yerr=table[(m, "std")].fillna(0), capsize=3,
-               label=m.split("/")[-1])
-    ax.set_xticks(range(len(table)), labels, rotation=30, ha="right")
-    ax.set_ylabel("acceptance length τ")
-    ax.set_title(title)
-    ax.legend()
-    ax.grid(axis="y", alpha=0.3)
-    return fig
-
-
-def plot_curves(hist: pd.DataFrame, keys: str | Sequence[str], labels: dict[str, str] | None = None,
-                title: str | None = None, logy: bool = False):
-    """One panel per key, one line per run."""
-    keys = [keys] if isinstance(keys, str) else list(keys)
-    fig, axes = _fig(1, len(keys), w=6.0)
-    for ax, key in zip(axes[0], keys):
-        h = hist[hist["key"] == key] if not hist.empty else hist
-        if h.empty:
-            _empty(ax, f"no {key}")
-            continue
-        for rid, g in h.groupby("run_id", sort=False):
-            g = g.sort_values("step")
-            ax.plot(g["step"], g["value"], marker="." if len(g) < 30 else None,
-                    label=(labels or {}).get(rid, str(rid)[:8]))
-        ax.set_xlabel("step")
-        ax.set_title(key)
-        if logy:
-            ax.set_yscale("log")
-        ax.grid(alpha=0.3)
-    handles, labs = axes[0][0].get_legend_handles_labels()
-    if handles and len(handles) <= 20:
-        axes[0][-1].legend(fontsize=8)
-    if title:
-        fig.suptitle(title)
-    return fig
-
-
-def plot_position_acceptance(pos: pd.DataFrame, labels: dict[str, str] | None = None,
-                             title: str = "acceptance by block position"):
-    """P(position k accepted | positions < k accepted) per run."""
-    fig, axes = _fig()
-    ax = axes[0][0]
-    if pos.empty or pos.shape[1] == 0:
-        _empty(ax, "no per-position acceptance logged")
-        return fig
-    for rid, row in pos.iterrows():
-        ax.plot(list(pos.columns), row.values, marker="o", label=(labels or {}).get(rid, str(rid)[:8]))
-    ax.set_xlabel("block position k")
-    ax.set_ylabel("acceptance")
-    ax.set_ylim(-0.02, 1.02)
-    ax.set_title(title)
-    ax.grid(alpha=0.3)
-    if len(pos) <= 20:
-        ax.legend(fontsize=8)
-    return fig
-
-
-def plot_study(runs: pd.DataFrame, objective: str, direction: str = "maximize",
-               title: str | None = None):
-    """Objective per trial (pruned / failed trials marked at their last value), and the best so far."""
-    fig, axes = _fig()
-    ax = axes[0][0]
-    if runs.empty or "trial" not in runs or runs["trial"].isna().all():
-        _empty(ax, "no sweep trials")
-        return fig
-    df = runs.dropna(subset=["trial"]).sort_values("trial")
-    vals = df[objective] if objective in df.columns else pd.Series(float("nan"), index=df.index)
-    for state, marker, color in (("COMPLETE", "o", "C0"), ("PRUNED", "x", "C3"), ("FAIL", "s", "gray")):
-        m = df["trial_state"] == state
-        if m.any():
-            ax.scatter(df.loc[m, "trial"], vals[m], marker=marker, color=color, label=state.lower())
-    done = df[df["trial_state"] == "COMPLETE"]
-    if not done.empty and objective in done:
-        best = done[objective].cummax() if direction == "maximize" else done[objective].cummin()
-        ax.step(done["trial"], best, where="post", color="C2", label="best so far")
-    ax.set_xlabel("trial")
-    ax.set_ylabel(objective)
-    ax.set_title(title or f"{objective} by trial")
-    ax.grid(alpha=0.3)
-    ax.legend()
-    return fig
-
-
-def plot_buffer_depths(hist: pd.DataFrame, run_label: str = ""):
-    """Per-bucket depth and total over steps (keys buffer/depth_b*, buffer/total, buffer/max_depth)."""
-    fig, axes = _fig()
-    ax = axes[0][0]
-    h = hist[hist["key"].str.startswith("buffer/")] if not hist.empty else hist
-    if h.empty:
-        _empty(ax, "no buffer metrics")
-        return fig
-    for key, g in h.groupby("key"):
-        if key in ("buffer/get_wait_s",):
-            continue
-        g = g.sort_values("step")
-        style = {"linewidth": 2.0} if key in ("buffer/total", "buffer/max_depth") else {"alpha": 0.8}
-        if key == "buffer/max_depth":
-            style["linestyle"] = "--"
-        ax.plot(g["step"], g["value"], label=key.split("/", 1)[1], **style)
-    ax.set_xlabel("step")
-    ax.set_ylabel("items")
-    ax.set_title(f"buffer depths {run_label}".strip())
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8, ncol=2)
-    return fig
-
-
-def plot_perf(hist: pd.DataFrame, run_label: str = ""):
-    """Throughput (perf/*_tok_s) and the consumer's wait fraction over steps."""
-    fig, axes = _fig(1, 2, w=6.0)
-    ax, ax2 = axes[0]
-    h = hist[hist["key"].str.startswith("perf/")] if not hist.empty else hist
-    if h.empty:
-        _empty(ax, "no perf metrics")
-        _empty(ax2, "")
-        return fig
-    for key, g in h.groupby("key"):
-        g = g.sort_values("step")
-        (ax if key.endswith("_tok_s") else ax2).plot(g["step"], g["value"], label=key.split("/", 1)[1])
-    ax.set_title(f"throughput {run_label}".strip())
-    ax.set_ylabel("tokens / s")
-    ax2.set_title("consumer wait fraction")
-    for a in (ax, ax2):
-        a.set_xlabel("step")
-        a.grid(alpha=0.3)
-        if a.get_legend_handles_labels()[0]:
-            a.legend(fontsize=8)
-    return fig
-
-
-def summary_frame(info: dict[str, Any], keys: Sequence[str] = ("train/loss", "train/acc", "train/streak",
-                                                               *TAU_METRICS)) -> pd.DataFrame:
+def summary_frame(info: dict[str, Any], keys: Sequence[str] = ("train/acc", "train/streak", "train/ce",
+                                                               "train/loss", *TAU_METRICS)) -> pd.DataFrame:
     """Final values of the headline metrics of one run (`run_info(...)`)."""
     m = info["metrics"]
     return pd.DataFrame({"metric": [k for k in keys if k in m],
                          "value": [m[k] for k in keys if k in m]}).set_index("metric")
+
+
+from dflash.tracking.figures import (  # noqa: E402  (the figures read this module's constants)
+    plot_buffer_depths, plot_curves, plot_perf, plot_position_acceptance, plot_study, plot_tau_table, run_colors,
+)

@@ -57,10 +57,11 @@ _VALID_STATUSES = ("FINISHED", "FAILED", "KILLED")
 class TrackingConfig:
     tracking_uri: str = "sqlite:///mlflow.db"
     experiment: str = "dflash"
-    run_name: str = ""  # empty -> generated (see default_run_name)
+    run_name: str = ""  # empty -> the run folder's name (`<loss>-<noise>-<buffer>-s<seed>-<time>`)
     log_every: int = 10  # steps between metric reads/logs
     console: bool = True
-    system_metrics: bool = True
+    system_metrics: bool = True  # MLflow's own system-metrics logging (the run's System metrics tab)
+    system_metrics_interval_s: float = 10.0  # seconds between samples of that monitor
     enabled: bool = True  # False -> only the jsonl file
 
 
@@ -76,16 +77,21 @@ def absolute_sqlite_uri(uri: str) -> str:
     return uri
 
 
-def default_run_name() -> str:
-    """``YYYYmmdd-HHMMSS-xxxx`` (local time + 4 random hex chars)."""
-    return f"{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(2)}"
+def default_run_name(label: str = "") -> str:
+    """``<label>-YYYYmmdd-HHMMSS-xxxx`` (local time + 4 random hex chars; no label: the stamp alone).
+
+    The label says what the run is (the trainer's `run_label`: ``hard_ce-cosine-r30_90-s0``) and comes first,
+    so MLflow's run list, legends and compare headers show it even when they cut the name short."""
+    stamp = f"{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(2)}"
+    return f"{label}-{stamp}" if label else stamp
 
 
-def git_sha() -> str:
-    """Short sha of HEAD of the git repo containing this file, or ``"unknown"``. Never raises."""
+def git_sha(full: bool = False) -> str:
+    """Sha of HEAD (short, or all 40 digits) of the git repo containing this file, or ``"unknown"``.
+    Never raises."""
     try:
         res = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"],
+            ["git", "rev-parse", *([] if full else ["--short"]), "HEAD"],
             cwd=os.path.dirname(os.path.abspath(__file__)),
             capture_output=True,
             text=True,
@@ -251,6 +257,91 @@ def get_or_create_experiment(client, name: str, tracking_uri: str) -> str:
         return exp.experiment_id
 
 
+# --------------------------------------------------------------------------- what a run is
+
+# MLflow's own fields for a run's Source column and its Description box (mlflow.utils.mlflow_tags).
+SOURCE_NAME, SOURCE_TYPE, GIT_COMMIT, NOTE = ("mlflow.source.name", "mlflow.source.type",
+                                              "mlflow.source.git.commit", "mlflow.note.content")
+# Written once: a reopened run (resume, a sweep trial's pre-made child) keeps the command that made it.
+_WRITE_ONCE_TAGS = (SOURCE_NAME, SOURCE_TYPE, NOTE)
+
+
+def command_line() -> str:
+    """This process's command line as typed (`python -m experiments.run +loss=soft_kl`)."""
+    import shlex
+    return shlex.join(getattr(sys, "orig_argv", None) or [sys.executable, *sys.argv])
+
+
+def _entry_point() -> str:
+    """`experiments.run` for `python -m experiments.run`, else the script's path."""
+    argv = list(getattr(sys, "orig_argv", None) or [])
+    if "-m" in argv[:-1]:
+        return argv[argv.index("-m") + 1]
+    return os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else "python"
+
+
+def run_description(command: str, run_dir: str | os.PathLike, commit: str) -> str:
+    """The run's Description (markdown): how to make it again, where it lives, which code made it."""
+    return (f"```\n{command}\n```\n\nrun folder: `{Path(run_dir).resolve()}`  \n"
+            f"git commit: `{commit}`")
+
+
+def source_tags(run_dir: str | os.PathLike, command: str | None = None) -> dict[str, str]:
+    """MLflow's Source, git commit and Description fields for a run started by this process."""
+    full = git_sha(full=True)
+    tags = {SOURCE_NAME: _entry_point(), SOURCE_TYPE: "LOCAL",
+            NOTE: run_description(command or command_line(), run_dir, full)}
+    if full != "unknown":
+        tags[GIT_COMMIT] = full
+    return tags
+
+
+def run_params(cfg: Mapping[str, Any], active_keys: Mapping[str, Iterable[str]] | None = None,
+               drop: Iterable[str] = ()) -> dict[str, str]:
+    """The run config as flat params, less the knobs the run never reads.
+
+    `active_keys`: group → the keys its chosen variant reads (e.g. ``{"loss": LossClass.config_keys}``);
+    the group's other keys are dropped. `drop`: dotted prefixes dropped whole (``target.random`` for a
+    checkpoint target). MLflow's compare view then shows only what could have made a difference."""
+    flat = flatten_config(cfg)
+    drop = tuple(drop)
+    keep = {g: {f"{g}.{k}" for k in keys} for g, keys in (active_keys or {}).items()}
+
+    def wanted(key: str) -> bool:
+        if any(key == d or key.startswith(d + ".") for d in drop):
+            return False
+        group = key.split(".", 1)[0]
+        return group not in keep or key in keep[group]
+    return {k: v for k, v in flat.items() if wanted(k)}
+
+
+# Library chatter at run start: MLflow's database setup (2-4 lines on a fresh store), alembic's
+# migration log, the system-metrics monitor's start/stop lines, and transformers' per-kernel fallback
+# notices, which repeat what the target's own kernel report (`dflash.target.kernels`) already says.
+_QUIET_LOGGERS = {"mlflow.store.db.utils": "WARNING", "alembic": "WARNING", "alembic.runtime.migration": "WARNING",
+                  "mlflow.system_metrics": "WARNING", "mlflow.system_metrics.system_metrics_monitor": "WARNING",
+                  "transformers.integrations.hub_kernels": "ERROR"}
+
+
+def quiet_library_logs() -> None:
+    import logging
+    for name, level in _QUIET_LOGGERS.items():
+        logging.getLogger(name).setLevel(level)
+
+
+def mlflow_ui_hint(tracking_uri: str, experiment_id: str | None, run_id: str | None) -> str:
+    """The command that shows this store, and the run's address in it (the UI's default port)."""
+    cmd = f"mlflow ui --backend-store-uri {tracking_uri}"
+    if not (tracking_uri.startswith(("sqlite:", "file:", "postgresql", "mysql")) or "://" not in tracking_uri):
+        cmd = f"open {tracking_uri}"  # a tracking server: it already serves the UI
+        base = tracking_uri.rstrip("/")
+    else:
+        base = "http://127.0.0.1:5000"
+    if experiment_id and run_id:
+        return f"{cmd}  ->  {base}/#/experiments/{experiment_id}/runs/{run_id}"
+    return cmd
+
+
 # --------------------------------------------------------------------------- loggers
 
 
@@ -389,15 +480,22 @@ class MLflowLogger(Logger):
         self._closed = False
         self._resumed = False
         self._existing_params: dict[str, str] = {}
+        self._existing_tags: dict[str, str] = {}
+        self._sysmon: Any = None
         try:
             self._start(run_id)
         except Exception as e:  # store unreachable, mlflow missing, bad uri, ...
             self._disable("could not start the run", e)
             return
         if tags:
-            self.set_tags(tags)
+            self.set_tags({k: v for k, v in tags.items()
+                           if not (k in _WRITE_ONCE_TAGS and self._existing_tags.get(k))})
         if params:
             self.log_params(params)
+        if cfg.system_metrics:
+            from dflash.tracking.sysmetrics import start_system_metrics
+            self._sysmon = start_system_metrics(self._run_id, self.tracking_uri, cfg.system_metrics_interval_s,
+                                                resume=self._resumed)
 
     # ---- state
     @property
@@ -459,6 +557,7 @@ class MLflowLogger(Logger):
         except Exception:
             pass
 
+        quiet_library_logs()  # before the store opens: its schema setup logs 2-4 INFO lines
         self.client = MlflowClient(tracking_uri=self.tracking_uri)
         # sqlite: several processes creating the db/experiment at once may collide; retry.
         attempts = 3 if self.tracking_uri.startswith("sqlite:") else 1
@@ -490,6 +589,7 @@ class MLflowLogger(Logger):
                 self.experiment_id = run.info.experiment_id
                 self.run_name = run.info.run_name or self.run_name
                 self._existing_params = dict(run.data.params)
+                self._existing_tags = dict(run.data.tags)
                 return
         run = self.client.create_run(self.experiment_id, run_name=self.run_name)
         self._run_id = run.info.run_id
@@ -608,6 +708,10 @@ class MLflowLogger(Logger):
         status = str(status).upper()
         if status not in _VALID_STATUSES:
             status = "FINISHED"
+        if self._sysmon is not None:  # its last samples before the run ends (it stops on a closed run)
+            from dflash.tracking.sysmetrics import stop_system_metrics
+            stop_system_metrics(self._sysmon)
+            self._sysmon = None
         if self._active:
             self._call("set_terminated failed", self.client.set_terminated, self._run_id, status)
         self._closed = True
@@ -736,20 +840,25 @@ def build_loggers(
 ) -> MultiLogger:
     """jsonl always; MLflow when ``cfg.enabled``; console when ``cfg.console``.
 
-    ``params`` may be nested (flattened here). Adds tags ``dflash.git_sha``,
-    ``mlflow.source.git.commit`` and ``dflash.run_dir`` unless given. Writes
+    ``params`` may be nested (flattened here). Adds tags ``dflash.git_sha``, ``dflash.run_dir`` and MLflow's
+    own Source / git commit / Description fields (``source_tags``: the command line) unless given. With
+    ``cfg.console`` it prints the run's name, id, folder and the ``mlflow ui`` command first. Writes
     ``run_dir/params.json``, ``run_dir/tags.json`` and, when the MLflow run started,
     ``run_dir/mlflow_run.json`` (tracking_uri, experiment, run_id, run_name).
-    Pass ``run_id`` (e.g. from a checkpoint) to reopen that MLflow run on resume.
+    Pass ``run_id`` (e.g. from a checkpoint) to reopen that MLflow run on resume. The run's name is
+    ``cfg.run_name``, or the run folder's name when that is empty.
     """
     run_dir = Path(run_dir)
+    if not cfg.run_name:  # the MLflow run is named like its folder: one string to find both by
+        cfg = dataclasses.replace(cfg, run_name=run_dir.resolve().name)
     params = flatten_config(params or {})
     all_tags: dict[str, Any] = dict(tags or {})
     sha = git_sha()
     all_tags.setdefault("dflash.git_sha", sha)
-    if sha != "unknown":
-        all_tags.setdefault("mlflow.source.git.commit", sha)
+    for k, v in source_tags(run_dir).items():
+        all_tags.setdefault(k, v)
     all_tags.setdefault("dflash.run_dir", str(run_dir.resolve()))
+    quiet_library_logs()
 
     jsonl = JsonlLogger(run_dir)
     jsonl.log_params(params)
@@ -769,7 +878,19 @@ def build_loggers(
             (run_dir / "mlflow_run.json").write_text(json.dumps(info, indent=1), encoding="utf-8")
     if cfg.console:
         loggers.append(ConsoleLogger(total_steps))
+        print(start_banner(run_dir, loggers[1] if cfg.enabled else None), flush=True)
     return MultiLogger(loggers)
+
+
+def start_banner(run_dir: Path, ml: "MLflowLogger | None") -> str:
+    """What a researcher needs at the start of a run: which run, where, and how to look at it."""
+    lines = [f"run folder: {run_dir.resolve()}"]
+    if ml is not None and ml.run_id is not None:
+        lines.insert(0, f"mlflow run: {ml.run_name} ({ml.run_id}){' resumed' if ml.resumed else ''}")
+        lines.append(f"view: {mlflow_ui_hint(ml.tracking_uri, ml.experiment_id, ml.run_id)}")
+    elif ml is not None:
+        lines.append("mlflow: not tracking (see the warning above); metrics go to metrics.jsonl")
+    return "\n".join(lines)
 
 
 __all__ = [
@@ -783,4 +904,8 @@ __all__ = [
     "flatten_config",
     "git_sha",
     "default_run_name",
+    "run_params",
+    "source_tags",
+    "command_line",
+    "quiet_library_logs",
 ]

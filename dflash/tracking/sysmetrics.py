@@ -1,4 +1,11 @@
-"""Cheap host / GPU resource metrics for periodic logging (keys under ``sys/``).
+"""Host / GPU resource metrics: MLflow's System metrics tab, and ``sys/`` keys for metrics.jsonl.
+
+``start_system_metrics(run_id, uri)`` runs MLflow's own system-metrics monitor on a client-made run
+(``mlflow.system_metrics.SystemMetricsMonitor``, what ``log_system_metrics=True`` starts for a fluent run):
+``system/cpu_utilization_percentage``, memory, disk, network and, with pynvml (nvidia-ml-py), per-GPU
+``system/gpu_{i}_utilization_percentage`` / memory / power, plus this process's torch allocator
+(``system/torch_gpu_{i}_allocated_gb`` / ``_peak_gb``, from ``TorchMemoryMonitor``). Those land in the run's
+System metrics tab, sampled on a wall-clock interval from a background thread: nothing waits on the device.
 
 ``system_metrics()`` never raises: anything unavailable (psutil, CUDA, pynvml, a
 driver hiccup) simply leaves its keys out. It is cheap enough to call every
@@ -31,6 +38,10 @@ def _host_metrics(out: dict[str, float]) -> None:
         pass
     try:
         out["sys/host_mem_used_pct"] = float(psutil.virtual_memory().percent)
+    except Exception:
+        pass
+    try:  # since the previous call (the first call of a process reads 0)
+        out["sys/cpu_util_pct"] = float(psutil.cpu_percent(interval=None))
     except Exception:
         pass
 
@@ -133,7 +144,7 @@ def _gpu_metrics(out: dict[str, float]) -> None:
 def system_metrics() -> dict[str, float]:
     """Host RSS / memory use and, with CUDA, per visible GPU memory (+ NVML util/temp).
 
-    Keys: ``sys/host_rss_gb``, ``sys/host_mem_used_pct``; per GPU ``i``:
+    Keys: ``sys/host_rss_gb``, ``sys/host_mem_used_pct``, ``sys/cpu_util_pct``; per GPU ``i``:
     ``sys/gpu{i}_mem_alloc_gb``, ``sys/gpu{i}_mem_peak_gb`` (torch allocator of
     this process) and, when pynvml works, ``sys/gpu{i}_util_pct``,
     ``sys/gpu{i}_temp_c``, ``sys/gpu{i}_mem_used_gb`` (whole device). Never raises.
@@ -150,4 +161,53 @@ def system_metrics() -> dict[str, float]:
     return out
 
 
-__all__ = ["system_metrics"]
+def _torch_memory_monitor():
+    """A monitor of this process's torch allocator per GPU (NVML sees the device, not the process)."""
+    from mlflow.system_metrics.metrics.base_metrics_monitor import BaseMetricsMonitor
+
+    class TorchMemoryMonitor(BaseMetricsMonitor):
+        def collect_metrics(self):
+            import torch
+            if not torch.cuda.is_available() or not torch.cuda.is_initialized():
+                return
+            for i in range(torch.cuda.device_count()):
+                self._metrics[f"torch_gpu_{i}_allocated_gb"].append(torch.cuda.memory_allocated(i) / _GIB)
+                self._metrics[f"torch_gpu_{i}_peak_gb"].append(torch.cuda.max_memory_allocated(i) / _GIB)
+
+        def aggregate_metrics(self):
+            return {k: round(max(v), 3) for k, v in self._metrics.items() if v}
+
+    return TorchMemoryMonitor()
+
+
+def start_system_metrics(run_id: str, tracking_uri: str, interval_s: float = 10.0, resume: bool = False):
+    """MLflow's system-metrics monitor on `run_id` (a background thread), or None when it cannot start
+    (psutil missing, old MLflow). It stops by itself once the run is no longer RUNNING."""
+    try:
+        from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
+        mon = SystemMetricsMonitor(run_id, sampling_interval=max(float(interval_s), 0.05),
+                                   resume_logging=resume, tracking_uri=tracking_uri)
+        mon.monitors.append(_torch_memory_monitor())
+        mon.start()
+        return mon
+    except Exception as e:  # noqa: BLE001 - resource metrics are never worth a failed run
+        import warnings
+        warnings.warn(f"MLflow system metrics not logged: {type(e).__name__}: {e}", RuntimeWarning, stacklevel=2)
+        return None
+
+
+def stop_system_metrics(monitor) -> None:
+    """Stop the monitor and log what it sampled since its last publish (its loop drops that on shutdown,
+    so a run shorter than one interval would have no system metrics at all). Call it before the run is
+    set terminated. Never raises."""
+    try:
+        monitor.finish()  # joins the thread: the monitors below are ours alone from here
+        pending = monitor.aggregate_metrics()
+        if pending:
+            monitor.publish_metrics(pending)
+            monitor.mlflow_logger.flush()
+    except Exception:  # noqa: BLE001
+        pass
+
+
+__all__ = ["system_metrics", "start_system_metrics", "stop_system_metrics"]

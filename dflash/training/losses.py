@@ -245,10 +245,18 @@ class Loss:
     weighting: str = ""
     needs_soft: bool = False  # set from the term
 
+    # The LossConfig keys this loss reads (what the run logs as params; the others are another loss's knobs):
+    # set from the term's and the weighting's configs.
+    config_keys: tuple[str, ...] = ("name", "chunk_size", "lm_head_grad")
+
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
         if cls.term:
-            cls.needs_soft = TERMS[cls.term].needs_soft
+            term, weighting = TERMS[cls.term], WEIGHTINGS[cls.weighting]
+            cls.needs_soft = term.needs_soft
+            parts = [f.name for part in (term.config, weighting.config) if part is not None
+                     for f in dataclasses.fields(part)]
+            cls.config_keys = (*Loss.config_keys, *(("temperature",) if cls.needs_soft else ()), *parts)
 
     def __init__(self, cfg: LossConfig):
         self.cfg = cfg
@@ -345,7 +353,9 @@ def block_metrics(stats: PositionStats, valid_NK: Tensor) -> dict[str, Tensor]:
 
     ``acc_per_pos`` [K] and ``acc`` average ``correct`` over valid positions;
     ``streak`` is the mean, over blocks with any valid position, of the number
-    of leading correct positions (the draft tokens a greedy verifier accepts).
+    of leading correct positions (the draft tokens a greedy verifier accepts);
+    ``ce`` the plain cross-entropy against the label over valid positions (no
+    weights: the same quantity whichever loss trains).
     """
     correct_NK = (stats.correct & valid_NK).float()
     valid_f_NK = valid_NK.float()
@@ -354,4 +364,5 @@ def block_metrics(stats: PositionStats, valid_NK: Tensor) -> dict[str, Tensor]:
     streak_N = torch.cumprod(correct_NK, dim=1).sum(1)
     block_valid_N = valid_NK.any(dim=1).float()
     streak = (streak_N * block_valid_N).sum() / block_valid_N.sum().clamp_min(1.0)
-    return {"acc_per_pos": acc_per_pos, "acc": acc, "streak": streak}
+    ce = (torch.where(valid_NK, stats.ce, 0.0)).sum() / valid_f_NK.sum().clamp_min(1.0)
+    return {"acc_per_pos": acc_per_pos, "acc": acc, "streak": streak, "ce": ce}

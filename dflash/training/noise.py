@@ -33,6 +33,8 @@ class NoiseConfig:
 class NoiseSchedule(ABC):
     """σ as a function of the trainer's step; `add` draws the noise."""
 
+    config_keys: tuple[str, ...] = ("name", "distribution")  # the NoiseConfig keys this schedule reads
+
     def __init__(self, cfg: NoiseConfig, total_steps: int):
         self.cfg = cfg
         self.total_steps = cfg.steps or total_steps
@@ -68,6 +70,7 @@ register_noise = NOISES.register
 
 @register_noise("none")
 class NoNoise(NoiseSchedule):
+    config_keys = ("name",)
     def sigma_at(self, step: int) -> float:
         return 0.0
 
@@ -76,12 +79,15 @@ class NoNoise(NoiseSchedule):
 class UniformNoise(NoiseSchedule):
     """Fixed ±σ uniform noise (the original pipeline: ±0.05)."""
 
+    config_keys = NoiseSchedule.config_keys + ("sigma",)
+
     def sigma_at(self, step: int) -> float:
         return self.cfg.sigma
 
 
 @register_noise("gaussian")
 class GaussianNoise(NoiseSchedule):
+    config_keys = NoiseSchedule.config_keys + ("sigma",)
     def sigma_at(self, step: int) -> float:
         return self.cfg.sigma
 
@@ -89,6 +95,8 @@ class GaussianNoise(NoiseSchedule):
 @register_noise("cosine")
 class CosineNoise(NoiseSchedule):
     """σ(s) = end + (start − end)·½(1 + cos(π·min(s/S, 1))): strong regularisation early, precision late."""
+
+    config_keys = NoiseSchedule.config_keys + ("start", "end", "steps")
 
     def sigma_at(self, step: int) -> float:
         frac = min(step / max(self.total_steps, 1), 1.0)

@@ -50,8 +50,8 @@ from dflash.tracking.loggers import (
     absolute_sqlite_uri,
     build_loggers,
     default_run_name,
-    flatten_config,
     git_sha,
+    run_params,
 )
 
 log = logging.getLogger(__name__)
@@ -90,10 +90,25 @@ def resolve_run(cfg: RunConfig) -> RunConfig:
     return dataclasses.replace(resumed, run_dir=str(cfg.resume), resume=str(cfg.resume))
 
 
+def run_label(cfg: RunConfig) -> str:
+    """What the run is, in the order a reader compares runs: `hard_ce-cosine-r30_90-s0`."""
+    return f"{cfg.loss.name}-{cfg.noise.name}-{cfg.buffer.name}-s{cfg.seed}"
+
+
 def make_run_dir(cfg: RunConfig) -> Path:
-    run_dir = Path(cfg.run_dir or f"runs/{default_run_name()}-{cfg.loss.name}")
+    """`runs/<label>-<time>`; the folder's name is also the MLflow run's name."""
+    run_dir = Path(cfg.run_dir or f"runs/{default_run_name(run_label(cfg))}")
     run_dir.mkdir(parents=True, exist_ok=True)
     return run_dir
+
+
+def tracked_params(cfg: RunConfig, loss_fn, noise) -> dict[str, str]:
+    """The config as MLflow params, without knobs the run never reads: other losses' and noise schedules'
+    keys (each variant lists its own `config_keys`), the random-target spec of a checkpoint target, and the
+    settings of a switched-off evaluation or promotion (only their `enabled` stays)."""
+    active = {"loss": type(loss_fn).config_keys, "noise": type(noise).config_keys}
+    active.update({group: ("enabled",) for group in ("eval", "promote") if not getattr(cfg, group).enabled})
+    return run_params(to_dict(cfg), active, drop=["target.random"] if cfg.target.path else [])
 
 
 def run_tags(cfg: RunConfig) -> dict[str, str]:
@@ -126,6 +141,7 @@ class MetricAccumulator:
     def reset(self) -> None:
         z = lambda *s: torch.zeros(*s, device=self.device)  # noqa: E731
         self.loss, self.acc, self.streak, self.grad_norm, self.nonfinite = z(()), z(()), z(()), z(()), z(())
+        self.ce = z(())
         self.acc_pos = z(self.K)
         self.steps = 0
 
@@ -135,17 +151,19 @@ class MetricAccumulator:
         self.acc += metrics["acc"]
         self.acc_pos += metrics["acc_per_pos"]
         self.streak += metrics["streak"]
+        self.ce += metrics["ce"]
         self.grad_norm += grad_norm
         self.steps += 1
 
     def read(self) -> dict[str, float]:
         n = max(self.steps, 1)
-        vec = torch.cat([torch.stack([self.loss, self.acc, self.streak, self.grad_norm, self.nonfinite]),
-                         self.acc_pos])
+        vec = torch.cat([torch.stack([self.loss, self.acc, self.streak, self.grad_norm, self.nonfinite,
+                                      self.ce]), self.acc_pos])
         vals = mean_(vec, self.dist).cpu().tolist()  # ranks averaged: one collective per interval
+        # train/ce: plain CE against the target's argmax, whatever the loss: comparable across losses
         out = {"train/loss": vals[0] / n, "train/acc": vals[1] / n, "train/streak": vals[2] / n,
-               "train/grad_norm": vals[3] / n, "train/nonfinite_steps": vals[4]}
-        out.update({f"train/acc_pos{k + 1:02d}": v / n for k, v in enumerate(vals[5:])})
+               "train/grad_norm": vals[3] / n, "train/nonfinite_steps": vals[4], "train/ce": vals[5] / n}
+        out.update({f"train/acc_pos{k + 1:02d}": v / n for k, v in enumerate(vals[6:])})
         return out
 
 
@@ -186,6 +204,7 @@ class Trainer:
                                      fused=self.device.type == "cuda")
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lr_lambda(cfg))
         self.buffer = BucketedBuffer(cfg.buffer, seed=cfg.seed)
+        self.consumed_tokens = 0.0  # trained-on tokens so far, all ranks (the run's budget; restored on resume)
         self.start_step, next_item, replay = self._restore()
         self.source = ItemSource(self.sequences, cfg.seed, next_item, replay, self.dist.rank, self.dist.world)
 
@@ -210,6 +229,7 @@ class Trainer:
         self.drafter.load_state_dict(state["drafter"])
         self.opt.load_state_dict(state["optimizer"])
         self.sched.load_state_dict(state["scheduler"])
+        self.consumed_tokens = float(state.get("consumed_tokens", 0.0))
         if len(state["ranks"]) != self.dist.world:
             raise ConfigError(f"resume={self.cfg.resume!r}: checkpoint written by {len(state['ranks'])} ranks, "
                               f"this run has {self.dist.world} (data order and buffers are per rank)")
@@ -228,7 +248,8 @@ class Trainer:
         if not self.dist.is_main:
             return None
         state = {"step": step, "drafter": self.drafter.state_dict(), "optimizer": self.opt.state_dict(),
-                 "scheduler": self.sched.state_dict(), "ranks": ranks, "config": to_dict(self.cfg)}
+                 "scheduler": self.sched.state_dict(), "ranks": ranks, "config": to_dict(self.cfg),
+                 "consumed_tokens": self.consumed_tokens}  # as of the last metric read
         return save_checkpoint(self.run_dir / "checkpoints", step, state, self.cfg.trainer.keep_checkpoints)
 
     # -- the step API (the loop and the bench call these) -----------------------------------------------
@@ -289,7 +310,7 @@ class Trainer:
         is entered around each loop step (items → `make_batch` → `step` → metrics), outside its
         `dflash.train_step` profiler range: the bench starts and stops a profiler there."""
         c = self.cfg
-        loggers = build_loggers(c.tracking, self.run_dir, flatten_config(to_dict(c)), run_tags(c),
+        loggers = build_loggers(c.tracking, self.run_dir, tracked_params(c, self.loss_fn, self.noise), run_tags(c),
                                 c.trainer.max_steps, run_id=self.run_id or self._saved_run_id()) \
             if self.dist.is_main else MultiLogger([])
         loggers.set_tags({f"kernel.{k}": v for k, v in self.target.kernels.items()})
@@ -359,8 +380,10 @@ class Trainer:
         m["train/lr"] = self.sched.get_last_lr()[0]
         m["train/noise_sigma"] = self.noise.sigma()
         m.update(window.read(self.cfg.buffer.max_depth))
-        if self.cfg.tracking.system_metrics:
-            m.update(system_metrics())
+        self.consumed_tokens += m.pop("data/window_tokens")
+        m["data/consumed_tokens"] = self.consumed_tokens
+        if self.cfg.tracking.system_metrics and not self.cfg.tracking.enabled:  # else MLflow's own monitor
+            m.update(system_metrics())  # logs them (the run's System metrics tab, `system/…`)
         return m
 
     def _finish(self, loggers, metrics: dict) -> Path | None:
@@ -422,9 +445,10 @@ class _Window:
                "perf/consumed_tok_s": self.tokens / wall,
                "perf/drafter_tok_s": self.tokens / max(wall - waited, 1e-9),
                "perf/target_tok_s": (prod_tokens - self.prod0[0]) / max(prod_busy - self.prod0[1], 1e-9),
-               "perf/consumer_wait_frac": waited / wall, "buffer/max_depth": max_depth}
-        if self.dist.enabled:  # throughput of all ranks together
-            keys = [k for k in out if k.endswith("_tok_s")]
+               "perf/consumer_wait_frac": waited / wall, "buffer/max_depth": max_depth,
+               "data/window_tokens": float(self.tokens)}
+        if self.dist.enabled:  # throughput (and tokens) of all ranks together
+            keys = [k for k in out if k.endswith("_tok_s") or k == "data/window_tokens"]
             total = sum_(torch.tensor([out[k] for k in keys], dtype=torch.float64), self.dist).tolist()
             out.update(dict(zip(keys, total)), **{"perf/world_size": self.dist.world})
         out.update({k: v for k, v in stats.items() if k.startswith("buffer/depth") or k == "buffer/total"})

@@ -18,11 +18,15 @@ import dataclasses
 import json
 import random
 import sysconfig
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
 import torch
+
+from dflash.data.corpus import CorpusConfig
+from dflash.data.online import OnlineConfig, validate_online_config
+from dflash.data.pool import PoolConfig, validate_pool_config
 
 
 @dataclass
@@ -38,6 +42,16 @@ class DataConfig:
     regen_prompt_len: int = 32  # target_regen: tokens kept from the corpus; the rest is the target's
     regen_batch_size: int = 64
     regen_cache_dir: str = ".cache/dflash/regen"
+    # memorization guard: a run planned to see its average sequence more often than this warns at start and is
+    # tagged data.over_epoch_limit=true (sweeps and the promotion gate can refuse it); 0: no limit
+    max_epochs: float = 4.0
+    # online: the target writes the training data (dflash.data.online) from prompts of the corpus's TRAIN split
+    corpus: CorpusConfig = field(default_factory=CorpusConfig)
+    pool: PoolConfig = field(default_factory=PoolConfig)
+    online: OnlineConfig = field(default_factory=OnlineConfig)
+
+    def online_seq_len(self) -> int:
+        return self.online.seq_len or self.max_len
 
 
 def _corpus_files(cfg: DataConfig) -> list[Path]:
@@ -101,14 +115,28 @@ def build_training_sequences(cfg: DataConfig, target, seed: int) -> list[torch.T
                                 cfg.regen_cache_dir or None, corpus_fingerprint=fingerprint)
 
 
+def validate_online_data(cfg: DataConfig) -> None:
+    """The online writer's settings (also checked when `trainer.online_data` turns it on)."""
+    validate_pool_config(cfg.pool)
+    validate_online_config(cfg.online, cfg.online_seq_len(), cfg.pool.max_prompt_len)
+    if cfg.corpus.root and not Path(cfg.corpus.root).is_dir():
+        raise FileNotFoundError(f"data.corpus.root={cfg.corpus.root!r} is not a directory")
+
+
 def epoch_order(num: int, seed: int, epoch: int) -> list[int]:
     g = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
     return torch.randperm(num, generator=g).tolist()
 
 
 def validate_data_config(cfg: DataConfig) -> None:
-    if cfg.source not in ("stdlib", "text_files", "synthetic", "target_regen"):
-        raise ValueError(f"data.source={cfg.source!r}; expected stdlib, text_files, synthetic or target_regen")
+    if cfg.source not in ("stdlib", "text_files", "synthetic", "target_regen", "online"):
+        raise ValueError(f"data.source={cfg.source!r}; expected stdlib, text_files, synthetic, target_regen or "
+                         f"online")
+    if cfg.max_epochs < 0:
+        raise ValueError(f"data.max_epochs must be >= 0 (0: no limit), got {cfg.max_epochs}")
+    if cfg.source == "online":
+        validate_online_data(cfg)
+        return
     if cfg.source == "target_regen":
         if cfg.regen_base not in ("stdlib", "text_files", "synthetic"):
             raise ValueError(f"data.regen_base={cfg.regen_base!r}; expected stdlib, text_files or synthetic")

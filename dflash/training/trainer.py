@@ -24,7 +24,6 @@ from dflash.training.buffer import BucketedBuffer
 from dflash.atomic import atomic_write_text
 from dflash.training.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from dflash.config import ConfigError, RunConfig, from_dict, to_dict, validate
-from dflash.data.sources import build_training_sequences
 from dflash.training.distributed import (
     DistInfo,
     broadcast_object,
@@ -39,7 +38,8 @@ from dflash.drafter.model import DFlashDrafter, build_drafter
 from dflash.evaluation import make_evaluator
 from dflash.training.losses import block_metrics, build_loss, compute_position_stats
 from dflash.training.noise import build_noise
-from dflash.training.pipeline import ItemSource, ProducerPool
+from dflash.training.datastream import DataMeter, build_training_data, epoch_guard
+from dflash.training.pipeline import ProducerPool
 from dflash.serving.promotion import auto_promote
 from dflash.tracking.sysmetrics import system_metrics
 from dflash.target.model import Target
@@ -168,7 +168,9 @@ class Trainer:
         if cfg.trainer.compile:
             self.train_model = compile_drafter(self.train_model)
         self.producers_inline = self._inline_producer()
-        self.sequences = build_training_sequences(cfg.data, self.target, cfg.seed)
+        self.data = build_training_data(cfg, self.target, self.dist)  # stored sequences or the online stream
+        self.data_tags = epoch_guard(cfg, self.data, self.dist.world)  # warns now when planned past max_epochs
+        self.data_meter = DataMeter(self.data, cfg.trainer.token_budget, self.dist)
         self.noise = build_noise(cfg.noise, cfg.trainer.max_steps)
         self.opt = torch.optim.AdamW(self.drafter.parameters(), lr=cfg.trainer.lr,
                                      weight_decay=cfg.trainer.weight_decay, betas=(0.9, 0.95),
@@ -176,7 +178,7 @@ class Trainer:
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lr_lambda(cfg))
         self.buffer = BucketedBuffer(cfg.buffer, seed=cfg.seed)
         self.start_step, next_item, replay = self._restore()
-        self.source = ItemSource(self.sequences, cfg.seed, next_item, replay, self.dist.rank, self.dist.world)
+        self.source = self.data.source(next_item, replay, self.dist.rank, self.dist.world)
 
     def _build_drafter(self) -> DFlashDrafter:
         t = self.target
@@ -203,6 +205,7 @@ class Trainer:
         self.buffer.load_state_dict(mine["buffer"])
         torch.set_rng_state(mine["rng"]["torch"])
         random.setstate(mine["rng"]["python"])
+        self.data_meter.load_state_dict(mine.get("data", {}))
         log.info("resumed from %s at step %d", ckpt, state["step"])
         return state["step"], mine["items_put"], [key for _, key in mine["pending_keys"]]
 
@@ -210,7 +213,8 @@ class Trainer:
         """Every rank's buffer, data position and RNG go into rank 0's one file (a collective: all ranks call)."""
         buf_state, pending = self.buffer.snapshot()
         ranks = gather_objects({"buffer": buf_state, "pending_keys": pending, "items_put": sum(buf_state["puts"]),
-                                "rng": {"torch": torch.get_rng_state(), "python": random.getstate()}}, self.dist)
+                                "rng": {"torch": torch.get_rng_state(), "python": random.getstate()},
+                                "data": self.data_meter.state_dict()}, self.dist)
         if not self.dist.is_main:
             return None
         state = {"step": step, "drafter": self.drafter.state_dict(), "optimizer": self.opt.state_dict(),
@@ -267,6 +271,7 @@ class Trainer:
                                 c.trainer.max_steps, run_id=self.run_id or self._saved_run_id()) \
             if self.dist.is_main else MultiLogger([])
         loggers.set_tags({f"kernel.{k}": v for k, v in self.target.kernels.items()})
+        loggers.set_tags(self.data_tags)
         loggers.log_artifact(str(self.run_dir / "config.yaml"))
         status, result = "FAILED", TrainResult(self.run_dir, loggers.run_id)
         producers = self._producers()
@@ -301,13 +306,15 @@ class Trainer:
             self.noise.advance(step)
             items = [producers.next_item() for _ in range(c.trainer.sequences_per_step)]
             with torch.profiler.record_function("dflash.train_step"):  # free unless a profiler runs
-                window.add(self._step(items, acc), len(items))
+                tokens = self._step(items, acc)
+            window.add(tokens, len(items))
+            self.data_meter.add(tokens, len(items))
             done = step + 1
             last = done == c.trainer.max_steps
             if done % c.tracking.log_every == 0 or last:
                 metrics = self._read_metrics(acc, window, done)
                 loggers.log(metrics, done)
-                last = last or self._out_of_time(t_start)
+                last = last or self._out_of_time(t_start) or self.data_meter.over_budget()
             if c.trainer.eval_every and self.evaluator and done % c.trainer.eval_every == 0 and not last:
                 loggers.log(self.evaluator(self.drafter, self.target, done, False, loggers), done)
             if done % c.trainer.checkpoint_every == 0 or last:
@@ -333,6 +340,7 @@ class Trainer:
         m["train/lr"] = self.sched.get_last_lr()[0]
         m["train/noise_sigma"] = self.noise.sigma()
         m.update(window.read(self.cfg.buffer.max_depth))
+        m.update(self.data_meter.read())  # data/epochs, data/consumed_tokens (drives trainer.token_budget)
         if self.cfg.tracking.system_metrics:
             m.update(system_metrics())
         return m

@@ -176,4 +176,4 @@ class ProducerPool:
 
     def perf(self) -> tuple[int, float]:
         """(tokens, seconds) the target spent in forward, summed over producers (measured in Target)."""
-        return self.target.tokens_done, self.target.busy_s
+        return self.target.forward_stats()

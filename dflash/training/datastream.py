@@ -50,6 +50,10 @@ class TrainingData:
     corpus_fingerprint: str
     order_seed: int
 
+    def examples(self) -> list:
+        """What the run trains on, for eval/tau_train: the stored sequences, or the online stream's prompts."""
+        return self.sequences if self.writer is None else self.writer.pool.prompts
+
     def source(self, next_index: int, replay: list[int], rank: int, world: int) -> ItemSource:
         if self.writer is not None:
             return OnlineSource(self.writer, next_index, replay)

@@ -171,6 +171,8 @@ class Trainer:
         self.data = build_training_data(cfg, self.target, self.dist)  # stored sequences or the online stream
         self.data_tags = epoch_guard(cfg, self.data, self.dist.world)  # warns now when planned past max_epochs
         self.data_meter = DataMeter(self.data, cfg.trainer.token_budget, self.dist)
+        if hasattr(self.evaluator, "use_train_sequences"):  # eval/tau_train: the generalization gap
+            self.evaluator.use_train_sequences(self.data.examples())
         self.noise = build_noise(cfg.noise, cfg.trainer.max_steps)
         self.opt = torch.optim.AdamW(self.drafter.parameters(), lr=cfg.trainer.lr,
                                      weight_decay=cfg.trainer.weight_decay, betas=(0.9, 0.95),

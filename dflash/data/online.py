@@ -19,6 +19,7 @@ instead of writing (no trial regenerates what another wrote).
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -183,7 +184,9 @@ class OnlineWriter:
             gen = torch.Generator(device=self.target.device)
             gen.manual_seed(((self.cfg.stream_seed * 1_000_003 + self.world) * 1_000_033 + self.rank) * 7_919 + b)
         t0 = time.perf_counter()
-        tokens = write_continuations(self.target, prompts, self.seq_len, self.cfg.temperature, gen)
+        # the target's own lock: one forward at a time per target (Triton's autotuner is not thread-safe)
+        with getattr(self.target, "_lock", contextlib.nullcontext()):
+            tokens = write_continuations(self.target, prompts, self.seq_len, self.cfg.temperature, gen)
         self.write_s += time.perf_counter() - t0
         self.written_batches += 1
         self.written_tokens += sum(self.seq_len - len(p) for p in prompts)

@@ -24,7 +24,7 @@ from typing import Callable
 
 import torch
 
-from dflash.data.corpus import CorpusConfig
+from dflash.data.corpus import CorpusConfig, validate_corpus_config
 from dflash.data.online import OnlineConfig, validate_online_config
 from dflash.data.pool import PoolConfig, validate_pool_config
 
@@ -46,7 +46,7 @@ class DataConfig:
     # tagged data.over_epoch_limit=true (sweeps and the promotion gate can refuse it); 0: no limit
     max_epochs: float = 4.0
     # online: the target writes the training data (dflash.data.online) from prompts of the corpus's TRAIN split
-    corpus: CorpusConfig = field(default_factory=CorpusConfig)
+    corpus: CorpusConfig = field(default_factory=lambda: CorpusConfig(scope="installed"))  # all the machine's Python
     pool: PoolConfig = field(default_factory=PoolConfig)
     online: OnlineConfig = field(default_factory=OnlineConfig)
 
@@ -119,8 +119,10 @@ def validate_online_data(cfg: DataConfig) -> None:
     """The online writer's settings (also checked when `trainer.online_data` turns it on)."""
     validate_pool_config(cfg.pool)
     validate_online_config(cfg.online, cfg.online_seq_len(), cfg.pool.max_prompt_len)
-    if cfg.corpus.root and not Path(cfg.corpus.root).is_dir():
-        raise FileNotFoundError(f"data.corpus.root={cfg.corpus.root!r} is not a directory")
+    try:
+        validate_corpus_config(cfg.corpus)
+    except (ValueError, FileNotFoundError) as e:
+        raise type(e)(f"data.{e}") from e  # names the key as data.corpus.*
 
 
 def epoch_order(num: int, seed: int, epoch: int) -> list[int]:

@@ -77,6 +77,9 @@ def build_training_data(cfg, target, dist_info: DistInfo) -> TrainingData:
         seqs = build_training_sequences(cfg.data, target, cfg.seed)
         return TrainingData("stored", seqs, None, len(seqs), sum(map(len, seqs)) / len(seqs),
                             sequences_fingerprint(seqs), "", cfg.seed)
+    if cfg.data.source not in ("online", "stdlib"):
+        log.warning("trainer.online_data=true: training on sequences the target writes online; data.source=%s is "
+                    "not used (trainer.online_data=false trains on it)", cfg.data.source)
     from dflash.data.corpus import load_corpus
     from dflash.data.pool import build_prompt_pool
     from dflash.data.sources import validate_online_data

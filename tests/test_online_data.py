@@ -175,3 +175,19 @@ def test_negative_token_budget_is_rejected(fast_cfg):
     from dflash.config import ConfigError, validate
     with pytest.raises(ConfigError, match="trainer.token_budget"):
         validate(fast_cfg("trainer.token_budget=-1"))
+
+
+@pytest.mark.gpu
+def test_gpu_profile_trains_on_online_data(fast_cfg, tmp_path):
+    """`+trainer=gpu` on a GPU: inline producer, online data written on the device (float32: the written rows
+    are the target's own greedy continuations there too), data/ metrics logged."""
+    res = train(fast_cfg("+trainer=gpu", *_online(tmp_path), "+target=tiny_random", "target.dtype=float32",
+                         "trainer.max_steps=6", "trainer.sequences_per_step=4", "trainer.producer_batch=4",
+                         "trainer.num_anchors=4", "trainer.compile=false", "tracking.log_every=3"))
+    last = [r for r in _rows(res.run_dir) if "data/epochs" in r][-1]
+    assert last["data/consumed_sequences"] == 24 and last["perf/write_tok_s"] > 0
+    target = Target(TargetConfig(random=TinyTargetSpec(), layer_ids=[0, 1, 2], device="cuda", dtype="float32"))
+    prompts = [[5, 6, 7], [8, 9, 10, 11, 12]]
+    out = write_continuations(target, prompts, seq_len=20)
+    for p, row in zip(prompts, out):
+        assert torch.equal(row[len(p):], greedy_generate(target, torch.tensor([p]), 20 - len(p))[0])

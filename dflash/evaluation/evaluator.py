@@ -72,6 +72,37 @@ def merged_metrics(reports: Sequence[EvalReport]) -> dict[str, float]:
     return out
 
 
+def summary_table(metrics: dict[str, float], level: float = 0.95) -> str:
+    """One markdown row per suite (`eval/suite/<name>/...`): τ vanilla and prompt lookup's with their
+    intervals, the paired Δ, and every tree budget's τ with its verify cost (nodes per round)."""
+    import math
+    import re
+    suites = sorted({m[1] for k in metrics if (m := re.match(r"^eval/suite/([^/]+)/tau_vanilla$", k))})
+    budgets = sorted({int(m[1]) for k in metrics if (m := re.match(r"^eval/tau_tree_(\d+)$", k))})
+
+    def ci(pre: str, key: str, sign: str = "") -> str:
+        v = metrics.get(pre + key, math.nan)
+        lo, hi = metrics.get(f"{pre}{key}_ci_low", math.nan), metrics.get(f"{pre}{key}_ci_high", math.nan)
+        if math.isnan(v):
+            return "-"
+        return f"{v:{sign}.3f}" + ("" if math.isnan(lo) else f" [{lo:{sign}.3f}, {hi:{sign}.3f}]")
+    pct = f"{100 * level:g}%"
+    head = ["suite", "prompts", f"τ vanilla [{pct} CI]", "τ prompt-lookup", "Δ vs prompt-lookup", "ratio"]
+    head += [f"τ tree-{b} nodes (nodes/round)" for b in budgets]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for s in suites:
+        pre = f"eval/suite/{s}/"
+        cells = [s, f"{metrics.get(pre + 'num_tasks', math.nan):.0f}", ci(pre, "tau_vanilla"),
+                 ci(pre, "tau_prompt_lookup"), ci(pre, "delta_prompt_lookup", "+"),
+                 f"{metrics.get(pre + 'tau_over_prompt_lookup', math.nan):.3f}"]
+        cells += [f"{ci(pre, f'tau_tree_{b}')} ({metrics.get(f'{pre}tree_nodes_{b}', math.nan):.1f})" for b in budgets]
+        lines.append("| " + " | ".join(cells) + " |")
+    if "eval/tau_train" in metrics:
+        lines.append(f"\neval/tau_train {metrics['eval/tau_train']:.3f} (gap to the objective's τ "
+                     f"{metrics['eval/tau_train_gap']:+.3f})")
+    return "\n".join(lines)
+
+
 def train_tasks(sequences: Sequence, tokenizer, count: int) -> list[Task]:
     """`count` prompts from training sequences spread over the list (deterministic)."""
     if count <= 0 or not sequences:
@@ -145,6 +176,8 @@ class SuiteEvaluator:
                     rep.save(self.out_dir if i == 0 else self.out_dir / rep.info["suite_label"])
         if self._train_sequences and cfg.train_tasks > 0:
             metrics.update(self._train_metrics(drafter, target, step, final, metrics["eval/tau_vanilla"]))
+        if final:
+            print(f"eval summary at step {step}:\n{summary_table(metrics, cfg.ci_level)}", flush=True)
         return metrics
 
 

@@ -2,8 +2,8 @@
 prompt pool uses — a function or class header with its docstring (`dflash.data.prompts.header_prompts`) —
 continued for `max_new_tokens` (default 256) tokens, long enough for a drafter to show long streaks.
 
-Files: whatever `dflash.data.corpus.load_corpus(cfg.corpus)` puts in `cfg.split` (`val`, `test`, or
-`heldout` = both); the split is a hash of each file's path, so these files are never trained on by the
+Files: whatever `dflash.data.corpus.load_corpus(CorpusConfig(...))` — the corpus's own defaults, its root
+replaced by `corpus_root` when set — puts in `cfg.split` (`val`, `test`, or `heldout` = both); the split is a hash of each file's path, so these files are never trained on by the
 target nor (for the default corpus) by the drafter's corpus sequences. Prompts: every header prompt of
 those files whose length lies in [min_prompt_chars, max_prompt_chars], at most `max_per_file` per file
 (the first ones in source order), then `num_prompts` of them chosen by sha256 of their name — a fixed,
@@ -20,7 +20,7 @@ import hashlib
 import json
 import logging
 import platform
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from dflash.data.corpus import CorpusConfig, corpus_root, load_corpus
@@ -40,7 +40,11 @@ class HeldoutSuiteConfig:
     min_prompt_chars: int = 40
     max_prompt_chars: int = 1000  # longer headers cost target features (prompt + continuation are cached)
     max_per_file: int = 8  # spread the suite over many files
-    corpus: CorpusConfig = field(default_factory=CorpusConfig)
+    corpus_root: str = ""  # empty: the corpus's default root (dflash.data.corpus.CorpusConfig)
+
+
+def corpus_config(cfg: HeldoutSuiteConfig) -> CorpusConfig:
+    return CorpusConfig(root=cfg.corpus_root) if cfg.corpus_root else CorpusConfig()
 
 
 def validate_heldout(cfg: HeldoutSuiteConfig) -> None:
@@ -59,7 +63,7 @@ def validate_heldout(cfg: HeldoutSuiteConfig) -> None:
 def build_heldout_tasks(cfg: HeldoutSuiteConfig) -> list[Task]:
     """The suite's tasks (no cache); raises ValueError when the split yields no prompt at all."""
     validate_heldout(cfg)
-    corpus = load_corpus(cfg.corpus)
+    corpus = load_corpus(corpus_config(cfg))
     docs = corpus.heldout if cfg.split == "heldout" else getattr(corpus, cfg.split)
     pool: list[Task] = []
     for doc in docs:
@@ -82,7 +86,8 @@ def build_heldout_tasks(cfg: HeldoutSuiteConfig) -> list[Task]:
 
 
 def suite_key(cfg: HeldoutSuiteConfig) -> str:
-    payload = {"cfg": dataclasses.asdict(cfg), "root": str(corpus_root(cfg.corpus)),
+    corpus = corpus_config(cfg)
+    payload = {"cfg": dataclasses.asdict(cfg), "corpus": dataclasses.asdict(corpus), "root": str(corpus_root(corpus)),
                "python": platform.python_version(), "format": 1}
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:20]
 

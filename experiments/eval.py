@@ -96,9 +96,11 @@ def resolve_source(path: Path, overrides: list[str]):
 
         def load_ckpt(dev, state=state, cfg=cfg):
             from dflash.drafter.model import build_drafter
+            from dflash.serving.export import read_target_facts
             from dflash.target.model import read_target_info, resolve_layer_ids, resolve_mask_token
             ti = read_target_info(cfg.target)
-            d = build_drafter(cfg.drafter, ti.hidden_size, ti.num_layers, resolve_mask_token(cfg.target),
+            dc = cfg.drafter.for_target(read_target_facts(cfg.target).rope_theta)  # rope_theta 0: the target's
+            d = build_drafter(dc, ti.hidden_size, ti.num_layers, resolve_mask_token(cfg.target),
                               resolve_layer_ids(cfg.target, ti))
             d.load_state_dict(state["drafter"])
             return d.to(dev)

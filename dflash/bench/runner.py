@@ -27,7 +27,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from dflash.config import RunConfig, validate, with_overrides
 from dflash.training.distributed import init_distributed
-from dflash.training.losses import build_loss, compute_position_stats
+from dflash.training.losses import IGNORE_INDEX, build_loss, compute_position_stats
 from dflash.bench.profiling import profile_kernels, traced_steps
 from dflash.target.model import Target
 from dflash.target.kernels import torch_gdn_path
@@ -206,7 +206,7 @@ class DrafterStepBench:
         B, N, K, H = hidden.shape
         stats = compute_position_stats(hidden.reshape(B * N, K, H), self.drafter.lm_head_VH, self.labels,
                                        chunk_size=self.cfg.loss.chunk_size, lm_head_grad=self.cfg.loss.lm_head_grad)
-        loss = self.loss_fn(stats, self.labels != -100)
+        loss = self.loss_fn.reduce(stats, self.labels != IGNORE_INDEX)
         mark(2)
         loss.backward()
         mark(3)

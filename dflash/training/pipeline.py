@@ -21,9 +21,19 @@ from dataclasses import dataclass
 
 import torch
 
+from dflash.registry import Registry
 from dflash.training.buffer import BucketedBuffer
 from dflash.data.sources import epoch_order
 from dflash.target.model import Target
+
+# trainer.producer_mode -> whether the consumer runs the target itself, given (drafter device, target device).
+# thread: producer threads run the target beside the drafter; inline: the consumer runs it whenever the buffer
+# runs short; auto: inline when both sides share one GPU (they take turns on it anyway).
+PRODUCER_MODES: Registry = Registry("trainer.producer_mode", {
+    "thread": lambda drafter_device, target_device: False,
+    "inline": lambda drafter_device, target_device: True,
+    "auto": lambda drafter_device, target_device: drafter_device.type == "cuda" and drafter_device == target_device,
+})
 
 
 @dataclass

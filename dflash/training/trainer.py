@@ -12,6 +12,7 @@ import logging
 import math
 import random
 import time
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -19,7 +20,7 @@ from typing import Callable
 import torch
 import yaml
 
-from dflash.training.batching import make_batch
+from dflash.training.batching import DrafterBatch, make_batch
 from dflash.training.buffer import BucketedBuffer
 from dflash.atomic import atomic_write_text
 from dflash.training.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
@@ -36,10 +37,10 @@ from dflash.training.distributed import (
 from dflash.training.distributed import shutdown as shutdown_distributed
 from dflash.drafter.model import DFlashDrafter, build_drafter
 from dflash.evaluation import make_evaluator
-from dflash.training.losses import block_metrics, build_loss, compute_position_stats
+from dflash.training.losses import build_loss
 from dflash.training.noise import build_noise
 from dflash.training.datastream import DataMeter, build_training_data, epoch_guard
-from dflash.training.pipeline import ProducerPool
+from dflash.training.pipeline import PRODUCER_MODES, Item, ProducerPool
 from dflash.serving.promotion import auto_promote
 from dflash.tracking.sysmetrics import system_metrics
 from dflash.target.model import Target
@@ -58,6 +59,14 @@ log = logging.getLogger(__name__)
 # An evaluator takes (drafter, target, step, final, logger) and returns `eval/…` metrics; by default
 # `dflash.evaluation.make_evaluator(cfg.eval)` (cheap subset every trainer.eval_every steps, full suite at the end).
 Evaluator = Callable[[DFlashDrafter, Target, int, bool, object], dict]
+
+
+@dataclass
+class StepOutput:
+    """What `Trainer.step` returns: device tensors, read by the host only every tracking.log_every steps."""
+    loss: torch.Tensor  # scalar, detached
+    grad_norm: torch.Tensor  # before clipping
+    metrics: dict[str, torch.Tensor]  # the loss's: acc, acc_per_pos [K], streak
 
 
 @dataclass
@@ -183,8 +192,11 @@ class Trainer:
         self.source = self.data.source(next_item, replay, self.dist.rank, self.dist.world)
 
     def _build_drafter(self) -> DFlashDrafter:
+        from dflash.serving.export import facts_of_target
         t = self.target
-        d = build_drafter(self.cfg.drafter, t.hidden_size, t.info.num_layers, t.mask_token_id, t.layer_ids)
+        self.target_facts = facts_of_target(t)  # rope_theta for drafter.rope_theta=0; the serving folder's facts
+        d = build_drafter(self.cfg.drafter.for_target(self.target_facts.rope_theta), t.hidden_size,
+                          t.info.num_layers, t.mask_token_id, t.layer_ids)
         d = d.to(device=self.device, dtype=getattr(torch, self.cfg.trainer.dtype))
         d.attach_target_head(t.embed_weight(), t.lm_head_weight())
         return d
@@ -223,30 +235,40 @@ class Trainer:
                  "scheduler": self.sched.state_dict(), "ranks": ranks, "config": to_dict(self.cfg)}
         return save_checkpoint(self.run_dir / "checkpoints", step, state, self.cfg.trainer.keep_checkpoints)
 
-    def _step(self, items, acc: MetricAccumulator) -> int:
+    # -- the step API (the loop and the bench call these) -----------------------------------------------
+    def make_batch(self, items: list[Item]) -> DrafterBatch:
+        """The drafter batch of buffered `items`: anchors, feature noise at the schedule's current σ, padding."""
         c = self.cfg
-        batch = make_batch(items, block_size=c.drafter.block_size, num_anchors=c.trainer.num_anchors,
-                           seed=c.seed, noise=self.noise, sigma=self.noise.sigma(), device=self.device,
-                           pad_multiple=c.trainer.pad_multiple, fixed_anchors=c.trainer.compile)
-        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self._autocast()):
+        return make_batch(items, block_size=c.drafter.block_size, num_anchors=c.trainer.num_anchors,
+                          seed=c.seed, noise=self.noise, sigma=self.noise.sigma(), device=self.device,
+                          pad_multiple=c.trainer.pad_multiple, fixed_anchors=c.trainer.compile)
+
+    def step(self, batch: DrafterBatch) -> StepOutput:
+        """One optimizer step on `batch`: drafter forward (bf16 autocast per trainer.autocast), the loss with
+        its own LM-head statistics, backward, gradient clipping, AdamW and the LR schedule. Returns device
+        tensors only (no host sync). The phases are profiler ranges (`dflash.drafter_forward`, `dflash.loss`,
+        `dflash.backward`, `dflash.optimizer`: the bench's sync trace names sites by them), free unless a
+        profiler runs."""
+        record = torch.profiler.record_function
+        with record("dflash.drafter_forward"), torch.autocast(self.device.type, dtype=torch.bfloat16,
+                                                               enabled=self._autocast()):
             hidden = self.train_model(batch.features_BTLH, batch.anchors_BN, batch.anchor_tokens_BN)
-        B, N, K, H = hidden.shape
-        soft = batch.soft_vals_BNKk is not None
-        stats = compute_position_stats(
-            hidden.reshape(B * N, K, H), self.drafter.lm_head_VH, batch.labels_BNK.reshape(B * N, K),
-            soft_vals_NKk=batch.soft_vals_BNKk.flatten(0, 1) if soft else None,
-            soft_idx_NKk=batch.soft_idx_BNKk.flatten(0, 1) if soft else None,
-            temperature=c.loss.temperature, chunk_size=c.loss.chunk_size, need_soft=self.loss_fn.needs_soft,
-            lm_head_grad=c.loss.lm_head_grad)
-        valid = batch.labels_BNK.reshape(B * N, K) != -100
-        loss = self.loss_fn(stats, valid)
-        loss.backward()
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), c.trainer.grad_clip)
-        with torch.profiler.record_function("dflash.optimizer"):  # a phase name for the bench's sync trace
+        with record("dflash.loss"):
+            loss, metrics = self.loss_fn(hidden, self.drafter.lm_head_VH, batch)
+        with record("dflash.backward"):
+            loss.backward()
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), self.cfg.trainer.grad_clip)
+        with record("dflash.optimizer"):
             self.opt.step()
             self.sched.step()
             self.opt.zero_grad(set_to_none=True)
-        acc.add(loss, block_metrics(stats, valid), grad_norm)
+        return StepOutput(loss.detach(), grad_norm, metrics)
+
+    def _step(self, items, acc: MetricAccumulator) -> int:
+        """The loop's step: batch, optimizer step, metrics summed on the device; the tokens consumed."""
+        batch = self.make_batch(items)
+        out = self.step(batch)
+        acc.add(out.loss, out.metrics, out.grad_norm)
         return batch.num_tokens
 
     def _autocast(self) -> bool:
@@ -262,12 +284,14 @@ class Trainer:
                             inline=self.producers_inline).start()
 
     def _inline_producer(self) -> bool:
-        mode = self.cfg.trainer.producer_mode
-        if mode == "auto":  # one GPU for both sides: they take turns on it anyway
-            return self.device.type == "cuda" and self.device == self.target.device
-        return mode == "inline"
+        return PRODUCER_MODES[self.cfg.trainer.producer_mode](self.device, self.target.device)
 
-    def run(self) -> TrainResult:
+    def run(self, final: bool = True,
+            around_step: Callable[[int], AbstractContextManager] | None = None) -> TrainResult:
+        """Train to trainer.max_steps (or the time budget), checkpointing and logging; then, with `final`, export
+        the drafter to `final/` and run the full evaluation (a benchmark passes final=False). `around_step(step)`
+        is entered around each loop step (items → `make_batch` → `step` → metrics), outside its
+        `dflash.train_step` profiler range: the bench starts and stops a profiler there."""
         c = self.cfg
         loggers = build_loggers(c.tracking, self.run_dir, flatten_config(to_dict(c)), run_tags(c),
                                 c.trainer.max_steps, run_id=self.run_id or self._saved_run_id()) \
@@ -278,8 +302,8 @@ class Trainer:
         status, result = "FAILED", TrainResult(self.run_dir, loggers.run_id)
         producers = self._producers()
         try:
-            result.metrics = self._loop(producers, loggers)
-            result.checkpoint = self._finish(loggers, result.metrics)
+            result.metrics = self._loop(producers, loggers, around_step or (lambda step: nullcontext()))
+            result.checkpoint = self._finish(loggers, result.metrics) if final else None
             status = "FINISHED"
         except BaseException as e:  # a pruned sweep trial carries run_status="KILLED"
             status = getattr(e, "run_status", "KILLED" if isinstance(e, KeyboardInterrupt) else "FAILED")
@@ -298,7 +322,7 @@ class Trainer:
         f = self.run_dir / "mlflow_run.json"
         return json.loads(f.read_text()).get("run_id") if (self.cfg.resume and f.is_file()) else None
 
-    def _loop(self, producers: ProducerPool, loggers) -> dict[str, float]:
+    def _loop(self, producers: ProducerPool, loggers, around_step) -> dict[str, float]:
         c, K = self.cfg, self.cfg.drafter.block_size - 1
         acc = MetricAccumulator(K, self.device, self.dist)
         metrics: dict[str, float] = {}
@@ -307,7 +331,7 @@ class Trainer:
         for step in range(self.start_step, c.trainer.max_steps):
             self.noise.advance(step)
             items = [producers.next_item() for _ in range(c.trainer.sequences_per_step)]
-            with torch.profiler.record_function("dflash.train_step"):  # free unless a profiler runs
+            with around_step(step), torch.profiler.record_function("dflash.train_step"):  # free unless profiled
                 tokens = self._step(items, acc)
             window.add(tokens, len(items))
             self.data_meter.add(tokens, len(items))
@@ -352,7 +376,8 @@ class Trainer:
             return None
         final = self.run_dir / "final"
         from dflash.serving.export import save_drafter
-        save_drafter(self.drafter, final, extra={"target": self.cfg.target.name, "loss": self.cfg.loss.name})
+        save_drafter(self.drafter, final, extra={"target": self.cfg.target.name, "loss": self.cfg.loss.name},
+                     target=self.target_facts)
         loggers.log_artifact(str(final), "checkpoint")
         if self.evaluator:
             ev = self.evaluator(self.drafter, self.target, self.final_step, True, loggers)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from dflash.data.corpus import CorpusConfig, validate_corpus_config
 from dflash.tracking.loggers import TrackingConfig
@@ -13,6 +14,7 @@ class PretrainConfig:
     # tokenizer
     vocab_size: int = 4096  # including the 3 special tokens
     tokenizer_min_frequency: int = 2
+    tokenizer_file: str = ""  # a tokenizer.json to use instead of training one (e.g. a shipped target's)
     tokenizer_sample_bytes: int = 48_000_000  # train-split text the BPE learns from (0 = all of it)
     token_cache_dir: str = ".cache/dflash/tokens"  # encoded corpus, keyed by corpus + tokenizer ("" = off)
     # model: Qwen3.5 text config (every 4th layer full attention, the rest Gated DeltaNet)
@@ -105,4 +107,6 @@ def validate_pretrain_config(cfg: PretrainConfig) -> None:
         raise ValueError("pretrain.schedule_by_time=true ties the LR to one job's wall clock, which a resumed "
                          "job cannot continue: set resume=false, or schedule_by_time=false (the LR then "
                          "follows max_steps)")
+    if cfg.tokenizer_file and not Path(cfg.tokenizer_file).is_file():
+        raise FileNotFoundError(f"pretrain.tokenizer_file={cfg.tokenizer_file!r} is not a file")
     validate_corpus_config(cfg.corpus)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import time
+from pathlib import Path
 from dataclasses import dataclass
 
 import torch
@@ -43,6 +44,8 @@ def prepare_data(cfg: PretrainConfig, tokenizer_json: str | None = None) -> Pret
     cstats = corpus.stats()
     log.info("corpus: %s", {k: v for k, v in cstats.items() if k not in ("fingerprint", "roots")})
     t1 = time.perf_counter()
+    if tokenizer_json is None and cfg.tokenizer_file:
+        tokenizer_json = Path(cfg.tokenizer_file).read_text(encoding="utf-8")
     if tokenizer_json is not None:
         tok = load_tokenizer_json(tokenizer_json)
     else:

@@ -118,7 +118,7 @@ def perplexity_on_texts(model, tok, texts: list[str], seq_len: int, batch_size: 
     nbytes = sum(len(t.encode("utf-8")) for t in texts)
     loss = s / max(n, 1)
     return {"loss": loss, "ppl": float(torch.tensor(min(loss, 50.0)).exp()), "tokens": n,
-            "bits_per_byte": s / 0.6931471805599453 / max(nbytes, 1), "files": len(texts)}
+            "bits_per_byte": s / 0.6931471805599453 / max(nbytes, 1), "files": len(texts), "bytes": nbytes}
 
 
 # -- continuations and prompt-lookup τ ----------------------------------------------------------------

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from dflash.training.buffer import BufferConfig, validate_buffer_config
-from dflash.data.sources import DataConfig, validate_data_config
+from dflash.data.sources import DataConfig, validate_data_config, validate_online_data
 from dflash.drafter.model import DrafterConfig, validate_drafter_config
 from dflash.drafter.attention import ATTN_KERNELS
 from dflash.evaluation import EvalConfig, validate_eval_config
@@ -56,6 +56,10 @@ class TrainerConfig:
     eval_every: int = 0  # steps between cheap evals (0 = only at the end)
     time_budget_s: float = 0.0  # stop at the first log interval past this much training time (0: off);
     # the final checkpoint and full eval still run. For equal-time comparisons; the LR follows max_steps.
+    token_budget: int = 0  # stop at the first log interval past this many consumed training tokens (0: off),
+    # all ranks together; then checkpoint and evaluate, as for time_budget_s. For equal-token comparisons.
+    online_data: bool = False  # train on sequences the target writes online (data.pool, data.online), whatever
+    # data.source says (+trainer=gpu: on); the same as data.source=online
 
 
 @dataclass
@@ -95,6 +99,8 @@ def validate(cfg: RunConfig) -> None:
         ATTN_KERNELS.check(cfg.drafter.attn_kernel)
         if cfg.trainer.time_budget_s < 0:
             raise ConfigError(f"trainer.time_budget_s must be >= 0 (0: off), got {cfg.trainer.time_budget_s}")
+        if cfg.trainer.token_budget < 0:
+            raise ConfigError(f"trainer.token_budget must be >= 0 (0: off), got {cfg.trainer.token_budget}")
         _positive("drafter", cfg.drafter, "num_layers", "num_heads", "num_kv_heads", "head_dim",
                   "intermediate_size")
         if cfg.drafter.num_heads % cfg.drafter.num_kv_heads:
@@ -111,6 +117,8 @@ def validate(cfg: RunConfig) -> None:
             raise ConfigError(f"resume={cfg.resume!r}: no checkpoints/ folder there")
         validate_buffer_config(cfg.buffer)
         validate_data_config(cfg.data)
+        if cfg.trainer.online_data:
+            validate_online_data(cfg.data)
         build_noise(cfg.noise, cfg.trainer.max_steps)
         validate_target_config(cfg.target)
         validate_eval_config(cfg.eval)

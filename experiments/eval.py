@@ -284,7 +284,8 @@ def _compare(reports_a, reports_b, ecfg, label_a: str, label_b: str, out: Path, 
 def _compare_table(rows: list[dict], budgets: list[int], level: float, a: str, b: str) -> str:
     def ci(v):
         return f"{v[0]:+.3f} [{v[1]:+.3f}, {v[2]:+.3f}]"
-    head = ["suite", "prompts", "τ A", "τ B", "τ prompt-lookup", "Δ vanilla"] + [f"Δ tree-{x} nodes" for x in budgets]
+    head = ["suite", "prompts", "τ A", "τ B", "τ prompt-lookup", "Δ vanilla"]
+    head += [f"Δ tree-{x} nodes" for x in budgets]
     lines = [f"paired Δτ = A − B, {100 * level:g}% bootstrap CI over prompts, same ground truth "
              f"(A = {a}, B = {b})", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:

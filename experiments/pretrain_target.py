@@ -16,10 +16,13 @@ import shlex
 import sys
 from dataclasses import asdict
 
+from dflash.data.corpus import CorpusConfig
 from dflash.pretrain.recipe import PretrainConfig, pretrain
 from dflash.config import ConfigError
 from experiments.config import run_cli
 
+SHIPPED_PROBES = {"modern_python": "benchmarks/data/modern_python/*.py",  # written for this, in no package
+                  "stdlib311_json_decoder_heapq": "benchmarks/data/stdlib311/*.py"}  # Python 3.11's files
 FALLBACK_PROMPTS = [
     ("fizzbuzz", 'def fizzbuzz(n: int) -> list[str]:\n    """Return the FizzBuzz sequence for 1..n."""\n'),
     ("binary_search", 'def binary_search(items: list[int], target: int) -> int:\n'
@@ -95,7 +98,10 @@ def apply_overrides(cfg, overrides: list[str]):
 def build_config(argv: list[str]) -> PretrainConfig:
     # the shipped recipe: under 10 minutes on one H200 (time_budget_s is the whole pretrain(): setup, then
     # training until finalize_reserve_s before the end, then the final eval, the save and the continuations)
-    cfg = PretrainConfig(results_path="benchmarks/reference_target.md", time_budget_s=480.0)
+    # corpus: every installed package's Python (the CPU default of the library is the standard library alone);
+    # probes: held-out files outside the corpus, scored on the shipped weights
+    cfg = PretrainConfig(results_path="benchmarks/reference_target.md", time_budget_s=480.0,
+                         corpus=CorpusConfig(scope="installed"), probes=dict(SHIPPED_PROBES))
     args, i = [], 0
     while i < len(argv):
         a = argv[i]

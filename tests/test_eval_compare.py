@@ -94,7 +94,8 @@ def test_compare_two_drafters_on_one_ground_truth(tmp_path):
         <= other["eval/compare/delta_tau_vanilla_ci_high"]
     assert "eval/suite/suite/compare/delta_tau_tree_2" in other
     saved = json.loads((tmp_path / "o2" / "report" / "compare.json").read_text())
-    assert saved["suites"][0]["prompts"] == 4 and "Δ tree-2 nodes" in (tmp_path / "o2" / "report" / "compare.md").read_text()
+    assert saved["suites"][0]["prompts"] == 4
+    assert "Δ tree-2 nodes" in (tmp_path / "o2" / "report" / "compare.md").read_text()
 
 
 def test_notebook_ci_table_reads_the_interval_keys():

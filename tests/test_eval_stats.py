@@ -69,7 +69,7 @@ def _brute(tokens, p, k, min_n, max_n):
         if n >= len(ctx):
             continue
         suffix = ctx[len(ctx) - n:]
-        for j in range(len(ctx) - n - 1, -1, -1):  # most recent earlier start first
+        for j in range(len(ctx) - n):  # the earliest occurrence before the suffix itself (vLLM v1)
             if ctx[j:j + n] == suffix:
                 return ctx[j + n:j + n + k]
     return []
@@ -89,10 +89,15 @@ def test_prompt_lookup_matches_brute_force(seed):
 
 
 def test_prompt_lookup_longest_n_first_and_never_reads_the_future():
-    toks = [5, 1, 2, 9, 7, 1, 2, 3, 8, 2]  # suffix [.., 2]: 1-gram [2] last at 6 → 3; no 2-gram [8, 2]
-    assert lookup_draft(toks, 9, 3, 1, 3) == [3, 8, 2]
-    toks = [1, 2, 4, 0, 2, 6, 1, 2]  # 2-gram [1, 2] at 0 → [4, 0, 2] beats 1-gram [2] at 4 → [6, 1, 2]
-    assert lookup_draft(toks, 7, 3, 1, 2) == [4, 0, 2] and lookup_draft(toks, 7, 3, 1, 1) == [6, 1, 2]
+    toks = [5, 1, 2, 9, 7, 1, 2, 3, 8, 2]  # no 2-gram [8, 2] earlier; 1-gram [2] first at 2 → [9, 7, 1]
+    assert lookup_draft(toks, 9, 3, 1, 3) == [9, 7, 1]
+    toks = [1, 3, 2, 6, 2, 4, 1, 2]  # 2-gram [1, 2] at 6 only (itself); 1-gram [2] first at 2 → [6, 2, 4]
+    assert lookup_draft(toks, 7, 3, 1, 2) == [6, 2, 4]
+    toks = [9, 1, 2, 4, 0, 2, 6, 1, 2]  # 2-gram [1, 2] at 1 → [4, 0, 2] beats 1-gram [2] at 2 → [4, 0, 2] too
+    assert lookup_draft(toks, 8, 3, 1, 2) == [4, 0, 2] and lookup_draft(toks, 8, 2, 2, 2) == [4, 0]
+    toks = [2, 5, 1, 2, 7, 1, 2]  # 2-gram [1, 2] at 2 → [7, 1, 2]; 1-gram only: [2] at 0 → [5, 1, 2]
+    assert lookup_draft(toks, 6, 3, 1, 2) == [7, 1, 2] and lookup_draft(toks, 6, 3, 1, 1) == [5, 1, 2]
+    assert lookup_draft([1, 2, 3, 4, 2, 3], 5, 4, 2, 3) == [4, 2, 3]  # vLLM NgramProposer.propose's example
     assert lookup_draft([3, 4, 3], 2, 5, 1, 2) == [4, 3]  # clipped to the committed context
     assert lookup_draft([1, 2, 3], 2, 3, 1, 2) == []
 

@@ -124,7 +124,8 @@ def tiny_cfg(root, tmp_path, **kw) -> PretrainConfig:
                 log_every=4, device="cpu", max_new_tokens=4, out_dir=str(tmp_path / "target"),
                 run_dir=str(tmp_path / "run"), results_path=str(tmp_path / "results.md"),
                 # MLflow itself is covered by test_tracking; its import + sqlite setup costs ~10 s here
-                tracking=TrackingConfig(enabled=False, console=False, system_metrics=False))
+                tracking=TrackingConfig(enabled=False, console=False, system_metrics=False),
+                probe_stdlib_v1=False)  # scoring the whole stdlib test split costs minutes on a busy CPU
     base.update(kw)
     return PretrainConfig(**base)
 
@@ -195,3 +196,27 @@ def test_command_line_overrides(tmp_path):
             build_config(bad)
     prompts = eval_prompts()
     assert prompts and all(isinstance(n, str) and p.strip() for n, p in prompts)
+
+
+def test_two_resumed_jobs_equal_one_run(small_root, tmp_path):
+    """Jobs that resume the run's checkpoint add up to the same training as one job (same weights)."""
+    from safetensors.torch import load_file
+    one = tiny_cfg(small_root, tmp_path / "one", results_path="", token_cache_dir=str(tmp_path / "tok"))
+    r1 = pretrain(one)
+    two = tiny_cfg(small_root, tmp_path / "two", results_path="", job_max_steps=10,
+                   token_cache_dir=str(tmp_path / "tok"), probes={"bisect": str(STDLIB / "bisect.py")})
+    first = pretrain(two)
+    assert first["metrics"]["steps"] == 10 and first["metrics"]["stop_reason"] == "job_max_steps"
+    second = pretrain(two)
+    m = second["metrics"]
+    assert m["steps"] == 20 and pretrain(two)["metrics"]["steps"] == 24 and m["jobs"] == 2
+    last = pretrain(two)  # a finished run: no more steps, the same folder again
+    assert last["metrics"]["steps"] == 24 and last["metrics"]["stop_reason"] == "max_steps"
+    w1 = load_file(str(Path(r1["out_dir"]) / "model.safetensors"))
+    w2 = load_file(str(Path(last["out_dir"]) / "model.safetensors"))
+    assert w1.keys() == w2.keys() and all(torch.equal(w1[k], w2[k]) for k in w1)
+    assert last["metrics"]["test_loss"] == r1["metrics"]["test_loss"]
+    assert last["probes"]["bisect"]["files"] == 1 and last["probes"]["bisect"]["ppl"] > 1
+    # a checkpoint of another model shape is refused, naming the key
+    with pytest.raises(ValueError, match="hidden_size"):
+        pretrain(tiny_cfg(small_root, tmp_path / "two", hidden_size=48, results_path=""))

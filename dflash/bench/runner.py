@@ -249,7 +249,7 @@ def bench_pipeline(cfg: RunConfig, target: Target, b: BenchConfig) -> dict:
                                  num_sequences=max(64, 4 * steps)),
         trainer=dataclasses.replace(cfg.trainer, max_steps=steps, num_anchors=b.anchors,
                                     sequences_per_step=b.drafter_batch, checkpoint_every=10**9,
-                                    eval_every=0, warmup_steps=1),
+                                    eval_every=0, warmup_steps=1, online_data=False),
         tracking=dataclasses.replace(cfg.tracking, enabled=False, console=False,
                                      log_every=max(1, b.pipeline_steps // 2)))
     trainer = Trainer(run_cfg, target=target)

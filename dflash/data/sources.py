@@ -18,12 +18,15 @@ import dataclasses
 import json
 import random
 import sysconfig
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
 import torch
 
+from dflash.data.corpus import CorpusConfig, validate_corpus_config
+from dflash.data.online import OnlineConfig, validate_online_config
+from dflash.data.pool import PoolConfig, validate_pool_config
 from dflash.registry import Registry
 
 
@@ -40,6 +43,16 @@ class DataConfig:
     regen_prompt_len: int = 32  # target_regen: tokens kept from the corpus; the rest is the target's
     regen_batch_size: int = 64
     regen_cache_dir: str = ".cache/dflash/regen"
+    # memorization guard: a run planned to see its average sequence more often than this warns at start and is
+    # tagged data.over_epoch_limit=true (sweeps and the promotion gate can refuse it); 0: no limit
+    max_epochs: float = 4.0
+    # online: the target writes the training data (dflash.data.online) from prompts of the corpus's TRAIN split
+    corpus: CorpusConfig = field(default_factory=lambda: CorpusConfig(scope="installed"))  # all the machine's Python
+    pool: PoolConfig = field(default_factory=PoolConfig)
+    online: OnlineConfig = field(default_factory=OnlineConfig)
+
+    def online_seq_len(self) -> int:
+        return self.online.seq_len or self.max_len
 
 
 def _stdlib_files(cfg: DataConfig) -> list[Path]:
@@ -123,12 +136,27 @@ SOURCES: Registry[Callable[..., list[torch.Tensor]]] = Registry("data.source", {
     "target_regen": _regenerated_sequences,
 })
 REGEN_SOURCES = ("target_regen",)  # sources that need a base source (data.regen_base) of their own
+# sources the trainer's producers write while the run trains (dflash.training.datastream): no list to build
+ONLINE_SOURCES = ("online",)
 
 
 def build_training_sequences(cfg: DataConfig, target, seed: int) -> list[torch.Tensor]:
     """The trainer's sequences (a deterministic list of 1-D LongTensors): `data.source`'s entry in SOURCES."""
     validate_data_config(cfg)
+    if cfg.source in ONLINE_SOURCES:
+        raise ValueError(f"data.source={cfg.source!r} is written while the run trains "
+                         f"(dflash.training.datastream.build_training_data), not built up front")
     return SOURCES.build(cfg.source, cfg, target, seed)
+
+
+def validate_online_data(cfg: DataConfig) -> None:
+    """The online writer's settings (also checked when `trainer.online_data` turns it on)."""
+    validate_pool_config(cfg.pool)
+    validate_online_config(cfg.online, cfg.online_seq_len(), cfg.pool.max_prompt_len)
+    try:
+        validate_corpus_config(cfg.corpus)
+    except (ValueError, FileNotFoundError) as e:
+        raise type(e)(f"data.{e}") from e  # names the key as data.corpus.*
 
 
 def epoch_order(num: int, seed: int, epoch: int) -> list[int]:
@@ -137,6 +165,11 @@ def epoch_order(num: int, seed: int, epoch: int) -> list[int]:
 
 
 def validate_data_config(cfg: DataConfig) -> None:
+    if cfg.max_epochs < 0:
+        raise ValueError(f"data.max_epochs must be >= 0 (0: no limit), got {cfg.max_epochs}")
+    if cfg.source in ONLINE_SOURCES:
+        validate_online_data(cfg)
+        return
     SOURCES.check(cfg.source)
     if cfg.source in REGEN_SOURCES:
         if cfg.regen_base in REGEN_SOURCES or cfg.regen_base not in SOURCES:

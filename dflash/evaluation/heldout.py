@@ -3,8 +3,8 @@ prompt pool uses — a function or class header with its docstring (`dflash.data
 continued for `max_new_tokens` (default 256) tokens, long enough for a drafter to show long streaks.
 
 Files: whatever `dflash.data.corpus.load_corpus(CorpusConfig(...))` — the corpus's own defaults, its root
-replaced by `corpus_root` when set — puts in `cfg.split` (`val`, `test`, or `heldout` = both); the split is a hash of each file's path, so these files are never trained on by the
-target nor (for the default corpus) by the drafter's corpus sequences. Prompts: every header prompt of
+replaced by `corpus_root` when set — puts in `cfg.split` (`val`, `test`, or `heldout` = both); the split is a
+hash of each file's path, so the target never trained on these files. Prompts: every header prompt of
 those files whose length lies in [min_prompt_chars, max_prompt_chars], at most `max_per_file` per file
 (the first ones in source order), then `num_prompts` of them chosen by sha256 of their name — a fixed,
 seed-free sample that does not move when other files are added.

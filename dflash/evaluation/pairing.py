@@ -22,6 +22,10 @@ class NotPaired(ValueError):
     """The two tables cannot be compared prompt for prompt (different ground truth, missing columns)."""
 
 
+class DifferentGroundTruth(NotPaired):
+    """Both tables are complete but ran on different ground truth (target, prompts or lengths)."""
+
+
 @dataclass(frozen=True)
 class MetricColumns:
     artifact: str  # the task table's artifact path in the run
@@ -60,8 +64,10 @@ def paired_delta(table_a: dict, table_b: dict, cols_a: tuple[str, str], cols_b: 
                  level: float = 0.95, n_boot: int = 2000) -> Interval:
     """Δ = τ_A − τ_B over the prompts both tables ran, on one ground truth; raises NotPaired otherwise."""
     ka, kb = ground_truth_of(table_a), ground_truth_of(table_b)
-    if not ka or ka != kb:
-        raise NotPaired("the two evaluations ran on different ground truth (target, prompts or continuation "
+    if not ka or not kb:
+        raise NotPaired("a task table without info.ground_truth_key (written before issue 19)")
+    if ka != kb:
+        raise DifferentGroundTruth("the two evaluations ran on different ground truth (target, prompts or continuation "
                         f"length differ: {ka[:12] or 'none'} vs {kb[:12] or 'none'})")
     na, sa, ca = per_task(table_a, *cols_a)
     nb, sb, cb = per_task(table_b, *cols_b)
@@ -70,4 +76,4 @@ def paired_delta(table_a: dict, table_b: dict, cols_a: tuple[str, str], cols_b: 
     return paired_delta_ci(sa, ca, sb, cb, level, n_boot)
 
 
-__all__ = ["MetricColumns", "NotPaired", "metric_columns", "per_task", "paired_delta", "ground_truth_of"]
+__all__ = ["MetricColumns", "NotPaired", "DifferentGroundTruth", "metric_columns", "per_task", "paired_delta", "ground_truth_of"]

@@ -3,20 +3,19 @@ baseline a trained drafter must beat (issue 19).
 
 At a round whose committed context is `tokens[0..p]` (the anchor at p included), take the longest suffix
 of the context of length n, n from `max_n` down to `min_n`, that also occurs earlier in the context; the
-draft is the tokens that followed its most recent earlier occurrence, up to `block_size − 1` of them and
-never past the committed context. No match for any n: no draft (τ = 1 for that round).
+draft is the tokens that followed its earliest occurrence (as vLLM v1's `NgramProposer` picks it), up to
+`block_size − 1` of them and never past the committed context. No match for any n: no draft (τ = 1 for that round).
 
 It runs through the same simulator as the drafter (`acceptance.simulate`): it returns a `Proposal` (one
 token per position, a single chain; a position without a draft carries the id −1, which never matches),
 so its tree τ equals its vanilla τ and only the vanilla figure is reported.
 
 Lookups use a per-task index {n-gram: sorted start positions} over the task's tokens, built once; a
-query at p considers only starts before the suffix's own start (an occurrence may overlap the suffix), found
-by bisection, so no token after p is ever read.
+query at p considers only starts before the suffix's own start (an occurrence may overlap the suffix), so
+no token after p is ever read.
 """
 from __future__ import annotations
 
-import bisect
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -47,21 +46,20 @@ def lookup_draft(tokens: list[int], p: int, k: int, min_n: int, max_n: int,
     ctx_end = p + 1  # tokens[:ctx_end] is committed
     for n in range(min(max_n, ctx_end - 1), min_n - 1, -1):
         suffix = tuple(tokens[ctx_end - n:ctx_end])
-        last = _last_start(tokens, suffix, ctx_end - n, index)
-        if last is not None:
-            start = last + n
+        first = _first_start(tokens, suffix, ctx_end - n, index)
+        if first is not None:
+            start = first + n
             return tokens[start:min(start + k, ctx_end)]
     return []
 
 
-def _last_start(tokens, suffix, before: int, index) -> int | None:
-    """Largest start j < `before` with tokens[j:j+n] == suffix."""
+def _first_start(tokens, suffix, before: int, index) -> int | None:
+    """Smallest start j < `before` with tokens[j:j+n] == suffix."""
     if index is not None:
         starts = index.get(suffix, ())
-        i = bisect.bisect_left(starts, before)
-        return starts[i - 1] if i > 0 else None
+        return starts[0] if starts and starts[0] < before else None
     n = len(suffix)
-    for j in range(before - 1, -1, -1):
+    for j in range(before):
         if tuple(tokens[j:j + n]) == suffix:
             return j
     return None

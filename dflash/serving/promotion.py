@@ -286,7 +286,7 @@ def _task_table(client, run_id: str, artifact: str) -> dict | None:
 
 
 def _evidence(client, run, holder, cfg: PromoteConfig) -> Evidence:
-    from dflash.evaluation.pairing import NotPaired, metric_columns, paired_delta
+    from dflash.evaluation.pairing import DifferentGroundTruth, NotPaired, metric_columns, paired_delta
     ev = Evidence()
     cols = metric_columns(cfg.metric)
     table = _task_table(client, run.info.run_id, cols.artifact) if cols else None
@@ -310,7 +310,7 @@ def _evidence(client, run, holder, cfg: PromoteConfig) -> Evidence:
         ev.comparison = "paired"
     except NotPaired as e:
         ev.comparison, ev.not_paired = "point", str(e)
-        ev.different_truth = "different ground truth" in str(e)
+        ev.different_truth = isinstance(e, DifferentGroundTruth)
     return ev
 
 

@@ -233,6 +233,7 @@ class Target:
         # Triton's autotuner (FLA kernels) is not thread-safe — two threads tuning the same kernel race.
         self._lock = threading.Lock()
         self.busy_s, self.tokens_done = 0.0, 0  # forward time and tokens, for perf/target_tok_s
+        self._timings: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []  # GPU forwards not yet timed
 
     def _load(self):
         if not self.cfg.path:
@@ -281,14 +282,35 @@ class Target:
         input_ids_BT = input_ids_BT.to(self.device)
         with self._lock:
             t0 = time.perf_counter()
+            cuda = input_ids_BT.is_cuda
+            if cuda:  # timed by CUDA events read at the next log interval, not a host sync per forward: a
+                # sync here idles the GPU while the host then builds the drafter's batch (issue 20)
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
             out = self.decoder(input_ids=input_ids_BT, output_hidden_states=True, use_cache=False)
             feats = torch.stack([out.hidden_states[i + 1] for i in self.layer_ids], dim=2)
             labels, vals, idx = self.labels_from_hidden(out.last_hidden_state, soft_top_k)
-            if feats.is_cuda:
-                torch.cuda.current_stream(feats.device).synchronize()  # producer thread only
-            self.busy_s += time.perf_counter() - t0
+            if cuda:
+                end.record()
+                self._timings.append((start, end))
+                if len(self._timings) > 256:  # long done by now: bound the list where nobody reads it
+                    self._resolve_timings(128)
+            else:
+                self.busy_s += time.perf_counter() - t0
             self.tokens_done += input_ids_BT.numel()
         return TargetBatch(feats, labels, vals, idx)
+
+    def _resolve_timings(self, n: int | None = None) -> None:
+        done, self._timings = self._timings[:n], self._timings[len(self._timings[:n]):]
+        for start, end in done:
+            end.synchronize()
+            self.busy_s += start.elapsed_time(end) / 1e3
+
+    def forward_stats(self) -> tuple[int, float]:
+        """(tokens, seconds) of `forward_features` so far (GPU time on CUDA; waits for the last forward)."""
+        with self._lock:
+            self._resolve_timings()
+            return self.tokens_done, self.busy_s
 
     def labels_from_hidden(self, last_BTH: torch.Tensor, soft_top_k: int):
         """LM head in chunks of positions: the full [T, V] logits of a 250k vocabulary never live at once."""

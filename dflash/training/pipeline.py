@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass
 
 import torch
@@ -56,6 +57,7 @@ class ItemSource:
     def __init__(self, sequences: list[torch.Tensor], seed: int, next_index: int = 0,
                  replay: list[int] | None = None, rank: int = 0, world: int = 1):
         self.sequences = sequences
+        self.size = len(sequences)  # items per epoch
         self.seed = seed
         self.rank, self.world = rank, world
         self._next = next_index
@@ -64,7 +66,7 @@ class ItemSource:
         self._lock = threading.Lock()
 
     def locate(self, g: int) -> tuple[int, int]:
-        n = len(self.sequences)
+        n = self.size
         epoch = g // n
         if epoch not in self._orders:
             self._orders = {epoch: epoch_order(n, self.seed, epoch)}
@@ -77,6 +79,10 @@ class ItemSource:
             else:
                 g, self._next = self._next * self.world + self.rank, self._next + 1
             return (g, *self.locate(g))
+
+    def sequences_for(self, claims: list[tuple[int, int, int]]) -> list[torch.Tensor]:
+        """The token sequences of claimed (key, epoch, index) triples (an online source writes them)."""
+        return [self.sequences[idx] for _, _, idx in claims]
 
 
 def length_groups(lengths: list[int], max_waste: float = 0.25) -> list[list[int]]:
@@ -100,13 +106,17 @@ class ProducerPool:
 
     `inline`: no threads; the consumer tops the buffer up itself (`next_item`) whenever a get would wait.
     On one GPU shared by target and drafter the two sides serialise on the device anyway, and a second
-    Python thread only adds contention for the GIL and the allocator (measured in benchmarks/RESULTS.md)."""
+    Python thread only adds contention for the GIL and the allocator (measured in benchmarks/RESULTS.md).
+    An inline producer runs `batch` sequences per forward even when the buffer has less room: the rest wait in
+    `staged` (claimed, in claim order, not yet put). A checkpoint counts only what was put, so a resume claims
+    the staged keys again and produces exactly the same items."""
 
     def __init__(self, target: Target, buffer: BucketedBuffer, source: ItemSource, n: int,
                  soft_top_k: int, batch: int = 1, inline: bool = False):
         self.target, self.buffer, self.source = target, buffer, source
         self.soft_top_k, self.batch, self.inline = soft_top_k, batch, inline
         self.inline_s = 0.0  # consumer time spent producing (inline mode): counted as its wait
+        self.staged: deque[Item] = deque()  # inline mode: produced, not yet put (the buffer was full)
         self.stop = threading.Event()
         self.threads = [] if inline else [threading.Thread(target=self._run, name=f"producer-{i}", daemon=True)
                                           for i in range(n)]
@@ -121,19 +131,23 @@ class ProducerPool:
 
         Right-padding is exact for a causal model: attention, the Gated-DeltaNet recurrence and its short
         convolution only look back, so positions < len never see the pad tokens."""
-        seqs = [self.source.sequences[idx] for _, _, idx in claims]
+        seqs = self.source.sequences_for(claims)
         items: list[Item | None] = [None] * len(claims)
         for group in length_groups([s.numel() for s in seqs]):
             T = seqs[group[0]].numel()
             ids = torch.zeros(len(group), T, dtype=seqs[group[0]].dtype)
             for row, i in enumerate(group):
                 ids[row, : seqs[i].numel()] = seqs[i]
+            # one host → device copy per group, from pinned memory: a per-item `.to(device)` from pageable
+            # memory blocks the host until the stream drains (a sync per item)
+            ids = ids.pin_memory().to(self.target.device, non_blocking=True) if self.target.device.type == "cuda" \
+                else ids.to(self.target.device)
             out = self.target.forward_features(ids, self.soft_top_k)
             for row, i in enumerate(group):
                 L, (g, epoch, idx) = seqs[i].numel(), claims[i]
                 soft = (None, None) if out.soft_vals_BTk is None else \
                     (out.soft_vals_BTk[row, :L], out.soft_idx_BTk[row, :L])
-                items[i] = Item(g, epoch, idx, seqs[i].to(self.target.device), out.features_BTLH[row, :L],
+                items[i] = Item(g, epoch, idx, ids[row, :L], out.features_BTLH[row, :L],
                                 out.labels_BT[row, :L], *soft)
         return items
 
@@ -142,8 +156,11 @@ class ProducerPool:
         if self.inline:
             t0 = time.perf_counter()
             while not self.buffer.ready():
-                claims = [self.source.claim() for _ in range(max(1, min(self.batch, self.buffer.space())))]
-                self._put(self.produce(claims))
+                if not self.staged:  # a whole producer batch per target forward, whatever the buffer's depth
+                    self.staged.extend(self.produce([self.source.claim() for _ in range(self.batch)]))
+                while self.staged and self.buffer.space():
+                    item = self.staged.popleft()
+                    self.buffer.put(item, item.tokens_T.numel(), key=item.key)
             self.inline_s += time.perf_counter() - t0
         return self.buffer.get()
 
@@ -169,4 +186,4 @@ class ProducerPool:
 
     def perf(self) -> tuple[int, float]:
         """(tokens, seconds) the target spent in forward, summed over producers (measured in Target)."""
-        return self.target.tokens_done, self.target.busy_s
+        return self.target.forward_stats()

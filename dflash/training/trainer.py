@@ -25,7 +25,6 @@ from dflash.training.buffer import BucketedBuffer
 from dflash.atomic import atomic_write_text
 from dflash.training.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from dflash.config import ConfigError, RunConfig, from_dict, to_dict, validate
-from dflash.data.sources import build_training_sequences
 from dflash.training.distributed import (
     DistInfo,
     broadcast_object,
@@ -40,7 +39,8 @@ from dflash.drafter.model import DFlashDrafter, build_drafter
 from dflash.evaluation import make_evaluator
 from dflash.training.losses import build_loss
 from dflash.training.noise import build_noise
-from dflash.training.pipeline import PRODUCER_MODES, Item, ItemSource, ProducerPool
+from dflash.training.datastream import DataMeter, build_training_data, epoch_guard
+from dflash.training.pipeline import PRODUCER_MODES, Item, ProducerPool
 from dflash.serving.promotion import auto_promote
 from dflash.tracking.sysmetrics import system_metrics
 from dflash.target.model import Target
@@ -195,18 +195,19 @@ class Trainer:
         if cfg.trainer.compile:
             self.train_model = compile_drafter(self.train_model)
         self.producers_inline = self._inline_producer()
-        self.sequences = build_training_sequences(cfg.data, self.target, cfg.seed)
+        self.data = build_training_data(cfg, self.target, self.dist)  # stored sequences or the online stream
+        self.data_tags = epoch_guard(cfg, self.data, self.dist.world)  # warns now when planned past max_epochs
+        self.data_meter = DataMeter(self.data, cfg.trainer.token_budget, self.dist)
         if hasattr(self.evaluator, "use_train_sequences"):  # eval/tau_train: the generalization gap
-            self.evaluator.use_train_sequences(self.sequences)
+            self.evaluator.use_train_sequences(self.data.examples())
         self.noise = build_noise(cfg.noise, cfg.trainer.max_steps)
         self.opt = torch.optim.AdamW(self.drafter.parameters(), lr=cfg.trainer.lr,
                                      weight_decay=cfg.trainer.weight_decay, betas=(0.9, 0.95),
                                      fused=self.device.type == "cuda")
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lr_lambda(cfg))
         self.buffer = BucketedBuffer(cfg.buffer, seed=cfg.seed)
-        self.consumed_tokens = 0.0  # trained-on tokens so far, all ranks (the run's budget; restored on resume)
         self.start_step, next_item, replay = self._restore()
-        self.source = ItemSource(self.sequences, cfg.seed, next_item, replay, self.dist.rank, self.dist.world)
+        self.source = self.data.source(next_item, replay, self.dist.rank, self.dist.world)
 
     def _build_drafter(self) -> DFlashDrafter:
         from dflash.serving.export import facts_of_target
@@ -229,7 +230,6 @@ class Trainer:
         self.drafter.load_state_dict(state["drafter"])
         self.opt.load_state_dict(state["optimizer"])
         self.sched.load_state_dict(state["scheduler"])
-        self.consumed_tokens = float(state.get("consumed_tokens", 0.0))
         if len(state["ranks"]) != self.dist.world:
             raise ConfigError(f"resume={self.cfg.resume!r}: checkpoint written by {len(state['ranks'])} ranks, "
                               f"this run has {self.dist.world} (data order and buffers are per rank)")
@@ -237,6 +237,7 @@ class Trainer:
         self.buffer.load_state_dict(mine["buffer"])
         torch.set_rng_state(mine["rng"]["torch"])
         random.setstate(mine["rng"]["python"])
+        self.data_meter.load_state_dict(mine.get("data", {}))
         log.info("resumed from %s at step %d", ckpt, state["step"])
         return state["step"], mine["items_put"], [key for _, key in mine["pending_keys"]]
 
@@ -244,12 +245,12 @@ class Trainer:
         """Every rank's buffer, data position and RNG go into rank 0's one file (a collective: all ranks call)."""
         buf_state, pending = self.buffer.snapshot()
         ranks = gather_objects({"buffer": buf_state, "pending_keys": pending, "items_put": sum(buf_state["puts"]),
-                                "rng": {"torch": torch.get_rng_state(), "python": random.getstate()}}, self.dist)
+                                "rng": {"torch": torch.get_rng_state(), "python": random.getstate()},
+                                "data": self.data_meter.state_dict()}, self.dist)
         if not self.dist.is_main:
             return None
         state = {"step": step, "drafter": self.drafter.state_dict(), "optimizer": self.opt.state_dict(),
-                 "scheduler": self.sched.state_dict(), "ranks": ranks, "config": to_dict(self.cfg),
-                 "consumed_tokens": self.consumed_tokens}  # as of the last metric read
+                 "scheduler": self.sched.state_dict(), "ranks": ranks, "config": to_dict(self.cfg)}
         return save_checkpoint(self.run_dir / "checkpoints", step, state, self.cfg.trainer.keep_checkpoints)
 
     # -- the step API (the loop and the bench call these) -----------------------------------------------
@@ -314,6 +315,7 @@ class Trainer:
                                 c.trainer.max_steps, run_id=self.run_id or self._saved_run_id()) \
             if self.dist.is_main else MultiLogger([])
         loggers.set_tags({f"kernel.{k}": v for k, v in self.target.kernels.items()})
+        loggers.set_tags(self.data_tags)
         loggers.log_artifact(str(self.run_dir / "config.yaml"))
         status, result = "FAILED", TrainResult(self.run_dir, loggers.run_id)
         producers = self._producers()
@@ -348,13 +350,15 @@ class Trainer:
             self.noise.advance(step)
             items = [producers.next_item() for _ in range(c.trainer.sequences_per_step)]
             with around_step(step), torch.profiler.record_function("dflash.train_step"):  # free unless profiled
-                window.add(self._step(items, acc), len(items))
+                tokens = self._step(items, acc)
+            window.add(tokens, len(items))
+            self.data_meter.add(tokens, len(items))
             done = step + 1
             last = done == c.trainer.max_steps
             if done % c.tracking.log_every == 0 or last:
                 metrics = self._read_metrics(acc, window, done)
                 loggers.log(metrics, done)
-                last = last or self._out_of_time(t_start)
+                last = last or self._out_of_time(t_start) or self.data_meter.over_budget()
             if c.trainer.eval_every and self.evaluator and done % c.trainer.eval_every == 0 and not last:
                 loggers.log(self.evaluator(self.drafter, self.target, done, False, loggers), done)
             if done % c.trainer.checkpoint_every == 0 or last:
@@ -380,8 +384,7 @@ class Trainer:
         m["train/lr"] = self.sched.get_last_lr()[0]
         m["train/noise_sigma"] = self.noise.sigma()
         m.update(window.read(self.cfg.buffer.max_depth))
-        self.consumed_tokens += m.pop("data/window_tokens")
-        m["data/consumed_tokens"] = self.consumed_tokens
+        m.update(self.data_meter.read())  # data/epochs, data/consumed_tokens (drives trainer.token_budget)
         if self.cfg.tracking.system_metrics and not self.cfg.tracking.enabled:  # else MLflow's own monitor
             m.update(system_metrics())  # logs them (the run's System metrics tab, `system/…`)
         return m
@@ -445,10 +448,9 @@ class _Window:
                "perf/consumed_tok_s": self.tokens / wall,
                "perf/drafter_tok_s": self.tokens / max(wall - waited, 1e-9),
                "perf/target_tok_s": (prod_tokens - self.prod0[0]) / max(prod_busy - self.prod0[1], 1e-9),
-               "perf/consumer_wait_frac": waited / wall, "buffer/max_depth": max_depth,
-               "data/window_tokens": float(self.tokens)}
+               "perf/consumer_wait_frac": waited / wall, "buffer/max_depth": max_depth}
         if self.dist.enabled:  # throughput (and tokens) of all ranks together
-            keys = [k for k in out if k.endswith("_tok_s") or k == "data/window_tokens"]
+            keys = [k for k in out if k.endswith("_tok_s")]
             total = sum_(torch.tensor([out[k] for k in keys], dtype=torch.float64), self.dist).tolist()
             out.update(dict(zip(keys, total)), **{"perf/world_size": self.dist.world})
         out.update({k: v for k, v in stats.items() if k.startswith("buffer/depth") or k == "buffer/total"})

@@ -1,0 +1,198 @@
+"""Online target-written training data (issue 20 §3): the target writes every training sequence while the run
+trains, so a run never needs to see a sequence twice.
+
+The stream: item key g (the trainer's global item index; rank r of `world` takes g = n·world + r) names
+prompt `order(epoch)[g mod P]` of the prompt pool (P prompts, `dflash.data.pool`; epoch = g div P, a seeded
+permutation per epoch, `stream_seed`). The target continues the prompt to exactly `seq_len` tokens, greedy by
+default (`temperature` > 0 samples, seeded per written batch). Every sequence has the same length, so the
+target's feature forward and the drafter step see one static shape.
+
+Writing is batched wide: a rank's items n = b·W .. (b+1)·W − 1 (`write_batch` W) are one written batch,
+generated together with the KV / recurrent cache (`write_continuations`: a prefill of the shortest prompt, then
+one token per step for every row; rows still inside their own prompt are fed their prompt token instead of
+the target's choice, so prompts of different lengths share a batch without padding and every row is exactly
+what the target writes for its prompt alone). A batch is a pure function of its keys: an exact resume writes
+the same tokens again, or reads them back. With `shard_dir` set each written batch is saved as a shard keyed
+by a fingerprint of everything that decides it (target, dtype, pool, length, sampling, stream seed, world and
+rank), atomically and checksummed; later runs and every sweep trial with the same data settings read the shards
+instead of writing (no trial regenerates what another wrote).
+"""
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from dflash.atomic import load_checked, save_checked
+from dflash.data.pool import PromptPool
+from dflash.target.cache import cache_kwarg, new_hf_cache
+
+log = logging.getLogger(__name__)
+
+FORMAT_VERSION = 1
+_MAGIC = b"DFLASH-ONLINE\n"
+
+
+@dataclass
+class OnlineConfig:
+    seq_len: int = 0  # tokens per written sequence (prompt + continuation); 0: data.max_len
+    write_batch: int = 1024  # sequences the target writes together (one generation batch, one shard)
+    temperature: float = 0.0  # 0: greedy; > 0: sampled continuations (labels stay the target's argmax)
+    stream_seed: int = 0  # prompt order and sampling; not the run seed, so trials of a sweep share shards
+    shard_dir: str = ".cache/dflash/online"  # written batches saved here and reused; empty: none
+    keep_batches: int = 4  # written batches kept in memory (a resume's replay reaches back into the last ones)
+
+
+def validate_online_config(cfg: OnlineConfig, seq_len: int, max_prompt_len: int) -> None:
+    if cfg.write_batch < 1:
+        raise ValueError(f"data.online.write_batch must be >= 1, got {cfg.write_batch}")
+    if cfg.temperature < 0:
+        raise ValueError(f"data.online.temperature must be >= 0 (0: greedy), got {cfg.temperature}")
+    if cfg.keep_batches < 1:
+        raise ValueError(f"data.online.keep_batches must be >= 1, got {cfg.keep_batches}")
+    if seq_len <= max_prompt_len:
+        raise ValueError(f"data.online.seq_len ({seq_len}; 0 means data.max_len) must exceed "
+                         f"data.pool.max_prompt_len ({max_prompt_len}): the target must write something")
+
+
+# -- writing --------------------------------------------------------------------------------------------
+def _choose(target, last_B1H: torch.Tensor, temperature: float, gen: torch.Generator | None) -> torch.Tensor:
+    if temperature <= 0:  # the target's own greedy pick (its chunked LM head, as everywhere else)
+        return target.labels_from_hidden(last_B1H, 0)[0][:, -1]
+    logits = (last_B1H[:, -1] @ target.lm_head_weight().T).float() / temperature
+    u = torch.rand(logits.shape, generator=gen, device=logits.device).clamp_(1e-20, 1.0)
+    return (logits - torch.log(-torch.log(u))).argmax(-1)  # Gumbel-max: a sample of softmax(logits / T)
+
+
+@torch.no_grad()
+def write_continuations(target, prompts: list[list[int]], seq_len: int, temperature: float = 0.0,
+                        generator: torch.Generator | None = None) -> torch.Tensor:
+    """Each prompt continued by the target to exactly `seq_len` tokens: LongTensor [B, seq_len] on the CPU.
+
+    One prefill of the shortest prompt's length, then one cached decode step per position for the whole
+    batch (static [B, 1] inputs); a row still inside its prompt is fed its own prompt token, so it sees exactly
+    the tokens it would alone. Never stops early (an end-of-text token is just another token)."""
+    lens = [len(p) for p in prompts]
+    if not prompts or min(lens) < 1 or max(lens) >= seq_len:
+        raise ValueError(f"write_continuations: need non-empty prompts shorter than seq_len={seq_len} "
+                         f"(got lengths {min(lens, default=0)}..{max(lens, default=0)})")
+    dev, B = target.device, len(prompts)
+    seq = torch.zeros(B, seq_len, dtype=torch.long)
+    for r, p in enumerate(prompts):
+        seq[r, :len(p)] = torch.tensor(p, dtype=torch.long)
+    seq = seq.to(dev)
+    in_prompt_BT = (torch.arange(seq_len)[None] < torch.tensor(lens)[:, None]).to(dev)
+    p0 = min(lens)
+    decoder = target.decoder
+    cache, kw = new_hf_cache(decoder), cache_kwarg(decoder)
+    pos = torch.arange(p0, device=dev)[None].expand(B, -1)
+    h = decoder(input_ids=seq[:, :p0], position_ids=pos, use_cache=True, **{kw: cache}).last_hidden_state
+    for t in range(p0, seq_len):
+        tok = torch.where(in_prompt_BT[:, t], seq[:, t], _choose(target, h[:, -1:], temperature, generator))
+        seq[:, t] = tok
+        if t + 1 < seq_len:
+            pos = torch.full((B, 1), t, device=dev, dtype=torch.long)
+            h = decoder(input_ids=tok[:, None], position_ids=pos, use_cache=True, **{kw: cache}).last_hidden_state
+    return seq.cpu()
+
+
+# -- the stream -----------------------------------------------------------------------------------------
+class OnlineWriter:
+    """Key → written sequence, by written batches (memory → shard → the target writes it). Thread-safe."""
+
+    def __init__(self, target, pool: PromptPool, cfg: OnlineConfig, seq_len: int, rank: int = 0, world: int = 1):
+        self.target, self.pool, self.cfg, self.seq_len = target, pool, cfg, seq_len
+        self.rank, self.world = rank, world
+        self.fingerprint = self._fingerprint()
+        self._batches: OrderedDict[int, torch.Tensor] = OrderedDict()
+        self._orders: OrderedDict[int, list[int]] = OrderedDict()
+        self._lock = threading.Lock()
+        # what the engine did, for data/ and perf/ metrics
+        self.written_batches = self.shard_reads = self.written_tokens = 0
+        self.write_s = 0.0
+
+    @property
+    def size(self) -> int:
+        return len(self.pool)
+
+    def _fingerprint(self) -> str:
+        t = self.target
+        payload = {"format": FORMAT_VERSION, "target": str(t.identity), "dtype": str(t.dtype),
+                   "device_type": t.device.type, "pool": self.pool.fingerprint, "seq_len": self.seq_len,
+                   "temperature": self.cfg.temperature, "stream_seed": self.cfg.stream_seed,
+                   "write_batch": self.cfg.write_batch, "world": self.world, "rank": self.rank}
+        return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
+
+    def shard_path(self, b: int) -> Path | None:
+        d = self.cfg.shard_dir
+        return Path(d) / self.fingerprint[:24] / f"batch-{b:08d}.pt" if d else None
+
+    def prompt_index(self, g: int) -> int:
+        from dflash.data.sources import epoch_order  # (sources holds this module's config: import here)
+        epoch, pos = divmod(g, self.size)
+        if epoch not in self._orders:
+            self._orders[epoch] = epoch_order(self.size, self.cfg.stream_seed, epoch)
+            while len(self._orders) > 2:
+                self._orders.popitem(last=False)
+        return self._orders[epoch][pos]
+
+    def batch_keys(self, b: int) -> list[int]:
+        W = self.cfg.write_batch
+        return [(b * W + j) * self.world + self.rank for j in range(W)]
+
+    def sequence(self, g: int) -> torch.Tensor:
+        n = g // self.world
+        if g % self.world != self.rank:
+            raise ValueError(f"item {g} belongs to rank {g % self.world}, not {self.rank}")
+        b, row = divmod(n, self.cfg.write_batch)
+        with self._lock:
+            if b not in self._batches:
+                self._batches[b] = self._load_or_write(b)
+                while len(self._batches) > self.cfg.keep_batches:
+                    self._batches.popitem(last=False)
+            return self._batches[b][row]
+
+    def _load_or_write(self, b: int) -> torch.Tensor:
+        path = self.shard_path(b)
+        key = f"{self.fingerprint}:{b}"
+        if path is not None and path.is_file():
+            try:
+                tokens = load_checked(path, _MAGIC, FORMAT_VERSION, key)["tokens"]
+                if tokens.shape != (self.cfg.write_batch, self.seq_len) or tokens.dtype != torch.long:
+                    raise ValueError(f"shape {tuple(tokens.shape)}")
+                self.shard_reads += 1
+                return tokens
+            except Exception as e:  # noqa: BLE001 - torn, corrupt or foreign: write it again
+                log.warning("online data: shard %s unusable (%s); writing it again", path, e)
+        tokens = self._write(b)
+        if path is not None:
+            save_checked(path, _MAGIC, FORMAT_VERSION, key, {"tokens": tokens})
+        return tokens
+
+    def _write(self, b: int) -> torch.Tensor:
+        prompts = [self.pool.prompts[self.prompt_index(g)] for g in self.batch_keys(b)]
+        gen = None
+        if self.cfg.temperature > 0:
+            gen = torch.Generator(device=self.target.device)
+            gen.manual_seed(((self.cfg.stream_seed * 1_000_003 + self.world) * 1_000_033 + self.rank) * 7_919 + b)
+        t0 = time.perf_counter()
+        # the target's own lock: one forward at a time per target (Triton's autotuner is not thread-safe)
+        with getattr(self.target, "_lock", contextlib.nullcontext()):
+            tokens = write_continuations(self.target, prompts, self.seq_len, self.cfg.temperature, gen)
+        self.write_s += time.perf_counter() - t0
+        self.written_batches += 1
+        self.written_tokens += sum(self.seq_len - len(p) for p in prompts)
+        return tokens
+
+    def stats(self) -> dict[str, float]:
+        return {"data/written_batches": self.written_batches, "data/shard_reads": self.shard_reads,
+                "data/written_tokens": self.written_tokens,
+                "perf/write_tok_s": self.written_tokens / self.write_s if self.write_s else 0.0}

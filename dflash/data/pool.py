@@ -1,0 +1,157 @@
+"""The training prompt pool (issue 20 §2): prompts like the ones users evaluate on, from the TRAIN split only.
+
+Two kinds, mixed by `data.pool.headers_frac`:
+- `header`: a function or class header with its docstring (`dflash.data.prompts.header_prompts`, found with
+  `ast`), the shape of the eval suites' prompts, so the eval prompts are in the training distribution without
+  being in the training data;
+- `chunk`: a plain chunk of a training file, starting at a line start drawn from a seeded generator, of
+  `chunk_min_len..chunk_max_len` tokens.
+
+A prompt is a token list of at most `max_prompt_len` tokens (longer header prompts are left out: a cut
+docstring is not an eval-shaped prompt). The pool is deterministic for (corpus, tokenizer, settings); its
+fingerprint keys every cache built on it (the online writer's shards). Building it reads only the train
+split's text (headers parsed per file, chunks tokenized from a window of their file), and the result is cached
+under `cache_dir` by fingerprint, written atomically and checksummed.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import random
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from dflash.atomic import load_checked, save_checked
+from dflash.data.corpus import Corpus
+from dflash.data.prompts import header_prompts
+
+log = logging.getLogger(__name__)
+
+FORMAT_VERSION = 1
+_MAGIC = b"DFLASH-POOL\n"
+KINDS = ("header", "chunk")
+
+
+@dataclass
+class PoolConfig:
+    headers_frac: float = 0.5  # share of the pool that is header + docstring prompts; the rest file chunks
+    size: int = 0  # prompts in the pool; 0: every header prompt of the train split plus chunks to the mix
+    max_prompt_len: int = 192  # tokens; longer header prompts are left out
+    chunk_min_len: int = 16  # tokens of a plain file-chunk prompt, drawn uniformly in [min, max]
+    chunk_max_len: int = 128
+    seed: int = 0  # chunk positions and the selection when `size` is below what the corpus offers
+    cache_dir: str = ".cache/dflash/pool"  # empty: no disk cache
+
+
+def validate_pool_config(cfg: PoolConfig) -> None:
+    if not 0.0 <= cfg.headers_frac <= 1.0:
+        raise ValueError(f"data.pool.headers_frac must lie in [0, 1], got {cfg.headers_frac}")
+    if cfg.headers_frac == 0.0 and cfg.size <= 0:
+        raise ValueError("data.pool.size must be > 0 when data.pool.headers_frac is 0 (chunks only: how many?)")
+    if cfg.size < 0:
+        raise ValueError(f"data.pool.size must be >= 0 (0: derived from the corpus), got {cfg.size}")
+    if not 1 <= cfg.chunk_min_len <= cfg.chunk_max_len <= cfg.max_prompt_len:
+        raise ValueError(f"data.pool: need 1 <= chunk_min_len <= chunk_max_len <= max_prompt_len, got "
+                         f"{cfg.chunk_min_len} / {cfg.chunk_max_len} / {cfg.max_prompt_len}")
+
+
+@dataclass
+class PromptPool:
+    prompts: list[list[int]]
+    kinds: list[str]  # "header" | "chunk", one per prompt
+    fingerprint: str
+    corpus_fingerprint: str
+    stats: dict = field(default_factory=dict)
+
+    def __len__(self) -> int:
+        return len(self.prompts)
+
+
+def encode_many(tokenizer, texts: list[str]) -> list[list[int]]:
+    """Token ids of each text, batched where the tokenizer can (a fast HF tokenizer encodes in Rust)."""
+    if not texts:
+        return []
+    if hasattr(tokenizer, "convert_ids_to_tokens"):  # a Hugging Face tokenizer
+        return [list(ids) for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]]
+    return [list(tokenizer.encode(t)) for t in texts]
+
+
+def pool_fingerprint(corpus_fingerprint: str, tokenizer_identity: str, cfg: PoolConfig) -> str:
+    payload = {"format": FORMAT_VERSION, "corpus": corpus_fingerprint, "tokenizer": tokenizer_identity,
+               "cfg": {k: v for k, v in asdict(cfg).items() if k != "cache_dir"}}
+    return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
+
+
+def _header_prompts(corpus: Corpus, tokenizer, max_len: int) -> list[list[int]]:
+    texts = [p for doc in corpus.train for _, p in header_prompts(doc.text, doc.path + ":")]
+    return [ids for ids in encode_many(tokenizer, texts) if 0 < len(ids) <= max_len]
+
+
+def _chunk_prompts(corpus: Corpus, tokenizer, n: int, cfg: PoolConfig) -> list[list[int]]:
+    """`n` chunks, each from a seeded train file at a seeded line start; a chunk that comes out shorter than
+    `chunk_min_len` (the file ends) is drawn again elsewhere."""
+    rng = random.Random(cfg.seed * 1_000_003 + 17)
+    docs = [d for d in corpus.train if d.text.strip()]
+    out: list[list[int]] = []
+    for _ in range(20):  # rounds of redraws for the chunks that came out short
+        if len(out) >= n:
+            break
+        want = [(rng.choice(docs), rng.randint(cfg.chunk_min_len, cfg.chunk_max_len)) for _ in range(n - len(out))]
+        windows = []
+        for doc, length in want:
+            s = doc.text.find("\n", rng.randrange(len(doc.text))) + 1  # the next line start (0: wraps)
+            windows.append(doc.text[s:s + 8 * length + 64])  # ample characters for `length` tokens
+        for ids, (_, length) in zip(encode_many(tokenizer, windows), want):
+            if len(ids) >= max(length, cfg.chunk_min_len):
+                out.append(ids[:length])
+    if len(out) < n:
+        raise ValueError(f"data.pool: could draw only {len(out)} of {n} file-chunk prompts of >= "
+                         f"{cfg.chunk_min_len} tokens from the train split")
+    return out
+
+
+def _mix(headers: list[list[int]], cfg: PoolConfig, corpus: Corpus, tokenizer) -> tuple[list, list]:
+    rng = random.Random(cfg.seed * 1_000_003 + 5)
+    f = cfg.headers_frac
+    if cfg.size > 0:
+        n_h = min(round(cfg.size * f), len(headers))
+        n_c = cfg.size - n_h if f < 1.0 else 0
+        if n_h < len(headers):
+            headers = [headers[i] for i in sorted(rng.sample(range(len(headers)), n_h))]
+    else:
+        n_c = round(len(headers) * (1 - f) / f)
+    if f > 0 and not headers:
+        raise ValueError("data.pool: the train split has no function / class with a docstring of <= "
+                         f"{cfg.max_prompt_len} tokens (headers_frac={f} asks for them)")
+    chunks = _chunk_prompts(corpus, tokenizer, n_c, cfg) if n_c else []
+    return headers + chunks, ["header"] * len(headers) + ["chunk"] * len(chunks)
+
+
+def build_prompt_pool(corpus: Corpus, tokenizer, cfg: PoolConfig, tokenizer_identity: str) -> PromptPool:
+    """The pool for `corpus`'s TRAIN split (held-out files never reach it), cached by fingerprint."""
+    validate_pool_config(cfg)
+    key = pool_fingerprint(corpus.fingerprint, tokenizer_identity, cfg)
+    path = Path(cfg.cache_dir) / f"pool-{key[:32]}.pt" if cfg.cache_dir else None
+    if path is not None and path.is_file():
+        try:
+            data = load_checked(path, _MAGIC, FORMAT_VERSION, key)
+            lengths, flat = [int(n) for n in data["lengths"]], data["tokens"]
+            prompts = [t.tolist() for t in torch.split(flat, lengths)]
+            return PromptPool(prompts, list(data["kinds"]), key, corpus.fingerprint, dict(data["stats"]))
+        except Exception as e:  # noqa: BLE001 - torn, corrupt or foreign: rebuild
+            log.warning("prompt pool: cache file %s unusable (%s); rebuilding", path, e)
+    headers = _header_prompts(corpus, tokenizer, cfg.max_prompt_len)
+    prompts, kinds = _mix(headers, cfg, corpus, tokenizer)
+    stats = {"prompts": len(prompts), "header_prompts": kinds.count("header"),
+             "chunk_prompts": kinds.count("chunk"), "train_files": len(corpus.train),
+             "mean_prompt_len": sum(map(len, prompts)) / max(len(prompts), 1)}
+    if path is not None:
+        flat = torch.tensor([t for p in prompts for t in p], dtype=torch.int64)
+        save_checked(path, _MAGIC, FORMAT_VERSION, key, {"lengths": [len(p) for p in prompts], "tokens": flat,
+                                                         "kinds": kinds, "stats": stats})
+    log.info("prompt pool: %d prompts (%d header + docstring, %d file chunks) from %d train files",
+             len(prompts), stats["header_prompts"], stats["chunk_prompts"], len(corpus.train))
+    return PromptPool(prompts, kinds, key, corpus.fingerprint, stats)

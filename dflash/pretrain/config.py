@@ -1,0 +1,112 @@
+"""The pretraining recipe's config (`PretrainConfig`) and its checks, made before any work starts."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from dflash.data.corpus import CorpusConfig, validate_corpus_config
+from dflash.tracking.loggers import TrackingConfig
+
+
+@dataclass
+class PretrainConfig:
+    corpus: CorpusConfig = field(default_factory=CorpusConfig)
+    # tokenizer
+    vocab_size: int = 4096  # including the 3 special tokens
+    tokenizer_min_frequency: int = 2
+    tokenizer_file: str = ""  # a tokenizer.json to use instead of training one (e.g. a shipped target's)
+    tokenizer_sample_bytes: int = 48_000_000  # train-split text the BPE learns from (0 = all of it)
+    token_cache_dir: str = ".cache/dflash/tokens"  # encoded corpus, keyed by corpus + tokenizer ("" = off)
+    # model: Qwen3.5 text config (every 4th layer full attention, the rest Gated DeltaNet)
+    hidden_size: int = 384
+    num_layers: int = 8
+    intermediate_size: int = 1024
+    num_heads: int = 6
+    num_kv_heads: int = 2
+    head_dim: int = 64
+    linear_num_key_heads: int = 4
+    linear_num_value_heads: int = 8
+    linear_head_dim: int = 64
+    linear_conv_kernel_dim: int = 4
+    tie_word_embeddings: bool = False  # untied, like Qwen3.6-27B
+    max_position_embeddings: int = 4096
+    max_bf16_bytes: int = 40_000_000  # the shipped weights must stay under this
+    # training
+    seq_len: int = 512
+    batch_size: int = 32
+    max_steps: int = 20000
+    lr: float = 1e-3
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 200
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    grad_clip: float = 1.0
+    # time_budget_s: wall clock for this job (setup included); 0 = none. The job stops training
+    # finalize_reserve_s before its end (final eval, save, continuations), checkpoints, and writes the folder.
+    time_budget_s: float = 0.0
+    finalize_reserve_s: float = 90.0
+    # true: the cosine's progress is also pushed on by this job's wall clock (one-job runs end decayed);
+    # false: the LR follows max_steps alone, so several jobs that resume each other make one schedule
+    schedule_by_time: bool = False
+    job_max_steps: int = 0  # steps this job may train before it checkpoints and stops (0 = no cap)
+    resume: bool = True  # continue from state_dir's checkpoint when there is one
+    state_dir: str = ""  # the resume checkpoint's folder; empty → <run_dir>/state
+    checkpoint_every: int = 1000  # steps between resume checkpoints (and at every stop); 0 = only at stops
+    eval_every: int = 200  # steps between val evals (0 = only at the end)
+    eval_tokens: int = 131072  # val tokens per eval (cap)
+    final_eval_tokens: int = 2_000_000  # test tokens for the final numbers (cap)
+    keep_best: bool = True  # ship the best-val snapshot rather than the last step
+    log_every: int = 50  # steps between metric logs (the loop's only host sync)
+    device: str = "auto"
+    autocast: str = "auto"  # auto: bf16 on CUDA, off on CPU; or bfloat16 / off
+    gdn_kernels: str = "auto"  # auto (measure), torch, fla
+    grad_check_tol: float = 0.05
+    seed: int = 0
+    # outputs
+    out_dir: str = "dflash/assets/reference_target"
+    run_dir: str = ""  # metrics.jsonl / params; empty → runs/<timestamp>-pretrain_target
+    results_path: str = ""  # results markdown; empty → none
+    max_new_tokens: int = 64  # greedy continuation length for the eval prompts
+    lookup_draft_len: int = 15  # prompt-lookup τ: tokens proposed per step (a 16-token DFlash block's worth)
+    # probes: held-out perplexity on files outside the corpus, name → glob (relative to the working dir);
+    # `stdlib_v1_test` (the first reference target's test files) is added when `probe_stdlib_v1` is set
+    probes: dict[str, str] = field(default_factory=dict)
+    probe_stdlib_v1: bool = True
+    layer_ids: list[int] = field(default_factory=list)  # recorded for the drafter; empty → default
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
+
+
+_POSITIVE = ("vocab_size", "hidden_size", "num_layers", "intermediate_size", "num_heads", "num_kv_heads",
+             "head_dim", "linear_num_key_heads", "linear_num_value_heads", "linear_head_dim", "seq_len",
+             "batch_size", "max_steps", "lr", "log_every", "lookup_draft_len")
+
+
+def validate_pretrain_config(cfg: PretrainConfig) -> None:
+    for k in _POSITIVE:
+        if getattr(cfg, k) <= 0:
+            raise ValueError(f"pretrain.{k} must be > 0, got {getattr(cfg, k)}")
+    if cfg.seq_len < 2:
+        raise ValueError("pretrain.seq_len must be >= 2")
+    if cfg.num_heads % cfg.num_kv_heads:
+        raise ValueError("pretrain.num_heads must be a multiple of num_kv_heads")
+    if cfg.linear_num_value_heads % cfg.linear_num_key_heads:
+        raise ValueError("pretrain.linear_num_value_heads must be a multiple of linear_num_key_heads")
+    if cfg.gdn_kernels not in ("auto", "torch", "fla"):
+        raise ValueError(f"pretrain.gdn_kernels={cfg.gdn_kernels!r}; expected auto, torch or fla")
+    if cfg.autocast not in ("auto", "bfloat16", "off"):
+        raise ValueError(f"pretrain.autocast={cfg.autocast!r}; expected auto, bfloat16 or off")
+    if not 0 <= cfg.min_lr_ratio <= 1:
+        raise ValueError("pretrain.min_lr_ratio must lie in [0, 1]")
+    if cfg.time_budget_s < 0 or cfg.finalize_reserve_s < 0:
+        raise ValueError("pretrain.time_budget_s and finalize_reserve_s must be >= 0")
+    for k in ("checkpoint_every", "tokenizer_sample_bytes", "job_max_steps"):
+        if getattr(cfg, k) < 0:
+            raise ValueError(f"pretrain.{k} must be >= 0, got {getattr(cfg, k)}")
+    if cfg.resume and cfg.schedule_by_time and cfg.time_budget_s > 0:
+        raise ValueError("pretrain.schedule_by_time=true ties the LR to one job's wall clock, which a resumed "
+                         "job cannot continue: set resume=false, or schedule_by_time=false (the LR then "
+                         "follows max_steps)")
+    if cfg.tokenizer_file and not Path(cfg.tokenizer_file).is_file():
+        raise FileNotFoundError(f"pretrain.tokenizer_file={cfg.tokenizer_file!r} is not a file")
+    validate_corpus_config(cfg.corpus)

@@ -1,0 +1,157 @@
+"""What a run trains on, and how often it has seen it (issue 20 §3–4).
+
+`build_training_data` gives the run its data before the first step: stored sequences (`data.source`) or the
+online stream the target writes (`data.source=online`, or `trainer.online_data`, which `+trainer=gpu` turns
+on; `dflash.data.online`). Either way the data's size in distinct sequences is known up front, so the
+memorization guard can warn before any work: a run planned to see its average sequence more than
+`data.max_epochs` times logs a loud warning and carries the tag `data.over_epoch_limit=true`.
+
+`DataMeter` counts what the consumer trained on (all ranks together) and logs `data/epochs` (how often the
+average distinct sequence has been seen), `data/unique_sequences`, `data/consumed_tokens` and the online
+writer's own figures; it holds `trainer.token_budget` (stop at the first log interval past that many consumed
+tokens). Its counts are part of a checkpoint, so a resumed run goes on counting.
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import math
+from dataclasses import dataclass
+
+import torch
+
+from dflash.data.online import OnlineWriter
+from dflash.data.sources import build_training_sequences
+from dflash.training.distributed import DistInfo, sum_
+from dflash.training.pipeline import ItemSource
+
+log = logging.getLogger(__name__)
+
+
+class OnlineSource(ItemSource):
+    """Item keys → sequences the target writes (or wrote into a shard earlier); epochs are prompt-pool epochs."""
+
+    def __init__(self, writer: OnlineWriter, next_index: int = 0, replay: list[int] | None = None):
+        super().__init__([], writer.cfg.stream_seed, next_index, replay, writer.rank, writer.world)
+        self.size, self.writer = writer.size, writer
+
+    def sequences_for(self, claims: list[tuple[int, int, int]]) -> list[torch.Tensor]:
+        return [self.writer.sequence(g) for g, _, _ in claims]
+
+
+@dataclass
+class TrainingData:
+    kind: str  # "stored" | "online"
+    sequences: list[torch.Tensor] | None  # stored data
+    writer: OnlineWriter | None  # online data
+    unique: int  # distinct sequences the data holds; 0: unbounded (sampled online writing)
+    mean_len: float
+    fingerprint: str
+    corpus_fingerprint: str
+    order_seed: int
+
+    def examples(self) -> list:
+        """What the run trains on, for eval/tau_train: the stored sequences, or the online stream's prompts."""
+        return self.sequences if self.writer is None else self.writer.pool.prompts
+
+    def source(self, next_index: int, replay: list[int], rank: int, world: int) -> ItemSource:
+        if self.writer is not None:
+            return OnlineSource(self.writer, next_index, replay)
+        return ItemSource(self.sequences, self.order_seed, next_index, replay, rank, world)
+
+
+def uses_online(cfg) -> bool:
+    return cfg.data.source == "online" or cfg.trainer.online_data
+
+
+def sequences_fingerprint(seqs: list[torch.Tensor]) -> str:
+    h = hashlib.sha256()
+    for s in seqs:
+        h.update(len(s).to_bytes(4, "little"))
+        h.update(s.to(torch.int64).numpy().tobytes())
+    return h.hexdigest()
+
+
+def build_training_data(cfg, target, dist_info: DistInfo) -> TrainingData:
+    if not uses_online(cfg):
+        seqs = build_training_sequences(cfg.data, target, cfg.seed)
+        return TrainingData("stored", seqs, None, len(seqs), sum(map(len, seqs)) / len(seqs),
+                            sequences_fingerprint(seqs), "", cfg.seed)
+    if cfg.data.source not in ("online", "stdlib"):
+        log.warning("trainer.online_data=true: training on sequences the target writes online; data.source=%s is "
+                    "not used (trainer.online_data=false trains on it)", cfg.data.source)
+    from dflash.data.corpus import load_corpus
+    from dflash.data.pool import build_prompt_pool
+    from dflash.data.sources import validate_online_data
+    d = cfg.data
+    validate_online_data(d)
+    corpus = load_corpus(d.corpus)
+    pool = build_prompt_pool(corpus, target.tokenizer, d.pool, str(target.identity))
+    writer = OnlineWriter(target, pool, d.online, d.online_seq_len(), dist_info.rank, dist_info.world)
+    unique = 0 if d.online.temperature > 0 else len(pool)  # greedy: one prompt, one sequence
+    return TrainingData("online", None, writer, unique, float(d.online_seq_len()), writer.fingerprint,
+                        corpus.fingerprint, d.online.stream_seed)
+
+
+def planned_items(cfg, data: TrainingData, world: int) -> int:
+    """Items the run will consume at most: its steps, or fewer when the token budget ends it first."""
+    t = cfg.trainer
+    per_step = t.sequences_per_step * world
+    items = t.max_steps * per_step
+    if t.token_budget > 0:  # stops at the first log interval past the budget
+        steps = math.ceil(t.token_budget / (data.mean_len * per_step))
+        steps = math.ceil(steps / cfg.tracking.log_every) * cfg.tracking.log_every
+        items = min(items, steps * per_step)
+    return items
+
+
+def epoch_guard(cfg, data: TrainingData, world: int) -> dict[str, str]:
+    """Tags of the run's data, and a loud warning when it is planned past `data.max_epochs`."""
+    items = planned_items(cfg, data, world)
+    epochs = items / data.unique if data.unique else 1.0
+    limit = cfg.data.max_epochs
+    over = bool(limit) and epochs > limit
+    if over:
+        bar = "!" * 100
+        log.warning("\n%s\nMEMORIZATION RISK: this run is planned to see its average training sequence %.1f times "
+                    "(%d items over %d distinct sequences), past data.max_epochs=%g. The drafter will memorize: "
+                    "training accuracy will look excellent while held-out acceptance falls. Use more data "
+                    "(data.source=online, a larger data.num_sequences / data.pool) or fewer steps. The run is "
+                    "tagged data.over_epoch_limit=true.\n%s", bar, epochs, items, data.unique, limit, bar)
+    return {"data.kind": data.kind, "data.fingerprint": data.fingerprint[:16],
+            "data.corpus": data.corpus_fingerprint[:16] or "-", "data.planned_epochs": f"{epochs:.3f}",
+            "data.max_epochs": f"{limit:g}", "data.over_epoch_limit": str(over).lower(),
+            "data.unique_sequences": str(data.unique or "unbounded")}
+
+
+class DataMeter:
+    def __init__(self, data: TrainingData, token_budget: int, dist_info: DistInfo = DistInfo()):
+        self.data, self.token_budget, self.dist = data, token_budget, dist_info
+        self.items = self.tokens = 0  # this rank's, since the run began (a checkpoint carries them)
+        self.total_items = self.total_tokens = 0  # all ranks, as of the last read
+
+    def add(self, tokens: int, items: int) -> None:
+        self.items += items
+        self.tokens += tokens
+
+    def read(self) -> dict[str, float]:
+        """All ranks' counts (one collective per log interval: every rank calls)."""
+        tot = sum_(torch.tensor([self.items, self.tokens], dtype=torch.float64), self.dist).tolist()
+        self.total_items, self.total_tokens = int(tot[0]), int(tot[1])
+        unique = min(self.total_items, self.data.unique) if self.data.unique else self.total_items
+        out = {"data/consumed_tokens": float(self.total_tokens), "data/consumed_sequences": float(self.total_items),
+               "data/unique_sequences": float(unique),
+               "data/epochs": self.total_items / self.data.unique if self.data.unique else min(self.total_items, 1)}
+        if self.data.writer is not None:
+            out.update(self.data.writer.stats())  # this rank's writer
+        return out
+
+    def over_budget(self) -> bool:
+        """Past `trainer.token_budget` at the last read (the same all-reduced figure on every rank)."""
+        return self.token_budget > 0 and self.total_tokens >= self.token_budget
+
+    def state_dict(self) -> dict:
+        return {"items": self.items, "tokens": self.tokens}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.items, self.tokens = int(state.get("items", 0)), int(state.get("tokens", 0))

@@ -1,0 +1,193 @@
+"""Issue 20: the prompt pool, online target-written data (same tokens as the target's greedy decoding, shards,
+exact resume), the epoch counter and its warning, the consumed-token budget."""
+import json
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+
+from dflash.data.corpus import CorpusConfig, load_corpus, split_of
+from dflash.data.online import OnlineConfig, OnlineWriter, write_continuations
+from dflash.data.pool import PoolConfig, PromptPool, build_prompt_pool
+from dflash.data.regen import greedy_generate
+from dflash.target.model import ByteTokenizer, Target, TargetConfig, TinyTargetSpec
+from dflash.training.trainer import train
+
+
+def _rows(run_dir):
+    return [json.loads(l) for l in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+
+
+def _losses(run_dir):
+    return {r["step"]: r["train/loss"] for r in _rows(run_dir) if "train/loss" in r}
+
+
+def _tiny(model_type="qwen3_5"):
+    spec = TinyTargetSpec(model_type=model_type, hidden_size=32, num_layers=4, intermediate_size=64, num_heads=2,
+                          num_kv_heads=1, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=2,
+                          linear_head_dim=16)
+    return Target(TargetConfig(random=spec, layer_ids=[0, 1, 2], device="cpu"))
+
+
+@pytest.fixture(scope="module")
+def target():
+    return _tiny()
+
+
+def _write_corpus(root: Path, n: int = 16) -> None:
+    root.mkdir(parents=True)
+    for i in range(n):
+        (root / f"mod_{i:02d}.py").write_text(
+            f"import os\n\n\ndef fn_{i:02d}(x):\n    \"\"\"Doc of fn {i:02d}.\"\"\"\n    return x + {i}\n\n\n"
+            f"class Cls{i:02d}:\n    \"\"\"Class doc {i:02d}.\"\"\"\n\n    def method(self):\n        return {i}\n")
+
+
+def test_prompt_pool_holds_train_headers_with_docstrings_and_train_chunks(tmp_path):
+    _write_corpus(tmp_path / "src")
+    ccfg = CorpusConfig(root=str(tmp_path / "src"), heldout_per_10k=4000)
+    corpus = load_corpus(ccfg)
+    held = [d.path for d in corpus.heldout]
+    assert held and corpus.train  # the split puts files on both sides
+    cfg = PoolConfig(headers_frac=0.5, max_prompt_len=64, chunk_min_len=8, chunk_max_len=24,
+                     cache_dir=str(tmp_path / "cache"))
+    pool = build_prompt_pool(corpus, ByteTokenizer(), cfg, "bytes")
+    tok = ByteTokenizer()
+    headers = [tok.decode(p) for p, k in zip(pool.prompts, pool.kinds) if k == "header"]
+    chunks = [tok.decode(p) for p, k in zip(pool.prompts, pool.kinds) if k == "chunk"]
+    train_ids = sorted(d.path[4:6] for d in corpus.train)
+    want = {f'def fn_{i}(x):\n    """Doc of fn {i}."""\n' for i in train_ids} | \
+        {f'class Cls{i}:\n    """Class doc {i}."""\n' for i in train_ids}
+    assert set(headers) == want  # every train def / class with a docstring, header + docstring, dedented
+    assert len(chunks) == len(headers)  # headers_frac 0.5
+    train_text = "".join(d.text for d in corpus.train)
+    assert all(8 <= len(c) <= 24 and c in train_text for c in chunks)
+    for h in held:  # a held-out file reaches neither kind
+        i = h[4:6]
+        assert all(f"fn_{i}" not in p and f"Cls{i}" not in p and f"return x + {int(i)}\n" not in p
+                   for p in headers + chunks)
+    assert all(split_of(d.path, 4000, ccfg.salt) == "train" for d in corpus.train)
+    again = build_prompt_pool(corpus, ByteTokenizer(), cfg, "bytes")  # read back from the cache
+    assert again.prompts == pool.prompts and again.kinds == pool.kinds and again.fingerprint == pool.fingerprint
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_5", "qwen3_next"])
+def test_written_sequences_are_the_targets_own_greedy_continuations(model_type):
+    target = _tiny(model_type)
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (3, 7, 5, 3)]
+    out = write_continuations(target, prompts, seq_len=14)
+    assert out.shape == (4, 14) and out.dtype == torch.long
+    for p, row in zip(prompts, out):
+        ref = greedy_generate(target, torch.tensor([p]), 14 - len(p), use_cache=False)[0]
+        assert row[:len(p)].tolist() == p and torch.equal(row[len(p):], ref), (len(p), row, ref)
+
+
+def _pool(n=12):
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, 256, (int(k),), generator=g).tolist() for k in torch.randint(2, 9, (n,), generator=g)]
+    return PromptPool(prompts, ["chunk"] * n, "pool-fp", "corpus-fp")
+
+
+def test_writer_reuses_shards_rewrites_corrupt_ones_and_seeds_sampling(target, tmp_path):
+    pool = _pool()
+    cfg = OnlineConfig(write_batch=4, shard_dir=str(tmp_path / "shards"))
+    a = OnlineWriter(target, pool, cfg, seq_len=24)
+    seqs = [a.sequence(g) for g in range(6)]  # two written batches
+    assert a.written_batches == 2 and a.shard_reads == 0 and a.shard_path(1).is_file()
+    for g, s in enumerate(seqs):
+        p = pool.prompts[a.prompt_index(g)]
+        assert s.shape == (24,) and s[:len(p)].tolist() == p
+    b = OnlineWriter(target, pool, cfg, seq_len=24)  # a later run / another trial: reads, never writes
+    assert all(torch.equal(b.sequence(g), s) for g, s in enumerate(seqs))
+    assert b.written_batches == 0 and b.shard_reads == 2
+    a.shard_path(0).write_bytes(a.shard_path(0).read_bytes()[:-9])  # torn
+    c = OnlineWriter(target, pool, cfg, seq_len=24)
+    assert torch.equal(c.sequence(1), seqs[1]) and c.written_batches == 1
+    hot = OnlineConfig(write_batch=4, temperature=1.5, shard_dir="")
+    s1 = [OnlineWriter(target, pool, hot, 24).sequence(g) for g in range(4)]
+    s2 = [OnlineWriter(target, pool, hot, 24).sequence(g) for g in range(4)]
+    assert all(torch.equal(x, y) for x, y in zip(s1, s2))  # seeded per written batch
+    assert any(not torch.equal(x, y) for x, y in zip(s1, seqs))  # and not the greedy continuation
+    assert OnlineWriter(target, pool, hot, 24).fingerprint != a.fingerprint
+
+
+def _online(tmp_path, *extra):
+    return ("+data=online", "data.corpus.limit_files=20", "data.pool.size=10", "data.pool.max_prompt_len=60",
+            "data.pool.chunk_min_len=4", "data.pool.chunk_max_len=16", "data.online.write_batch=4",
+            f"data.online.shard_dir={tmp_path / 'shards'}", f"data.pool.cache_dir={tmp_path / 'pool'}", *extra)
+
+
+def test_online_run_counts_epochs_and_resumes_exactly(fast_cfg, tmp_path):
+    det = ("+buffer=deterministic", "buffer.max_depth=4", "buffer.min_ready=4", "trainer.producer_batch=3")
+    full = train(fast_cfg(*_online(tmp_path), *det, "+loss=streak", run="full"))
+    rows = [r for r in _rows(full.run_dir) if "data/epochs" in r]
+    last = rows[-1]
+    assert last["step"] == 6 and last["data/consumed_sequences"] == 12  # 6 steps x 2 sequences
+    assert last["data/epochs"] == pytest.approx(12 / 10) and last["data/unique_sequences"] == 10
+    assert last["data/consumed_tokens"] == 12 * 72  # every written sequence is data.max_len long
+    assert last["data/written_batches"] >= 3  # 12 consumed + the buffer's 4 = 16 items = 4 batches of 4
+    tags = json.loads((full.run_dir / "tags.json").read_text())
+    assert tags["data.kind"] == "online" and tags["data.over_epoch_limit"] == "false" and tags["data.corpus"] != "-"
+    ref = _losses(full.run_dir)
+    part = tmp_path / "part"
+    (part / "checkpoints").mkdir(parents=True)
+    ck = full.run_dir / "checkpoints"
+    (part / "checkpoints" / "step_00000003.pt").write_bytes((ck / "step_00000003.pt").read_bytes())
+    (part / "config.yaml").write_text((full.run_dir / "config.yaml").read_text().replace(str(full.run_dir), str(part)))
+    for shard in (tmp_path / "shards").rglob("*.pt"):
+        shard.unlink()  # the resumed run writes its data again: the same tokens
+    res = train(fast_cfg(f"resume={part}", run="ignored"))
+    got = _losses(res.run_dir)
+    assert sorted(got) == [4, 5, 6]
+    for s in (4, 5, 6):
+        assert got[s] == pytest.approx(ref[s], rel=1e-6, abs=1e-7), (s, got, ref)
+    assert [r for r in _rows(res.run_dir) if "data/epochs" in r][-1]["data/consumed_sequences"] == 12
+
+
+def test_epoch_counter_and_the_memorization_warning(fast_cfg, caplog):
+    with caplog.at_level(logging.WARNING, logger="dflash.training.datastream"):
+        res = train(fast_cfg("data.num_sequences=4", "data.max_epochs=2", run="over"))
+    assert "MEMORIZATION RISK" in caplog.text and "3.0 times" in caplog.text  # 6 steps x 2 / 4 sequences
+    tags = json.loads((res.run_dir / "tags.json").read_text())
+    assert tags["data.over_epoch_limit"] == "true" and tags["data.planned_epochs"] == "3.000"
+    epochs = [r["data/epochs"] for r in _rows(res.run_dir) if "data/epochs" in r]
+    assert epochs == pytest.approx([0.5 * s for s in range(1, 7)])
+    assert [r["data/unique_sequences"] for r in _rows(res.run_dir) if "data/epochs" in r][-1] == 4
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="dflash.training.datastream"):
+        ok = train(fast_cfg("data.num_sequences=4", "data.max_epochs=3", run="ok"))
+    assert "MEMORIZATION RISK" not in caplog.text
+    assert json.loads((ok.run_dir / "tags.json").read_text())["data.over_epoch_limit"] == "false"
+
+
+def test_token_budget_stops_at_the_first_interval_past_it(fast_cfg):
+    res = train(fast_cfg("trainer.token_budget=200", "trainer.max_steps=50", "tracking.log_every=2"))
+    rows = [r for r in _rows(res.run_dir) if "data/consumed_tokens" in r]
+    assert rows[-1]["data/consumed_tokens"] >= 200 and all(r["data/consumed_tokens"] < 200 for r in rows[:-1])
+    assert rows[-1]["step"] % 2 == 0 and rows[-1]["step"] < 50
+    step = rows[-1]["step"]
+    assert (res.run_dir / "checkpoints" / f"step_{step:08d}.pt").is_file()
+    assert (res.run_dir / "final" / "model.safetensors").is_file()
+
+
+def test_negative_token_budget_is_rejected(fast_cfg):
+    from dflash.config import ConfigError, validate
+    with pytest.raises(ConfigError, match="trainer.token_budget"):
+        validate(fast_cfg("trainer.token_budget=-1"))
+
+
+@pytest.mark.gpu
+def test_gpu_profile_trains_on_online_data(fast_cfg, tmp_path):
+    """`+trainer=gpu` on a GPU: inline producer, online data written on the device (float32: the written rows
+    are the target's own greedy continuations there too), data/ metrics logged."""
+    res = train(fast_cfg("+trainer=gpu", *_online(tmp_path), "+target=tiny_random", "target.dtype=float32",
+                         "trainer.max_steps=6", "trainer.sequences_per_step=4", "trainer.producer_batch=4",
+                         "trainer.num_anchors=4", "trainer.compile=false", "tracking.log_every=3"))
+    last = [r for r in _rows(res.run_dir) if "data/epochs" in r][-1]
+    assert last["data/consumed_sequences"] == 24 and last["perf/write_tok_s"] > 0
+    target = Target(TargetConfig(random=TinyTargetSpec(), layer_ids=[0, 1, 2], device="cuda", dtype="float32"))
+    prompts = [[5, 6, 7], [8, 9, 10, 11, 12]]
+    out = write_continuations(target, prompts, seq_len=20)
+    for p, row in zip(prompts, out):
+        assert torch.equal(row[len(p):], greedy_generate(target, torch.tensor([p]), 20 - len(p))[0])

@@ -9,8 +9,10 @@ Any exception in a producer fails the buffer (the consumer's next `get` raises i
 consumer failing fails the buffer too, which unblocks producers. Nothing hangs: the buffer's waits
 have a timeout.
 
-Both sides use the thread's default CUDA stream, so no cross-stream race can hand the consumer a
+By default both sides use the thread's default CUDA stream, so no cross-stream race can hand the consumer a
 half-written tensor (the original pipeline's NaNs came from packing on a second stream unsynced).
+`trainer.producer_stream=side` runs the target's forwards on their own stream so that the drafter step the
+consumer queued just before runs beside the forward on the GPU; `SideStream` says how that stays exact.
 """
 from __future__ import annotations
 
@@ -83,6 +85,54 @@ def length_groups(lengths: list[int], max_waste: float = 0.25) -> list[list[int]
     return groups
 
 
+class SameStream:
+    """The target's forwards on the stream of the thread that runs them (the default)."""
+
+    def __init__(self, device: torch.device):
+        pass
+
+    def produce(self, fn):
+        return fn()
+
+
+class SideStream:
+    """The target's forwards on their own CUDA stream, beside the consumer's (the drafter step it queued just
+    before keeps the GPU busy while the target runs; DESIGN §4: an unsynchronised second stream once handed
+    the consumer NaNs). Exact because (1) the consumer's stream waits for the side stream's work before it
+    touches an item (`wait_stream`: a device-side wait, no host sync; the target also synchronises its own
+    stream to time its forward), and (2) every tensor of an item is recorded as used by the consumer's
+    stream, so the caching allocator cannot hand its memory to the next forward on the side stream while the
+    drafter's queued kernels still read it. The forward reads nothing the consumer writes (its own inputs,
+    the frozen weights). Off CUDA there are no streams: the same as `SameStream`."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        if self.cuda:
+            self.consumer = torch.cuda.current_stream(device)  # built on the consumer's thread
+            self.stream = torch.cuda.Stream(device)
+
+    def produce(self, fn):
+        if not self.cuda:
+            return fn()
+        with torch.cuda.stream(self.stream):
+            items = fn()
+        self.consumer.wait_stream(self.stream)
+        for item in items:
+            for t in (item.tokens_T, item.features_TLH, item.labels_T, item.soft_vals_Tk, item.soft_idx_Tk):
+                if t is not None:
+                    t.record_stream(self.consumer)
+        return items
+
+
+# trainer.producer_stream → how the target's forwards are placed on the device
+PRODUCER_STREAMS = {"default": SameStream, "side": SideStream}
+
+
+def check_producer_stream(name: str) -> None:
+    if name not in PRODUCER_STREAMS:
+        raise ValueError(f"trainer.producer_stream={name!r} is unknown; expected one of {sorted(PRODUCER_STREAMS)}")
+
+
 class ProducerPool:
     """`n` producer threads feeding one buffer; each claims `batch` items per round and runs the target
     on them in length groups (one forward per group). Items are put in claim order, so a single producer
@@ -93,8 +143,10 @@ class ProducerPool:
     Python thread only adds contention for the GIL and the allocator (measured in benchmarks/RESULTS.md)."""
 
     def __init__(self, target: Target, buffer: BucketedBuffer, source: ItemSource, n: int,
-                 soft_top_k: int, batch: int = 1, inline: bool = False):
+                 soft_top_k: int, batch: int = 1, inline: bool = False, stream: str = "default"):
         self.target, self.buffer, self.source = target, buffer, source
+        check_producer_stream(stream)
+        self.streams = PRODUCER_STREAMS[stream](target.device)
         self.soft_top_k, self.batch, self.inline = soft_top_k, batch, inline
         self.inline_s = 0.0  # consumer time spent producing (inline mode): counted as its wait
         self.stop = threading.Event()
@@ -133,7 +185,7 @@ class ProducerPool:
             t0 = time.perf_counter()
             while not self.buffer.ready():
                 claims = [self.source.claim() for _ in range(max(1, min(self.batch, self.buffer.space())))]
-                self._put(self.produce(claims))
+                self._put(self.streams.produce(lambda claims=claims: self.produce(claims)))
             self.inline_s += time.perf_counter() - t0
         return self.buffer.get()
 
@@ -146,7 +198,8 @@ class ProducerPool:
             torch.cuda.set_device(self.target.device)  # Triton kernels launch on the thread's current GPU
         try:
             while not self.stop.is_set():
-                self._put(self.produce([self.source.claim() for _ in range(self.batch)]))
+                claims = [self.source.claim() for _ in range(self.batch)]
+                self._put(self.streams.produce(lambda claims=claims: self.produce(claims)))
         except Exception as e:  # noqa: BLE001 - handed to the consumer through the buffer
             if not self.stop.is_set():
                 self.buffer.fail(e, source=threading.current_thread().name)

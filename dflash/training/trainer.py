@@ -12,6 +12,7 @@ import logging
 import math
 import random
 import time
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -20,6 +21,7 @@ import torch
 import yaml
 
 from dflash.training.batching import make_batch
+from dflash.training.compiling import compile_drafter
 from dflash.training.buffer import BucketedBuffer
 from dflash.atomic import atomic_write_text
 from dflash.training.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
@@ -166,7 +168,7 @@ class Trainer:
         self.drafter = self._build_drafter()
         self.train_model = wrap_ddp(self.drafter, self.dist, self.device)  # the drafter itself on one process
         if cfg.trainer.compile:
-            self.train_model = compile_drafter(self.train_model)
+            self.train_model = compile_drafter(self.train_model, cfg.trainer.compile_mode)
         self.producers_inline = self._inline_producer()
         self.sequences = build_training_sequences(cfg.data, self.target, cfg.seed)
         self.noise = build_noise(cfg.noise, cfg.trainer.max_steps)
@@ -253,7 +255,7 @@ class Trainer:
         if self.loss_fn.needs_soft and top_k == 0:
             raise ConfigError(f"loss.name={self.cfg.loss.name} needs soft labels: target.soft_top_k must be > 0")
         return ProducerPool(self.target, self.buffer, self.source, n, top_k, self.cfg.trainer.producer_batch,
-                            inline=self.producers_inline).start()
+                            inline=self.producers_inline, stream=self.cfg.trainer.producer_stream).start()
 
     def _inline_producer(self) -> bool:
         mode = self.cfg.trainer.producer_mode
@@ -261,7 +263,12 @@ class Trainer:
             return self.device.type == "cuda" and self.device == self.target.device
         return mode == "inline"
 
-    def run(self) -> TrainResult:
+    def run(self, final: bool = True,
+            around_step: Callable[[int], AbstractContextManager] | None = None) -> TrainResult:
+        """Train to trainer.max_steps (or the time budget), checkpointing and logging; then, with `final`, export
+        the drafter to `final/` and run the full evaluation (a benchmark passes final=False). `around_step(step)`
+        is entered around each loop step (items → `make_batch` → `step` → metrics), outside its
+        `dflash.train_step` profiler range: the bench starts and stops a profiler there."""
         c = self.cfg
         loggers = build_loggers(c.tracking, self.run_dir, flatten_config(to_dict(c)), run_tags(c),
                                 c.trainer.max_steps, run_id=self.run_id or self._saved_run_id()) \
@@ -271,8 +278,8 @@ class Trainer:
         status, result = "FAILED", TrainResult(self.run_dir, loggers.run_id)
         producers = self._producers()
         try:
-            result.metrics = self._loop(producers, loggers)
-            result.checkpoint = self._finish(loggers, result.metrics)
+            result.metrics = self._loop(producers, loggers, around_step or (lambda step: nullcontext()))
+            result.checkpoint = self._finish(loggers, result.metrics) if final else None
             status = "FINISHED"
         except BaseException as e:  # a pruned sweep trial carries run_status="KILLED"
             status = getattr(e, "run_status", "KILLED" if isinstance(e, KeyboardInterrupt) else "FAILED")
@@ -291,7 +298,7 @@ class Trainer:
         f = self.run_dir / "mlflow_run.json"
         return json.loads(f.read_text()).get("run_id") if (self.cfg.resume and f.is_file()) else None
 
-    def _loop(self, producers: ProducerPool, loggers) -> dict[str, float]:
+    def _loop(self, producers: ProducerPool, loggers, around_step) -> dict[str, float]:
         c, K = self.cfg, self.cfg.drafter.block_size - 1
         acc = MetricAccumulator(K, self.device, self.dist)
         metrics: dict[str, float] = {}
@@ -300,7 +307,7 @@ class Trainer:
         for step in range(self.start_step, c.trainer.max_steps):
             self.noise.advance(step)
             items = [producers.next_item() for _ in range(c.trainer.sequences_per_step)]
-            with torch.profiler.record_function("dflash.train_step"):  # free unless a profiler runs
+            with around_step(step), torch.profiler.record_function("dflash.train_step"):  # free unless profiled
                 window.add(self._step(items, acc), len(items))
             done = step + 1
             last = done == c.trainer.max_steps
@@ -404,13 +411,6 @@ class _Window:
         self.tokens, self.items, self.t0, self.prod0 = 0, 0, now, (prod_tokens, prod_busy)
         self.wait0, self.depth0 = self._waited(stats), stats["buffer/total"]
         return out
-
-
-def compile_drafter(model: torch.nn.Module) -> torch.nn.Module:
-    """torch.compile'd forward (the loss and optimizer stay eager). Shapes are few when batches are padded
-    (trainer.pad_multiple) and anchors fixed; torch marks a dimension dynamic once it has seen it change."""
-    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 32)
-    return torch.compile(model)
 
 
 def train(cfg: RunConfig, evaluator: Evaluator | None = None, *, run_id: str | None = None) -> TrainResult:

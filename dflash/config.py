@@ -54,7 +54,7 @@ class TrainerConfig:
     # whenever the buffer runs short (no second thread); auto: inline when target and drafter share one GPU
     producer_mode: str = "auto"
     # the CUDA stream the target's forwards run on (dflash/training/pipeline.py PRODUCER_STREAMS): default (the
-    # consumer's), or side (their own, so the drafter's queued step runs beside the target's forward; synchronised)
+    # consumer's), or side (their own, so the drafter's queued work runs beside the target's forward; synchronised)
     producer_stream: str = "default"
     # torch.compile the drafter's forward (fuses its norms, RoPE and elementwise ops; one compile per batch
     # shape, so sequences are padded to `pad_multiple` tokens and every sequence gets num_anchors blocks)

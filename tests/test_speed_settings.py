@@ -11,10 +11,11 @@ def _losses(run_dir) -> list[float]:
     return [r["train/loss"] for r in read_jsonl_metrics(run_dir) if "train/loss" in r]
 
 
-def _train(fast_cfg, *overrides, run):
+def _train(fast_cfg, *overrides, run, mode="inline"):
+    """Losses of a short run; inline producer by default: the buffer fills in the same order every run (a
+    producer thread races the consumer)."""
     from dflash.training.trainer import train
-    # inline producer: the buffer fills in the same order every run (a producer thread races the consumer)
-    return _losses(train(fast_cfg("trainer.max_steps=4", "trainer.checkpoint_every=100", "trainer.producer_mode=inline",
+    return _losses(train(fast_cfg("trainer.max_steps=4", "trainer.checkpoint_every=100", f"trainer.producer_mode={mode}",
                                   *overrides, run=run)).run_dir)
 
 
@@ -56,12 +57,14 @@ def test_unknown_speed_settings_are_rejected_before_any_work(fast_cfg):
 
 
 @pytest.mark.gpu
-def test_side_stream_producer_trains_to_the_same_losses_on_gpu(fast_cfg):
-    """On a GPU the target runs on its own stream beside the drafter's queued step: with the consumer's
+@pytest.mark.parametrize("mode", ["inline", "thread"])
+def test_side_stream_producer_trains_to_the_same_losses_on_gpu(fast_cfg, mode):
+    """On a GPU the target runs on its own stream beside the drafter's queued work: with the consumer's
     stream waiting on it and the items recorded on the consumer's stream, every step sees the same
-    features, so the losses equal the one-stream run's (inline producer, bf16 autocast, no NaN)."""
-    common = ("+target=tiny_random_gpu", "trainer.producer_mode=inline", "trainer.max_steps=8")
-    default = _train(fast_cfg, *common, run="one_stream")
-    side = _train(fast_cfg, *common, "trainer.producer_stream=side", run="side_stream")
+    features, so the losses equal the one-stream run's (bf16 autocast, no NaN). The deterministic buffer
+    makes the thread producer's pull order independent of timing."""
+    common = ("+target=tiny_random_gpu", "+buffer=deterministic", "buffer.timeout_s=60")
+    default = _train(fast_cfg, *common, run="one_stream", mode=mode)
+    side = _train(fast_cfg, *common, "trainer.producer_stream=side", run="side", mode=mode)
     assert all(torch.isfinite(torch.tensor(side)))
     assert side == pytest.approx(default, rel=1e-4)

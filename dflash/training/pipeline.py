@@ -11,8 +11,8 @@ have a timeout.
 
 By default both sides use the thread's default CUDA stream, so no cross-stream race can hand the consumer a
 half-written tensor (the original pipeline's NaNs came from packing on a second stream unsynced).
-`trainer.producer_stream=side` runs the target's forwards on their own stream so that the drafter step the
-consumer queued just before runs beside the forward on the GPU; `SideStream` says how that stays exact.
+`trainer.producer_stream=side` runs the target's forwards on their own stream so that the drafter work the
+consumer has queued runs beside the forward on the GPU; `SideStream` says how that stays exact.
 """
 from __future__ import annotations
 
@@ -96,27 +96,31 @@ class SameStream:
 
 
 class SideStream:
-    """The target's forwards on their own CUDA stream, beside the consumer's (the drafter step it queued just
-    before keeps the GPU busy while the target runs; DESIGN §4: an unsynchronised second stream once handed
-    the consumer NaNs). Exact because (1) the consumer's stream waits for the side stream's work before it
-    touches an item (`wait_stream`: a device-side wait, no host sync; the target also synchronises its own
-    stream to time its forward), and (2) every tensor of an item is recorded as used by the consumer's
-    stream, so the caching allocator cannot hand its memory to the next forward on the side stream while the
-    drafter's queued kernels still read it. The forward reads nothing the consumer writes (its own inputs,
-    the frozen weights). Off CUDA there are no streams: the same as `SameStream`."""
+    """The target's forwards on their own CUDA stream (one per producer thread), beside the consumer's: the
+    drafter work the consumer has queued keeps running while the target computes — with an inline producer the
+    step queued just before the forward; with producer threads (`trainer.producer_mode=thread`) every step the
+    consumer launches meanwhile. DESIGN §4: an unsynchronised second stream once handed the consumer NaNs.
+    Exact because (1) the consumer's stream waits for the side stream's work before it touches an item
+    (`wait_stream`: a device-side wait, no host sync; the target also synchronises its own stream to time its
+    forward), and (2) every tensor of an item is recorded as used by the consumer's stream, so the caching
+    allocator cannot hand its memory to the next forward on the side stream while the drafter's queued
+    kernels still read it. The forward reads nothing the consumer writes (its own inputs, the frozen
+    weights). Off CUDA there are no streams: the same as `SameStream`."""
 
     def __init__(self, device: torch.device):
-        self.cuda = device.type == "cuda"
+        self.device, self.cuda = device, device.type == "cuda"
         if self.cuda:
             self.consumer = torch.cuda.current_stream(device)  # built on the consumer's thread
-            self.stream = torch.cuda.Stream(device)
+        self.local = threading.local()  # a stream per producer thread: a wait never covers another's forward
 
     def produce(self, fn):
         if not self.cuda:
             return fn()
-        with torch.cuda.stream(self.stream):
+        if not hasattr(self.local, "stream"):
+            self.local.stream = torch.cuda.Stream(self.device)
+        with torch.cuda.stream(self.local.stream):
             items = fn()
-        self.consumer.wait_stream(self.stream)
+        self.consumer.wait_stream(self.local.stream)
         for item in items:
             for t in (item.tokens_T, item.features_TLH, item.labels_T, item.soft_vals_Tk, item.soft_idx_Tk):
                 if t is not None:

@@ -14,6 +14,7 @@ The packages follow the data path, corpus → target → buffer → drafter → 
 - `dflash.serving`: export to the serving format and import, the promotion gate (MLflow Model Registry).
 - `dflash.bench`, `dflash.pretrain`: the applications behind `experiments.bench` and `experiments.pretrain_target`.
 
-Top-level modules: `config` (the strict run schema), `devices`, `atomic` (all-or-nothing file writes).
+Top-level modules: `config` (the strict run schema), `registry` (the one name → variant table every choice by
+name uses), `devices`, `atomic` (all-or-nothing file writes).
 """
 __version__ = "0.1.0"

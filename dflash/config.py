@@ -17,10 +17,10 @@ from dflash.data.sources import DataConfig, validate_data_config
 from dflash.drafter.model import DrafterConfig
 from dflash.drafter.attention import ATTN_KERNELS
 from dflash.evaluation import EvalConfig, validate_eval_config
-from dflash.training.losses import LM_HEAD_GRADS, LOSSES, LossConfig
-from dflash.training.compiling import check_compile_mode
+from dflash.training.losses import LossConfig, validate_loss_config
+from dflash.training.compiling import COMPILE_MODES
 from dflash.training.noise import NoiseConfig, build_noise
-from dflash.training.pipeline import check_producer_stream
+from dflash.training.pipeline import PRODUCER_MODES, PRODUCER_STREAMS
 from dflash.serving.promotion import PromoteConfig
 from dflash.target.model import TargetConfig, validate_target_config
 from dflash.tracking.loggers import TrackingConfig
@@ -28,9 +28,6 @@ from dflash.tracking.loggers import TrackingConfig
 
 class ConfigError(ValueError):
     """Bad input, found before any work starts."""
-
-
-PRODUCER_MODES = ("auto", "thread", "inline")
 
 
 @dataclass
@@ -98,21 +95,13 @@ def validate(cfg: RunConfig) -> None:
         if cfg.drafter.block_size < 2:
             raise ConfigError(f"drafter.block_size must be >= 2 (anchor + at least one prediction), "
                               f"got {cfg.drafter.block_size}")
-        if cfg.loss.name not in LOSSES:
-            raise ConfigError(f"loss.name={cfg.loss.name!r} is unknown; expected one of {sorted(LOSSES)}")
+        validate_loss_config(cfg.loss)
         _positive("trainer", cfg.trainer, "max_steps", "sequences_per_step", "num_anchors", "lr",
                   "checkpoint_every", "producers", "producer_batch", "pad_multiple")
-        if cfg.trainer.producer_mode not in PRODUCER_MODES:
-            raise ConfigError(f"trainer.producer_mode={cfg.trainer.producer_mode!r} is unknown; "
-                              f"expected one of {list(PRODUCER_MODES)}")
-        if cfg.loss.lm_head_grad not in LM_HEAD_GRADS:
-            raise ConfigError(f"loss.lm_head_grad={cfg.loss.lm_head_grad!r} is unknown; "
-                              f"expected one of {sorted(LM_HEAD_GRADS)}")
-        if cfg.drafter.attn_kernel not in ATTN_KERNELS:
-            raise ConfigError(f"drafter.attn_kernel={cfg.drafter.attn_kernel!r} is unknown; "
-                              f"expected one of {sorted(ATTN_KERNELS)}")
-        check_compile_mode(cfg.trainer.compile_mode)
-        check_producer_stream(cfg.trainer.producer_stream)
+        PRODUCER_MODES.check(cfg.trainer.producer_mode)
+        ATTN_KERNELS.check(cfg.drafter.attn_kernel)
+        COMPILE_MODES.check(cfg.trainer.compile_mode)
+        PRODUCER_STREAMS.check(cfg.trainer.producer_stream)
         if cfg.trainer.time_budget_s < 0:
             raise ConfigError(f"trainer.time_budget_s must be >= 0 (0: off), got {cfg.trainer.time_budget_s}")
         _positive("drafter", cfg.drafter, "num_layers", "num_heads", "num_kv_heads", "head_dim",

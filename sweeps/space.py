@@ -37,11 +37,12 @@ import re
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import yaml
 
 from dflash.config import ConfigError
+from dflash.registry import Registry, UnknownName
 from experiments.config import CONF_DIR, GROUPS, group_options
 
 SWEEP_DIR = CONF_DIR / "sweep"
@@ -55,25 +56,6 @@ PARAM_KEYS = {"choice": {"type", "choices", "when"},
 OBJECTIVE_KEYS = {"metric", "direction"}
 DEFAULT_METRIC = "eval/tau_vanilla"
 
-# option -> expected python type ("int", "float", "bool", "int_or_auto", "float_or_none")
-SAMPLER_OPTIONS: dict[str, dict[str, str]] = {
-    "tpe": {"seed": "int_or_none", "n_startup_trials": "int", "multivariate": "bool", "group": "bool",
-            "constant_liar": "bool", "n_ei_candidates": "int", "consider_endpoints": "bool"},
-    "random": {"seed": "int_or_none"},
-}
-PRUNER_OPTIONS: dict[str, dict[str, str]] = {
-    "none": {},
-    "median": {"n_startup_trials": "int", "n_warmup_steps": "int", "interval_steps": "int",
-               "n_min_trials": "int"},
-    "percentile": {"percentile": "float", "n_startup_trials": "int", "n_warmup_steps": "int",
-                   "interval_steps": "int", "n_min_trials": "int"},
-    "successive_halving": {"min_resource": "int_or_auto", "reduction_factor": "int",
-                           "min_early_stopping_rate": "int", "bootstrap_count": "int"},
-    "hyperband": {"min_resource": "int", "max_resource": "int_or_auto", "reduction_factor": "int",
-                  "bootstrap_count": "int"},
-    "threshold": {"lower": "float_or_none", "upper": "float_or_none", "n_warmup_steps": "int",
-                  "interval_steps": "int"},
-}
 
 _NONNEGATIVE = {"n_startup_trials", "n_warmup_steps", "min_early_stopping_rate", "bootstrap_count"}
 _POSITIVE = {"interval_steps", "n_min_trials", "n_ei_candidates", "min_resource", "max_resource"}
@@ -250,8 +232,8 @@ def parse_sweep(raw: Any, where: str = "sweep", default_name: str = "sweep", pat
     if both:
         raise SweepError(f"{where}: {', '.join(both)} is both fixed and searched (space.{both[0]})")
     objective = _parse_objective(raw.get("objective"), where)
-    sampler = _parse_spec(raw.get("sampler"), where, "sampler", SAMPLER_OPTIONS, "tpe")
-    pruner = _parse_spec(raw.get("pruner"), where, "pruner", PRUNER_OPTIONS, "median")
+    sampler = _parse_spec(raw.get("sampler"), where, "sampler", SAMPLERS, "tpe")
+    pruner = _parse_spec(raw.get("pruner"), where, "pruner", PRUNERS, "median")
     if pruner.type == "threshold" and pruner.options.get("lower") is None and pruner.options.get("upper") is None:
         raise SweepError(f"{where}: pruner.type=threshold needs pruner.lower or pruner.upper")
     if pruner.type == "percentile" and not 0 <= pruner.options.get("percentile", 50.0) <= 100:
@@ -399,32 +381,31 @@ def _parse_objective(obj: Any, where: str) -> Objective:
     return Objective(metric, direction)
 
 
-def _parse_spec(d: Any, where: str, section: str, table: dict[str, dict[str, str]], default: str) -> Spec:
+def _parse_spec(d: Any, where: str, section: str, table: Registry[Variant], default: str) -> Spec:
     if d is None:
         d = {}
     if not isinstance(d, dict):
         raise SweepError(f"{where}: {section} must be a mapping with a 'type'")
     typ = d.get("type", default)
-    if typ not in table:
-        raise SweepError(f"{where}: {section}.type must be one of {', '.join(table)}; got {typ!r}")
-    allowed = table[typ]
+    try:
+        allowed = table[typ].options
+    except UnknownName as e:
+        raise SweepError(f"{where}: {e}") from None
     _no_unknown(d, set(allowed) | {"type"}, where, f"{section}.")
-    opts: dict[str, Any] = {}
-    for k, v in d.items():
-        if k == "type":
-            continue
-        kind, at = allowed[k], f"{section}.{k}"
-        if kind.endswith("_or_none") and v is None:
-            opts[k] = None
-        elif kind == "int_or_auto" and v == "auto":
-            opts[k] = "auto"
-        elif kind == "bool":
-            if not isinstance(v, bool):
-                raise SweepError(f"{where}: {at} must be true or false, got {v!r}")
-            opts[k] = v
-        else:
-            opts[k] = _number(v, where, at, integer=kind.startswith("int"))
+    opts = {k: _option(v, allowed[k], where, f"{section}.{k}") for k, v in d.items() if k != "type"}
     return Spec(typ, opts)
+
+
+def _option(v: Any, kind: Any, where: str, at: str) -> Any:
+    """`v` checked against an option's type (`Variant.options`)."""
+    kinds = kind if isinstance(kind, tuple) else (kind,)
+    if v is None and None in kinds or v == "auto" and "auto" in kinds:
+        return v
+    if bool in kinds:
+        if not isinstance(v, bool):
+            raise SweepError(f"{where}: {at} must be true or false, got {v!r}")
+        return v
+    return _number(v, where, at, integer=int in kinds)
 
 
 # --------------------------------------------------------------------------- overrides
@@ -535,38 +516,56 @@ def _trial_seeded_random_sampler(seed: int | None):
     return _Sampler(seed)
 
 
-def build_sampler(spec: Spec, seed_offset: int = 0):
-    """`random`: trial-seeded (`_trial_seeded_random_sampler`). `tpe`: seeded with seed + seed_offset (give
-    each worker of each launch its own offset, or they all draw the same startup points)."""
-    import optuna
+@dataclass(frozen=True)
+class Variant:
+    """A sampler or pruner: its builder (Optuna imported lazily) and the Python type of each option it takes;
+    a tuple allows each of its members (`None`, the string "auto")."""
+    build: Callable[..., Any]
+    options: dict[str, Any]
 
-    opts = dict(spec.options)
+
+def _pruner(cls_name: str, **defaults: Any) -> Callable[[dict], Any]:
+    def build(options: dict) -> Any:
+        import optuna
+        return getattr(optuna.pruners, cls_name)(**{**defaults, **options})
+    return build
+
+
+def _tpe_sampler(options: dict, seed_offset: int) -> Any:
+    """Seeded with seed + seed_offset (give each worker of each launch its own offset, or they all draw the same
+    startup points)."""
+    import optuna
+    opts = dict(options)
     seed = opts.pop("seed", None)
-    if spec.type == "random":
-        return _trial_seeded_random_sampler(seed)
-    if spec.type == "tpe":
-        if seed is not None:
-            seed = int(seed) + int(seed_offset)
-        opts.setdefault("constant_liar", True)
-        return optuna.samplers.TPESampler(seed=seed, **opts)
-    raise SweepError(f"sampler.type={spec.type!r} is unknown")
+    opts.setdefault("constant_liar", True)
+    return optuna.samplers.TPESampler(seed=None if seed is None else int(seed) + int(seed_offset), **opts)
+
+
+_STEPS = {"n_warmup_steps": int, "interval_steps": int}
+SAMPLERS: Registry[Variant] = Registry("sampler.type", {
+    "tpe": Variant(_tpe_sampler, {"seed": (int, None), "n_startup_trials": int, "multivariate": bool, "group": bool,
+                                  "constant_liar": bool, "n_ei_candidates": int, "consider_endpoints": bool}),
+    "random": Variant(lambda options, seed_offset: _trial_seeded_random_sampler(options.get("seed")),
+                      {"seed": (int, None)}),
+})
+PRUNERS: Registry[Variant] = Registry("pruner.type", {
+    "none": Variant(_pruner("NopPruner"), {}),
+    "median": Variant(_pruner("MedianPruner"), {"n_startup_trials": int, **_STEPS, "n_min_trials": int}),
+    "percentile": Variant(_pruner("PercentilePruner", percentile=50.0),
+                          {"percentile": float, "n_startup_trials": int, **_STEPS, "n_min_trials": int}),
+    "successive_halving": Variant(_pruner("SuccessiveHalvingPruner"),
+                                  {"min_resource": (int, "auto"), "reduction_factor": int,
+                                   "min_early_stopping_rate": int, "bootstrap_count": int}),
+    "hyperband": Variant(_pruner("HyperbandPruner"), {"min_resource": int, "max_resource": (int, "auto"),
+                                                      "reduction_factor": int, "bootstrap_count": int}),
+    "threshold": Variant(_pruner("ThresholdPruner"), {"lower": (float, None), "upper": (float, None), **_STEPS}),
+})
+
+
+def build_sampler(spec: Spec, seed_offset: int = 0):
+    """`random`: trial-seeded (`_trial_seeded_random_sampler`). `tpe`: seeded with seed + seed_offset."""
+    return SAMPLERS[spec.type].build(dict(spec.options), seed_offset)
 
 
 def build_pruner(spec: Spec):
-    import optuna
-
-    o = dict(spec.options)
-    t = spec.type
-    if t == "none":
-        return optuna.pruners.NopPruner()
-    if t == "median":
-        return optuna.pruners.MedianPruner(**o)
-    if t == "percentile":
-        return optuna.pruners.PercentilePruner(**{"percentile": 50.0, **o})
-    if t == "successive_halving":
-        return optuna.pruners.SuccessiveHalvingPruner(**o)
-    if t == "hyperband":
-        return optuna.pruners.HyperbandPruner(**o)
-    if t == "threshold":
-        return optuna.pruners.ThresholdPruner(**o)
-    raise SweepError(f"pruner.type={t!r} is unknown")
+    return PRUNERS[spec.type].build(dict(spec.options))

@@ -21,7 +21,7 @@ def _loss(batch, drafter):
     B, N, K, D = hidden.shape
     labels = batch.labels_BNK.reshape(B * N, K)
     stats = compute_position_stats(hidden.reshape(B * N, K, D), drafter.lm_head_VH, labels)
-    return build_loss(LossConfig(name="streak"))(stats, labels != -100)
+    return build_loss(LossConfig(name="streak")).reduce(stats, labels != -100)
 
 
 def test_padding_to_a_multiple_and_fixed_anchors_leave_the_loss_and_grads_unchanged():

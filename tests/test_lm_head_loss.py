@@ -54,7 +54,7 @@ def run_loss(name, temperature, path, hidden, lm_head, labels, soft_vals, soft_i
         hidden, lm_head, labels, soft_vals_NKk=soft_vals, soft_idx_NKk=soft_idx, temperature=temperature,
         chunk_size=chunk_size, need_soft=loss_fn.needs_soft, lm_head_grad=path,
     )
-    loss = loss_fn(stats, labels != -100)
+    loss = loss_fn.reduce(stats, labels != -100)
     (grad,) = torch.autograd.grad(loss, hidden)
     return loss, grad, stats
 

@@ -13,6 +13,8 @@ import torch
 import dflash.training.losses as losses_module
 from dflash.training.losses import (
     LOSSES,
+    TERMS,
+    WEIGHTINGS,
     Loss,
     LossConfig,
     PositionStats,
@@ -156,7 +158,7 @@ def module_loss(name, cfg, hidden, lm_head, labels, soft_vals, soft_idx):
         soft_vals_NKk=soft_vals, soft_idx_NKk=soft_idx,
         temperature=cfg.temperature, chunk_size=cfg.chunk_size, need_soft=loss_fn.needs_soft,
     )
-    return loss_fn(stats, labels != -100), stats
+    return loss_fn.reduce(stats, labels != -100), stats
 
 
 # --------------------------------------------------------------------------
@@ -233,7 +235,7 @@ def test_hard_stats_have_no_soft_fields():
     with pytest.raises(ValueError, match="need_soft"):
         compute_position_stats(hidden, lm_head, labels, need_soft=True)
     with pytest.raises(ValueError, match="soft"):
-        build_loss(LossConfig(name="lk"))(stats, labels != -100)
+        build_loss(LossConfig(name="lk")).reduce(stats, labels != -100)
 
 
 # --------------------------------------------------------------------------
@@ -386,6 +388,55 @@ def test_module_does_not_import_hydra():
     imported = {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
     imported |= {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
     assert not any(name.split(".")[0] in ("hydra", "omegaconf") for name in imported), imported
+
+
+@pytest.mark.parametrize("path", ["fused", "recompute"])
+@pytest.mark.parametrize("name", ALL_LOSSES)
+def test_loss_computes_its_own_stats_from_the_batch(name, path):
+    """loss(hidden [B, N, K, D], head, batch) reads temperature, chunk size and gradient path from its own
+    config: the same loss and metrics as stats computed by hand from the flattened blocks."""
+    from types import SimpleNamespace
+    hidden, lm_head, labels, soft_vals, soft_idx = make_problem(4)
+    lm_head = lm_head.detach()
+    cfg = LossConfig(name=name, chunk_size=7, lm_head_grad=path, **CFG)
+    loss_fn = build_loss(cfg)
+    N, K, D = hidden.shape
+    batch = SimpleNamespace(labels_BNK=labels.reshape(2, N // 2, K),
+                            soft_vals_BNKk=soft_vals.reshape(2, N // 2, K, -1),
+                            soft_idx_BNKk=soft_idx.reshape(2, N // 2, K, -1))
+    loss, metrics = loss_fn(hidden.reshape(2, N // 2, K, D), lm_head, batch)
+    stats = compute_position_stats(hidden, lm_head, labels, soft_vals_NKk=soft_vals, soft_idx_NKk=soft_idx,
+                                   temperature=cfg.temperature, chunk_size=7, need_soft=loss_fn.needs_soft,
+                                   lm_head_grad=path)
+    expected = loss_fn.reduce(stats, labels != -100)
+    torch.testing.assert_close(loss, expected, rtol=1e-12, atol=1e-14)
+    torch.testing.assert_close(torch.autograd.grad(loss, hidden)[0], torch.autograd.grad(expected, hidden)[0],
+                               rtol=1e-12, atol=1e-14)
+    for key, value in block_metrics(stats, labels != -100).items():
+        torch.testing.assert_close(metrics[key], value)
+    if loss_fn.needs_soft:  # the temperature is the loss's own: another T gives another loss
+        other = build_loss(dataclasses.replace(cfg, temperature=1.0))(hidden.reshape(2, N // 2, K, D), lm_head, batch)
+        assert not torch.isclose(other[0], loss)
+
+
+def test_losses_are_a_term_and_a_weighting():
+    stats_problem = make_problem(4)
+    hidden, lm_head, labels, soft_vals, soft_idx = stats_problem
+    stats = compute_position_stats(hidden, lm_head, labels, soft_vals_NKk=soft_vals, soft_idx_NKk=soft_idx,
+                                   temperature=CFG["temperature"], need_soft=True)
+    valid = labels != -100
+    schema = {f.name for f in dataclasses.fields(LossConfig)}
+    for name in ALL_LOSSES:
+        cls = LOSSES[name]
+        assert cls.term in TERMS and cls.weighting in WEIGHTINGS, name
+        for part in (TERMS[cls.term], WEIGHTINGS[cls.weighting]):
+            assert part.config is None or {f.name for f in dataclasses.fields(part.config)} <= schema
+    # soft_kl_streak is the soft_kl term under the streak weighting, nothing written again
+    cfg = LossConfig(name="soft_kl_streak", **CFG)
+    both, soft, streak = (build_loss(dataclasses.replace(cfg, name=n)) for n in ("soft_kl_streak", "soft_kl", "streak"))
+    torch.testing.assert_close(both.position_loss(stats), soft.position_loss(stats), rtol=0, atol=0)
+    torch.testing.assert_close(both.position_weights(stats, valid), streak.position_weights(stats, valid),
+                               rtol=0, atol=0)
 
 
 # --------------------------------------------------------------------------

@@ -1,39 +1,78 @@
-"""The drafter side alone: full training steps (forward, chunked LM-head loss, backward, fused AdamW) on
-synthetic features of the production shape, with a CUDA-event phase breakdown and a kernel-family profile."""
+"""The drafter side alone: the trainer's own step (`Trainer.step`: forward, the loss with its LM-head
+statistics, backward, gradient clipping, fused AdamW, LR schedule) on synthetic features of the production
+shape, with a CUDA-event phase breakdown and a kernel-family profile."""
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 
+from dflash.bench.config import BenchConfig
 from dflash.bench.flops import count_flops, timed
 from dflash.bench.profiling import profile_kernels
 from dflash.config import RunConfig
 from dflash.target.model import Target
-from dflash.training.losses import build_loss, compute_position_stats
+from dflash.training.batching import DrafterBatch
+
+PHASES = ("drafter_forward", "lm_head_loss", "backward", "optimizer")
+
+
+class PhaseEvents:
+    """CUDA events at the step's phase boundaries, through public hooks only: the step's start (recorded by the
+    caller), the drafter forward's end (a forward hook on the trained module), the loss's end (the trainer's
+    loss wrapped), the optimizer's start and end (its step hooks). Backward includes gradient clipping."""
+
+    def __init__(self, trainer):
+        self.trainer, self.times = trainer, {p: 0.0 for p in PHASES}
+        self.events: list = []
+        self.loss_fn = trainer.loss_fn
+
+    def mark(self, *_args, **_kwargs) -> None:
+        self.events.append(torch.cuda.Event(enable_timing=True))
+        self.events[-1].record()
+
+    def timed_loss(self, *args, **kwargs):
+        out = self.loss_fn(*args, **kwargs)
+        self.mark()
+        return out
+
+    def __enter__(self):
+        t = self.trainer
+        self.handles = [t.train_model.register_forward_hook(self.mark), t.opt.register_step_pre_hook(self.mark),
+                        t.opt.register_step_post_hook(self.mark)]
+        t.loss_fn = self.timed_loss
+        return self
+
+    def __exit__(self, *exc):
+        for h in self.handles:
+            h.remove()
+        self.trainer.loss_fn = self.loss_fn
+
+    def add(self) -> None:
+        """After one step that started with `mark()`: five events, four phases."""
+        torch.cuda.synchronize()
+        ev, self.events = self.events, []
+        for i, name in enumerate(PHASES):
+            self.times[name] += ev[i].elapsed_time(ev[i + 1]) / 1e3
 
 
 class DrafterStepBench:
-    """One trainer-shaped drafter step on synthetic features, with a CUDA-event phase breakdown."""
+    """The trainer's step on one fixed synthetic batch (features, anchors and labels of the bench's shape)."""
 
     def __init__(self, cfg: RunConfig, target: Target, b: BenchConfig):
-        from dflash.drafter.model import build_drafter
-        from dflash.training.compiling import compile_drafter
-        self.cfg, self.b, self.device = cfg, b, target.device
-        t = target
-        self.drafter = build_drafter(cfg.drafter, t.hidden_size, t.info.num_layers, t.mask_token_id,
-                                     t.layer_ids).to(t.device)
-        self.drafter.attach_target_head(t.embed_weight(), t.lm_head_weight())
-        self.model = compile_drafter(self.drafter, cfg.trainer.compile_mode) if cfg.trainer.compile else self.drafter
-        self.opt = torch.optim.AdamW(self.drafter.parameters(), lr=1e-4, fused=t.device.type == "cuda")
-        self.loss_fn = build_loss(cfg.loss)
-        bs, T, B = cfg.drafter.block_size, b.seq_len, b.drafter_batch
-        gen = torch.Generator(device="cpu").manual_seed(0)
-        self.features = torch.randn(B, T, len(t.layer_ids), t.hidden_size, dtype=t.dtype, device=t.device)
-        n = min(b.anchors, T - bs + 1)
-        self.anchors = torch.stack([torch.randperm(T - bs + 1, generator=gen)[:n].sort().values + 1
-                                    for _ in range(B)]).to(t.device)
-        self.anchor_tokens = torch.randint(0, t.vocab_size - 1, (B, n), device=t.device)
-        self.labels = torch.randint(0, t.vocab_size - 1, (B * n, bs - 1), device=t.device)
-        self.phases: dict[str, float] = {}
+        from dflash.training.trainer import Trainer
+        self.b, self.device = b, target.device
+        run_cfg = dataclasses.replace(
+            cfg, data=dataclasses.replace(cfg.data, source="synthetic", min_len=b.seq_len, max_len=b.seq_len,
+                                          num_sequences=8),
+            trainer=dataclasses.replace(cfg.trainer, num_anchors=b.anchors, warmup_steps=1),
+            tracking=dataclasses.replace(cfg.tracking, enabled=False, console=False))
+        self.trainer = Trainer(run_cfg, target=target)
+        soft_k = target.cfg.soft_top_k if self.trainer.loss_fn.needs_soft else 0
+        self.batch = synthetic_batch(target, cfg.drafter.block_size, b, soft_k)
+
+    def step(self) -> None:
+        self.trainer.step(self.batch)
 
     def useful_flops(self) -> int:
         """FLOPs of one step counted on its eager SDPA twin, before anything is compiled: the attention kernel
@@ -41,49 +80,49 @@ class DrafterStepBench:
         either way), and a counting dispatch mode must not meet compiled code (it breaks FlexAttention's trace
         and sends dynamo back to eager)."""
         from dflash.drafter.attention import attention_kernel
-        saved = self.model, self.drafter.attn_kernel
-        self.model, self.drafter.attn_kernel = self.drafter, attention_kernel("sdpa")
+        t = self.trainer
+        saved = t.train_model, t.drafter.attn_kernel
+        t.train_model, t.drafter.attn_kernel = t.drafter, attention_kernel("sdpa")
         try:
             return count_flops(self.step)
         finally:
-            self.model, self.drafter.attn_kernel = saved
+            t.train_model, t.drafter.attn_kernel = saved
 
-    def step(self, timed: bool = False) -> None:
-        ev = [torch.cuda.Event(enable_timing=True) for _ in range(5)] if timed else None
-        mark = (lambda i: ev[i].record()) if timed else (lambda i: None)  # noqa: E731
-        mark(0)
-        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.device.type == "cuda"):
-            hidden = self.model(self.features, self.anchors, self.anchor_tokens)
-        mark(1)
-        B, N, K, H = hidden.shape
-        stats = compute_position_stats(hidden.reshape(B * N, K, H), self.drafter.lm_head_VH, self.labels,
-                                       chunk_size=self.cfg.loss.chunk_size, lm_head_grad=self.cfg.loss.lm_head_grad)
-        loss = self.loss_fn(stats, self.labels != -100)
-        mark(2)
-        loss.backward()
-        mark(3)
-        self.opt.step()
-        self.opt.zero_grad(set_to_none=True)
-        mark(4)
-        if timed:
-            torch.cuda.synchronize()
-            names = ["drafter_forward", "lm_head_loss", "backward", "optimizer"]
-            for i, name in enumerate(names):
-                self.phases[name] = self.phases.get(name, 0.0) + ev[i].elapsed_time(ev[i + 1]) / 1e3
+    def phases(self, steps: int = 3) -> dict[str, float]:
+        with PhaseEvents(self.trainer) as ev:
+            for _ in range(steps):
+                ev.mark()
+                self.step()
+                ev.add()
+        return {k: v / steps for k, v in ev.times.items()}
 
     def run(self) -> dict:
         flops = self.useful_flops()
         for _ in range(self.b.warmup):
             self.step()
         sec = timed(self.step, self.b.iters, self.device)
-        if self.device.type == "cuda":
-            self.phases = {}
-            for _ in range(3):
-                self.step(timed=True)
-            self.phases = {k: v / 3 for k, v in self.phases.items()}
+        cuda = self.device.type == "cuda"
         data_tokens = self.b.drafter_batch * self.b.seq_len
         out = {"tok_s": data_tokens / sec, "flops_per_tok": flops / data_tokens, "sec_per_step": sec,
-               "phases": self.phases}
-        if self.device.type == "cuda" and self.b.kernel_profile:
+               "phases": self.phases() if cuda else {}}
+        if cuda and self.b.kernel_profile:
             out["kernels"] = profile_kernels(self.step)
         return out
+
+
+def synthetic_batch(target: Target, block_size: int, b: BenchConfig, soft_k: int = 0) -> DrafterBatch:
+    """`drafter_batch` sequences of `seq_len` random features with `anchors` sorted random anchors each (and
+    top-`soft_k` soft labels for the losses that read them)."""
+    t, bs, T, B = target, block_size, b.seq_len, b.drafter_batch
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    n = min(b.anchors, T - bs + 1)
+    anchors = torch.stack([torch.randperm(T - bs + 1, generator=gen)[:n].sort().values + 1 for _ in range(B)])
+    soft = (None, None)
+    if soft_k:
+        vals = torch.randn(B, n, bs - 1, soft_k, device=t.device).sort(dim=-1, descending=True).values
+        soft = (vals, torch.randint(0, t.vocab_size - 1, (B, n, bs - 1, soft_k), device=t.device))
+    return DrafterBatch(
+        features_BTLH=torch.randn(B, T, len(t.layer_ids), t.hidden_size, dtype=t.dtype, device=t.device),
+        anchors_BN=anchors.to(t.device), anchor_tokens_BN=torch.randint(0, t.vocab_size - 1, (B, n), device=t.device),
+        labels_BNK=torch.randint(0, t.vocab_size - 1, (B, n, bs - 1), device=t.device),
+        soft_vals_BNKk=soft[0], soft_idx_BNKk=soft[1], num_tokens=B * T)

@@ -88,7 +88,7 @@ def _target_torch(x: Bench) -> None:
 
 
 def _drafter(x: Bench) -> None:
-    x.out["drafter"] = _measure("drafter", lambda: DrafterStepBench(x.cfg, x.target, x.b).run())
+    x.out["drafter"] = _measure("drafter", lambda: DrafterStepBench(in_dir(x.cfg, "drafter"), x.target, x.b).run())
 
 
 def _pipeline(x: Bench) -> None:
@@ -108,9 +108,11 @@ SECTIONS: dict[str, Callable[[Bench], None]] = {
 
 
 def _variants(x: Bench) -> None:
-    for label, vcfg in x.drafter_variants.items():
+    for i, (label, vcfg) in enumerate(x.drafter_variants.items()):
         x.out.setdefault("drafter_variants", {})[label] = _measure(
-            f"drafter [{label}]", lambda vcfg=vcfg: DrafterStepBench(vcfg, x.target, x.b).run(), keep_going=True)
+            f"drafter [{label}]",
+            lambda vcfg=vcfg, i=i: DrafterStepBench(in_dir(vcfg, f"drafter_variant{i}"), x.target, x.b).run(),
+            keep_going=True)
     if not x.b.pipeline_steps:
         return
     for i, (label, vcfg) in enumerate(x.pipeline_variants.items()):
@@ -159,8 +161,8 @@ def describe(cfg: RunConfig, b: BenchConfig, target: Target, world: int) -> dict
 
 
 def in_dir(cfg: RunConfig, name: str) -> RunConfig:
-    """`cfg` with its own run folder under the benchmark's (`run_dir`, else runs/bench-<time>): every pipeline
-    measurement writes and reads back its own metrics.jsonl."""
+    """`cfg` with its own run folder under the benchmark's (`run_dir`, else runs/bench-<time>): every trainer the
+    bench builds writes its config there, and every pipeline measurement reads back its own metrics.jsonl."""
     base = cfg.run_dir or f"runs/bench-{_STARTED}"
     return dataclasses.replace(cfg, run_dir=str(Path(base) / name))
 

@@ -21,6 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
+from dflash.registry import Registry
+
 
 def training_mask(anchors_BN: torch.Tensor, ctx_len: int, block_size: int) -> torch.Tensor:
     """Bool mask [B, N·bs, ctx_len + N·bs]: block n sees context j < anchor_n and its own block, both
@@ -146,17 +148,13 @@ class FlexKernel:
         return attend(q, k, v, block_mask=mask, enable_gqa=num_heads != num_kv_heads)
 
 
-ATTN_KERNELS: dict[str, AttentionKernel] = {
+ATTN_KERNELS: Registry[AttentionKernel] = Registry("drafter.attn_kernel", {
     "sdpa": SdpaKernel(expand_kv=False),
     "sdpa_expanded": SdpaKernel(expand_kv=True),
     "flex": FlexKernel(),
-}
+})
 
 
 def attention_kernel(name: str) -> AttentionKernel:
     """The kernel registered as `name`; a ValueError naming the config key and the options otherwise."""
-    try:
-        return ATTN_KERNELS[name]
-    except KeyError:
-        raise ValueError(f"drafter.attn_kernel={name!r} is not a known attention kernel; "
-                         f"known: {', '.join(sorted(ATTN_KERNELS))}") from None
+    return ATTN_KERNELS[name]

@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from dflash.devices import resolve_device, resolve_dtype
+from dflash.registry import Registry
 from dflash.target.kernels import preflight_kernels
 
 
@@ -141,6 +142,8 @@ def resolve_mask_token(cfg: TargetConfig) -> int:
 
 
 def validate_target_config(cfg: TargetConfig) -> TargetInfo:
+    if not cfg.path:
+        TINY_TARGETS.check(cfg.random.model_type)
     info = read_target_info(cfg)
     ids = resolve_layer_ids(cfg, info)
     bad = [i for i in ids if not 0 <= i < info.num_layers]
@@ -178,14 +181,25 @@ def _tiny_hf_config(spec: TinyTargetSpec):
                   max_position_embeddings=8192, tie_word_embeddings=False,
                   bos_token_id=ByteTokenizer.bos_token_id, eos_token_id=ByteTokenizer.eos_token_id,
                   pad_token_id=ByteTokenizer.pad_token_id)
-    if spec.model_type == "qwen3_5":
-        from transformers import Qwen3_5TextConfig
-        return Qwen3_5TextConfig(**common)
-    if spec.model_type == "qwen3_next":
-        from transformers import Qwen3NextConfig
-        return Qwen3NextConfig(**common, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
-                               shared_expert_intermediate_size=64, decoder_sparse_step=1)
-    raise ValueError(f"target.random.model_type={spec.model_type!r}; expected qwen3_5 or qwen3_next")
+    return TINY_TARGETS.build(spec.model_type, common)
+
+
+def _qwen3_5_config(common: dict):
+    from transformers import Qwen3_5TextConfig
+    return Qwen3_5TextConfig(**common)
+
+
+def _qwen3_next_config(common: dict):
+    from transformers import Qwen3NextConfig
+    return Qwen3NextConfig(**common, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
+                           shared_expert_intermediate_size=64, decoder_sparse_step=1)
+
+
+# target.random.model_type -> the Hugging Face config of a tiny random target, from the shared fields.
+TINY_TARGETS: Registry = Registry("target.random.model_type", {
+    "qwen3_5": _qwen3_5_config,
+    "qwen3_next": _qwen3_next_config,
+})
 
 
 def build_random_model(spec: TinyTargetSpec, device: torch.device | None = None,
@@ -239,7 +253,8 @@ class Target:
         return ByteTokenizer()
 
     def _identity(self) -> str:
-        """Stable identity for caches: the checkpoint's path + weights mtime, or the random spec."""
+        """Stable identity for caches: the checkpoint's path with each weights file's name, size and content
+        digest (`_file_digest`), or the random spec."""
         if not self.cfg.path:
             return f"random:{self.cfg.random}"
         files = sorted(Path(checkpoint_path(self.cfg)).glob("*.safetensors"))
@@ -304,7 +319,3 @@ def _file_digest(path: Path, limit: int = 1 << 20) -> str:
     import hashlib
     with open(path, "rb") as f:
         return hashlib.sha256(f.read(limit)).hexdigest()[:16]
-
-
-def build_target(cfg: TargetConfig) -> Target:
-    return Target(cfg)

@@ -10,10 +10,10 @@ Typical use (the trainer)::
                 if cfg.tracking.system_metrics:
                     m.update(system_metrics())
                 logger.log(m, step)
-        logger.log_artifact(run_dir / "final.pt")
-    # logger.run_id -> store it in checkpoints, pass it back as ``run_id`` to resume.
+        logger.log_artifact(run_dir / "final", "checkpoint")   # the exported drafter folder
+    # logger.run_id is written to run_dir/mlflow_run.json; a resumed run passes it back as ``run_id``.
 
-Metric key prefixes used by callers: ``train/``, ``eval/``, ``perf/``, ``sys/``, ``buffer/``.
+Metric key prefixes used by callers: ``train/``, ``eval/``, ``perf/``, ``data/``, ``sys/``, ``buffer/``.
 
 MLflow is used only through ``mlflow.tracking.MlflowClient`` (no fluent/global active
 run), so several loggers can coexist in one process (e.g. sweep workers). MLflow

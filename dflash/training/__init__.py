@@ -1,11 +1,12 @@
 """Training a drafter against a frozen target (DESIGN §2–§4).
 
-- `trainer`: `train(cfg) -> TrainResult`, `Trainer` (the step, logging every N steps from device
-  accumulators, eval, checkpoint, resume).
+- `trainer`: `train(cfg) -> TrainResult`, `Trainer` (the step API `make_batch` / `step` / `run`, logging every
+  N steps from device accumulators, eval, checkpoint, resume).
 - `pipeline`: producers (target forwards) feeding `Item`s into the buffer (`ProducerPool`, `ItemSource`).
 - `buffer`: the length-bucketed, bounded `BucketedBuffer` with its pull policies (`BufferConfig`).
 - `batching`: random anchors and the drafter batch (`make_batch`, `DrafterBatch`).
-- `losses`, `lm_head_loss`: the loss variants (`build_loss`, `LossConfig`) and the fused, chunked LM-head path.
+- `losses`, `lm_head_loss`: the losses (`build_loss`, `LossConfig`; each a per-position term from `TERMS` and a
+  position weighting from `WEIGHTINGS`, computing its own LM-head stats) and the fused, chunked LM-head path.
 - `noise`: noise schedules on the target features (`build_noise`, `NoiseConfig`).
 - `checkpoint`: atomic step checkpoints (`save_checkpoint`, `latest_checkpoint`, `load_checkpoint`).
 - `distributed`: torchrun data parallelism (`init_distributed`, `wrap_ddp`).

@@ -10,10 +10,9 @@ from dataclasses import dataclass
 
 import torch
 
+from dflash.training.lm_head_loss import IGNORE_INDEX
 from dflash.training.noise import NoiseSchedule
 from dflash.training.pipeline import Item
-
-IGNORE = -100
 
 
 @dataclass
@@ -21,7 +20,7 @@ class DrafterBatch:
     features_BTLH: torch.Tensor
     anchors_BN: torch.Tensor
     anchor_tokens_BN: torch.Tensor
-    labels_BNK: torch.Tensor  # IGNORE where the block is padding
+    labels_BNK: torch.Tensor  # IGNORE_INDEX where the block is padding
     soft_vals_BNKk: torch.Tensor | None
     soft_idx_BNKk: torch.Tensor | None
     num_tokens: int  # data tokens in the batch (host int, no sync)
@@ -45,7 +44,7 @@ def make_batch(items: list[Item], *, block_size: int, num_anchors: int, seed: in
                noise: NoiseSchedule, sigma: float, device: torch.device, pad_multiple: int = 1,
                fixed_anchors: bool = False) -> DrafterBatch:
     """`pad_multiple` rounds the batch length up and `fixed_anchors` gives every batch `num_anchors` blocks
-    (the extra ones are padding, labels IGNORE), so a compiled drafter sees few distinct shapes. Exact: the
+    (the extra ones are padding, labels IGNORE_INDEX), so a compiled drafter sees few distinct shapes. Exact: the
     padded context lies past every real anchor, where the block mask hides it."""
     B = len(items)
     T = max(it.tokens_T.numel() for it in items)
@@ -72,7 +71,7 @@ def make_batch(items: list[Item], *, block_size: int, num_anchors: int, seed: in
     labels = torch.stack([_pad(it.labels_T.to(device), T) for it in items])
     b_idx = torch.arange(B, device=device)[:, None, None]
     pos_c = pos_BNK.clamp(max=T - 1)
-    labels_BNK = labels[b_idx, pos_c].masked_fill(~valid_BN[:, :, None], IGNORE)
+    labels_BNK = labels[b_idx, pos_c].masked_fill(~valid_BN[:, :, None], IGNORE_INDEX)
     soft_vals = soft_idx = None
     if items[0].soft_vals_Tk is not None:
         vals = torch.stack([_pad(it.soft_vals_Tk.to(device), T) for it in items])

@@ -63,6 +63,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, NamedTuple
 
+from dflash.registry import Registry
+
 __all__ = [
     "BufferConfig",
     "validate_buffer_config",
@@ -109,10 +111,7 @@ def validate_buffer_config(cfg: BufferConfig) -> None:
         raise ValueError(
             f"buffer.min_ready ({cfg.min_ready}) must be <= buffer.max_depth ({cfg.max_depth})"
         )
-    if cfg.policy not in POLICIES:
-        raise ValueError(
-            f"buffer.policy must be one of {sorted(POLICIES)}, got {cfg.policy!r}"
-        )
+    POLICIES.check(cfg.policy)
     try:
         edges = list(cfg.bucket_edges)
     except TypeError:
@@ -159,14 +158,12 @@ class PullPolicy(ABC):
         pass
 
 
-POLICIES: dict[str, type[PullPolicy]] = {}
+POLICIES: Registry[type[PullPolicy]] = Registry("buffer.policy")
 
 
 def register_policy(name: str) -> Callable[[type[PullPolicy]], type[PullPolicy]]:
     def deco(cls: type[PullPolicy]) -> type[PullPolicy]:
-        if name in POLICIES and POLICIES[name] is not cls:
-            raise ValueError(f"pull policy {name!r} is already registered")
-        POLICIES[name] = cls
+        POLICIES.register(name, cls)
         cls.policy_name = name
         return cls
 
@@ -174,13 +171,7 @@ def register_policy(name: str) -> Callable[[type[PullPolicy]], type[PullPolicy]]
 
 
 def build_policy(name: str, seed: int = 0) -> PullPolicy:
-    try:
-        cls = POLICIES[name]
-    except KeyError:
-        raise ValueError(
-            f"buffer.policy must be one of {sorted(POLICIES)}, got {name!r}"
-        ) from None
-    return cls(seed=seed)
+    return POLICIES.build(name, seed=seed)
 
 
 @register_policy("round_robin")

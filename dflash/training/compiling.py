@@ -18,18 +18,15 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from dflash.registry import Registry
+
 # trainer.compile_mode → (torch.compile keyword arguments, whether the mode replays CUDA graphs)
-COMPILE_MODES: dict[str, tuple[dict, bool]] = {
+COMPILE_MODES: Registry = Registry("trainer.compile_mode", {
     "default": ({}, False),
     "reduce-overhead": ({"mode": "reduce-overhead"}, True),
     "max-autotune-no-cudagraphs": ({"mode": "max-autotune-no-cudagraphs"}, False),
     "max-autotune": ({"mode": "max-autotune"}, True),
-}
-
-
-def check_compile_mode(name: str) -> None:
-    if name not in COMPILE_MODES:
-        raise ValueError(f"trainer.compile_mode={name!r} is unknown; expected one of {sorted(COMPILE_MODES)}")
+})
 
 
 class StepMarked(nn.Module):
@@ -46,8 +43,7 @@ class StepMarked(nn.Module):
 
 
 def compile_drafter(model: nn.Module, mode: str = "default") -> nn.Module:
-    check_compile_mode(mode)
-    kwargs, graphs = COMPILE_MODES[mode]
+    kwargs, graphs = COMPILE_MODES[mode]  # an unknown name raises, naming trainer.compile_mode
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 32)
     compiled = torch.compile(model, **kwargs)
     return StepMarked(compiled) if graphs else compiled

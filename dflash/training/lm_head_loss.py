@@ -37,6 +37,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+# The label of a position with no target (block padding): written by dflash.training.batching, skipped by
+# every stat and loss. torch's cross_entropy default ignore_index; the project's one spelling of it.
 IGNORE_INDEX = -100
 _LOW_PRECISION = (torch.bfloat16, torch.float16)
 

@@ -3,8 +3,16 @@
 A drafter block has B positions: position 0 is the anchor token, positions
 1..B-1 are masks whose targets are the target model's next tokens.  Every loss
 here acts on the K = B-1 predicted positions of N blocks and returns the
-weighted mean ``sum(w * l) / sum(w)`` over valid positions (label != -100),
+weighted mean ``sum(w * l) / sum(w)`` over valid positions (label != IGNORE_INDEX),
 with detached weights ``w``.
+
+A loss owns its statistics: ``loss(hidden, lm_head, batch) -> (loss, metrics)``
+computes the per-position LM-head stats (``compute_position_stats``) itself and
+is made of two independent parts, each in its own registry with its own small
+config: a per-position term ``l`` (``TERMS``: CE, soft-KL blend, LK) and a
+position weighting ``w`` (``WEIGHTINGS``: decay, streak, D-PACE).  A loss name
+(``loss.name``, ``LOSSES``) picks one of each; ``LossConfig`` (the flat
+``loss.*`` keys) is the union of the parts' configs.
 
 Sources:
   * Position decay ``w_k = exp(-(k-1)/gamma)``: DFlash, arXiv 2602.06036.
@@ -21,29 +29,74 @@ state in the forward and never recomputes logits; "recompute" runs each chunk
 under activation checkpointing and recomputes its logits in the backward.
 """
 
+import dataclasses
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable, Protocol
 
 import torch
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
+from dflash.registry import Registry
 from dflash.training.lm_head_loss import IGNORE_INDEX, fused_position_stats
 from dflash.training.lm_head_loss import chunk_logits as _chunk_logits
 
+# --------------------------------------------------------------------------
+# Configs: one small dataclass per part; LossConfig is their union (flat `loss.*` keys)
+# --------------------------------------------------------------------------
+
 
 @dataclass
-class LossConfig:
-    name: str = "hard_ce"
-    gamma: float = 7.0  # position decay length
-    temperature: float = 1.0  # soft-label temperature T
-    kl_weight: float = 0.7  # soft_kl: weight of the KL term vs. hard CE
-    alpha: float = 1.0  # streak: strength of the acceptance-prefix boost
-    dpace_a: float = 0.5  # dpace: floor a in q~ = (1-a) q + a
-    lk_eta: float = 3.0  # lk: lambda = exp(-eta * overlap)
+class LMHeadConfig:
+    """How the loss's per-position stats are computed."""
+
+    temperature: float = 1.0  # soft-label temperature T (KL / TV stats at T)
     chunk_size: int = 1024  # positions per LM-head chunk
     lm_head_grad: str = "fused"  # LM-head gradient path: fused (no logits recompute) | recompute (checkpointed)
+
+
+@dataclass
+class DecayConfig:
+    gamma: float = 7.0  # position decay length
+
+
+@dataclass
+class StreakConfig(DecayConfig):
+    alpha: float = 1.0  # strength of the acceptance-prefix boost
+
+
+@dataclass
+class DPaceConfig:
+    dpace_a: float = 0.5  # floor a in q~ = (1-a) q + a
+
+
+@dataclass
+class SoftKLConfig:
+    kl_weight: float = 0.7  # weight of the KL term vs. hard CE
+
+
+@dataclass
+class LKConfig:
+    lk_eta: float = 3.0  # lambda = exp(-eta * overlap)
+
+
+@dataclass
+class _LossName:
+    name: str = "hard_ce"  # a term and a weighting (LOSSES)
+
+
+@dataclass
+class LossConfig(LKConfig, SoftKLConfig, DPaceConfig, StreakConfig, LMHeadConfig, _LossName):
+    """The `loss.*` keys: the loss name, then every part's knobs, flat (`loss.temperature=1.5`); a dataclass's
+    fields come in reverse MRO order, so `name` (the last base) leads in a dumped config."""
+
+
+def part_config(cfg: LossConfig, part_cls: type | None) -> Any:
+    """The small config of one part, taken from the loss's keys (None for a part without knobs)."""
+    if part_cls is None:
+        return None
+    return part_cls(**{f.name: getattr(cfg, f.name) for f in dataclasses.fields(part_cls)})
 
 
 def position_decay(
@@ -69,10 +122,11 @@ class PositionStats:
     overlap: Tensor | None  # sum min(p, q) (detached)
     p_label: Tensor  # drafter probability of the label (detached)
     correct: Tensor  # bool, drafter argmax == label
+    temperature: float = 1.0  # the T of kl / tv / overlap
 
 
 def _ce_and_correct(logits_CV: Tensor, labels_C: Tensor) -> tuple[Tensor, Tensor]:
-    """CE at T=1 and argmax correctness; both 0 / False where label == -100."""
+    """CE at T=1 and argmax correctness; both 0 / False where label == IGNORE_INDEX."""
     valid_C = labels_C != IGNORE_INDEX
     safe_labels_C = torch.where(valid_C, labels_C, 0)
     label_logit_C = logits_CV.gather(1, safe_labels_C[:, None]).squeeze(1)
@@ -156,10 +210,10 @@ def _recompute_position_stats(
 
 # loss.lm_head_grad -> per-position stats over flattened positions; both return
 # (ce, kl, tv, overlap, p_label, correct), each [P], the soft ones None without soft labels.
-LM_HEAD_GRADS: dict[str, Callable[..., tuple[Tensor | None, ...]]] = {
+LM_HEAD_GRADS: Registry[Callable[..., tuple[Tensor | None, ...]]] = Registry("loss.lm_head_grad", {
     "fused": fused_position_stats,
     "recompute": _recompute_position_stats,
-}
+})
 
 
 def compute_position_stats(
@@ -191,8 +245,7 @@ def compute_position_stats(
         raise ValueError("need_soft=True requires soft_vals_NKk and soft_idx_NKk")
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
-    if lm_head_grad not in LM_HEAD_GRADS:
-        raise ValueError(f"unknown loss.lm_head_grad={lm_head_grad!r}; known options: {sorted(LM_HEAD_GRADS)}")
+    LM_HEAD_GRADS.check(lm_head_grad)
     if lm_head_VD.requires_grad:  # only the recompute path differentiates the head
         lm_head_grad = "recompute"
 
@@ -206,11 +259,65 @@ def compute_position_stats(
         temperature=temperature, chunk_size=chunk_size,
     )
     ce, kl, tv, overlap, p_label, correct = (None if t is None else t.reshape(N, K) for t in per_position)
-    return PositionStats(ce=ce, kl=kl, tv=tv, overlap=overlap, p_label=p_label, correct=correct)
+    return PositionStats(ce=ce, kl=kl, tv=tv, overlap=overlap, p_label=p_label, correct=correct,
+                         temperature=temperature)
 
 
 # --------------------------------------------------------------------------
-# Position weights
+# Per-position terms l [N, K]
+# --------------------------------------------------------------------------
+
+
+class PositionTerm(ABC):
+    """The per-position loss ``l`` [N, K] from the stats; ``config`` is its small config class."""
+
+    config: type | None = None
+    needs_soft: bool = False  # reads kl / tv / overlap (the target's top-k soft labels)
+
+    def __init__(self, cfg: Any = None):
+        self.cfg = cfg
+
+    @abstractmethod
+    def __call__(self, stats: PositionStats) -> Tensor: ...
+
+
+TERMS: Registry[type[PositionTerm]] = Registry("loss term")
+
+
+@TERMS.register("ce")
+class CETerm(PositionTerm):
+    """CE at T = 1 against the target's greedy label."""
+
+    def __call__(self, stats):
+        return stats.ce
+
+
+@TERMS.register("soft_kl")
+class SoftKLTerm(PositionTerm):
+    """``kl_weight * T^2 * KL_T + (1 - kl_weight) * CE``; T^2 keeps the KL gradient's scale independent of T."""
+
+    config = SoftKLConfig
+    needs_soft = True
+
+    def __call__(self, stats):
+        T2 = stats.temperature**2
+        return self.cfg.kl_weight * T2 * stats.kl + (1.0 - self.cfg.kl_weight) * stats.ce
+
+
+@TERMS.register("lk")
+class LKTerm(PositionTerm):
+    """``lambda * KL + (1 - lambda) * TV`` with ``lambda = exp(-eta * overlap)`` (overlap detached)."""
+
+    config = LKConfig
+    needs_soft = True
+
+    def __call__(self, stats):
+        lam_NK = torch.exp(-self.cfg.lk_eta * stats.overlap.detach())
+        return lam_NK * stats.kl + (1.0 - lam_NK) * stats.tv
+
+
+# --------------------------------------------------------------------------
+# Position weightings w [N, K]
 # --------------------------------------------------------------------------
 
 
@@ -236,29 +343,103 @@ def dpace_weights(p_label_NK: Tensor, valid_NK: Tensor, a: float) -> Tensor:
     return prefix_NK.flip(1).cumsum(1).flip(1)
 
 
-# --------------------------------------------------------------------------
-# Losses
-# --------------------------------------------------------------------------
+class PositionWeighting(ABC):
+    """The per-position weights ``w`` [N, K] (detached by the loss); ``config`` is its small config class."""
 
+    config: type | None = None
 
-class Loss(ABC):
-    """``loss(stats, valid_NK) = sum(w * l) / sum(w)`` over valid positions."""
-
-    needs_soft: bool = False
-
-    def __init__(self, cfg: LossConfig):
+    def __init__(self, cfg: Any = None):
         self.cfg = cfg
 
     @abstractmethod
-    def position_loss(self, stats: PositionStats) -> Tensor:
-        """Per-position loss l, [N, K]."""
+    def __call__(self, stats: PositionStats, valid_NK: Tensor) -> Tensor: ...
 
-    def position_weights(self, stats: PositionStats, valid_NK: Tensor) -> Tensor:
-        """Per-position weights w, [N, K]; defaults to the gamma decay."""
+
+WEIGHTINGS: Registry[type[PositionWeighting]] = Registry("loss weighting")
+
+
+@WEIGHTINGS.register("decay")
+class DecayWeighting(PositionWeighting):
+    config = DecayConfig
+
+    def __call__(self, stats, valid_NK):
         K = stats.ce.shape[1]
         return position_decay(K, self.cfg.gamma, stats.ce.device, stats.ce.dtype).expand_as(stats.ce)
 
-    def __call__(self, stats: PositionStats, valid_NK: Tensor) -> Tensor:
+
+@WEIGHTINGS.register("streak")
+class StreakWeighting(PositionWeighting):
+    config = StreakConfig
+
+    def __call__(self, stats, valid_NK):
+        return streak_weights(stats.p_label, valid_NK, self.cfg.gamma, self.cfg.alpha)
+
+
+@WEIGHTINGS.register("dpace")
+class DPaceWeighting(PositionWeighting):
+    config = DPaceConfig
+
+    def __call__(self, stats, valid_NK):
+        return dpace_weights(stats.p_label, valid_NK, self.cfg.dpace_a)
+
+
+# --------------------------------------------------------------------------
+# Losses: a term and a weighting over the stats the loss computes itself
+# --------------------------------------------------------------------------
+
+
+class LabelledBatch(Protocol):
+    """What a loss reads from a batch (``dflash.training.batching.DrafterBatch`` has it)."""
+
+    labels_BNK: Tensor  # IGNORE_INDEX where the block is padding
+    soft_vals_BNKk: Tensor | None  # the target's top-k logits, when the loss needs soft labels
+    soft_idx_BNKk: Tensor | None
+
+
+class Loss:
+    """``loss(hidden, lm_head, batch) -> (sum(w * l) / sum(w), metrics)`` over valid positions.
+
+    A registered loss names its ``term`` (``TERMS``) and ``weighting`` (``WEIGHTINGS``); each is built
+    from its own small config, taken from the flat ``LossConfig``."""
+
+    term: str = ""
+    weighting: str = ""
+    needs_soft: bool = False  # set from the term
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        if cls.term:
+            cls.needs_soft = TERMS[cls.term].needs_soft
+
+    def __init__(self, cfg: LossConfig):
+        self.cfg = cfg
+        self.lm_head = part_config(cfg, LMHeadConfig)
+        term_cls, weighting_cls = TERMS[self.term], WEIGHTINGS[self.weighting]
+        self.position_loss = term_cls(part_config(cfg, term_cls.config))
+        self.position_weights = weighting_cls(part_config(cfg, weighting_cls.config))
+
+    def __call__(self, hidden_BNKH: Tensor, lm_head_VH: Tensor, batch: LabelledBatch) -> tuple[Tensor, dict]:
+        """The loss (scalar, with grad) and on-device metrics (``block_metrics``) of drafter hidden states
+        [..., K, H] against the batch's labels [..., K]; no host sync."""
+        stats, valid_NK = self.stats(hidden_BNKH, lm_head_VH, batch)
+        return self.reduce(stats, valid_NK), block_metrics(stats, valid_NK)
+
+    def stats(self, hidden_BNKH: Tensor, lm_head_VH: Tensor, batch: LabelledBatch) -> tuple[PositionStats, Tensor]:
+        """Per-position stats [N, K] (all blocks flattened into N) and the valid mask."""
+        K, H = hidden_BNKH.shape[-2:]
+        labels_NK = batch.labels_BNK.reshape(-1, K)
+        soft = self.needs_soft and batch.soft_vals_BNKk is not None
+        c = self.lm_head
+        stats = compute_position_stats(
+            hidden_BNKH.reshape(-1, K, H), lm_head_VH, labels_NK,
+            soft_vals_NKk=batch.soft_vals_BNKk.flatten(0, -3) if soft else None,
+            soft_idx_NKk=batch.soft_idx_BNKk.flatten(0, -3) if soft else None,
+            temperature=c.temperature, chunk_size=c.chunk_size, need_soft=self.needs_soft,
+            lm_head_grad=c.lm_head_grad)
+        return stats, labels_NK != IGNORE_INDEX
+
+    def reduce(self, stats: PositionStats, valid_NK: Tensor) -> Tensor:
+        """``sum(w * l) / sum(w)`` over valid positions, weights detached."""
         if self.needs_soft and stats.kl is None:
             raise ValueError(f"loss {type(self).__name__} needs soft-label stats (need_soft=True)")
         weights_NK = torch.where(valid_NK, self.position_weights(stats, valid_NK).detach(), 0.0)
@@ -266,80 +447,52 @@ class Loss(ABC):
         return (weights_NK * loss_NK).sum() / weights_NK.sum().clamp_min(1e-8)
 
 
-LOSSES: dict[str, type[Loss]] = {}
-
-
-def register_loss(name: str) -> Callable[[type[Loss]], type[Loss]]:
-    def decorator(cls: type[Loss]) -> type[Loss]:
-        if name in LOSSES:
-            raise ValueError(f"loss {name!r} is already registered")
-        LOSSES[name] = cls
-        return cls
-
-    return decorator
+LOSSES: Registry[type[Loss]] = Registry("loss.name")
+register_loss = LOSSES.register
 
 
 def build_loss(cfg: LossConfig) -> Loss:
-    if cfg.name not in LOSSES:
-        raise ValueError(f"unknown loss.name={cfg.name!r}; known options: {sorted(LOSSES)}")
-    return LOSSES[cfg.name](cfg)
+    return LOSSES.build(cfg.name, cfg)
 
 
-def _soft_kl_loss(stats: PositionStats, cfg: LossConfig) -> Tensor:
-    T2 = cfg.temperature**2
-    return cfg.kl_weight * T2 * stats.kl + (1.0 - cfg.kl_weight) * stats.ce
+def validate_loss_config(cfg: LossConfig) -> None:
+    """The names a loss config picks exist (ValueError naming the key otherwise)."""
+    LOSSES.check(cfg.name)
+    LM_HEAD_GRADS.check(cfg.lm_head_grad)
+    if cfg.chunk_size < 1:
+        raise ValueError(f"loss.chunk_size must be >= 1, got {cfg.chunk_size}")
 
 
 @register_loss("hard_ce")
 class HardCELoss(Loss):
-    def position_loss(self, stats):
-        return stats.ce
+    """The DFlash baseline: CE with the gamma decay."""
+
+    term, weighting = "ce", "decay"
 
 
 @register_loss("soft_kl")
 class SoftKLLoss(Loss):
-    needs_soft = True
-
-    def position_loss(self, stats):
-        return _soft_kl_loss(stats, self.cfg)
+    term, weighting = "soft_kl", "decay"
 
 
 @register_loss("streak")
 class StreakLoss(Loss):
-    def position_loss(self, stats):
-        return stats.ce
-
-    def position_weights(self, stats, valid_NK):
-        return streak_weights(stats.p_label, valid_NK, self.cfg.gamma, self.cfg.alpha)
+    term, weighting = "ce", "streak"
 
 
 @register_loss("soft_kl_streak")
 class SoftKLStreakLoss(Loss):
-    needs_soft = True
-
-    def position_loss(self, stats):
-        return _soft_kl_loss(stats, self.cfg)
-
-    def position_weights(self, stats, valid_NK):
-        return streak_weights(stats.p_label, valid_NK, self.cfg.gamma, self.cfg.alpha)
+    term, weighting = "soft_kl", "streak"
 
 
 @register_loss("dpace")
 class DPaceLoss(Loss):
-    def position_loss(self, stats):
-        return stats.ce
-
-    def position_weights(self, stats, valid_NK):
-        return dpace_weights(stats.p_label, valid_NK, self.cfg.dpace_a)
+    term, weighting = "ce", "dpace"
 
 
 @register_loss("lk")
 class LKLoss(Loss):
-    needs_soft = True
-
-    def position_loss(self, stats):
-        lam_NK = torch.exp(-self.cfg.lk_eta * stats.overlap.detach())
-        return lam_NK * stats.kl + (1.0 - lam_NK) * stats.tv
+    term, weighting = "lk", "decay"
 
 
 # --------------------------------------------------------------------------

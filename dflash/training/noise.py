@@ -4,8 +4,10 @@ Noise is added to every selected target layer *except the last one*: the last se
 one closest to the target's output and carries most of the next-token signal, so corrupting it teaches
 the drafter to ignore its best feature (the original pipeline's convention).
 
-One schedule object per run: the trainer advances it (`advance(step)`), every producer reads
-`sigma()` from it, so all producers use the same σ at the same step.
+One schedule object per run: the trainer advances it (`advance(step)`) and draws the noise itself when it
+makes each batch (`dflash.training.batching.make_batch` calls `add` with `sigma()`, seeded per item), so
+the buffered target features stay clean and a resumed run draws exactly the noise the uninterrupted run did.
+Schedules register in `NOISES` (`noise.name`).
 """
 from __future__ import annotations
 
@@ -14,6 +16,8 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
 import torch
+
+from dflash.registry import Registry
 
 
 @dataclass
@@ -58,14 +62,8 @@ class NoiseSchedule(ABC):
         return noisy
 
 
-NOISES: dict[str, type[NoiseSchedule]] = {}
-
-
-def register_noise(name: str):
-    def wrap(cls):
-        NOISES[name] = cls
-        return cls
-    return wrap
+NOISES: Registry[type[NoiseSchedule]] = Registry("noise.name")
+register_noise = NOISES.register
 
 
 @register_noise("none")
@@ -98,11 +96,10 @@ class CosineNoise(NoiseSchedule):
 
 
 def build_noise(cfg: NoiseConfig, total_steps: int) -> NoiseSchedule:
-    if cfg.name not in NOISES:
-        raise ValueError(f"noise.name={cfg.name!r} is unknown; expected one of {sorted(NOISES)}")
+    NOISES.check(cfg.name)
     if cfg.distribution not in ("uniform", "gaussian"):
         raise ValueError(f"noise.distribution={cfg.distribution!r}; expected 'uniform' or 'gaussian'")
     for key in ("sigma", "start", "end"):
         if getattr(cfg, key) < 0:
             raise ValueError(f"noise.{key} must be >= 0, got {getattr(cfg, key)}")
-    return NOISES[cfg.name](cfg, total_steps)
+    return NOISES.build(cfg.name, cfg, total_steps)

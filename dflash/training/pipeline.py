@@ -22,9 +22,19 @@ from dataclasses import dataclass
 
 import torch
 
+from dflash.registry import Registry
 from dflash.training.buffer import BucketedBuffer
 from dflash.data.sources import epoch_order
 from dflash.target.model import Target
+
+# trainer.producer_mode -> whether the consumer runs the target itself, given (drafter device, target device).
+# thread: producer threads run the target beside the drafter; inline: the consumer runs it whenever the buffer
+# runs short; auto: inline when both sides share one GPU (they take turns on it anyway).
+PRODUCER_MODES: Registry = Registry("trainer.producer_mode", {
+    "thread": lambda drafter_device, target_device: False,
+    "inline": lambda drafter_device, target_device: True,
+    "auto": lambda drafter_device, target_device: drafter_device.type == "cuda" and drafter_device == target_device,
+})
 
 
 @dataclass
@@ -129,12 +139,7 @@ class SideStream:
 
 
 # trainer.producer_stream → how the target's forwards are placed on the device
-PRODUCER_STREAMS = {"default": SameStream, "side": SideStream}
-
-
-def check_producer_stream(name: str) -> None:
-    if name not in PRODUCER_STREAMS:
-        raise ValueError(f"trainer.producer_stream={name!r} is unknown; expected one of {sorted(PRODUCER_STREAMS)}")
+PRODUCER_STREAMS: Registry = Registry("trainer.producer_stream", {"default": SameStream, "side": SideStream})
 
 
 class ProducerPool:
@@ -149,8 +154,7 @@ class ProducerPool:
     def __init__(self, target: Target, buffer: BucketedBuffer, source: ItemSource, n: int,
                  soft_top_k: int, batch: int = 1, inline: bool = False, stream: str = "default"):
         self.target, self.buffer, self.source = target, buffer, source
-        check_producer_stream(stream)
-        self.streams = PRODUCER_STREAMS[stream](target.device)
+        self.streams = PRODUCER_STREAMS.build(stream, target.device)
         self.soft_top_k, self.batch, self.inline = soft_top_k, batch, inline
         self.inline_s = 0.0  # consumer time spent producing (inline mode): counted as its wait
         self.stop = threading.Event()

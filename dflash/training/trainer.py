@@ -20,7 +20,7 @@ from typing import Callable
 import torch
 import yaml
 
-from dflash.training.batching import make_batch
+from dflash.training.batching import DrafterBatch, make_batch
 from dflash.training.compiling import compile_drafter
 from dflash.training.buffer import BucketedBuffer
 from dflash.atomic import atomic_write_text
@@ -39,9 +39,9 @@ from dflash.training.distributed import (
 from dflash.training.distributed import shutdown as shutdown_distributed
 from dflash.drafter.model import DFlashDrafter, build_drafter
 from dflash.evaluation import make_evaluator
-from dflash.training.losses import block_metrics, build_loss, compute_position_stats
+from dflash.training.losses import build_loss
 from dflash.training.noise import build_noise
-from dflash.training.pipeline import ItemSource, ProducerPool
+from dflash.training.pipeline import PRODUCER_MODES, Item, ItemSource, ProducerPool
 from dflash.serving.promotion import auto_promote
 from dflash.tracking.sysmetrics import system_metrics
 from dflash.target.model import Target
@@ -60,6 +60,14 @@ log = logging.getLogger(__name__)
 # An evaluator takes (drafter, target, step, final, logger) and returns `eval/…` metrics; by default
 # `dflash.evaluation.make_evaluator(cfg.eval)` (cheap subset every trainer.eval_every steps, full suite at the end).
 Evaluator = Callable[[DFlashDrafter, Target, int, bool, object], dict]
+
+
+@dataclass
+class StepOutput:
+    """What `Trainer.step` returns: device tensors, read by the host only every tracking.log_every steps."""
+    loss: torch.Tensor  # scalar, detached
+    grad_norm: torch.Tensor  # before clipping
+    metrics: dict[str, torch.Tensor]  # the loss's: acc, acc_per_pos [K], streak
 
 
 @dataclass
@@ -219,30 +227,40 @@ class Trainer:
                  "scheduler": self.sched.state_dict(), "ranks": ranks, "config": to_dict(self.cfg)}
         return save_checkpoint(self.run_dir / "checkpoints", step, state, self.cfg.trainer.keep_checkpoints)
 
-    def _step(self, items, acc: MetricAccumulator) -> int:
+    # -- the step API (the loop and the bench call these) -----------------------------------------------
+    def make_batch(self, items: list[Item]) -> DrafterBatch:
+        """The drafter batch of buffered `items`: anchors, feature noise at the schedule's current σ, padding."""
         c = self.cfg
-        batch = make_batch(items, block_size=c.drafter.block_size, num_anchors=c.trainer.num_anchors,
-                           seed=c.seed, noise=self.noise, sigma=self.noise.sigma(), device=self.device,
-                           pad_multiple=c.trainer.pad_multiple, fixed_anchors=c.trainer.compile)
-        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self._autocast()):
+        return make_batch(items, block_size=c.drafter.block_size, num_anchors=c.trainer.num_anchors,
+                          seed=c.seed, noise=self.noise, sigma=self.noise.sigma(), device=self.device,
+                          pad_multiple=c.trainer.pad_multiple, fixed_anchors=c.trainer.compile)
+
+    def step(self, batch: DrafterBatch) -> StepOutput:
+        """One optimizer step on `batch`: drafter forward (bf16 autocast per trainer.autocast), the loss with
+        its own LM-head statistics, backward, gradient clipping, AdamW and the LR schedule. Returns device
+        tensors only (no host sync). The phases are profiler ranges (`dflash.drafter_forward`, `dflash.loss`,
+        `dflash.backward`, `dflash.optimizer`: the bench's sync trace names sites by them), free unless a
+        profiler runs."""
+        record = torch.profiler.record_function
+        with record("dflash.drafter_forward"), torch.autocast(self.device.type, dtype=torch.bfloat16,
+                                                               enabled=self._autocast()):
             hidden = self.train_model(batch.features_BTLH, batch.anchors_BN, batch.anchor_tokens_BN)
-        B, N, K, H = hidden.shape
-        soft = batch.soft_vals_BNKk is not None
-        stats = compute_position_stats(
-            hidden.reshape(B * N, K, H), self.drafter.lm_head_VH, batch.labels_BNK.reshape(B * N, K),
-            soft_vals_NKk=batch.soft_vals_BNKk.flatten(0, 1) if soft else None,
-            soft_idx_NKk=batch.soft_idx_BNKk.flatten(0, 1) if soft else None,
-            temperature=c.loss.temperature, chunk_size=c.loss.chunk_size, need_soft=self.loss_fn.needs_soft,
-            lm_head_grad=c.loss.lm_head_grad)
-        valid = batch.labels_BNK.reshape(B * N, K) != -100
-        loss = self.loss_fn(stats, valid)
-        loss.backward()
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), c.trainer.grad_clip)
-        with torch.profiler.record_function("dflash.optimizer"):  # a phase name for the bench's sync trace
+        with record("dflash.loss"):
+            loss, metrics = self.loss_fn(hidden, self.drafter.lm_head_VH, batch)
+        with record("dflash.backward"):
+            loss.backward()
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), self.cfg.trainer.grad_clip)
+        with record("dflash.optimizer"):
             self.opt.step()
             self.sched.step()
             self.opt.zero_grad(set_to_none=True)
-        acc.add(loss, block_metrics(stats, valid), grad_norm)
+        return StepOutput(loss.detach(), grad_norm, metrics)
+
+    def _step(self, items, acc: MetricAccumulator) -> int:
+        """The loop's step: batch, optimizer step, metrics summed on the device; the tokens consumed."""
+        batch = self.make_batch(items)
+        out = self.step(batch)
+        acc.add(out.loss, out.metrics, out.grad_norm)
         return batch.num_tokens
 
     def _autocast(self) -> bool:
@@ -258,10 +276,7 @@ class Trainer:
                             inline=self.producers_inline, stream=self.cfg.trainer.producer_stream).start()
 
     def _inline_producer(self) -> bool:
-        mode = self.cfg.trainer.producer_mode
-        if mode == "auto":  # one GPU for both sides: they take turns on it anyway
-            return self.device.type == "cuda" and self.device == self.target.device
-        return mode == "inline"
+        return PRODUCER_MODES[self.cfg.trainer.producer_mode](self.device, self.target.device)
 
     def run(self, final: bool = True,
             around_step: Callable[[int], AbstractContextManager] | None = None) -> TrainResult:

@@ -192,3 +192,32 @@ def test_tree_verify_of_a_chain_equals_the_block_verify_and_a_branch_changes_it(
     assert torch.equal(results[0][1], labels) and torch.allclose(results[0][0], feats, atol=1e-5)
     # branch tree [root, (0,), (1,), (0,0)]: node (0,0) sees root and (0,) but not (1,): unlike a chain
     assert not torch.allclose(results[1][0][:, 3], feats[:, 3], atol=1e-5)
+
+
+def test_drafter_step_bench_runs_the_trainers_step_and_times_its_phases(fast_cfg):
+    """The drafter section is the trainer's own Trainer.step (no copy of it); its phase boundaries come from
+    public hooks (forward hook, the loss, the optimizer's step hooks): four phases per step, in order."""
+    import time
+
+    import torch
+
+    from dflash.bench.config import BenchConfig
+    from dflash.bench.drafter_step import PHASES, DrafterStepBench
+    from dflash.target.model import Target
+
+    class HostEvent:
+        def record(self):
+            self.t = time.perf_counter()
+
+        def elapsed_time(self, other):
+            return (other.t - self.t) * 1e3
+    cfg = fast_cfg()
+    bench = DrafterStepBench(cfg, Target(cfg.target), BenchConfig(seq_len=48, anchors=4, warmup=1, iters=1))
+    before = [p.detach().clone() for p in bench.trainer.drafter.parameters()]
+    loss_fn = bench.trainer.loss_fn
+    phases = bench.phases(steps=2, event=HostEvent, sync=lambda: None)
+    assert list(phases) == list(PHASES) and all(v > 0 for v in phases.values())
+    assert any(not torch.equal(a, b) for a, b in zip(before, bench.trainer.drafter.parameters()))  # it stepped
+    assert bench.trainer.loss_fn is loss_fn  # the timing wrapper is gone again
+    out = bench.run()
+    assert out["tok_s"] > 0 and out["flops_per_tok"] > 0 and out["sec_per_step"] > 0

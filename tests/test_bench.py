@@ -221,3 +221,15 @@ def test_drafter_step_bench_runs_the_trainers_step_and_times_its_phases(fast_cfg
     assert bench.trainer.loss_fn is loss_fn  # the timing wrapper is gone again
     out = bench.run()
     assert out["tok_s"] > 0 and out["flops_per_tok"] > 0 and out["sec_per_step"] > 0
+
+
+def test_window_records_are_the_measured_windows_of_the_latest_run(tmp_path):
+    import json
+
+    from dflash.bench.pipeline import Schedule, window_records
+    s = Schedule(warmup=4, window=2, repeats=3, profiled=1)
+    old = [{"step": k, "perf/consumed_tok_s": 1.0} for k in range(2, 12, 2)]  # an earlier run in this folder
+    new = [{"step": k, "perf/consumed_tok_s": 2.0} for k in range(2, 12, 2)] + [{"step": 11, "perf/consumed_tok_s": 9.0}]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in old + new))
+    got = window_records(tmp_path, s)
+    assert [r["step"] for r in got] == [6, 8, 10] and all(r["perf/consumed_tok_s"] == 2.0 for r in got)

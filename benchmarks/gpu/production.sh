@@ -1,17 +1,18 @@
 #!/usr/bin/env bash
 # Issue 13 on ONE H200 (kind nvidia-h200), one device call of at most 9 minutes:
 #     bash benchmarks/gpu/production.sh
-# 1. what τ buys (bench.sections=serving): greedy decode step, block verify (B = 16), DDTree verify of 16 / 64 /
-#    256 nodes, re-advance and the drafter's round, after 1 K / 2 K / 4 K / 8 K tokens of context;
-# 2. the training side at the 27B shapes (2,048 tokens, 256 anchors, +trainer=gpu): target, drafter step and the
+# 0. tests/test_speed_settings.py's GPU test: the side-stream producer trains to the one-stream losses;
+# 1. the training side at the 27B shapes (2,048 tokens, 256 anchors, +trainer=gpu): target, drafter step and the
 #    pipeline's headline (tokens trained on per second, 4 windows of 10 steps after 10 warm-up steps), each
 #    speed setting beside the default in the same process (before / after):
 #      drafter step: trainer.compile_mode=reduce-overhead (CUDA graphs of the fixed-shape compiled forward and
 #                    its backward), loss.chunk_size=4096 (LM-head loss in chunks of 4,096 positions, not 1,024);
 #      pipeline:     trainer.producer_stream=side (target forward on its own stream beside the drafter's queued
-#                    step, inline producer), the same with producer threads, and the CUDA-graph drafter;
-# 3. time allowing: trainer.compile_mode=max-autotune-no-cudagraphs (inductor autotunes every matmul: slow to
-#    compile) beside no default (its ratio is read against stage 2's default).
+#                    step, inline producer), then the same with producer threads;
+# 2. what τ buys (bench.sections=serving): greedy decode step, block verify (B = 16), DDTree verify of 16 / 64 /
+#    256 nodes, re-advance and the drafter's round, after 1 K / 2 K / 4 K / 8 K tokens of context;
+# 3. time allowing: the CUDA-graph drafter in the pipeline and trainer.compile_mode=max-autotune-no-cudagraphs
+#    (inductor autotunes every matmul: slow to compile), read against stage 1's defaults.
 # Each stage is its own process under `timeout`, so one that runs long cannot take the others' figures. Every
 # stage writes a RESULTS entry (table + raw JSON with target, drafter, seq_len, anchors, GPUs) and a sqlite MLflow
 # store under $OUT/production; the end prints the short table. Copy the entries into benchmarks/RESULTS.md.
@@ -34,30 +35,35 @@ TRAIN=${TRAIN:-"$BIG +trainer=gpu trainer.producer_batch=4 bench.pipeline_steps=
 SERVE=${SERVE:-"$BIG bench.serving_iters=10"}
 db() { echo "tracking.tracking_uri=sqlite:///$W/$1.db"; }
 
-timeout 180 python -m experiments.bench $SERVE bench.sections=serving \
-  results=$W/RESULTS_serving.md "$(db serving)" > $W/serving.log 2>&1
-echo "serving: rc $? at $((SECONDS - T0)) s"
+# 0. the side stream's synchronisation on this GPU: same losses as one stream (inline and thread producers)
+timeout 75 python -m pytest -q -p no:cacheprovider tests/test_speed_settings.py -m gpu > $W/gpu_tests.log 2>&1
+echo "gpu tests: rc $? at $((SECONDS - T0)) s: $(tail -1 $W/gpu_tests.log)"
 
-timeout $(( $(left) - 40 < 330 ? $(left) - 40 : 330 )) python -m experiments.bench $TRAIN \
+timeout $(( $(left) - 100 < 330 ? $(left) - 100 : 330 )) python -m experiments.bench $TRAIN \
   bench.sections=peak,target,drafter,pipeline bench.profile_steps=2 bench.kernel_profile=0 \
   "bench.drafter_variants=trainer.compile_mode=reduce-overhead;loss.chunk_size=4096" \
-  "bench.pipeline_variants=trainer.producer_stream=side;trainer.producer_mode=thread&trainer.producer_stream=side;trainer.compile_mode=reduce-overhead" \
+  "bench.pipeline_variants=trainer.producer_stream=side;trainer.producer_mode=thread&trainer.producer_stream=side" \
   results=$W/RESULTS_train.md "$(db train)" > $W/train.log 2>&1
 echo "train: rc $? at $((SECONDS - T0)) s"
 
-if (( $(left) > 150 )); then
-  timeout $(( $(left) - 10 )) python -m experiments.bench $TRAIN bench.sections=peak bench.pipeline_steps=0 \
-    bench.kernel_profile=0 "bench.drafter_variants=trainer.compile_mode=max-autotune-no-cudagraphs" \
-    results=$W/RESULTS_autotune.md "$(db autotune)" > $W/autotune.log 2>&1
-  echo "autotune: rc $? at $((SECONDS - T0)) s"
+timeout $(( $(left) - 10 < 180 ? $(left) - 10 : 180 )) python -m experiments.bench $SERVE bench.sections=serving \
+  results=$W/RESULTS_serving.md "$(db serving)" > $W/serving.log 2>&1
+echo "serving: rc $? at $((SECONDS - T0)) s"
+
+if (( $(left) > 150 )); then  # time allowing: the CUDA-graph drafter in the pipeline, the autotuned drafter step
+  timeout $(( $(left) - 10 )) python -m experiments.bench $TRAIN bench.sections=peak bench.kernel_profile=0 \
+    "bench.pipeline_variants=trainer.compile_mode=reduce-overhead" \
+    "bench.drafter_variants=trainer.compile_mode=max-autotune-no-cudagraphs" \
+    results=$W/RESULTS_extra.md "$(db extra)" > $W/extra.log 2>&1
+  echo "extra: rc $? at $((SECONDS - T0)) s"
 fi
 
 echo; echo "== issue 13, one H200, 27B shapes (2,048 tokens, 256 anchors) =="
-for f in train autotune; do
+for f in train extra; do
   [ -f $W/RESULTS_$f.md ] && grep -E "^(shapes|matmul peak|target tok/s|drafter tok/s|back-to-back|pipeline tok/s|drafter step|peak GPU)" $W/RESULTS_$f.md
 done
 [ -f $W/RESULTS_serving.md ] && awk '/^```/{on=0} /^serving after/{on=($3==2048 || $3==8192)}
   on && (/^serving after/ || /tau/ || /failed/ || $1 ~ /^(1|2|3|4|6|8|12|16)$/)' $W/RESULTS_serving.md
-for f in serving train autotune; do  # a stage cut short: its measurements as logged
-  [ -f $W/RESULTS_$f.md ] || { echo "-- $f: no table; last figures logged:"; grep -E "bench [a-z_]+( \[.*\])?:" $W/$f.log | cut -c1-400 | tail -4; }
+for f in train serving extra; do  # a stage cut short: its measurements as logged
+  [ -f $W/$f.log ] && [ ! -f $W/RESULTS_$f.md ] && { echo "-- $f: no table; figures as logged:"; grep -E "bench [a-z_]+( \[.*\])?:" $W/$f.log | cut -c1-600; }
 done

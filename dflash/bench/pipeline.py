@@ -102,8 +102,7 @@ def bench_pipeline(cfg: RunConfig, target: Target, b: BenchConfig) -> dict:
         clock.after_step(step + 1, tokens_per_step)
         profiler.leave(step)
     trainer.run(final=False, around_step=around_step)  # a benchmark writes no final drafter
-    windows = [r for r in read_jsonl_metrics(trainer.run_dir)
-               if s.warmup < r.get("step", 0) <= s.measured_end and r["step"] % s.window == 0]
+    windows = window_records(trainer.run_dir, s)
     out = summarise(clock, windows, trainer.dist.world)
     out.update(sync_summary(syncs))
     out.update({"producer_batch": cfg.trainer.producer_batch,
@@ -112,6 +111,13 @@ def bench_pipeline(cfg: RunConfig, target: Target, b: BenchConfig) -> dict:
                 "window_steps": s.window, "repeats": s.repeats, "warmup_steps": s.warmup,
                 "measured_steps": s.window * s.repeats})
     return out
+
+
+def window_records(run_dir, s: Schedule) -> list[dict]:
+    """The trainer's metric records at the ends of the measured windows; the last record of each step, since a
+    folder reused by an earlier measurement holds that one's records before ours."""
+    by_step = {r["step"]: r for r in read_jsonl_metrics(run_dir) if "step" in r}
+    return [by_step[k] for k in range(s.warmup + s.window, s.measured_end + 1, s.window) if k in by_step]
 
 
 def summarise(clock: StepClock, windows: list[dict], world: int = 1) -> dict:

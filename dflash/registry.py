@@ -1,8 +1,8 @@
 """Name → variant tables: every choice a config makes by name goes through one `Registry`.
 
-Loss terms and weightings (`dflash.training.losses`), noise schedules, pull policies, attention kernels,
-data sources, producer modes, tiny target types, and the sweeps' samplers and pruners all use it the
-same way::
+Losses, their terms and weightings (`dflash.training.losses`), the LM-head gradient paths, noise schedules,
+pull policies, attention kernels, data sources, producer modes, tiny target types, and the sweeps' samplers
+and pruners all use it the same way::
 
     KERNELS = Registry("drafter.attn_kernel")        # the config key that names the choice
 

@@ -5,8 +5,9 @@
 - `pipeline`: producers (target forwards) feeding `Item`s into the buffer (`ProducerPool`, `ItemSource`).
 - `buffer`: the length-bucketed, bounded `BucketedBuffer` with its pull policies (`BufferConfig`).
 - `batching`: random anchors and the drafter batch (`make_batch`, `DrafterBatch`).
-- `losses`, `lm_head_loss`: the losses (`build_loss`, `LossConfig`; each a per-position term from `TERMS` and a
-  position weighting from `WEIGHTINGS`, computing its own LM-head stats) and the fused, chunked LM-head path.
+- `losses`: the losses (`build_loss`, `LossConfig`; each a per-position term from `TERMS` and a
+  position weighting from `WEIGHTINGS`, computing its own LM-head stats); `position_stats` and `lm_head_loss`:
+  those stats in LM-head chunks (`compute_position_stats`: the recompute path and the fused one).
 - `noise`: noise schedules on the target features (`build_noise`, `NoiseConfig`).
 - `checkpoint`: atomic step checkpoints (`save_checkpoint`, `latest_checkpoint`, `load_checkpoint`).
 - `distributed`: torchrun data parallelism (`init_distributed`, `wrap_ddp`).

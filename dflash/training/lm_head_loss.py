@@ -1,6 +1,6 @@
 """Per-position drafter stats against a frozen LM head, with the hidden-state gradient made in the forward.
 
-Why this module exists: the recompute path in ``dflash.training.losses`` runs each chunk of positions under
+Why this module exists: the recompute path in ``dflash.training.position_stats`` runs each chunk of positions under
 activation checkpointing, so the backward recomputes the [C, V] logits.  Per chunk that costs three
 head matmuls (logits, the recompute, the gradient wrt hidden) plus a second round of float32
 elementwise passes over [C, V] (and the allocator churn of their temporaries) — the same churn the
@@ -18,7 +18,7 @@ Per chunk that is no recompute, two head matmuls instead of three (logits + one 
 soft labels at T != 1 need a second dense product, for q_T), the top-k sums done by
 ``F.embedding_bag`` (never a [C, k, D] gather), and at most two [C, V] float32 blocks alive at a
 time (temporaries are made in place).  The head must be frozen (its gradient is never formed);
-``dflash.training.losses.compute_position_stats`` falls back to the recompute path otherwise.
+``dflash.training.position_stats.compute_position_stats`` falls back to the recompute path otherwise.
 
 Precision: with a bf16 head the [C, V] coefficients are rounded to bf16 before the matmul, as
 autograd does with the logits' gradient.  So the sparse parts of the smooth stats (e_y for CE, the

@@ -1,0 +1,171 @@
+"""Per-position drafter statistics against the LM head, chunk by chunk (the stats every loss reads).
+
+The LM head is shared with the target (V up to ~250k), so drafter logits are computed in float32, chunk by
+chunk: only per-position scalars leave a chunk, and the N*K*V logits never exist at once, neither in the
+forward nor in the backward pass.  Two interchangeable paths compute them (``loss.lm_head_grad``,
+``LM_HEAD_GRADS``): "fused" (``dflash.training.lm_head_loss``) forms each stat's gradient wrt the hidden
+state in the forward and never recomputes logits; "recompute" (here) runs each chunk under activation
+checkpointing and recomputes its logits in the backward.
+"""
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch import Tensor
+from torch.utils.checkpoint import checkpoint
+
+from dflash.registry import Registry
+from dflash.training.lm_head_loss import IGNORE_INDEX, fused_position_stats
+from dflash.training.lm_head_loss import chunk_logits as _chunk_logits
+
+
+@dataclass
+class PositionStats:
+    """Per-position scalars, all [N, K]; invalid positions hold 0 / False."""
+
+    ce: Tensor  # cross-entropy at T=1 against the label (with grad)
+    kl: Tensor | None  # KL(p_target || q_drafter) at temperature T (with grad)
+    tv: Tensor | None  # total variation 1 - sum min(p, q) (with grad)
+    overlap: Tensor | None  # sum min(p, q) (detached)
+    p_label: Tensor  # drafter probability of the label (detached)
+    correct: Tensor  # bool, drafter argmax == label
+    temperature: float = 1.0  # the T of kl / tv / overlap
+
+
+def _ce_and_correct(logits_CV: Tensor, labels_C: Tensor) -> tuple[Tensor, Tensor]:
+    """CE at T=1 and argmax correctness; both 0 / False where label == IGNORE_INDEX."""
+    valid_C = labels_C != IGNORE_INDEX
+    safe_labels_C = torch.where(valid_C, labels_C, 0)
+    label_logit_C = logits_CV.gather(1, safe_labels_C[:, None]).squeeze(1)
+    ce_C = torch.where(valid_C, torch.logsumexp(logits_CV, dim=-1) - label_logit_C, 0.0)
+    correct_C = (logits_CV.argmax(dim=-1) == labels_C) & valid_C
+    return ce_C, correct_C
+
+
+def _hard_chunk(hidden_CD: Tensor, lm_head_VD: Tensor, labels_C: Tensor) -> tuple[Tensor, Tensor]:
+    """CE and correctness for one chunk of positions."""
+    return _ce_and_correct(_chunk_logits(hidden_CD, lm_head_VD), labels_C)
+
+
+def _soft_chunk(
+    hidden_CD: Tensor,
+    lm_head_VD: Tensor,
+    labels_C: Tensor,
+    soft_vals_Ck: Tensor,
+    soft_idx_Ck: Tensor,
+    temperature: float,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """CE, correctness, KL, TV and overlap (top-k soft labels) for one chunk."""
+    logits_CV = _chunk_logits(hidden_CD, lm_head_VD)
+    ce_C, correct_C = _ce_and_correct(logits_CV, labels_C)
+    valid_C = labels_C != IGNORE_INDEX
+
+    # Drafter log q at the target's top-k indices, q = softmax(d / T) over V.
+    scaled_CV = logits_CV / temperature
+    safe_idx_Ck = torch.where(valid_C[:, None], soft_idx_Ck, 0)
+    log_q_Ck = scaled_CV.gather(1, safe_idx_Ck) - torch.logsumexp(scaled_CV, dim=-1, keepdim=True)
+    # Target p = softmax(vals / T) over its top-k.  Invalid rows get dummy
+    # values so padding garbage (e.g. all -inf) cannot yield NaN gradients.
+    vals_Ck = torch.where(valid_C[:, None], soft_vals_Ck.to(logits_CV.dtype), 0.0)
+    log_p_Ck = torch.log_softmax(vals_Ck / temperature, dim=-1)
+    p_Ck = log_p_Ck.exp()
+    kl_terms_Ck = torch.where(p_Ck > 0, p_Ck * (log_p_Ck - log_q_Ck), 0.0)
+    kl_C = torch.where(valid_C, kl_terms_Ck.sum(dim=-1), 0.0)
+    overlap_C = torch.where(valid_C, torch.minimum(p_Ck, log_q_Ck.exp()).sum(dim=-1), 0.0)
+    tv_C = torch.where(valid_C, 1.0 - overlap_C, 0.0)
+    return ce_C, correct_C, kl_C, tv_C, overlap_C.detach()
+
+
+def _maybe_checkpoint(fn: Callable, *args) -> tuple[Tensor, ...]:
+    needs_grad = torch.is_grad_enabled() and any(
+        isinstance(a, Tensor) and a.requires_grad for a in args
+    )
+    if needs_grad:
+        return checkpoint(fn, *args, use_reentrant=False)
+    return fn(*args)
+
+
+def _recompute_position_stats(
+    hidden_PD: Tensor,
+    lm_head_VD: Tensor,
+    labels_P: Tensor,
+    soft_vals_Pk: Tensor | None,
+    soft_idx_Pk: Tensor | None,
+    *,
+    temperature: float,
+    chunk_size: int,
+) -> tuple[Tensor | None, ...]:
+    """(ce, kl, tv, overlap, p_label, correct), each [P]: chunks under activation checkpointing,
+    whose backward recomputes the chunk's logits (also differentiates a trainable head)."""
+    outputs = []
+    for start in range(0, hidden_PD.shape[0], chunk_size):
+        sl = slice(start, start + chunk_size)
+        if soft_vals_Pk is not None:
+            outputs.append(
+                _maybe_checkpoint(
+                    _soft_chunk, hidden_PD[sl], lm_head_VD, labels_P[sl],
+                    soft_vals_Pk[sl], soft_idx_Pk[sl], temperature,
+                )
+            )
+        else:
+            outputs.append(_maybe_checkpoint(_hard_chunk, hidden_PD[sl], lm_head_VD, labels_P[sl]))
+    ce, correct, *soft = (torch.cat(parts) for parts in zip(*outputs))
+    kl, tv, overlap = soft if soft else (None, None, None)
+    p_label = torch.where(labels_P != IGNORE_INDEX, torch.exp(-ce.detach()), 0.0)
+    return ce, kl, tv, overlap, p_label, correct
+
+
+# loss.lm_head_grad -> per-position stats over flattened positions; both return
+# (ce, kl, tv, overlap, p_label, correct), each [P], the soft ones None without soft labels.
+LM_HEAD_GRADS: Registry[Callable[..., tuple[Tensor | None, ...]]] = Registry("loss.lm_head_grad", {
+    "fused": fused_position_stats,
+    "recompute": _recompute_position_stats,
+})
+
+
+def compute_position_stats(
+    hidden_NKD: Tensor,
+    lm_head_VD: Tensor,
+    labels_NK: Tensor,
+    *,
+    soft_vals_NKk: Tensor | None = None,
+    soft_idx_NKk: Tensor | None = None,
+    temperature: float = 1.0,
+    chunk_size: int = 1024,
+    need_soft: bool = False,
+    lm_head_grad: str = "fused",
+) -> PositionStats:
+    """Per-position CE / KL / TV stats of the drafter, computed in LM-head chunks.
+
+    Logits are float32 (float64 if the inputs are float64; a bf16 head multiplies
+    in bf16 with the chunk's logits upcast), ``chunk_size`` flattened positions at
+    a time, so only [chunk, V] logits exist at any time.  ``lm_head_grad`` picks
+    how the gradient wrt the hidden state is made (see ``LM_HEAD_GRADS``): "fused"
+    in the forward, without recomputing logits; "recompute" under activation
+    checkpointing.  A head that requires grad always takes "recompute" (the fused
+    path treats the head as frozen).  Soft labels are the target's top-k logits
+    (``soft_vals``) at vocabulary indices ``soft_idx``; they are only used when
+    ``need_soft`` is set.
+    """
+    N, K, D = hidden_NKD.shape
+    if need_soft and (soft_vals_NKk is None or soft_idx_NKk is None):
+        raise ValueError("need_soft=True requires soft_vals_NKk and soft_idx_NKk")
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    LM_HEAD_GRADS.check(lm_head_grad)
+    if lm_head_VD.requires_grad:  # only the recompute path differentiates the head
+        lm_head_grad = "recompute"
+
+    soft_vals_Pk = soft_idx_Pk = None
+    if need_soft:
+        k = soft_vals_NKk.shape[-1]
+        soft_vals_Pk = soft_vals_NKk.reshape(N * K, k)
+        soft_idx_Pk = soft_idx_NKk.reshape(N * K, k)
+    per_position = LM_HEAD_GRADS[lm_head_grad](
+        hidden_NKD.reshape(N * K, D), lm_head_VD, labels_NK.reshape(N * K), soft_vals_Pk, soft_idx_Pk,
+        temperature=temperature, chunk_size=chunk_size,
+    )
+    ce, kl, tv, overlap, p_label, correct = (None if t is None else t.reshape(N, K) for t in per_position)
+    return PositionStats(ce=ce, kl=kl, tv=tv, overlap=overlap, p_label=p_label, correct=correct,
+                         temperature=temperature)

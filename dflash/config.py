@@ -14,7 +14,7 @@ from typing import Any
 
 from dflash.training.buffer import BufferConfig, validate_buffer_config
 from dflash.data.sources import DataConfig, validate_data_config
-from dflash.drafter.model import DrafterConfig
+from dflash.drafter.model import DrafterConfig, validate_drafter_config
 from dflash.drafter.attention import ATTN_KERNELS
 from dflash.evaluation import EvalConfig, validate_eval_config
 from dflash.training.losses import LossConfig, validate_loss_config
@@ -110,6 +110,7 @@ def validate(cfg: RunConfig) -> None:
             raise ConfigError("drafter.num_heads must be a multiple of drafter.num_kv_heads")
         if cfg.drafter.head_dim % 2:
             raise ConfigError("drafter.head_dim must be even (RoPE)")
+        validate_drafter_config(cfg.drafter)  # layer_types / sliding_window / rope_theta
         if cfg.data.min_len < cfg.drafter.block_size:
             raise ConfigError(f"data.min_len={cfg.data.min_len} is shorter than drafter.block_size="
                               f"{cfg.drafter.block_size}: no anchor would fit")

@@ -52,8 +52,9 @@ def resume_config(run_dir: str, overrides: list[str]) -> RunConfig:
 
 
 # Config groups whose option is switched with `+group=option` (the base entry sits in conf/config.yaml):
-# every folder of conf/ but sweep/ (sweep definitions are not part of the run config).
-GROUPS = tuple(sorted(p.name for p in CONF_DIR.iterdir() if p.is_dir() and p.name != "sweep"))
+# every folder of conf/ but sweep/ and campaign/ (sweep and campaign definitions are not part of the run config).
+NOT_GROUPS = ("sweep", "campaign")
+GROUPS = tuple(sorted(p.name for p in CONF_DIR.iterdir() if p.is_dir() and p.name not in NOT_GROUPS))
 
 
 def group_options(group: str) -> list[str]:

@@ -1,5 +1,13 @@
-"""Evaluated acceptance of a drafter: `python -m experiments.eval <run dir | serving folder | checkpoint.pt>
-[key=value ...]`.
+"""Evaluated acceptance of a drafter: `python -m experiments.eval A [B] [key=value ...]`, A and B each a
+run dir, a serving folder or a checkpoint.pt; B may also be `champion` (any `@alias`, or
+`models:/<name>@<alias>`: the registry's holder, in A's tracking store).
+
+With B: both drafters run on the SAME ground truth (A's config: target, suites, lengths), and each suite
+gets the paired Δτ = τ_A − τ_B with its `eval.ci_level` bootstrap interval over prompts (vanilla and per
+tree budget), printed, logged as `eval/compare/delta_<metric>[_ci_low|_ci_high]` (and per suite
+`eval/suite/<name>/compare/...`) and written to `compare.json` / `compare.md`. B can be a published drafter
+(a serving folder `dflash.serving.export.load_drafter` reads): that is the published baseline. Prompt lookup
+(the zero-cost baseline) stands beside τ in every table, with or without B.
 
 - A run directory (has `config.yaml`): its resolved config, then `key=value` overrides on top (type-checked
   against the schema, e.g. `eval.real_decode=true eval.max_new_tokens=128 target.device=cpu`); the drafter is
@@ -36,7 +44,8 @@ import yaml
 
 from dflash.config import ConfigError, RunConfig, from_dict
 from dflash.evaluation import validate_eval_config
-from dflash.evaluation.report import evaluate
+from dflash.evaluation.evaluator import evaluate_suites, merged_metrics, summary_table
+from dflash.evaluation.pairing import NotPaired, paired_delta
 from dflash.target.model import Target
 from dflash.devices import resolve_device
 from dflash.tracking.loggers import (
@@ -87,9 +96,11 @@ def resolve_source(path: Path, overrides: list[str]):
 
         def load_ckpt(dev, state=state, cfg=cfg):
             from dflash.drafter.model import build_drafter
+            from dflash.serving.export import read_target_facts
             from dflash.target.model import read_target_info, resolve_layer_ids, resolve_mask_token
             ti = read_target_info(cfg.target)
-            d = build_drafter(cfg.drafter, ti.hidden_size, ti.num_layers, resolve_mask_token(cfg.target),
+            dc = cfg.drafter.for_target(read_target_facts(cfg.target).rope_theta)  # rope_theta 0: the target's
+            d = build_drafter(dc, ti.hidden_size, ti.num_layers, resolve_mask_token(cfg.target),
                               resolve_layer_ids(cfg.target, ti))
             d.load_state_dict(state["drafter"])
             return d.to(dev)
@@ -128,7 +139,11 @@ def _log_into_run(uri: str, run_id: str, metrics: dict[str, float], step: int, a
     client.set_tag(run_id, "dflash.eval.source", "experiments.eval")
 
 
-def _parse_argv(argv: list[str]) -> tuple[Path, list[str], Path | None, bool]:
+def _is_source(a: str) -> bool:
+    return "=" not in a and not a.startswith(("+", "~"))
+
+
+def _parse_argv(argv: list[str]) -> tuple[Path, str | None, list[str], Path | None, bool]:
     out, rest, into = None, [], False
     for a in argv:
         if a.startswith("--out="):
@@ -142,15 +157,18 @@ def _parse_argv(argv: list[str]) -> tuple[Path, list[str], Path | None, bool]:
             rest.append(a)
     if not rest:
         raise ConfigError("usage: python -m experiments.eval <run dir | serving folder | checkpoint.pt> "
-                          "[key=value ...] [--out=DIR] [--into-run]")
-    return Path(rest[0]), rest[1:], out, into
+                          "[B: the same, or champion] [key=value ...] [--out=DIR] [--into-run]")
+    other = rest[1] if len(rest) > 1 and _is_source(rest[1]) else None
+    return Path(rest[0]), other, rest[2 if other else 1:], out, into
 
 
 def main(argv: list[str] | None = None) -> dict:
     argv = list(sys.argv[1:] if argv is None else argv)
-    path, overrides, out, into_run = _parse_argv(argv)
+    path, other, overrides, out, into_run = _parse_argv(argv)
     cfg, ecfg, load, run_dir, step = resolve_source(path, overrides)
     ml = _mlflow_info(run_dir)
+    if other is not None and into_run:
+        raise ConfigError("--into-run writes one drafter's eval into its run; not with a second drafter B")
     if into_run and not ml.get("run_id"):
         raise ConfigError(f"--into-run: {path} is not a tracked run directory (no mlflow_run.json)")
     try:
@@ -160,6 +178,7 @@ def main(argv: list[str] | None = None) -> dict:
     target = Target(cfg.target)
     dev = target.device if ecfg.device == "auto" else resolve_device(ecfg.device)
     drafter = load(dev)
+    other_drafter, other_label = (None, "") if other is None else _load_other(other, overrides, cfg, ml, dev)
 
     stamp = default_run_name()
     out = out or ((run_dir / "eval" / stamp) if run_dir else Path("runs") / f"eval-{stamp}")
@@ -174,18 +193,28 @@ def main(argv: list[str] | None = None) -> dict:
             "eval.suite": ecfg.suite}
     if ml.get("run_id"):
         tags["dflash.evaluated_run"] = ml["run_id"]
+    if other is not None:
+        tags["dflash.compared_with"] = other_label
     params = {"eval": dataclasses.asdict(ecfg), "target": dataclasses.asdict(cfg.target),
               "drafter": {"block_size": drafter.block_size, "num_layers": len(drafter.layers)}}
     loggers = build_loggers(tracking, out, flatten_config(params), tags, None)
     status = "FAILED"
     try:
-        report = evaluate(drafter, target, ecfg)
-        print(report.console_table(), flush=True)
-        loggers.log(report.metrics, step)
-        report.log_artifacts(loggers)
-        paths = report.save(out / "report")
+        reports = evaluate_suites(drafter, target, ecfg)
+        metrics = merged_metrics(reports)
+        for i, report in enumerate(reports):
+            print(report.console_table(), flush=True)
+            name = report.info["suite_label"]
+            report.log_artifacts(loggers, "eval" if i == 0 else f"eval/suite/{name}")
+            saved = report.save(out / "report" if i == 0 else out / "report" / "suite" / name)
+            paths = saved if i == 0 else paths
+        print(summary_table(metrics, ecfg.ci_level), flush=True)
+        if other_drafter is not None:
+            metrics.update(_compare(reports, evaluate_suites(other_drafter, target, ecfg), ecfg, path.name,
+                                    other_label, out / "report", loggers))
+        loggers.log(metrics, step)
         if into_run:
-            _log_into_run(ml["tracking_uri"], ml["run_id"], report.metrics, step, out / "report")
+            _log_into_run(ml["tracking_uri"], ml["run_id"], metrics, step, out / "report")
             print(f"eval metrics and artifacts also logged into the evaluated run {ml['run_id']}")
         status = "FINISHED"
     finally:
@@ -197,7 +226,74 @@ def main(argv: list[str] | None = None) -> dict:
             log.warning("could not tag the evaluated run %s: %s", ml["run_id"], e)
     print(f"eval output: {out / 'report'} ({', '.join(p.name for p in paths.values())})\n"
           f"mlflow eval run: {loggers.run_id}")
-    return report.metrics
+    return metrics
+
+
+# -- B: a second drafter on the same ground truth -------------------------------------------------------
+def _load_other(other: str, overrides: list[str], cfg: RunConfig, ml: dict, dev):
+    """(drafter B, label): a run dir / serving folder / checkpoint, or the registry's alias holder."""
+    from dflash.serving.export import load_drafter
+    if other.startswith(("models:/", "@")) or other == "champion":
+        name, alias = cfg.promote.model_name, other.lstrip("@")
+        if other.startswith("models:/"):
+            name, _, alias = other.removeprefix("models:/").partition("@")
+        uri = cfg.promote.tracking_uri or ml.get("tracking_uri") or cfg.tracking.tracking_uri
+        from mlflow.artifacts import download_artifacts
+        from mlflow.tracking import MlflowClient
+        try:
+            mv = MlflowClient(tracking_uri=uri, registry_uri=uri).get_model_version_by_alias(name, alias)
+            folder = download_artifacts(artifact_uri=mv.source, tracking_uri=uri)
+        except Exception as e:  # noqa: BLE001 - any registry failure is bad input here
+            raise ConfigError(f"B={other!r}: no {name}@{alias} in the registry {uri!r} ({e})") from e
+        return load_drafter(folder, dev), f"{name}@{alias} (v{mv.version}, run {mv.run_id})"
+    p = Path(other)
+    _, _, load_b, _, _ = resolve_source(p, [o for o in overrides if not o.startswith("eval.")])
+    return load_b(dev), str(p)
+
+
+def _compare(reports_a, reports_b, ecfg, label_a: str, label_b: str, out: Path, loggers) -> dict[str, float]:
+    """Paired Δτ = A − B per suite and method; printed, logged as eval/compare/..., saved as compare.*"""
+    metrics, rows = {}, []
+    for i, (ra, rb) in enumerate(zip(reports_a, reports_b)):
+        ta, tb, suite = ra.to_dict(), rb.to_dict(), ra.info["suite_label"]
+        row = {"suite": suite, "prompts": len(ra.table), "tau_a": ra.metrics["eval/tau_vanilla"],
+               "tau_b": rb.metrics["eval/tau_vanilla"], "tau_prompt_lookup": ra.stats.get("eval/tau_prompt_lookup")}
+        methods = [("tau_vanilla", ("tau_sum_vanilla", "rounds"))]
+        methods += [(f"tau_tree_{b}", (f"tau_sum_tree_{b}", f"rounds_tree_{b}")) for b in ra.budgets]
+        for key, cols in methods:
+            try:
+                d = paired_delta(ta, tb, cols, cols, ecfg.ci_level, ecfg.bootstrap)
+            except NotPaired as e:  # cannot happen with one target and one config; say so if it does
+                raise ConfigError(f"suite {suite}: {e}") from e
+            row[key] = [d.value, d.low, d.high]
+            for pre in (["eval/compare/"] if i == 0 else []) + [f"eval/suite/{suite}/compare/"]:
+                metrics.update({f"{pre}delta_{key}": d.value, f"{pre}delta_{key}_ci_low": d.low,
+                                f"{pre}delta_{key}_ci_high": d.high})
+        rows.append(row)
+    text = _compare_table(rows, reports_a[0].budgets, ecfg.ci_level, label_a, label_b)
+    print(text, flush=True)
+    from dflash.atomic import atomic_write_text
+    out.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(out / "compare.json", json.dumps({"a": label_a, "b": label_b, "suites": rows}, indent=2))
+    atomic_write_text(out / "compare.md", text + "\n")
+    loggers.log_dict({"a": label_a, "b": label_b, "suites": rows}, "eval/compare.json")
+    loggers.log_text(text + "\n", "eval/compare.md")
+    return metrics
+
+
+def _compare_table(rows: list[dict], budgets: list[int], level: float, a: str, b: str) -> str:
+    def ci(v):
+        return f"{v[0]:+.3f} [{v[1]:+.3f}, {v[2]:+.3f}]"
+    head = ["suite", "prompts", "τ A", "τ B", "τ prompt-lookup", "Δ vanilla"] + [f"Δ tree-{x} nodes" for x in budgets]
+    lines = [f"paired Δτ = A − B, {100 * level:g}% bootstrap CI over prompts, same ground truth "
+             f"(A = {a}, B = {b})", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        pl = r["tau_prompt_lookup"]
+        cells = [r["suite"], str(r["prompts"]), f"{r['tau_a']:.3f}", f"{r['tau_b']:.3f}",
+                 "-" if pl is None else f"{pl:.3f}", ci(r["tau_vanilla"])]
+        cells += [ci(r[f"tau_tree_{x}"]) for x in budgets]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

@@ -8,10 +8,10 @@ folder, or a trainer checkpoint `.pt`. The folder is written beside `--out` and 
 interrupted export never leaves a half folder where a previous export was. Read one back with
 `dflash.serving.export.load_drafter(DIR)` (also works for published DFlash drafters).
 
-Serve it next to its target with SGLang:
-
-    python -m sglang.launch_server --model-path <target> --speculative-algorithm DFLASH \\
-        --speculative-draft-model-path <DIR> --speculative-dflash-block-size 16
+The folder records what the engines read from the target (context length, mask token string, RoPE) and
+carries `modeling_dflash.py` for `AutoModel.from_pretrained(DIR, trust_remote_code=True)`. A run knows its
+target; for a source that does not (a bare folder), name the target folder: `--target /models/Qwen3.6-27B`.
+Serving commands (SGLang, vLLM): README "Evaluate, promote, export, serve".
 """
 from __future__ import annotations
 
@@ -28,13 +28,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="serving folder to write (replaced whole if it exists)")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],
                    help="weight dtype in the folder (default %(default)s)")
+    p.add_argument("--target", default=None,
+                   help="local target folder (config.json + tokenizer) whose facts the folder records; "
+                        "default: the source's own (its run's target)")
     return p
 
 
 def main(argv: list[str] | None = None) -> Path:
     args = build_parser().parse_args(argv)
     try:
-        out = export_drafter(args.source, args.out, args.dtype)
+        out = export_drafter(args.source, args.out, args.dtype, target=args.target)
     except (OSError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         raise SystemExit(2) from e
@@ -42,7 +45,8 @@ def main(argv: list[str] | None = None) -> Path:
     d = cfg["dflash_config"]
     print(f"wrote {out}: {cfg['num_hidden_layers']} layers, hidden {cfg['hidden_size']}, block {cfg['block_size']}, "
           f"target layers {d['target_layer_ids']} of {cfg['num_target_layers']}, mask {d['mask_token_id']}, "
-          f"vocab {cfg['vocab_size']}, {cfg['torch_dtype']}")
+          f"vocab {cfg['vocab_size']}, {cfg['torch_dtype']}, context {cfg['max_position_embeddings']}"
+          + ("" if "auto_map" in cfg else " (bare: no target facts, no modeling_dflash.py; pass --target)"))
     return out
 
 

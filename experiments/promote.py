@@ -2,7 +2,7 @@
 
     python -m experiments.promote runs/20260101-120000-ab12-soft_kl
     python -m experiments.promote <mlflow run id> --tracking-uri sqlite:////abs/mlflow.db --dry-run
-    python -m experiments.promote <run dir> --margin 0.05 --floor 3.0 --alias champion
+    python -m experiments.promote <run dir> --margin 0.05 --floor 3.0 --alias champion --ci-level 0.95
 
 Exit code 0 when the gate ran, whether it promoted or refused (a refusal is a normal outcome, printed
 with its reason); 2 on bad input (no such run or store, a run dir without MLflow tracking).
@@ -63,8 +63,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m experiments.promote", description=__doc__.split("\n\n")[0])
     p.add_argument("target", help="run directory (or its final/ or a checkpoint inside it), or an MLflow run id")
     p.add_argument("--dry-run", action="store_true", help="show the decision; register and tag nothing")
-    p.add_argument("--margin", type=float, default=d.margin, help="must beat the holder by more than this")
-    p.add_argument("--floor", type=float, default=d.floor, help="and be at least this")
+    p.add_argument("--margin", type=float, default=d.margin,
+                   help="the lower end of the paired Δτ interval vs the holder must exceed this")
+    p.add_argument("--floor", type=float, default=d.floor, help="and the candidate's value be at least this")
+    p.add_argument("--ci-level", type=float, default=d.ci_level, help="level of the paired Δτ intervals")
+    p.add_argument("--bootstrap", type=int, default=d.bootstrap, help="bootstrap replicates of those intervals")
     p.add_argument("--alias", default=d.alias)
     p.add_argument("--model-name", default=d.model_name)
     p.add_argument("--metric", default=d.metric, help="gate metric (default %(default)s)")
@@ -77,7 +80,8 @@ def main(argv: list[str] | None = None) -> Decision:
     try:
         run_id, uri = resolve_target(args.target, args.tracking_uri or None)
         cfg = PromoteConfig(model_name=args.model_name, alias=args.alias, metric=args.metric,
-                            margin=args.margin, floor=args.floor, tracking_uri=uri)
+                            margin=args.margin, floor=args.floor, ci_level=args.ci_level,
+                            bootstrap=args.bootstrap, tracking_uri=uri)
         decision = promote(run_id, cfg, uri, dry_run=args.dry_run)
     except (BadInput, PromotionError) as e:
         print(f"error: {e}", file=sys.stderr)
@@ -86,6 +90,13 @@ def main(argv: list[str] | None = None) -> Decision:
     print(f"  {cfg.metric}: candidate {decision.candidate_value}, holder "
           f"{'v' + decision.holder_version if decision.holder_version else 'none'} ({decision.holder_value}); "
           f"margin {cfg.margin}, floor {cfg.floor}; store {uri}")
+    if decision.delta is not None:
+        ci = "" if decision.delta_ci_low is None else f" [{decision.delta_ci_low:+.4f}, {decision.delta_ci_high:+.4f}]"
+        print(f"  Δ vs holder ({decision.comparison}): {decision.delta:+.4f}{ci}")
+    if decision.prompt_lookup is not None:
+        ci = "" if decision.delta_prompt_lookup_ci_low is None else \
+            f", Δ interval [{decision.delta_prompt_lookup_ci_low:+.4f}, {decision.delta_prompt_lookup_ci_high:+.4f}]"
+        print(f"  prompt-lookup τ {decision.prompt_lookup:.4f}{ci}")
     return decision
 
 

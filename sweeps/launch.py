@@ -14,7 +14,7 @@
 - `study`: default the sweep's `name`.
 - `out`: where trial run dirs (`<out>/<study>/trial_00012`), worker logs and the default journal go.
 - `sweep.KEY=VALUE`: edit the sweep definition for this launch (`sweep.sampler.seed=3`,
-  `sweep.pruner.type=none`, `sweep.objective.metric=eval/tau_tree_8`).
+  `sweep.pruner.type=none`, `sweep.objective.metric=eval/tau_tree_64`).
 - everything else `key=value` / `+group=option`: Hydra overrides of the run config, applied after the
   sweep's `fixed` (an override of the same key replaces the fixed one, e.g. `+target=qwen3_6_27b
   target.path=/models/...`). Searched keys cannot be overridden.

@@ -176,7 +176,7 @@ def resolve_sweep_path(ref: str) -> Path:
 
 def load_sweep(ref: str, overrides: list[str] | tuple[str, ...] = ()) -> SweepDef:
     """Load and validate a sweep by name or path; `overrides` are dotted `key=value` edits of the file
-    itself (e.g. `sampler.seed=3`, `pruner.type=none`, `objective.metric=eval/tau_tree_8`)."""
+    itself (e.g. `sampler.seed=3`, `pruner.type=none`, `objective.metric=eval/tau_tree_64`)."""
     path = resolve_sweep_path(ref)
     try:
         raw = yaml.safe_load(path.read_text())

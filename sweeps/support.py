@@ -68,6 +68,11 @@ class PruningEvaluator:
         self.reports: list[tuple[int, float]] = []
         self._warned = False
 
+    def use_train_sequences(self, sequences) -> None:
+        """Forwarded to the real evaluator (eval/tau_train, dflash.evaluation.evaluator)."""
+        if hasattr(self.base, "use_train_sequences"):
+            self.base.use_train_sequences(sequences)
+
     def __call__(self, drafter, target, step: int, final: bool, logger=None) -> dict[str, float]:
         out: dict[str, float] = {}
         if self.base is not None:

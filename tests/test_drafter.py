@@ -92,3 +92,28 @@ def test_grouped_anchors_equal_one_call_with_gradients(group):
     assert outs[1].shape == (2, N, 5, 32)
     torch.testing.assert_close(outs[1], outs[0], rtol=1e-10, atol=1e-10)
     torch.testing.assert_close(grads[1], grads[0], rtol=1e-9, atol=1e-9)
+
+
+@pytest.mark.parametrize("attn_group", [0, 2])
+def test_published_layout_training_logits_equal_inference_logits(attn_group):
+    """The published Qwen3.6-27B layout (4 sliding-window layers + 1 full) at tiny width, window 8 < context:
+    training's windowed block mask against inference's cropped per-layer caches, float64."""
+    torch.manual_seed(0)
+    cfg = DrafterConfig(num_layers=5, num_heads=4, num_kv_heads=2, head_dim=8, intermediate_size=64, block_size=6,
+                        attn_group=attn_group, layer_types=["sliding_attention"] * 4 + ["full_attention"],
+                        sliding_window=8)
+    d = DFlashDrafter(cfg, 32, num_target_layers=8, mask_token_id=49, target_layer_ids=[0, 1, 2]).double()
+    d.attach_target_head(torch.randn(50, 32, dtype=torch.float64), torch.randn(50, 32, dtype=torch.float64))
+    d.eval()
+    T = 40
+    feats = torch.randn(1, T, 3, 32, dtype=torch.float64)
+    tokens = torch.randint(0, 49, (1, T))
+    anchors = torch.tensor([[1, 7, 8, 20, T - 5]])
+    with torch.no_grad():
+        train_h = d(feats, anchors, tokens.gather(1, anchors))
+    for n, a in enumerate(anchors[0].tolist()):
+        cache = d.new_cache()
+        d.extend_context(cache, feats[:, :a], start=0)
+        assert [k.shape[2] for k in cache.k] == [min(a, 7 + 6)] * 4 + [a]  # window - 1 + one block of slack
+        infer_h = d.draft_hidden(cache, tokens[:, a])
+        assert torch.allclose(train_h[:, n], infer_h, atol=1e-10), f"anchor {a}"  # hidden: logits are float32

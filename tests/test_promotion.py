@@ -48,8 +48,8 @@ class Store:
         if tau is not None:
             ms += [Metric("eval/tau_vanilla", tau - 0.5, ts, 5),  # an earlier, cheaper eval
                    Metric("eval/tau_vanilla", tau, ts + 1, 10),
-                   Metric("eval/tau_tree_4", tau + 1.0, ts + 1, 10),
-                   Metric("eval/tau_tree_8", tau + 2.0, ts + 1, 10)]
+                   Metric("eval/tau_tree_16", tau + 1.0, ts + 1, 10),
+                   Metric("eval/tau_tree_64", tau + 2.0, ts + 1, 10)]
         c.log_batch(rid, metrics=ms)
         c.log_param(rid, "loss.name", "soft_kl")
         if checkpoint:
@@ -98,8 +98,8 @@ def test_first_promotion_wins_and_records_everything(store):
     assert mv.source == store.client.get_run(rid).info.artifact_uri + "/checkpoint"
     t = mv.tags
     assert t[DECISION_TAG] == "promoted" and t[REASON_TAG] == d.reason
-    assert float(t["eval/tau_vanilla"]) == 3.0 and float(t["eval/tau_tree_4"]) == 4.0
-    assert float(t["eval/tau_tree_8"]) == 5.0
+    assert float(t["eval/tau_vanilla"]) == 3.0 and float(t["eval/tau_tree_16"]) == 4.0
+    assert float(t["eval/tau_tree_64"]) == 5.0
     assert t["dflash.task_table"] == f"runs:/{rid}/eval/per_task.json"
     assert json.loads(t["dflash.config"]) == {"loss.name": "soft_kl"}
     assert t["dflash.config_uri"] == f"runs:/{rid}/config.yaml" and t["dflash.loss"] == "soft_kl"

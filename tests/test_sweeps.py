@@ -103,9 +103,9 @@ def test_sweep_file_errors(tmp_path):
         check_against_config(s2, base)
     check_against_config(parse_sweep(GOOD), base)
     # sweep-level overrides edit the file for one launch
-    s3 = load_sweep(str(p), ["sampler.seed=7", "pruner.type=none", "objective.metric=eval/tau_tree_8"])
+    s3 = load_sweep(str(p), ["sampler.seed=7", "pruner.type=none", "objective.metric=eval/tau_tree_64"])
     assert s3.sampler.options["seed"] == 7 and s3.pruner.type == "none"
-    assert s3.objective.metric == "eval/tau_tree_8"
+    assert s3.objective.metric == "eval/tau_tree_64"
     with pytest.raises(SweepError, match="pruner.typo"):
         load_sweep(str(p), ["pruner.typo=1"])
 

@@ -5,13 +5,21 @@ anchor) and to their own block, both directions; blocks never see each other, so
 it would see when drafted alone at inference (DFlash, arXiv 2602.06036; DESIGN §1). `training_mask` is that
 mask as a dense bool tensor; `block_mask_mod` is the same predicate for FlexAttention.
 
+A layer may attend through a sliding window (`LayerAttention`): the published Qwen3.6-27B drafter has 4 such
+layers (window 2,048) and one full-attention layer. As the engines run them (SGLang: DECODER attention with a
+window of `sliding_window - 1` back; vLLM and z-lab: causal when `layer_types[i] == "sliding_attention"` and no
+`is_causal` says otherwise), a windowed layer is also causal inside the block: block token k sees block tokens
+0..k and context positions p - j < window, p = anchor + k its own position.
+
 A kernel is three things, looked up once at build time (`attention_kernel`):
   groups_anchors  whether `DFlashDrafter.forward` batches anchors in groups of `drafter.attn_group`
-  mask(anchors_BN, ctx_len, block_size)  what `attend` needs, built once per forward and shared by all layers
+  mask(anchors_BN, ctx_len, block_size, layer)  what `attend` needs, built once per forward for each distinct
+                 `LayerAttention` and shared by the layers that have it
   attend(q_BhQd, k_BhKd, v_BhKd, mask, num_heads, num_kv_heads) -> out_BhQd  (K/V may have fewer heads: GQA)
 
-The inference path (one block after a cache, no mask) does not come here: it is plain SDPA with enable_gqa,
-whose flash kernel takes GQA natively when there is no mask.
+The inference path (one block after a cache) does not come here for full-attention layers: it is plain SDPA
+with enable_gqa, whose flash kernel takes GQA natively when there is no mask. Windowed layers at inference use
+`training_mask` of their one block over what their cache keeps (`ctx_offset`), through the "sdpa" kernel.
 """
 from __future__ import annotations
 
@@ -24,30 +32,61 @@ from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex
 from dflash.registry import Registry
 
 
-def training_mask(anchors_BN: torch.Tensor, ctx_len: int, block_size: int) -> torch.Tensor:
+class LayerAttention(NamedTuple):
+    """What one layer's block queries see. Full attention (the default): all context before the anchor and the
+    whole block. `window`: only keys with position p - j < window (p the query's position), and causal inside
+    the block (the engines' rule for sliding-window DFlash layers, see the module docstring)."""
+    window: int | None = None
+
+    @property
+    def causal(self) -> bool:
+        return self.window is not None
+
+
+FULL_ATTENTION = LayerAttention()
+
+
+def training_mask(anchors_BN: torch.Tensor, ctx_len: int, block_size: int,
+                  layer: LayerAttention = FULL_ATTENTION, ctx_offset: int = 0) -> torch.Tensor:
     """Bool mask [B, N·bs, ctx_len + N·bs]: block n sees context j < anchor_n and its own block, both
     directions inside the block; blocks never see each other. This is exactly what the block sees at
-    inference (context = committed features before the anchor), tested against the inference path."""
+    inference (context = committed features before the anchor), tested against the inference path.
+    A windowed `layer` also hides context with anchor_n + k - j >= window and later tokens of its own block.
+    `ctx_offset`: the position of the first context key (inference: what a windowed layer's cache still keeps)."""
     B, N = anchors_BN.shape
     dev = anchors_BN.device
-    ctx_pos = torch.arange(ctx_len, device=dev)
+    ctx_pos = torch.arange(ctx_len, device=dev) + ctx_offset
     sees_ctx_BNT = ctx_pos[None, None, :] < anchors_BN[:, :, None]
-    sees_ctx = sees_ctx_BNT[:, :, None, :].expand(B, N, block_size, ctx_len).reshape(B, N * block_size, ctx_len)
+    sees_ctx = sees_ctx_BNT[:, :, None, :].expand(B, N, block_size, ctx_len)
+    k_in_block = torch.arange(block_size, device=dev)
+    if layer.window is not None:
+        q_pos_BNk = anchors_BN[:, :, None] + k_in_block
+        sees_ctx = sees_ctx & (q_pos_BNk[..., None] - ctx_pos < layer.window)
+    sees_ctx = sees_ctx.reshape(B, N * block_size, ctx_len)
     block_id = torch.arange(N * block_size, device=dev) // block_size  # (no repeat_interleave: older torch syncs)
-    sees_blk = (block_id[:, None] == block_id[None, :]).expand(B, -1, -1)
-    return torch.cat([sees_ctx, sees_blk], dim=-1)
+    sees_blk = block_id[:, None] == block_id[None, :]
+    if layer.causal:
+        k_of = torch.arange(N * block_size, device=dev) % block_size
+        sees_blk = sees_blk & (k_of[None, :] <= k_of[:, None])
+    return torch.cat([sees_ctx, sees_blk.expand(B, -1, -1)], dim=-1)
 
 
-def block_mask_mod(anchors_BN: torch.Tensor, ctx_len: int, block_size: int):
+def block_mask_mod(anchors_BN: torch.Tensor, ctx_len: int, block_size: int,
+                   layer: LayerAttention = FULL_ATTENTION):
     """`training_mask` as a FlexAttention mask_mod(b, h, q_idx, kv_idx) (same predicate, tested equal)."""
     last_block = anchors_BN.shape[1] - 1
+    window = layer.window
 
     def mask_mod(b, h, q_idx, kv_idx):
         # Clamped: flex has evaluated mask_mods on the padding of a last partial 128-tile (pytorch#137801);
         # those rows are discarded, but the anchors lookup must stay in bounds. A no-op on real rows.
         blk = (q_idx // block_size).clamp(max=last_block)
-        sees_ctx = (kv_idx < ctx_len) & (kv_idx < anchors_BN[b, blk])
+        anchor = anchors_BN[b, blk]
+        sees_ctx = (kv_idx < ctx_len) & (kv_idx < anchor)
         sees_own = (kv_idx >= ctx_len) & ((kv_idx - ctx_len) // block_size == blk)
+        if window is not None:  # windowed layers: causal in the block, context within the window
+            sees_ctx = sees_ctx & (anchor + q_idx % block_size - kv_idx < window)
+            sees_own = sees_own & ((kv_idx - ctx_len) % block_size <= q_idx % block_size)
         return sees_ctx | sees_own
 
     return mask_mod
@@ -56,7 +95,8 @@ def block_mask_mod(anchors_BN: torch.Tensor, ctx_len: int, block_size: int):
 class AttentionKernel(Protocol):
     groups_anchors: bool
 
-    def mask(self, anchors_BN: torch.Tensor, ctx_len: int, block_size: int) -> Any: ...
+    def mask(self, anchors_BN: torch.Tensor, ctx_len: int, block_size: int,
+             layer: LayerAttention = FULL_ATTENTION) -> Any: ...
 
     def attend(self, q_BhQd: torch.Tensor, k_BhKd: torch.Tensor, v_BhKd: torch.Tensor, mask: Any,
                num_heads: int, num_kv_heads: int) -> torch.Tensor: ...
@@ -90,8 +130,8 @@ class SdpaKernel:
     def __init__(self, expand_kv: bool):
         self.expand_kv = expand_kv
 
-    def mask(self, anchors_BN, ctx_len, block_size):
-        return training_mask(anchors_BN, ctx_len, block_size)[:, None]  # [B, 1, Q, K]: shared by all heads
+    def mask(self, anchors_BN, ctx_len, block_size, layer=FULL_ATTENTION):
+        return training_mask(anchors_BN, ctx_len, block_size, layer)[:, None]  # [B, 1, Q, K]: shared by all heads
 
     def attend(self, q_BhQd, k_BhKd, v_BhKd, mask, num_heads, num_kv_heads):
         gqa = num_heads != num_kv_heads
@@ -134,11 +174,11 @@ class FlexKernel:
 
     groups_anchors = False
 
-    def mask(self, anchors_BN, ctx_len, block_size) -> BlockMask:
+    def mask(self, anchors_BN, ctx_len, block_size, layer=FULL_ATTENTION) -> BlockMask:
         B, N = anchors_BN.shape
         Q = N * block_size
         make = _compiled_on_cuda(create_block_mask, anchors_BN.device)
-        return make(block_mask_mod(anchors_BN, ctx_len, block_size), B, None, Q, ctx_len + Q,
+        return make(block_mask_mod(anchors_BN, ctx_len, block_size, layer), B, None, Q, ctx_len + Q,
                     device=anchors_BN.device)
 
     def attend(self, q_BhQd, k_BhKd, v_BhKd, mask, num_heads, num_kv_heads):

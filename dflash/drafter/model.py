@@ -9,20 +9,33 @@ arXiv 2602.06036).
 - RoPE with absolute positions: context token j sits at position j, block token k of anchor a at a + k.
 - No embedding or LM head of its own: the target's, frozen, are attached as non-persistent buffers.
 - Training attention runs through a kernel chosen by `attn_kernel` (dflash/drafter/attention.py: SDPA with a
-  bool mask, or FlexAttention with a block-sparse mask); inference (mask None) is always plain SDPA.
+  bool mask, or FlexAttention with a block-sparse mask); inference is plain SDPA (no mask in full layers).
+- Per-layer attention (`layer_types`, `sliding_window`): "full_attention" or "sliding_attention" (window W,
+  causal inside the block, as SGLang / vLLM / z-lab run such layers). The published Qwen3.6-27B drafter: 4
+  sliding (2,048) + 1 full. At inference a windowed layer's cache keeps only the context its next blocks can see.
 
 Module and parameter names follow the reference `DFlashDraftModel` (z-lab/dflash `dflash/model.py`), so
 the serving export is a plain state-dict save.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import dataclasses
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dflash.drafter.attention import KernelMask, attention_kernel, training_mask  # noqa: F401 (training_mask: re-export)
+from dflash.drafter.attention import (  # noqa: F401 (training_mask: re-export)
+    ATTN_KERNELS,
+    FULL_ATTENTION,
+    KernelMask,
+    LayerAttention,
+    attention_kernel,
+    training_mask,
+)
+
+LAYER_TYPES = ("full_attention", "sliding_attention")  # the names config.json's `layer_types` uses
 
 
 @dataclass
@@ -34,7 +47,7 @@ class DrafterConfig:
     intermediate_size: int = 256
     block_size: int = 16
     rms_norm_eps: float = 1e-6
-    rope_theta: float = 1_000_000.0
+    rope_theta: float = 1_000_000.0  # 0: the target's (its config.json rope_theta), resolved by `for_target`
     init_std: float = 0.02
     # Training only: anchors per attention call. A group's block queries attend to the context and their own
     # blocks' keys, not to every block of the sequence (all hidden by the mask anyway): at 256 anchors, 2,048
@@ -44,6 +57,41 @@ class DrafterConfig:
     # enable_gqa; "sdpa_expanded": the same with K/V heads copied out (for SDPA builds without masked GQA);
     # "flex": FlexAttention, one call over all anchors with a block-sparse mask, native GQA.
     attn_kernel: str = "sdpa"
+    # One entry per layer, "full_attention" or "sliding_attention" (empty: all full). Sliding layers see context
+    # positions p - j < sliding_window and are causal inside the block (as the serving engines run them).
+    layer_types: list[str] = field(default_factory=list)
+    sliding_window: int = 0  # the window of the sliding layers (0: none)
+
+    def layer_attention(self) -> list[LayerAttention]:
+        """Each layer's `LayerAttention` (what its block queries see)."""
+        types = self.layer_types or ["full_attention"] * self.num_layers
+        return [LayerAttention(self.sliding_window) if t == "sliding_attention" else FULL_ATTENTION for t in types]
+
+    def for_target(self, target_rope_theta: float) -> "DrafterConfig":
+        """This config with rope_theta = 0 replaced by the target's (the published drafters use their target's)."""
+        return self if self.rope_theta > 0 else dataclasses.replace(self, rope_theta=float(target_rope_theta))
+
+
+def validate_drafter_config(cfg: DrafterConfig) -> None:
+    """The drafter's own checks; ValueError naming the key (dflash.config turns it into a ConfigError)."""
+    if cfg.attn_kernel not in ATTN_KERNELS:
+        raise ValueError(f"drafter.attn_kernel={cfg.attn_kernel!r} is not a known attention kernel; "
+                         f"known: {', '.join(sorted(ATTN_KERNELS))}")
+    if cfg.rope_theta < 0:
+        raise ValueError(f"drafter.rope_theta must be > 0, or 0 for the target's; got {cfg.rope_theta}")
+    bad = [t for t in cfg.layer_types if t not in LAYER_TYPES]
+    if bad:
+        raise ValueError(f"drafter.layer_types has {bad}; each entry must be one of {list(LAYER_TYPES)}")
+    if cfg.layer_types and len(cfg.layer_types) != cfg.num_layers:
+        raise ValueError(f"drafter.layer_types has {len(cfg.layer_types)} entries but drafter.num_layers="
+                         f"{cfg.num_layers}: one entry per layer (or none: all full_attention)")
+    sliding = "sliding_attention" in cfg.layer_types
+    if sliding and cfg.sliding_window < cfg.block_size:
+        raise ValueError(f"drafter.sliding_window={cfg.sliding_window}: sliding_attention layers need a window "
+                         f">= drafter.block_size={cfg.block_size}")
+    if not sliding and cfg.sliding_window:
+        raise ValueError(f"drafter.sliding_window={cfg.sliding_window} is set but no drafter.layer_types entry is "
+                         f"\"sliding_attention\" (set 0, or name the windowed layers)")
 
 
 class RMSNorm(nn.Module):
@@ -139,16 +187,18 @@ class DrafterCache:
     """Per-layer K/V of the context features only (block K/V are never cached: each round's block is new).
 
     At inference the context features are computed once per committed token and kept here; after a
-    round, `crop(n)` drops whatever lies beyond the committed length.
+    round, `crop(n)` drops whatever lies beyond the committed length. A windowed layer (window W) keeps only
+    the last W - 1 + `slack` positions: its next block's anchor sees W - 1 of them, and `slack` (one block) is
+    room for a rollback. `first[i]` is the position of layer i's oldest kept entry.
     """
 
-    def __init__(self, num_layers: int):
+    def __init__(self, num_layers: int, windows: list[int | None] | None = None, slack: int = 0):
         self.k: list[torch.Tensor | None] = [None] * num_layers
         self.v: list[torch.Tensor | None] = [None] * num_layers
-
-    @property
-    def length(self) -> int:
-        return 0 if self.k[0] is None else self.k[0].shape[2]
+        self.windows = list(windows) if windows is not None else [None] * num_layers
+        self.first = [0] * num_layers
+        self.slack = slack
+        self.length = 0  # committed context positions (all layers)
 
     def append(self, layer: int, k, v):
         self.k[layer] = k if self.k[layer] is None else torch.cat([self.k[layer], k], dim=2)
@@ -156,9 +206,26 @@ class DrafterCache:
         return self.k[layer], self.v[layer]
 
     def crop(self, length: int) -> None:
+        """Keep positions < length. A rollback past what a windowed layer still keeps empties the cache
+        (length 0): the caller extends again from `length` (the evaluation revisits earlier positions so)."""
+        length = min(length, self.length)
+        if any(w is not None and self.first[i] > max(0, length - (w - 1)) for i, w in enumerate(self.windows)):
+            self.k, self.v = [None] * len(self.k), [None] * len(self.v)
+            self.first, self.length = [0] * len(self.k), 0
+            return
         for i in range(len(self.k)):
             if self.k[i] is not None:
-                self.k[i], self.v[i] = self.k[i][:, :, :length], self.v[i][:, :, :length]
+                keep = length - self.first[i]
+                self.k[i], self.v[i] = self.k[i][:, :, :keep], self.v[i][:, :, :keep]
+        self.length = length
+
+    def trim(self) -> None:
+        """Drop what no later block of a windowed layer can see (memory: the window, not the whole context)."""
+        for i, w in enumerate(self.windows):
+            drop = self.length - (w - 1 + self.slack) - self.first[i] if w is not None else 0
+            if drop > 0 and self.k[i] is not None:
+                self.k[i], self.v[i] = self.k[i][:, :, drop:], self.v[i][:, :, drop:]
+                self.first[i] += drop
 
 
 def _per_group(x_BhTd: torch.Tensor, G: int) -> torch.Tensor:
@@ -177,7 +244,9 @@ class DFlashDrafter(nn.Module):
         self.mask_token_id = mask_token_id
         self.target_layer_ids = list(target_layer_ids)
         self.num_target_layers = num_target_layers
-        self.attn_kernel = attention_kernel(cfg.attn_kernel)  # unknown name: ValueError here, at build time
+        validate_drafter_config(cfg)  # unknown kernel, bad layer_types: ValueError here, at build time
+        self.attn_kernel = attention_kernel(cfg.attn_kernel)
+        self.layer_attention = cfg.layer_attention()
         self.fc = nn.Linear(len(target_layer_ids) * hidden_size, hidden_size, bias=False)
         self.hidden_norm = RMSNorm(hidden_size, cfg.rms_norm_eps)
         self.layers = nn.ModuleList(DrafterLayer(hidden_size, cfg) for _ in range(cfg.num_layers))
@@ -212,12 +281,16 @@ class DFlashDrafter(nn.Module):
         return F.embedding(ids.view(B, -1), self.embed_VH).to(self.fc.weight.dtype)
 
     def _rope(self, positions_BS: torch.Tensor, dtype):
+        if self.cfg.rope_theta <= 0:  # trainer, eval and export resolve it before building; a bare build may not
+            raise ValueError("drafter.rope_theta=0 (the target's) was not resolved: build the drafter from "
+                             "cfg.for_target(target_rope_theta)")
         return rope_cos_sin(positions_BS, self.cfg.head_dim, self.cfg.rope_theta, dtype)
 
-    def _run_layers(self, block_BQH, blk_pos_BQ, ctx_kv_per_layer, mask):
+    def _run_layers(self, block_BQH, blk_pos_BQ, ctx_kv_per_layer, masks):
+        """`masks`: one per layer (a KernelMask, or None: no mask, the whole context and block visible)."""
         rope = self._rope(blk_pos_BQ, block_BQH.dtype)
         h = block_BQH
-        for layer, ctx_kv in zip(self.layers, ctx_kv_per_layer):
+        for layer, ctx_kv, mask in zip(self.layers, ctx_kv_per_layer, masks):
             h = layer(h, rope, ctx_kv, mask)
         return self.norm(h)
 
@@ -230,7 +303,8 @@ class DFlashDrafter(nn.Module):
         With a kernel that groups anchors (SDPA), anchors run in G groups of g (`attn_group`) as a batch of
         B·G: each group gets the whole context's K/V and its own blocks. Same result as one call over all N
         blocks (tested), less attention work. A block-sparse kernel (flex) skips the unseen tiles itself and
-        takes all N in one call. The mask is built once here and shared by all layers."""
+        takes all N in one call. The mask is built once here for each distinct layer attention (full,
+        windowed) and shared by the layers that have it."""
         B, T = features_BTLH.shape[:2]
         N, bs = anchors_BN.shape[1], self.block_size
         ctx = self.context(features_BTLH)
@@ -248,24 +322,44 @@ class DFlashDrafter(nn.Module):
             ctx_kv = [(_per_group(k, G), _per_group(v, G)) for k, v in ctx_kv]
         anchors_Mg = anchors_BN.reshape(B * G, g)  # M = B·G attention batches
         blk_pos = (anchors_Mg[:, :, None] + torch.arange(bs, device=ctx.device)).view(B * G, g * bs)
-        mask = KernelMask(self.attn_kernel, self.attn_kernel.mask(anchors_Mg, T, bs))  # one for all layers
-        h = self._run_layers(self.block_embeddings(anchor_tokens_BN.reshape(B * G, g)), blk_pos, ctx_kv, mask)
+        kinds = {a: KernelMask(self.attn_kernel, self.attn_kernel.mask(anchors_Mg, T, bs, a))
+                 for a in dict.fromkeys(self.layer_attention)}  # one mask per kind, in layer order
+        masks = [kinds[a] for a in self.layer_attention]
+        h = self._run_layers(self.block_embeddings(anchor_tokens_BN.reshape(B * G, g)), blk_pos, ctx_kv, masks)
         return h.view(B, G * g, bs, -1)[:, :N, 1:]
 
     # -- inference -------------------------------------------------------------------------------
     def new_cache(self) -> DrafterCache:
-        return DrafterCache(len(self.layers))
+        return DrafterCache(len(self.layers), [a.window for a in self.layer_attention], slack=self.block_size)
 
     @torch.no_grad()
     def extend_context(self, cache: DrafterCache, features_BTLH: torch.Tensor, start: int) -> None:
         """Append context features for positions start..start+T-1 to the cache (after cropping to start)."""
         cache.crop(start)
+        if cache.length != start:  # a gap, or a rollback that emptied the cache: positions would be wrong
+            raise ValueError(f"extend_context(start={start}): the drafter cache holds {cache.length} positions; "
+                             f"extend from cache.length")
         B, T = features_BTLH.shape[:2]
         ctx = self.context(features_BTLH)
         pos = torch.arange(start, start + T, device=ctx.device).expand(B, T)
         cos, sin = self._rope(pos, ctx.dtype)
         for i, layer in enumerate(self.layers):
             cache.append(i, *layer.self_attn.project_kv(ctx, cos, sin))
+        cache.length = start + T
+        cache.trim()
+
+    def _inference_masks(self, cache: DrafterCache, B: int, device) -> list[KernelMask | None]:
+        """Full layers: None (plain SDPA, nothing hidden). Windowed layers: their one block's training mask over
+        the positions their cache keeps, through the "sdpa" kernel (so training and inference share one mask)."""
+        anchors_B1 = torch.full((B, 1), cache.length, device=device)
+        built: dict[tuple, KernelMask] = {}  # windowed layers with one window keep the same positions: one mask
+        masks: list[KernelMask | None] = []
+        for a, first in zip(self.layer_attention, cache.first):
+            if a.window is not None and (a, first) not in built:
+                m = training_mask(anchors_B1, cache.length - first, self.block_size, a, first)
+                built[a, first] = KernelMask(ATTN_KERNELS["sdpa"], m[:, None])
+            masks.append(None if a.window is None else built[a, first])
+        return masks
 
     @torch.no_grad()
     def draft_hidden(self, cache: DrafterCache, anchor_tokens_B: torch.Tensor) -> torch.Tensor:
@@ -274,7 +368,8 @@ class DFlashDrafter(nn.Module):
         start = cache.length
         blk_pos = torch.arange(start, start + bs, device=anchor_tokens_B.device).expand(B, bs)
         ctx_kv = list(zip(cache.k, cache.v))
-        h = self._run_layers(self.block_embeddings(anchor_tokens_B[:, None]), blk_pos, ctx_kv, None)
+        masks = self._inference_masks(cache, B, anchor_tokens_B.device)
+        h = self._run_layers(self.block_embeddings(anchor_tokens_B[:, None]), blk_pos, ctx_kv, masks)
         return h[:, 1:]
 
     def logits(self, hidden_BKH: torch.Tensor) -> torch.Tensor:

@@ -1,13 +1,17 @@
 """Evaluated acceptance (DESIGN §5): the number a checkpoint is judged by.
 
-- `prompts`: eval suites (built-in `coding10`, or a JSON file of {name, prompt}).
+- `prompts`: eval suites (built-in `coding10`, generated `heldout`, or a JSON file of {name, prompt}).
+- `heldout`: the held-out suite, header + docstring prompts from the corpus's held-out files.
+- `stats`: bootstrap confidence intervals over prompts, pooled and paired (Δτ).
+- `prompt_lookup`: the n-gram prompt-lookup proposer, the zero-cost baseline in every report.
 - `ground_truth`: the target's greedy continuation of each prompt plus its features, cached on disk.
 - `acceptance`: simulated rounds on the ground truth — vanilla τ, DDTree τ per budget, per-position
   acceptance — with a pluggable proposer (the drafter, or an oracle in tests).
 - `tree`: the DDTree best-first builder.
 - `speculative`: real draft → verify → commit decoding on the target (lossless, hybrid-state rollback).
-- `report`: `evaluate(...) -> EvalReport` (metrics, per-task table, artifacts) and `make_evaluator(cfg)`
-  for the trainer.
+- `report`: `evaluate(...) -> EvalReport` (metrics, stats, per-task table, artifacts).
+- `evaluator`: every configured suite (`evaluate_suites`), and `make_evaluator(cfg)` for the trainer
+  (in-training subset, `eval/tau_train` and the generalization-gap warning).
 
 Importing this package is cheap (no transformers, no matplotlib): `dflash.config` imports `EvalConfig`.
 """
@@ -15,14 +19,26 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from dflash.evaluation.heldout import HeldoutSuiteConfig, validate_heldout
+from dflash.evaluation.prompt_lookup import PromptLookupConfig, validate_prompt_lookup
+
 
 @dataclass
 class EvalConfig:
     enabled: bool = True
-    suite: str = "coding10"  # a built-in suite name, or a path to a JSON file of [{name, prompt}]
-    max_new_tokens: int = 64  # length of the target's greedy continuation (the ground truth)
-    tree_budgets: list[int] = field(default_factory=lambda: [4, 8])  # DDTree node budgets
+    # The objective suite: its figures are eval/tau_* (what sweeps and the promotion gate read). A built-in
+    # suite (coding10), a generated one (heldout) or a path to a JSON file of [{name, prompt}].
+    suite: str = "coding10"
+    extra_suites: list[str] = field(default_factory=list)  # also run at the end: eval/suite/<name>/...
+    max_new_tokens: int = 64  # length of the target's greedy continuation (the ground truth; not heldout's)
+    # DDTree node budgets, as DDTree's own benchmark counts them (liranringel/ddtree: 16 … 1024 nodes)
+    tree_budgets: list[int] = field(default_factory=lambda: [16, 64, 256])
     subset: int = 3  # prompts used by the cheap in-training eval (the first `subset` of the suite)
+    heldout: HeldoutSuiteConfig = field(default_factory=HeldoutSuiteConfig)
+    prompt_lookup: PromptLookupConfig = field(default_factory=PromptLookupConfig)
+    ci_level: float = 0.95  # confidence level of every τ interval (bootstrap over prompts)
+    bootstrap: int = 2000  # bootstrap replicates (0 = no interval)
+    train_tasks: int = 4  # training sequences simulated at every eval for eval/tau_train (0 = off)
     cache_dir: str = ".cache/dflash/eval"  # ground-truth cache (continuations + target features)
     real_decode: bool = False  # also run real speculative decoding (losslessness, τ, tokens/s)
     device: str = "auto"  # where a standalone eval puts the drafter; auto = the target's device
@@ -30,7 +46,7 @@ class EvalConfig:
 
 def validate_eval_config(cfg: EvalConfig) -> None:
     """Checks that need no weights; raises ValueError naming the key."""
-    from dflash.evaluation.prompts import load_suite
+    from dflash.evaluation.prompts import generated_suites, load_suite, suite_label
     if cfg.max_new_tokens < 2:
         raise ValueError(f"eval.max_new_tokens must be >= 2, got {cfg.max_new_tokens}")
     if cfg.subset < 1:
@@ -42,15 +58,29 @@ def validate_eval_config(cfg: EvalConfig) -> None:
         raise ValueError(f"eval.tree_budgets has duplicates: {list(cfg.tree_budgets)}")
     if cfg.device != "auto" and cfg.device.split(":")[0] not in ("cpu", "cuda", "mps"):
         raise ValueError(f"eval.device={cfg.device!r}; expected auto, cpu, cuda[:i] or mps")
+    from dflash.evaluation.stats import check_level
+    check_level(cfg.ci_level, cfg.bootstrap)
+    if cfg.train_tasks < 0:
+        raise ValueError(f"eval.train_tasks must be >= 0, got {cfg.train_tasks}")
+    validate_heldout(cfg.heldout)
+    validate_prompt_lookup(cfg.prompt_lookup)
+    names = [suite_label(s) for s in [cfg.suite, *cfg.extra_suites]]
+    if len(set(names)) != len(names):
+        raise ValueError(f"eval.suite and eval.extra_suites name a suite twice: {names}")
     if cfg.enabled:
-        load_suite(cfg.suite)  # raises FileNotFoundError / ValueError naming eval.suite
+        for s in [cfg.suite, *cfg.extra_suites]:
+            if s not in generated_suites():
+                load_suite(s)  # raises FileNotFoundError / ValueError naming eval.suite
 
 
 def __getattr__(name: str):
     # Lazy re-exports: keep `import dflash.evaluation` light.
-    if name in ("evaluate", "make_evaluator", "EvalReport"):
+    if name in ("evaluate", "EvalReport"):
         from dflash.evaluation import report
         return getattr(report, name)
+    if name in ("make_evaluator", "evaluate_suites", "merged_metrics"):
+        from dflash.evaluation import evaluator
+        return getattr(evaluator, name)
     if name in ("load_suite", "Task"):
         from dflash.evaluation import prompts
         return getattr(prompts, name)
@@ -63,5 +93,6 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'dflash.evaluation' has no attribute {name!r}")
 
 
-__all__ = ["EvalConfig", "validate_eval_config", "evaluate", "make_evaluator", "EvalReport", "load_suite",
+__all__ = ["EvalConfig", "HeldoutSuiteConfig", "PromptLookupConfig", "validate_eval_config",
+           "evaluate_suites", "merged_metrics", "evaluate", "make_evaluator", "EvalReport", "load_suite",
            "Task", "speculative_decode", "greedy_decode", "load_or_build_ground_truth", "TaskTruth"]

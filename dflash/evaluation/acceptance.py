@@ -9,7 +9,8 @@ equal to the ground truth; τ = accepted + 1 (the target's bonus token); p += τ
 token remains after the anchor (p − P < N − 1); a round can accept at most the N − 1 − (p − P) tokens
 left (the last round is clipped). Each method runs its own rounds (a tree decoder advances by its own τ).
 
-The proposer is pluggable: `(truth, p) -> logits [bs−1, V]`. `DrafterProposer` runs the drafter on the
+The proposer is pluggable: `(truth, p) -> logits [bs−1, V]`, or a ready `Proposal` (a proposer without
+logits, e.g. prompt lookup). `DrafterProposer` runs the drafter on the
 cached target features; tests use an oracle that copies the target (τ = bs) or an always-wrong one (τ = 1).
 """
 from __future__ import annotations
@@ -23,7 +24,7 @@ from dflash.evaluation.ground_truth import TaskTruth
 from dflash.evaluation.speculative import drafter_autocast
 from dflash.evaluation.tree import build_tree, tree_accept_depth
 
-Proposer = Callable[[TaskTruth, int], torch.Tensor]
+Proposer = Callable[[TaskTruth, int], "torch.Tensor | Proposal"]
 
 
 class DrafterProposer:
@@ -79,6 +80,7 @@ class TaskResult:
     n_new: int
     taus_vanilla: list[int] = field(default_factory=list)
     taus_tree: dict[int, list[int]] = field(default_factory=dict)
+    nodes_tree: dict[int, int] = field(default_factory=dict)  # tree nodes verified, summed over rounds
     reached: list[int] = field(default_factory=list)  # per block position k = 1..bs-1
     accepted: list[int] = field(default_factory=list)
 
@@ -112,10 +114,11 @@ def simulate_task(truth: TaskTruth, proposer: Proposer, block_size: int,
 
     def propose(p: int) -> Proposal:
         if p not in memo:
-            logits = proposer(truth, p)
-            if logits.shape[0] != K:
-                raise ValueError(f"proposer returned {logits.shape[0]} positions, expected block_size-1={K}")
-            memo[p] = reduce_logits(logits, kmax)
+            out = proposer(truth, p)
+            got = len(out.tokens) if isinstance(out, Proposal) else out.shape[0]
+            if got != K:
+                raise ValueError(f"proposer returned {got} positions, expected block_size-1={K}")
+            memo[p] = out if isinstance(out, Proposal) else reduce_logits(out, kmax)
         return memo[p]
 
     def target_after(p: int) -> list[int]:
@@ -133,15 +136,17 @@ def simulate_task(truth: TaskTruth, proposer: Proposer, block_size: int,
         res.taus_vanilla.append(m + 1)
         p += m + 1
     for b in budgets:
-        taus, p = [], P
+        taus, p, n_nodes = [], P, 0
         while p - P < N - 1:
             prop, want = propose(p), target_after(p)
             k = min(b, len(prop.topk_logp[0]))
             nodes = build_tree([row[:k] for row in prop.topk_logp], b)
             depth = tree_accept_depth(nodes, [row[:k] for row in prop.topk_idx], want)
             taus.append(depth + 1)
+            n_nodes += len(nodes)
             p += depth + 1
         res.taus_tree[int(b)] = taus
+        res.nodes_tree[int(b)] = n_nodes
     return res
 
 

@@ -1,8 +1,10 @@
 """Eval suites: a list of named prompts, each the start of a Python source file (a `def` line and its
 docstring, after any imports it needs) so that a code model continues it as code.
 
-A suite is a built-in name (a JSON file shipped in `dflash/evaluation/suites/`, e.g. `coding10`) or a
-path to a JSON file holding `[{"name": ..., "prompt": ...}, ...]`.
+A suite is a built-in name (a JSON file shipped in `dflash/evaluation/suites/`, e.g. `coding10`), a
+generated suite (`heldout`: built from the corpus's held-out files, `dflash.evaluation.heldout`) or a path
+to a JSON file holding `[{"name": ..., "prompt": ...}, ...]`. `resolve_suite(name, eval_cfg)` gives any of
+them as a `Suite` (its label for metric keys, its tasks and the continuation length it is evaluated at).
 """
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ import re
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
+from typing import Any, Callable
 
 
 @dataclass(frozen=True)
@@ -69,3 +72,33 @@ def load_suite(suite: str) -> list[Task]:
     except json.JSONDecodeError as e:
         raise ValueError(f"{where}: not valid JSON ({e})") from e
     return parse_suite(data, where)
+
+
+@dataclass(frozen=True)
+class Suite:
+    name: str  # label in metric keys (eval/suite/<name>/...): a built-in or generated name, a file's stem
+    tasks: list[Task]
+    max_new_tokens: int  # length of the target's greedy continuation for this suite
+
+
+# Generated suites by name: (eval config) -> Suite; `dflash.evaluation.heldout` registers `heldout`.
+GENERATED: dict[str, Callable[[Any], Suite]] = {}
+
+
+def generated_suites() -> dict[str, Callable[[Any], Suite]]:
+    import dflash.evaluation.heldout  # noqa: F401 - registers itself
+    return GENERATED
+
+
+def suite_label(suite: str) -> str:
+    if suite in generated_suites() or (_NAME.match(suite) and not suite.endswith(".json")):
+        return suite
+    return Path(suite).stem
+
+
+def resolve_suite(suite: str, cfg) -> Suite:
+    """Any suite name or path of `eval.suite` / `eval.extra_suites` as a Suite (`cfg`: the EvalConfig)."""
+    gen = generated_suites()
+    if suite in gen:
+        return gen[suite](cfg)
+    return Suite(suite_label(suite), load_suite(suite), int(cfg.max_new_tokens))

@@ -11,6 +11,14 @@ Metrics (all floats):
   first divergence), `eval/real/tau_matches_sim` (fraction of tasks whose real τ sequence equals the
   simulated one), `eval/real/tok_s`, `eval/real/greedy_tok_s`, `eval/real/speedup`.
 
+Uncertainty and baselines (`EvalReport.stats`; `all_metrics()` = metrics + stats):
+- `eval/tau_vanilla_ci_low`, `eval/tau_vanilla_ci_high` (and `eval/tau_tree_{b}_ci_*`): the `eval.ci_level`
+  percentile-bootstrap interval over prompts (`dflash.evaluation.stats`; `eval.bootstrap` replicates);
+- `eval/tree_nodes_{b}`: tree nodes the target verifies per round at budget b (the verify cost beside τ;
+  a vanilla round verifies the block: block_size − 1 drafted tokens);
+- `eval/tau_prompt_lookup` (+ CI), `eval/tau_over_prompt_lookup` (ratio) and the paired
+  `eval/delta_prompt_lookup` (+ CI): the prompt-lookup baseline on the same rounds' ground truth.
+
 Losslessness is exact in exact arithmetic and holds token for token in float32 (tested). In bfloat16 a
 block-verify forward and a one-token forward round differently, so the target's own greedy output already
 depends on how it is chunked (`eval/gt_consistency` < 1 shows it); divergences there sit at near-ties.
@@ -20,6 +28,7 @@ Artifacts (`EvalReport.log_artifacts(logger)`): `eval/tasks.json`, `eval/tasks.m
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import math
@@ -33,12 +42,10 @@ import torch
 
 from dflash.evaluation import EvalConfig
 from dflash.evaluation.acceptance import DrafterProposer, Proposer, TaskResult, simulate
-from dflash.evaluation.ground_truth import (
-    TaskTruth,
-    cache_key,
-    load_or_build_ground_truth,
-)
-from dflash.evaluation.prompts import Task, load_suite
+from dflash.evaluation.prompt_lookup import PromptLookupProposer
+from dflash.evaluation.stats import paired_delta_ci, pooled_ci
+from dflash.evaluation.ground_truth import TaskTruth, load_or_build_ground_truth
+from dflash.evaluation.prompts import Suite, Task, resolve_suite, suite_label
 from dflash.evaluation.speculative import greedy_decode, speculative_decode
 
 log = logging.getLogger(__name__)
@@ -54,20 +61,35 @@ class EvalReport:
     budgets: list[int]
     info: dict[str, Any] = field(default_factory=dict)
     results: list[TaskResult] = field(default_factory=list, repr=False)
+    stats: dict[str, float] = field(default_factory=dict)  # CIs, tree verify cost, prompt-lookup baseline
+    baseline: list[TaskResult] = field(default_factory=list, repr=False)  # prompt lookup's rounds
+
+    def all_metrics(self) -> dict[str, float]:
+        return {**self.metrics, **self.stats}
+
+    def suite_metrics(self) -> dict[str, float]:
+        """The suite's summary figures under `eval/suite/<suite>/...` (no per-task or per-position keys)."""
+        name = self.info.get("suite_label") or self.info.get("suite", "suite")
+        skip = ("eval/task/", "eval/acc_pos", "eval/real/", "eval/seconds")
+        return {f"eval/suite/{name}/{k[5:]}": v for k, v in self.all_metrics().items()
+                if k.startswith("eval/") and not k.startswith(skip)}
 
     # -- serialisation ---------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
         return {"metrics": self.metrics, "tasks": self.table, "acc_pos": self.acc_pos,
                 "reached_pos": self.reached_pos, "block_size": self.block_size, "budgets": self.budgets,
-                "info": self.info}
+                "info": self.info, "stats": self.stats}
 
     def _rates(self) -> list[str]:
         return [f"{a:.2f}" if n else "-" for a, n in zip(self.acc_pos, self.reached_pos)]
 
     def _columns(self) -> list[tuple[str, str]]:
         cols = [("task", "task"), ("prompt_tokens", "prompt"), ("rounds", "rounds"),
-                ("tau_vanilla", "τ vanilla")]
-        cols += [(f"tau_tree_{b}", f"τ tree-{b}") for b in self.budgets]
+                ("tau_vanilla", f"τ vanilla ({self.block_size - 1} drafted/round)")]
+        if self.baseline:
+            cols += [("tau_prompt_lookup", "τ prompt-lookup")]
+        for b in self.budgets:  # DDTree budgets count tree nodes (liranringel/ddtree)
+            cols += [(f"tau_tree_{b}", f"τ tree-{b} nodes"), (f"nodes_tree_{b}", "nodes/round")]
         if any("real_tau" in r for r in self.table):
             cols += [("real_tau", "τ real"), ("lossless", "lossless"), ("spec_tok_s", "spec tok/s"),
                      ("greedy_tok_s", "greedy tok/s")]
@@ -82,10 +104,17 @@ class EvalReport:
             return str(v)
         cols = self._columns()
         rows = [[fmt(r.get(k, "")) for k, _ in cols] for r in self.table]
-        mean = {"task": "ALL (pooled)", "prompt_tokens": "", "rounds": int(self.metrics.get("eval/rounds", 0)),
-                "tau_vanilla": self.metrics.get("eval/tau_vanilla", float("nan"))}
+        m, st = self.metrics, self.stats
+
+        def with_ci(key: str) -> str:
+            v = m.get(key, st.get(key, float("nan")))
+            lo, hi = st.get(f"{key}_ci_low", math.nan), st.get(f"{key}_ci_high", math.nan)
+            return fmt(v) if math.isnan(lo) else f"{fmt(v)} [{fmt(lo)}, {fmt(hi)}]"
+        mean = {"task": "ALL (pooled)", "prompt_tokens": "", "rounds": int(m.get("eval/rounds", 0)),
+                "tau_vanilla": with_ci("eval/tau_vanilla"), "tau_prompt_lookup": with_ci("eval/tau_prompt_lookup")}
         for b in self.budgets:
-            mean[f"tau_tree_{b}"] = self.metrics.get(f"eval/tau_tree_{b}", float("nan"))
+            mean[f"tau_tree_{b}"] = with_ci(f"eval/tau_tree_{b}")
+            mean[f"nodes_tree_{b}"] = st.get(f"eval/tree_nodes_{b}", float("nan"))
         if "eval/real/tau" in self.metrics:
             mean.update(real_tau=self.metrics["eval/real/tau"],
                         lossless=self.metrics["eval/real/lossless"] == 1.0,
@@ -94,10 +123,26 @@ class EvalReport:
         rows.append([fmt(mean.get(k, "")) for k, _ in cols])
         return rows
 
+    def headline(self) -> str:
+        """One line: the suite, τ with its interval, and beside it prompt lookup's and the paired Δ."""
+        st, lvl = self.stats, self.info.get("ci_level", 0.95)
+        out = (f"suite {self.info.get('suite_label', self.info.get('suite', ''))}: "
+               f"τ vanilla {self.metrics.get('eval/tau_vanilla', math.nan):.3f}")
+        if "eval/tau_vanilla_ci_low" in st and not math.isnan(st["eval/tau_vanilla_ci_low"]):
+            out += f" ({100 * lvl:.0f}% CI {st['eval/tau_vanilla_ci_low']:.3f}–{st['eval/tau_vanilla_ci_high']:.3f})"
+        if "eval/tau_prompt_lookup" in st:
+            out += (f"; prompt-lookup {st['eval/tau_prompt_lookup']:.3f}, ratio "
+                    f"{st['eval/tau_over_prompt_lookup']:.3f}, Δ {st['eval/delta_prompt_lookup']:+.3f}")
+            if not math.isnan(st.get("eval/delta_prompt_lookup_ci_low", math.nan)):
+                out += (f" [{st['eval/delta_prompt_lookup_ci_low']:+.3f}, "
+                        f"{st['eval/delta_prompt_lookup_ci_high']:+.3f}]")
+        return out + f"; {len(self.table)} prompts × {self.info.get('max_new_tokens', '?')} tokens"
+
     def to_markdown(self) -> str:
         cols = self._columns()
         lines = ["| " + " | ".join(h for _, h in cols) + " |", "|" + "---|" * len(cols)]
         lines += ["| " + " | ".join(r) + " |" for r in self._rows()]
+        lines += ["", self.headline()]
         lines += ["", "Per-position acceptance (vanilla, P(accepted | reached)):", "",
                   "| position | " + " | ".join(str(k + 1) for k in range(len(self.acc_pos))) + " |",
                   "|---|" + "---|" * len(self.acc_pos),
@@ -111,7 +156,7 @@ class EvalReport:
         widths = [max(len(h), *(len(r[i]) for r in rows)) for i, (_, h) in enumerate(cols)]
         line = lambda cells: "  ".join(c.ljust(w) if i == 0 else c.rjust(w)  # noqa: E731
                                        for i, (c, w) in enumerate(zip(cells, widths)))
-        out = [line([h for _, h in cols]), line(["-" * w for w in widths])]
+        out = [self.headline(), line([h for _, h in cols]), line(["-" * w for w in widths])]
         out += [line(r) for r in rows[:-1]] + [line(["-" * w for w in widths]), line(rows[-1])]
         out.append("acceptance by position (P(accepted | reached); - never reached): "
                    + " ".join(f"{k + 1}:{r}" for k, r in enumerate(self._rates())))
@@ -207,22 +252,32 @@ def _real_decode(drafter, target, truths: Sequence[TaskTruth], results: Sequence
 @torch.no_grad()
 def evaluate(drafter, target, cfg: EvalConfig, tasks: Sequence[Task] | None = None, *,
              truths: Sequence[TaskTruth] | None = None, limit: int | None = None,
-             proposer: Proposer | None = None, real_decode: bool | None = None) -> EvalReport:
-    """Ground truth (cached) → simulated vanilla / DDTree rounds → metrics, per-task table.
+             proposer: Proposer | None = None, real_decode: bool | None = None,
+             suite: Suite | None = None) -> EvalReport:
+    """Ground truth (cached) → simulated vanilla / DDTree rounds (and prompt lookup's) → metrics, stats,
+    per-task table.
 
-    `tasks`: default the suite of `cfg.suite`; `truths`: precomputed ground truth (skips the cache);
-    `limit`: only the first `limit` tasks; `proposer`: replaces the drafter (tests); `real_decode`:
-    default `cfg.real_decode`. The drafter is put in eval mode and restored to its previous mode."""
+    `suite`: the suite to run (default `cfg.suite`, resolved; `tasks` replaces its tasks); `truths`:
+    precomputed ground truth (skips the cache); `limit`: only the first `limit` tasks; `proposer`: replaces
+    the drafter (tests); `real_decode`: default `cfg.real_decode`. The drafter is put in eval mode and
+    restored to its previous mode."""
     t0 = time.perf_counter()
-    info: dict[str, Any] = {"suite": cfg.suite, "max_new_tokens": cfg.max_new_tokens,
-                            "target": str(getattr(target, "identity", ""))}
+    if suite is None:
+        suite = Suite(suite_label(cfg.suite), list(tasks), int(cfg.max_new_tokens)) if tasks is not None \
+            else resolve_suite(cfg.suite, cfg)
+    elif tasks is not None:
+        suite = Suite(suite.name, list(tasks), suite.max_new_tokens)
+    info: dict[str, Any] = {"suite": cfg.suite if suite.name == suite_label(cfg.suite) else suite.name,
+                            "suite_label": suite.name, "max_new_tokens": suite.max_new_tokens,
+                            "target": str(getattr(target, "identity", "")), "ci_level": cfg.ci_level,
+                            "bootstrap": cfg.bootstrap}
     if truths is None:
-        tasks = list(tasks) if tasks is not None else load_suite(cfg.suite)
-        truths, hit = load_or_build_ground_truth(target, list(tasks), cfg.max_new_tokens, cfg.cache_dir)
-        info.update(cache_hit=hit, cache_key=cache_key(target, list(tasks), cfg.max_new_tokens))
+        truths, hit = load_or_build_ground_truth(target, suite.tasks, suite.max_new_tokens, cfg.cache_dir)
+        info.update(cache_hit=hit)
     truths = list(truths)[:limit] if limit else list(truths)
     if not truths:
         raise ValueError("evaluate: no tasks")
+    info["ground_truth_key"] = ground_truth_key(target, truths)
     budgets = [int(b) for b in cfg.tree_budgets]
     was_training = drafter.training
     drafter.eval()
@@ -230,23 +285,79 @@ def evaluate(drafter, target, cfg: EvalConfig, tasks: Sequence[Task] | None = No
         check_compatible(drafter, target)
         bs = drafter.block_size
         results = simulate(truths, proposer or DrafterProposer(drafter), bs, budgets)
-        table = []
-        for tr, r in zip(truths, results):
-            row = {"task": r.name, "prompt_tokens": r.prompt_len, "new_tokens": r.n_new,
-                   "rounds": len(r.taus_vanilla), "tau_vanilla": r.tau_vanilla}
-            row.update({f"tau_tree_{b}": r.tau_tree(b) for b in budgets})
-            row["gt_consistency"] = tr.consistency
-            table.append(row)
+        baseline = simulate(truths, PromptLookupProposer(bs, cfg.prompt_lookup.min_n, cfg.prompt_lookup.max_n),
+                            bs) if cfg.prompt_lookup.enabled else []
+        table = [_row(tr, r, budgets, base) for tr, r, base in
+                 zip(truths, results, baseline or [None] * len(results))]
         metrics = _metrics(results, budgets, bs)
         metrics["eval/gt_consistency"] = sum(t.consistency for t in truths) / len(truths)
         if cfg.real_decode if real_decode is None else real_decode:
             metrics.update(_real_decode(drafter, target, truths, results, table))
     finally:
         drafter.train(was_training)
+    stats = _stats(results, baseline, budgets, cfg)
     metrics["eval/seconds"] = time.perf_counter() - t0
     acc, reached = _position_acceptance(results, bs)
     info["block_size"] = bs
-    return EvalReport(metrics, table, acc, reached, bs, budgets, info, results)
+    return EvalReport(metrics, table, acc, reached, bs, budgets, info, results, stats, baseline)
+
+
+def ground_truth_key(target, truths: Sequence[TaskTruth]) -> str:
+    """Identity of the exact ground truth the rounds ran on (target, prompt and continuation tokens): two
+    reports with the same key are paired prompt for prompt."""
+    h = hashlib.sha256(str(getattr(target, "identity", "")).encode())
+    for t in truths:
+        h.update(f"\0{t.name}\0{t.prompt_ids.tolist()}\0{t.continuation.tolist()}".encode())
+    return h.hexdigest()
+
+
+def _row(tr: TaskTruth, r: TaskResult, budgets: Sequence[int], base: TaskResult | None) -> dict[str, Any]:
+    """One task's table row; the `*_sum` / `rounds*` pairs are what a paired comparison resamples."""
+    row = {"task": r.name, "prompt_tokens": r.prompt_len, "new_tokens": r.n_new,
+           "rounds": len(r.taus_vanilla), "tau_vanilla": r.tau_vanilla, "tau_sum_vanilla": sum(r.taus_vanilla)}
+    for b in budgets:
+        n = len(r.taus_tree[b])
+        row.update({f"tau_tree_{b}": r.tau_tree(b), f"rounds_tree_{b}": n, f"tau_sum_tree_{b}": sum(r.taus_tree[b]),
+                    f"nodes_tree_{b}": r.nodes_tree.get(b, 0) / n if n else float("nan")})
+    if base is not None:
+        row.update(tau_prompt_lookup=base.tau_vanilla, rounds_prompt_lookup=len(base.taus_vanilla),
+                   tau_sum_prompt_lookup=sum(base.taus_vanilla))
+    row["gt_consistency"] = tr.consistency
+    return row
+
+
+def _sums(results: Sequence[TaskResult], budget: int | None = None) -> tuple[list[int], list[int]]:
+    taus = [r.taus_vanilla if budget is None else r.taus_tree[budget] for r in results]
+    return [sum(t) for t in taus], [len(t) for t in taus]
+
+
+def _stats(results: Sequence[TaskResult], baseline: Sequence[TaskResult], budgets: Sequence[int],
+           cfg: EvalConfig) -> dict[str, float]:
+    lvl, nb = cfg.ci_level, cfg.bootstrap
+    out: dict[str, float] = {}
+
+    def put(key: str, sums, counts) -> None:
+        if sum(counts) == 0:
+            return
+        ci = pooled_ci(sums, counts, lvl, nb)
+        out[f"{key}_ci_low"], out[f"{key}_ci_high"] = ci.low, ci.high
+    put("eval/tau_vanilla", *_sums(results))
+    for b in budgets:
+        put(f"eval/tau_tree_{b}", *_sums(results, b))
+        rounds = sum(len(r.taus_tree[b]) for r in results)
+        out[f"eval/tree_nodes_{b}"] = sum(r.nodes_tree.get(b, 0) for r in results) / rounds if rounds else math.nan
+    if baseline:
+        s_a, n_a = _sums(results)
+        s_b, n_b = _sums(baseline)
+        if sum(n_b):
+            tau_pl = sum(s_b) / sum(n_b)
+            out["eval/tau_prompt_lookup"] = tau_pl
+            put("eval/tau_prompt_lookup", s_b, n_b)
+            out["eval/tau_over_prompt_lookup"] = (sum(s_a) / sum(n_a)) / tau_pl
+            d = paired_delta_ci(s_a, n_a, s_b, n_b, lvl, nb)
+            out["eval/delta_prompt_lookup"] = d.value
+            out["eval/delta_prompt_lookup_ci_low"], out["eval/delta_prompt_lookup_ci_high"] = d.low, d.high
+    return out
 
 
 def _position_acceptance(results: Sequence[TaskResult], bs: int) -> tuple[list[float], list[int]]:
@@ -276,31 +387,7 @@ Evaluator = Callable[..., dict]
 
 
 def make_evaluator(cfg: EvalConfig, tasks: Sequence[Task] | None = None,
-                   out_dir: str | os.PathLike | None = None) -> Evaluator | None:
-    """For the trainer: `evaluator(drafter, target, step, final, logger=None) -> {eval/...: float}`.
-
-    `final=False`: the first `cfg.subset` prompts, simulated only, no artifacts. `final=True`: the whole
-    suite (and real decoding if `cfg.real_decode`), the console table printed, and the artifacts logged
-    through `logger` (and written to `out_dir` if given). The ground truth of the whole suite is built or
-    loaded once and kept in memory. Returns None when `cfg.enabled` is False."""
-    if not cfg.enabled:
-        return None
-    suite = list(tasks) if tasks is not None else load_suite(cfg.suite)
-    memo: dict[str, list[TaskTruth]] = {}
-
-    def evaluator(drafter, target, step: int, final: bool, logger=None) -> dict[str, float]:
-        key = cache_key(target, suite, cfg.max_new_tokens)
-        if key not in memo:
-            memo.clear()
-            memo[key], _ = load_or_build_ground_truth(target, suite, cfg.max_new_tokens, cfg.cache_dir)
-        report = evaluate(drafter, target, cfg, truths=memo[key], limit=None if final else cfg.subset,
-                          real_decode=cfg.real_decode if final else False)
-        if final:
-            print(f"eval at step {step} ({len(report.table)} tasks):\n{report.console_table()}", flush=True)
-            if logger is not None:
-                report.log_artifacts(logger)
-            if out_dir:
-                report.save(out_dir)
-        return dict(report.metrics)
-
-    return evaluator
+                   out_dir: str | os.PathLike | None = None):
+    """The trainer's evaluator: `dflash.evaluation.evaluator.make_evaluator` (kept here for its callers)."""
+    from dflash.evaluation.evaluator import make_evaluator as make
+    return make(cfg, tasks, out_dir)

@@ -2,6 +2,19 @@
 `block_size`, `num_target_layers`, `dflash_config`) and `model.safetensors` whose tensor names are those
 of the reference implementation (z-lab/dflash `dflash/model.py`), which our module names mirror.
 z-lab / SGLang / vLLM load such a folder; `load_drafter` reads it back (ours or a published one).
+
+What the engines read beyond the weights (checked against their source, DESIGN §6), and where it comes from:
+- `max_position_embeddings`: the target's context length (SGLang refuses a drafter shorter than its target;
+  vLLM sizes the drafter's RoPE table with it).
+- `dflash_config.mask_token`: the target tokenizer's string for `mask_token_id` (SGLang checks it).
+- `eagle_aux_hidden_state_layer_ids` = target_layer_ids + 1 (older vLLM builds read this key).
+- `layer_types`, `sliding_window`, `use_sliding_window` when the drafter has sliding-window layers.
+- `rope_parameters` / `rope_theta`: the drafter's RoPE, which is the target's when `drafter.rope_theta=0`.
+- `auto_map` + `modeling_dflash.py` (dflash/serving/modeling_dflash.py, copied): the Transformers path,
+  `AutoModel.from_pretrained(dir, trust_remote_code=True)`.
+The target's facts (`TargetFacts`) are known to the trainer and to an export from a run; a bare
+`save_drafter(d, dir)` without them writes only config.json + weights (no context length, mask string or
+modelling file to vouch for).
 """
 from __future__ import annotations
 
@@ -19,12 +32,79 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from dflash.atomic import atomic_write, atomic_write_text
-from dflash.drafter.model import DFlashDrafter, DrafterConfig
+from dflash.drafter.model import LAYER_TYPES, DFlashDrafter, DrafterConfig
+
+MODELING_FILE = "modeling_dflash.py"  # written into every complete folder; its source sits beside this module
+AUTO_MAP = {"AutoModel": "modeling_dflash.DFlashDraftModel"}
+_UNKNOWN_TARGET_CONTEXT = 32768  # Qwen3Config's default: written only when the target is unknown (bare save)
 
 
-def serving_config(drafter: DFlashDrafter, vocab_size: int, dtype: torch.dtype) -> dict:
+@dataclass(frozen=True)
+class TargetFacts:
+    """What the serving folder takes from the target (config.json + tokenizer; no weights needed)."""
+    hidden_size: int
+    num_layers: int
+    vocab_size: int
+    max_position_embeddings: int
+    rope_theta: float
+    mask_token: str | None = None  # the tokenizer's string for the mask token id (None: no tokenizer)
+
+
+def rope_theta_of(text_cfg: dict, where: str = "target config") -> float:
+    """rope_theta of a (text) config dict: transformers >= 5 `rope_parameters`, else the older fields."""
+    for src in (text_cfg.get("rope_parameters") or {}, text_cfg, text_cfg.get("rope_scaling") or {}):
+        if src.get("rope_theta") is not None:
+            return float(src["rope_theta"])
+    raise ValueError(f"{where}: no rope_theta (rope_parameters.rope_theta) to give the drafter")
+
+
+def facts_from_text_config(t: dict, mask_token: str | None, where: str = "target config") -> TargetFacts:
+    if t.get("max_position_embeddings") is None:
+        raise ValueError(f"{where}: no max_position_embeddings (the target's context length)")
+    return TargetFacts(int(t["hidden_size"]), int(t["num_hidden_layers"]), int(t["vocab_size"]),
+                       int(t["max_position_embeddings"]), rope_theta_of(t, where), mask_token)
+
+
+def _mask_token_string(tokenizer, mask_token_id: int) -> str | None:
+    convert = getattr(tokenizer, "convert_ids_to_tokens", None)
+    return str(convert(int(mask_token_id))) if convert is not None else None  # ByteTokenizer: none
+
+
+def read_target_facts(tcfg) -> TargetFacts:
+    """A `TargetConfig`'s facts from its config.json and tokenizer (a random target: its built config)."""
+    from dflash.target.model import _text_config_dict, _tiny_hf_config, checkpoint_path, resolve_mask_token
+    if not tcfg.path:
+        return facts_from_text_config(_tiny_hf_config(tcfg.random).to_dict(), None, "target.random")
+    path = Path(checkpoint_path(tcfg))
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"target.path={tcfg.path!r}: no config.json there")
+    mask_token = None
+    if tcfg.tokenizer == "auto":
+        try:
+            from transformers import AutoTokenizer
+            tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+            mask_token = _mask_token_string(tok, resolve_mask_token(tcfg))
+        except (OSError, ValueError):
+            mask_token = None  # no tokenizer in the folder: the mask string stays unknown
+    return facts_from_text_config(_text_config_dict(path), mask_token, str(path / "config.json"))
+
+
+def facts_of_target(target) -> TargetFacts:
+    """A live `dflash.target.model.Target`'s facts (its loaded config and tokenizer)."""
+    hf = target.model.config
+    t = (getattr(hf, "text_config", None) or hf).to_dict()
+    return facts_from_text_config(t, _mask_token_string(target.tokenizer, target.mask_token_id))
+
+
+def modeling_source() -> str:
+    return (Path(__file__).with_name(MODELING_FILE)).read_text()
+
+
+def serving_config(drafter: DFlashDrafter, vocab_size: int, dtype: torch.dtype,
+                   target: TargetFacts | None = None) -> dict:
     c = drafter.cfg
-    return {
+    ids = list(drafter.target_layer_ids)
+    cfg = {
         "architectures": ["DFlashDraftModel"],
         "model_type": "qwen3",
         "hidden_size": drafter.hidden_size,
@@ -40,43 +120,88 @@ def serving_config(drafter: DFlashDrafter, vocab_size: int, dtype: torch.dtype) 
         "rope_theta": c.rope_theta,
         "rope_scaling": None,
         "rope_parameters": {"rope_type": "default", "rope_theta": c.rope_theta},  # transformers >= 5
-        "max_position_embeddings": 32768,
+        "max_position_embeddings": target.max_position_embeddings if target else _UNKNOWN_TARGET_CONTEXT,
         "vocab_size": vocab_size,
         "tie_word_embeddings": False,
         "torch_dtype": str(dtype).removeprefix("torch."),
         "block_size": drafter.block_size,
         "num_target_layers": drafter.num_target_layers,
-        "dflash_config": {"mask_token_id": drafter.mask_token_id,
-                          "target_layer_ids": list(drafter.target_layer_ids)},
+        "dflash_config": {"mask_token_id": drafter.mask_token_id, "target_layer_ids": ids},
     }
+    if "sliding_attention" in c.layer_types:
+        # use_sliding_window: without it Qwen3Config drops sliding_window (vLLM then has no window to use)
+        cfg.update(layer_types=list(c.layer_types), sliding_window=c.sliding_window, use_sliding_window=True,
+                   max_window_layers=c.num_layers)
+    if target is not None:
+        cfg["auto_map"] = dict(AUTO_MAP)
+        cfg["eagle_aux_hidden_state_layer_ids"] = [i + 1 for i in ids]  # decoder-layer inputs: output id + 1
+        if target.mask_token is not None:
+            cfg["dflash_config"]["mask_token"] = target.mask_token
+    return cfg
 
 
 def save_drafter(drafter: DFlashDrafter, out_dir: str | os.PathLike, dtype: torch.dtype | None = None,
-                 extra: dict | None = None, vocab_size: int | None = None) -> Path:
-    """Writes config.json + model.safetensors atomically (each file replaced whole). `vocab_size`
-    defaults to the attached LM head's (0 when none is attached)."""
+                 extra: dict | None = None, vocab_size: int | None = None,
+                 target: TargetFacts | None = None) -> Path:
+    """Writes config.json + model.safetensors (+ modeling_dflash.py when the target is known) atomically (each
+    file replaced whole). `vocab_size` defaults to the target's, else the attached LM head's (0 when none)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    if target is not None:
+        check_against_target(drafter, target, f"drafter for {out}")
     dtype = dtype or next(drafter.parameters()).dtype
     tensors = {k: v.detach().to("cpu", dtype).contiguous() for k, v in drafter.state_dict().items()}
     atomic_write(out / "model.safetensors", lambda tmp: save_file(tensors, tmp, metadata={"format": "pt"}))
     if vocab_size is None:
-        vocab_size = int(drafter.lm_head_VH.shape[0]) if drafter.lm_head_VH.numel() else 0
-    cfg = serving_config(drafter, int(vocab_size), dtype)
+        vocab_size = target.vocab_size if target else (
+            int(drafter.lm_head_VH.shape[0]) if drafter.lm_head_VH.numel() else 0)
+    cfg = serving_config(drafter, int(vocab_size), dtype, target)
     if extra:
         cfg["dflash_training"] = extra
+    if target is not None:
+        atomic_write_text(out / MODELING_FILE, modeling_source())
     atomic_write_text(out / "config.json", json.dumps(cfg, indent=2))
     return out
 
 
+def check_against_target(drafter: DFlashDrafter, target: TargetFacts, where: str) -> None:
+    """A drafter and a target that cannot work together: ValueError naming the field."""
+    if drafter.hidden_size != target.hidden_size:
+        raise ValueError(f"{where}: hidden_size={drafter.hidden_size} but the target's is {target.hidden_size} "
+                         f"(the drafter reuses the target's embedding and LM head)")
+    if drafter.num_target_layers != target.num_layers:
+        raise ValueError(f"{where}: num_target_layers={drafter.num_target_layers} but the target has "
+                         f"{target.num_layers} layers")
+    bad = [i for i in drafter.target_layer_ids if not 0 <= i < target.num_layers]
+    if bad:
+        raise ValueError(f"{where}: dflash_config.target_layer_ids {bad} lie outside the target's "
+                         f"{target.num_layers} layers")
+
+
 def drafter_config_from_serving(cfg: dict) -> DrafterConfig:
+    layer_types = list(cfg.get("layer_types") or [])
+    sliding = "sliding_attention" in layer_types
     return DrafterConfig(
         num_layers=cfg["num_hidden_layers"], num_heads=cfg["num_attention_heads"],
         num_kv_heads=cfg["num_key_value_heads"],
         head_dim=cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"],
-        intermediate_size=cfg["intermediate_size"], block_size=int(cfg.get("block_size", 16)),
+        intermediate_size=cfg["intermediate_size"], block_size=_block_size(cfg),
         rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
-        rope_theta=float(cfg.get("rope_theta") or (cfg.get("rope_parameters") or {}).get("rope_theta", 1e6)))
+        rope_theta=rope_theta_of(cfg, "config.json"),
+        layer_types=layer_types if sliding else [], sliding_window=int(cfg["sliding_window"]) if sliding else 0)
+
+
+def _block_size(cfg: dict) -> int:
+    return int((cfg.get("dflash_config") or {}).get("block_size", cfg.get("block_size", 16)))
+
+
+def facts_from_serving(cfg: dict) -> TargetFacts | None:
+    """The target facts a complete serving folder records (None for a bare one: no auto_map)."""
+    if "auto_map" not in cfg:
+        return None
+    return TargetFacts(int(cfg["hidden_size"]), int(cfg["num_target_layers"]), int(cfg.get("vocab_size", 0)),
+                       int(cfg["max_position_embeddings"]), rope_theta_of(cfg, "config.json"),
+                       (cfg.get("dflash_config") or {}).get("mask_token"))
 
 
 _REQUIRED = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
@@ -115,26 +240,100 @@ def read_serving_config(folder: str | os.PathLike) -> dict:
     if rope.get("rope_type", rope.get("type", "default")) not in ("default", None):
         raise ValueError(f"{f}: rope type {rope.get('rope_type', rope.get('type'))!r} is not supported "
                          f"(this drafter implements plain RoPE only)")
-    if cfg.get("use_sliding_window"):
-        raise ValueError(f"{f}: use_sliding_window=true is not supported (DFlash drafters attend to all context)")
     if cfg.get("attention_bias"):
         raise ValueError(f"{f}: attention_bias=true is not supported (DFlash drafters have no biases)")
     if cfg.get("hidden_act", "silu") != "silu":
         raise ValueError(f"{f}: hidden_act={cfg['hidden_act']!r}; expected \"silu\"")
+    _check_attention_fields(cfg, f)
+    _check_consistent(cfg, f)
     return cfg
 
 
+def _check_attention_fields(cfg: dict, f: Path) -> None:
+    """layer_types / sliding_window as this drafter implements them (sliding layers causal in the block)."""
+    types = cfg.get("layer_types")
+    if types is not None:
+        bad = [t for t in types if t not in LAYER_TYPES]
+        if bad:
+            raise ValueError(f"{f}: layer_types has {bad}; supported: {list(LAYER_TYPES)}")
+        if len(types) != cfg["num_hidden_layers"]:
+            raise ValueError(f"{f}: layer_types has {len(types)} entries but num_hidden_layers="
+                             f"{cfg['num_hidden_layers']}")
+    sliding = bool(types) and "sliding_attention" in types
+    if sliding and not isinstance(cfg.get("sliding_window"), int):
+        raise ValueError(f"{f}: layer_types has sliding_attention layers but sliding_window="
+                         f"{cfg.get('sliding_window')!r} (expected the window, an int)")
+    if not types and cfg.get("use_sliding_window"):
+        raise ValueError(f"{f}: use_sliding_window=true without layer_types is not supported (name the "
+                         f"sliding_attention layers in layer_types)")
+    for key, value in (("is_causal", cfg.get("is_causal")), ("dflash_config.causal",
+                                                             (cfg.get("dflash_config") or {}).get("causal"))):
+        if value is not None:
+            raise ValueError(f"{f}: {key}={value!r} is not supported (this drafter is causal exactly in its "
+                             f"sliding_attention layers, the engines' default; leave {key} unset)")
+
+
+def _check_consistent(cfg: dict, f: Path) -> None:
+    """Fields that say the same thing twice must agree; the error names the field."""
+    d = cfg.get("dflash_config") or {}
+    if "block_size" in d and "block_size" in cfg and int(d["block_size"]) != int(cfg["block_size"]):
+        raise ValueError(f"{f}: block_size={cfg['block_size']} but dflash_config.block_size={d['block_size']}")
+    ids = [int(i) for i in d.get("target_layer_ids", cfg.get("target_layer_ids"))]
+    if "target_layer_ids" in d and "target_layer_ids" in cfg and list(cfg["target_layer_ids"]) != ids:
+        raise ValueError(f"{f}: target_layer_ids={cfg['target_layer_ids']} but dflash_config.target_layer_ids="
+                         f"{ids}")
+    aux = cfg.get("eagle_aux_hidden_state_layer_ids")
+    if aux is not None and [int(i) for i in aux] != [i + 1 for i in ids]:
+        raise ValueError(f"{f}: eagle_aux_hidden_state_layer_ids={aux} but dflash_config.target_layer_ids={ids} "
+                         f"(expected target_layer_ids + 1 = {[i + 1 for i in ids]})")
+    n = cfg.get("num_target_layers")
+    if n is not None and any(not 0 <= i < int(n) for i in ids):
+        raise ValueError(f"{f}: dflash_config.target_layer_ids={ids} lie outside num_target_layers={n}")
+    mask = d.get("mask_token_id")
+    if mask is not None and cfg.get("mask_token_id") is not None and int(cfg["mask_token_id"]) != int(mask):
+        raise ValueError(f"{f}: mask_token_id={cfg['mask_token_id']} but dflash_config.mask_token_id={mask}")
+
+
+def check_folder_against_target(cfg: dict, target: TargetFacts, f: Path) -> None:
+    """A serving config that does not fit `target`: ValueError naming the file and the field."""
+    if int(cfg["hidden_size"]) != target.hidden_size:
+        raise ValueError(f"{f}: hidden_size={cfg['hidden_size']} but the target's is {target.hidden_size}")
+    n = cfg.get("num_target_layers")
+    if n is not None and int(n) != target.num_layers:
+        raise ValueError(f"{f}: num_target_layers={n} but the target has {target.num_layers} layers")
+    ids = (cfg.get("dflash_config") or {}).get("target_layer_ids", cfg.get("target_layer_ids"))
+    if any(not 0 <= int(i) < target.num_layers for i in ids):
+        raise ValueError(f"{f}: dflash_config.target_layer_ids={ids} lie outside the target's "
+                         f"{target.num_layers} layers")
+    vocab = int(cfg.get("vocab_size") or 0)
+    if vocab and vocab != target.vocab_size:
+        raise ValueError(f"{f}: vocab_size={vocab} but the target's is {target.vocab_size}")
+    if int(cfg.get("max_position_embeddings", 0)) < target.max_position_embeddings:
+        raise ValueError(f"{f}: max_position_embeddings={cfg.get('max_position_embeddings')} is below the "
+                         f"target's context length {target.max_position_embeddings} (SGLang refuses to start)")
+    token = (cfg.get("dflash_config") or {}).get("mask_token")
+    if token is not None and target.mask_token is not None and token != target.mask_token:
+        raise ValueError(f"{f}: dflash_config.mask_token={token!r} but the target tokenizer's mask token is "
+                         f"{target.mask_token!r}")
+
+
 def load_drafter(folder: str | os.PathLike, device: str | torch.device = "cpu",
-                 dtype: torch.dtype = torch.float32) -> DFlashDrafter:
+                 dtype: torch.dtype = torch.float32, target: TargetFacts | None = None) -> DFlashDrafter:
     """Loads a serving-format folder (ours or a published DFlash drafter). Errors name the file and
-    what was expected there."""
+    what was expected there; with `target`, also a folder that does not fit that target."""
     folder = Path(folder)
     cfg = read_serving_config(folder)
+    if target is not None:
+        check_folder_against_target(cfg, target, folder / "config.json")
     dcfg = cfg.get("dflash_config") or {}
     layer_ids = [int(i) for i in dcfg.get("target_layer_ids", cfg.get("target_layer_ids"))]
     mask = dcfg.get("mask_token_id", cfg.get("mask_token_id"))
-    drafter = DFlashDrafter(drafter_config_from_serving(cfg), int(cfg["hidden_size"]),
-                            int(cfg.get("num_target_layers", max(layer_ids) + 1)), int(mask), layer_ids)
+    try:
+        dc = drafter_config_from_serving(cfg)
+        drafter = DFlashDrafter(dc, int(cfg["hidden_size"]),
+                                int(cfg.get("num_target_layers", max(layer_ids) + 1)), int(mask), layer_ids)
+    except ValueError as e:  # e.g. a window below the block size
+        raise ValueError(f"{folder / 'config.json'}: {e}") from e
     files = sorted(folder.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"{folder}: no *.safetensors weight file next to config.json")
@@ -225,7 +424,8 @@ def replace_dir(tmp: Path, out: Path) -> None:
 
 
 def write_serving_folder(drafter: DFlashDrafter, out_dir: str | os.PathLike, dtype: torch.dtype | None = None,
-                         extra: dict | None = None, vocab_size: int | None = None) -> Path:
+                         extra: dict | None = None, vocab_size: int | None = None,
+                         target: TargetFacts | None = None) -> Path:
     """`save_drafter` into a temp folder beside `out_dir`, then swap it in whole. An existing `out_dir`
     must be a serving folder (config.json) or empty; anything else is refused, not overwritten."""
     out = Path(out_dir).absolute()
@@ -236,7 +436,7 @@ def write_serving_folder(drafter: DFlashDrafter, out_dir: str | os.PathLike, dty
             raise FileExistsError(f"{out}: a non-empty folder that is not a serving folder (no config.json); "
                                   f"refusing to replace it")
     return write_dir_atomically(out, lambda tmp: save_drafter(drafter, tmp, dtype=dtype, extra=extra,
-                                                              vocab_size=vocab_size))
+                                                              vocab_size=vocab_size, target=target))
 
 
 def write_dir_atomically(out_dir: str | os.PathLike, write: Callable[[Path], object]) -> Path:
@@ -262,6 +462,7 @@ class ExportSource:
     vocab_size: int
     extra: dict
     origin: Path
+    target: TargetFacts | None = None  # None: unknown (a bare folder as source) -> a bare export
 
 
 def _drafter_from_checkpoint(pt: Path) -> ExportSource:
@@ -287,6 +488,7 @@ def _drafter_from_checkpoint(pt: Path) -> ExportSource:
         d = sc.get("dflash_config") or {}
         layer_ids, mask = list(d["target_layer_ids"]), int(d["mask_token_id"])
         n_target, vocab = int(sc["num_target_layers"]), int(sc.get("vocab_size", 0))
+        facts, rope_theta = facts_from_serving(sc), rope_theta_of(sc, str(final_cfg))
     else:
         from dflash.target.model import (
             TargetConfig,
@@ -303,6 +505,9 @@ def _drafter_from_checkpoint(pt: Path) -> ExportSource:
         info = read_target_info(tcfg)
         layer_ids, mask = resolve_layer_ids(tcfg, info), resolve_mask_token(tcfg)
         n_target, vocab = info.num_layers, info.vocab_size
+        facts = read_target_facts(tcfg)
+        rope_theta = facts.rope_theta
+    dcfg = dcfg.for_target(rope_theta)  # rope_theta 0 in the run's config: the target's
     if in_features != len(layer_ids) * H:
         raise ValueError(f"{pt}: fc.weight is {tuple(weights['fc.weight'].shape)} but the run's target "
                          f"layer ids {layer_ids} imply ({H}, {len(layer_ids) * H})")
@@ -316,13 +521,13 @@ def _drafter_from_checkpoint(pt: Path) -> ExportSource:
         name = (run_cfg.get(k) or {}).get("name")
         if name:
             extra[k] = name
-    return ExportSource(drafter.float(), vocab, extra, pt)
+    return ExportSource(drafter.float(), vocab, extra, pt, facts)
 
 
 def _from_serving(folder: Path) -> ExportSource:
     cfg = read_serving_config(folder)
     return ExportSource(load_drafter(folder), int(cfg.get("vocab_size", 0)),
-                        dict(cfg.get("dflash_training") or {}), folder)
+                        dict(cfg.get("dflash_training") or {}), folder, facts_from_serving(cfg))
 
 
 def resolve_export_source(source: str | os.PathLike) -> ExportSource:
@@ -347,8 +552,17 @@ def resolve_export_source(source: str | os.PathLike) -> ExportSource:
 
 
 def export_drafter(source: str | os.PathLike, out_dir: str | os.PathLike,
-                   dtype: str | torch.dtype = "bfloat16") -> Path:
-    """Writes the serving folder (DESIGN §6) for a run dir / serving folder / checkpoint, atomically."""
+                   dtype: str | torch.dtype = "bfloat16",
+                   target: TargetFacts | str | os.PathLike | None = None) -> Path:
+    """Writes the serving folder (DESIGN §6) for a run dir / serving folder / checkpoint, atomically.
+    `target` (its facts, or a local target folder: config.json + tokenizer) replaces the facts the source
+    records (needed when the source is a bare folder: no context length or mask string of its own)."""
     src = resolve_export_source(source)
+    if target is not None and not isinstance(target, TargetFacts):
+        from dflash.target.model import TargetConfig
+        target = read_target_facts(TargetConfig(name="export", path=str(target),
+                                                mask_token_id=src.drafter.mask_token_id))
+    target = target or src.target
+    vocab = target.vocab_size if target else src.vocab_size
     return write_serving_folder(src.drafter, out_dir, dtype=parse_dtype(dtype), extra=src.extra or None,
-                                vocab_size=src.vocab_size)
+                                vocab_size=vocab, target=target)

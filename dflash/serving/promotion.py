@@ -9,10 +9,21 @@ Rules, in order:
    reason is written on the *run* as tags (`dflash.serving.promotion.decision` / `dflash.serving.promotion.reason`).
 2. Otherwise a model version is registered (source = the run's `checkpoint` artifact URI, `run_id` set)
    with every `eval/` metric (τ per budget), the per-task table reference and the run's config as tags.
-3. The alias moves to it only if `value >= floor` and `value > holder + margin`, where the holder is the
-   version the alias points at now and its value is the metric tag recorded on that version (the
-   holder's run metric if the tag is missing). Without a holder only the floor applies.
-4. The decision and its reason are written on the version (and on the run) either way.
+3. The alias moves to it only if all of these hold (a refusal names every one that fails):
+   - `value >= floor` (default 1.1: a dead drafter, τ = 1, is never promoted);
+   - it beats prompt lookup (the zero-cost n-gram baseline the eval logs beside every τ): the lower end
+     of the paired Δ(candidate − prompt-lookup) interval over prompts is above 0 — or, for a run whose
+     task table lacks per-prompt columns, `value > eval/tau_prompt_lookup`; a run without any
+     prompt-lookup figure (evaluated before it existed, or by hand) is only noted;
+   - it beats the holder (the version the alias points at now): when both runs' task tables
+     (`eval/tasks.json`, issue 19) ran on the same ground truth, the lower end of the paired
+     `promote.ci_level` bootstrap interval of Δ = candidate − holder must exceed `margin`; two tables on
+     different ground truth refuse (re-evaluate both on one: `python -m experiments.eval <candidate>
+     champion`); when either run has no per-prompt table, the recorded values decide
+     (`value > holder + margin`; the holder's value is its version tag, else its run metric).
+   Without a holder the holder rule is skipped.
+4. The decision, its reason, Δ vs the holder and vs prompt lookup (with their intervals) are written on
+   the version (and on the run) either way.
 
 Steps 2–4 run inside one exclusive lock per registry (an `fcntl` lock file beside the sqlite database;
 a lock directory for other stores), so two promotions racing cannot both win: the second one reads the
@@ -55,8 +66,10 @@ class PromoteConfig:
     model_name: str = "dflash-drafter"
     alias: str = "champion"
     metric: str = "eval/tau_vanilla"
-    margin: float = 0.0  # the candidate must beat the holder by more than this
-    floor: float = 0.0  # and be >= this
+    margin: float = 0.0  # the lower end of the Δτ interval vs the holder must exceed this
+    floor: float = 1.1  # and the candidate's value be >= this (τ = 1 is a drafter that never helps)
+    ci_level: float = 0.95  # level of the paired Δτ intervals over prompts
+    bootstrap: int = 2000  # bootstrap replicates of those intervals
     enabled: bool = False  # auto-promote at the end of a training run
     tracking_uri: str = ""  # registry store; empty → the run's own tracking URI
 
@@ -74,6 +87,13 @@ class Decision:
     alias: str = ""
     metric: str = ""
     dry_run: bool = False
+    comparison: str = ""  # "paired" (Δ interval on one ground truth), "point" (recorded values) or ""
+    delta: float | None = None  # candidate − holder, with its interval when paired
+    delta_ci_low: float | None = None
+    delta_ci_high: float | None = None
+    prompt_lookup: float | None = None  # the candidate's prompt-lookup baseline τ on the same suite
+    delta_prompt_lookup_ci_low: float | None = None
+    delta_prompt_lookup_ci_high: float | None = None
 
     def summary(self) -> str:
         head = ("[dry run] would promote" if self.promoted else "[dry run] would refuse") if self.dry_run \
@@ -241,20 +261,114 @@ def _has_checkpoint(client, run_id: str) -> bool:
         return False
 
 
-def _compare(value: float, holder, holder_value: float | None, cfg: PromoteConfig) -> tuple[bool, str]:
-    m = cfg.metric
-    if value < cfg.floor:
-        return False, f"{m}={_fmt(value)} is below the floor {_fmt(cfg.floor)}"
+@dataclass
+class Evidence:
+    """What the gate compares beyond the recorded values (module doc, rule 3)."""
+    comparison: str = ""  # paired / point / "" (no holder)
+    delta: Any = None  # Interval of candidate − holder (paired) or None
+    not_paired: str = ""  # why the holder comparison fell back to the recorded values
+    different_truth: bool = False  # both tables exist but ran on different ground truth: refuse
+    baseline: float | None = None  # the candidate's prompt-lookup τ
+    baseline_delta: Any = None  # Interval of candidate − prompt lookup, or None
+
+
+def _task_table(client, run_id: str, artifact: str) -> dict | None:
+    """The run's task table artifact as a dict, or None when it is absent or unreadable."""
+    try:
+        with tempfile.TemporaryDirectory() as d:
+            return json.loads(Path(client.download_artifacts(run_id, artifact, d)).read_text())
+    except Exception:  # noqa: BLE001 - absent or unreadable: the gate falls back to recorded values
+        return None
+
+
+def _evidence(client, run, holder, cfg: PromoteConfig) -> Evidence:
+    from dflash.evaluation.pairing import NotPaired, metric_columns, paired_delta
+    ev = Evidence()
+    cols = metric_columns(cfg.metric)
+    table = _task_table(client, run.info.run_id, cols.artifact) if cols else None
+    if cols is not None:
+        ev.baseline = _as_float(run.data.metrics.get(cols.baseline_metric))
+        if table is not None and ev.baseline is not None:
+            with contextlib.suppress(NotPaired):
+                ev.baseline_delta = paired_delta(table, table, (cols.sum_col, cols.count_col),
+                                                 ("tau_sum_prompt_lookup", "rounds_prompt_lookup"),
+                                                 cfg.ci_level, cfg.bootstrap)
     if holder is None:
-        return True, f"{m}={_fmt(value)} clears the floor {_fmt(cfg.floor)}; no current @{cfg.alias} holder"
-    hv = f"@{cfg.alias} v{holder.version}"
-    if holder_value is None or not math.isfinite(holder_value):
-        return True, f"{m}={_fmt(value)}; holder {hv} has no recorded {m}"
-    if value > holder_value + cfg.margin:
-        return True, (f"{m}={_fmt(value)} beats holder {hv} ({_fmt(holder_value)}) by more than "
-                      f"margin {_fmt(cfg.margin)}")
-    return False, (f"{m}={_fmt(value)} does not beat holder {hv} ({_fmt(holder_value)}) by more than "
-                   f"margin {_fmt(cfg.margin)}")
+        return ev
+    holder_table = _task_table(client, holder.run_id, cols.artifact) if (cols and holder.run_id) else None
+    if table is None or holder_table is None:
+        ev.comparison = "point"
+        ev.not_paired = "no per-prompt task table for " + ("the candidate" if table is None else "the holder")
+        return ev
+    try:
+        ev.delta = paired_delta(table, holder_table, (cols.sum_col, cols.count_col),
+                                (cols.sum_col, cols.count_col), cfg.ci_level, cfg.bootstrap)
+        ev.comparison = "paired"
+    except NotPaired as e:
+        ev.comparison, ev.not_paired = "point", str(e)
+        ev.different_truth = "different ground truth" in str(e)
+    return ev
+
+
+def _compare(value: float, holder, holder_value: float | None, cfg: PromoteConfig,
+             ev: Evidence | None = None) -> tuple[bool, str]:
+    """(promote?, reason): every failed rule, or what the candidate cleared (module doc, rule 3)."""
+    ev = ev or Evidence(comparison="point" if holder is not None else "")
+    m, lvl = cfg.metric, f"{100 * cfg.ci_level:g}%"
+    fails, notes = [], []
+    if value < cfg.floor:
+        fails.append(f"{m}={_fmt(value)} is below the floor {_fmt(cfg.floor)}")
+    else:
+        notes.append(f"{m}={_fmt(value)} clears the floor {_fmt(cfg.floor)}")
+    bd = ev.baseline_delta
+    if bd is not None and math.isfinite(bd.low):
+        text = (f"Δ vs prompt-lookup ({_fmt(ev.baseline)}) {bd.value:+.4f}, {lvl} CI "
+                f"[{bd.low:+.4f}, {bd.high:+.4f}]")
+        (notes if bd.low > 0 else fails).append(
+            f"beats prompt-lookup: {text}" if bd.low > 0 else f"does not beat prompt-lookup: {text} reaches 0")
+    elif ev.baseline is not None:
+        ok = value > ev.baseline
+        (notes if ok else fails).append(f"{m}={_fmt(value)} {'beats' if ok else 'does not beat'} prompt-lookup "
+                                        f"({_fmt(ev.baseline)})")
+    else:
+        notes.append("no prompt-lookup figure recorded")
+    if holder is None:
+        notes.append(f"no current @{cfg.alias} holder")
+    else:
+        hv = f"@{cfg.alias} v{holder.version}"
+        d = ev.delta
+        if ev.different_truth:
+            fails.append(f"cannot compare with holder {hv}: {ev.not_paired}; re-evaluate both on one ground "
+                         f"truth (python -m experiments.eval <candidate> {cfg.alias})")
+        elif d is not None and math.isfinite(d.low):
+            text = (f"Δ {d.value:+.4f} vs holder {hv}, {lvl} CI [{d.low:+.4f}, {d.high:+.4f}], margin "
+                    f"{_fmt(cfg.margin)}")
+            if d.low > cfg.margin:
+                notes.append(f"beats holder {hv}: {text}")
+            else:
+                fails.append(f"does not beat holder {hv}: the lower end of the interval does not clear the "
+                             f"margin ({text})")
+        elif holder_value is None or not math.isfinite(holder_value):
+            notes.append(f"holder {hv} has no recorded {m}")
+        elif value > holder_value + cfg.margin:
+            notes.append(f"{m}={_fmt(value)} beats holder {hv} ({_fmt(holder_value)}) by more than margin "
+                         f"{_fmt(cfg.margin)} (point comparison: {ev.not_paired or 'no task tables'})")
+        else:
+            fails.append(f"{m}={_fmt(value)} does not beat holder {hv} ({_fmt(holder_value)}) by more than "
+                         f"margin {_fmt(cfg.margin)} (point comparison: {ev.not_paired or 'no task tables'})")
+    return (False, "; ".join(fails)) if fails else (True, "; ".join(notes))
+
+
+def _record(d: Decision, ev: Evidence) -> Decision:
+    d.comparison = ev.comparison
+    if ev.delta is not None:
+        d.delta, d.delta_ci_low, d.delta_ci_high = ev.delta.value, ev.delta.low, ev.delta.high
+    elif d.holder_value is not None and d.candidate_value is not None:
+        d.delta = d.candidate_value - d.holder_value
+    d.prompt_lookup = ev.baseline
+    if ev.baseline_delta is not None:
+        d.delta_prompt_lookup_ci_low, d.delta_prompt_lookup_ci_high = ev.baseline_delta.low, ev.baseline_delta.high
+    return d
 
 
 def _task_table_ref(client, run_id: str) -> str:
@@ -300,6 +414,11 @@ def _decision_tags(d: Decision, cfg: PromoteConfig) -> dict[str, str]:
         PREFIX + "floor": repr(float(cfg.floor)),
         PREFIX + "holder_version": d.holder_version or "",
         PREFIX + "holder_value": "" if d.holder_value is None else repr(float(d.holder_value)),
+        PREFIX + "comparison": d.comparison,
+        PREFIX + "ci_level": repr(float(cfg.ci_level)),
+        **{PREFIX + k: "" if getattr(d, k) is None else repr(float(getattr(d, k)))
+           for k in ("delta", "delta_ci_low", "delta_ci_high", "prompt_lookup", "delta_prompt_lookup_ci_low",
+                     "delta_prompt_lookup_ci_high")},
         PREFIX + "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
 
@@ -334,6 +453,9 @@ def promote(run_id: str, cfg: PromoteConfig, tracking_uri: str | None, dry_run: 
         raise PromotionError("no tracking URI: set promote.tracking_uri or pass the run's tracking URI")
     if not (math.isfinite(cfg.margin) and math.isfinite(cfg.floor)):
         raise PromotionError(f"promote.margin={cfg.margin} and promote.floor={cfg.floor} must be finite")
+    if not 0.0 < cfg.ci_level < 1.0 or cfg.bootstrap < 1:
+        raise PromotionError(f"promote.ci_level={cfg.ci_level} must lie in (0, 1) and promote.bootstrap="
+                             f"{cfg.bootstrap} be >= 1")
     check_store(uri)
     client = _client(uri)
     run = _get_run(client, run_id, uri)
@@ -352,8 +474,9 @@ def promote(run_id: str, cfg: PromoteConfig, tracking_uri: str | None, dry_run: 
         if holder is not None and holder.run_id == run_id:
             return Decision(False, f"run already holds @{cfg.alias} (v{holder.version})", None, value,
                             str(holder.version), holder_value, **base)
-        ok, reason = _compare(value, holder, holder_value, cfg)
-        return Decision(ok, reason, None, value, holder and str(holder.version), holder_value, **base)
+        ev = _evidence(client, run, holder, cfg)
+        ok, reason = _compare(value, holder, holder_value, cfg, ev)
+        return _record(Decision(ok, reason, None, value, holder and str(holder.version), holder_value, **base), ev)
 
     with registry_lock(uri, timeout=lock_timeout):
         holder, holder_value = _current_holder(client, cfg)  # read inside the lock: the re-check
@@ -363,10 +486,11 @@ def promote(run_id: str, cfg: PromoteConfig, tracking_uri: str | None, dry_run: 
                          hv, holder_value, **base)
             log.info(d.summary())
             return d
-        ok, reason = _compare(value, holder, holder_value, cfg)
+        ev = _evidence(client, run, holder, cfg)
+        ok, reason = _compare(value, holder, holder_value, cfg, ev)
         mv = _register(client, cfg, run, _version_tags(client, run, cfg, value))
         version = str(mv.version)
-        d = Decision(ok, reason, version, value, hv, holder_value, **base)
+        d = _record(Decision(ok, reason, version, value, hv, holder_value, **base), ev)
         if ok:
             client.set_registered_model_alias(cfg.model_name, cfg.alias, version)
             now = client.get_registered_model(cfg.model_name).aliases.get(cfg.alias)

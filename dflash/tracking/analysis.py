@@ -21,7 +21,8 @@ from typing import Any, Iterable, Sequence
 
 import pandas as pd
 
-TAU_METRICS = ["eval/tau_vanilla", "eval/tau_tree_4", "eval/tau_tree_8"]
+TAU_METRICS = ["eval/tau_vanilla", "eval/tau_tree_16", "eval/tau_tree_64", "eval/tau_tree_256"]  # tree: nodes
+_SUITE_RE = re.compile(r"^eval/suite/(?P<suite>[^/]+)/tau_vanilla$")
 GROUP_COLS = ["loss", "noise", "buffer"]
 _POS_RE = re.compile(r"^(?P<prefix>.+/acc_pos)(?P<k>\d+)$")
 
@@ -153,6 +154,31 @@ def ablation_table(runs: pd.DataFrame, by: Sequence[str] = GROUP_COLS, metrics: 
     out.columns = pd.MultiIndex.from_tuples(out.columns)
     first = metrics[0]
     return out.sort_values((first, "mean"), ascending=False)
+
+
+def ci_table(runs: pd.DataFrame, metrics: Sequence[str] = ("tau_vanilla", "tau_prompt_lookup"),
+             digits: int = 2, label_cols: Sequence[str] = ("run_name", "loss", "noise", "buffer", "seed")
+             ) -> pd.DataFrame:
+    """One row per run and suite: each τ metric as `value [ci_low, ci_high]` (the eval's bootstrap interval
+    over prompts, keys `<metric>_ci_low/_ci_high`) and `eval/tau_over_prompt_lookup`. Suites: the objective
+    (`eval/...`, suite "objective") and every `eval/suite/<name>/...` the runs logged."""
+    suites = sorted({m["suite"] for c in runs.columns if (m := _SUITE_RE.match(str(c)))})
+    prefixes = [("objective", "eval/")] + [(s, f"eval/suite/{s}/") for s in suites]
+    rows = []
+    for _, r in runs.iterrows():
+        for suite, pre in prefixes:
+            if pd.isna(r.get(pre + "tau_vanilla")):
+                continue
+            row = {c: r.get(c) for c in label_cols if c in runs.columns}
+            row["suite"] = suite
+            for m in metrics:
+                v, lo, hi = r.get(pre + m), r.get(f"{pre}{m}_ci_low"), r.get(f"{pre}{m}_ci_high")
+                row[m] = "" if pd.isna(v) else (f"{v:.{digits}f}" if pd.isna(lo) else
+                                                 f"{v:.{digits}f} [{lo:.{digits}f}, {hi:.{digits}f}]")
+            ratio = r.get(pre + "tau_over_prompt_lookup")
+            row["tau_over_prompt_lookup"] = "" if pd.isna(ratio) else f"{ratio:.{digits}f}"
+            rows.append(row)
+    return pd.DataFrame(rows)
 
 
 def format_table(table: pd.DataFrame, digits: int = 3) -> pd.DataFrame:

@@ -620,7 +620,7 @@ class ConsoleLogger(Logger):
 
     From ``train/loss``, ``train/acc``, ``train/streak``, ``perf/drafter_tok_s`` (else
     ``perf/pipeline_tok_s``), ``buffer/total``, ``buffer/max_depth``, plus the ``eval/tau*``
-    τ keys (``| eval tau_vanilla 2.1 tau_tree_4 2.6``). Missing keys are skipped; a call with none of
+    τ keys (``| eval tau_vanilla 2.1 tau_tree_16 2.6``). Missing keys are skipped; a call with none of
     these keys (e.g. only ``sys/*``) prints nothing. ETA uses the wall-clock step rate
     since the first ``log`` call.
     """
@@ -652,7 +652,7 @@ class ConsoleLogger(Logger):
             if "buffer/max_depth" in m:
                 buf += f"/{int(m['buffer/max_depth'])}"
             parts.append(buf)
-        ev = [f"{k[len('eval/'):]} {_fmt_num(v)}" for k, v in m.items() if k.startswith("eval/tau")]
+        ev = [f"{k[len('eval/'):]} {_fmt_num(v)}" for k, v in m.items() if k.startswith("eval/tau") and "_ci_" not in k]
         if ev:
             parts.append("eval " + " ".join(ev))
         if not parts:

@@ -179,6 +179,8 @@ class Trainer:
             self.train_model = compile_drafter(self.train_model, cfg.trainer.compile_mode)
         self.producers_inline = self._inline_producer()
         self.sequences = build_training_sequences(cfg.data, self.target, cfg.seed)
+        if hasattr(self.evaluator, "use_train_sequences"):  # eval/tau_train: the generalization gap
+            self.evaluator.use_train_sequences(self.sequences)
         self.noise = build_noise(cfg.noise, cfg.trainer.max_steps)
         self.opt = torch.optim.AdamW(self.drafter.parameters(), lr=cfg.trainer.lr,
                                      weight_decay=cfg.trainer.weight_decay, betas=(0.9, 0.95),
@@ -189,8 +191,11 @@ class Trainer:
         self.source = ItemSource(self.sequences, cfg.seed, next_item, replay, self.dist.rank, self.dist.world)
 
     def _build_drafter(self) -> DFlashDrafter:
+        from dflash.serving.export import facts_of_target
         t = self.target
-        d = build_drafter(self.cfg.drafter, t.hidden_size, t.info.num_layers, t.mask_token_id, t.layer_ids)
+        self.target_facts = facts_of_target(t)  # rope_theta for drafter.rope_theta=0; the serving folder's facts
+        d = build_drafter(self.cfg.drafter.for_target(self.target_facts.rope_theta), t.hidden_size,
+                          t.info.num_layers, t.mask_token_id, t.layer_ids)
         d = d.to(device=self.device, dtype=getattr(torch, self.cfg.trainer.dtype))
         d.attach_target_head(t.embed_weight(), t.lm_head_weight())
         return d
@@ -364,7 +369,8 @@ class Trainer:
             return None
         final = self.run_dir / "final"
         from dflash.serving.export import save_drafter
-        save_drafter(self.drafter, final, extra={"target": self.cfg.target.name, "loss": self.cfg.loss.name})
+        save_drafter(self.drafter, final, extra={"target": self.cfg.target.name, "loss": self.cfg.loss.name},
+                     target=self.target_facts)
         loggers.log_artifact(str(final), "checkpoint")
         if self.evaluator:
             ev = self.evaluator(self.drafter, self.target, self.final_step, True, loggers)

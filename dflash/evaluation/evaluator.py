@@ -1,0 +1,189 @@
+"""The trainer's evaluator and the multi-suite evaluation (issue 19).
+
+`evaluate_suites(drafter, target, cfg)`: the objective suite (`eval.suite`) and every `eval.extra_suites`
+entry, each on its own cached ground truth at its own continuation length; metrics = the objective's
+figures under `eval/...` (what sweeps and the promotion gate read) plus every suite's summary under
+`eval/suite/<name>/...`.
+
+`make_evaluator(cfg)` -> `SuiteEvaluator`, called by the trainer as
+`evaluator(drafter, target, step, final, logger=None) -> {eval/...: float}`:
+- `final=False`: the first `eval.subset` prompts of the objective suite (simulated only, no artifacts);
+- `final=True`: every suite in full (real decoding if `eval.real_decode`), console tables printed,
+  artifacts logged (`eval/...` for the objective, `eval/suite/<name>/...` for the others) and written to
+  `out_dir` (`<out_dir>/` and `<out_dir>/<name>/`).
+- The generalization gap: after `use_train_sequences(seqs)` (the trainer calls it with its training
+  sequences), both kinds of call also simulate `eval.train_tasks` prompts cut from sequences the run trains
+  on (prompt = the first half of the sequence, at most 128 tokens; continuation = the target's greedy one at
+  the objective's length): `eval/tau_train` and `eval/tau_train_gap` = `eval/tau_train − eval/tau_vanilla`.
+  When the gap grows while `eval/tau_vanilla` falls between two in-training evals, a warning is logged.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Sequence
+
+from dflash.evaluation import EvalConfig
+from dflash.evaluation.ground_truth import TaskTruth, cache_key, load_or_build_ground_truth
+from dflash.evaluation.prompts import Suite, Task, resolve_suite, suite_label
+from dflash.evaluation.report import EvalReport, evaluate
+
+log = logging.getLogger(__name__)
+
+TRAIN_PROMPT_MAX_TOKENS = 128
+
+
+def config_suites(cfg: EvalConfig, tasks: Sequence[Task] | None = None) -> list[Suite]:
+    """[objective, *extra] as resolved Suites (`tasks` replaces the objective's tasks)."""
+    objective = Suite(suite_label(cfg.suite), list(tasks), int(cfg.max_new_tokens)) if tasks is not None \
+        else resolve_suite(cfg.suite, cfg)
+    return [objective, *(resolve_suite(s, cfg) for s in cfg.extra_suites)]
+
+
+class TruthMemo:
+    """Ground truth per (target, suite, length), built or loaded from the disk cache once per process."""
+
+    def __init__(self, cache_dir: str):
+        self.cache_dir = cache_dir
+        self._memo: dict[str, list[TaskTruth]] = {}
+
+    def get(self, target, suite: Suite) -> list[TaskTruth]:
+        key = cache_key(target, suite.tasks, suite.max_new_tokens)
+        if key not in self._memo:
+            self._memo[key], _ = load_or_build_ground_truth(target, suite.tasks, suite.max_new_tokens,
+                                                            self.cache_dir)
+        return self._memo[key]
+
+
+def evaluate_suites(drafter, target, cfg: EvalConfig, suites: Sequence[Suite] | None = None,
+                    memo: TruthMemo | None = None, real_decode: bool | None = None) -> list[EvalReport]:
+    """One report per suite, the objective first; `merged_metrics(reports)` flattens them."""
+    suites = list(suites) if suites is not None else config_suites(cfg)
+    memo = memo or TruthMemo(cfg.cache_dir)
+    return [evaluate(drafter, target, cfg, truths=memo.get(target, s), suite=s,
+                     real_decode=real_decode if i == 0 else False) for i, s in enumerate(suites)]
+
+
+def merged_metrics(reports: Sequence[EvalReport]) -> dict[str, float]:
+    out = dict(reports[0].all_metrics())
+    for r in reports:
+        out.update(r.suite_metrics())
+    return out
+
+
+def summary_table(metrics: dict[str, float], level: float = 0.95) -> str:
+    """One markdown row per suite (`eval/suite/<name>/...`): τ vanilla and prompt lookup's with their
+    intervals, the paired Δ, and every tree budget's τ with its verify cost (nodes per round)."""
+    import math
+    import re
+    suites = sorted({m[1] for k in metrics if (m := re.match(r"^eval/suite/([^/]+)/tau_vanilla$", k))})
+    budgets = sorted({int(m[1]) for k in metrics if (m := re.match(r"^eval/tau_tree_(\d+)$", k))})
+
+    def ci(pre: str, key: str, sign: str = "") -> str:
+        v = metrics.get(pre + key, math.nan)
+        lo, hi = metrics.get(f"{pre}{key}_ci_low", math.nan), metrics.get(f"{pre}{key}_ci_high", math.nan)
+        if math.isnan(v):
+            return "-"
+        return f"{v:{sign}.3f}" + ("" if math.isnan(lo) else f" [{lo:{sign}.3f}, {hi:{sign}.3f}]")
+    pct = f"{100 * level:g}%"
+    head = ["suite", "prompts", f"τ vanilla [{pct} CI]", "τ prompt-lookup", "Δ vs prompt-lookup", "ratio"]
+    head += [f"τ tree-{b} nodes (nodes/round)" for b in budgets]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for s in suites:
+        pre = f"eval/suite/{s}/"
+        cells = [s, f"{metrics.get(pre + 'num_tasks', math.nan):.0f}", ci(pre, "tau_vanilla"),
+                 ci(pre, "tau_prompt_lookup"), ci(pre, "delta_prompt_lookup", "+"),
+                 f"{metrics.get(pre + 'tau_over_prompt_lookup', math.nan):.3f}"]
+        cells += [f"{ci(pre, f'tau_tree_{b}')} ({metrics.get(f'{pre}tree_nodes_{b}', math.nan):.1f})" for b in budgets]
+        lines.append("| " + " | ".join(cells) + " |")
+    if "eval/tau_train" in metrics:
+        lines.append(f"\neval/tau_train {metrics['eval/tau_train']:.3f} (gap to the objective's τ "
+                     f"{metrics['eval/tau_train_gap']:+.3f})")
+    return "\n".join(lines)
+
+
+def train_tasks(sequences: Sequence, tokenizer, count: int) -> list[Task]:
+    """`count` prompts from training sequences spread over the list (deterministic)."""
+    if count <= 0 or not sequences:
+        return []
+    step = max(1, len(sequences) // count)
+    out = []
+    for i in range(0, len(sequences), step)[:count]:
+        ids = [int(t) for t in sequences[i]]
+        text = tokenizer.decode(ids[:max(1, min(len(ids) // 2, TRAIN_PROMPT_MAX_TOKENS))])
+        if text.strip():
+            out.append(Task(f"train{i}", text))
+    return out
+
+
+class SuiteEvaluator:
+    def __init__(self, cfg: EvalConfig, tasks: Sequence[Task] | None = None,
+                 out_dir: str | os.PathLike | None = None):
+        self.cfg = cfg
+        self.suites = config_suites(cfg, tasks)
+        self.out_dir = Path(out_dir) if out_dir else None
+        self.memo = TruthMemo(cfg.cache_dir)
+        self._train_sequences: Sequence = ()
+        self._train_suite: Suite | None = None
+        self._history: list[tuple[int, float, float]] = []  # (step, tau_train, tau_vanilla), in-training evals
+
+    def use_train_sequences(self, sequences: Sequence) -> None:
+        """The trainer's hook: sequences the run trains on, for `eval/tau_train`."""
+        self._train_sequences = list(sequences)
+        self._train_suite = None
+
+    def _train_metrics(self, drafter, target, step: int, final: bool, tau_heldout: float) -> dict[str, float]:
+        if self._train_suite is None:
+            tasks = train_tasks(self._train_sequences, target.tokenizer, self.cfg.train_tasks)
+            if not tasks:
+                return {}
+            self._train_suite = Suite("train", tasks, self.suites[0].max_new_tokens)
+        rep = evaluate(drafter, target, self.cfg, truths=self.memo.get(target, self._train_suite),
+                       suite=self._train_suite, real_decode=False)
+        tau_train = rep.metrics["eval/tau_vanilla"]
+        out = {"eval/tau_train": tau_train, "eval/tau_train_gap": tau_train - tau_heldout}
+        if not final:
+            self._warn_on_gap(step, tau_train, tau_heldout)
+        return out
+
+    def _warn_on_gap(self, step: int, tau_train: float, tau_heldout: float) -> None:
+        if self._history:
+            s0, tr0, ho0 = self._history[-1]
+            if tau_heldout < ho0 and tau_train - tau_heldout > tr0 - ho0:
+                log.warning("eval: the generalization gap grows while held-out τ falls (step %d → %d: "
+                            "eval/tau_vanilla %.3f → %.3f, eval/tau_train − eval/tau_vanilla %.3f → %.3f); "
+                            "the drafter may be memorizing its training sequences", s0, step, ho0,
+                            tau_heldout, tr0 - ho0, tau_train - tau_heldout)
+        self._history.append((step, tau_train, tau_heldout))
+
+    def __call__(self, drafter, target, step: int, final: bool, logger=None) -> dict[str, float]:
+        cfg = self.cfg
+        if not final:
+            obj = self.suites[0]
+            rep = evaluate(drafter, target, cfg, truths=self.memo.get(target, obj), suite=obj,
+                           limit=cfg.subset, real_decode=False)
+            metrics = rep.all_metrics()
+        else:
+            reports = evaluate_suites(drafter, target, cfg, self.suites, self.memo, cfg.real_decode)
+            metrics = merged_metrics(reports)
+            for i, rep in enumerate(reports):
+                print(f"eval at step {step} ({len(rep.table)} tasks):\n{rep.console_table()}", flush=True)
+                prefix = "eval" if i == 0 else f"eval/suite/{rep.info['suite_label']}"
+                if logger is not None:
+                    rep.log_artifacts(logger, prefix)
+                if self.out_dir:
+                    rep.save(self.out_dir if i == 0 else self.out_dir / rep.info["suite_label"])
+        if self._train_sequences and cfg.train_tasks > 0:
+            metrics.update(self._train_metrics(drafter, target, step, final, metrics["eval/tau_vanilla"]))
+        if final:
+            print(f"eval summary at step {step}:\n{summary_table(metrics, cfg.ci_level)}", flush=True)
+        return metrics
+
+
+def make_evaluator(cfg: EvalConfig, tasks: Sequence[Task] | None = None,
+                   out_dir: str | os.PathLike | None = None) -> SuiteEvaluator | None:
+    """For the trainer (module doc). Returns None when `cfg.enabled` is False."""
+    if not cfg.enabled:
+        return None
+    return SuiteEvaluator(cfg, tasks, out_dir)

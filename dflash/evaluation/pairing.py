@@ -1,0 +1,73 @@
+"""Paired comparisons from task tables (issue 19): the promotion gate and `experiments.eval A B` compare
+two drafters on the SAME ground truth, prompt for prompt.
+
+A task table is `EvalReport.to_dict()` (the `eval/tasks.json` artifact, or `eval/suite/<name>/tasks.json`):
+its rows carry, per prompt, the τ sum and the round count of every method (`tau_sum_vanilla` / `rounds`,
+`tau_sum_tree_<b>` / `rounds_tree_<b>`, `tau_sum_prompt_lookup` / `rounds_prompt_lookup`), and its
+`info.ground_truth_key` names the exact ground truth (target, prompt and continuation tokens). Two tables
+are paired only when their keys and task names agree; otherwise `NotPaired` says why.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from dflash.evaluation.stats import Interval, paired_delta_ci
+
+_METRIC = re.compile(r"^eval/(?:suite/(?P<suite>[A-Za-z0-9_.\-]+)/)?(?P<what>tau_vanilla|tau_tree_(?P<b>\d+)"
+                     r"|tau_prompt_lookup)$")
+
+
+class NotPaired(ValueError):
+    """The two tables cannot be compared prompt for prompt (different ground truth, missing columns)."""
+
+
+@dataclass(frozen=True)
+class MetricColumns:
+    artifact: str  # the task table's artifact path in the run
+    sum_col: str
+    count_col: str
+    baseline_metric: str  # the prompt-lookup figure of the same suite
+
+
+def metric_columns(metric: str) -> MetricColumns | None:
+    """Where the per-prompt data of a τ metric lives; None for metrics without a task table."""
+    m = _METRIC.match(metric)
+    if m is None:
+        return None
+    base = f"eval/suite/{m['suite']}/" if m["suite"] else "eval/"
+    if m["b"]:
+        cols = (f"tau_sum_tree_{m['b']}", f"rounds_tree_{m['b']}")
+    elif m["what"] == "tau_prompt_lookup":
+        cols = ("tau_sum_prompt_lookup", "rounds_prompt_lookup")
+    else:
+        cols = ("tau_sum_vanilla", "rounds")
+    return MetricColumns(base + "tasks.json", *cols, base + "tau_prompt_lookup")
+
+
+def per_task(table: dict, sum_col: str, count_col: str) -> tuple[list[str], list[float], list[float]]:
+    rows = table.get("tasks") or []
+    if not rows or any(sum_col not in r or count_col not in r for r in rows):
+        raise NotPaired(f"the task table has no per-prompt {sum_col!r} / {count_col!r} columns")
+    return ([str(r["task"]) for r in rows], [float(r[sum_col]) for r in rows], [float(r[count_col]) for r in rows])
+
+
+def ground_truth_of(table: dict) -> str:
+    return str((table.get("info") or {}).get("ground_truth_key") or "")
+
+
+def paired_delta(table_a: dict, table_b: dict, cols_a: tuple[str, str], cols_b: tuple[str, str],
+                 level: float = 0.95, n_boot: int = 2000) -> Interval:
+    """Δ = τ_A − τ_B over the prompts both tables ran, on one ground truth; raises NotPaired otherwise."""
+    ka, kb = ground_truth_of(table_a), ground_truth_of(table_b)
+    if not ka or ka != kb:
+        raise NotPaired("the two evaluations ran on different ground truth (target, prompts or continuation "
+                        f"length differ: {ka[:12] or 'none'} vs {kb[:12] or 'none'})")
+    na, sa, ca = per_task(table_a, *cols_a)
+    nb, sb, cb = per_task(table_b, *cols_b)
+    if na != nb:
+        raise NotPaired("the two task tables list different prompts")
+    return paired_delta_ci(sa, ca, sb, cb, level, n_boot)
+
+
+__all__ = ["MetricColumns", "NotPaired", "metric_columns", "per_task", "paired_delta", "ground_truth_of"]

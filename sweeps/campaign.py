@@ -1,0 +1,249 @@
+"""An ablation campaign: one factor at a time, every option at an equal budget of consumed training tokens,
+several seeds, every run an MLflow run in one experiment, resumable.
+
+    python -m sweeps.campaign <campaign name | path.yaml> [workers=N] [out=campaign_out] [--check]
+                              [campaign.KEY=VALUE ...] [any run override ...]
+    python -m sweeps.campaign <campaign> report [out=...]     # tables from what the campaign wrote
+
+A campaign file (`conf/campaign/*.yaml`) names a base run config (`base`: overrides), a budget
+(`budget_tokens`: consumed — trained-on — tokens per run, so runs sharing one GPU stay comparable; wall time
+would favour whichever run got the GPU more often), the seeds, the objective metric, and stages. A stage varies
+one config group (`factor`) over `options`; `on_best` names earlier factors whose winner it builds on (the
+option with the highest mean objective over seeds). Each cell (stage, option, seed) is one `experiments.run`
+subprocess with a fixed run folder `<out>/<campaign>/runs/<cell id>`:
+
+- finished (its `cell.json` exists): skipped;
+- cut off (checkpoints, no `cell.json`): resumed from its last checkpoint (`resume=`);
+- new: started.
+
+So re-running the same command after a cut (GPU jobs here end at ten minutes) continues where it stopped.
+`workers` cells run at once (several small runs share one GPU; the budget is in tokens, so that is fair).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from dflash.atomic import atomic_write_text
+from dflash.config import ConfigError
+from sweeps.support import last_logged
+
+CAMPAIGN_DIR = Path(__file__).resolve().parent.parent / "conf" / "campaign"
+DEFAULT_OUT = "campaign_out"
+log = logging.getLogger("sweeps.campaign")
+
+
+@dataclasses.dataclass
+class Stage:
+    factor: str  # a config group: loss, noise, buffer, ...
+    options: list[str]
+    on_best: list[str] = dataclasses.field(default_factory=list)  # earlier factors whose winner this stage uses
+
+
+@dataclasses.dataclass
+class Campaign:
+    name: str
+    experiment: str
+    budget_tokens: int
+    max_steps: int  # the LR schedule's length: the same for every cell, longer than the budget needs
+    seeds: list[int]
+    objective: str
+    base: list[str]
+    stages: list[Stage]
+    workers: int = 1
+    description: str = ""
+
+
+@dataclasses.dataclass
+class Cell:
+    stage: int
+    factor: str
+    option: str
+    seed: int
+    overrides: list[str]
+
+    @property
+    def id(self) -> str:
+        return f"s{self.stage}-{self.factor}-{self.option}-seed{self.seed}"
+
+
+def _fields(cls) -> dict[str, Any]:
+    return {f.name: f for f in dataclasses.fields(cls)}
+
+
+def _strict(cls, raw: Any, where: str):
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{where}: expected a mapping, got {type(raw).__name__}")
+    unknown = sorted(set(raw) - set(_fields(cls)))
+    if unknown:
+        raise ConfigError(f"{where}: unknown key(s) {unknown}; expected {sorted(_fields(cls))}")
+    missing = [n for n, f in _fields(cls).items() if n not in raw and f.default is dataclasses.MISSING
+               and f.default_factory is dataclasses.MISSING]
+    if missing:
+        raise ConfigError(f"{where}: missing key(s) {missing}")
+    return raw
+
+
+def parse_campaign(raw: Any, where: str) -> Campaign:
+    d = dict(_strict(Campaign, raw, where))
+    stages = []
+    for i, s in enumerate(d.pop("stages")):
+        s = _strict(Stage, s, f"{where}: stages[{i}]")
+        stage = Stage(factor=str(s["factor"]), options=[str(o) for o in s["options"]],
+                      on_best=[str(f) for f in s.get("on_best", [])])
+        earlier = {st.factor for st in stages}
+        if not set(stage.on_best) <= earlier:
+            raise ConfigError(f"{where}: stages[{i}].on_best {stage.on_best}: not all are factors of earlier "
+                              f"stages {sorted(earlier)}")
+        if not stage.options:
+            raise ConfigError(f"{where}: stages[{i}].options is empty")
+        stages.append(stage)
+    c = Campaign(stages=stages, **d)
+    for key in ("budget_tokens", "max_steps", "workers"):
+        v = getattr(c, key)
+        if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+            raise ConfigError(f"{where}: {key}={v!r}; expected a positive integer")
+    if not c.seeds or len(set(c.seeds)) != len(c.seeds):
+        raise ConfigError(f"{where}: seeds={c.seeds!r}; expected a non-empty list of distinct integers")
+    return c
+
+
+def load_campaign(ref: str, edits: list[str] = ()) -> Campaign:
+    """A campaign by name (conf/campaign/<name>.yaml) or path, with `campaign.KEY=VALUE` edits on top."""
+    path = Path(ref) if ref.endswith((".yaml", ".yml")) else CAMPAIGN_DIR / f"{ref}.yaml"
+    if not path.is_file():
+        known = sorted(p.stem for p in CAMPAIGN_DIR.glob("*.yaml"))
+        raise ConfigError(f"campaign {ref!r}: no file {path} (known: {known})")
+    raw = yaml.safe_load(path.read_text())
+    for edit in edits:
+        key, _, value = edit.removeprefix("campaign.").partition("=")
+        if key not in _fields(Campaign) or key == "stages":
+            raise ConfigError(f"{edit!r}: campaign has no editable key {key!r}")
+        raw[key] = yaml.safe_load(value)
+    return parse_campaign(raw, str(path))
+
+
+def stage_cells(c: Campaign, index: int, winners: dict[str, str]) -> list[Cell]:
+    """The cells of stage `index`, built on the winners of the factors it names in `on_best`."""
+    stage = c.stages[index]
+    fixed = [f"+{f}={winners[f]}" for f in stage.on_best]
+    budget = [f"trainer.token_budget={c.budget_tokens}", f"trainer.max_steps={c.max_steps}",
+              f"tracking.experiment={c.experiment}"]
+    return [Cell(index, stage.factor, opt, seed,
+                 [*c.base, *fixed, f"+{stage.factor}={opt}", f"seed={seed}", *budget])
+            for opt in stage.options for seed in c.seeds]
+
+
+def cell_dir(out: Path, c: Campaign, cell: Cell) -> Path:
+    return out / c.name / "runs" / cell.id
+
+
+def cell_result(run_dir: Path) -> dict | None:
+    f = run_dir / "cell.json"
+    return json.loads(f.read_text()) if f.is_file() else None
+
+
+def cell_command(cell: Cell, run_dir: Path) -> list[str]:
+    if (run_dir / "checkpoints").is_dir() and any((run_dir / "checkpoints").glob("step_*")):
+        return [sys.executable, "-m", "experiments.run", f"resume={run_dir}"]
+    return [sys.executable, "-m", "experiments.run", *cell.overrides, f"run_dir={run_dir}"]
+
+
+def run_cell(c: Campaign, cell: Cell, out: Path) -> dict:
+    """Run (or resume) one cell to its end in a subprocess; record its final metrics in `cell.json`."""
+    run_dir = cell_dir(out, c, cell)
+    done = cell_result(run_dir)
+    if done is not None:
+        return done
+    run_dir.parent.mkdir(parents=True, exist_ok=True)
+    cmd = cell_command(cell, run_dir)
+    log.info("cell %s: %s", cell.id, " ".join(cmd[1:]))
+    t0 = time.time()
+    with open(run_dir.parent / f"{cell.id}.log", "a") as logf:
+        rc = subprocess.call(cmd, stdout=logf, stderr=subprocess.STDOUT, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    if rc != 0:
+        raise RuntimeError(f"cell {cell.id} exited {rc}; see {run_dir.parent / (cell.id + '.log')}")
+    result = {"cell": cell.id, "stage": cell.stage, "factor": cell.factor, "option": cell.option,
+              "seed": cell.seed, "overrides": cell.overrides, "run_dir": str(run_dir),
+              "objective": c.objective, "value": last_logged(run_dir, c.objective),
+              "consumed_tokens": last_logged(run_dir, "data/consumed_tokens"),
+              "epochs": last_logged(run_dir, "data/epochs"), "wall_s_this_leg": round(time.time() - t0, 1),
+              "resumed": any(a.startswith("resume=") for a in cmd)}
+    atomic_write_text(run_dir / "cell.json", json.dumps(result, indent=2))
+    return result
+
+
+def best_option(results: list[dict]) -> str:
+    """The option with the highest mean objective over its seeds (ties: the first listed)."""
+    by_opt: dict[str, list[float]] = {}
+    for r in results:
+        by_opt.setdefault(r["option"], []).append(float(r["value"]) if r["value"] is not None else float("-inf"))
+    return max(by_opt, key=lambda o: sum(by_opt[o]) / len(by_opt[o]))
+
+
+def validate_cells(c: Campaign, extra: list[str]) -> None:
+    """Compose every cell of every stage (with each option standing in for the winners to come) before any
+    work, so a typo in the campaign fails in seconds, not after the first stage."""
+    from experiments.config import compose_config
+    for i, stage in enumerate(c.stages):
+        stand_in = {f: next(s.options[0] for s in c.stages if s.factor == f) for f in stage.on_best}
+        for cell in stage_cells(c, i, stand_in)[:: len(c.seeds)]:
+            compose_config([*cell.overrides, *extra])
+
+
+def run_campaign(c: Campaign, out: Path, extra: list[str]) -> dict[str, Any]:
+    winners: dict[str, str] = {}
+    all_results = []
+    for i, stage in enumerate(c.stages):
+        cells = stage_cells(c, i, winners)
+        for cell in cells:
+            cell.overrides += extra
+        with ThreadPoolExecutor(max_workers=c.workers) as pool:
+            results = list(pool.map(lambda cell: run_cell(c, cell, out), cells))
+        winners[stage.factor] = best_option(results)
+        log.info("stage %d (%s): best %s", i, stage.factor, winners[stage.factor])
+        all_results += results
+    summary = {"campaign": c.name, "winners": winners, "cells": all_results}
+    atomic_write_text(out / c.name / "summary.json", json.dumps(summary, indent=2))
+    return summary
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(__doc__)
+        return {}
+    ref, rest = argv[0], argv[1:]
+    report = "report" in rest
+    check = "--check" in rest
+    rest = [a for a in rest if a not in ("report", "--check")]
+    edits = [a for a in rest if a.startswith("campaign.")]
+    out = Path(next((a.partition("=")[2] for a in rest if a.startswith("out=")), DEFAULT_OUT))
+    workers = [a for a in rest if a.startswith("workers=")]
+    if workers:
+        edits.append(f"campaign.workers={workers[-1].partition('=')[2]}")
+    extra = [a for a in rest if not a.startswith(("campaign.", "out=", "workers="))]
+    c = load_campaign(ref, edits)
+    if report:
+        from sweeps.campaign_report import write_report
+        return write_report(c, out)
+    validate_cells(c, extra)
+    if check:
+        print(f"campaign {c.name}: {sum(len(s.options) for s in c.stages) * len(c.seeds)} cells valid")
+        return {}
+    return run_campaign(c, out, extra)
+
+
+if __name__ == "__main__":
+    from experiments.config import run_cli
+    run_cli(main)

@@ -1,0 +1,104 @@
+"""The ablation campaign: cells at an equal token budget, one MLflow experiment, winners carried to later
+stages, and a cut-off campaign continuing where it stopped."""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from dflash.config import ConfigError
+from sweeps.campaign import Campaign, best_option, load_campaign, main, stage_cells
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_shipped_campaigns_parse_and_every_cell_composes():
+    for name in ("reference", "cpu_smoke"):
+        assert main([name, "--check"]) == {}
+
+
+def test_bad_campaigns_name_the_key(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    good = (ROOT / "conf" / "campaign" / "cpu_smoke.yaml").read_text()
+    bad.write_text(good + "budgte: 3\n")
+    with pytest.raises(ConfigError, match="budgte"):
+        load_campaign(str(bad))
+    bad.write_text(good.replace("on_best: [loss]", "on_best: [noise]"))
+    with pytest.raises(ConfigError, match="on_best"):
+        load_campaign(str(bad))
+    with pytest.raises(ConfigError, match="budget_tokens"):
+        load_campaign("cpu_smoke", ["campaign.budget_tokens=0"])
+    with pytest.raises(ConfigError, match="unknown key 'lsos'|lsos"):  # a run override is composed up front
+        main(["cpu_smoke", "--check", "lsos.gamma=3"])
+
+
+def test_cells_share_the_budget_and_build_on_the_winner():
+    c = load_campaign("cpu_smoke")
+    first = stage_cells(c, 0, {})
+    assert [x.option for x in first] == ["hard_ce", "hard_ce", "soft_kl", "soft_kl"]
+    assert all(f"trainer.token_budget={c.budget_tokens}" in x.overrides for x in first)
+    second = stage_cells(c, 1, {"loss": "soft_kl"})
+    assert all("+loss=soft_kl" in x.overrides and f"+noise={x.option}" in x.overrides for x in second)
+    assert best_option([{"option": "a", "value": 1.0}, {"option": "a", "value": 3.0},
+                        {"option": "b", "value": 1.9}, {"option": "b", "value": 2.0}]) == "a"
+
+
+@pytest.mark.slow
+def test_campaign_runs_then_resumes_where_it_was_cut(tmp_path):
+    import mlflow
+    db = tmp_path / "mlflow.db"
+    args = ["cpu_smoke", f"out={tmp_path / 'out'}", "campaign.seeds=[0]", f"tracking.tracking_uri=sqlite:///{db}"]
+    cwd = os.getcwd()
+    os.chdir(ROOT)
+    try:
+        summary = main(args)
+        runs = tmp_path / "out" / "cpu_smoke" / "runs"
+        cells = sorted(p.name for p in runs.iterdir() if p.is_dir())
+        assert len(cells) == 4 and len(summary["cells"]) == 4
+        assert summary["winners"]["loss"] in ("hard_ce", "soft_kl")
+        for cell in summary["cells"]:
+            assert cell["consumed_tokens"] >= 2000  # every cell trained on its whole budget
+        # Cut one cell: its record is gone but its checkpoints stay -> the next launch resumes only that one.
+        cut = runs / cells[0]
+        (cut / "cell.json").unlink()
+        mtimes = {c: (runs / c / "cell.json").stat().st_mtime for c in cells[1:]}
+        again = main(args)
+        assert (cut / "cell.json").is_file() and len(again["cells"]) == 4
+        assert {c: (runs / c / "cell.json").stat().st_mtime for c in cells[1:]} == mtimes
+        assert json.loads((cut / "cell.json").read_text())["resumed"]  # from its checkpoint, not from scratch
+    finally:
+        os.chdir(cwd)
+    client = mlflow.tracking.MlflowClient(f"sqlite:///{db}")
+    exp = client.get_experiment_by_name("dflash-campaign-smoke")
+    assert exp is not None and len(client.search_runs([exp.experiment_id])) >= 4
+    assert json.loads((tmp_path / "out" / "cpu_smoke" / "summary.json").read_text())["winners"]
+
+
+def _table(key: str, sums: list[float], rounds: list[float], pl: list[float]) -> dict:
+    return {"info": {"ground_truth_key": key, "suite_label": "heldout"},
+            "tasks": [{"task": f"t{i}", "tau_sum_vanilla": s, "rounds": n, "tau_sum_tree_16": s + n,
+                       "rounds_tree_16": n, "tau_sum_prompt_lookup": p, "rounds_prompt_lookup": n}
+                      for i, (s, n, p) in enumerate(zip(sums, rounds, pl))]}
+
+
+def test_report_pairs_each_option_with_the_reference_seed_for_seed(tmp_path):
+    from sweeps.campaign_report import stage_table
+    cells = []
+    tables = {("hard_ce", 0): _table("gt", [20, 30, 25, 40], [10] * 4, [15] * 4),
+              ("hard_ce", 1): _table("gt", [22, 28, 26, 38], [10] * 4, [15] * 4),
+              ("soft_kl", 0): _table("gt", [30, 40, 35, 50], [10] * 4, [15] * 4),  # +1.0 τ on every prompt
+              ("soft_kl", 1): _table("gt", [32, 38, 36, 48], [10] * 4, [15] * 4),
+              ("lk", 0): _table("other", [20, 30, 25, 40], [10] * 4, [15] * 4)}  # another ground truth
+    for (opt, seed), t in tables.items():
+        d = tmp_path / f"{opt}{seed}" / "eval"
+        d.mkdir(parents=True)
+        (d / "tasks.json").write_text(json.dumps(t))
+        cells.append({"option": opt, "seed": seed, "run_dir": str(d.parent)})
+    rows = stage_table(cells, "heldout", "hard_ce")
+    by = {r.split("|")[1].strip(): r for r in rows[2:]}
+    assert "reference" in by["hard_ce"] and "0.000 [0.000, 0.000]" in by["hard_ce"]
+    assert "better" in by["soft_kl"] and "1.000 [1.000, 1.000]" in by["soft_kl"]
+    assert "not paired" in by["lk"]
+    assert "τ prompt-lookup" in rows[0] and "τ tree 16 nodes" in rows[0]

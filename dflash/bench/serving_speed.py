@@ -19,7 +19,8 @@ calls by `TargetSession.snapshot/restore`):
 - `draft`: the drafter's round: extend its context by B positions, one block forward, the LM head and argmax;
   `tree_build_<n>`: the top-k, the one host transfer and the best-first heap (dflash/evaluation/tree.py).
 
-Speed-up of a round that commits τ tokens, against greedy: τ · t_greedy / (t_draft + t_verify) (with the
+The drafter runs in the target's dtype (bf16 on a GPU, as served), through the repo's own inference path
+(`extend_context`, `draft_hidden`, `logits`). Speed-up of a round that commits τ tokens, against greedy: τ · t_greedy / (t_draft + t_verify) (with the
 re-advance added for τ < B on the `block + re-advance` column; trees add their build time). Throughput does
 not depend on weight values, so random weights (and random drafter context features) measure it.
 """
@@ -149,7 +150,9 @@ class DraftRound:
 def bench_serving(cfg: RunConfig, target: Target, b: BenchConfig) -> dict:
     contexts, budgets = int_list(b.serving_contexts, "serving_contexts"), int_list(b.serving_budgets, "serving_budgets")
     t = target
-    drafter = build_drafter(cfg.drafter, t.hidden_size, t.info.num_layers, t.mask_token_id, t.layer_ids).to(t.device)
+    # in the target's dtype, as a served drafter runs (bf16 on a GPU: no fp32 master weights cast every call)
+    drafter = build_drafter(cfg.drafter, t.hidden_size, t.info.num_layers, t.mask_token_id, t.layer_ids).to(
+        t.device, dtype=t.dtype)
     drafter.attach_target_head(t.embed_weight(), t.lm_head_weight())
     drafter.eval()
     out: dict = {"block_size": drafter.block_size, "budgets": budgets, "contexts": {}}

@@ -63,7 +63,9 @@ def test_side_stream_producer_trains_to_the_same_losses_on_gpu(fast_cfg, mode):
     stream waiting on it and the items recorded on the consumer's stream, every step sees the same
     features, so the losses equal the one-stream run's (bf16 autocast, no NaN). The deterministic buffer
     makes the thread producer's pull order independent of timing."""
-    common = ("+target=tiny_random_gpu", "+buffer=deterministic", "buffer.timeout_s=60")
+    # FAST's tiny target with head sizes the fast Gated-DeltaNet kernels take (later keys win over FAST's)
+    common = ("target.random.hidden_size=256", "target.random.head_dim=64", "target.random.linear_head_dim=64",
+              "target.random.intermediate_size=512", "+buffer=deterministic", "buffer.timeout_s=60")
     default = _train(fast_cfg, *common, run="one_stream", mode=mode)
     side = _train(fast_cfg, *common, "trainer.producer_stream=side", run="side", mode=mode)
     assert all(torch.isfinite(torch.tensor(side)))

@@ -18,8 +18,9 @@ from dflash.drafter.model import DrafterConfig, validate_drafter_config
 from dflash.drafter.attention import ATTN_KERNELS
 from dflash.evaluation import EvalConfig, validate_eval_config
 from dflash.training.losses import LossConfig, validate_loss_config
+from dflash.training.compiling import COMPILE_MODES
 from dflash.training.noise import NoiseConfig, build_noise
-from dflash.training.pipeline import PRODUCER_MODES
+from dflash.training.pipeline import PRODUCER_MODES, PRODUCER_STREAMS
 from dflash.serving.promotion import PromoteConfig
 from dflash.target.model import TargetConfig, validate_target_config
 from dflash.tracking.loggers import TrackingConfig
@@ -49,9 +50,15 @@ class TrainerConfig:
     # thread: producer threads run the target beside the drafter; inline: the consumer runs the target itself
     # whenever the buffer runs short (no second thread); auto: inline when target and drafter share one GPU
     producer_mode: str = "auto"
+    # the CUDA stream the target's forwards run on (dflash/training/pipeline.py PRODUCER_STREAMS): default (the
+    # consumer's), or side (their own, so the drafter's queued work runs beside the target's forward; synchronised)
+    producer_stream: str = "default"
     # torch.compile the drafter's forward (fuses its norms, RoPE and elementwise ops; one compile per batch
     # shape, so sequences are padded to `pad_multiple` tokens and every sequence gets num_anchors blocks)
     compile: bool = False
+    # how it compiles (dflash/training/compiling.py): default | reduce-overhead (CUDA graphs) |
+    # max-autotune-no-cudagraphs | max-autotune
+    compile_mode: str = "default"
     pad_multiple: int = 1  # pad each batch's length up to a multiple of this (compile: e.g. 256)
     eval_every: int = 0  # steps between cheap evals (0 = only at the end)
     time_budget_s: float = 0.0  # stop at the first log interval past this much training time (0: off);
@@ -97,6 +104,8 @@ def validate(cfg: RunConfig) -> None:
                   "checkpoint_every", "producers", "producer_batch", "pad_multiple")
         PRODUCER_MODES.check(cfg.trainer.producer_mode)
         ATTN_KERNELS.check(cfg.drafter.attn_kernel)
+        COMPILE_MODES.check(cfg.trainer.compile_mode)
+        PRODUCER_STREAMS.check(cfg.trainer.producer_stream)
         if cfg.trainer.time_budget_s < 0:
             raise ConfigError(f"trainer.time_budget_s must be >= 0 (0: off), got {cfg.trainer.time_budget_s}")
         if cfg.trainer.token_budget < 0:

@@ -74,7 +74,7 @@ def test_count_step_syncs_counts_only_the_steps_own_blocking_calls():
 def test_fused_attention_flops_handle_gqa_masks_and_causal():
     import torch
 
-    from dflash.bench.runner import _sdpa_flop_mapping
+    from dflash.bench.flops import _sdpa_flop_mapping
 
     aten = torch.ops.aten
     mapping = _sdpa_flop_mapping()
@@ -110,3 +110,126 @@ def test_kernel_breakdown_groups_device_time_and_skips_annotations():
                                  "copy/index": 0.1}
     assert got["top"][0] == {"kernel": "nvjet_sm90_tst_320x128_64x3_1x2_h_bz_coopB_NNT", "ms_per_step": 1.5,
                              "calls_per_step": 0.5}
+
+
+def _run_bench(tmp_path, *extra, results=True):
+    return main([*FAST, "bench.seq_len=48", "bench.anchors=4", "bench.target_batch=1", "bench.iters=1",
+                 "bench.warmup=1", "bench.kernel_profile=0", *extra,
+                 f"results={tmp_path / 'RESULTS.md' if results else ''}",
+                 f"tracking.tracking_uri=sqlite:///{tmp_path / 'm.db'}", f"run_dir={tmp_path / 'run'}"])
+
+
+def test_pipeline_headline_is_what_trained_and_agrees_with_the_trainer(tmp_path):
+    """Issue 13: the headline is tokens trained on per second on the bench's own clock; it agrees with the
+    trainer's perf/consumed_tok_s over the same windows within 2%; the stock-credited figure is labelled;
+    the entry names its shapes, and MLflow leads with the headline."""
+    import json
+
+    import mlflow
+    out = _run_bench(tmp_path, "bench.sections=pipeline", "bench.pipeline_steps=6", "bench.pipeline_repeats=3",
+                     "bench.pipeline_warmup=2", "bench.profile_steps=0", "trainer.producer_mode=inline",
+                     "buffer.min_ready=1", "trainer.producer_batch=2")
+    p = out["pipeline"]
+    assert p["measured_steps"] == 6 and p["repeats"] == 3 and len(p["consumed_tok_s_per_window"]) == 3
+    assert p["tokens_trained"] == 6 * 48  # six steps of one 48-token sequence
+    assert abs(p["consumed_tok_s"] - p["perf/consumed_tok_s"]) <= 0.02 * p["perf/consumed_tok_s"]
+    assert p["spread"] >= 0 and p["stock_credited_tok_s"] > 0
+    text = (tmp_path / "RESULTS.md").read_text()
+    row = next(line for line in text.splitlines() if line.startswith("pipeline tok/s"))
+    assert f"{p['consumed_tok_s']:,.0f}" in row.split()[2] and "stock-credited" in row
+    raw = json.loads(text.split("```json\n")[1].split("\n```")[0])
+    assert {k: raw["shapes"][k] for k in ("target", "seq_len", "anchors", "gpus")} == {
+        "target": "tiny_random", "seq_len": 48, "anchors": 4, "gpus": 1}
+    assert raw["shapes"]["drafter"].startswith("1x64")
+    run = mlflow.MlflowClient(f"sqlite:///{tmp_path / 'm.db'}").search_runs(
+        [e.experiment_id for e in mlflow.MlflowClient(f"sqlite:///{tmp_path / 'm.db'}").search_experiments()])[0]
+    assert run.data.metrics["perf/consumed_tok_s"] == p["consumed_tok_s"]
+    assert run.data.metrics["perf/stock_credited_tok_s"] == p["stock_credited_tok_s"]
+    assert run.data.tags["seq_len"] == "48" and run.data.tags["anchors"] == "4"
+
+
+def test_serving_section_times_every_call_and_prints_what_tau_buys(tmp_path):
+    out = _run_bench(tmp_path, "bench.sections=serving", "bench.serving_contexts=24,40",
+                     "bench.serving_budgets=4,8", "bench.serving_iters=1", results=False)
+    s = out["serving"]
+    assert set(s["contexts"]) == {24, 40}
+    for ms in s["contexts"].values():
+        for key in ("greedy", "verify_block", "readvance", "draft", "verify_tree_4", "verify_tree_8"):
+            assert ms[key] > 0, key
+        assert ms["tree_nodes_8"] == 8
+        sp = ms["speedup"]
+        assert set(sp) == {"block", "block + re-advance", "tree-4", "tree-8"}
+        assert all(len(v) == 8 for v in sp.values())  # tau = 1 .. block size (8 in FAST)
+        # tau * t_greedy / (t_draft + t_verify): linear in tau
+        assert abs(sp["block"][7] - 8 * sp["block"][0]) < 1e-9 * sp["block"][7] + 1e-12
+        assert sp["block + re-advance"][0] < sp["block"][0] and sp["block + re-advance"][7] == sp["block"][7]
+    from dflash.bench.serving_speed import serving_table
+    table = serving_table(s)
+    assert "serving after 40 tokens" in table and "tree-8" in table and len(table.splitlines()) == 2 * (2 + 8)
+
+
+def test_tree_verify_of_a_chain_equals_the_block_verify_and_a_branch_changes_it():
+    """The tree mask reaches the attention layers: a tree that is one chain gives the block verify's labels
+    and features; a tree with a branch does not (the second child hides its sibling)."""
+    import torch
+
+    from dflash.bench.serving_speed import tree_inputs, verify_tree
+    from dflash.evaluation.speculative import TargetSession
+    from dflash.target.model import Target, TargetConfig, TinyTargetSpec
+    t = Target(TargetConfig(random=TinyTargetSpec(hidden_size=64, num_layers=4, intermediate_size=128, head_dim=16,
+                                                  linear_head_dim=16), layer_ids=[0, 1, 2], device="cpu"))
+    prompt, block = torch.randint(0, 256, (20,)), torch.randint(0, 256, (5,))
+    chain = [tuple([0] * d) for d in range(1, 5)]  # depth d: rank 0 at every depth
+    idx = [[int(block[d + 1])] + [7, 9] for d in range(4)]
+    results = []
+    for nodes, ids in ((chain, None), ([(0,), (1,), (0, 0)], None)):
+        sess = TargetSession(t, need_features=True)
+        sess.forward(prompt)
+        results.append(verify_tree(sess, *tree_inputs(nodes, idx, int(block[0]), 20, t.device)))
+    sess = TargetSession(t, need_features=True)
+    sess.forward(prompt)
+    feats, labels = sess.forward(block)
+    assert torch.equal(results[0][1], labels) and torch.allclose(results[0][0], feats, atol=1e-5)
+    # branch tree [root, (0,), (1,), (0,0)]: node (0,0) sees root and (0,) but not (1,): unlike a chain
+    assert not torch.allclose(results[1][0][:, 3], feats[:, 3], atol=1e-5)
+
+
+def test_drafter_step_bench_runs_the_trainers_step_and_times_its_phases(fast_cfg):
+    """The drafter section is the trainer's own Trainer.step (no copy of it); its phase boundaries come from
+    public hooks (forward hook, the loss, the optimizer's step hooks): four phases per step, in order."""
+    import time
+
+    import torch
+
+    from dflash.bench.config import BenchConfig
+    from dflash.bench.drafter_step import PHASES, DrafterStepBench
+    from dflash.target.model import Target
+
+    class HostEvent:
+        def record(self):
+            self.t = time.perf_counter()
+
+        def elapsed_time(self, other):
+            return (other.t - self.t) * 1e3
+    cfg = fast_cfg()
+    bench = DrafterStepBench(cfg, Target(cfg.target), BenchConfig(seq_len=48, anchors=4, warmup=1, iters=1))
+    before = [p.detach().clone() for p in bench.trainer.drafter.parameters()]
+    loss_fn = bench.trainer.loss_fn
+    phases = bench.phases(steps=2, event=HostEvent, sync=lambda: None)
+    assert list(phases) == list(PHASES) and all(v > 0 for v in phases.values())
+    assert any(not torch.equal(a, b) for a, b in zip(before, bench.trainer.drafter.parameters()))  # it stepped
+    assert bench.trainer.loss_fn is loss_fn  # the timing wrapper is gone again
+    out = bench.run()
+    assert out["tok_s"] > 0 and out["flops_per_tok"] > 0 and out["sec_per_step"] > 0
+
+
+def test_window_records_are_the_measured_windows_of_the_latest_run(tmp_path):
+    import json
+
+    from dflash.bench.pipeline import Schedule, window_records
+    s = Schedule(warmup=4, window=2, repeats=3, profiled=1)
+    old = [{"step": k, "perf/consumed_tok_s": 1.0} for k in range(2, 12, 2)]  # an earlier run in this folder
+    new = [{"step": k, "perf/consumed_tok_s": 2.0} for k in range(2, 12, 2)] + [{"step": 11, "perf/consumed_tok_s": 9.0}]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in old + new))
+    got = window_records(tmp_path, s)
+    assert [r["step"] for r in got] == [6, 8, 10] and all(r["perf/consumed_tok_s"] == 2.0 for r in got)

@@ -59,23 +59,25 @@ def _sync_site(event, ops) -> str:
     return (f"{phase}: " if phase else "") + where + (f" @ {frames[0]}" if frames else "")
 
 
-def traced_steps(trainer, start: int, n: int, result: dict, stacks: bool = False):
-    """Wraps `trainer._step` so steps start .. start+n-1 run under the profiler."""
-    from torch.profiler import ProfilerActivity, profile
-    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if trainer.device.type == "cuda" else [])
-    prof, step, calls = profile(activities=acts, with_stack=stacks), trainer._step, [0]
+class StepProfiler:
+    """Steps `start` .. start+n-1 (0-based loop indices) under the profiler, their syncs counted into `result`;
+    entered and left through `Trainer.run(around_step=...)`, so the profiler starts after the previous step's
+    metric read and stops before the next one (its own start-up is no part of a measured window)."""
 
-    def traced_step(items, acc):
-        i = calls[0]
-        calls[0] += 1
-        if i == start:
-            prof.start()
-        out = step(items, acc)  # the trainer's loop marks it "dflash.train_step"
-        if i == start + n - 1:
-            prof.stop()
-            result.update(count_step_syncs(prof.events()))
-        return out
-    return traced_step
+    def __init__(self, device, start: int, n: int, result: dict, stacks: bool = False):
+        from torch.profiler import ProfilerActivity, profile
+        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+        self.prof = profile(activities=acts, with_stack=stacks) if n else None
+        self.start, self.n, self.result = start, n, result
+
+    def enter(self, step: int) -> None:
+        if self.prof is not None and step == self.start:
+            self.prof.start()
+
+    def leave(self, step: int) -> None:
+        if self.prof is not None and step == self.start + self.n - 1:
+            self.prof.stop()
+            self.result.update(count_step_syncs(self.prof.events()))  # the loop marks "dflash.train_step"
 
 
 # Kernel families, first match wins (names of cuBLAS/CUTLASS/SDPA/Triton/fused-optimizer kernels on Hopper).

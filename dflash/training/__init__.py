@@ -2,7 +2,9 @@
 
 - `trainer`: `train(cfg) -> TrainResult`, `Trainer` (the step API `make_batch` / `step` / `run`, logging every
   N steps from device accumulators, eval, checkpoint, resume).
-- `pipeline`: producers (target forwards) feeding `Item`s into the buffer (`ProducerPool`, `ItemSource`).
+- `pipeline`: producers (target forwards) feeding `Item`s into the buffer (`ProducerPool`, `ItemSource`;
+  `PRODUCER_MODES`, and `PRODUCER_STREAMS`: the forwards on the consumer's stream or on a side stream).
+- `compiling`: `compile_drafter` in one of `COMPILE_MODES` (inductor, CUDA graphs, autotuned matmuls).
 - `buffer`: the length-bucketed, bounded `BucketedBuffer` with its pull policies (`BufferConfig`).
 - `batching`: random anchors and the drafter batch (`make_batch`, `DrafterBatch`).
 - `losses`: the losses (`build_loss`, `LossConfig`; each a per-position term from `TERMS` and a

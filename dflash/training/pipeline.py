@@ -9,8 +9,10 @@ Any exception in a producer fails the buffer (the consumer's next `get` raises i
 consumer failing fails the buffer too, which unblocks producers. Nothing hangs: the buffer's waits
 have a timeout.
 
-Both sides use the thread's default CUDA stream, so no cross-stream race can hand the consumer a
+By default both sides use the thread's default CUDA stream, so no cross-stream race can hand the consumer a
 half-written tensor (the original pipeline's NaNs came from packing on a second stream unsynced).
+`trainer.producer_stream=side` runs the target's forwards on their own stream so that the drafter work the
+consumer has queued runs beside the forward on the GPU; `SideStream` says how that stays exact.
 """
 from __future__ import annotations
 
@@ -99,6 +101,53 @@ def length_groups(lengths: list[int], max_waste: float = 0.25) -> list[list[int]
     return groups
 
 
+class SameStream:
+    """The target's forwards on the stream of the thread that runs them (the default)."""
+
+    def __init__(self, device: torch.device):
+        pass
+
+    def produce(self, fn):
+        return fn()
+
+
+class SideStream:
+    """The target's forwards on their own CUDA stream (one per producer thread), beside the consumer's: the
+    drafter work the consumer has queued keeps running while the target computes — with an inline producer the
+    step queued just before the forward; with producer threads (`trainer.producer_mode=thread`) every step the
+    consumer launches meanwhile. DESIGN §4: an unsynchronised second stream once handed the consumer NaNs.
+    Exact because (1) the consumer's stream waits for the side stream's work before it touches an item
+    (`wait_stream`: a device-side wait, no host sync; the target also synchronises its own stream to time its
+    forward), and (2) every tensor of an item is recorded as used by the consumer's stream, so the caching
+    allocator cannot hand its memory to the next forward on the side stream while the drafter's queued
+    kernels still read it. The forward reads nothing the consumer writes (its own inputs, the frozen
+    weights). Off CUDA there are no streams: the same as `SameStream`."""
+
+    def __init__(self, device: torch.device):
+        self.device, self.cuda = device, device.type == "cuda"
+        if self.cuda:
+            self.consumer = torch.cuda.current_stream(device)  # built on the consumer's thread
+        self.local = threading.local()  # a stream per producer thread: a wait never covers another's forward
+
+    def produce(self, fn):
+        if not self.cuda:
+            return fn()
+        if not hasattr(self.local, "stream"):
+            self.local.stream = torch.cuda.Stream(self.device)
+        with torch.cuda.stream(self.local.stream):
+            items = fn()
+        self.consumer.wait_stream(self.local.stream)
+        for item in items:
+            for t in (item.tokens_T, item.features_TLH, item.labels_T, item.soft_vals_Tk, item.soft_idx_Tk):
+                if t is not None:
+                    t.record_stream(self.consumer)
+        return items
+
+
+# trainer.producer_stream → how the target's forwards are placed on the device
+PRODUCER_STREAMS: Registry = Registry("trainer.producer_stream", {"default": SameStream, "side": SideStream})
+
+
 class ProducerPool:
     """`n` producer threads feeding one buffer; each claims `batch` items per round and runs the target
     on them in length groups (one forward per group). Items are put in claim order, so a single producer
@@ -112,8 +161,9 @@ class ProducerPool:
     the staged keys again and produces exactly the same items."""
 
     def __init__(self, target: Target, buffer: BucketedBuffer, source: ItemSource, n: int,
-                 soft_top_k: int, batch: int = 1, inline: bool = False):
+                 soft_top_k: int, batch: int = 1, inline: bool = False, stream: str = "default"):
         self.target, self.buffer, self.source = target, buffer, source
+        self.streams = PRODUCER_STREAMS.build(stream, target.device)
         self.soft_top_k, self.batch, self.inline = soft_top_k, batch, inline
         self.inline_s = 0.0  # consumer time spent producing (inline mode): counted as its wait
         self.staged: deque[Item] = deque()  # inline mode: produced, not yet put (the buffer was full)
@@ -157,7 +207,8 @@ class ProducerPool:
             t0 = time.perf_counter()
             while not self.buffer.ready():
                 if not self.staged:  # a whole producer batch per target forward, whatever the buffer's depth
-                    self.staged.extend(self.produce([self.source.claim() for _ in range(self.batch)]))
+                    claims = [self.source.claim() for _ in range(self.batch)]
+                    self.staged.extend(self.streams.produce(lambda claims=claims: self.produce(claims)))
                 while self.staged and self.buffer.space():
                     item = self.staged.popleft()
                     self.buffer.put(item, item.tokens_T.numel(), key=item.key)
@@ -173,7 +224,8 @@ class ProducerPool:
             torch.cuda.set_device(self.target.device)  # Triton kernels launch on the thread's current GPU
         try:
             while not self.stop.is_set():
-                self._put(self.produce([self.source.claim() for _ in range(self.batch)]))
+                claims = [self.source.claim() for _ in range(self.batch)]
+                self._put(self.streams.produce(lambda claims=claims: self.produce(claims)))
         except Exception as e:  # noqa: BLE001 - handed to the consumer through the buffer
             if not self.stop.is_set():
                 self.buffer.fail(e, source=threading.current_thread().name)

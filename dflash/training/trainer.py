@@ -21,6 +21,7 @@ import torch
 import yaml
 
 from dflash.training.batching import DrafterBatch, make_batch
+from dflash.training.compiling import compile_drafter
 from dflash.training.buffer import BucketedBuffer
 from dflash.atomic import atomic_write_text
 from dflash.training.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
@@ -193,7 +194,7 @@ class Trainer:
         self.drafter = self._build_drafter()
         self.train_model = wrap_ddp(self.drafter, self.dist, self.device)  # the drafter itself on one process
         if cfg.trainer.compile:
-            self.train_model = compile_drafter(self.train_model)
+            self.train_model = compile_drafter(self.train_model, cfg.trainer.compile_mode)
         self.producers_inline = self._inline_producer()
         self.data = build_training_data(cfg, self.target, self.dist)  # stored sequences or the online stream
         self.data_tags = epoch_guard(cfg, self.data, self.dist.world)  # warns now when planned past max_epochs
@@ -299,7 +300,7 @@ class Trainer:
         if self.loss_fn.needs_soft and top_k == 0:
             raise ConfigError(f"loss.name={self.cfg.loss.name} needs soft labels: target.soft_top_k must be > 0")
         return ProducerPool(self.target, self.buffer, self.source, n, top_k, self.cfg.trainer.producer_batch,
-                            inline=self.producers_inline).start()
+                            inline=self.producers_inline, stream=self.cfg.trainer.producer_stream).start()
 
     def _inline_producer(self) -> bool:
         return PRODUCER_MODES[self.cfg.trainer.producer_mode](self.device, self.target.device)
@@ -457,13 +458,6 @@ class _Window:
         self.tokens, self.items, self.t0, self.prod0 = 0, 0, now, (prod_tokens, prod_busy)
         self.wait0, self.depth0 = self._waited(stats), stats["buffer/total"]
         return out
-
-
-def compile_drafter(model: torch.nn.Module) -> torch.nn.Module:
-    """torch.compile'd forward (the loss and optimizer stay eager). Shapes are few when batches are padded
-    (trainer.pad_multiple) and anchors fixed; torch marks a dimension dynamic once it has seen it change."""
-    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 32)
-    return torch.compile(model)
 
 
 def train(cfg: RunConfig, evaluator: Evaluator | None = None, *, run_id: str | None = None) -> TrainResult:

@@ -45,6 +45,7 @@ log = logging.getLogger(__name__)
 DECISION_TAG = "dflash.promotion.decision"
 REASON_TAG = "dflash.promotion.reason"
 PREFIX = "dflash.promotion."
+TARGET_FP = "dflash.target_fingerprint"  # run and version tag: the target the drafter was trained for
 PROMOTED, REFUSED = "promoted", "refused"
 _TAG_VALUE_LIMIT = 5000  # reasons and run tags: keeps the UI readable
 _CONFIG_TAG_LIMIT = 60_000  # the flattened run config (MLflow's registry tag limit is 100,000)
@@ -241,13 +242,18 @@ def _has_checkpoint(client, run_id: str) -> bool:
         return False
 
 
-def _compare(value: float, holder, holder_value: float | None, cfg: PromoteConfig) -> tuple[bool, str]:
+def _compare(value: float, holder, holder_value: float | None, cfg: PromoteConfig,
+             target_fp: str | None = None) -> tuple[bool, str]:
     m = cfg.metric
     if value < cfg.floor:
         return False, f"{m}={_fmt(value)} is below the floor {_fmt(cfg.floor)}"
     if holder is None:
         return True, f"{m}={_fmt(value)} clears the floor {_fmt(cfg.floor)}; no current @{cfg.alias} holder"
     hv = f"@{cfg.alias} v{holder.version}"
+    holder_fp = (holder.tags or {}).get(TARGET_FP)
+    if target_fp and holder_fp != target_fp:  # a champion of another target: its metric does not compare
+        return True, (f"{m}={_fmt(value)} clears the floor; holder {hv} was trained for target "
+                      f"{holder_fp or 'unrecorded'}, this run for {target_fp}: the champion is replaced")
     if holder_value is None or not math.isfinite(holder_value):
         return True, f"{m}={_fmt(value)}; holder {hv} has no recorded {m}"
     if value > holder_value + cfg.margin:
@@ -284,7 +290,7 @@ def _version_tags(client, run, cfg: PromoteConfig, value: float) -> dict[str, st
         "dflash.config_uri": f"runs:/{run_id}/config.yaml",
         "dflash.config": truncate(json.dumps(dict(sorted(run.data.params.items()))), _CONFIG_TAG_LIMIT),
     })
-    for k in ("loss", "noise", "buffer", "target", "git_sha", "dflash.run_dir"):
+    for k in ("loss", "noise", "buffer", "target", "git_sha", "dflash.run_dir", TARGET_FP):
         if k in run.data.tags:
             tags[k if k.startswith("dflash.") else f"dflash.{k}"] = truncate(run.data.tags[k], _TAG_VALUE_LIMIT)
     return tags
@@ -352,7 +358,7 @@ def promote(run_id: str, cfg: PromoteConfig, tracking_uri: str | None, dry_run: 
         if holder is not None and holder.run_id == run_id:
             return Decision(False, f"run already holds @{cfg.alias} (v{holder.version})", None, value,
                             str(holder.version), holder_value, **base)
-        ok, reason = _compare(value, holder, holder_value, cfg)
+        ok, reason = _compare(value, holder, holder_value, cfg, run.data.tags.get(TARGET_FP))
         return Decision(ok, reason, None, value, holder and str(holder.version), holder_value, **base)
 
     with registry_lock(uri, timeout=lock_timeout):
@@ -363,7 +369,7 @@ def promote(run_id: str, cfg: PromoteConfig, tracking_uri: str | None, dry_run: 
                          hv, holder_value, **base)
             log.info(d.summary())
             return d
-        ok, reason = _compare(value, holder, holder_value, cfg)
+        ok, reason = _compare(value, holder, holder_value, cfg, run.data.tags.get(TARGET_FP))
         mv = _register(client, cfg, run, _version_tags(client, run, cfg, value))
         version = str(mv.version)
         d = Decision(ok, reason, version, value, hv, holder_value, **base)

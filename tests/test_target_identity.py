@@ -59,3 +59,10 @@ def test_champion_of_another_target_is_replaced():
     assert ok and "old0000000000000" in reason and "replaced" in reason
     same = SimpleNamespace(version="3", tags={TARGET_FP: "new0000000000000"})
     assert not _compare(1.0, same, 5.0, cfg, "new0000000000000")[0]  # same target: the metric decides
+
+
+def test_random_target_drafter_without_fingerprint_is_accepted():
+    t = Target(TargetConfig(random=SPEC))  # a random target is its spec, carried by the run's config
+    check_drafter_target(None, t, "x")
+    with pytest.raises(ValueError, match="the target changed"):
+        check_drafter_target("0123456789abcdef", t, "x")

@@ -334,9 +334,10 @@ def target_fingerprint(cfg: TargetConfig) -> str:
 
 
 def check_drafter_target(recorded: str | None, target: Target, where: str) -> None:
-    """Refuses a drafter trained for another target (or one that records none: trained before fingerprints
-    were kept, so it cannot be told apart from a drafter of the previous reference target)."""
-    if recorded == target.fingerprint:
+    """Refuses a drafter trained for another target, or one that records none while the target is a checkpoint
+    (trained before fingerprints were kept: it cannot be told apart from a drafter of the previous reference
+    target). A random target is its spec, which the run's own config carries: nothing to tell apart."""
+    if recorded == target.fingerprint or (not recorded and not target.cfg.path):
         return
     if not recorded:
         raise ValueError(f"{where}: the drafter records no target fingerprint (trained before they were kept), "

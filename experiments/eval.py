@@ -113,6 +113,32 @@ def resolve_source(path: Path, overrides: list[str]):
                       f"checkpoint file")
 
 
+def recorded_target_fingerprint(path: Path) -> tuple[bool, str | None]:
+    """(trained here, its target fingerprint) of a run dir, serving folder or checkpoint. A serving folder
+    without `dflash_training` (a published drafter) is not ours: (False, None)."""
+    if path.is_dir() and (path / "config.yaml").is_file():
+        if (path / "final" / "config.json").is_file():
+            return recorded_target_fingerprint(path / "final")
+        from dflash.training.checkpoint import latest_checkpoint
+        path = latest_checkpoint(path / "checkpoints") or path
+    if path.is_file():
+        from dflash.training.checkpoint import load_checkpoint
+        return True, load_checkpoint(path).get("target_fingerprint")
+    from dflash.serving.export import read_serving_config
+    training = read_serving_config(path).get("dflash_training")
+    return training is not None, (training or {}).get("target_fingerprint")
+
+
+def _check_target(path: Path, target) -> None:
+    from dflash.target.model import check_drafter_target
+    ours, recorded = recorded_target_fingerprint(path)
+    if ours:
+        try:
+            check_drafter_target(recorded, target, str(path))
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+
+
 def _mlflow_info(run_dir: Path | None) -> dict:
     f = run_dir / "mlflow_run.json" if run_dir else None
     if f is not None and f.is_file():
@@ -150,6 +176,8 @@ def _parse_argv(argv: list[str]) -> tuple[Path, str | None, list[str], Path | No
             out = Path(a.split("=", 1)[1])
         elif a == "--into-run":
             into = True
+        elif a == "--allow-other-target":
+            continue  # read by main
         elif a in ("-h", "--help"):
             print(__doc__)
             raise SystemExit(0)
@@ -176,6 +204,8 @@ def main(argv: list[str] | None = None) -> dict:
     except (ValueError, FileNotFoundError) as e:
         raise ConfigError(str(e)) from e
     target = Target(cfg.target)
+    if "--allow-other-target" not in argv:
+        _check_target(path, target)
     dev = target.device if ecfg.device == "auto" else resolve_device(ecfg.device)
     drafter = load(dev)
     other_drafter, other_label = (None, "") if other is None else _load_other(other, overrides, cfg, ml, dev)

@@ -73,3 +73,15 @@ def test_tokenizer_sample_is_bounded_and_deterministic(two_roots):
     part = tokenizer_sample(c, 20_000)
     assert part == tokenizer_sample(c, 20_000) and 0 < len(part) < len(full)
     assert sum(len(t) for t in part[:-1]) < 20_000
+
+
+def test_split_newlines_tokenizer_ends_tokens_at_newlines(two_roots):
+    c = load_corpus(CorpusConfig(scope="installed", heldout_per_10k=3000))
+    tok = train_tokenizer(tokenizer_sample(c, 0), vocab_size=500, split_newlines=True)
+    code = 'def f(x):\n    """Doc."""\n    return x\n\n\nclass A:\n        pass\n'
+    enc = tok.encode(code)
+    assert tok.decode(enc.ids) == code
+    pieces = [code[a:b] for a, b in enc.offsets]
+    assert all("\n" not in p or p == "\n" for p in pieces)  # a newline never shares a token
+    glued = train_tokenizer(tokenizer_sample(c, 0), vocab_size=500)
+    assert any("\n" in code[a:b] and code[a:b] != "\n" for a, b in glued.encode(code).offsets)

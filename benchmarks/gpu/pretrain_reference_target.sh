@@ -1,32 +1,41 @@
 #!/bin/bash
 # The reference target's pretraining on one H200 in one call of under 10 minutes (issue 11):
-#   1. pretrain_shapes.py: the installed-packages corpus, its tokenizer, 3 shapes x SHAPE_S seconds each;
-#   2. experiments.pretrain_target with the shape of lowest val loss, max_steps sized to the time left;
+#   1. pretrain_shapes.py: the installed-packages corpus, its tokenizer, 3 shapes x SHAPE_S seconds each
+#      (skipped when SHAPE=<name> is given: that shape, at RATE tok/s, default the measured 132,851);
+#   2. experiments.pretrain_target with the shape of lowest val loss that fits 40 MB, max_steps sized to the
+#      time left (90% of the measured rate), EXTRA overrides appended (e.g. EXTRA=tokenizer_split_newlines=true);
 #   3. the folder, results and logs tarred and split into 15 MB pieces under $OUT (reassemble: cat | tar x).
-# Usage (repo root, wheels installed): bash benchmarks/gpu/pretrain_reference_target.sh [TOTAL_S] [SHAPE_S]
+# Usage (repo root, wheels installed): [SHAPE=h384_l8] [EXTRA=...] bash benchmarks/gpu/pretrain_reference_target.sh [TOTAL_S] [SHAPE_S]
 set -o pipefail
 TOTAL=${1:-560}; SHAPE_S=${2:-25}; OUT=${OUT:-/tmp/pt_out}; T0=$(date +%s)
 W=/tmp/pt; mkdir -p $W $OUT
 export PYTHONUNBUFFERED=1
+SPLIT=""; [[ "$EXTRA" == *tokenizer_split_newlines=true* ]] && SPLIT="--split-newlines"
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__, torch.cuda.get_device_name())"
-python3 benchmarks/gpu/pretrain_shapes.py --seconds $SHAPE_S --train-seconds 1 --token-cache $W/tokens \
-  --tokenizer-out $W/tokenizer --out $W/shapes.json 2>&1 | grep -v "INFO dflash.tracking" | tee $W/shapes.log || exit 1
+if [ -z "$SHAPE" ]; then
+  python3 benchmarks/gpu/pretrain_shapes.py --seconds $SHAPE_S --train-seconds 1 --token-cache $W/tokens $SPLIT \
+    --tokenizer-out $W/tokenizer --out $W/shapes.json 2>&1 | grep -v "INFO dflash.tracking" | tee $W/shapes.log || exit 1
+  TF="tokenizer_file=$W/tokenizer/tokenizer.json"
+  read SHAPE RATE < <(python3 -c "
+import json; d=json.load(open('$W/shapes.json'))
+ok = {k: v for k, v in d['shapes'].items() if v['bf16_mb'] < 40}
+s = min(ok, key=lambda k: ok[k]['val_loss']); print(s, ok[s]['tok_s'])")
+fi
+RATE=${RATE:-132851}
 LEFT=$(( TOTAL - ($(date +%s) - T0) - 25 ))   # 25 s for the tar at the end
 FINAL=110                                      # final eval, probes, save, continuations (Triton compiles)
-TRAIN=$(( LEFT - FINAL - 45 ))                 # 45 s: corpus re-read, cached tokens, model build
-read SHAPE STEPS < <(python3 -c "
-import json; d=json.load(open('$W/shapes.json')); s=d['chosen']['shape']; r=d['shapes'][s]
-print(s, int(0.9 * r['tok_s'] * $TRAIN / (32 * 512)))")
-echo "chosen $SHAPE: max_steps=$STEPS for ${TRAIN}s of training, job budget ${LEFT}s"
+SETUP=$([ -n "$TF" ] && echo 45 || echo 90)    # corpus (+ tokenizer training and encoding when not cached)
+TRAIN=$(( LEFT - FINAL - SETUP ))
+STEPS=$(python3 -c "print(int(0.9 * $RATE * $TRAIN / (32 * 512)))")
 OVR=$(python3 -c "
 import sys; sys.path.insert(0, 'benchmarks/gpu'); from pretrain_shapes import SHAPES
 print(' '.join(f'{k}={v}' for k, v in SHAPES['$SHAPE'].items()))")
-python3 -m experiments.pretrain_target $OVR max_steps=$STEPS warmup_steps=150 gdn_kernels=torch \
-  tokenizer_file=$W/tokenizer/tokenizer.json token_cache_dir=$W/tokens state_dir=$W/state run_dir=$W/run \
-  out_dir=$W/reference_target results_path=$W/reference_target.md time_budget_s=$LEFT finalize_reserve_s=$FINAL \
-  eval_every=400 checkpoint_every=0 tracking.tracking_uri=sqlite:///$W/mlflow.db 2>&1 \
-  | grep -v "INFO dflash.tracking" | tee $W/pretrain.log
-cp $W/shapes.json $W/shapes.log $W/run/pretrain_result.json $W/run/metrics.jsonl $W/reference_target/ 2>/dev/null
+echo "shape $SHAPE ($OVR): max_steps=$STEPS for ${TRAIN}s of training, job budget ${LEFT}s"
+python3 -m experiments.pretrain_target $OVR max_steps=$STEPS warmup_steps=150 gdn_kernels=torch $TF \
+  token_cache_dir=$W/tokens state_dir=$W/state run_dir=$W/run out_dir=$W/reference_target \
+  results_path=$W/reference_target.md time_budget_s=$LEFT finalize_reserve_s=$FINAL eval_every=400 checkpoint_every=0 \
+  tracking.tracking_uri=sqlite:///$W/mlflow.db $EXTRA 2>&1 | grep -v "INFO dflash.tracking\|Writing model" | tee $W/pretrain.log
+cp $W/shapes.json $W/shapes.log $W/run/pretrain_result.json $W/run/metrics.jsonl $W/pretrain.log $W/reference_target/ 2>/dev/null
 cp $W/reference_target.md $W/reference_target/RESULTS.md 2>/dev/null
-tar cf - -C $W reference_target pretrain.log | split -b 15M - $OUT/target.tar.
+tar cf - -C $W reference_target | split -b 15M - $OUT/target.tar.
 ls -la $OUT; echo "total $(( $(date +%s) - T0 )) s"

@@ -14,10 +14,11 @@ import logging
 import math
 import time
 from dataclasses import replace
+from pathlib import Path
 
 import torch
 
-from dflash.data.corpus import CorpusConfig, save_tokenizer
+from dflash.data.corpus import CorpusConfig
 from dflash.devices import resolve_device
 from dflash.pretrain.config import PretrainConfig
 from dflash.pretrain.data import WindowSampler, prepare_data
@@ -30,8 +31,8 @@ SHAPES = {  # name → PretrainConfig overrides (all qwen3_5, every 4th layer fu
                     linear_num_key_heads=4, linear_num_value_heads=4),
     "h384_l8": dict(hidden_size=384, num_layers=8, intermediate_size=1024, num_heads=6, num_kv_heads=2,
                     linear_num_key_heads=4, linear_num_value_heads=8),
-    "h512_l8": dict(hidden_size=512, num_layers=8, intermediate_size=1280, num_heads=8, num_kv_heads=2,
-                    linear_num_key_heads=4, linear_num_value_heads=8),
+    "h320_l12": dict(hidden_size=320, num_layers=12, intermediate_size=896, num_heads=4, num_kv_heads=2,
+                     linear_num_key_heads=4, linear_num_value_heads=4),
 }
 
 
@@ -73,6 +74,7 @@ def main() -> None:
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--batch-size", type=int, default=32)
     ap.add_argument("--seq-len", type=int, default=512)
+    ap.add_argument("--split-newlines", action="store_true", help="tokenizer_split_newlines=true")
     ap.add_argument("--token-cache", default="/tmp/dflash_tokens")
     ap.add_argument("--tokenizer-out", default="/tmp/dflash_tokenizer")
     ap.add_argument("--val-tokens", type=int, default=262144)
@@ -80,11 +82,13 @@ def main() -> None:
     a = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     base = PretrainConfig(corpus=CorpusConfig(scope=a.scope), token_cache_dir=a.token_cache, gdn_kernels="torch",
-                          batch_size=a.batch_size, seq_len=a.seq_len, warmup_steps=50)
+                          batch_size=a.batch_size, seq_len=a.seq_len, warmup_steps=50,
+                          tokenizer_split_newlines=a.split_newlines)
     device = resolve_device("auto")
     t0 = time.perf_counter()
     data = prepare_data(base)
-    save_tokenizer(data.tok, a.tokenizer_out)
+    Path(a.tokenizer_out).mkdir(parents=True, exist_ok=True)  # the raw tokenizer: same fingerprint, cache hit
+    (Path(a.tokenizer_out) / "tokenizer.json").write_text(data.tok.to_str(), encoding="utf-8")
     report = {"corpus": data.corpus_stats, "setup": data.setup, "setup_s": time.perf_counter() - t0, "shapes": {}}
     print(f"corpus: {json.dumps({k: v for k, v in data.corpus_stats.items() if k != 'fingerprint'})}")
     for name in a.shapes.split(","):

@@ -15,6 +15,7 @@ class PretrainConfig:
     vocab_size: int = 4096  # including the 3 special tokens
     tokenizer_min_frequency: int = 2
     tokenizer_file: str = ""  # a tokenizer.json to use instead of training one (e.g. a shipped target's)
+    tokenizer_split_newlines: bool = False  # "\n" a token of its own (see dflash.data.corpus.train_tokenizer)
     tokenizer_sample_bytes: int = 48_000_000  # train-split text the BPE learns from (0 = all of it)
     token_cache_dir: str = ".cache/dflash/tokens"  # encoded corpus, keyed by corpus + tokenizer ("" = off)
     # model: Qwen3.5 text config (every 4th layer full attention, the rest Gated DeltaNet)

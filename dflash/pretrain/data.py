@@ -50,7 +50,7 @@ def prepare_data(cfg: PretrainConfig, tokenizer_json: str | None = None) -> Pret
         tok = load_tokenizer_json(tokenizer_json)
     else:
         tok = train_tokenizer(tokenizer_sample(corpus, cfg.tokenizer_sample_bytes), cfg.vocab_size,
-                              cfg.tokenizer_min_frequency)
+                              cfg.tokenizer_min_frequency, cfg.tokenizer_split_newlines)
     t2 = time.perf_counter()
     tstats: dict = {}
     streams = tokenize_corpus(corpus, tok, cfg.token_cache_dir or None, tstats)

@@ -41,10 +41,11 @@ def _header_lines(result: dict) -> list[str]:
         f"- model: `qwen3_5` text, {meta['model']['num_layers']} layers ({meta['model']['layer_types']}), hidden "
         f"{meta['model']['hidden_size']}, vocab {meta['model']['vocab_size']}; {m['params']:,} parameters, "
         f"{m['bf16_bytes'] / 1e6:.2f} MB in bf16 (safetensors on disk: {m['safetensors_bytes'] / 1e6:.2f} MB)",
-        f"- corpus (scope `{c.get('scope', 'stdlib')}`: {roots}): {c['train_files']:,} train / {c['val_files']:,} val / "
-        f"{c['test_files']:,} test files, {c['train_bytes'] / 1e6:,.1f} MB of train text, "
+        f"- corpus (scope `{c.get('scope', 'stdlib')}`: {roots}): {c['train_files']:,} train / "
+        f"{c['val_files']:,} val / {c['test_files']:,} test files, {c['train_bytes'] / 1e6:,.1f} MB of train text, "
         f"{c.get('train_tokens', m['train_tokens']):,} train / {c.get('val_tokens', 0):,} val / "
-        f"{c.get('test_tokens', 0):,} test tokens; skipped {c.get('skipped', {})}; fingerprint `{c['fingerprint'][:16]}`",
+        f"{c.get('test_tokens', 0):,} test tokens; skipped {c.get('skipped', {})}; "
+        f"fingerprint `{c['fingerprint'][:16]}`",
         f"- training: {m['steps']} steps × {r['batch_size']} × {r['seq_len']} tokens = "
         f"{m['tokens_seen']:,} tokens ({m['epochs']:.2f} epochs) in {m['train_seconds']:.0f} s over "
         f"{m.get('jobs', 1)} job(s), **{m['tokens_per_s']:,.0f} tok/s**; stopped by {m['stop_reason']}; shipped step "

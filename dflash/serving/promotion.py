@@ -59,6 +59,7 @@ log = logging.getLogger(__name__)
 DECISION_TAG = "dflash.promotion.decision"
 REASON_TAG = "dflash.promotion.reason"
 PREFIX = "dflash.promotion."
+TARGET_FP = "dflash.target_fingerprint"  # run and version tag: the target the drafter was trained for
 PROMOTED, REFUSED = "promoted", "refused"
 _TAG_VALUE_LIMIT = 5000  # reasons and run tags: keeps the UI readable
 # The eval metrics a version carries: τ per budget with its CI and the baseline, real decoding's verdict.
@@ -315,7 +316,7 @@ def _evidence(client, run, holder, cfg: PromoteConfig) -> Evidence:
 
 
 def _compare(value: float, holder, holder_value: float | None, cfg: PromoteConfig,
-             ev: Evidence | None = None) -> tuple[bool, str]:
+             ev: Evidence | None = None, target_fp: str | None = None) -> tuple[bool, str]:
     """(promote?, reason): every failed rule, or what the candidate cleared (module doc, rule 3)."""
     ev = ev or Evidence(comparison="point" if holder is not None else "")
     m, lvl = cfg.metric, f"{100 * cfg.ci_level:g}%"
@@ -341,7 +342,11 @@ def _compare(value: float, holder, holder_value: float | None, cfg: PromoteConfi
     else:
         hv = f"@{cfg.alias} v{holder.version}"
         d = ev.delta
-        if ev.different_truth:
+        holder_fp = (holder.tags or {}).get(TARGET_FP)
+        if target_fp and holder_fp != target_fp:  # a champion of another target: its τ does not compare
+            notes.append(f"holder {hv} was trained for target {holder_fp or 'unrecorded'}, this run for "
+                         f"{target_fp}: the champion is replaced")
+        elif ev.different_truth:
             fails.append(f"cannot compare with holder {hv}: {ev.not_paired}; re-evaluate both on one ground "
                          f"truth (python -m experiments.eval <candidate> {cfg.alias})")
         elif d is not None and math.isfinite(d.low):
@@ -400,7 +405,7 @@ def _version_tags(client, run, cfg: PromoteConfig, value: float) -> dict[str, st
         "dflash.task_table": _task_table_ref(client, run_id),
         "dflash.config_uri": f"runs:/{run_id}/config.yaml",  # the whole config: one click, not a tag blob
     })
-    for k in ("loss", "noise", "buffer", "target", "git_sha", "dflash.run_dir"):
+    for k in ("loss", "noise", "buffer", "target", "git_sha", "dflash.run_dir", TARGET_FP):
         if k in run.data.tags:
             tags[k if k.startswith("dflash.") else f"dflash.{k}"] = truncate(run.data.tags[k], _TAG_VALUE_LIMIT)
     return tags
@@ -485,7 +490,7 @@ def promote(run_id: str, cfg: PromoteConfig, tracking_uri: str | None, dry_run: 
             return Decision(False, f"run already holds @{cfg.alias} (v{holder.version})", None, value,
                             str(holder.version), holder_value, **base)
         ev = _evidence(client, run, holder, cfg)
-        ok, reason = _compare(value, holder, holder_value, cfg, ev)
+        ok, reason = _compare(value, holder, holder_value, cfg, ev, run.data.tags.get(TARGET_FP))
         return _record(Decision(ok, reason, None, value, holder and str(holder.version), holder_value, **base), ev)
 
     with registry_lock(uri, timeout=lock_timeout):
@@ -497,7 +502,7 @@ def promote(run_id: str, cfg: PromoteConfig, tracking_uri: str | None, dry_run: 
             log.info(d.summary())
             return d
         ev = _evidence(client, run, holder, cfg)
-        ok, reason = _compare(value, holder, holder_value, cfg, ev)
+        ok, reason = _compare(value, holder, holder_value, cfg, ev, run.data.tags.get(TARGET_FP))
         mv = _register(client, cfg, run, _version_tags(client, run, cfg, value))
         version = str(mv.version)
         d = _record(Decision(ok, reason, version, value, hv, holder_value, **base), ev)

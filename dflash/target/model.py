@@ -229,6 +229,7 @@ class Target:
         self.decoder = self.model.get_decoder()
         self.tokenizer = self._tokenizer()
         self.identity = self._identity()
+        self.fingerprint = target_fingerprint(cfg)
         # One forward at a time per target: producers share the device's default stream anyway, and
         # Triton's autotuner (FLA kernels) is not thread-safe — two threads tuning the same kernel race.
         self._lock = threading.Lock()
@@ -341,3 +342,45 @@ def _file_digest(path: Path, limit: int = 1 << 20) -> str:
     import hashlib
     with open(path, "rb") as f:
         return hashlib.sha256(f.read(limit)).hexdigest()[:16]
+
+
+def _head_tail_digest(path: Path, chunk: int = 1 << 20) -> str:
+    """sha256 of the size, the first and the last MiB: cheap on a 50 GB checkpoint, and two trainings of one
+    shape (same size, same header) differ in their tensors' bytes at both ends."""
+    import hashlib
+    h = hashlib.sha256(str(path.stat().st_size).encode())
+    with open(path, "rb") as f:
+        h.update(f.read(chunk))
+        f.seek(max(path.stat().st_size - chunk, 0))
+        h.update(f.read(chunk))
+    return h.hexdigest()
+
+
+def target_fingerprint(cfg: TargetConfig) -> str:
+    """Path-independent identity of the target a drafter learns from (16 hex digits): its weight files, its
+    config.json and tokenizer files; for a random target, its spec. Recorded with every trained drafter and
+    MLflow run (`dflash.target_fingerprint`), checked when a drafter is evaluated or promoted."""
+    import hashlib
+    if not cfg.path:
+        return hashlib.sha256(f"random:{cfg.random}".encode()).hexdigest()[:16]
+    folder = Path(checkpoint_path(cfg))
+    names = ("config.json", "tokenizer.json", "tokenizer_config.json")
+    parts = [(f.name, _head_tail_digest(f)) for f in sorted(folder.glob("*.safetensors"))]
+    parts += [(n, _head_tail_digest(folder / n)) for n in names if (folder / n).is_file()]
+    return hashlib.sha256(repr(parts).encode()).hexdigest()[:16]
+
+
+def check_drafter_target(recorded: str | None, target: Target, where: str) -> None:
+    """Refuses a drafter trained for another target, or one that records none while the target is a checkpoint
+    (trained before fingerprints were kept: it cannot be told apart from a drafter of the previous reference
+    target). A random target is its spec, which the run's own config carries: nothing to tell apart."""
+    if recorded == target.fingerprint or (not recorded and not target.cfg.path):
+        return
+    if not recorded:
+        raise ValueError(f"{where}: the drafter records no target fingerprint (trained before they were kept), "
+                         f"so it may be a drafter of another target than {target.cfg.name!r} (fingerprint "
+                         f"{target.fingerprint}); retrain it for this target, or pass --allow-other-target")
+    raise ValueError(f"{where}: the drafter was trained for target fingerprint {recorded}, but target "
+                     f"{target.cfg.name!r} is {target.fingerprint} (the target changed); retrain the drafter for "
+                     f"this target, or pass --allow-other-target")
+

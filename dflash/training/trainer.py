@@ -228,6 +228,10 @@ class Trainer:
             return 0, 0, []
         state = load_checkpoint(ckpt, map_location="cpu")  # RNG states must stay on the CPU; the
         # optimizer and model copy their tensors to the parameters' device when loading
+        recorded = state.get("target_fingerprint")
+        if recorded and recorded != self.target.fingerprint:
+            raise ConfigError(f"resume={self.cfg.resume!r}: {ckpt} was trained for target fingerprint {recorded}, "
+                              f"but target {self.cfg.target.name!r} is now {self.target.fingerprint}; start a new run")
         self.drafter.load_state_dict(state["drafter"])
         self.opt.load_state_dict(state["optimizer"])
         self.sched.load_state_dict(state["scheduler"])
@@ -251,7 +255,8 @@ class Trainer:
         if not self.dist.is_main:
             return None
         state = {"step": step, "drafter": self.drafter.state_dict(), "optimizer": self.opt.state_dict(),
-                 "scheduler": self.sched.state_dict(), "ranks": ranks, "config": to_dict(self.cfg)}
+                 "scheduler": self.sched.state_dict(), "ranks": ranks, "config": to_dict(self.cfg),
+                 "target_fingerprint": self.target.fingerprint}
         return save_checkpoint(self.run_dir / "checkpoints", step, state, self.cfg.trainer.keep_checkpoints)
 
     # -- the step API (the loop and the bench call these) -----------------------------------------------
@@ -315,7 +320,8 @@ class Trainer:
         loggers = build_loggers(c.tracking, self.run_dir, tracked_params(c, self.loss_fn, self.noise), run_tags(c),
                                 c.trainer.max_steps, run_id=self.run_id or self._saved_run_id()) \
             if self.dist.is_main else MultiLogger([])
-        loggers.set_tags({f"kernel.{k}": v for k, v in self.target.kernels.items()})
+        loggers.set_tags({**{f"kernel.{k}": v for k, v in self.target.kernels.items()},
+                          "dflash.target_fingerprint": self.target.fingerprint})
         loggers.set_tags(self.data_tags)
         loggers.log_artifact(str(self.run_dir / "config.yaml"))
         status, result = "FAILED", TrainResult(self.run_dir, loggers.run_id)
@@ -395,7 +401,8 @@ class Trainer:
             return None
         final = self.run_dir / "final"
         from dflash.serving.export import save_drafter
-        save_drafter(self.drafter, final, extra={"target": self.cfg.target.name, "loss": self.cfg.loss.name},
+        save_drafter(self.drafter, final, extra={"target": self.cfg.target.name, "loss": self.cfg.loss.name,
+                                                   "target_fingerprint": self.target.fingerprint},
                      target=self.target_facts)
         loggers.log_artifact(str(final), "checkpoint")
         if self.evaluator:

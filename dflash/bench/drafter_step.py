@@ -68,7 +68,7 @@ class DrafterStepBench:
         run_cfg = dataclasses.replace(
             cfg, data=dataclasses.replace(cfg.data, source="synthetic", min_len=b.seq_len, max_len=b.seq_len,
                                           num_sequences=8),
-            trainer=dataclasses.replace(cfg.trainer, num_anchors=b.anchors, warmup_steps=1),
+            trainer=dataclasses.replace(cfg.trainer, num_anchors=b.anchors, warmup_steps=1, online_data=False),
             tracking=dataclasses.replace(cfg.tracking, enabled=False, console=False))
         self.trainer = Trainer(run_cfg, target=target)
         soft_k = target.cfg.soft_top_k if self.trainer.loss_fn.needs_soft else 0

@@ -17,13 +17,14 @@ from pathlib import Path
 from typing import Callable
 
 import torch
-import yaml
 
 from dflash.training.batching import make_batch
 from dflash.training.buffer import BucketedBuffer
-from dflash.atomic import atomic_write_text
-from dflash.training.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from dflash.config import ConfigError, RunConfig, from_dict, to_dict, validate
+from dflash.run_dir import ResumeState, RunDir, SkipLogged, read_resume_state
+from dflash.training.checkpoint import load_checkpoint
+from dflash.training.health import check_alive
+from dflash.training.interrupts import RunInterrupted, StopOnSignal
 from dflash.data.sources import build_training_sequences
 from dflash.training.distributed import (
     DistInfo,
@@ -48,9 +49,9 @@ from dflash.tracking.loggers import (
     MultiLogger,
     absolute_sqlite_uri,
     build_loggers,
-    default_run_name,
     flatten_config,
     git_sha,
+    in_background,
 )
 
 log = logging.getLogger(__name__)
@@ -74,17 +75,26 @@ def resolve_run(cfg: RunConfig) -> RunConfig:
     applying key=value overrides on top of the saved config) and is used as given."""
     if not cfg.resume or Path(cfg.run_dir or ".").resolve() == Path(cfg.resume).resolve():
         return cfg
-    saved = Path(cfg.resume) / "config.yaml"
-    if not saved.is_file():
-        raise ConfigError(f"resume={cfg.resume!r}: no config.yaml there")
-    resumed = from_dict(yaml.safe_load(saved.read_text()))
+    try:
+        resumed = from_dict(RunDir(cfg.resume).read_config())
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"resume={cfg.resume!r}: {e}") from e
     return dataclasses.replace(resumed, run_dir=str(cfg.resume), resume=str(cfg.resume))
 
 
 def make_run_dir(cfg: RunConfig) -> Path:
-    run_dir = Path(cfg.run_dir or f"runs/{default_run_name()}-{cfg.loss.name}")
-    run_dir.mkdir(parents=True, exist_ok=True)
-    return run_dir
+    return RunDir.for_config(cfg.run_dir, cfg.loss.name).create().root
+
+
+def read_resume(cfg: RunConfig) -> ResumeState | None:
+    """For `resume=`: the newest intact checkpoint (falling back past torn or corrupt ones, with a warning) and
+    what the run already logged, read before anything in the folder changes. ConfigError when none is usable."""
+    if not cfg.resume:
+        return None
+    try:
+        return read_resume_state(RunDir(cfg.resume))
+    except ValueError as e:
+        raise ConfigError(str(e)) from e
 
 
 def run_tags(cfg: RunConfig) -> dict[str, str]:
@@ -149,14 +159,14 @@ class Trainer:
             cfg.tracking, tracking_uri=absolute_sqlite_uri(cfg.tracking.tracking_uri)))
         self.cfg = cfg
         validate(cfg)  # bad input fails here, before the target loads or anything is written
+        self.resume_state = read_resume(cfg) if self.dist.is_main else None  # resume: read only, validated here
+        self.stop = StopOnSignal()  # SIGTERM/SIGINT: checkpoint at the next step boundary, close KILLED
         torch.manual_seed(cfg.seed)
         random.seed(cfg.seed)
         main = self.dist.is_main
         self.run_dir = Path(broadcast_object(str(make_run_dir(cfg)) if main else None, self.dist))
         self.evaluator = None if not main else (
             evaluator if evaluator is not None else make_evaluator(cfg.eval, out_dir=self.run_dir / "eval"))
-        if main:
-            atomic_write_text(self.run_dir / "config.yaml", yaml.safe_dump(to_dict(cfg), sort_keys=False))
         self.target = target or Target(cfg.target)  # benchmarks reuse one (54 GB) target
         self.run_id = run_id  # log into an existing MLflow run (a sweep trial's child run)
         self.device = resolve_device(cfg.trainer.device)
@@ -177,6 +187,9 @@ class Trainer:
         self.buffer = BucketedBuffer(cfg.buffer, seed=cfg.seed)
         self.start_step, next_item, replay = self._restore()
         self.source = ItemSource(self.sequences, cfg.seed, next_item, replay, self.dist.rank, self.dist.world)
+        if main:  # only now, with the resume state applied, does the run folder change
+            RunDir(self.run_dir).write_config(to_dict(cfg))
+            RunDir(self.run_dir).remove_torn_writes()
 
     def _build_drafter(self) -> DFlashDrafter:
         t = self.target
@@ -186,13 +199,12 @@ class Trainer:
         return d
 
     def _restore(self) -> tuple[int, int, list[int]]:
-        ckpt = latest_checkpoint(self.run_dir / "checkpoints") if self.cfg.resume else None
-        if ckpt is None:
-            if self.cfg.resume:
-                raise ConfigError(f"resume={self.cfg.resume!r}: no readable checkpoint in checkpoints/")
+        if not self.cfg.resume:
             return 0, 0, []
-        state = load_checkpoint(ckpt, map_location="cpu")  # RNG states must stay on the CPU; the
-        # optimizer and model copy their tensors to the parameters' device when loading
+        # Rank 0 picked and verified the checkpoint (loaded on the CPU: RNG states must stay there; the optimizer
+        # and model copy their tensors to the parameters' device when loading); the other ranks load that file.
+        ckpt = Path(broadcast_object(str(self.resume_state.checkpoint) if self.dist.is_main else None, self.dist))
+        state = self.resume_state.state if self.dist.is_main else load_checkpoint(ckpt, map_location="cpu")
         self.drafter.load_state_dict(state["drafter"])
         self.opt.load_state_dict(state["optimizer"])
         self.sched.load_state_dict(state["scheduler"])
@@ -215,7 +227,7 @@ class Trainer:
             return None
         state = {"step": step, "drafter": self.drafter.state_dict(), "optimizer": self.opt.state_dict(),
                  "scheduler": self.sched.state_dict(), "ranks": ranks, "config": to_dict(self.cfg)}
-        return save_checkpoint(self.run_dir / "checkpoints", step, state, self.cfg.trainer.keep_checkpoints)
+        return RunDir(self.run_dir).save_checkpoint(step, state, self.cfg.trainer.keep_checkpoints)
 
     def _step(self, items, acc: MetricAccumulator) -> int:
         c = self.cfg
@@ -263,18 +275,17 @@ class Trainer:
 
     def run(self) -> TrainResult:
         c = self.cfg
-        loggers = build_loggers(c.tracking, self.run_dir, flatten_config(to_dict(c)), run_tags(c),
-                                c.trainer.max_steps, run_id=self.run_id or self._saved_run_id()) \
-            if self.dist.is_main else MultiLogger([])
+        loggers = self._loggers() if self.dist.is_main else MultiLogger([])
         loggers.set_tags({f"kernel.{k}": v for k, v in self.target.kernels.items()})
         loggers.log_artifact(str(self.run_dir / "config.yaml"))
         status, result = "FAILED", TrainResult(self.run_dir, loggers.run_id)
         producers = self._producers()
         try:
-            result.metrics = self._loop(producers, loggers)
+            with self.stop:
+                result.metrics = self._loop(producers, loggers)
             result.checkpoint = self._finish(loggers, result.metrics)
             status = "FINISHED"
-        except BaseException as e:  # a pruned sweep trial carries run_status="KILLED"
+        except BaseException as e:  # a pruned sweep trial and a signal carry run_status="KILLED"
             status = getattr(e, "run_status", "KILLED" if isinstance(e, KeyboardInterrupt) else "FAILED")
             raise
         finally:
@@ -286,10 +297,27 @@ class Trainer:
             auto_promote(result.run_id, c.promote, c.tracking.tracking_uri)
         return result
 
-    def _saved_run_id(self) -> str | None:
-        import json
-        f = self.run_dir / "mlflow_run.json"
-        return json.loads(f.read_text()).get("run_id") if (self.cfg.resume and f.is_file()) else None
+    def _loggers(self):
+        """Rank 0's loggers: MLflow off the training thread; on resume the saved MLflow run reopened (taken
+        over when it was left RUNNING) and steps already logged not logged again."""
+        c, rs = self.cfg, self.resume_state
+        loggers = build_loggers(c.tracking, self.run_dir, flatten_config(to_dict(c)), run_tags(c),
+                                c.trainer.max_steps, run_id=self.run_id or (rs.run_id if rs else None))
+        loggers = in_background(loggers)
+        return SkipLogged(loggers, rs.logged) if rs is not None and rs.logged else loggers
+
+    def _stop_now(self, done: int, at_log: bool, saved: bool) -> None:
+        """A SIGTERM/SIGINT seen at a step boundary: checkpoint this step and stop (every rank at the same step:
+        under several ranks the request is shared at log intervals, one collective there)."""
+        requested = self.stop.requested
+        if self.dist.enabled:
+            if not at_log:
+                return
+            signum = broadcast_object(self.stop.signum, self.dist)
+            requested, self.stop.signum = signum is not None, signum
+        if requested:
+            path = None if saved else self._checkpoint(done)
+            raise RunInterrupted(self.stop.signum, done, path or RunDir(self.run_dir).latest_checkpoint())
 
     def _loop(self, producers: ProducerPool, loggers) -> dict[str, float]:
         c, K = self.cfg, self.cfg.drafter.block_size - 1
@@ -307,11 +335,15 @@ class Trainer:
             if done % c.tracking.log_every == 0 or last:
                 metrics = self._read_metrics(acc, window, done)
                 loggers.log(metrics, done)
+                check_alive(metrics, int(self.drafter.lm_head_VH.shape[0]), done)
                 last = last or self._out_of_time(t_start)
             if c.trainer.eval_every and self.evaluator and done % c.trainer.eval_every == 0 and not last:
                 loggers.log(self.evaluator(self.drafter, self.target, done, False, loggers), done)
-            if done % c.trainer.checkpoint_every == 0 or last:
+            saved = done % c.trainer.checkpoint_every == 0 or last
+            if saved:
                 self._checkpoint(done)
+            if not last:
+                self._stop_now(done, done % c.tracking.log_every == 0, saved)
             if last:
                 break
         self.final_step = done

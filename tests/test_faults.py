@@ -92,18 +92,17 @@ def test_crafted_pickle_never_runs_for_resume_eval_or_export(base_run, tmp_path)
     torch.save({"step": 6, "drafter": _Payload(marker), "optimizer": {}, "scheduler": {}, "ranks": [],
                 "config": {}}, evil)
     _sha_sidecar(evil)  # a matching digest does not make it trusted: only plain data loads
-    with pytest.warns(RuntimeWarning, match=r"step_00000003\.pt instead.*step_00000006\.pt: refused"):
-        res = _resume(run, **{"trainer.max_steps": 7})
-    assert not marker.exists()
-    assert _steps(res.run_dir)[-1] == 7  # resumed from step 3; steps 4-6 were logged already
-
     from dflash.serving.export import export_drafter
     from experiments import eval as eval_cli
-    with pytest.raises(ValueError, match="refused"):
+    with pytest.raises(ValueError, match="refused.*Unsupported global"):
         export_drafter(evil, tmp_path / "served")
     with pytest.raises(ConfigError, match="refused"):
         eval_cli.resolve_source(evil, [])
     assert not marker.exists()
+    with pytest.warns(RuntimeWarning, match=r"step_00000003\.pt instead.*step_00000006\.pt: refused"):
+        res = _resume(run, **{"trainer.max_steps": 7})
+    assert not marker.exists()
+    assert _steps(res.run_dir)[-1] == 7  # resumed from step 3; steps 4-6 were logged already
 
 
 # ------------------------------------------------------------------ torn / garbled checkpoints

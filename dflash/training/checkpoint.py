@@ -118,10 +118,12 @@ def load_checkpoint(path: str | os.PathLike, map_location: str | torch.device = 
     try:
         state = torch.load(path, map_location=map_location, weights_only=True)
     except Exception as e:  # noqa: BLE001 - every way a file fails to unpickle is the same answer here
-        msg = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        lines = str(e).strip().splitlines() or [""]
+        msg = lines[0]
         if "weights_only" in str(e) or "Unsupported global" in str(e):
+            why = next((ln.strip() for ln in lines if "Unsupported global" in ln), "not plain data")
             raise CheckpointError(f"{path}: refused, it holds objects other than plain data (tensors, numbers, "
-                                  f"strings, containers); loading it would run code ({msg[:200]})") from e
+                                  f"strings, containers); loading it would run code ({why[:200]})") from e
         raise CheckpointError(f"{path}: unreadable checkpoint ({type(e).__name__}: {msg[:300]})") from e
     if not isinstance(state, dict):
         raise CheckpointError(f"{path}: expected a dict of checkpoint state, got {type(state).__name__}")

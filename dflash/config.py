@@ -10,11 +10,11 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from dflash.training.buffer import BufferConfig, validate_buffer_config
 from dflash.data.sources import DataConfig, validate_data_config
+from dflash.run_dir import CHECKPOINT_DIR, RunDir
 from dflash.drafter.model import DrafterConfig
 from dflash.drafter.attention import ATTN_KERNELS
 from dflash.evaluation import EvalConfig, validate_eval_config
@@ -153,8 +153,8 @@ def validate(cfg: RunConfig) -> None:
                               f"{cfg.drafter.block_size}: no anchor would fit")
         if cfg.tracking.log_every < 1:
             raise ConfigError("tracking.log_every must be >= 1")
-        if cfg.resume and not (Path(cfg.resume) / "checkpoints").is_dir():
-            raise ConfigError(f"resume={cfg.resume!r}: no checkpoints/ folder there")
+        if cfg.resume and not RunDir(cfg.resume).checkpoints.is_dir():
+            raise ConfigError(f"resume={cfg.resume!r}: no {CHECKPOINT_DIR}/ folder there")
         validate_buffer_config(cfg.buffer)
         validate_data_config(cfg.data)
         build_noise(cfg.noise, cfg.trainer.max_steps)

@@ -34,15 +34,16 @@ def compose_config(overrides: list[str] | None = None, config_name: str = "confi
 def resume_config(run_dir: str, overrides: list[str]) -> RunConfig:
     """The saved config of `run_dir` with `key=value` overrides on top (e.g. trainer.max_steps=2000 to extend a
     run). Group options cannot change on resume: that would be another run."""
-    import yaml
-    saved = Path(run_dir) / "config.yaml"
-    if not saved.is_file():
-        raise ConfigError(f"resume={run_dir!r}: no config.yaml there")
+    from dflash.run_dir import RunDir
+    try:
+        saved_cfg = RunDir(run_dir).read_config()
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"resume={run_dir!r}: {e}") from e
     groups = [o for o in overrides if o.startswith("+") or o.split("=")[0] in GROUPS]
     if groups:
         raise ConfigError(f"resume: {groups} would change a config group; only key=value overrides apply on resume")
     try:
-        merged = OmegaConf.merge(OmegaConf.structured(RunConfig), yaml.safe_load(saved.read_text()),
+        merged = OmegaConf.merge(OmegaConf.structured(RunConfig), saved_cfg,
                                  OmegaConf.from_dotlist(overrides))
         d = OmegaConf.to_container(merged, resolve=True)
     except OmegaConfBaseException as e:

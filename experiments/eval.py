@@ -144,7 +144,8 @@ def main(argv: list[str] | None = None) -> dict:
     drafter = load(dev)
 
     stamp = default_run_name()
-    out = out or ((run_dir / "eval" / stamp) if run_dir else Path("runs") / f"eval-{stamp}")
+    from dflash.run_dir import RunDir
+    out = out or ((RunDir(run_dir).eval_dir / stamp) if run_dir else Path("runs") / f"eval-{stamp}")
     tracking = cfg.tracking
     if ml.get("tracking_uri"):
         ml["tracking_uri"] = resolve_relative_sqlite(ml["tracking_uri"], run_dir)

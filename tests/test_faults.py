@@ -174,14 +174,7 @@ def _logged(run_dir):
     return _steps(run_dir) if f.is_file() else []
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
-def test_signal_checkpoints_and_closes_the_run_killed(tmp_path, sig):
-    proc, run_dir = _start_run(tmp_path, "trainer.max_steps=5000", "trainer.checkpoint_every=100000")
-    _wait_for(lambda: len(_logged(run_dir)) >= 3, proc)
-    proc.send_signal(sig)
-    _, err = proc.communicate(timeout=120)
-    assert proc.returncode == 128 + sig, err[-2000:]
-    assert signal.Signals(sig).name in err
+def _assert_killed_with_checkpoint(run_dir):
     last = _logged(run_dir)[-1]
     saved = json.loads((run_dir / "checkpoints" / "latest.json").read_text())["step"]
     assert saved >= last and saved < 5000  # the step it stopped after, not lost
@@ -189,6 +182,37 @@ def test_signal_checkpoints_and_closes_the_run_killed(tmp_path, sig):
     run = MlflowClient(info["tracking_uri"]).get_run(info["run_id"])
     assert run.info.status == "KILLED"
     assert "dflash.heartbeat" in run.data.tags
+
+
+def test_sigterm_checkpoints_closes_the_run_killed_and_exits_nonzero(tmp_path):
+    """What `timeout` and schedulers send, through the real CLI."""
+    sig = signal.SIGTERM
+    proc, run_dir = _start_run(tmp_path, "trainer.max_steps=5000", "trainer.checkpoint_every=100000")
+    _wait_for(lambda: len(_logged(run_dir)) >= 3, proc)
+    proc.send_signal(sig)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + sig, err[-2000:]
+    assert signal.Signals(sig).name in err
+    _assert_killed_with_checkpoint(run_dir)
+
+
+def test_ctrl_c_checkpoints_and_closes_the_run_killed(tmp_path):
+    """SIGINT in this process (the handler runs on the main thread, inside the step loop: steps are logged)."""
+    import threading
+
+    from dflash.training.interrupts import RunInterrupted
+    run_dir = tmp_path / "int"
+
+    def interrupt_after_three_steps():
+        deadline = time.time() + 120
+        while time.time() < deadline and len(_logged(run_dir) if run_dir.exists() else []) < 3:
+            time.sleep(0.02)
+        os.kill(os.getpid(), signal.SIGINT)
+    threading.Thread(target=interrupt_after_three_steps, daemon=True).start()
+    with pytest.raises(RunInterrupted) as e:
+        train(_compose(tmp_path, "int", "trainer.max_steps=5000", "trainer.checkpoint_every=100000"))
+    assert e.value.exit_code == 130 and e.value.checkpoint is not None
+    _assert_killed_with_checkpoint(run_dir)
 
 
 def test_kill9_then_resume_logs_each_step_once_and_takes_the_run_over(tmp_path):
@@ -231,9 +255,9 @@ def test_dead_http_store_warns_within_seconds(tmp_path, monkeypatch):
     assert time.perf_counter() - t0 < 5 and not ml.healthy
 
 
-def test_slow_store_costs_the_step_loop_nothing(tmp_path):
+def test_slow_store_costs_the_step_loop_nothing(base_run, tmp_path):
     from dflash.tracking.loggers import TrackingConfig, build_loggers, in_background
-    store = f"sqlite:///{tmp_path / 'm.db'}"
+    store = f"sqlite:///{base_run[0] / 'mlflow.db'}"  # an existing store: no table creation to wait for
     loggers = in_background(build_loggers(TrackingConfig(tracking_uri=store, console=False), tmp_path / "r",
                                           {}, {}, 5))
     ml = loggers.mlflow

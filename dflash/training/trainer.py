@@ -166,7 +166,7 @@ class Trainer:
         main = self.dist.is_main
         self.run_dir = Path(broadcast_object(str(make_run_dir(cfg)) if main else None, self.dist))
         self.evaluator = None if not main else (
-            evaluator if evaluator is not None else make_evaluator(cfg.eval, out_dir=self.run_dir / "eval"))
+            evaluator if evaluator is not None else make_evaluator(cfg.eval, out_dir=RunDir(self.run_dir).eval_dir))
         self.target = target or Target(cfg.target)  # benchmarks reuse one (54 GB) target
         self.run_id = run_id  # log into an existing MLflow run (a sweep trial's child run)
         self.device = resolve_device(cfg.trainer.device)
@@ -277,13 +277,13 @@ class Trainer:
         c = self.cfg
         loggers = self._loggers() if self.dist.is_main else MultiLogger([])
         loggers.set_tags({f"kernel.{k}": v for k, v in self.target.kernels.items()})
-        loggers.log_artifact(str(self.run_dir / "config.yaml"))
+        loggers.log_artifact(str(RunDir(self.run_dir).config_file))
         status, result = "FAILED", TrainResult(self.run_dir, loggers.run_id)
         producers = self._producers()
         try:
-            with self.stop:
+            with self.stop:  # a signal during the final save and eval lets them finish; a second one abandons
                 result.metrics = self._loop(producers, loggers)
-            result.checkpoint = self._finish(loggers, result.metrics)
+                result.checkpoint = self._finish(loggers, result.metrics)
             status = "FINISHED"
         except BaseException as e:  # a pruned sweep trial and a signal carry run_status="KILLED"
             status = getattr(e, "run_status", "KILLED" if isinstance(e, KeyboardInterrupt) else "FAILED")
@@ -372,7 +372,7 @@ class Trainer:
     def _finish(self, loggers, metrics: dict) -> Path | None:
         if not self.dist.is_main:
             return None
-        final = self.run_dir / "final"
+        final = RunDir(self.run_dir).final
         from dflash.serving.export import save_drafter
         save_drafter(self.drafter, final, extra={"target": self.cfg.target.name, "loss": self.cfg.loss.name})
         loggers.log_artifact(str(final), "checkpoint")

@@ -514,8 +514,10 @@ class MLflowLogger(Logger):
                 )
                 run = None
             if run is not None:
-                if run.info.status == "RUNNING":  # its process died without closing it (kill -9, power loss)
-                    last = run.data.tags.get(HEARTBEAT_TAG, "never")
+                last = run.data.tags.get(HEARTBEAT_TAG)
+                # RUNNING with a heartbeat: a dflash process had it and died without closing it (kill -9, power
+                # loss). Without one it was opened for us by a caller (a sweep's child run): not a takeover.
+                if run.info.status == "RUNNING" and last:
                     warnings.warn(f"MLflow run {run_id} was still RUNNING (last heartbeat {last}): taken over by "
                                   f"this process, which closes it at the end", RuntimeWarning, stacklevel=4)
                     self.client.set_tag(run_id, "dflash.taken_over", _utc_now())

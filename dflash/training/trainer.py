@@ -205,9 +205,13 @@ class Trainer:
         # and model copy their tensors to the parameters' device when loading); the other ranks load that file.
         ckpt = Path(broadcast_object(str(self.resume_state.checkpoint) if self.dist.is_main else None, self.dist))
         state = self.resume_state.state if self.dist.is_main else load_checkpoint(ckpt, map_location="cpu")
-        self.drafter.load_state_dict(state["drafter"])
-        self.opt.load_state_dict(state["optimizer"])
-        self.sched.load_state_dict(state["scheduler"])
+        try:
+            self.drafter.load_state_dict(state["drafter"])
+            self.opt.load_state_dict(state["optimizer"])
+            self.sched.load_state_dict(state["scheduler"])
+        except (RuntimeError, ValueError, KeyError) as e:  # e.g. a key=value override changed the drafter's shape
+            raise ConfigError(f"resume={self.cfg.resume!r}: {ckpt} does not fit this config "
+                              f"({type(e).__name__}: {str(e)[:400]})") from e
         if len(state["ranks"]) != self.dist.world:
             raise ConfigError(f"resume={self.cfg.resume!r}: checkpoint written by {len(state['ranks'])} ranks, "
                               f"this run has {self.dist.world} (data order and buffers are per rank)")
@@ -216,6 +220,8 @@ class Trainer:
         torch.set_rng_state(mine["rng"]["torch"])
         random.setstate(mine["rng"]["python"])
         log.info("resumed from %s at step %d", ckpt, state["step"])
+        if self.resume_state is not None:
+            self.resume_state.state = {}  # applied: do not hold a second copy of the weights and optimizer
         return state["step"], mine["items_put"], [key for _, key in mine["pending_keys"]]
 
     def _checkpoint(self, step: int) -> Path | None:

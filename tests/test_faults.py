@@ -246,7 +246,8 @@ def test_kill9_then_resume_logs_each_step_once_and_takes_the_run_over(tmp_path):
 
 # --------------------------------------------------------------------------------- tracking
 def test_dead_http_store_warns_within_seconds(tmp_path, monkeypatch):
-    from dflash.tracking.loggers import HTTP_DEFAULTS, MLflowLogger, TrackingConfig
+    from dflash.tracking.loggers import MLflowLogger, TrackingConfig
+    from dflash.tracking.transport import HTTP_DEFAULTS
     for k in HTTP_DEFAULTS:
         monkeypatch.delenv(k, raising=False)  # the library's own bounds, not the test suite's
     t0 = time.perf_counter()
@@ -256,7 +257,8 @@ def test_dead_http_store_warns_within_seconds(tmp_path, monkeypatch):
 
 
 def test_slow_store_costs_the_step_loop_nothing(base_run, tmp_path):
-    from dflash.tracking.loggers import TrackingConfig, build_loggers, in_background
+    from dflash.tracking.background import in_background
+    from dflash.tracking.loggers import TrackingConfig, build_loggers
     store = f"sqlite:///{base_run[0] / 'mlflow.db'}"  # an existing store: no table creation to wait for
     loggers = in_background(build_loggers(TrackingConfig(tracking_uri=store, console=False), tmp_path / "r",
                                           {}, {}, 5))

@@ -29,14 +29,11 @@ import hashlib
 import json
 import math
 import os
-import queue
 import re
 import secrets
-import socket
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 import warnings
 from abc import ABC, abstractmethod
@@ -46,6 +43,7 @@ from pathlib import Path
 from typing import Any, Iterable, Sequence
 
 from dflash.run_dir import METRICS_FILE, RunDir
+from dflash.tracking.transport import HEARTBEAT_TAG, heartbeat_tags, http_preflight, utc_now
 
 # MLflow limits (mirrors mlflow.utils.validation; the real values are read when mlflow loads).
 MAX_PARAMS_TAGS_PER_BATCH = 100
@@ -254,41 +252,6 @@ def get_or_create_experiment(client, name: str, tracking_uri: str) -> str:
         if exp is None:
             raise
         return exp.experiment_id
-
-
-# --------------------------------------------------------------------------- transport
-# An HTTP store that is down must cost seconds, not minutes: MLflow's defaults (7 retries, exponential backoff,
-# 120 s timeout) stalled a 20-step run for ~4 minutes before the one warning (issue 15). A TCP connect with this
-# timeout runs before the first request; the request settings apply where the user has not set them.
-CONNECT_TIMEOUT_S = 3.0
-HTTP_DEFAULTS = {"MLFLOW_HTTP_REQUEST_TIMEOUT": "10", "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2",
-                 "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1"}
-HEARTBEAT_TAG = "dflash.heartbeat"  # UTC time of the run's last log call: a stale RUNNING run shows here
-
-
-def _utc_now() -> str:
-    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-
-
-def heartbeat_tags() -> list[Any]:
-    from mlflow.entities import RunTag
-    return [RunTag(HEARTBEAT_TAG, _utc_now())]
-
-
-def http_preflight(uri: str, timeout: float = CONNECT_TIMEOUT_S) -> None:
-    """For http(s) stores: bounded request timeouts/retries (unless set in the environment), and a TCP connect
-    within `timeout` seconds, raising ConnectionError naming the host when nothing answers."""
-    from urllib.parse import urlsplit
-    parts = urlsplit(uri)
-    if parts.scheme not in ("http", "https"):
-        return
-    for k, v in HTTP_DEFAULTS.items():
-        os.environ.setdefault(k, v)
-    host, port = parts.hostname or "localhost", parts.port or (443 if parts.scheme == "https" else 80)
-    try:
-        socket.create_connection((host, port), timeout=timeout).close()
-    except OSError as e:
-        raise ConnectionError(f"nothing answers at {host}:{port} within {timeout:g} s ({e})") from e
 
 
 # --------------------------------------------------------------------------- loggers
@@ -520,7 +483,7 @@ class MLflowLogger(Logger):
                 if run.info.status == "RUNNING" and last:
                     warnings.warn(f"MLflow run {run_id} was still RUNNING (last heartbeat {last}): taken over by "
                                   f"this process, which closes it at the end", RuntimeWarning, stacklevel=4)
-                    self.client.set_tag(run_id, "dflash.taken_over", _utc_now())
+                    self.client.set_tag(run_id, "dflash.taken_over", utc_now())
                 self.client.update_run(run_id, status="RUNNING")
                 self._run_id = run_id
                 self._resumed = True
@@ -530,7 +493,7 @@ class MLflowLogger(Logger):
                 return
         run = self.client.create_run(self.experiment_id, run_name=self.run_name)
         self._run_id = run.info.run_id
-        self.client.set_tag(self._run_id, HEARTBEAT_TAG, _utc_now())
+        self.client.set_tag(self._run_id, HEARTBEAT_TAG, utc_now())
 
     # ---- logging
     def log(self, metrics: Mapping[str, float], step: int) -> None:
@@ -767,108 +730,6 @@ class MultiLogger(Logger):
         return next((lg.run_id for lg in self.loggers if lg.run_id), None)
 
 
-class BackgroundLogger(Logger):
-    """Runs an `MLflowLogger`'s calls on a worker thread, in order, so a slow or dead tracking server costs the
-    training loop nothing: `log` and friends only enqueue. `close` waits up to `close_timeout_s` for the queue to
-    drain, then closes the run (status set by the worker's logger). A full queue drops the newest call with one
-    warning; metrics.jsonl (written on the caller's thread) keeps everything."""
-
-    def __init__(self, inner: MLflowLogger, max_pending: int = 10_000, close_timeout_s: float = 60.0):
-        self.inner, self.close_timeout_s = inner, close_timeout_s
-        self._q: queue.Queue = queue.Queue(maxsize=max_pending)
-        self._dropped = 0
-        self._closed = False
-        self._worker = threading.Thread(target=self._drain, name="dflash-mlflow", daemon=True)
-        self._worker.start()
-
-    def _drain(self) -> None:
-        while True:
-            item = self._q.get()
-            try:
-                if item is None:
-                    return
-                fn, args = item
-                fn(*args)
-            except Exception as e:  # noqa: BLE001 - the inner logger disables itself on store errors
-                warnings.warn(f"MLflow call failed on the logging thread: {type(e).__name__}: {e}", RuntimeWarning)
-            finally:
-                self._q.task_done()
-
-    def _put(self, fn: Any, *args: Any) -> None:
-        if self._closed or not self.inner.healthy:
-            return
-        try:
-            self._q.put_nowait((fn, args))
-        except queue.Full:
-            self._dropped += 1
-            if self._dropped == 1:
-                warnings.warn(f"MLflow logging queue full ({self._q.maxsize} calls pending: the store at "
-                              f"{self.inner.tracking_uri!r} is too slow); later calls are dropped, metrics.jsonl "
-                              f"has them", RuntimeWarning, stacklevel=3)
-
-    def flush(self, timeout: float | None = None) -> bool:
-        """Wait until every queued call ran (at most `timeout` s); True when the queue drained."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while self._q.unfinished_tasks:
-            if deadline is not None and time.monotonic() >= deadline:
-                return False
-            time.sleep(0.01)
-        return True
-
-    def log(self, metrics: Mapping[str, float], step: int) -> None:
-        self._put(self.inner.log, dict(metrics), step)
-
-    def log_params(self, params: Mapping[str, Any]) -> None:
-        self._put(self.inner.log_params, dict(params))
-
-    def set_tags(self, tags: Mapping[str, Any]) -> None:
-        self._put(self.inner.set_tags, dict(tags))
-
-    def log_artifact(self, path: str | os.PathLike, artifact_path: str | None = None) -> None:
-        self._put(self.inner.log_artifact, path, artifact_path)
-
-    def log_text(self, text: str, name: str) -> None:
-        self._put(self.inner.log_text, text, name)
-
-    def log_dict(self, d: Mapping[str, Any], name: str) -> None:
-        self._put(self.inner.log_dict, json.loads(json.dumps(d, default=_json_default)), name)
-
-    def log_figure(self, fig: Any, name: str) -> None:
-        """Rendered here (the figure may change after this call), uploaded on the worker."""
-        import io
-        buf = io.BytesIO()
-        fig.savefig(buf, format="png", dpi=120, bbox_inches="tight")
-        data = buf.getvalue()
-        name = name if name.lower().endswith(".png") else name + ".png"
-        self._put(self.inner._log_generated, name, lambda p: Path(p).write_bytes(data))
-
-    @property
-    def run_id(self) -> str | None:
-        return self.inner.run_id
-
-    def close(self, status: str = "FINISHED") -> None:
-        if self._closed:
-            return
-        self._closed = True
-        drained = self.flush(self.close_timeout_s)
-        if not drained:
-            warnings.warn(f"MLflow store {self.inner.tracking_uri!r} did not take the last "
-                          f"{self._q.unfinished_tasks} logging calls within {self.close_timeout_s:g} s; they are "
-                          f"dropped (metrics.jsonl has them)", RuntimeWarning, stacklevel=2)
-            self.inner._healthy = False  # the worker may still be blocked in a call: do not wait for it
-        self._q.put(None)
-        if drained:
-            self._worker.join(timeout=self.close_timeout_s)
-        self.inner.close(status)
-
-
-def in_background(loggers: "MultiLogger") -> "MultiLogger":
-    """`loggers` with its MLflow logger moved onto a worker thread (jsonl and console stay on the caller's)."""
-    loggers.loggers = [BackgroundLogger(lg) if isinstance(lg, MLflowLogger) and lg.healthy else lg
-                       for lg in loggers.loggers]
-    return loggers
-
-
 def build_loggers(
     cfg: TrackingConfig,
     run_dir: str | os.PathLike,
@@ -922,8 +783,6 @@ __all__ = [
     "MLflowLogger",
     "ConsoleLogger",
     "MultiLogger",
-    "BackgroundLogger",
-    "in_background",
     "build_loggers",
     "flatten_config",
     "git_sha",

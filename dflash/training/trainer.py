@@ -51,8 +51,8 @@ from dflash.tracking.loggers import (
     build_loggers,
     flatten_config,
     git_sha,
-    in_background,
 )
+from dflash.tracking.background import in_background
 
 log = logging.getLogger(__name__)
 

@@ -2,18 +2,75 @@
 goes through these.
 
 `atomic_write` writes to a temp file in the same folder, fsyncs, then `os.replace`s it, so a run killed at any
-moment (SIGKILL included) leaves the previous file or the new one, never a torn one. `save_checked` /
+moment (SIGKILL included) leaves the previous file or the new one, never a torn one. The file gets the mode an
+ordinary `open()` would give it (0666 less the umask: `mkstemp` alone makes it 0600, which a separate MLflow server
+or a colleague cannot read), and a write that fails because the disk is full says so (torch's zip writer reports
+only `unexpected pos …`). `save_checked` /
 `load_checked` add a magic, a JSON header and the payload's sha256, so a cache is verified before it is trusted.
 """
 from __future__ import annotations
 
+import errno
 import json
 import os
+import shutil
 import tempfile
 from pathlib import Path
 from typing import Callable
 
 import torch
+
+
+_UMASK: int | None = None
+
+
+def umask() -> int:
+    """The process umask, read once (os.umask can only be read by setting it)."""
+    global _UMASK
+    if _UMASK is None:
+        try:  # Linux: readable without touching it (no window where another thread sees umask 0)
+            line = next(ln for ln in Path("/proc/self/status").read_text().splitlines() if ln.startswith("Umask:"))
+            _UMASK = int(line.split()[1], 8)
+        except (OSError, StopIteration, ValueError, IndexError):
+            _UMASK = os.umask(0o022)
+            os.umask(_UMASK)
+    return _UMASK
+
+
+def file_mode() -> int:
+    return 0o666 & ~umask()
+
+
+def dir_mode() -> int:
+    return 0o777 & ~umask()
+
+
+# Free space below this on a failed write's filesystem means the write failed because the disk filled up.
+_FULL_BELOW_BYTES = 1 << 20
+
+
+def disk_full_error(path: Path, exc: BaseException) -> OSError | None:
+    """An OSError saying the disk is full, when `exc` (or what caused it) is ENOSPC / EDQUOT, or the filesystem
+    is left with almost no free space (torch's writer then reports only `unexpected pos …`); else None."""
+    e: BaseException | None = exc
+    while e is not None:
+        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+            break
+        e = e.__cause__ or e.__context__
+    full = e is not None
+    if not full:
+        try:
+            full = shutil.disk_usage(path.parent).free < _FULL_BELOW_BYTES
+        except OSError:
+            full = False
+    if not full:
+        return None
+    try:
+        free = shutil.disk_usage(path.parent).free
+    except OSError:
+        free = -1
+    return OSError(errno.ENOSPC, f"the disk is full writing {path} ({free} bytes free on its filesystem); the "
+                                 f"previous file is intact ({type(exc).__name__}: {exc})", str(path))
 
 
 def atomic_write(path: str | os.PathLike, write: Callable[[str], None]) -> None:
@@ -25,10 +82,14 @@ def atomic_write(path: str | os.PathLike, write: Callable[[str], None]) -> None:
         write(tmp)
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
+        os.chmod(tmp, file_mode())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as e:
+        full = disk_full_error(path, e) if isinstance(e, Exception) else None  # before the temp file goes
         if os.path.exists(tmp):
             os.unlink(tmp)
+        if full is not None:
+            raise full from e
         raise
 
 

@@ -8,12 +8,13 @@ directly or through the same compose helper.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from dflash.training.buffer import BufferConfig, validate_buffer_config
 from dflash.data.sources import DataConfig, validate_data_config, validate_online_data
+from dflash.run_dir import CHECKPOINT_DIR, RunDir
 from dflash.drafter.model import DrafterConfig, validate_drafter_config
 from dflash.drafter.attention import ATTN_KERNELS
 from dflash.evaluation import EvalConfig, validate_eval_config
@@ -36,12 +37,12 @@ class TrainerConfig:
     sequences_per_step: int = 2  # sequences pulled from the buffer per optimizer step
     num_anchors: int = 16  # random anchors (blocks) per sequence, re-drawn every epoch
     lr: float = 1e-3
-    min_lr_ratio: float = 0.1
-    warmup_steps: int = 10
+    min_lr_ratio: float = 0.1  # the cosine's end as a fraction of lr, in [0, 1]
+    warmup_steps: int = 10  # linear LR warmup (0: none)
     weight_decay: float = 0.0
-    grad_clip: float = 1.0
+    grad_clip: float = 1.0  # max gradient norm, > 0 (clipping is always on: a huge value leaves it idle)
     checkpoint_every: int = 50
-    keep_checkpoints: int = 2
+    keep_checkpoints: int = 2  # newest checkpoints kept (0: all)
     device: str = "auto"
     dtype: str = "float32"  # drafter parameter dtype (master weights)
     autocast: str = "auto"  # auto: bfloat16 autocast on GPU, off on CPU
@@ -92,10 +93,45 @@ def _positive(section: str, obj: Any, *keys: str) -> None:
             raise ConfigError(f"{section}.{k} must be > 0, got {getattr(obj, k)}")
 
 
+def _non_finite(obj: Any, prefix: str = "") -> list[str]:
+    """`section.key=value` for every NaN / ±inf number anywhere in the config (lists included)."""
+    bad = []
+    for f in dataclasses.fields(obj):
+        v, key = getattr(obj, f.name), f"{prefix}{f.name}"
+        if dataclasses.is_dataclass(v):
+            bad += _non_finite(v, key + ".")
+            continue
+        for x in (v if isinstance(v, (list, tuple)) else [v]):
+            if isinstance(x, float) and not math.isfinite(x):
+                bad.append(f"{key}={x}")
+    return bad
+
+
+def _trainer_ranges(cfg: RunConfig) -> None:
+    t = cfg.trainer
+    for key in ("warmup_steps", "eval_every", "keep_checkpoints", "weight_decay"):
+        if getattr(t, key) < 0:
+            raise ConfigError(f"trainer.{key} must be >= 0, got {getattr(t, key)}")
+    if t.grad_clip <= 0:
+        raise ConfigError(f"trainer.grad_clip must be > 0 (the max gradient norm; clipping is always on, a large "
+                          f"value leaves it idle), got {t.grad_clip}")
+    if not 0 <= t.min_lr_ratio <= 1:
+        raise ConfigError(f"trainer.min_lr_ratio must be in [0, 1] (the final LR as a fraction of trainer.lr), "
+                          f"got {t.min_lr_ratio}")
+    # draw_anchors: anchors a ∈ [1, length − block_size + 1], so a sequence holds at most that many blocks
+    cap = cfg.data.max_len - cfg.drafter.block_size + 1
+    if t.num_anchors > cap:
+        raise ConfigError(f"trainer.num_anchors={t.num_anchors} is more than a sequence allows: at most "
+                          f"data.max_len - drafter.block_size + 1 = {cap} anchors per sequence")
+
+
 def validate(cfg: RunConfig) -> None:
     """Every check that needs no weights; raises ConfigError naming the key. Reads the target's
     config.json (not its weights) for layer count and vocabulary."""
     try:
+        bad = _non_finite(cfg)
+        if bad:
+            raise ConfigError(f"{', '.join(bad)}: every number must be finite (no NaN or inf)")
         if cfg.drafter.block_size < 2:
             raise ConfigError(f"drafter.block_size must be >= 2 (anchor + at least one prediction), "
                               f"got {cfg.drafter.block_size}")
@@ -106,6 +142,7 @@ def validate(cfg: RunConfig) -> None:
         ATTN_KERNELS.check(cfg.drafter.attn_kernel)
         COMPILE_MODES.check(cfg.trainer.compile_mode)
         PRODUCER_STREAMS.check(cfg.trainer.producer_stream)
+        _trainer_ranges(cfg)
         if cfg.trainer.time_budget_s < 0:
             raise ConfigError(f"trainer.time_budget_s must be >= 0 (0: off), got {cfg.trainer.time_budget_s}")
         if cfg.trainer.token_budget < 0:
@@ -122,8 +159,8 @@ def validate(cfg: RunConfig) -> None:
                               f"{cfg.drafter.block_size}: no anchor would fit")
         if cfg.tracking.log_every < 1:
             raise ConfigError("tracking.log_every must be >= 1")
-        if cfg.resume and not (Path(cfg.resume) / "checkpoints").is_dir():
-            raise ConfigError(f"resume={cfg.resume!r}: no checkpoints/ folder there")
+        if cfg.resume and not RunDir(cfg.resume).checkpoints.is_dir():
+            raise ConfigError(f"resume={cfg.resume!r}: no {CHECKPOINT_DIR}/ folder there")
         validate_buffer_config(cfg.buffer)
         validate_data_config(cfg.data)
         if cfg.trainer.online_data:

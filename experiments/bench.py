@@ -22,7 +22,7 @@ from pathlib import Path
 from dflash.bench.runner import BenchConfig, format_table, run_bench
 from dflash.config import ConfigError, to_dict
 from dflash.tracking.loggers import MLflowLogger, flatten_config
-from experiments.config import compose_config, run_cli
+from experiments.config import compose_config, exit_on_help, run_cli
 
 RESULTS = Path(__file__).resolve().parent.parent / "benchmarks" / "RESULTS.md"
 
@@ -69,6 +69,7 @@ def headline(out: dict) -> dict[str, float]:
 
 def main(argv: list[str] | None = None) -> dict:
     argv = list(sys.argv[1:] if argv is None else argv)
+    exit_on_help(argv, __doc__, extra={"bench": dataclasses.asdict(BenchConfig())})
     bench, overrides, results = parse_bench_args(argv)
     cfg = compose_config(overrides)
     out = run_bench(cfg, bench)

@@ -34,15 +34,16 @@ def compose_config(overrides: list[str] | None = None, config_name: str = "confi
 def resume_config(run_dir: str, overrides: list[str]) -> RunConfig:
     """The saved config of `run_dir` with `key=value` overrides on top (e.g. trainer.max_steps=2000 to extend a
     run). Group options cannot change on resume: that would be another run."""
-    import yaml
-    saved = Path(run_dir) / "config.yaml"
-    if not saved.is_file():
-        raise ConfigError(f"resume={run_dir!r}: no config.yaml there")
+    from dflash.run_dir import RunDir
+    try:
+        saved_cfg = RunDir(run_dir).read_config()
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"resume={run_dir!r}: {e}") from e
     groups = [o for o in overrides if o.startswith("+") or o.split("=")[0] in GROUPS]
     if groups:
         raise ConfigError(f"resume: {groups} would change a config group; only key=value overrides apply on resume")
     try:
-        merged = OmegaConf.merge(OmegaConf.structured(RunConfig), yaml.safe_load(saved.read_text()),
+        merged = OmegaConf.merge(OmegaConf.structured(RunConfig), saved_cfg,
                                  OmegaConf.from_dotlist(overrides))
         d = OmegaConf.to_container(merged, resolve=True)
     except OmegaConfBaseException as e:
@@ -61,6 +62,54 @@ def group_options(group: str) -> list[str]:
     return sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml"))
 
 
+def default_group_options() -> dict[str, str]:
+    """group -> the option conf/config.yaml picks."""
+    import yaml
+    defaults = yaml.safe_load((CONF_DIR / "config.yaml").read_text()).get("defaults", [])
+    return {e.split("/")[0]: e.split("/")[1].split("@")[0] for e in defaults if isinstance(e, str) and "/" in e}
+
+
+def _keys_table(d: dict, prefix: str = "") -> list[str]:
+    lines = []
+    for k, v in d.items():
+        if isinstance(v, dict) and v:
+            lines += _keys_table(v, f"{prefix}{k}.")
+        else:
+            lines.append(f"  {prefix}{k}={v!r}" if isinstance(v, str) else f"  {prefix}{k}={v}")
+    return lines
+
+
+def help_text(doc: str, run_keys: bool = True, extra: dict | None = None, groups: bool = True) -> str:
+    """`--help` for an entry point: its docstring, the config groups with their options (`+group=option`, the
+    default marked *), and every `key=value` key with its default (`extra`: more sections, e.g. bench.*)."""
+    from dflash.config import to_dict
+    out = [doc.strip(), ""]
+    if groups:
+        picked = default_group_options()
+        out.append("Config groups (switch with +group=option; * = default):")
+        for g in GROUPS:
+            opts = [f"{o}*" if o == picked.get(g) else o for o in group_options(g)]
+            out.append(f"  {g}: {', '.join(opts)}")
+        out.append("")
+    if run_keys:
+        try:
+            d = to_dict(compose_config([]))
+        except ConfigError:
+            d = to_dict(RunConfig())
+        out.append("Keys (key=value; defaults as composed from conf/config.yaml):")
+        out += _keys_table(d)
+    for section, d in (extra or {}).items():
+        out += ["", f"{section} keys:" if section else "Keys (key=value, defaults shown):"] + _keys_table(d, f"{section}." if section else "")
+    return "\n".join(out)
+
+
+def exit_on_help(argv: list[str], doc: str, **kw) -> None:
+    """Prints `help_text` and exits 0 when argv asks for help (-h / --help)."""
+    if any(a in ("-h", "--help") for a in argv):
+        print(help_text(doc, **kw))
+        raise SystemExit(0)
+
+
 def run_cli(main) -> None:
     """`python -m experiments.X`: logging on, bad input → `error: …` on stderr and exit status 2."""
     import logging
@@ -69,8 +118,16 @@ def run_cli(main) -> None:
     # Fewer, growable allocator segments: the drafter's variable-length steps otherwise fragment the cache.
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    from dflash.training.health import DeadDrafterError
+    from dflash.training.interrupts import RunInterrupted
     try:
         main()
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
+    except RunInterrupted as e:  # the trainer checkpointed and closed its run KILLED
+        print(f"{e}", file=sys.stderr)
+        sys.exit(e.exit_code)
+    except DeadDrafterError as e:  # closed FAILED
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(1)

@@ -40,7 +40,6 @@ import logging
 import sys
 from pathlib import Path
 
-import yaml
 
 from dflash.config import ConfigError, RunConfig, from_dict
 from dflash.evaluation import validate_eval_config
@@ -76,41 +75,28 @@ def _saved_config(d: dict, overrides: list[str]) -> RunConfig:
 
 
 def resolve_source(path: Path, overrides: list[str]):
-    """-> (RunConfig, EvalConfig, drafter loader, training run dir or None, default step)."""
-    from dflash.serving.export import load_drafter
-    if path.is_dir() and (path / "config.yaml").is_file():
-        cfg = _saved_config(yaml.safe_load((path / "config.yaml").read_text()), overrides)
-        final = path / "final"
-        if (final / "config.json").is_file():
-            return cfg, cfg.eval, lambda dev: load_drafter(final, dev), path, cfg.trainer.max_steps
-        from dflash.training.checkpoint import latest_checkpoint
-        ckpt = latest_checkpoint(path / "checkpoints")
-        if ckpt is None:
-            raise ConfigError(f"{path}: neither final/ nor a checkpoint in checkpoints/")
-        path = ckpt
-    if path.is_file():
-        from dflash.training.checkpoint import load_checkpoint
-        state = load_checkpoint(path)
-        cfg = _saved_config(state["config"], overrides)
-        run_dir = path.parent.parent if path.parent.name == "checkpoints" else None
-
-        def load_ckpt(dev, state=state, cfg=cfg):
-            from dflash.drafter.model import build_drafter
-            from dflash.serving.export import read_target_facts
-            from dflash.target.model import read_target_info, resolve_layer_ids, resolve_mask_token
-            ti = read_target_info(cfg.target)
-            dc = cfg.drafter.for_target(read_target_facts(cfg.target).rope_theta)  # rope_theta 0: the target's
-            d = build_drafter(dc, ti.hidden_size, ti.num_layers, resolve_mask_token(cfg.target),
-                              resolve_layer_ids(cfg.target, ti))
-            d.load_state_dict(state["drafter"])
-            return d.to(dev)
-        return cfg, cfg.eval, load_ckpt, run_dir, int(state.get("step", 0))
-    if path.is_dir() and (path / "config.json").is_file():
+    """-> (RunConfig, EvalConfig, drafter loader, training run dir or None, default step).
+    `dflash.run_dir.resolve_drafter_source` decides what the path names."""
+    from dflash.run_dir import resolve_drafter_source
+    from dflash.serving.export import drafter_from_checkpoint, load_drafter
+    try:
+        src = resolve_drafter_source(path)
+        saved = src.run_config
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"{path}: not a run directory (config.yaml), a serving folder (config.json) or a "
+                          f"checkpoint file: {e}") from e
+    if saved is None and src.run is not None:
+        raise ConfigError(f"{path}: a run directory without config.yaml")
+    if saved is None:  # a bare serving folder: the target comes from the overrides
         from experiments.config import compose_config
         cfg = compose_config(overrides)
-        return cfg, cfg.eval, lambda dev: load_drafter(path, dev), None, 0
-    raise ConfigError(f"{path}: not a run directory (config.yaml), a serving folder (config.json) or a "
-                      f"checkpoint file")
+        return cfg, cfg.eval, lambda dev: load_drafter(src.serving, dev), None, 0
+    cfg = _saved_config(saved, overrides)
+    run_dir = src.run.root if src.run is not None else None
+    if src.serving is not None:
+        return cfg, cfg.eval, lambda dev: load_drafter(src.serving, dev), run_dir, cfg.trainer.max_steps
+    return (cfg, cfg.eval, lambda dev: drafter_from_checkpoint(src.checkpoint, src.state).drafter.to(dev),
+            run_dir, src.step)
 
 
 def recorded_target_fingerprint(path: Path) -> tuple[bool, str | None]:
@@ -140,13 +126,8 @@ def _check_target(path: Path, target) -> None:
 
 
 def _mlflow_info(run_dir: Path | None) -> dict:
-    f = run_dir / "mlflow_run.json" if run_dir else None
-    if f is not None and f.is_file():
-        try:
-            return json.loads(f.read_text())
-        except (OSError, json.JSONDecodeError):
-            log.warning("%s is unreadable; the eval run is not linked to the training run", f)
-    return {}
+    from dflash.run_dir import RunDir
+    return RunDir(run_dir).mlflow_info() if run_dir is not None else {}
 
 
 def _log_into_run(uri: str, run_id: str, metrics: dict[str, float], step: int, art_dir: Path) -> None:
@@ -179,8 +160,8 @@ def _parse_argv(argv: list[str]) -> tuple[Path, str | None, list[str], Path | No
         elif a == "--allow-other-target":
             continue  # read by main
         elif a in ("-h", "--help"):
-            print(__doc__)
-            raise SystemExit(0)
+            from experiments.config import exit_on_help
+            exit_on_help([a], __doc__)
         else:
             rest.append(a)
     if not rest:
@@ -211,7 +192,8 @@ def main(argv: list[str] | None = None) -> dict:
     other_drafter, other_label = (None, "") if other is None else _load_other(other, overrides, cfg, ml, dev)
 
     stamp = default_run_name()
-    out = out or ((run_dir / "eval" / stamp) if run_dir else Path("runs") / f"eval-{stamp}")
+    from dflash.run_dir import RunDir
+    out = out or ((RunDir(run_dir).eval_dir / stamp) if run_dir else Path("runs") / f"eval-{stamp}")
     tracking = cfg.tracking
     if ml.get("tracking_uri"):
         ml["tracking_uri"] = resolve_relative_sqlite(ml["tracking_uri"], run_dir)

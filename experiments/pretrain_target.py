@@ -121,6 +121,8 @@ def build_config(argv: list[str]) -> PretrainConfig:
 
 def main(argv: list[str] | None = None) -> dict:
     argv = list(sys.argv[1:] if argv is None else argv)
+    from experiments.config import exit_on_help
+    exit_on_help(argv, __doc__, run_keys=False, groups=False, extra={"": asdict(build_config([]))})
     cfg = build_config(argv)
     if "--cfg" in argv:
         print(json.dumps(asdict(cfg), indent=1))

@@ -16,6 +16,7 @@ import re
 import sys
 from pathlib import Path
 
+from dflash.run_dir import MLFLOW_FILE, RunDir
 from dflash.serving.promotion import Decision, PromoteConfig, PromotionError, promote
 from dflash.tracking.loggers import resolve_relative_sqlite
 
@@ -31,10 +32,10 @@ def _find_run_dir(path: Path) -> Path:
     """A run dir, its `final/` folder, or a checkpoint inside it → the dir holding mlflow_run.json."""
     p = path.resolve()
     for cand in [p, *p.parents][:4]:
-        if (cand / "mlflow_run.json").is_file():
+        if RunDir(cand).mlflow_file.is_file():
             return cand
-    if (p / "config.yaml").is_file() or (p / "metrics.jsonl").is_file():
-        raise BadInput(f"{path}: a run directory without mlflow_run.json (tracked with "
+    if RunDir(p).is_run():
+        raise BadInput(f"{path}: a run directory without {MLFLOW_FILE} (tracked with "
                        f"tracking.enabled=false, or MLflow was down); it cannot be promoted")
     raise BadInput(f"{path}: not a run directory (no mlflow_run.json here or in the folders above)")
 
@@ -44,7 +45,7 @@ def resolve_target(target: str, tracking_uri: str | None) -> tuple[str, str]:
     path = Path(target)
     if path.exists():
         run_dir = _find_run_dir(path)
-        info_file = run_dir / "mlflow_run.json"
+        info_file = RunDir(run_dir).mlflow_file
         try:
             info = json.loads(info_file.read_text())
             run_id = info["run_id"]

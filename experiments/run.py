@@ -1,7 +1,9 @@
 """One training run: `python -m experiments.run [+loss=soft_kl] [+noise=cosine] [key=value ...]`.
 
 Thin on purpose: compose the config, call `dflash.training.trainer.train`, print the result. Sweeps, tests and
-notebooks call the same functions. `--cfg` prints the resolved config and exits.
+notebooks call the same functions. `--cfg` prints the resolved config and exits; `--help` lists the config
+groups, their options and every key. `resume=<run dir>` continues a run from its newest intact checkpoint.
+SIGTERM / Ctrl-C: the step finishes, a checkpoint is written, the MLflow run closes KILLED, exit 128 + signal.
 """
 from __future__ import annotations
 
@@ -11,11 +13,12 @@ import yaml
 
 from dflash.config import to_dict
 from dflash.training.trainer import train
-from experiments.config import compose_config, resume_config, run_cli
+from experiments.config import compose_config, exit_on_help, resume_config, run_cli
 
 
 def main(argv: list[str] | None = None) -> dict:
     argv = list(sys.argv[1:] if argv is None else argv)
+    exit_on_help(argv, __doc__)
     show = "--cfg" in argv
     overrides = [a for a in argv if a != "--cfg"]
     resume = next((a.partition("=")[2] for a in overrides if a.startswith("resume=")), "")

@@ -68,9 +68,20 @@ class LaunchArgs:
     check: bool = False
 
 
+def launch_help() -> str:
+    """The docstring, the sweep files, the launcher's keys and the run config's groups (what a search space and
+    the fixed overrides name)."""
+    from experiments.config import CONF_DIR, help_text
+    sweeps = sorted(p.stem for p in (CONF_DIR / "sweep").glob("*.yaml"))
+    keys = {f.name: f.default if f.default is not dataclasses.MISSING else "[]"
+            for f in dataclasses.fields(LaunchArgs) if f.name != "sweep"}
+    return help_text(__doc__ + f"\nSweeps (conf/sweep/*.yaml): {', '.join(sweeps)}", run_keys=False,
+                     extra={"": keys})
+
+
 def parse_args(argv: list[str]) -> LaunchArgs:
     if not argv or argv[0] in ("-h", "--help"):
-        print(__doc__)
+        print(launch_help())
         raise SystemExit(0 if argv else 2)
     check = "--check" in argv
     argv = [a for a in argv if a != "--check"]

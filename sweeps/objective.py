@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from dflash.config import ConfigError, RunConfig
+from dflash.run_dir import RunDir
 from sweeps.support import TAG_PRUNED_STEP, TAG_VALUE, EvalPruned, PruningEvaluator, SweepTracker
 from sweeps.space import SweepDef, merge_overrides, suggest
 
@@ -108,7 +109,7 @@ def run_trial(trial, ctx: TrialContext, tracker: SweepTracker | None) -> float:
             if run_id:
                 trial.set_user_attr(ATTR_RUN_ID, run_id)
         evaluator = PruningEvaluator(trial, ctx.sweep.objective.metric, run_dir,
-                                     base=base_evaluator(ecfg, out_dir=run_dir / "eval"))
+                                     base=base_evaluator(ecfg, out_dir=RunDir(run_dir).eval_dir))
         from dflash.training.trainer import train  # imported late: the launcher process never trains
         result = train(cfg, evaluator, run_id=run_id)
         if result.checkpoint is not None:

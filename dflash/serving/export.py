@@ -31,7 +31,7 @@ from typing import Callable
 import torch
 from safetensors.torch import load_file, save_file
 
-from dflash.atomic import atomic_write, atomic_write_text
+from dflash.atomic import atomic_write, atomic_write_text, dir_mode
 from dflash.drafter.model import LAYER_TYPES, DFlashDrafter, DrafterConfig
 
 MODELING_FILE = "modeling_dflash.py"  # written into every complete folder; its source sits beside this module
@@ -448,7 +448,7 @@ def write_dir_atomically(out_dir: str | os.PathLike, write: Callable[[Path], obj
     try:
         write(tmp)
         _fsync_dir(tmp)
-        os.chmod(tmp, 0o755)
+        os.chmod(tmp, dir_mode())  # mkdtemp makes it 0700
         replace_dir(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -465,15 +465,10 @@ class ExportSource:
     target: TargetFacts | None = None  # None: unknown (a bare folder as source) -> a bare export
 
 
-def _drafter_from_checkpoint(pt: Path) -> ExportSource:
-    """A trainer checkpoint (`checkpoints/step_*.pt`) → drafter; target facts (mask token, layer ids,
-    vocab) from the same run's final/config.json when present, else from the saved target config."""
-    from dflash.training.checkpoint import load_checkpoint
-    try:
-        state = load_checkpoint(pt)
-    except Exception as e:
-        raise ValueError(f"{pt}: unreadable checkpoint ({type(e).__name__}: {e})") from e
-    if not isinstance(state, dict) or "drafter" not in state or "config" not in state:
+def drafter_from_checkpoint(pt: Path, state: dict) -> ExportSource:
+    """A trainer checkpoint's loaded state (`checkpoints/step_*.pt`) → drafter; target facts (mask token, layer
+    ids, vocab) from the same run's final/config.json when present, else from the saved target config."""
+    if "drafter" not in state or "config" not in state:
         raise ValueError(f"{pt}: not a dflash training checkpoint (expected a dict with 'drafter' and "
                          f"'config', as written by dflash.training.trainer)")
     weights, run_cfg = state["drafter"], state["config"]
@@ -482,13 +477,14 @@ def _drafter_from_checkpoint(pt: Path) -> ExportSource:
     known = {f.name for f in dataclasses.fields(DrafterConfig)}
     dcfg = DrafterConfig(**{k: v for k, v in (run_cfg.get("drafter") or {}).items() if k in known})
     H, in_features = weights["fc.weight"].shape
-    final_cfg = pt.parent.parent / "final" / "config.json"
-    if final_cfg.is_file():
-        sc = read_serving_config(final_cfg.parent)
+    from dflash.run_dir import RunDir
+    run = RunDir(pt.parent.parent)  # checkpoints/ sits in the run folder
+    if run.has_final():
+        sc = read_serving_config(run.final)
         d = sc.get("dflash_config") or {}
         layer_ids, mask = list(d["target_layer_ids"]), int(d["mask_token_id"])
         n_target, vocab = int(sc["num_target_layers"]), int(sc.get("vocab_size", 0))
-        facts, rope_theta = facts_from_serving(sc), rope_theta_of(sc, str(final_cfg))
+        facts, rope_theta = facts_from_serving(sc), rope_theta_of(sc, str(run.final / "config.json"))
     else:
         from dflash.target.model import (
             TargetConfig,
@@ -531,24 +527,13 @@ def _from_serving(folder: Path) -> ExportSource:
 
 
 def resolve_export_source(source: str | os.PathLike) -> ExportSource:
-    """A run dir (its final/ serving folder, else its latest checkpoint), a serving folder, or a .pt."""
-    from dflash.training.checkpoint import latest_checkpoint
-    src = Path(source)
-    if src.is_file():
-        if src.suffix != ".pt":
-            raise ValueError(f"{src}: expected a run directory, a serving folder or a checkpoint .pt file")
-        return _drafter_from_checkpoint(src)
-    if not src.is_dir():
-        raise FileNotFoundError(f"{src}: no such run directory or checkpoint")
-    if (src / "config.json").is_file():
-        return _from_serving(src)
-    if (src / "final" / "config.json").is_file():
-        return _from_serving(src / "final")
-    ckpt = latest_checkpoint(src / "checkpoints")
-    if ckpt is not None:
-        return _drafter_from_checkpoint(ckpt)
-    raise FileNotFoundError(f"{src}: neither a serving folder (config.json), a run directory with final/ "
-                            f"nor one with checkpoints/step_*.pt")
+    """A run dir (its final/ serving folder, else its newest intact checkpoint), a serving folder, or a .pt
+    (`dflash.run_dir.resolve_drafter_source` decides which)."""
+    from dflash.run_dir import resolve_drafter_source
+    src = resolve_drafter_source(source)
+    if src.serving is not None:
+        return _from_serving(src.serving)
+    return drafter_from_checkpoint(src.checkpoint, src.state)
 
 
 def export_drafter(source: str | os.PathLike, out_dir: str | os.PathLike,

@@ -42,6 +42,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
+from dflash.run_dir import METRICS_FILE, RunDir
+from dflash.tracking.transport import HEARTBEAT_TAG, heartbeat_tags, http_preflight, utc_now
+
 # MLflow limits (mirrors mlflow.utils.validation; the real values are read when mlflow loads).
 MAX_PARAMS_TAGS_PER_BATCH = 100
 MAX_METRICS_PER_BATCH = 1000
@@ -390,18 +393,7 @@ class Logger(ABC):
 
 def read_jsonl_metrics(run_dir: str | os.PathLike) -> list[dict[str, Any]]:
     """The records of `<run_dir>/metrics.jsonl`, oldest first ([] when absent; a torn line is skipped)."""
-    path = Path(run_dir) / "metrics.jsonl"
-    try:
-        lines = path.read_text(encoding="utf-8").splitlines()
-    except OSError:
-        return []
-    records = []
-    for line in lines:
-        try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
-    return records
+    return RunDir(run_dir).metric_records()
 
 
 class JsonlLogger(Logger):
@@ -414,7 +406,7 @@ class JsonlLogger(Logger):
     def __init__(self, run_dir: str | os.PathLike):
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        self.path = self.run_dir / "metrics.jsonl"
+        self.path = self.run_dir / METRICS_FILE
         self._f = open(self.path, "a", encoding="utf-8")
 
     def log(self, metrics: Mapping[str, float], step: int) -> None:
@@ -558,6 +550,7 @@ class MLflowLogger(Logger):
             pass
 
         quiet_library_logs()  # before the store opens: its schema setup logs 2-4 INFO lines
+        http_preflight(self.tracking_uri)
         self.client = MlflowClient(tracking_uri=self.tracking_uri)
         # sqlite: several processes creating the db/experiment at once may collide; retry.
         attempts = 3 if self.tracking_uri.startswith("sqlite:") else 1
@@ -583,6 +576,13 @@ class MLflowLogger(Logger):
                 )
                 run = None
             if run is not None:
+                last = run.data.tags.get(HEARTBEAT_TAG)
+                # RUNNING with a heartbeat: a dflash process had it and died without closing it (kill -9, power
+                # loss). Without one it was opened for us by a caller (a sweep's child run): not a takeover.
+                if run.info.status == "RUNNING" and last:
+                    warnings.warn(f"MLflow run {run_id} was still RUNNING (last heartbeat {last}): taken over by "
+                                  f"this process, which closes it at the end", RuntimeWarning, stacklevel=4)
+                    self.client.set_tag(run_id, "dflash.taken_over", utc_now())
                 self.client.update_run(run_id, status="RUNNING")
                 self._run_id = run_id
                 self._resumed = True
@@ -593,6 +593,7 @@ class MLflowLogger(Logger):
                 return
         run = self.client.create_run(self.experiment_id, run_name=self.run_name)
         self._run_id = run.info.run_id
+        self.client.set_tag(self._run_id, HEARTBEAT_TAG, utc_now())
 
     # ---- logging
     def log(self, metrics: Mapping[str, float], step: int) -> None:
@@ -606,8 +607,10 @@ class MLflowLogger(Logger):
             f = _to_float(v)
             if f is not None:
                 ms.append(Metric(_sanitize_key(k), f, ts, int(step)))
-        for chunk in _chunks(ms, MAX_METRICS_PER_BATCH):
-            if not self._call("log_batch(metrics) failed", self.client.log_batch, self._run_id, metrics=list(chunk)):
+        for i, chunk in enumerate(_chunks(ms, MAX_METRICS_PER_BATCH)):
+            beat = heartbeat_tags() if i == 0 else []  # rides along: no extra request
+            if not self._call("log_batch(metrics) failed", self.client.log_batch, self._run_id, metrics=list(chunk),
+                              tags=beat):
                 return
 
     def log_params(self, params: Mapping[str, Any]) -> None:
@@ -823,7 +826,8 @@ class MultiLogger(Logger):
 
     @property
     def mlflow(self) -> MLflowLogger | None:
-        return next((lg for lg in self.loggers if isinstance(lg, MLflowLogger)), None)
+        inner = (getattr(lg, "inner", lg) for lg in self.loggers)  # a BackgroundLogger's MLflowLogger
+        return next((lg for lg in inner if isinstance(lg, MLflowLogger)), None)
 
     @property
     def run_id(self) -> str | None:
@@ -875,7 +879,7 @@ def build_loggers(
                 "run_id": ml.run_id,
                 "run_name": ml.run_name,
             }
-            (run_dir / "mlflow_run.json").write_text(json.dumps(info, indent=1), encoding="utf-8")
+            RunDir(run_dir).write_mlflow_info(info)
     if cfg.console:
         loggers.append(ConsoleLogger(total_steps))
         print(start_banner(run_dir, loggers[1] if cfg.enabled else None), flush=True)

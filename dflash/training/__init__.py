@@ -11,6 +11,9 @@
   position weighting from `WEIGHTINGS`, computing its own LM-head stats); `position_stats` and `lm_head_loss`:
   those stats in LM-head chunks (`compute_position_stats`: the recompute path and the fused one).
 - `noise`: noise schedules on the target features (`build_noise`, `NoiseConfig`).
-- `checkpoint`: atomic step checkpoints (`save_checkpoint`, `latest_checkpoint`, `load_checkpoint`).
+- `checkpoint`: atomic step checkpoints that load as plain data, each with a sha256 (`save_checkpoint`,
+  `load_checkpoint`, `intact_checkpoint`: the newest that verifies, falling back past torn ones, `CheckpointError`).
+- `interrupts`: SIGTERM / SIGINT stop at a step boundary with a checkpoint (`StopOnSignal`, `RunInterrupted`).
+- `health`: a dead drafter (loss at ln V, zero gradient) ends the run FAILED (`check_alive`, `DeadDrafterError`).
 - `distributed`: torchrun data parallelism (`init_distributed`, `wrap_ddp`).
 """

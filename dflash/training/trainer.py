@@ -18,14 +18,15 @@ from pathlib import Path
 from typing import Callable
 
 import torch
-import yaml
 
 from dflash.training.batching import DrafterBatch, make_batch
 from dflash.training.compiling import compile_drafter
 from dflash.training.buffer import BucketedBuffer
-from dflash.atomic import atomic_write_text
-from dflash.training.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from dflash.config import ConfigError, RunConfig, from_dict, to_dict, validate
+from dflash.run_dir import ResumeState, RunDir, SkipLogged, read_resume_state
+from dflash.training.checkpoint import load_checkpoint
+from dflash.training.health import check_alive
+from dflash.training.interrupts import RunInterrupted, StopOnSignal
 from dflash.training.distributed import (
     DistInfo,
     broadcast_object,
@@ -50,10 +51,10 @@ from dflash.tracking.loggers import (
     MultiLogger,
     absolute_sqlite_uri,
     build_loggers,
-    default_run_name,
     git_sha,
     run_params,
 )
+from dflash.tracking.background import in_background
 
 log = logging.getLogger(__name__)
 
@@ -84,10 +85,10 @@ def resolve_run(cfg: RunConfig) -> RunConfig:
     applying key=value overrides on top of the saved config) and is used as given."""
     if not cfg.resume or Path(cfg.run_dir or ".").resolve() == Path(cfg.resume).resolve():
         return cfg
-    saved = Path(cfg.resume) / "config.yaml"
-    if not saved.is_file():
-        raise ConfigError(f"resume={cfg.resume!r}: no config.yaml there")
-    resumed = from_dict(yaml.safe_load(saved.read_text()))
+    try:
+        resumed = from_dict(RunDir(cfg.resume).read_config())
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"resume={cfg.resume!r}: {e}") from e
     return dataclasses.replace(resumed, run_dir=str(cfg.resume), resume=str(cfg.resume))
 
 
@@ -98,9 +99,18 @@ def run_label(cfg: RunConfig) -> str:
 
 def make_run_dir(cfg: RunConfig) -> Path:
     """`runs/<label>-<time>`; the folder's name is also the MLflow run's name."""
-    run_dir = Path(cfg.run_dir or f"runs/{default_run_name(run_label(cfg))}")
-    run_dir.mkdir(parents=True, exist_ok=True)
-    return run_dir
+    return RunDir.for_config(cfg.run_dir, run_label(cfg)).create().root
+
+
+def read_resume(cfg: RunConfig) -> ResumeState | None:
+    """For `resume=`: the newest intact checkpoint (falling back past torn or corrupt ones, with a warning) and
+    what the run already logged, read before anything in the folder changes. ConfigError when none is usable."""
+    if not cfg.resume:
+        return None
+    try:
+        return read_resume_state(RunDir(cfg.resume))
+    except ValueError as e:
+        raise ConfigError(str(e)) from e
 
 
 def tracked_params(cfg: RunConfig, loss_fn, noise) -> dict[str, str]:
@@ -177,14 +187,14 @@ class Trainer:
             cfg.tracking, tracking_uri=absolute_sqlite_uri(cfg.tracking.tracking_uri)))
         self.cfg = cfg
         validate(cfg)  # bad input fails here, before the target loads or anything is written
+        self.resume_state = read_resume(cfg) if self.dist.is_main else None  # resume: read only, validated here
+        self.stop = StopOnSignal()  # SIGTERM/SIGINT: checkpoint at the next step boundary, close KILLED
         torch.manual_seed(cfg.seed)
         random.seed(cfg.seed)
         main = self.dist.is_main
         self.run_dir = Path(broadcast_object(str(make_run_dir(cfg)) if main else None, self.dist))
         self.evaluator = None if not main else (
-            evaluator if evaluator is not None else make_evaluator(cfg.eval, out_dir=self.run_dir / "eval"))
-        if main:
-            atomic_write_text(self.run_dir / "config.yaml", yaml.safe_dump(to_dict(cfg), sort_keys=False))
+            evaluator if evaluator is not None else make_evaluator(cfg.eval, out_dir=RunDir(self.run_dir).eval_dir))
         self.target = target or Target(cfg.target)  # benchmarks reuse one (54 GB) target
         self.run_id = run_id  # log into an existing MLflow run (a sweep trial's child run)
         self.device = resolve_device(cfg.trainer.device)
@@ -209,6 +219,9 @@ class Trainer:
         self.buffer = BucketedBuffer(cfg.buffer, seed=cfg.seed)
         self.start_step, next_item, replay = self._restore()
         self.source = self.data.source(next_item, replay, self.dist.rank, self.dist.world)
+        if main:  # only now, with the resume state applied, does the run folder change
+            RunDir(self.run_dir).write_config(to_dict(cfg))
+            RunDir(self.run_dir).remove_torn_writes()
 
     def _build_drafter(self) -> DFlashDrafter:
         from dflash.serving.export import facts_of_target
@@ -221,20 +234,23 @@ class Trainer:
         return d
 
     def _restore(self) -> tuple[int, int, list[int]]:
-        ckpt = latest_checkpoint(self.run_dir / "checkpoints") if self.cfg.resume else None
-        if ckpt is None:
-            if self.cfg.resume:
-                raise ConfigError(f"resume={self.cfg.resume!r}: no readable checkpoint in checkpoints/")
+        if not self.cfg.resume:
             return 0, 0, []
-        state = load_checkpoint(ckpt, map_location="cpu")  # RNG states must stay on the CPU; the
-        # optimizer and model copy their tensors to the parameters' device when loading
+        # Rank 0 picked and verified the checkpoint (loaded on the CPU: RNG states must stay there; the optimizer
+        # and model copy their tensors to the parameters' device when loading); the other ranks load that file.
+        ckpt = Path(broadcast_object(str(self.resume_state.checkpoint) if self.dist.is_main else None, self.dist))
+        state = self.resume_state.state if self.dist.is_main else load_checkpoint(ckpt, map_location="cpu")
         recorded = state.get("target_fingerprint")
         if recorded and recorded != self.target.fingerprint:
             raise ConfigError(f"resume={self.cfg.resume!r}: {ckpt} was trained for target fingerprint {recorded}, "
                               f"but target {self.cfg.target.name!r} is now {self.target.fingerprint}; start a new run")
-        self.drafter.load_state_dict(state["drafter"])
-        self.opt.load_state_dict(state["optimizer"])
-        self.sched.load_state_dict(state["scheduler"])
+        try:
+            self.drafter.load_state_dict(state["drafter"])
+            self.opt.load_state_dict(state["optimizer"])
+            self.sched.load_state_dict(state["scheduler"])
+        except (RuntimeError, ValueError, KeyError) as e:  # e.g. a key=value override changed the drafter's shape
+            raise ConfigError(f"resume={self.cfg.resume!r}: {ckpt} does not fit this config "
+                              f"({type(e).__name__}: {str(e)[:400]})") from e
         if len(state["ranks"]) != self.dist.world:
             raise ConfigError(f"resume={self.cfg.resume!r}: checkpoint written by {len(state['ranks'])} ranks, "
                               f"this run has {self.dist.world} (data order and buffers are per rank)")
@@ -244,6 +260,8 @@ class Trainer:
         random.setstate(mine["rng"]["python"])
         self.data_meter.load_state_dict(mine.get("data", {}))
         log.info("resumed from %s at step %d", ckpt, state["step"])
+        if self.resume_state is not None:
+            self.resume_state.state = {}  # applied: do not hold a second copy of the weights and optimizer
         return state["step"], mine["items_put"], [key for _, key in mine["pending_keys"]]
 
     def _checkpoint(self, step: int) -> Path | None:
@@ -257,7 +275,7 @@ class Trainer:
         state = {"step": step, "drafter": self.drafter.state_dict(), "optimizer": self.opt.state_dict(),
                  "scheduler": self.sched.state_dict(), "ranks": ranks, "config": to_dict(self.cfg),
                  "target_fingerprint": self.target.fingerprint}
-        return save_checkpoint(self.run_dir / "checkpoints", step, state, self.cfg.trainer.keep_checkpoints)
+        return RunDir(self.run_dir).save_checkpoint(step, state, self.cfg.trainer.keep_checkpoints)
 
     # -- the step API (the loop and the bench call these) -----------------------------------------------
     def make_batch(self, items: list[Item]) -> DrafterBatch:
@@ -317,20 +335,19 @@ class Trainer:
         is entered around each loop step (items → `make_batch` → `step` → metrics), outside its
         `dflash.train_step` profiler range: the bench starts and stops a profiler there."""
         c = self.cfg
-        loggers = build_loggers(c.tracking, self.run_dir, tracked_params(c, self.loss_fn, self.noise), run_tags(c),
-                                c.trainer.max_steps, run_id=self.run_id or self._saved_run_id()) \
-            if self.dist.is_main else MultiLogger([])
+        loggers = self._loggers() if self.dist.is_main else MultiLogger([])
         loggers.set_tags({**{f"kernel.{k}": v for k, v in self.target.kernels.items()},
                           "dflash.target_fingerprint": self.target.fingerprint})
         loggers.set_tags(self.data_tags)
-        loggers.log_artifact(str(self.run_dir / "config.yaml"))
+        loggers.log_artifact(str(RunDir(self.run_dir).config_file))
         status, result = "FAILED", TrainResult(self.run_dir, loggers.run_id)
         producers = self._producers()
         try:
-            result.metrics = self._loop(producers, loggers, around_step or (lambda step: nullcontext()))
-            result.checkpoint = self._finish(loggers, result.metrics) if final else None
+            with self.stop:  # a signal during the final save and eval lets them finish; a second one abandons
+                result.metrics = self._loop(producers, loggers, around_step or (lambda step: nullcontext()))
+                result.checkpoint = self._finish(loggers, result.metrics) if final else None
             status = "FINISHED"
-        except BaseException as e:  # a pruned sweep trial carries run_status="KILLED"
+        except BaseException as e:  # a pruned sweep trial and a signal carry run_status="KILLED"
             status = getattr(e, "run_status", "KILLED" if isinstance(e, KeyboardInterrupt) else "FAILED")
             raise
         finally:
@@ -342,10 +359,27 @@ class Trainer:
             auto_promote(result.run_id, c.promote, c.tracking.tracking_uri)
         return result
 
-    def _saved_run_id(self) -> str | None:
-        import json
-        f = self.run_dir / "mlflow_run.json"
-        return json.loads(f.read_text()).get("run_id") if (self.cfg.resume and f.is_file()) else None
+    def _loggers(self):
+        """Rank 0's loggers: MLflow off the training thread; on resume the saved MLflow run reopened (taken
+        over when it was left RUNNING) and steps already logged not logged again."""
+        c, rs = self.cfg, self.resume_state
+        loggers = build_loggers(c.tracking, self.run_dir, tracked_params(c, self.loss_fn, self.noise), run_tags(c),
+                                c.trainer.max_steps, run_id=self.run_id or (rs.run_id if rs else None))
+        loggers = in_background(loggers)
+        return SkipLogged(loggers, rs.logged) if rs is not None and rs.logged else loggers
+
+    def _stop_now(self, done: int, at_log: bool, saved: bool) -> None:
+        """A SIGTERM/SIGINT seen at a step boundary: checkpoint this step and stop (every rank at the same step:
+        under several ranks the request is shared at log intervals, one collective there)."""
+        requested = self.stop.requested
+        if self.dist.enabled:
+            if not at_log:
+                return
+            signum = broadcast_object(self.stop.signum, self.dist)
+            requested, self.stop.signum = signum is not None, signum
+        if requested:
+            path = None if saved else self._checkpoint(done)
+            raise RunInterrupted(self.stop.signum, done, path or RunDir(self.run_dir).latest_checkpoint())
 
     def _loop(self, producers: ProducerPool, loggers, around_step) -> dict[str, float]:
         c, K = self.cfg, self.cfg.drafter.block_size - 1
@@ -365,11 +399,15 @@ class Trainer:
             if done % c.tracking.log_every == 0 or last:
                 metrics = self._read_metrics(acc, window, done)
                 loggers.log(metrics, done)
+                check_alive(metrics, int(self.drafter.lm_head_VH.shape[0]), done)
                 last = last or self._out_of_time(t_start) or self.data_meter.over_budget()
             if c.trainer.eval_every and self.evaluator and done % c.trainer.eval_every == 0 and not last:
                 loggers.log(self.evaluator(self.drafter, self.target, done, False, loggers), done)
-            if done % c.trainer.checkpoint_every == 0 or last:
+            saved = done % c.trainer.checkpoint_every == 0 or last
+            if saved:
                 self._checkpoint(done)
+            if not last:
+                self._stop_now(done, done % c.tracking.log_every == 0, saved)
             if last:
                 break
         self.final_step = done
@@ -399,7 +437,7 @@ class Trainer:
     def _finish(self, loggers, metrics: dict) -> Path | None:
         if not self.dist.is_main:
             return None
-        final = self.run_dir / "final"
+        final = RunDir(self.run_dir).final
         from dflash.serving.export import save_drafter
         save_drafter(self.drafter, final, extra={"target": self.cfg.target.name, "loss": self.cfg.loss.name,
                                                    "target_fingerprint": self.target.fingerprint},

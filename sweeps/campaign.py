@@ -201,7 +201,23 @@ def validate_cells(c: Campaign, extra: list[str]) -> None:
             compose_config([*cell.overrides, *extra])
 
 
+def prepare_store(c: Campaign, extra: list[str]) -> None:
+    """Create the tracking store and the campaign's experiment once, here, before any cell starts: cells that
+    start together on a fresh sqlite file race on its schema migration and all lose their tracking (seen in
+    tests/test_campaign.py: `table _alembic_tmp_experiments already exists`)."""
+    from experiments.config import compose_config
+    tracking = compose_config([*stage_cells(c, 0, {})[0].overrides, *extra]).tracking
+    if not tracking.enabled:
+        return
+    from mlflow.tracking import MlflowClient
+
+    from dflash.tracking.loggers import absolute_sqlite_uri, get_or_create_experiment
+    uri = absolute_sqlite_uri(tracking.tracking_uri)
+    get_or_create_experiment(MlflowClient(uri), c.experiment, uri)
+
+
 def run_campaign(c: Campaign, out: Path, extra: list[str]) -> dict[str, Any]:
+    prepare_store(c, extra)
     winners: dict[str, str] = {}
     all_results = []
     for i, stage in enumerate(c.stages):

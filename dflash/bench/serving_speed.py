@@ -151,7 +151,9 @@ def bench_serving(cfg: RunConfig, target: Target, b: BenchConfig) -> dict:
     contexts, budgets = int_list(b.serving_contexts, "serving_contexts"), int_list(b.serving_budgets, "serving_budgets")
     t = target
     # in the target's dtype, as a served drafter runs (bf16 on a GPU: no fp32 master weights cast every call)
-    drafter = build_drafter(cfg.drafter, t.hidden_size, t.info.num_layers, t.mask_token_id, t.layer_ids).to(
+    from dflash.serving.export import facts_of_target
+    dcfg = cfg.drafter.for_target(facts_of_target(t).rope_theta)  # rope_theta 0: the target's
+    drafter = build_drafter(dcfg, t.hidden_size, t.info.num_layers, t.mask_token_id, t.layer_ids).to(
         t.device, dtype=t.dtype)
     drafter.attach_target_head(t.embed_weight(), t.lm_head_weight())
     drafter.eval()

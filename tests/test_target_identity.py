@@ -55,10 +55,10 @@ def test_drafter_of_another_target_is_refused(tmp_path):
 def test_champion_of_another_target_is_replaced():
     cfg = PromoteConfig(metric="eval/tau", margin=0.0, floor=0.0)
     holder = SimpleNamespace(version="3", tags={TARGET_FP: "old0000000000000"})
-    ok, reason = _compare(1.0, holder, 5.0, cfg, "new0000000000000")
+    ok, reason = _compare(1.0, holder, 5.0, cfg, target_fp="new0000000000000")
     assert ok and "old0000000000000" in reason and "replaced" in reason
     same = SimpleNamespace(version="3", tags={TARGET_FP: "new0000000000000"})
-    assert not _compare(1.0, same, 5.0, cfg, "new0000000000000")[0]  # same target: the metric decides
+    assert not _compare(1.0, same, 5.0, cfg, target_fp="new0000000000000")[0]  # same target: the metric decides
 
 
 def test_random_target_drafter_without_fingerprint_is_accepted():

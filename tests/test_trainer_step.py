@@ -26,7 +26,7 @@ def test_step_api_and_run_hooks(fast_cfg):
     out = trainer.step(batch)
     assert isinstance(out, StepOutput) and out.loss.dim() == 0 and not out.loss.requires_grad
     assert torch.isfinite(out.loss) and torch.isfinite(out.grad_norm)
-    assert set(out.metrics) == {"acc", "acc_per_pos", "streak"}
+    assert set(out.metrics) == {"acc", "acc_per_pos", "streak", "ce"}
     assert out.metrics["acc_per_pos"].shape == (cfg.drafter.block_size - 1,)
     assert any(not torch.equal(a, b.detach()) for a, b in zip(before, trainer.drafter.parameters()))
 

@@ -38,14 +38,13 @@ def test_gpu_training_steps(fast_cfg):
     assert res.metrics["train/loss"] == res.metrics["train/loss"]  # not NaN
 
 
-@pytest.mark.parametrize("kernel,compiled", [("flex", False), ("sdpa_expanded", False), ("sdpa", True)])
-def test_drafter_kernels_and_compile_match_the_default_on_gpu(kernel, compiled):
-    """The speed settings measured in benchmarks/RESULTS.md change how the step runs, not what it computes:
-    outputs and gradients under bf16 autocast agree with the default SDPA kernel, eager."""
+V, H, B, T, N, bs = 512, 256, 2, 300, 12, 16  # the kernel tests' shapes
+
+
+def _kernel_matches_default(cfg, kernel: str, compiled: bool):
+    """Outputs and fc gradients of `cfg` with `kernel` (compiled or not) agree with eager default SDPA under bf16
+    autocast; returns the last drafter and the inputs for further checks."""
     from dflash.drafter.model import DrafterConfig, build_drafter
-    torch.manual_seed(0)
-    V, H, B, T, N, bs = 512, 256, 2, 300, 12, 16
-    cfg = DrafterConfig(num_layers=2, num_heads=8, num_kv_heads=2, head_dim=32, intermediate_size=512, block_size=bs)
     feats = torch.randn(B, T, 2, H, device="cuda")
     anchors = torch.stack([torch.randperm(T - bs, device="cuda")[:N].sort().values + 1 for _ in range(B)])
     tokens = torch.randint(0, V, (B, N), device="cuda")
@@ -61,32 +60,28 @@ def test_drafter_kernels_and_compile_match_the_default_on_gpu(kernel, compiled):
         outs.append((out.float(), d.fc.weight.grad.clone()))
     torch.testing.assert_close(outs[0][0], outs[1][0], atol=3e-2, rtol=3e-2)
     torch.testing.assert_close(outs[0][1], outs[1][1], atol=3e-2, rtol=5e-2)
+    return d, feats, anchors, tokens
+
+
+@pytest.mark.parametrize("kernel,compiled", [("flex", False), ("sdpa_expanded", False), ("sdpa", True)])
+def test_drafter_kernels_and_compile_match_the_default_on_gpu(kernel, compiled):
+    """The speed settings measured in benchmarks/RESULTS.md change how the step runs, not what it computes:
+    outputs and gradients under bf16 autocast agree with the default SDPA kernel, eager."""
+    from dflash.drafter.model import DrafterConfig
+    torch.manual_seed(0)
+    cfg = DrafterConfig(num_layers=2, num_heads=8, num_kv_heads=2, head_dim=32, intermediate_size=512, block_size=bs)
+    _kernel_matches_default(cfg, kernel, compiled)
 
 
 @pytest.mark.parametrize("kernel,compiled", [("flex", False), ("sdpa", True)])
 def test_windowed_drafter_kernels_and_train_equals_inference_on_gpu(kernel, compiled):
     """The published layout (sliding + full layers, window 64 < T): flex / compiled SDPA agree with eager SDPA
     under bf16 autocast, and training's block equals the inference path's (cropped windowed caches)."""
-    from dflash.drafter.model import DrafterConfig, build_drafter
+    from dflash.drafter.model import DrafterConfig
     torch.manual_seed(0)
-    V, H, B, T, N, bs = 512, 256, 2, 300, 12, 16
     cfg = DrafterConfig(num_layers=3, num_heads=8, num_kv_heads=2, head_dim=32, intermediate_size=512, block_size=bs,
                         layer_types=["sliding_attention", "sliding_attention", "full_attention"], sliding_window=64)
-    feats = torch.randn(B, T, 2, H, device="cuda")
-    anchors = torch.stack([torch.randperm(T - bs, device="cuda")[:N].sort().values + 1 for _ in range(B)])
-    tokens = torch.randint(0, V, (B, N), device="cuda")
-    outs = []
-    for c in (cfg, DrafterConfig(**{**cfg.__dict__, "attn_kernel": kernel})):
-        torch.manual_seed(1)
-        d = build_drafter(c, H, 4, V - 1, [0, 2]).cuda()
-        d.attach_target_head(torch.randn(V, H, device="cuda"), torch.randn(V, H, device="cuda"))
-        model = torch.compile(d) if compiled and c is not cfg else d
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            out = model(feats, anchors, tokens)
-        out.float().square().mean().backward()
-        outs.append((out.float(), d.fc.weight.grad.clone()))
-    torch.testing.assert_close(outs[0][0], outs[1][0], atol=3e-2, rtol=3e-2)
-    torch.testing.assert_close(outs[0][1], outs[1][1], atol=3e-2, rtol=5e-2)
+    d, feats, anchors, tokens = _kernel_matches_default(cfg, kernel, compiled)
     d.eval()
     a = int(anchors[0, -1])
     cache = d.new_cache()

@@ -65,3 +65,15 @@ class LenCache:
     def crop(self, n):
         self.length = min(self.length, n)
 
+
+
+def interrupted_copy(run_dir, step: int, dest):
+    """`dest` as `run_dir` stood right after its step-`step` checkpoint (an interrupted run to resume):
+    that checkpoint and the config, pointed at `dest`."""
+    from pathlib import Path
+    run_dir, dest = Path(run_dir), Path(dest)
+    (dest / "checkpoints").mkdir(parents=True)
+    name = f"step_{step:08d}.pt"
+    (dest / "checkpoints" / name).write_bytes((run_dir / "checkpoints" / name).read_bytes())
+    (dest / "config.yaml").write_text((run_dir / "config.yaml").read_text().replace(str(run_dir), str(dest)))
+    return dest

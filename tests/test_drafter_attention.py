@@ -13,10 +13,10 @@ pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without to
 HIDDEN, L, V, BS, T = 32, 3, 50, 4, 37
 
 
-def _drafter(attn_kernel="sdpa", attn_group=16, state=None):
+def _drafter(attn_kernel="sdpa", attn_group=16, state=None, num_layers=2, **layout):
     torch.manual_seed(0)
-    cfg = DrafterConfig(num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, intermediate_size=64,
-                        block_size=BS, attn_group=attn_group, attn_kernel=attn_kernel)
+    cfg = DrafterConfig(num_layers=num_layers, num_heads=4, num_kv_heads=2, head_dim=16, intermediate_size=64,
+                        block_size=BS, attn_group=attn_group, attn_kernel=attn_kernel, **layout)
     d = DFlashDrafter(cfg, HIDDEN, num_target_layers=8, mask_token_id=V - 1, target_layer_ids=list(range(L)))
     torch.manual_seed(1)
     d.attach_target_head(torch.randn(V, HIDDEN), torch.randn(V, HIDDEN))
@@ -160,16 +160,8 @@ MIXED = ["sliding_attention", "full_attention"]
 
 
 def _windowed(attn_kernel="sdpa", attn_group=16, state=None, layer_types=MIXED, window=WINDOW):
-    torch.manual_seed(0)
-    cfg = DrafterConfig(num_layers=len(layer_types), num_heads=4, num_kv_heads=2, head_dim=16, intermediate_size=64,
-                        block_size=BS, attn_group=attn_group, attn_kernel=attn_kernel, layer_types=layer_types,
-                        sliding_window=window)
-    d = DFlashDrafter(cfg, HIDDEN, num_target_layers=8, mask_token_id=V - 1, target_layer_ids=list(range(L)))
-    torch.manual_seed(1)
-    d.attach_target_head(torch.randn(V, HIDDEN), torch.randn(V, HIDDEN))
-    if state is not None:
-        d.load_state_dict(state)
-    return d
+    return _drafter(attn_kernel, attn_group, state, num_layers=len(layer_types), layer_types=layer_types,
+                    sliding_window=window)
 
 
 def test_windowed_training_mask_content():

@@ -13,6 +13,7 @@ from dflash.data.pool import PoolConfig, PromptPool, build_prompt_pool
 from dflash.data.regen import greedy_generate
 from dflash.target.model import ByteTokenizer, Target, TargetConfig, TinyTargetSpec
 from dflash.training.trainer import train
+from tests.conftest import interrupted_copy
 
 
 def _rows(run_dir):
@@ -130,11 +131,7 @@ def test_online_run_counts_epochs_and_resumes_exactly(fast_cfg, tmp_path):
     tags = json.loads((full.run_dir / "tags.json").read_text())
     assert tags["data.kind"] == "online" and tags["data.over_epoch_limit"] == "false" and tags["data.corpus"] != "-"
     ref = _losses(full.run_dir)
-    part = tmp_path / "part"
-    (part / "checkpoints").mkdir(parents=True)
-    ck = full.run_dir / "checkpoints"
-    (part / "checkpoints" / "step_00000003.pt").write_bytes((ck / "step_00000003.pt").read_bytes())
-    (part / "config.yaml").write_text((full.run_dir / "config.yaml").read_text().replace(str(full.run_dir), str(part)))
+    part = interrupted_copy(full.run_dir, 3, tmp_path / "part")
     for shard in (tmp_path / "shards").rglob("*.pt"):
         shard.unlink()  # the resumed run writes its data again: the same tokens
     res = train(fast_cfg(f"resume={part}", run="ignored"))

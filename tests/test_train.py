@@ -11,6 +11,7 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from dflash.training.trainer import train
+from tests.conftest import interrupted_copy
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -47,11 +48,7 @@ def test_resume_reproduces_the_uninterrupted_run(fast_cfg, tmp_path):
                           "+noise=uniform", "+loss=streak", run="full"))
     ref = _losses(full.run_dir)
     # Interrupted copy: the run dir as it stood after the step-3 checkpoint.
-    part = tmp_path / "part"
-    (part / "checkpoints").mkdir(parents=True)
-    ck = full.run_dir / "checkpoints"
-    (part / "checkpoints" / "step_00000003.pt").write_bytes((ck / "step_00000003.pt").read_bytes())
-    (part / "config.yaml").write_text((full.run_dir / "config.yaml").read_text().replace(str(full.run_dir), str(part)))
+    part = interrupted_copy(full.run_dir, 3, tmp_path / "part")
     res = train(fast_cfg(f"resume={part}", run="ignored"))
     got = _losses(res.run_dir)
     assert sorted(got) == [4, 5, 6]

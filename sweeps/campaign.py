@@ -1,8 +1,8 @@
 """An ablation campaign: one factor at a time, every option at an equal budget of consumed training tokens,
 several seeds, every run an MLflow run in one experiment, resumable.
 
-    python -m sweeps.campaign <campaign name | path.yaml> [workers=N] [out=campaign_out] [--check]
-                              [campaign.KEY=VALUE ...] [any run override ...]
+    python -m sweeps.campaign <campaign name | path.yaml> [workers=N] [out=campaign_out] [deadline_s=S]
+                              [--check] [campaign.KEY=VALUE ...] [any run override ...]
     python -m sweeps.campaign <campaign> report [out=...]     # tables from what the campaign wrote
 
 A campaign file (`conf/campaign/*.yaml`) names a base run config (`base`: overrides), a budget
@@ -16,8 +16,12 @@ subprocess with a fixed run folder `<out>/<campaign>/runs/<cell id>`:
 - cut off (checkpoints, no `cell.json`): resumed from its last checkpoint (`resume=`);
 - new: started.
 
-So re-running the same command after a cut (GPU jobs here end at ten minutes) continues where it stopped.
-`workers` cells run at once (several small runs share one GPU; the budget is in tokens, so that is fair).
+So re-running the same command after a cut (GPU jobs here end at ten minutes) continues where it stopped;
+`deadline_s=S` starts no cell later than S seconds after launch, so a job with a hard limit ends with whole
+cells. A cell whose composed config equals an earlier cell's (`+noise=none` on the best loss is the loss stage's
+run of that loss) is that cell: its result is reused, not trained again. `workers` cells run at once (several
+small runs share one GPU; the budget is in tokens, so that is fair). Before the first cell, the inputs every
+cell shares (prompt pool, online shards, eval ground truth) are made once (`dflash.training.write_ahead`).
 """
 from __future__ import annotations
 
@@ -171,14 +175,17 @@ def run_cell(c: Campaign, cell: Cell, out: Path) -> dict:
     t0 = time.time()
     with open(run_dir.parent / f"{cell.id}.log", "a") as logf:
         rc = subprocess.call(cmd, stdout=logf, stderr=subprocess.STDOUT, env=dict(os.environ, PYTHONUNBUFFERED="1"))
-    if rc != 0:
-        raise RuntimeError(f"cell {cell.id} exited {rc}; see {run_dir.parent / (cell.id + '.log')}")
+    if rc != 0:  # recorded for this launch only (no cell.json): the next launch runs it again
+        log.error("cell %s exited %d; see %s", cell.id, rc, run_dir.parent / f"{cell.id}.log")
+        return {"cell": cell.id, "stage": cell.stage, "factor": cell.factor, "option": cell.option,
+                "seed": cell.seed, "run_dir": str(run_dir), "value": None, "consumed_tokens": None, "failed": rc}
     result = {"cell": cell.id, "stage": cell.stage, "factor": cell.factor, "option": cell.option,
               "seed": cell.seed, "overrides": cell.overrides, "run_dir": str(run_dir),
               "objective": c.objective, "value": last_logged(run_dir, c.objective),
               "consumed_tokens": last_logged(run_dir, "data/consumed_tokens"),
-              "epochs": last_logged(run_dir, "data/epochs"), "wall_s_this_leg": round(time.time() - t0, 1),
-              "resumed": any(a.startswith("resume=") for a in cmd)}
+              "epochs": last_logged(run_dir, "data/epochs"),
+              "consumed_tok_s": last_logged(run_dir, "perf/consumed_tok_s"),
+              "wall_s_this_leg": round(time.time() - t0, 1), "resumed": any(a.startswith("resume=") for a in cmd)}
     atomic_write_text(run_dir / "cell.json", json.dumps(result, indent=2))
     return result
 
@@ -216,21 +223,90 @@ def prepare_store(c: Campaign, extra: list[str]) -> None:
     get_or_create_experiment(MlflowClient(uri), c.experiment, uri)
 
 
-def run_campaign(c: Campaign, out: Path, extra: list[str]) -> dict[str, Any]:
+def config_key(overrides: list[str]) -> str:
+    """What a cell trains, as a hash of its composed config (its run folder aside): two cells with the same key
+    are the same run, e.g. `+noise=none` on the best loss and that loss's own cell of the loss stage."""
+    import hashlib
+
+    from dflash.config import to_dict
+    from experiments.config import compose_config
+    d = to_dict(compose_config(overrides))
+    for k in ("run_dir", "resume"):
+        d.pop(k, None)
+    return hashlib.sha256(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def shared_inputs(c: Campaign, extra: list[str], out: Path) -> dict[str, float]:
+    """The prompt pool, the online shards every cell reads and the eval ground truth, made once before any
+    cell starts (`dflash.training.write_ahead`); recorded in `<out>/<campaign>/write_ahead.json`."""
+    from dflash.training.write_ahead import write_ahead
+    from experiments.config import compose_config
+    stats = write_ahead(compose_config([*stage_cells(c, 0, {})[0].overrides, *extra]))
+    atomic_write_text(out / c.name / "write_ahead.json", json.dumps(stats, indent=2))
+    log.info("shared inputs made in %.0f s: %s", stats["sys/write_ahead_s"], stats)
+    return stats
+
+
+def _run_stage(c: Campaign, cells: list[Cell], out: Path, done: dict[str, dict], deadline: float | None):
+    """Finished results of the stage's cells (reused where an earlier cell is the same run); None for a cell
+    not started because `deadline` (time.time()) had passed."""
+    keys = [config_key(cell.overrides) for cell in cells]
+
+    def one(i: int) -> dict | None:
+        cell, key = cells[i], keys[i]
+        if key in done:  # the same run as an earlier cell: its result, labelled for this stage
+            return {**done[key], "cell": cell.id, "stage": cell.stage, "factor": cell.factor,
+                    "option": cell.option, "reused_from": done[key]["cell"]}
+        earlier = cell_result(cell_dir(out, c, cell))
+        if earlier is not None:
+            return {**earlier, "earlier_launch": True}
+        if deadline is not None and time.time() > deadline:
+            log.warning("cell %s not started: the campaign's deadline has passed (run again to continue)", cell.id)
+            return None
+        return run_cell(c, cell, out)
+
+    with ThreadPoolExecutor(max_workers=c.workers) as pool:
+        results = list(pool.map(one, range(len(cells))))
+    for key, r in zip(keys, results):
+        if r is not None and "reused_from" not in r and not r.get("failed"):
+            done.setdefault(key, r)
+    return results
+
+
+def run_campaign(c: Campaign, out: Path, extra: list[str], deadline_s: float = 0.0) -> dict[str, Any]:
+    """Every stage in order; `deadline_s` > 0: no cell starts later than that many seconds from now (the cells
+    left are the next launch's). `summary.json` is rewritten after every stage, so a cut campaign reports what
+    it finished."""
+    t_start = time.time()
+    deadline = t_start + deadline_s if deadline_s > 0 else None
     prepare_store(c, extra)
-    winners: dict[str, str] = {}
-    all_results = []
+    summary_f = out / c.name / "summary.json"
+    summary: dict[str, Any] = {"campaign": c.name, "winners": {}, "cells": [], "complete": False, "stages": []}
+    previous = json.loads(summary_f.read_text()) if summary_f.is_file() else {}
+    if not previous.get("complete"):
+        summary["write_ahead"] = shared_inputs(c, extra, out)
+    done: dict[str, dict] = {}
     for i, stage in enumerate(c.stages):
-        cells = stage_cells(c, i, winners)
+        cells = stage_cells(c, i, summary["winners"])
         for cell in cells:
             cell.overrides += extra
-        with ThreadPoolExecutor(max_workers=c.workers) as pool:
-            results = list(pool.map(lambda cell: run_cell(c, cell, out), cells))
-        winners[stage.factor] = best_option(results)
-        log.info("stage %d (%s): best %s", i, stage.factor, winners[stage.factor])
-        all_results += results
-    summary = {"campaign": c.name, "winners": winners, "cells": all_results}
-    atomic_write_text(out / c.name / "summary.json", json.dumps(summary, indent=2))
+        t0 = time.time()
+        results = _run_stage(c, cells, out, done, deadline)
+        ran = [r for r in results if r is not None and "reused_from" not in r and not r.get("earlier_launch")]
+        wall = time.time() - t0
+        tokens = sum(r["consumed_tokens"] or 0 for r in ran)
+        summary["stages"].append({"stage": i, "factor": stage.factor, "wall_s": round(wall, 1), "cells_run": len(ran),
+                                  "consumed_tokens": tokens, "consumed_tok_s_all_cells": round(tokens / max(wall, 1e-9))})
+        summary["cells"] += [r for r in results if r is not None]
+        if any(r is None or r.get("failed") for r in results):
+            break  # a deadline or a failed cell: this stage's winner is not known yet (the next launch goes on)
+        summary["winners"][stage.factor] = best_option(results)
+        log.info("stage %d (%s): best %s", i, stage.factor, summary["winners"][stage.factor])
+        atomic_write_text(summary_f, json.dumps(summary, indent=2))
+    else:
+        summary["complete"] = True
+    summary["wall_s"] = round(time.time() - t_start, 1)
+    atomic_write_text(summary_f, json.dumps(summary, indent=2))
     return summary
 
 
@@ -248,7 +324,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     workers = [a for a in rest if a.startswith("workers=")]
     if workers:
         edits.append(f"campaign.workers={workers[-1].partition('=')[2]}")
-    extra = [a for a in rest if not a.startswith(("campaign.", "out=", "workers="))]
+    deadline = [float(a.partition("=")[2]) for a in rest if a.startswith("deadline_s=")]
+    extra = [a for a in rest if not a.startswith(("campaign.", "out=", "workers=", "deadline_s="))]
     c = load_campaign(ref, edits)
     if report:
         from sweeps.campaign_report import write_report
@@ -257,7 +334,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if check:
         print(f"campaign {c.name}: {sum(len(s.options) for s in c.stages) * len(c.seeds)} cells valid")
         return {}
-    return run_campaign(c, out, extra)
+    return run_campaign(c, out, extra, deadline[-1] if deadline else 0.0)
 
 
 if __name__ == "__main__":

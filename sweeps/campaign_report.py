@@ -10,6 +10,7 @@ that interval. Budget, consumed tokens and epochs of data seen are printed with 
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -62,32 +63,54 @@ def _verdict(iv) -> str:
     return f"tie (within {iv.low:+.3f} … {iv.high:+.3f})"
 
 
-def stage_table(cells: list[dict], suite: str, reference: str) -> list[str]:
-    """Markdown rows for one stage and suite; each option's seeds paired with the reference's seeds."""
+def _by_option(cells: list[dict], suite: str) -> dict[str, dict[int, dict]]:
     by_opt: dict[str, dict[int, dict]] = {}
     for c in cells:
         t = _tables(Path(c["run_dir"])).get(suite)
         if t is not None:
             by_opt.setdefault(c["option"], {})[int(c["seed"])] = t
+    return by_opt
+
+
+def _delta(seeds: dict[int, dict], ref: dict[int, dict]) -> tuple[str, str]:
+    """(Δτ vanilla with its CI, verdict) of one option's runs against `ref`'s, seed for seed, prompt for prompt."""
+    common = sorted(set(seeds) & set(ref))
+    if not common:
+        return "not paired", "no common seed"
+    try:
+        if any(ground_truth_of(seeds[s]) != ground_truth_of(ref[s]) for s in common):
+            raise NotPaired("different ground truth")
+        delta = paired_delta_ci(*_stacked([seeds[s] for s in common], "tau_sum_vanilla", "rounds"),
+                                *_stacked([ref[s] for s in common], "tau_sum_vanilla", "rounds"), level=CI_LEVEL)
+    except NotPaired as e:
+        return "not paired", str(e)
+    return _fmt(delta), _verdict(delta)
+
+
+def stage_table(cells: list[dict], suite: str, reference: str,
+                baseline: tuple[str, list[dict]] | None = None) -> list[str]:
+    """Markdown rows for one stage and suite; each option's seeds paired with the reference's seeds, and, when
+    `baseline` = (name, its cells) is given (the campaign's first option, hard_ce), with the baseline's too."""
+    by_opt = _by_option(cells, suite)
     if reference not in by_opt:
         return [f"_no {suite} task tables for the reference option {reference}_"]
+    base = _by_option(baseline[1], suite).get(baseline[0], {}) if baseline else None
     methods = _methods(by_opt[reference][min(by_opt[reference])])
     head = ["option", "n seeds", *[f"τ {m[0]}" for m in methods], "Δτ vanilla vs " + reference, "verdict"]
+    if base is not None:
+        head += [f"Δτ vanilla vs {baseline[0]}", "verdict"]
     rows = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for opt, seeds in by_opt.items():
         common = sorted(set(seeds) & set(by_opt[reference]))
         tables = [seeds[s] for s in common]
         cols = [_fmt(pooled_ci(*_stacked(tables, sc, cc), level=CI_LEVEL)) for _, sc, cc in methods]
-        try:
-            if any(ground_truth_of(seeds[s]) != ground_truth_of(by_opt[reference][s]) for s in common):
-                raise NotPaired("different ground truth")
-            delta = paired_delta_ci(*_stacked(tables, "tau_sum_vanilla", "rounds"),
-                                    *_stacked([by_opt[reference][s] for s in common], "tau_sum_vanilla", "rounds"),
-                                    level=CI_LEVEL)
-            dcol, verdict = (_fmt(delta), "reference" if opt == reference else _verdict(delta))
-        except NotPaired as e:
-            dcol, verdict = "not paired", str(e)
-        rows.append("| " + " | ".join([opt, str(len(common)), *cols, dcol, verdict]) + " |")
+        dcol, verdict = _delta(seeds, by_opt[reference])
+        if opt == reference and dcol != "not paired":
+            verdict = "reference"
+        cols += [dcol, verdict]
+        if base is not None:
+            cols += list(_delta(seeds, base))
+        rows.append("| " + " | ".join([opt, str(len(common)), *cols]) + " |")
     return rows
 
 
@@ -99,33 +122,134 @@ def _budget_line(cells: list[dict]) -> str:
             f"{len(cells)} runs")
 
 
-def write_report(c, out: Path, dest: Path | None = None) -> dict[str, Any]:
-    """Render `<out>/<campaign>/ABLATIONS.md` (and `dest` when given) from the campaign's summary."""
-    summary_f = out / c.name / "summary.json"
-    if not summary_f.is_file():
-        raise FileNotFoundError(f"{summary_f}: the campaign has not finished a stage yet (run it first)")
-    summary = json.loads(summary_f.read_text())
+def _speed_lines(summary: dict) -> list[str]:
+    """How the campaign used its GPU: the shared inputs made up front, then each stage's cells side by side."""
+    out = []
+    wa = summary.get("write_ahead") or {}
+    if wa:
+        out.append(f"Shared inputs, made once before the cells (`dflash.training.write_ahead`): "
+                   f"{int(wa.get('data/write_ahead_batches', 0))} online batches "
+                   f"({int(wa.get('data/write_ahead_items', 0)):,} sequences; {int(wa.get('data/written_batches', 0))} "
+                   f"written at {wa.get('perf/write_tok_s', 0):,.0f} written tok/s, "
+                   f"{int(wa.get('data/shard_reads', 0))} read from shards), eval ground truth, "
+                   f"{wa.get('sys/write_ahead_s', 0):.0f} s in all.")
+    for st in summary.get("stages", []):
+        if st.get("cells_run"):
+            out.append(f"Stage {st['stage']} ({st['factor']}): {st['cells_run']} cells trained in this launch "
+                       f"in {st['wall_s']:.0f} s, {st['consumed_tok_s_all_cells']:,} consumed tok/s over all of "
+                       f"them together.")
+    if not summary.get("complete", True):
+        out.append("**The campaign is not complete**: the stages below are what it finished.")
+    return [*(f"- {x}" for x in out), ""] if out else []
+
+
+def render_report(c, summary: dict) -> str:
+    """The campaign's markdown (module doc) from a summary: `summary.json`, or `summary_from_mlflow`."""
     lines = [f"# Ablation campaign `{c.name}`", "", c.description, "",
              f"Command: `python -m sweeps.campaign {c.name}` (then `… {c.name} report`). Budget: "
              f"{c.budget_tokens:,} consumed training tokens per run, seeds {c.seeds}, objective `{c.objective}`. "
              f"τ: pooled over seeds with its {CI_LEVEL:.0%} bootstrap CI over (seed, prompt) pairs; Δτ paired "
              f"with the reference option's run of the same seed; a tie is a Δ interval containing 0.", ""]
     winners = summary.get("winners", {})
+    lines += _speed_lines(summary)
+    first = c.stages[0].options[0]
     for i, stage in enumerate(c.stages):
         cells = [x for x in summary["cells"] if x["stage"] == i]
         if not cells:
             continue
-        reference = stage.options[0]
+        baseline = None if i == 0 else (first, [x for x in summary["cells"] if x["stage"] == 0])
         suites = sorted({s for x in cells for s in _tables(Path(x["run_dir"]))})
-        lines += [f"## Stage {i}: {stage.factor}" + (f" (on best {', '.join(f'{f}={winners.get(f)}' for f in stage.on_best)})"
-                                                     if stage.on_best else ""), "", _budget_line(cells), ""]
+        on = f" (on best {', '.join(f'{f}={winners.get(f)}' for f in stage.on_best)})" if stage.on_best else ""
+        lines += [f"## Stage {i}: {stage.factor}{on}", "", _budget_line(cells), ""]
         for suite in suites:
-            lines += [f"### suite `{suite}`", "", *stage_table(cells, suite, reference), ""]
+            lines += [f"### suite `{suite}`", "", *stage_table(cells, suite, stage.options[0], baseline), ""]
         lines += [f"Highest mean objective: **{winners.get(stage.factor, '?')}** (a winner only where its Δ "
                   f"interval above excludes 0).", ""]
-    text = "\n".join(lines) + "\n"
+    return "\n".join(lines) + "\n"
+
+
+def write_report(c, out: Path, dest: Path | None = None) -> dict[str, Any]:
+    """Render `<out>/<campaign>/ABLATIONS.md` (and `dest` when given) from the campaign's summary."""
+    summary_f = out / c.name / "summary.json"
+    if not summary_f.is_file():
+        raise FileNotFoundError(f"{summary_f}: the campaign has not finished a stage yet (run it first)")
+    text = render_report(c, json.loads(summary_f.read_text()))
     atomic_write_text(out / c.name / "ABLATIONS.md", text)
     if dest is not None:
         atomic_write_text(dest, text)
     print(text)
-    return {"report": str(out / c.name / "ABLATIONS.md"), "winners": winners}
+    return {"report": str(out / c.name / "ABLATIONS.md"), "winners": json.loads(summary_f.read_text())["winners"]}
+
+
+# -- the same tables from the MLflow store the campaign wrote (the ablation notebook) ---------------------
+CELL_NAME = re.compile(r"^s(\d+)-(\w+?)-(.+)-seed(-?\d+)$")  # the run name is the cell id (sweeps.campaign)
+
+
+def _artifacts_dir(run, tracking_uri: str) -> Path:
+    """The run's artifact folder: where the store says, or beside the sqlite file (`mlartifacts/<run id>`) when
+    the store was written on another machine and copied here."""
+    from urllib.parse import unquote, urlparse
+    u = urlparse(run.info.artifact_uri)
+    recorded = Path(unquote(u.path)) if u.scheme in ("", "file") else None
+    if recorded is not None and recorded.is_dir():
+        return recorded
+    db = Path(tracking_uri.removeprefix("sqlite:///")) if tracking_uri.startswith("sqlite:///") else Path(".")
+    return db.parent / "mlartifacts" / run.info.run_id / "artifacts"
+
+
+def _as_run_folder(art: Path, dest: Path) -> Path:
+    """Copy the run's eval task tables into the layout `_tables` reads (`eval/tasks.json`, `eval/<suite>/…`)."""
+    import shutil
+    (dest / "eval").mkdir(parents=True, exist_ok=True)
+    if (art / "eval" / "tasks.json").is_file():
+        shutil.copyfile(art / "eval" / "tasks.json", dest / "eval" / "tasks.json")
+    for f in sorted((art / "eval" / "suite").glob("*/tasks.json")):
+        (dest / "eval" / f.parent.name).mkdir(exist_ok=True)
+        shutil.copyfile(f, dest / "eval" / f.parent.name / "tasks.json")
+    return dest
+
+
+def summary_from_mlflow(c, tracking_uri: str, work_dir: Path) -> dict[str, Any]:
+    """A summary like `summary.json`, rebuilt from the campaign's MLflow experiment alone: its finished runs
+    (named by cell id), their eval task tables (artifacts, copied under `work_dir`), the winners recomputed with
+    the campaign's rule, and each cell that had no run of its own (the same config as an earlier cell,
+    `sweeps.campaign.config_key`) pointed at that cell's run."""
+    from mlflow.tracking import MlflowClient
+
+    from sweeps.campaign import best_option, config_key, stage_cells
+    client = MlflowClient(tracking_uri)
+    exp = client.get_experiment_by_name(c.experiment)
+    if exp is None:
+        raise ValueError(f"{tracking_uri}: no MLflow experiment {c.experiment!r} (campaign {c.name})")
+    runs = {}
+    for r in client.search_runs([exp.experiment_id], "attributes.status = 'FINISHED'", max_results=10000,
+                                order_by=["attributes.start_time ASC"]):
+        if CELL_NAME.match(r.info.run_name or ""):
+            runs[r.info.run_name] = r  # a cell run again later: its newest run
+    summary: dict[str, Any] = {"campaign": c.name, "winners": {}, "cells": [], "complete": True}
+    earlier: dict[str, dict] = {}
+    for i, stage in enumerate(c.stages):
+        cells = []
+        for cell in stage_cells(c, i, summary["winners"]):
+            key = config_key(cell.overrides)
+            r = runs.get(cell.id)
+            if r is None and key in earlier:
+                cells.append({**earlier[key], "cell": cell.id, "stage": i, "option": cell.option,
+                              "reused_from": earlier[key]["cell"]})
+                continue
+            if r is None:
+                summary["complete"] = False
+                continue
+            folder = _as_run_folder(_artifacts_dir(r, tracking_uri), Path(work_dir) / cell.id)
+            m = r.data.metrics
+            got = {"cell": cell.id, "stage": i, "factor": stage.factor, "option": cell.option, "seed": cell.seed,
+                   "run_dir": str(folder), "value": m.get(c.objective), "run_id": r.info.run_id,
+                   "consumed_tokens": m.get("data/consumed_tokens"), "epochs": m.get("data/epochs")}
+            earlier.setdefault(key, got)
+            cells.append(got)
+        summary["cells"] += cells
+        if len(cells) < len(stage.options) * len(c.seeds):
+            summary["complete"] = False
+            break
+        summary["winners"][stage.factor] = best_option(cells)
+    return summary

@@ -56,7 +56,11 @@ def test_campaign_runs_then_resumes_where_it_was_cut(tmp_path):
         summary = main(args)
         runs = tmp_path / "out" / "cpu_smoke" / "runs"
         cells = sorted(p.name for p in runs.iterdir() if p.is_dir())
-        assert len(cells) == 4 and len(summary["cells"]) == 4
+        # 4 cells, 3 runs: +noise=none on the winning loss is that loss's own run (the default noise)
+        assert len(cells) == 3 and len(summary["cells"]) == 4 and summary["complete"]
+        reused = [x for x in summary["cells"] if x.get("reused_from")]
+        assert [x["option"] for x in reused] == ["none"]
+        assert reused[0]["reused_from"] == f"s0-loss-{summary['winners']['loss']}-seed0"
         assert summary["winners"]["loss"] in ("hard_ce", "soft_kl")
         for cell in summary["cells"]:
             assert cell["consumed_tokens"] >= 2000  # every cell trained on its whole budget
@@ -65,15 +69,47 @@ def test_campaign_runs_then_resumes_where_it_was_cut(tmp_path):
         (cut / "cell.json").unlink()
         mtimes = {c: (runs / c / "cell.json").stat().st_mtime for c in cells[1:]}
         again = main(args)
-        assert (cut / "cell.json").is_file() and len(again["cells"]) == 4
+        assert (cut / "cell.json").is_file() and len(again["cells"]) == 4 and again["complete"]
         assert {c: (runs / c / "cell.json").stat().st_mtime for c in cells[1:]} == mtimes
         assert json.loads((cut / "cell.json").read_text())["resumed"]  # from its checkpoint, not from scratch
     finally:
         os.chdir(cwd)
     client = mlflow.tracking.MlflowClient(f"sqlite:///{db}")
     exp = client.get_experiment_by_name("dflash-campaign-smoke")
-    assert exp is not None and len(client.search_runs([exp.experiment_id])) >= 4
+    assert exp is not None and len(client.search_runs([exp.experiment_id])) == 3  # one per run, none twice
     assert json.loads((tmp_path / "out" / "cpu_smoke" / "summary.json").read_text())["winners"]
+    _check_report_from_mlflow(tmp_path, again)
+
+
+def _check_report_from_mlflow(tmp_path, summary):
+    """The ablation notebook's tables (rebuilt from the MLflow store alone, artifacts found beside the sqlite
+    file after the run folders are gone) are the campaign report's."""
+    import shutil
+
+    from sweeps.campaign_report import render_report, summary_from_mlflow
+    c = load_campaign("cpu_smoke", ["campaign.seeds=[0]"])
+    from_folders = render_report(c, summary)
+    assert "| hard_ce | 1 |" in from_folders and "Δτ vanilla vs hard_ce" in from_folders  # stage 1 vs baseline
+    moved = tmp_path / "copied"
+    moved.mkdir()
+    shutil.copy(tmp_path / "mlflow.db", moved / "mlflow.db")
+    shutil.copytree(tmp_path / "mlartifacts", moved / "mlartifacts")
+    shutil.rmtree(tmp_path / "out")
+    shutil.rmtree(tmp_path / "mlartifacts")
+    rebuilt = summary_from_mlflow(c, f"sqlite:///{moved / 'mlflow.db'}", tmp_path / "nb")
+    assert rebuilt["complete"] and rebuilt["winners"] == summary["winners"]
+    strip = lambda t: [line for line in t.splitlines() if line.startswith("| ")]  # tables, not speed lines
+    assert len(strip(from_folders)) == 6 and strip(render_report(c, rebuilt)) == strip(from_folders)
+
+
+def test_a_deadline_starts_no_cell_after_it_and_leaves_an_incomplete_summary(tmp_path):
+    out = tmp_path / "out"
+    summary = main(["cpu_smoke", f"out={out}", "campaign.seeds=[0]", "deadline_s=0.000001",
+                    f"tracking.tracking_uri=sqlite:///{tmp_path / 'mlflow.db'}"])
+    assert summary["complete"] is False and summary["cells"] == [] and summary["winners"] == {}
+    assert not (out / "cpu_smoke" / "runs").exists() or not any((out / "cpu_smoke" / "runs").iterdir())
+    assert json.loads((out / "cpu_smoke" / "summary.json").read_text())["complete"] is False
+    assert (out / "cpu_smoke" / "write_ahead.json").is_file()  # the shared inputs were made first
 
 
 def _table(key: str, sums: list[float], rounds: list[float], pl: list[float]) -> dict:

@@ -188,3 +188,19 @@ def test_gpu_profile_trains_on_online_data(fast_cfg, tmp_path):
     out = write_continuations(target, prompts, seq_len=20)
     for p, row in zip(prompts, out):
         assert torch.equal(row[len(p):], greedy_generate(target, torch.tensor([p]), 20 - len(p))[0])
+
+
+def test_write_ahead_makes_the_shards_a_run_then_only_reads(fast_cfg, tmp_path):
+    """A campaign's shared inputs: the shards every run will claim, written once up front; the run that
+    follows writes nothing (the engine's own counters say so)."""
+    from dflash.training.write_ahead import write_ahead
+    cfg = fast_cfg(*_online(tmp_path), "trainer.producer_batch=3", run="ahead")
+    stats = write_ahead(cfg)
+    # 6 steps x 2 sequences + (buffer depth 4 + 1) x producer batch 3 = 27 items -> 7 batches of 4
+    assert stats["data/write_ahead_batches"] == 7 and stats["data/written_batches"] == 7
+    assert len(list((tmp_path / "shards").rglob("*.pt"))) == 7
+    again = write_ahead(cfg)
+    assert again["data/written_batches"] == 0 and again["data/shard_reads"] == 7
+    res = train(cfg)
+    last = [r for r in _rows(res.run_dir) if "data/written_batches" in r][-1]
+    assert last["data/written_batches"] == 0 and last["data/shard_reads"] >= 3

@@ -1,0 +1,75 @@
+"""What many runs of one campaign or sweep share, made once before they start (issues 12, 20).
+
+Runs that share a GPU and start together would otherwise all make the same inputs at the same time: every one
+parses the corpus into its prompt pool, every one writes the same first online batches (the engine's shards
+are keyed by the data settings, not by the run, so the second writer's work is thrown away), and every one
+generates the evaluation's ground truth at its end. `write_ahead(cfg, items)` makes them once, in this process:
+
+- the prompt pool (cached under `data.pool.cache_dir`);
+- online data (`data.source=online` / `trainer.online_data`): the written batches that hold items
+  0 … items−1, saved as shards under `data.online.shard_dir`, which every later run with the same data
+  settings reads instead of writing;
+- the ground truth of every evaluation suite (`eval.suite` and `eval.extra_suites`, cached under
+  `eval.cache_dir`), when `eval.enabled`.
+
+It returns what it did and how fast (`data/write_ahead_batches`, `perf/write_tok_s`, seconds per part), so a
+campaign's summary records the engine's generation speed beside the runs that used it.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import time
+
+import torch
+
+log = logging.getLogger(__name__)
+
+
+def items_needed(cfg, data) -> int:
+    """Items a run of `cfg` can claim: what it consumes (`planned_items`) plus what its producers hold ahead
+    (buffer depth x producer batch, per producer)."""
+    from dflash.training.datastream import planned_items
+    t = cfg.trainer
+    ahead = (cfg.buffer.max_depth + 1) * t.producer_batch * max(1, t.producers)
+    return planned_items(cfg, data, 1) + ahead
+
+
+def write_ahead(cfg, items: int | None = None) -> dict[str, float]:
+    """Make the shared inputs of runs like `cfg` (module doc). `items`: online items to have written
+    (default: what one such run can claim, `items_needed`)."""
+    from dflash.evaluation.evaluator import SuiteEvaluator
+    from dflash.target.model import Target
+    from dflash.training.datastream import build_training_data, uses_online
+    from dflash.training.distributed import DistInfo
+    out: dict[str, float] = {}
+    t0 = time.perf_counter()
+    target = Target(cfg.target)
+    out["sys/write_ahead_target_load_s"] = time.perf_counter() - t0
+    if uses_online(cfg):
+        t1 = time.perf_counter()
+        data = build_training_data(cfg, target, DistInfo())
+        out["sys/write_ahead_pool_s"] = time.perf_counter() - t1
+        n = items_needed(cfg, data) if items is None else int(items)
+        w = data.writer
+        batches = math.ceil(n / w.cfg.write_batch)
+        t2 = time.perf_counter()
+        for b in range(batches):
+            w.sequence(b * w.cfg.write_batch)
+        out.update(w.stats())
+        out.update({"data/write_ahead_items": batches * w.cfg.write_batch, "data/write_ahead_batches": batches,
+                    "sys/write_ahead_data_s": time.perf_counter() - t2, "data/pool_prompts": len(w.pool)})
+        log.info("write-ahead: %d online batches of %d (%d read from shards, %d written, %.0f written tok/s)",
+                 batches, w.cfg.write_batch, w.shard_reads, w.written_batches, out["perf/write_tok_s"])
+    if cfg.eval.enabled:
+        t3 = time.perf_counter()
+        ev = SuiteEvaluator(cfg.eval)
+        for suite in ev.suites:
+            ev.memo.get(target, suite)
+        out["sys/write_ahead_ground_truth_s"] = time.perf_counter() - t3
+        out["eval/write_ahead_suites"] = len(ev.suites)
+    del target
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()  # the runs that follow get the memory back
+    out["sys/write_ahead_s"] = time.perf_counter() - t0
+    return out

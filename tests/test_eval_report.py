@@ -127,7 +127,7 @@ def test_validate_eval_config():
     validate_eval_config(EvalConfig())
     for bad, match in [(dict(max_new_tokens=1), "max_new_tokens"), (dict(subset=0), "subset"),
                        (dict(tree_budgets=[4, 0]), "tree_budgets"), (dict(tree_budgets=[4, 4]), "duplicates"),
-                       (dict(device="tpu"), "eval.device")]:
+                       (dict(device="tpu"), "eval.device"), (dict(proposer="fast"), "eval.proposer")]:
         with pytest.raises(ValueError, match=match):
             validate_eval_config(EvalConfig(**bad))
     with pytest.raises(FileNotFoundError, match="eval.suite"):

@@ -42,6 +42,10 @@ class EvalConfig:
     cache_dir: str = ".cache/dflash/eval"  # ground-truth cache (continuations + target features)
     real_decode: bool = False  # also run real speculative decoding (losslessness, τ, tokens/s)
     device: str = "auto"  # where a standalone eval puts the drafter; auto = the target's device
+    # How the simulated rounds get the drafter's proposals (acceptance.DRAFTER_PROPOSERS): "batched", all of a
+    # task's positions in a few training forwards; "sequential", one cached drafter call per round and task (as
+    # the real decoding loop drafts; the reference, and what eval/real/tau_matches_sim is exact against).
+    proposer: str = "batched"
 
 
 def validate_eval_config(cfg: EvalConfig) -> None:
@@ -63,6 +67,8 @@ def validate_eval_config(cfg: EvalConfig) -> None:
     if cfg.train_tasks < 0:
         raise ValueError(f"eval.train_tasks must be >= 0, got {cfg.train_tasks}")
     validate_heldout(cfg.heldout)
+    from dflash.evaluation.acceptance import DRAFTER_PROPOSERS
+    DRAFTER_PROPOSERS.check(cfg.proposer)
     validate_prompt_lookup(cfg.prompt_lookup)
     names = [suite_label(s) for s in [cfg.suite, *cfg.extra_suites]]
     if len(set(names)) != len(names):

@@ -10,8 +10,14 @@ token remains after the anchor (p − P < N − 1); a round can accept at most t
 left (the last round is clipped). Each method runs its own rounds (a tree decoder advances by its own τ).
 
 The proposer is pluggable: `(truth, p) -> logits [bs−1, V]`, or a ready `Proposal` (a proposer without
-logits, e.g. prompt lookup). `DrafterProposer` runs the drafter on the
-cached target features; tests use an oracle that copies the target (τ = bs) or an always-wrong one (τ = 1).
+logits, e.g. prompt lookup). The drafter's two (`eval.proposer`, `DRAFTER_PROPOSERS`):
+- `BatchedDrafterProposer` ("batched", the default): every position's proposal of a task from a few
+  training forwards (all anchors at once, chunked), reduced on the device, one transfer per chunk;
+- `DrafterProposer` ("sequential"): one incremental drafter call per round on a drafter KV cache, as the
+  real decoding loop drafts (`speculative.py`); the reference the batched one is tested against.
+A proposal at p depends only on the features before p and the anchor token at p, so both give the same
+proposals (up to float rounding: tested at 1e-4 in fp32). Tests also use an oracle that copies the target
+(τ = bs) or an always-wrong one (τ = 1).
 """
 from __future__ import annotations
 
@@ -23,6 +29,7 @@ import torch
 from dflash.evaluation.ground_truth import TaskTruth
 from dflash.evaluation.speculative import drafter_autocast
 from dflash.evaluation.tree import build_tree, tree_accept_depth
+from dflash.registry import Registry
 
 Proposer = Callable[[TaskTruth, int], "torch.Tensor | Proposal"]
 
@@ -62,15 +69,84 @@ class Proposal:
     topk_idx: list[list[int]]
 
 
-def reduce_logits(logits_KV: torch.Tensor, k: int) -> Proposal:
-    logits = logits_KV.float()
+def proposal_width(budgets: Sequence[int]) -> int:
+    """The top-k a proposal needs for these tree budgets (a budget-b tree uses at most b children a node)."""
+    return max([1, *budgets])
+
+
+def packed_topk(logits_RV: torch.Tensor, k: int) -> torch.Tensor:
+    """[R, V] logits → [R, 1 + 2k] float32 on their device: argmax, the k largest log-softmax values
+    (descending), their token ids. One tensor so that the host gets it in one transfer; ids are exact as
+    float32 (below 2^24, any vocabulary)."""
+    logits = logits_RV.float()
     k = max(1, min(k, logits.shape[-1]))
     logp = torch.log_softmax(logits, dim=-1)
     vals, idx = logp.topk(k, dim=-1)
     arg = logits.argmax(-1)
-    packed = torch.cat([arg[:, None].float(), vals, idx.float()], dim=1).cpu()  # one transfer
-    return Proposal(packed[:, 0].long().tolist(), packed[:, 1:1 + k].tolist(),
-                    packed[:, 1 + k:].long().tolist())
+    return torch.cat([arg[:, None].float(), vals, idx.float()], dim=1)
+
+
+def unpack_topk(packed_RX: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`packed_topk`'s result → (argmax [R] long, top-k log-probs [R, k], top-k ids [R, k] long)."""
+    k = (packed_RX.shape[-1] - 1) // 2
+    return packed_RX[..., 0].long(), packed_RX[..., 1:1 + k], packed_RX[..., 1 + k:].long()
+
+
+def reduce_logits(logits_KV: torch.Tensor, k: int) -> Proposal:
+    arg_K, logp_Kk, idx_Kk = unpack_topk(packed_topk(logits_KV, k).cpu())  # one transfer
+    return Proposal(arg_K.tolist(), logp_Kk.tolist(), idx_Kk.tolist())
+
+
+class BatchedDrafterProposer:
+    """Every round position's proposal of a task from the drafter's training forward (`DFlashDrafter.forward`),
+    whose mask shows the block at anchor a the context before a and its own block: what the sequential
+    cache path shows it, full and windowed layers alike (tested equal).
+
+    On a task's first call: anchors p = P .. P+N−2 (every position a round can start at, since rounds run
+    while p − P < N − 1), `anchor_chunk` per forward (memory: the logits are anchor_chunk·(bs−1)·V floats);
+    logits, argmax and top-`k` log-probs on the device, one transfer per chunk. The top-k stay CPU tensors;
+    the `Proposal` for p is built when a round asks for it. One task is held at a time: `simulate_task`
+    asks for one task's positions (vanilla pass, then each tree budget) before the next task's."""
+
+    def __init__(self, drafter, autocast: bool | None = None, k: int = 1, anchor_chunk: int = 64):
+        if anchor_chunk < 1:
+            raise ValueError(f"anchor_chunk must be >= 1, got {anchor_chunk}")
+        self.drafter = drafter
+        self.device = next(drafter.parameters()).device
+        self.autocast = autocast
+        self.k = int(k)
+        self.anchor_chunk = int(anchor_chunk)
+        self._truth: TaskTruth | None = None
+        self._table: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+
+    def __call__(self, truth: TaskTruth, p: int) -> Proposal:
+        i = p - truth.prompt_len
+        if not 0 <= i < truth.n_new - 1:
+            raise ValueError(f"{truth.name}: no round starts at position {p}; rounds start at "
+                             f"{truth.prompt_len}..{truth.prompt_len + truth.n_new - 2}")
+        if truth is not self._truth:
+            self._table, self._truth = self.propose_all(truth), truth
+        arg_NK, logp_NKk, idx_NKk = self._table
+        return Proposal(arg_NK[i].tolist(), logp_NKk[i].tolist(), idx_NKk[i].tolist())
+
+    @torch.no_grad()
+    def propose_all(self, truth: TaskTruth) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(argmax [N−1, bs−1], top-k log-probs [N−1, bs−1, k], top-k ids [N−1, bs−1, k]) on the CPU, row i
+        for the round starting at prompt_len + i."""
+        d, P = self.drafter, truth.prompt_len
+        feats_TLH = truth.features.to(self.device)
+        tokens_T = truth.tokens.to(self.device)
+        anchors = torch.arange(P, P + truth.n_new - 1)
+        packed = []
+        for chunk in anchors.split(self.anchor_chunk):
+            last = int(chunk[-1])  # its block sees the context before it: the chunk needs features < last
+            chunk_n = chunk.to(self.device)
+            with drafter_autocast(d, self.autocast):
+                hidden_1nKH = d(feats_TLH[None, :last], chunk_n[None], tokens_T[chunk_n][None])
+            logits_nKV = d.logits(hidden_1nKH[0])  # outside autocast, float32 (as DrafterProposer)
+            packed.append(packed_topk(logits_nKV.flatten(0, 1), self.k).cpu())  # one transfer per chunk
+        K = d.block_size - 1
+        return tuple(x.reshape(len(anchors), K, *x.shape[1:]) for x in unpack_topk(torch.cat(packed)))
 
 
 @dataclass
@@ -109,7 +185,7 @@ def simulate_task(truth: TaskTruth, proposer: Proposer, block_size: int,
                   budgets: Sequence[int] = ()) -> TaskResult:
     P, N, K = truth.prompt_len, truth.n_new, block_size - 1
     tokens = truth.tokens.tolist()
-    kmax = max([1, *budgets])
+    kmax = proposal_width(budgets)
     memo: dict[int, Proposal] = {}
 
     def propose(p: int) -> Proposal:
@@ -178,3 +254,11 @@ def wrong_proposer(block_size: int, vocab_size: int) -> Proposer:
             out[k - 1, want] = -1e4  # never in any top-k either (trees get τ = 1 too)
         return out
     return f
+
+
+# eval.proposer: how the drafter's proposals are computed for the simulated rounds. Each entry builds a
+# proposer from (drafter, k), k = `proposal_width(budgets)`.
+DRAFTER_PROPOSERS: Registry[Callable[..., Proposer]] = Registry("eval.proposer", {
+    "batched": lambda drafter, k: BatchedDrafterProposer(drafter, k=k),
+    "sequential": lambda drafter, k: DrafterProposer(drafter),  # logits: simulate_task reduces them to k
+})

@@ -9,7 +9,9 @@ Metrics (all floats):
 - with real decoding: `eval/real/tau`, `eval/real/lossless` (fraction of tasks whose output equals the
   target's greedy output token for token), `eval/real/match_frac` (mean fraction of tokens before the
   first divergence), `eval/real/tau_matches_sim` (fraction of tasks whose real τ sequence equals the
-  simulated one), `eval/real/tok_s`, `eval/real/greedy_tok_s`, `eval/real/speedup`.
+  simulated one; exact with `eval.proposer=sequential`, which drafts through the cache as the loop does — the
+  batched proposer rounds differently under bf16 autocast, so a near-tie may flip there),
+  `eval/real/tok_s`, `eval/real/greedy_tok_s`, `eval/real/speedup`.
 
 Uncertainty and baselines (`EvalReport.stats`; `all_metrics()` = metrics + stats):
 - `eval/tau_vanilla_ci_low`, `eval/tau_vanilla_ci_high` (and `eval/tau_tree_{b}_ci_*`): the `eval.ci_level`
@@ -41,7 +43,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from dflash.evaluation import EvalConfig
-from dflash.evaluation.acceptance import DrafterProposer, Proposer, TaskResult, simulate
+from dflash.evaluation.acceptance import DRAFTER_PROPOSERS, Proposer, TaskResult, proposal_width, simulate
 from dflash.evaluation.prompt_lookup import PromptLookupProposer
 from dflash.evaluation.stats import paired_delta_ci, pooled_ci
 from dflash.evaluation.ground_truth import TaskTruth, load_or_build_ground_truth
@@ -259,8 +261,8 @@ def evaluate(drafter, target, cfg: EvalConfig, tasks: Sequence[Task] | None = No
 
     `suite`: the suite to run (default `cfg.suite`, resolved; `tasks` replaces its tasks); `truths`:
     precomputed ground truth (skips the cache); `limit`: only the first `limit` tasks; `proposer`: replaces
-    the drafter (tests); `real_decode`: default `cfg.real_decode`. The drafter is put in eval mode and
-    restored to its previous mode."""
+    the drafter's (`eval.proposer`; tests); `real_decode`: default `cfg.real_decode`. The drafter is put in eval
+    mode and restored to its previous mode."""
     t0 = time.perf_counter()
     if suite is None:
         suite = Suite(suite_label(cfg.suite), list(tasks), int(cfg.max_new_tokens)) if tasks is not None \
@@ -284,7 +286,8 @@ def evaluate(drafter, target, cfg: EvalConfig, tasks: Sequence[Task] | None = No
     try:
         check_compatible(drafter, target)
         bs = drafter.block_size
-        results = simulate(truths, proposer or DrafterProposer(drafter), bs, budgets)
+        proposer = proposer or DRAFTER_PROPOSERS.build(cfg.proposer, drafter, proposal_width(budgets))
+        results = simulate(truths, proposer, bs, budgets)
         baseline = simulate(truths, PromptLookupProposer(bs, cfg.prompt_lookup.min_n, cfg.prompt_lookup.max_n),
                             bs) if cfg.prompt_lookup.enabled else []
         table = [_row(tr, r, budgets, base) for tr, r, base in

@@ -241,7 +241,10 @@ def shared_inputs(c: Campaign, extra: list[str], out: Path) -> dict[str, float]:
     cell starts (`dflash.training.write_ahead`); recorded in `<out>/<campaign>/write_ahead.json`."""
     from dflash.training.write_ahead import write_ahead
     from experiments.config import compose_config
-    stats = write_ahead(compose_config([*stage_cells(c, 0, {})[0].overrides, *extra]))
+    stand_in = {f: next(s.options[0] for s in c.stages if s.factor == f) for s in c.stages for f in s.on_best}
+    cfgs = [compose_config([*cell.overrides, *extra]) for i in range(len(c.stages))
+            for cell in stage_cells(c, i, stand_in)[:: len(c.seeds)]]  # every option: the deepest buffer counts
+    stats = write_ahead(cfgs[0], more_cfgs=cfgs[1:])
     atomic_write_text(out / c.name / "write_ahead.json", json.dumps(stats, indent=2))
     log.info("shared inputs made in %.0f s: %s", stats["sys/write_ahead_s"], stats)
     return stats

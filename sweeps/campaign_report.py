@@ -173,12 +173,17 @@ def write_report(c, out: Path, dest: Path | None = None) -> dict[str, Any]:
     summary_f = out / c.name / "summary.json"
     if not summary_f.is_file():
         raise FileNotFoundError(f"{summary_f}: the campaign has not finished a stage yet (run it first)")
-    text = render_report(c, json.loads(summary_f.read_text()))
+    summary = json.loads(summary_f.read_text())
+    for x in summary["cells"]:  # folders as they lie under `out` now (the campaign may have run elsewhere)
+        here = out / c.name / "runs" / x.get("reused_from", x["cell"])
+        if here.is_dir():
+            x["run_dir"] = str(here)
+    text = render_report(c, summary)
     atomic_write_text(out / c.name / "ABLATIONS.md", text)
     if dest is not None:
         atomic_write_text(dest, text)
     print(text)
-    return {"report": str(out / c.name / "ABLATIONS.md"), "winners": json.loads(summary_f.read_text())["winners"]}
+    return {"report": str(out / c.name / "ABLATIONS.md"), "winners": summary["winners"]}
 
 
 # -- the same tables from the MLflow store the campaign wrote (the ablation notebook) ---------------------

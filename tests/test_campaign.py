@@ -100,6 +100,13 @@ def _check_report_from_mlflow(tmp_path, summary):
     assert rebuilt["complete"] and rebuilt["winners"] == summary["winners"]
     strip = lambda t: [line for line in t.splitlines() if line.startswith("| ")]  # tables, not speed lines
     assert len(strip(from_folders)) == 6 and strip(render_report(c, rebuilt)) == strip(from_folders)
+    # the ablation notebook renders those tables from the copied store
+    from tests.test_notebooks import _execute, _outputs
+    nb = _execute("ablation.ipynb", {"TRACKING_URI": f"sqlite:///{moved / 'mlflow.db'}",
+                                     "EXPERIMENT": "dflash-campaign-smoke", "STUDY": "",
+                                     "CAMPAIGN": "cpu_smoke", "CAMPAIGN_EDITS": ["campaign.seeds=[0]"]})
+    md = "\n".join(o["data"]["text/markdown"] for o in _outputs(nb) if "text/markdown" in o.get("data", {}))
+    assert strip(md) == strip(from_folders)
 
 
 def test_a_deadline_starts_no_cell_after_it_and_leaves_an_incomplete_summary(tmp_path):

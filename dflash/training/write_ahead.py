@@ -27,17 +27,16 @@ log = logging.getLogger(__name__)
 
 
 def items_needed(cfg, data) -> int:
-    """Items a run of `cfg` can claim: what it consumes (`planned_items`) plus what its producers hold ahead
-    (buffer depth x producer batch, per producer)."""
+    """Items a run of `cfg` can claim: what it consumes (`planned_items`) plus what can be ahead of the
+    consumer (a full buffer, and one producer batch in flight per producer)."""
     from dflash.training.datastream import planned_items
     t = cfg.trainer
-    ahead = (cfg.buffer.max_depth + 1) * t.producer_batch * max(1, t.producers)
-    return planned_items(cfg, data, 1) + ahead
+    return planned_items(cfg, data, 1) + cfg.buffer.max_depth + t.producer_batch * max(1, t.producers)
 
 
-def write_ahead(cfg, items: int | None = None) -> dict[str, float]:
+def write_ahead(cfg, items: int | None = None, more_cfgs=()) -> dict[str, float]:
     """Make the shared inputs of runs like `cfg` (module doc). `items`: online items to have written
-    (default: what one such run can claim, `items_needed`)."""
+    (default: the most that `cfg` or any of `more_cfgs`, e.g. other buffer settings, can claim)."""
     from dflash.evaluation.evaluator import SuiteEvaluator
     from dflash.target.model import Target
     from dflash.training.datastream import build_training_data, uses_online
@@ -50,7 +49,7 @@ def write_ahead(cfg, items: int | None = None) -> dict[str, float]:
         t1 = time.perf_counter()
         data = build_training_data(cfg, target, DistInfo())
         out["sys/write_ahead_pool_s"] = time.perf_counter() - t1
-        n = items_needed(cfg, data) if items is None else int(items)
+        n = max(items_needed(x, data) for x in (cfg, *more_cfgs)) if items is None else int(items)
         w = data.writer
         batches = math.ceil(n / w.cfg.write_batch)
         t2 = time.perf_counter()

@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# Issue 12 on one H200: the ablation campaign (conf/campaign/<name>.yaml) in GPU jobs of under ten minutes.
+#
+#   DEADLINE=400 bash benchmarks/gpu/campaign.sh [campaign] [run overrides ...]      (default campaign: reference)
+#
+# 1. Continues the committed campaign, if any: benchmarks/ablations/ (a copy of campaign_out/ without weights)
+#    becomes campaign_out/, so finished cells are skipped and the MLflow store goes on growing.
+# 2. `python -m sweeps.campaign <campaign> workers=$WORKERS deadline_s=$DEADLINE out=campaign_out`: the shared
+#    inputs first (prompt pool, online shards, eval ground truth), then the cells, WORKERS at a time on the one
+#    GPU; no cell starts after DEADLINE seconds, so the job ends with whole cells.
+# 3. The report (campaign_out/<campaign>/ABLATIONS.md), then $OUT/campaign.tgz: campaign_out/ without weights,
+#    checkpoints, shards or figures (copy it back into benchmarks/ablations/ and commit it).
+# Env: DEADLINE (s, default 400), WORKERS (default: the campaign's), OUT (default gpu_out), PY (python).
+set -uo pipefail
+C=${1:-reference}
+shift || true
+OUT=${OUT:-gpu_out}
+DEADLINE=${DEADLINE:-400}
+PY=${PY:-python}
+mkdir -p "$OUT"
+if [ -d .whl ]; then  # the GPU machine has torch/transformers/triton but not our other dependencies
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+  export PYTHONPATH=/tmp/site:$PWD
+fi
+export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
+[ -d campaign_out ] || { [ -d benchmarks/ablations ] && cp -r benchmarks/ablations campaign_out; }
+WORK=()
+[ -n "${WORKERS:-}" ] && WORK=("workers=$WORKERS")
+echo "== campaign $C (deadline ${DEADLINE}s) in $PWD" >&2
+t0=$(date +%s)
+$PY -m sweeps.campaign "$C" "${WORK[@]}" deadline_s="$DEADLINE" out=campaign_out \
+    "tracking.tracking_uri=sqlite:///$PWD/campaign_out/mlflow.db" "$@" > "$OUT/campaign.log" 2>&1
+rc=$?
+echo "== campaign exited $rc after $(( $(date +%s) - t0 )) s" >&2
+$PY -m sweeps.campaign "$C" report out=campaign_out > "$OUT/report.md" 2>&1 || tail -5 "$OUT/report.md" >&2
+tar czf "$OUT/campaign.tgz" --exclude='checkpoints' --exclude='final' --exclude='checkpoint' --exclude='*.pt' \
+    --exclude='*.safetensors' --exclude='*.png' --exclude='*.bin' campaign_out
+ls -la "$OUT" >&2
+grep -E "cell .* exited|stage [0-9]+ \(|not started|Error|error" "$OUT/campaign.log" | tail -20 >&2
+exit $rc

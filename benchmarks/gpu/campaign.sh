@@ -10,7 +10,7 @@
 #    GPU; no cell starts after DEADLINE seconds, so the job ends with whole cells.
 # 3. The report (campaign_out/<campaign>/ABLATIONS.md), then $OUT/campaign.tgz: campaign_out/ without weights,
 #    checkpoints, shards or figures (copy it back into benchmarks/ablations/ and commit it).
-# Env: DEADLINE (s, default 400), WORKERS (default: the campaign's), OUT (default gpu_out), PY (python).
+# Env: DEADLINE (s, default 400), HARD (s, default DEADLINE + 190), WORKERS (default: the campaign's), OUT (default gpu_out), PY (python).
 set -uo pipefail
 C=${1:-reference}
 shift || true
@@ -28,7 +28,8 @@ WORK=()
 [ -n "${WORKERS:-}" ] && WORK=("workers=$WORKERS")
 echo "== campaign $C (deadline ${DEADLINE}s) in $PWD" >&2
 t0=$(date +%s)
-$PY -m sweeps.campaign "$C" "${WORK[@]}" deadline_s="$DEADLINE" out=campaign_out \
+# HARD: the whole campaign's limit (cells still running then are lost; the packing below still happens)
+timeout "${HARD:-$((DEADLINE + 190))}" $PY -m sweeps.campaign "$C" "${WORK[@]}" deadline_s="$DEADLINE" out=campaign_out \
     "tracking.tracking_uri=sqlite:///$PWD/campaign_out/mlflow.db" "$@" > "$OUT/campaign.log" 2>&1
 rc=$?
 echo "== campaign exited $rc after $(( $(date +%s) - t0 )) s" >&2

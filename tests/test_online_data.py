@@ -204,3 +204,15 @@ def test_write_ahead_makes_the_shards_a_run_then_only_reads(fast_cfg, tmp_path):
     res = train(cfg)
     last = [r for r in _rows(res.run_dir) if "data/written_batches" in r][-1]
     assert last["data/written_batches"] == 0 and last["data/shard_reads"] >= 3
+
+
+def test_a_write_batch_past_cudas_grid_limit_is_refused_naming_the_key():
+    from types import SimpleNamespace
+
+    from dflash.data.online import check_write_batch
+    fake = SimpleNamespace(device=torch.device("cuda"),
+                           model=SimpleNamespace(config=SimpleNamespace(linear_num_value_heads=8)))
+    check_write_batch(fake, 8191)  # 65,528 blocks: fits
+    with pytest.raises(ValueError, match=r"data.online.write_batch=8192.*at most 8191"):
+        check_write_batch(fake, 8192)
+    check_write_batch(SimpleNamespace(device=torch.device("cpu")), 1 << 20)  # no grid on the CPU

@@ -63,6 +63,24 @@ def validate_online_config(cfg: OnlineConfig, seq_len: int, max_prompt_len: int)
                          f"data.pool.max_prompt_len ({max_prompt_len}): the target must write something")
 
 
+# CUDA caps a launch grid's 2nd and 3rd dimensions at 65,535 blocks, and FLA's chunked Gated-DeltaNet kernels
+# launch (chunks, batch x value heads): at the reference target's 8 value heads a batch of 8,192 rows fails inside
+# Triton with "invalid argument" (seen on an H200). Refused up front instead, naming the key.
+CUDA_GRID_YZ_MAX = 65_535
+
+
+def check_write_batch(target, write_batch: int) -> None:
+    if target.device.type != "cuda":
+        return
+    cfg = target.model.config
+    cfg = getattr(cfg, "text_config", None) or cfg
+    heads = int(getattr(cfg, "linear_num_value_heads", 0) or 0)
+    if heads and write_batch * heads > CUDA_GRID_YZ_MAX:
+        raise ValueError(f"data.online.write_batch={write_batch}: x the target's {heads} Gated-DeltaNet value heads "
+                         f"exceeds CUDA's grid limit ({CUDA_GRID_YZ_MAX}) of its chunked kernels; use at most "
+                         f"{CUDA_GRID_YZ_MAX // heads}")
+
+
 # -- writing --------------------------------------------------------------------------------------------
 def _choose(target, last_B1H: torch.Tensor, temperature: float, gen: torch.Generator | None) -> torch.Tensor:
     if temperature <= 0:  # the target's own greedy pick (its chunked LM head, as everywhere else)
@@ -111,6 +129,7 @@ class OnlineWriter:
     def __init__(self, target, pool: PromptPool, cfg: OnlineConfig, seq_len: int, rank: int = 0, world: int = 1):
         self.target, self.pool, self.cfg, self.seq_len = target, pool, cfg, seq_len
         self.rank, self.world = rank, world
+        check_write_batch(target, cfg.write_batch)
         self.fingerprint = self._fingerprint()
         self._batches: OrderedDict[int, torch.Tensor] = OrderedDict()
         self._orders: OrderedDict[int, list[int]] = OrderedDict()

@@ -157,3 +157,13 @@ def test_suite_from_file_and_errors(tmp_path):
         load_suite(str(f))
     with pytest.raises(FileNotFoundError, match="eval.suite"):
         load_suite("no_such_suite")
+
+
+def test_batched_continuations_are_each_prompts_own_greedy_decode(target):
+    """The ground truth is written many prompts at a time; every row is what greedy decoding of its prompt
+    alone gives (prompts of different lengths in one batch, groups smaller than the suite)."""
+    from dflash.evaluation.speculative import greedy_decode
+    prompts = [list(target.tokenizer.encode(t.prompt)) for t in TASKS]
+    prompts.append(prompts[0][:3])  # a much shorter one
+    got = gt.greedy_continuations(target, prompts, N, rows=2)
+    assert got == [greedy_decode(target, p, N).tokens for p in prompts]

@@ -145,3 +145,13 @@ def test_report_pairs_each_option_with_the_reference_seed_for_seed(tmp_path):
     assert "better" in by["soft_kl"] and "1.000 [1.000, 1.000]" in by["soft_kl"]
     assert "not paired" in by["lk"]
     assert "τ prompt-lookup" in rows[0] and "τ tree 16 nodes" in rows[0]
+
+
+def test_the_best_recipe_is_the_campaigns_best_cell():
+    """`+recipe=best_reference` trains exactly what the campaign's winning cell trained (benchmarks/ABLATIONS.md)."""
+    from sweeps.campaign import config_key
+    c = load_campaign("reference")
+    cell = next(x for x in stage_cells(c, 0, {}) if x.option == "soft_kl_streak" and x.seed == 0)
+    drop = ("tracking.experiment=",)
+    assert config_key(["+recipe=best_reference", "seed=0"]) == config_key(
+        [o for o in cell.overrides if not o.startswith(drop)])

@@ -71,3 +71,71 @@ def test_names_follow_the_suite_rule_on_a_real_file():
     assert all(re.fullmatch(r"[A-Za-z0-9_.\-]+", n) for n in names)
     for _, p in got:
         compile(p + "    pass\n", "<prompt>", "exec")  # a header + docstring, completable by a body
+
+
+def _walk_every_node(tree, qual=""):
+    """The plain reference: descend into every node (what `_walk` did before it skipped expressions)."""
+    import ast
+    for node in ast.iter_child_nodes(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            name = f"{qual}.{node.name}" if qual else node.name
+            yield name, node
+            yield from _walk_every_node(node, name)
+        else:
+            yield from _walk_every_node(node, qual)
+
+
+def test_the_walk_skipping_expressions_finds_every_def_the_full_walk_finds():
+    import ast
+    import sysconfig
+    from pathlib import Path
+
+    from dflash.data.prompts import _walk
+    src = '''
+if True:
+    def a(): "doc"
+else:
+    class B:
+        "doc"
+        async def c(self): "doc"
+try:
+    def d(): "doc"
+except ValueError:
+    def e(): "doc"
+finally:
+    def f(): "doc"
+with open("x") as fh:
+    for i in range(3):
+        while False:
+            def g(): "doc"
+match x:
+    case 1:
+        def h(): "doc"
+def outer():
+    "doc"
+    class Inner:
+        def m(self): "doc"
+    return lambda: None
+'''
+    names = lambda tree, walk: [(q, n.lineno) for q, n in walk(tree)]  # noqa: E731
+    tree = ast.parse(src)
+    assert names(tree, _walk) == names(tree, _walk_every_node)
+    assert [q for q, _ in _walk(tree)] == ["a", "B", "B.c", "d", "e", "f", "g", "h", "outer", "outer.Inner",
+                                           "outer.Inner.m"]
+    for path in sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))[:60]:
+        tree = ast.parse(path.read_text(errors="replace"))
+        assert names(tree, _walk) == names(tree, _walk_every_node), path
+
+
+def test_parallel_header_prompts_are_the_single_process_ones(caplog):
+    from dflash.data.prompts import headers_of_sources, parallel_header_prompts
+    items = [(f"def f{i}(x):\n    \"\"\"Doc {i}.\"\"\"\n    return x\n", f"m{i}.py:") for i in range(40)]
+    assert parallel_header_prompts(items, workers=2) == headers_of_sources(items)  # below the file threshold
+    import dflash.data.prompts as P
+    old = P.PARALLEL_MIN_FILES
+    P.PARALLEL_MIN_FILES = 10
+    try:
+        assert parallel_header_prompts(items, workers=2) == headers_of_sources(items)  # through two processes
+        assert "parallel parsing failed" not in caplog.text  # the processes ran, no fallback
+    finally:
+        P.PARALLEL_MIN_FILES = old

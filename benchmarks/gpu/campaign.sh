@@ -3,13 +3,14 @@
 #
 #   DEADLINE=400 bash benchmarks/gpu/campaign.sh [campaign] [run overrides ...]      (default campaign: reference)
 #
-# 1. Continues the committed campaign, if any: benchmarks/ablations/ (a copy of campaign_out/ without weights)
-#    becomes campaign_out/, so finished cells are skipped and the MLflow store goes on growing.
+# 1. Continues the committed campaign, if any: benchmarks/ablations/campaign_out.tgz (campaign_out/ without
+#    weights) is unpacked, so finished cells are skipped and the MLflow store goes on growing.
 # 2. `python -m sweeps.campaign <campaign> workers=$WORKERS deadline_s=$DEADLINE out=campaign_out`: the shared
 #    inputs first (prompt pool, online shards, eval ground truth), then the cells, WORKERS at a time on the one
 #    GPU; no cell starts after DEADLINE seconds, so the job ends with whole cells.
 # 3. The report (campaign_out/<campaign>/ABLATIONS.md), then $OUT/campaign.tgz: campaign_out/ without weights,
-#    checkpoints, shards or figures (copy it back into benchmarks/ablations/ and commit it).
+#    checkpoints, shards or figures (commit it as benchmarks/ablations/campaign_out.tgz), and $OUT/best_drafter.tgz:
+#    the best finished cell's final/ drafter (for the gate, export and eval on any machine).
 # Env: DEADLINE (s, default 400), HARD (s, default DEADLINE + 190), WORKERS (default: the campaign's), OUT (default gpu_out), PY (python).
 set -uo pipefail
 C=${1:-reference}
@@ -23,7 +24,7 @@ if [ -d .whl ]; then  # the GPU machine has torch/transformers/triton but not ou
   export PYTHONPATH=/tmp/site:$PWD
 fi
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
-[ -d campaign_out ] || { [ -d benchmarks/ablations ] && cp -r benchmarks/ablations campaign_out; }
+[ -d campaign_out ] || { [ -f benchmarks/ablations/campaign_out.tgz ] && tar xzf benchmarks/ablations/campaign_out.tgz; }
 WORK=()
 [ -n "${WORKERS:-}" ] && WORK=("workers=$WORKERS")
 echo "== campaign $C (deadline ${DEADLINE}s) in $PWD" >&2

@@ -26,7 +26,7 @@ import torch
 
 from dflash.atomic import load_checked, save_checked
 from dflash.data.corpus import Corpus
-from dflash.data.prompts import header_prompts
+from dflash.data.prompts import parallel_header_prompts
 
 log = logging.getLogger(__name__)
 
@@ -86,7 +86,7 @@ def pool_fingerprint(corpus_fingerprint: str, tokenizer_identity: str, cfg: Pool
 
 
 def _header_prompts(corpus: Corpus, tokenizer, max_len: int) -> list[list[int]]:
-    texts = [p for doc in corpus.train for _, p in header_prompts(doc.text, doc.path + ":")]
+    texts = parallel_header_prompts([(doc.text, doc.path + ":") for doc in corpus.train])
     return [ids for ids in encode_many(tokenizer, texts) if 0 < len(ids) <= max_len]
 
 

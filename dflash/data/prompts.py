@@ -37,6 +37,12 @@ def _dedent(lines: list[str], col: int) -> str:
     return "\n".join(out).rstrip() + "\n"
 
 
+# Nodes that can hold a def/class somewhere below them: statements (bodies of if / try / with / for …), except
+# handlers and match cases. Expressions cannot (a lambda is not a def), and they are most of a tree's nodes:
+# not descending into them made the walk over the installed corpus (17 K files) 10x faster.
+_HOLDERS = (ast.stmt, ast.excepthandler, ast.match_case, ast.Module)
+
+
 def _walk(tree: ast.AST, qual: str = "") -> Iterator[tuple[str, ast.AST]]:
     """(qualified name, node) of every def/class, in source order, nested ones after their parent."""
     for node in ast.iter_child_nodes(tree):
@@ -44,7 +50,7 @@ def _walk(tree: ast.AST, qual: str = "") -> Iterator[tuple[str, ast.AST]]:
             name = f"{qual}.{node.name}" if qual else node.name
             yield name, node
             yield from _walk(node, name)
-        else:  # defs under if / try / with blocks
+        elif isinstance(node, _HOLDERS):  # defs under if / try / with blocks
             yield from _walk(node, qual)
 
 
@@ -66,3 +72,34 @@ def header_prompts(source: str, prefix: str = "") -> Iterator[tuple[str, str]]:
         if seen[name] > 1:
             name = f"{name}-{seen[name]}"
         yield name, _dedent(lines[start - 1:end], node.col_offset)
+
+
+def headers_of_sources(items: list[tuple[str, str]]) -> list[str]:
+    """The header prompts of each (source, prefix), in order (a worker's share in `parallel_header_prompts`)."""
+    return [p for text, prefix in items for _, p in header_prompts(text, prefix)]
+
+
+# Below this many files the pool of worker processes costs more than it saves (spawning one takes ~0.1 s).
+PARALLEL_MIN_FILES = 2000
+
+
+def parallel_header_prompts(items: list[tuple[str, str]], workers: int | None = None) -> list[str]:
+    """`headers_of_sources(items)`, the files parsed by `workers` processes (default: the machine's cores) when
+    there are many: `ast.parse` is most of building the installed corpus's pool (17 K files, minutes on one
+    core). Same prompts, same order, as one process."""
+    import logging
+    import os
+    from concurrent.futures import ProcessPoolExecutor
+    from concurrent.futures.process import BrokenProcessPool
+    from multiprocessing import get_context
+    workers = workers or os.cpu_count() or 1
+    if workers < 2 or len(items) < PARALLEL_MIN_FILES:
+        return headers_of_sources(items)
+    step = max(1, len(items) // (workers * 8))
+    shares = [items[i:i + step] for i in range(0, len(items), step)]
+    try:  # spawn, not fork: the caller may hold a CUDA context and producer threads
+        with ProcessPoolExecutor(workers, mp_context=get_context("spawn")) as pool:
+            return [p for share in pool.map(headers_of_sources, shares) for p in share]
+    except (OSError, RuntimeError, BrokenProcessPool) as e:  # e.g. a __main__ that cannot be re-imported
+        logging.getLogger(__name__).warning("prompt pool: parallel parsing failed (%s); parsing in this process", e)
+        return headers_of_sources(items)

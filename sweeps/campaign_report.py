@@ -72,16 +72,18 @@ def _by_option(cells: list[dict], suite: str) -> dict[str, dict[int, dict]]:
     return by_opt
 
 
-def _delta(seeds: dict[int, dict], ref: dict[int, dict]) -> tuple[str, str]:
-    """(Δτ vanilla with its CI, verdict) of one option's runs against `ref`'s, seed for seed, prompt for prompt."""
+def _delta(seeds: dict[int, dict], ref: dict[int, dict], sum_col: str = "tau_sum_vanilla",
+           count_col: str = "rounds") -> tuple[str, str]:
+    """(Δτ with its CI, verdict) of one option's runs against `ref`'s, seed for seed, prompt for prompt
+    (vanilla τ by default; any method's τ-sum and round-count columns)."""
     common = sorted(set(seeds) & set(ref))
     if not common:
         return "not paired", "no common seed"
     try:
         if any(ground_truth_of(seeds[s]) != ground_truth_of(ref[s]) for s in common):
             raise NotPaired("different ground truth")
-        delta = paired_delta_ci(*_stacked([seeds[s] for s in common], "tau_sum_vanilla", "rounds"),
-                                *_stacked([ref[s] for s in common], "tau_sum_vanilla", "rounds"), level=CI_LEVEL)
+        delta = paired_delta_ci(*_stacked([seeds[s] for s in common], sum_col, count_col),
+                                *_stacked([ref[s] for s in common], sum_col, count_col), level=CI_LEVEL)
     except NotPaired as e:
         return "not paired", str(e)
     return _fmt(delta), _verdict(delta)
@@ -111,6 +113,26 @@ def stage_table(cells: list[dict], suite: str, reference: str,
         if base is not None:
             cols += list(_delta(seeds, base))
         rows.append("| " + " | ".join([opt, str(len(common)), *cols]) + " |")
+    return rows
+
+
+def delta_table(cells: list[dict], suite: str, reference: str) -> list[str]:
+    """Markdown rows: each option's paired Δτ against `reference` for every drafting method (vanilla and each
+    DDTree budget), so a loss that helps vanilla drafting but not tree search (or the reverse) shows as such."""
+    by_opt = _by_option(cells, suite)
+    if reference not in by_opt:
+        return []
+    methods = [m for m in _methods(by_opt[reference][min(by_opt[reference])]) if m[0] != "prompt-lookup"]
+    rows = ["| option | " + " | ".join(f"Δτ {m[0]} vs {reference}" for m in methods) + " |",
+            "|---|" + "---|" * len(methods)]
+    for opt, seeds in by_opt.items():
+        if opt == reference:
+            continue
+        cols = []
+        for _, sc, cc in methods:
+            d, v = _delta(seeds, by_opt[reference], sc, cc)
+            cols.append(d if d == "not paired" else f"{d} {'**' + v + '**' if v in ('better', 'worse') else 'tie'}")
+        rows.append("| " + " | ".join([opt, *cols]) + " |")
     return rows
 
 
@@ -163,8 +185,16 @@ def render_report(c, summary: dict) -> str:
         lines += [f"## Stage {i}: {stage.factor}{on}", "", _budget_line(cells), ""]
         for suite in suites:
             lines += [f"### suite `{suite}`", "", *stage_table(cells, suite, stage.options[0], baseline), ""]
-        lines += [f"Highest mean objective: **{winners.get(stage.factor, '?')}** (a winner only where its Δ "
-                  f"interval above excludes 0).", ""]
+            deltas = delta_table(cells, suite, stage.options[0])
+            if len(deltas) > 2:
+                lines += ["Paired Δτ per drafting method:", "", *deltas, ""]
+        if stage.factor in winners:
+            lines += [f"Highest mean objective: **{winners[stage.factor]}** (a winner only where its Δ "
+                      f"interval above excludes 0).", ""]
+        else:
+            from sweeps.campaign import best_option
+            lines += [f"**Stage incomplete**: {len(cells)} of {len(stage.options) * len(c.seeds)} cells; highest "
+                      f"mean objective so far: {best_option(cells)} (not a winner until every option has run).", ""]
     return "\n".join(lines) + "\n"
 
 

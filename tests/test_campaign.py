@@ -145,6 +145,11 @@ def test_report_pairs_each_option_with_the_reference_seed_for_seed(tmp_path):
     assert "better" in by["soft_kl"] and "1.000 [1.000, 1.000]" in by["soft_kl"]
     assert "not paired" in by["lk"]
     assert "τ prompt-lookup" in rows[0] and "τ tree 16 nodes" in rows[0]
+    from sweeps.campaign_report import delta_table
+    deltas = {r.split("|")[1].strip(): r for r in delta_table(cells, "heldout", "hard_ce")[2:]}
+    assert set(deltas) == {"soft_kl", "lk"} and "Δτ tree 16 nodes vs hard_ce" in delta_table(cells, "heldout",
+                                                                                             "hard_ce")[0]
+    assert deltas["soft_kl"].count("**better**") == 2 and "not paired" in deltas["lk"]  # vanilla and tree 16
 
 
 def test_the_best_recipe_is_the_campaigns_best_cell():

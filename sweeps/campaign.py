@@ -44,6 +44,7 @@ from sweeps.support import last_logged
 
 CAMPAIGN_DIR = Path(__file__).resolve().parent.parent / "conf" / "campaign"
 DEFAULT_OUT = "campaign_out"
+PHASES = ("sys/setup_s", "sys/loop_s", "sys/save_s", "sys/final_eval_s")  # a cell's wall time, by the trainer
 log = logging.getLogger("sweeps.campaign")
 
 
@@ -185,6 +186,7 @@ def run_cell(c: Campaign, cell: Cell, out: Path) -> dict:
               "consumed_tokens": last_logged(run_dir, "data/consumed_tokens"),
               "epochs": last_logged(run_dir, "data/epochs"),
               "consumed_tok_s": last_logged(run_dir, "perf/consumed_tok_s"),
+              "phases_s": {k.removeprefix("sys/"): last_logged(run_dir, k) for k in PHASES},
               "wall_s_this_leg": round(time.time() - t0, 1), "resumed": any(a.startswith("resume=") for a in cmd)}
     atomic_write_text(run_dir / "cell.json", json.dumps(result, indent=2))
     return result

@@ -160,6 +160,14 @@ def _speed_lines(summary: dict) -> list[str]:
             out.append(f"Stage {st['stage']} ({st['factor']}): {st['cells_run']} cells trained in this launch "
                        f"in {st['wall_s']:.0f} s, {st['consumed_tok_s_all_cells']:,} consumed tok/s over all of "
                        f"them together.")
+    phases = [c["phases_s"] for c in summary.get("cells", []) if c.get("phases_s") and not c.get("reused_from")]
+    if phases:
+        mean = {k: sum(p.get(k) or 0 for p in phases) / len(phases) for k in phases[0]}
+        wall = [c["wall_s_this_leg"] for c in summary["cells"] if c.get("phases_s") and not c.get("reused_from")]
+        out.append(f"A cell's wall time, mean of {len(phases)}: {sum(wall) / len(wall):.0f} s, of which setup "
+                   f"{mean.get('setup_s', 0):.0f} s, training {mean.get('loop_s', 0):.0f} s, saving "
+                   f"{mean.get('save_s', 0):.0f} s, final evaluation {mean.get('final_eval_s', 0):.0f} s (the rest: "
+                   f"process start and imports).")
     if not summary.get("complete", True):
         out.append("**The campaign is not complete**: the stages below are what it finished.")
     return [*(f"- {x}" for x in out), ""] if out else []

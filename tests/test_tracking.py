@@ -270,6 +270,8 @@ def test_console_format(capsys):
     assert lg.format({"eval/tau_vanilla": 2.5, "eval/task/x/tau_vanilla": 9}, 140, now=1008.0).startswith(
         "step 140/1000 | eval tau_vanilla 2.5 | ETA")  # per-task and per-position keys stay off the console
     assert lg.format({"sys/host_rss_gb": 1.0}, 150) is None
+    # consumed (trained-on) tok/s leads when logged, not the drafter's busy rate
+    assert "| 42.5k tok/s" in lg.format({"perf/consumed_tok_s": 42_500.0, "perf/drafter_tok_s": 74_000.0}, 160)
 
     lg2 = ConsoleLogger(total_steps=1000)
     lg2.log({"train/loss": 2.0, "train/acc": 0.25}, 5)

@@ -751,7 +751,10 @@ class ConsoleLogger(Logger):
         ):
             if key in m:
                 parts.append(f"{label} {fmt.format(m[key])}")
-        tok_s = m.get("perf/drafter_tok_s", m.get("perf/pipeline_tok_s"))
+        # what trains (issue 13): consumed tok/s; the drafter's busy rate only where that is not logged (the
+        # campaign's cells printed 73 K here while they consumed 42.5 K)
+        tok_s = next((m[k] for k in ("perf/consumed_tok_s", "perf/pipeline_tok_s", "perf/drafter_tok_s") if k in m),
+                     None)
         if tok_s is not None:
             parts.append(f"{_fmt_rate(tok_s)} tok/s")
         if "buffer/total" in m:

@@ -181,6 +181,7 @@ class MetricAccumulator:
 class Trainer:
     def __init__(self, cfg: RunConfig, evaluator: Evaluator | None = None, target: Target | None = None,
                  run_id: str | None = None):
+        t_setup = time.perf_counter()
         self.dist = init_distributed()  # torchrun: one rank per GPU; a plain process is rank 0 of 1
         cfg = resolve_run(cfg)
         cfg = dataclasses.replace(cfg, tracking=dataclasses.replace(
@@ -222,6 +223,9 @@ class Trainer:
         if main:  # only now, with the resume state applied, does the run folder change
             RunDir(self.run_dir).write_config(to_dict(cfg))
             RunDir(self.run_dir).remove_torn_writes()
+        # where a run's wall time goes besides training (a campaign's 4 M-token cells spent ~155 of 250 s
+        # elsewhere): logged at the end as sys/setup_s, sys/loop_s, sys/save_s, sys/final_eval_s
+        self.phase_s = {"sys/setup_s": time.perf_counter() - t_setup}
 
     def _build_drafter(self) -> DFlashDrafter:
         from dflash.serving.export import facts_of_target
@@ -344,7 +348,9 @@ class Trainer:
         producers = self._producers()
         try:
             with self.stop:  # a signal during the final save and eval lets them finish; a second one abandons
+                t_loop = time.perf_counter()
                 result.metrics = self._loop(producers, loggers, around_step or (lambda step: nullcontext()))
+                self.phase_s["sys/loop_s"] = time.perf_counter() - t_loop
                 result.checkpoint = self._finish(loggers, result.metrics) if final else None
             status = "FINISHED"
         except BaseException as e:  # a pruned sweep trial and a signal carry run_status="KILLED"
@@ -439,14 +445,20 @@ class Trainer:
             return None
         final = RunDir(self.run_dir).final
         from dflash.serving.export import save_drafter
+        t0 = time.perf_counter()
         save_drafter(self.drafter, final, extra={"target": self.cfg.target.name, "loss": self.cfg.loss.name,
                                                    "target_fingerprint": self.target.fingerprint},
                      target=self.target_facts)
         loggers.log_artifact(str(final), "checkpoint")
+        self.phase_s["sys/save_s"] = time.perf_counter() - t0
         if self.evaluator:
+            t0 = time.perf_counter()
             ev = self.evaluator(self.drafter, self.target, self.final_step, True, loggers)
             loggers.log(ev, self.final_step)
             metrics.update(ev)
+            self.phase_s["sys/final_eval_s"] = time.perf_counter() - t0
+        loggers.log(self.phase_s, self.final_step)
+        metrics.update(self.phase_s)
         return final
 
 

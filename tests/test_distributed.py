@@ -32,7 +32,8 @@ def test_two_ranks_train_one_run(tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows if "train/loss" in r] == [1, 2, 3, 4]
-    assert rows[-1]["perf/world_size"] == 2
+    assert [r for r in rows if "perf/world_size" in r][-1]["perf/world_size"] == 2
+    assert rows[-1]["sys/setup_s"] > 0 and rows[-1]["sys/loop_s"] > 0  # where the run's wall time went
     ckpt = torch.load(run_dir / "checkpoints" / "step_00000004.pt", weights_only=False)
     assert len(ckpt["ranks"]) == 2
     keys = [set(k for _, k in r["pending_keys"]) for r in ckpt["ranks"]]

@@ -200,14 +200,19 @@ def best_option(results: list[dict]) -> str:
     return max(by_opt, key=lambda o: sum(by_opt[o]) / len(by_opt[o]))
 
 
-def validate_cells(c: Campaign, extra: list[str]) -> None:
-    """Compose every cell of every stage (with each option standing in for the winners to come) before any
-    work, so a typo in the campaign fails in seconds, not after the first stage."""
+def every_option_config(c: Campaign, extra: list[str]) -> list:
+    """The composed config of every option of every stage (one seed; each earlier factor's first option standing
+    in for the winner to come)."""
     from experiments.config import compose_config
-    for i, stage in enumerate(c.stages):
-        stand_in = {f: next(s.options[0] for s in c.stages if s.factor == f) for f in stage.on_best}
-        for cell in stage_cells(c, i, stand_in)[:: len(c.seeds)]:
-            compose_config([*cell.overrides, *extra])
+    stand_in = {st.factor: st.options[0] for st in c.stages}
+    return [compose_config([*cell.overrides, *extra]) for i in range(len(c.stages))
+            for cell in stage_cells(c, i, stand_in)[:: len(c.seeds)]]
+
+
+def validate_cells(c: Campaign, extra: list[str]) -> None:
+    """Compose every cell of every stage before any work, so a typo in the campaign fails in seconds, not after
+    the first stage."""
+    every_option_config(c, extra)
 
 
 def prepare_store(c: Campaign, extra: list[str]) -> None:
@@ -242,10 +247,7 @@ def shared_inputs(c: Campaign, extra: list[str], out: Path) -> dict[str, float]:
     """The prompt pool, the online shards every cell reads and the eval ground truth, made once before any
     cell starts (`dflash.training.write_ahead`); recorded in `<out>/<campaign>/write_ahead.json`."""
     from dflash.training.write_ahead import write_ahead
-    from experiments.config import compose_config
-    stand_in = {f: next(s.options[0] for s in c.stages if s.factor == f) for s in c.stages for f in s.on_best}
-    cfgs = [compose_config([*cell.overrides, *extra]) for i in range(len(c.stages))
-            for cell in stage_cells(c, i, stand_in)[:: len(c.seeds)]]  # every option: the deepest buffer counts
+    cfgs = every_option_config(c, extra)  # every option: the deepest buffer decides how far to write
     stats = write_ahead(cfgs[0], more_cfgs=cfgs[1:])
     atomic_write_text(out / c.name / "write_ahead.json", json.dumps(stats, indent=2))
     log.info("shared inputs made in %.0f s: %s", stats["sys/write_ahead_s"], stats)

@@ -66,7 +66,7 @@ def test_evaluate_metric_keys_and_table(target, drafter, cfg):
     assert drafter.training  # mode restored
     m = rep.metrics
     want = {"eval/tau_vanilla", "eval/tau_tree_2", "eval/tau_tree_4", "eval/num_tasks", "eval/rounds",
-            "eval/gt_consistency", "eval/seconds", "eval/real/tau", "eval/real/lossless",
+            "eval/gt_consistency", "eval/gt_copy_rate", "eval/seconds", "eval/real/tau", "eval/real/lossless",
             "eval/real/tau_matches_sim", "eval/real/match_frac", "eval/real/tok_s", "eval/real/greedy_tok_s",
             "eval/real/speedup"}
     want |= {f"eval/acc_pos{k:02d}" for k in range(1, BS) if rep.reached_pos[k - 1]}  # reached positions only
@@ -82,6 +82,17 @@ def test_evaluate_metric_keys_and_table(target, drafter, cfg):
     assert "ALL (pooled)" in text and "τ tree-4" in text and "one" in text
     md = rep.to_markdown()
     assert md.startswith("| task |") and "Per-position acceptance" in md
+
+
+def test_copy_rate_counts_the_continuations_repeated_ngrams():
+    from dflash.evaluation.prompt_lookup import copy_rate
+    prompt = list(range(10))
+    assert copy_rate(prompt + list(range(100, 120)), 10, n=4) == 0.0  # all new
+    assert copy_rate(prompt + prompt + prompt, 10, n=4) == 1.0  # the prompt, twice more
+    # a continuation that starts new and then repeats itself: its 4-grams at 10..23 are 14; the later 7 copy
+    loop = [50, 51, 52, 53, 54, 55, 56]
+    assert copy_rate(prompt + loop + loop + loop[:3], 10, n=4) == pytest.approx(7 / 14)
+    assert math.isnan(copy_rate(prompt + [1, 2], 10, n=4))  # no whole n-gram in the continuation
 
 
 def test_evaluate_with_oracle_and_wrong_proposers(target, drafter, cfg):

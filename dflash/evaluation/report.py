@@ -6,6 +6,9 @@ Metrics (all floats):
   (only the positions some round reached: an unreached position has no acceptance, not 0.0);
 - `eval/task/{name}/tau_vanilla`, `eval/task/{name}/tau_tree_{b}`;
 - `eval/num_tasks`, `eval/rounds`, `eval/gt_consistency`, `eval/seconds`;
+- `eval/gt_copy_rate`: the mean over tasks of the fraction of the continuation's 8-grams that already occur
+  earlier in prompt + continuation (`prompt_lookup.copy_rate`): how copyable the target's output is, the ceiling
+  prompt lookup works against;
 - with real decoding: `eval/real/tau`, `eval/real/lossless` (fraction of tasks whose output equals the
   target's greedy output token for token), `eval/real/match_frac` (mean fraction of tokens before the
   first divergence), `eval/real/tau_matches_sim` (fraction of tasks whose real τ sequence equals the
@@ -44,7 +47,7 @@ import torch
 
 from dflash.evaluation import EvalConfig
 from dflash.evaluation.acceptance import DRAFTER_PROPOSERS, Proposer, TaskResult, proposal_width, simulate
-from dflash.evaluation.prompt_lookup import PromptLookupProposer
+from dflash.evaluation.prompt_lookup import PromptLookupProposer, copy_rate
 from dflash.evaluation.stats import paired_delta_ci, pooled_ci
 from dflash.evaluation.ground_truth import TaskTruth, load_or_build_ground_truth
 from dflash.evaluation.prompts import Suite, Task, resolve_suite, suite_label
@@ -138,6 +141,8 @@ class EvalReport:
             if not math.isnan(st.get("eval/delta_prompt_lookup_ci_low", math.nan)):
                 out += (f" [{st['eval/delta_prompt_lookup_ci_low']:+.3f}, "
                         f"{st['eval/delta_prompt_lookup_ci_high']:+.3f}]")
+        if not math.isnan(self.metrics.get("eval/gt_copy_rate", math.nan)):
+            out += f"; the ground truth repeats {100 * self.metrics['eval/gt_copy_rate']:.0f}% of its 8-grams"
         return out + f"; {len(self.table)} prompts × {self.info.get('max_new_tokens', '?')} tokens"
 
     def to_markdown(self) -> str:
@@ -294,6 +299,8 @@ def evaluate(drafter, target, cfg: EvalConfig, tasks: Sequence[Task] | None = No
                  zip(truths, results, baseline or [None] * len(results))]
         metrics = _metrics(results, budgets, bs)
         metrics["eval/gt_consistency"] = sum(t.consistency for t in truths) / len(truths)
+        rates = [r for r in (row["gt_copy_rate"] for row in table) if not math.isnan(r)]
+        metrics["eval/gt_copy_rate"] = sum(rates) / len(rates) if rates else math.nan
         if cfg.real_decode if real_decode is None else real_decode:
             metrics.update(_real_decode(drafter, target, truths, results, table))
     finally:
@@ -326,6 +333,7 @@ def _row(tr: TaskTruth, r: TaskResult, budgets: Sequence[int], base: TaskResult 
         row.update(tau_prompt_lookup=base.tau_vanilla, rounds_prompt_lookup=len(base.taus_vanilla),
                    tau_sum_prompt_lookup=sum(base.taus_vanilla))
     row["gt_consistency"] = tr.consistency
+    row["gt_copy_rate"] = copy_rate(tr.tokens.tolist(), tr.prompt_len)
     return row
 
 

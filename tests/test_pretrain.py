@@ -220,3 +220,13 @@ def test_two_resumed_jobs_equal_one_run(small_root, tmp_path):
     # a checkpoint of another model shape is refused, naming the key
     with pytest.raises(ValueError, match="hidden_size"):
         pretrain(tiny_cfg(small_root, tmp_path / "two", hidden_size=48, results_path=""))
+
+
+def test_lookup_tau_reports_the_copy_rate_of_the_continuations():
+    from dflash.pretrain.evaluate import lookup_tau
+    prompt = list(range(20))
+    conts = [{"name": "loops", "prompt_ids": prompt, "continuation_ids": list(prompt)},  # the prompt again: all copied
+             {"name": "new", "prompt_ids": prompt, "continuation_ids": list(range(100, 120))}]  # nothing copied
+    out = lookup_tau(conts, draft_len=15)
+    assert out["copy_ngram"] == 8 and out["copy_rate"] == pytest.approx(0.5)
+    assert out["per_prompt"]["loops"] > out["per_prompt"]["new"] == 1.0  # copying is what prompt lookup accepts

@@ -181,5 +181,9 @@ def lookup_tau(continuations: list[dict], draft_len: int) -> dict:
         s = prompt_lookup_steps(c["prompt_ids"], c["continuation_ids"], draft_len) if n else 0
         per[c["name"]] = n / s if s else 0.0
         tokens, steps = tokens + n, steps + s
+    from dflash.evaluation.prompt_lookup import COPY_NGRAM, copy_rate
+    rates = [r for c in continuations if c["continuation_ids"]
+             and (r := copy_rate(c["prompt_ids"] + c["continuation_ids"], len(c["prompt_ids"]))) == r]  # not NaN
     return {"per_prompt": per, "tau": tokens / steps if steps else 0.0, "draft_len": draft_len,
-            "proposer": "n-gram copy simulation (dflash.pretrain.evaluate.prompt_lookup_steps, n<=3)"}
+            "proposer": "n-gram copy simulation (dflash.pretrain.evaluate.prompt_lookup_steps, n<=3)",
+            "copy_rate": sum(rates) / len(rates) if rates else float("nan"), "copy_ngram": COPY_NGRAM}

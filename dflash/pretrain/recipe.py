@@ -239,6 +239,7 @@ def _finish(cfg: PretrainConfig, model, data: PretrainData, st: LoopState, kdeta
     metrics["wall_seconds"] = time.perf_counter() - t_start
     if tau:
         metrics["lookup_tau"] = tau["tau"]
+        metrics["copy_rate"] = tau["copy_rate"]  # the target repeating itself: a defect a drafter study inherits
     logger.log({f"final/{k}": float(v) for k, v in metrics.items() if isinstance(v, (int, float))}, st.step)
     result = {"metrics": metrics, "meta": meta, "out_dir": str(out), "continuations": continuations,
               "continuations_note": note, "lookup_tau": tau, "probes": probes, "run_dir": str(run_dir)}

@@ -76,6 +76,10 @@ def _continuation_lines(result: dict) -> list[str]:
     if tau:
         lines += [f"Prompt-lookup τ of these continuations: **{tau['tau']:.2f}** tokens per target forward "
                   f"({tau['proposer']}, {tau['draft_len']} tokens proposed per step).", ""]
+        if "copy_rate" in tau:
+            lines += [f"Copy rate: **{100 * tau['copy_rate']:.0f}%** of the continuations' {tau['copy_ngram']}-grams "
+                      f"already occur earlier in prompt + continuation (`dflash.evaluation.prompt_lookup.copy_rate`).",
+                      ""]
     for c in result.get("continuations", []):
         t = tau.get("per_prompt", {}).get(c["name"])
         lines += [f"### {c['name']}", "", f"Prompt ({c['prompt_tokens']} tokens):", "", "```python",

@@ -37,12 +37,13 @@ echo "== campaign exited $rc after $(( $(date +%s) - t0 )) s" >&2
 $PY -m sweeps.campaign "$C" report out=campaign_out > "$OUT/report.md" 2>&1 || tail -5 "$OUT/report.md" >&2
 tar czf "$OUT/campaign.tgz" --exclude='checkpoints' --exclude='final' --exclude='checkpoint' --exclude='*.pt' \
     --exclude='*.safetensors' --exclude='*.png' --exclude='*.bin' campaign_out
-# the best finished cell's drafter (the recipe's, for promotion / export / eval elsewhere): its final/ folder
+# the best finished cell's drafter of this job (the recipe's, for promotion / export / eval elsewhere): its final/ folder
 $PY - "$C" "$OUT" <<'EOF' || true
 import json, sys, tarfile
 from pathlib import Path
 s = json.loads(Path(f"campaign_out/{sys.argv[1]}/summary.json").read_text())
-done = [c for c in s["cells"] if c.get("value") is not None and not c.get("reused_from")]
+done = [c for c in s["cells"] if c.get("value") is not None and not c.get("reused_from")
+        and (Path(c["run_dir"]) / "final").is_dir()]  # cells of earlier jobs came back without weights
 best = max(done, key=lambda c: c["value"])
 with tarfile.open(f"{sys.argv[2]}/best_drafter.tgz", "w:gz") as tar:
     tar.add(Path(best["run_dir"]) / "final", arcname=best["cell"])

@@ -149,12 +149,12 @@ def _speed_lines(summary: dict) -> list[str]:
     out = []
     wa = summary.get("write_ahead") or {}
     if wa:
-        out.append(f"Shared inputs, made once before the cells (`dflash.training.write_ahead`): "
-                   f"{int(wa.get('data/write_ahead_batches', 0))} online batches "
-                   f"({int(wa.get('data/write_ahead_items', 0)):,} sequences; {int(wa.get('data/written_batches', 0))} "
-                   f"written at {wa.get('perf/write_tok_s', 0):,.0f} written tok/s, "
-                   f"{int(wa.get('data/shard_reads', 0))} read from shards), eval ground truth, "
-                   f"{wa.get('sys/write_ahead_s', 0):.0f} s in all.")
+        data = (f"{int(wa['data/write_ahead_batches'])} online batches ({int(wa['data/write_ahead_items']):,} "
+                f"sequences; {int(wa['data/written_batches'])} written at {wa['perf/write_tok_s']:,.0f} written "
+                f"tok/s, {int(wa['data/shard_reads'])} read from shards), " if wa.get("data/write_ahead_batches")
+                else "")  # stored data: nothing to write ahead
+        out.append(f"Shared inputs, made once before the cells (`dflash.training.write_ahead`): {data}eval ground "
+                   f"truth, {wa.get('sys/write_ahead_s', 0):.0f} s in all.")
     for st in summary.get("stages", []):
         if st.get("cells_run"):
             out.append(f"Stage {st['stage']} ({st['factor']}): {st['cells_run']} cells trained in this launch "

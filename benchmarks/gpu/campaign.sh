@@ -34,7 +34,9 @@ timeout "${HARD:-$((DEADLINE + 190))}" $PY -m sweeps.campaign "$C" "${WORK[@]}" 
     "tracking.tracking_uri=sqlite:///$PWD/campaign_out/mlflow.db" "$@" > "$OUT/campaign.log" 2>&1
 rc=$?
 echo "== campaign exited $rc after $(( $(date +%s) - t0 )) s" >&2
-$PY -m sweeps.campaign "$C" report out=campaign_out > "$OUT/report.md" 2>&1 || tail -5 "$OUT/report.md" >&2
+EDITS=()  # the campaign.KEY=VALUE edits of this job apply to its report too
+for a in "$@"; do [[ $a == campaign.* ]] && EDITS+=("$a"); done
+$PY -m sweeps.campaign "$C" report out=campaign_out "${EDITS[@]}" > "$OUT/report.md" 2>&1 || tail -5 "$OUT/report.md" >&2
 tar czf "$OUT/campaign.tgz" --exclude='checkpoints' --exclude='final' --exclude='checkpoint' --exclude='*.pt' \
     --exclude='*.safetensors' --exclude='*.png' --exclude='*.bin' campaign_out
 # the best finished cell's drafter of this job (the recipe's, for promotion / export / eval elsewhere): its final/ folder

@@ -50,7 +50,7 @@ class RunDir:
         """`run_dir` when set, else `runs/<label>-<timestamp>` (the label says what the run is)."""
         if run_dir:
             return cls(run_dir)
-        from dflash.tracking.loggers import default_run_name
+        from dflash.tracking.run_info import default_run_name
         return cls(Path("runs") / default_run_name(label))
 
     # ---- paths

@@ -21,7 +21,8 @@ from pathlib import Path
 
 from dflash.bench.runner import BenchConfig, format_table, run_bench
 from dflash.config import ConfigError, to_dict
-from dflash.tracking.loggers import MLflowLogger, flatten_config
+from dflash.tracking.loggers import MLflowLogger
+from dflash.tracking.run_info import flatten_config
 from experiments.config import compose_config, exit_on_help, run_cli
 
 RESULTS = Path(__file__).resolve().parent.parent / "benchmarks" / "RESULTS.md"

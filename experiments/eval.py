@@ -47,12 +47,8 @@ from dflash.evaluation.evaluator import evaluate_suites, merged_metrics, summary
 from dflash.evaluation.pairing import NotPaired, paired_delta
 from dflash.target.model import Target
 from dflash.devices import resolve_device
-from dflash.tracking.loggers import (
-    build_loggers,
-    default_run_name,
-    flatten_config,
-    resolve_relative_sqlite,
-)
+from dflash.tracking.loggers import build_loggers
+from dflash.tracking.run_info import default_run_name, flatten_config, resolve_relative_sqlite
 
 log = logging.getLogger(__name__)
 

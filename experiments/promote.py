@@ -18,7 +18,7 @@ from pathlib import Path
 
 from dflash.run_dir import MLFLOW_FILE, RunDir
 from dflash.serving.promotion import Decision, PromoteConfig, PromotionError, promote
-from dflash.tracking.loggers import resolve_relative_sqlite
+from dflash.tracking.run_info import resolve_relative_sqlite
 
 _RUN_ID = re.compile(r"^[0-9a-f]{32}$")
 DEFAULT_URI = "sqlite:///mlflow.db"

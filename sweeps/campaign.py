@@ -225,7 +225,7 @@ def prepare_store(c: Campaign, extra: list[str]) -> None:
         return
     from mlflow.tracking import MlflowClient
 
-    from dflash.tracking.loggers import absolute_sqlite_uri, get_or_create_experiment
+    from dflash.tracking.run_info import absolute_sqlite_uri, get_or_create_experiment
     uri = absolute_sqlite_uri(tracking.tracking_uri)
     get_or_create_experiment(MlflowClient(uri), c.experiment, uri)
 

@@ -171,7 +171,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     import optuna
 
     from sweeps.support import SweepTracker
-    from dflash.tracking.loggers import absolute_sqlite_uri
+    from dflash.tracking.run_info import absolute_sqlite_uri
     from sweeps.objective import reconcile_children, update_parent
     from sweeps.space import check_conflicts, load_sweep, merge_overrides
     from sweeps.storage import describe, ensure_sqlite_dir, make_storage, reap_stale

@@ -100,7 +100,7 @@ def run_trial(trial, ctx: TrialContext, tracker: SweepTracker | None) -> float:
         trial.set_user_attr(ATTR_RUN_DIR, str(run_dir))
         run_id = None
         if tracker is not None and ctx.parent_run_id and cfg.tracking.enabled:
-            from dflash.tracking.loggers import NOTE, SOURCE_NAME, SOURCE_TYPE
+            from dflash.tracking.run_info import NOTE, SOURCE_NAME, SOURCE_TYPE
             run_id = tracker.create_child(
                 ctx.parent_run_id, ctx.study_name, trial.number, run_name=run_dir.name,
                 tags={"sweep.name": ctx.sweep.name, "sweep.overrides": " ".join(sampled),
@@ -181,7 +181,7 @@ def update_parent(study, tracker: SweepTracker | None, parent_id: str | None,
     summary = study_summary(study)
     if tracker is None or not parent_id:
         return summary
-    from dflash.tracking.loggers import NOTE
+    from dflash.tracking.run_info import NOTE
     current = tracker.tags_of(parent_id)
     c = summary["states"]
     n_done = c["COMPLETE"] + c["PRUNED"] + c["FAIL"]

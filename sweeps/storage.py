@@ -47,7 +47,7 @@ def journal_path(desc: str) -> Path:
 
 def ensure_sqlite_dir(uri: str) -> None:
     """sqlite:///rel/x.db or sqlite:////abs/x.db: create the file's folder (sqlite will not)."""
-    from dflash.tracking.loggers import sqlite_db_path
+    from dflash.tracking.run_info import sqlite_db_path
     db = sqlite_db_path(uri)
     if db is not None:
         db.parent.mkdir(parents=True, exist_ok=True)

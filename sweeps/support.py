@@ -20,7 +20,8 @@ from typing import Any, Callable, Mapping
 
 import optuna
 
-from dflash.tracking.loggers import get_or_create_experiment, read_jsonl_metrics
+from dflash.tracking.loggers import read_jsonl_metrics
+from dflash.tracking.run_info import get_or_create_experiment
 
 log = logging.getLogger(__name__)
 
@@ -140,7 +141,7 @@ class SweepTracker:
     def _tags(self, run_id: str, tags: Mapping[str, Any]) -> None:
         from mlflow.entities import RunTag
 
-        from dflash.tracking.loggers import MAX_TAG_VAL_LENGTH, truncate
+        from dflash.tracking.run_info import MAX_TAG_VAL_LENGTH, truncate
         rt = [RunTag(k, truncate("" if v is None else str(v), MAX_TAG_VAL_LENGTH)) for k, v in tags.items()]
         if rt:
             self._retry("set tags", self.client.log_batch, run_id, tags=rt)
@@ -171,7 +172,7 @@ class SweepTracker:
                               tags={"dflash.kind": PARENT_KIND, TAG_STUDY: study_name}, quiet=False)
             from mlflow.entities import Param
 
-            from dflash.tracking.loggers import MAX_PARAM_VAL_LENGTH, truncate
+            from dflash.tracking.run_info import MAX_PARAM_VAL_LENGTH, truncate
             ps = [Param(k, truncate(str(v), MAX_PARAM_VAL_LENGTH)) for k, v in params.items()]
             for i in range(0, len(ps), 100):
                 self._retry("log parent params", self.client.log_batch, run.info.run_id, params=ps[i:i + 100])

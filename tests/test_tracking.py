@@ -10,18 +10,9 @@ from pathlib import Path
 import pytest
 
 from dflash.tracking.sysmetrics import system_metrics
-from dflash.tracking.loggers import (
-    TRUNCATION_MARKER,
-    ConsoleLogger,
-    JsonlLogger,
-    Logger,
-    MLflowLogger,
-    MultiLogger,
-    TrackingConfig,
-    build_loggers,
-    flatten_config,
-    git_sha,
-)
+from dflash.tracking.loggers import (ConsoleLogger, JsonlLogger, Logger, MLflowLogger, MultiLogger, TrackingConfig,
+                                     build_loggers)
+from dflash.tracking.run_info import TRUNCATION_MARKER, flatten_config, git_sha
 
 mlflow = pytest.importorskip("mlflow")
 from mlflow.tracking import MlflowClient  # noqa: E402
@@ -350,7 +341,7 @@ def test_run_name_is_the_run_folder_and_the_run_says_what_it_is(tmp_path, monkey
     """No run_dir given: the folder is runs/<loss>-<noise>-<buffer>-s<seed>-<time>, the MLflow run has the
     same name, MLflow's Source / commit / Description fields are set, and the run id, folder and `mlflow
     ui` command are printed before the first step."""
-    from dflash.tracking.loggers import command_line
+    from dflash.tracking.run_info import command_line
     from dflash.training.trainer import train
     from experiments.config import compose_config
     from tests.conftest import FAST
@@ -383,7 +374,7 @@ def test_run_name_is_the_run_folder_and_the_run_says_what_it_is(tmp_path, monkey
 
 
 def test_run_params_drop_unread_knobs():
-    from dflash.tracking.loggers import run_params
+    from dflash.tracking.run_info import run_params
     cfg = {"loss": {"name": "hard_ce", "gamma": 7.0, "alpha": 1.0}, "target": {"path": "/m", "random": {"h": 8}},
            "seed": 0}
     assert run_params(cfg, {"loss": ("name", "gamma")}, drop=["target.random"]) == {
@@ -425,7 +416,7 @@ def test_system_metrics_land_in_mlflows_system_tab(store):
 
 
 def test_reopened_run_keeps_the_description_that_made_it(store):
-    from dflash.tracking.loggers import NOTE
+    from dflash.tracking.run_info import NOTE
     cfg = TrackingConfig(tracking_uri=store, experiment="t-note", console=False, system_metrics=False)
     first = MLflowLogger(cfg, tags={NOTE: "python -m experiments.run +loss=soft_kl"})
     first.close()

@@ -34,7 +34,7 @@ from dflash.bench.table import format_table  # noqa: F401 (experiments.bench's i
 from dflash.config import RunConfig
 from dflash.target.kernels import torch_gdn_path
 from dflash.target.model import Target
-from dflash.tracking.loggers import default_run_name
+from dflash.tracking.run_info import default_run_name
 from dflash.training.distributed import init_distributed
 
 log = logging.getLogger(__name__)

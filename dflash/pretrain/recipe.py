@@ -48,7 +48,8 @@ from dflash.pretrain.model import (bf16_bytes, build_hf_config, build_model, com
 from dflash.pretrain.report import PromptArg, normalize_prompts, results_markdown
 from dflash.serving.export import write_dir_atomically
 from dflash.target.model import TARGET_META
-from dflash.tracking.loggers import build_loggers, default_run_name, git_sha
+from dflash.tracking.loggers import build_loggers
+from dflash.tracking.run_info import default_run_name, git_sha
 
 log = logging.getLogger(__name__)
 

@@ -52,7 +52,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
-from dflash.tracking.loggers import sqlite_db_path, truncate
+from dflash.tracking.run_info import sqlite_db_path, truncate
 
 log = logging.getLogger(__name__)
 

@@ -15,7 +15,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from dflash.tracking.loggers import Logger, MLflowLogger, MultiLogger, _json_default
+from dflash.tracking.loggers import Logger, MLflowLogger, MultiLogger
+from dflash.tracking.run_info import _json_default
 
 
 class BackgroundLogger(Logger):

@@ -47,13 +47,8 @@ from dflash.serving.promotion import auto_promote
 from dflash.tracking.sysmetrics import system_metrics
 from dflash.target.model import Target
 from dflash.devices import resolve_device
-from dflash.tracking.loggers import (
-    MultiLogger,
-    absolute_sqlite_uri,
-    build_loggers,
-    git_sha,
-    run_params,
-)
+from dflash.tracking.loggers import MultiLogger, build_loggers
+from dflash.tracking.run_info import absolute_sqlite_uri, git_sha, run_params
 from dflash.tracking.background import in_background
 
 log = logging.getLogger(__name__)

@@ -81,6 +81,11 @@ class Cell:
     def id(self) -> str:
         return f"s{self.stage}-{self.factor}-{self.option}-seed{self.seed}"
 
+    def labels(self) -> dict[str, Any]:
+        """What names this cell in a result record (`cell.json`, `summary.json`)."""
+        return {"cell": self.id, "stage": self.stage, "factor": self.factor, "option": self.option,
+                "seed": self.seed}
+
 
 def _fields(cls) -> dict[str, Any]:
     return {f.name: f for f in dataclasses.fields(cls)}
@@ -178,10 +183,8 @@ def run_cell(c: Campaign, cell: Cell, out: Path) -> dict:
         rc = subprocess.call(cmd, stdout=logf, stderr=subprocess.STDOUT, env=dict(os.environ, PYTHONUNBUFFERED="1"))
     if rc != 0:  # recorded for this launch only (no cell.json): the next launch runs it again
         log.error("cell %s exited %d; see %s", cell.id, rc, run_dir.parent / f"{cell.id}.log")
-        return {"cell": cell.id, "stage": cell.stage, "factor": cell.factor, "option": cell.option,
-                "seed": cell.seed, "run_dir": str(run_dir), "value": None, "consumed_tokens": None, "failed": rc}
-    result = {"cell": cell.id, "stage": cell.stage, "factor": cell.factor, "option": cell.option,
-              "seed": cell.seed, "overrides": cell.overrides, "run_dir": str(run_dir),
+        return {**cell.labels(), "run_dir": str(run_dir), "value": None, "consumed_tokens": None, "failed": rc}
+    result = {**cell.labels(), "overrides": cell.overrides, "run_dir": str(run_dir),
               "objective": c.objective, "value": last_logged(run_dir, c.objective),
               "consumed_tokens": last_logged(run_dir, "data/consumed_tokens"),
               "epochs": last_logged(run_dir, "data/epochs"),
@@ -262,8 +265,7 @@ def _run_stage(c: Campaign, cells: list[Cell], out: Path, done: dict[str, dict],
     def one(i: int) -> dict | None:
         cell, key = cells[i], keys[i]
         if key in done:  # the same run as an earlier cell: its result, labelled for this stage
-            return {**done[key], "cell": cell.id, "stage": cell.stage, "factor": cell.factor,
-                    "option": cell.option, "reused_from": done[key]["cell"]}
+            return {**done[key], **cell.labels(), "reused_from": done[key]["cell"]}
         earlier = cell_result(cell_dir(out, c, cell))
         if earlier is not None:
             return {**earlier, "earlier_launch": True}
@@ -302,8 +304,9 @@ def run_campaign(c: Campaign, out: Path, extra: list[str], deadline_s: float = 0
         ran = [r for r in results if r is not None and "reused_from" not in r and not r.get("earlier_launch")]
         wall = time.time() - t0
         tokens = sum(r["consumed_tokens"] or 0 for r in ran)
-        summary["stages"].append({"stage": i, "factor": stage.factor, "wall_s": round(wall, 1), "cells_run": len(ran),
-                                  "consumed_tokens": tokens, "consumed_tok_s_all_cells": round(tokens / max(wall, 1e-9))})
+        summary["stages"].append({"stage": i, "factor": stage.factor, "wall_s": round(wall, 1),
+                                  "cells_run": len(ran), "consumed_tokens": tokens,
+                                  "consumed_tok_s_all_cells": round(tokens / max(wall, 1e-9))})
         summary["cells"] += [r for r in results if r is not None]
         if any(r is None or r.get("failed") for r in results):
             break  # a deadline or a failed cell: this stage's winner is not known yet (the next launch goes on)

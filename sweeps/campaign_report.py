@@ -277,16 +277,14 @@ def summary_from_mlflow(c, tracking_uri: str, work_dir: Path) -> dict[str, Any]:
             key = config_key(cell.overrides)
             r = runs.get(cell.id)
             if r is None and key in earlier:
-                cells.append({**earlier[key], "cell": cell.id, "stage": i, "option": cell.option,
-                              "reused_from": earlier[key]["cell"]})
+                cells.append({**earlier[key], **cell.labels(), "reused_from": earlier[key]["cell"]})
                 continue
             if r is None:
                 summary["complete"] = False
                 continue
             folder = _as_run_folder(_artifacts_dir(r, tracking_uri), Path(work_dir) / cell.id)
             m = r.data.metrics
-            got = {"cell": cell.id, "stage": i, "factor": stage.factor, "option": cell.option, "seed": cell.seed,
-                   "run_dir": str(folder), "value": m.get(c.objective), "run_id": r.info.run_id,
+            got = {**cell.labels(), "run_dir": str(folder), "value": m.get(c.objective), "run_id": r.info.run_id,
                    "consumed_tokens": m.get("data/consumed_tokens"), "epochs": m.get("data/epochs")}
             earlier.setdefault(key, got)
             cells.append(got)

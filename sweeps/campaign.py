@@ -18,7 +18,9 @@ subprocess with a fixed run folder `<out>/<campaign>/runs/<cell id>`:
 
 So re-running the same command after a cut (GPU jobs here end at ten minutes) continues where it stopped;
 `deadline_s=S` starts no cell later than S seconds after launch, so a job with a hard limit ends with whole
-cells. A cell whose composed config equals an earlier cell's (`+noise=none` on the best loss is the loss stage's
+cells. Stages that build only on factors already decided share one pool (`stage_groups`: the reference
+campaign's noise and buffer stages both build on the loss, so they run as one wave). A cell whose composed
+config equals an earlier cell's (`+noise=none` on the best loss is the loss stage's
 run of that loss) is that cell: its result is reused, not trained again. `workers` cells run at once (several
 small runs share one GPU; the budget is in tokens, so that is fair). Before the first cell, the inputs every
 cell shares (prompt pool, online shards, eval ground truth) are made once (`dflash.training.write_ahead`).
@@ -169,6 +171,17 @@ def cell_command(cell: Cell, run_dir: Path) -> list[str]:
     return [sys.executable, "-m", "experiments.run", *cell.overrides, f"run_dir={run_dir}"]
 
 
+def cell_env(workers: int) -> dict[str, str]:
+    """A cell's environment: unbuffered output, and its share of the CPU's cores for torch's and the BLAS's
+    thread pools unless the caller set them (every process defaults to all cores: `workers` cells at once would
+    run workers × cores threads through their CPU parts, the evaluation's bootstrap and process start)."""
+    share = str(max(1, (os.cpu_count() or 1) // max(1, workers)))
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+        env.setdefault(var, share)
+    return env
+
+
 def run_cell(c: Campaign, cell: Cell, out: Path) -> dict:
     """Run (or resume) one cell to its end in a subprocess; record its final metrics in `cell.json`."""
     run_dir = cell_dir(out, c, cell)
@@ -180,7 +193,7 @@ def run_cell(c: Campaign, cell: Cell, out: Path) -> dict:
     log.info("cell %s: %s", cell.id, " ".join(cmd[1:]))
     t0 = time.time()
     with open(run_dir.parent / f"{cell.id}.log", "a") as logf:
-        rc = subprocess.call(cmd, stdout=logf, stderr=subprocess.STDOUT, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+        rc = subprocess.call(cmd, stdout=logf, stderr=subprocess.STDOUT, env=cell_env(c.workers))
     if rc != 0:  # recorded for this launch only (no cell.json): the next launch runs it again
         log.error("cell %s exited %d; see %s", cell.id, rc, run_dir.parent / f"{cell.id}.log")
         return {**cell.labels(), "run_dir": str(run_dir), "value": None, "consumed_tokens": None, "failed": rc}
@@ -258,9 +271,10 @@ def shared_inputs(c: Campaign, extra: list[str], out: Path) -> dict[str, float]:
 
 
 def _run_stage(c: Campaign, cells: list[Cell], out: Path, done: dict[str, dict], deadline: float | None):
-    """Finished results of the stage's cells (reused where an earlier cell is the same run); None for a cell
-    not started because `deadline` (time.time()) had passed."""
+    """Finished results of `cells` (reused where an earlier cell, or an earlier one of `cells`, is the same run);
+    None for a cell not started because `deadline` (time.time()) had passed."""
     keys = [config_key(cell.overrides) for cell in cells]
+    first = {k: i for i, k in reversed(list(enumerate(keys)))}  # each run once, labelled by its first cell
 
     def one(i: int) -> dict | None:
         cell, key = cells[i], keys[i]
@@ -274,16 +288,37 @@ def _run_stage(c: Campaign, cells: list[Cell], out: Path, done: dict[str, dict],
             return None
         return run_cell(c, cell, out)
 
+    runs = sorted(set(first.values()))
     with ThreadPoolExecutor(max_workers=c.workers) as pool:
-        results = list(pool.map(one, range(len(cells))))
+        ran = dict(zip(runs, pool.map(one, runs)))
+    results = []
+    for i, key in enumerate(keys):
+        r = ran[first[key]]
+        if i != first[key] and r is not None and not r.get("failed"):
+            r = {**r, **cells[i].labels(), "reused_from": r["cell"]}
+        results.append(r)
     for key, r in zip(keys, results):
         if r is not None and "reused_from" not in r and not r.get("failed"):
             done.setdefault(key, r)
     return results
 
 
+def stage_groups(c: Campaign) -> list[list[int]]:
+    """Stages in runs that can share one pool of workers: a stage joins the group before it unless it builds
+    on (`on_best`) a factor of that group, whose winner is not known until the group ends. The reference
+    campaign's noise and buffer stages both build on the loss alone, so their 14 new cells run as one wave
+    instead of a wave of 6 and a wave of 8 (fewer GPU jobs of ten minutes)."""
+    groups: list[list[int]] = []
+    for i, stage in enumerate(c.stages):
+        if groups and not set(stage.on_best) & {c.stages[j].factor for j in groups[-1]}:
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+    return groups
+
+
 def run_campaign(c: Campaign, out: Path, extra: list[str], deadline_s: float = 0.0) -> dict[str, Any]:
-    """Every stage in order; `deadline_s` > 0: no cell starts later than that many seconds from now (the cells
+    """Every stage in order (a group of stages at once, `stage_groups`); `deadline_s` > 0: no cell starts later than that many seconds from now (the cells
     left are the next launch's). `summary.json` is rewritten after every stage, so a cut campaign reports what
     it finished."""
     t_start = time.time()
@@ -295,24 +330,33 @@ def run_campaign(c: Campaign, out: Path, extra: list[str], deadline_s: float = 0
     if not previous.get("complete"):
         summary["write_ahead"] = shared_inputs(c, extra, out)
     done: dict[str, dict] = {}
-    for i, stage in enumerate(c.stages):
-        cells = stage_cells(c, i, summary["winners"])
-        for cell in cells:
+    for group in stage_groups(c):
+        per_stage = [stage_cells(c, i, summary["winners"]) for i in group]
+        for cell in (x for cells in per_stage for x in cells):
             cell.overrides += extra
         t0 = time.time()
-        results = _run_stage(c, cells, out, done, deadline)
-        ran = [r for r in results if r is not None and "reused_from" not in r and not r.get("earlier_launch")]
+        results = _run_stage(c, [x for cells in per_stage for x in cells], out, done, deadline)
         wall = time.time() - t0
-        tokens = sum(r["consumed_tokens"] or 0 for r in ran)
-        summary["stages"].append({"stage": i, "factor": stage.factor, "wall_s": round(wall, 1),
-                                  "cells_run": len(ran), "consumed_tokens": tokens,
-                                  "consumed_tok_s_all_cells": round(tokens / max(wall, 1e-9))})
-        summary["cells"] += [r for r in results if r is not None]
-        if any(r is None or r.get("failed") for r in results):
-            break  # a deadline or a failed cell: this stage's winner is not known yet (the next launch goes on)
-        summary["winners"][stage.factor] = best_option(results)
-        log.info("stage %d (%s): best %s", i, stage.factor, summary["winners"][stage.factor])
+        cut = False
+        for i, cells in zip(group, per_stage):
+            mine, results = results[:len(cells)], results[len(cells):]
+            ran = [r for r in mine if r is not None and "reused_from" not in r and not r.get("earlier_launch")]
+            tokens = sum(r["consumed_tokens"] or 0 for r in ran)
+            summary["stages"].append({"stage": i, "factor": c.stages[i].factor, "wall_s": round(wall, 1),
+                                      "stages_sharing_wall": len(group), "cells_run": len(ran),
+                                      "consumed_tokens": tokens})
+            summary["cells"] += [r for r in mine if r is not None]
+            if any(r is None or r.get("failed") for r in mine):
+                cut = True  # a deadline or a failed cell: this stage's winner is not known yet (the next launch)
+                continue
+            summary["winners"][c.stages[i].factor] = best_option(mine)
+            log.info("stage %d (%s): best %s", i, c.stages[i].factor, summary["winners"][c.stages[i].factor])
+        group_tokens = sum(st["consumed_tokens"] for st in summary["stages"][-len(group):])
+        for st in summary["stages"][-len(group):]:
+            st["consumed_tok_s_all_cells"] = round(group_tokens / max(wall, 1e-9))
         atomic_write_text(summary_f, json.dumps(summary, indent=2))
+        if cut:
+            break
     else:
         summary["complete"] = True
     summary["wall_s"] = round(time.time() - t_start, 1)

@@ -157,9 +157,11 @@ def _speed_lines(summary: dict) -> list[str]:
                    f"truth, {wa.get('sys/write_ahead_s', 0):.0f} s in all.")
     for st in summary.get("stages", []):
         if st.get("cells_run"):
+            shared = (f" (one pool with the other {st['stages_sharing_wall'] - 1} stage(s) of its group: the time "
+                      f"and rate are the group's)" if st.get("stages_sharing_wall", 1) > 1 else "")
             out.append(f"Stage {st['stage']} ({st['factor']}): {st['cells_run']} cells trained in this launch "
                        f"in {st['wall_s']:.0f} s, {st['consumed_tok_s_all_cells']:,} consumed tok/s over all of "
-                       f"them together.")
+                       f"them together{shared}.")
     phases = [c["phases_s"] for c in summary.get("cells", []) if c.get("phases_s") and not c.get("reused_from")]
     if phases:
         mean = {k: sum(p.get(k) or 0 for p in phases) / len(phases) for k in phases[0]}

@@ -2,6 +2,7 @@
 stages, and a cut-off campaign continuing where it stopped."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from pathlib import Path
@@ -9,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from dflash.config import ConfigError
-from sweeps.campaign import Campaign, best_option, load_campaign, main, stage_cells
+from sweeps.campaign import Campaign, best_option, cell_env, load_campaign, main, stage_cells, stage_groups
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -43,6 +44,42 @@ def test_cells_share_the_budget_and_build_on_the_winner():
     assert all("+loss=soft_kl" in x.overrides and f"+noise={x.option}" in x.overrides for x in second)
     assert best_option([{"option": "a", "value": 1.0}, {"option": "a", "value": 3.0},
                         {"option": "b", "value": 1.9}, {"option": "b", "value": 2.0}]) == "a"
+
+
+def test_stages_that_build_on_decided_factors_share_one_pool():
+    assert stage_groups(load_campaign("reference")) == [[0], [1, 2]]  # noise and buffer both on the loss
+    assert stage_groups(load_campaign("cpu_smoke")) == [[0], [1]]
+    c = load_campaign("cpu_smoke")
+    c.stages = [*c.stages, dataclasses.replace(c.stages[1], factor="buffer", on_best=["noise"])]
+    assert stage_groups(c) == [[0], [1], [2]]  # builds on the noise winner: waits for it
+
+
+def test_one_pool_runs_each_distinct_config_once(monkeypatch, tmp_path):
+    import sweeps.campaign as campaign
+    c = load_campaign("cpu_smoke", ["campaign.workers=4"])
+    ran = []
+
+    def fake_run(c_, cell, out):
+        ran.append(cell.id)
+        return {**cell.labels(), "value": float(len(ran)), "consumed_tokens": 1}
+    monkeypatch.setattr(campaign, "run_cell", fake_run)
+    monkeypatch.setattr(campaign, "config_key", lambda ov: "same" if "+noise=none" in ov or "+buffer=fifo" in ov
+                        else " ".join(ov))
+    noise = stage_cells(c, 1, {"loss": "hard_ce"})[:1]
+    buffer = [campaign.Cell(2, "buffer", "fifo", 0, ["+buffer=fifo"])]
+    other = [campaign.Cell(2, "buffer", "r10_20", 0, ["+buffer=r10_20"])]
+    results = campaign._run_stage(c, [*noise, *buffer, *other], tmp_path, {}, None)
+    assert ran == [noise[0].id, other[0].id]  # the fifo cell is the noise cell's run: trained once
+    assert results[1]["reused_from"] == noise[0].id and results[1]["cell"] == buffer[0].id
+    assert results[1]["value"] == results[0]["value"]
+
+
+def test_cells_get_their_share_of_the_cores(monkeypatch):
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(os, "cpu_count", lambda: 16)
+    assert cell_env(6)["OMP_NUM_THREADS"] == "2" and cell_env(32)["OMP_NUM_THREADS"] == "1"
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert cell_env(6)["OMP_NUM_THREADS"] == "3"  # the caller's setting stands
 
 
 @pytest.mark.slow

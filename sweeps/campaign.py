@@ -203,9 +203,34 @@ def run_cell(c: Campaign, cell: Cell, out: Path) -> dict:
               "epochs": last_logged(run_dir, "data/epochs"),
               "consumed_tok_s": last_logged(run_dir, "perf/consumed_tok_s"),
               "phases_s": {k.removeprefix("sys/"): last_logged(run_dir, k) for k in PHASES},
-              "wall_s_this_leg": round(time.time() - t0, 1), "resumed": any(a.startswith("resume=") for a in cmd)}
+              "wall_s_this_leg": round(time.time() - t0, 1), "resumed": any(a.startswith("resume=") for a in cmd),
+              "target_fingerprint": trained_for(run_dir)}
     atomic_write_text(run_dir / "cell.json", json.dumps(result, indent=2))
     return result
+
+
+def trained_for(run_dir: Path) -> str | None:
+    """The target fingerprint a run folder's drafter was trained for (its `dflash.target_fingerprint` tag)."""
+    f = Path(run_dir) / "tags.json"
+    return json.loads(f.read_text()).get("dflash.target_fingerprint") if f.is_file() else None
+
+
+def check_same_target(c: Campaign, out: Path, extra: list[str]) -> str:
+    """The current target's fingerprint; refuses (before any work) to continue a campaign whose finished or
+    cut-off cells were trained for another target: its later cells would be compared with runs of a different
+    model, and its ground truth and data would silently change under it (issue 11)."""
+    from dflash.target.model import target_fingerprint
+    from experiments.config import compose_config
+    now = target_fingerprint(compose_config([*stage_cells(c, 0, {})[0].overrides, *extra]).target)
+    runs = out / c.name / "runs"
+    other = {d.name: fp for d in sorted(runs.iterdir()) if d.is_dir() and (fp := trained_for(d)) not in (None, now)} \
+        if runs.is_dir() else {}
+    if other:
+        cell, fp = next(iter(other.items()))
+        raise ConfigError(f"{runs}: {len(other)} cell(s) were trained for target fingerprint {fp} (e.g. {cell}), "
+                          f"but the target is now {now}; continue with the target those cells used "
+                          f"(target.path=...), or start this campaign afresh in another out= folder")
+    return now
 
 
 def best_option(results: list[dict]) -> str:
@@ -323,10 +348,12 @@ def run_campaign(c: Campaign, out: Path, extra: list[str], deadline_s: float = 0
     it finished."""
     t_start = time.time()
     deadline = t_start + deadline_s if deadline_s > 0 else None
-    prepare_store(c, extra)
     summary_f = out / c.name / "summary.json"
     summary: dict[str, Any] = {"campaign": c.name, "winners": {}, "cells": [], "complete": False, "stages": []}
     previous = json.loads(summary_f.read_text()) if summary_f.is_file() else {}
+    if not previous.get("complete"):
+        summary["target_fingerprint"] = check_same_target(c, out, extra)
+    prepare_store(c, extra)
     if not previous.get("complete"):
         summary["write_ahead"] = shared_inputs(c, extra, out)
     done: dict[str, dict] = {}

@@ -175,6 +175,18 @@ def _speed_lines(summary: dict) -> list[str]:
     return [*(f"- {x}" for x in out), ""] if out else []
 
 
+def _target_line(cells: list[dict]) -> str:
+    """Which target the cells' drafters were trained for (a campaign's comparisons hold for that target)."""
+    from sweeps.campaign import trained_for
+    fps: dict[str, int] = {}
+    for x in cells:
+        if not x.get("reused_from"):
+            fp = x.get("target_fingerprint") or trained_for(Path(x["run_dir"])) or "not recorded"
+            fps[fp] = fps.get(fp, 0) + 1
+    return "- Target fingerprint (`dflash.target_fingerprint`) of the runs: " + ", ".join(
+        f"`{fp}` ({n} runs)" for fp, n in fps.items()) + "."
+
+
 def render_report(c, summary: dict) -> str:
     """The campaign's markdown (module doc) from a summary: `summary.json`, or `summary_from_mlflow`."""
     lines = [f"# Ablation campaign `{c.name}`", "", c.description, "",
@@ -183,7 +195,7 @@ def render_report(c, summary: dict) -> str:
              f"τ: pooled over seeds with its {CI_LEVEL:.0%} bootstrap CI over (seed, prompt) pairs; Δτ paired "
              f"with the reference option's run of the same seed; a tie is a Δ interval containing 0.", ""]
     winners = summary.get("winners", {})
-    lines += _speed_lines(summary)
+    lines += [_target_line(summary["cells"]), *_speed_lines(summary)]
     first = c.stages[0].options[0]
     for i, stage in enumerate(c.stages):
         cells = [x for x in summary["cells"] if x["stage"] == i]
@@ -287,7 +299,8 @@ def summary_from_mlflow(c, tracking_uri: str, work_dir: Path) -> dict[str, Any]:
             folder = _as_run_folder(_artifacts_dir(r, tracking_uri), Path(work_dir) / cell.id)
             m = r.data.metrics
             got = {**cell.labels(), "run_dir": str(folder), "value": m.get(c.objective), "run_id": r.info.run_id,
-                   "consumed_tokens": m.get("data/consumed_tokens"), "epochs": m.get("data/epochs")}
+                   "consumed_tokens": m.get("data/consumed_tokens"), "epochs": m.get("data/epochs"),
+                   "target_fingerprint": r.data.tags.get("dflash.target_fingerprint")}
             earlier.setdefault(key, got)
             cells.append(got)
         summary["cells"] += cells

@@ -156,6 +156,16 @@ def test_a_deadline_starts_no_cell_after_it_and_leaves_an_incomplete_summary(tmp
     assert (out / "cpu_smoke" / "write_ahead.json").is_file()  # the shared inputs were made first
 
 
+def test_a_campaign_of_another_target_is_refused_before_any_work(tmp_path):
+    out = tmp_path / "out"
+    cell = out / "cpu_smoke" / "runs" / "s0-loss-hard_ce-seed0"
+    cell.mkdir(parents=True)
+    (cell / "tags.json").write_text(json.dumps({"dflash.target_fingerprint": "0123456789abcdef"}))
+    with pytest.raises(ConfigError, match="0123456789abcdef.*s0-loss-hard_ce-seed0.*target is now"):
+        main(["cpu_smoke", f"out={out}", "campaign.seeds=[0]", f"tracking.tracking_uri=sqlite:///{tmp_path / 'm.db'}"])
+    assert not (out / "cpu_smoke" / "write_ahead.json").exists() and not (tmp_path / "m.db").exists()
+
+
 def _table(key: str, sums: list[float], rounds: list[float], pl: list[float]) -> dict:
     return {"info": {"ground_truth_key": key, "suite_label": "heldout"},
             "tasks": [{"task": f"t{i}", "tau_sum_vanilla": s, "rounds": n, "tau_sum_tree_16": s + n,

@@ -7,7 +7,8 @@
 #    weights) is unpacked, so finished cells are skipped and the MLflow store goes on growing.
 # 2. `python -m sweeps.campaign <campaign> workers=$WORKERS deadline_s=$DEADLINE out=campaign_out`: the shared
 #    inputs first (prompt pool, online shards, eval ground truth), then the cells, WORKERS at a time on the one
-#    GPU; no cell starts after DEADLINE seconds, so the job ends with whole cells.
+#    GPU; no cell starts after DEADLINE seconds from the launch (the shared inputs count: 170-220 s when nothing is
+#    cached), so the job ends with whole cells.
 # 3. The report (campaign_out/<campaign>/ABLATIONS.md), then $OUT/campaign.tgz: campaign_out/ without weights,
 #    checkpoints, shards or figures (commit it as benchmarks/ablations/campaign_out.tgz), and $OUT/best_drafter.tgz:
 #    the best finished cell's final/ drafter (for the gate, export and eval on any machine).

@@ -5,7 +5,9 @@
 #   2. experiments.pretrain_target with the shape of lowest val loss that fits 40 MB, max_steps sized to the
 #      time left (90% of the measured rate), EXTRA overrides appended (e.g. EXTRA=tokenizer_split_newlines=true);
 #   3. the folder, results and logs tarred and split into 15 MB pieces under $OUT (reassemble: cat | tar x).
-# Usage (repo root, wheels installed): [SHAPE=h384_l8] [EXTRA=...] bash benchmarks/gpu/pretrain_reference_target.sh [TOTAL_S] [SHAPE_S]
+# Usage (repo root, wheels installed): [SHAPE=h384_l8] [EXTRA=...] [STEPS=N] bash benchmarks/gpu/pretrain_reference_target.sh [TOTAL_S] [SHAPE_S]
+# A longer run: the same command with the same STEPS in back-to-back calls on one warm machine (/tmp/pt persists
+# there): e.g. STEPS=7000 three times, about 20 M tokens per job more than the first (which also builds the corpus).
 set -o pipefail
 TOTAL=${1:-560}; SHAPE_S=${2:-25}; OUT=${OUT:-/tmp/pt_out}; T0=$(date +%s)
 W=/tmp/pt; mkdir -p $W $OUT
@@ -26,7 +28,9 @@ LEFT=$(( TOTAL - ($(date +%s) - T0) - 25 ))   # 25 s for the tar at the end
 FINAL=110                                      # final eval, probes, save, continuations (Triton compiles)
 SETUP=$([ -n "$TF" ] && echo 45 || echo 90)    # corpus (+ tokenizer training and encoding when not cached)
 TRAIN=$(( LEFT - FINAL - SETUP ))
-STEPS=$(python3 -c "print(int(0.9 * $RATE * $TRAIN / (32 * 512)))")
+# STEPS=N: one run of N steps over several jobs on one machine (each job resumes state_dir's checkpoint, which needs
+# the same max_steps; time_budget_s ends each job in time and writes a usable folder)
+STEPS=${STEPS:-$(python3 -c "print(int(0.9 * $RATE * $TRAIN / (32 * 512)))")}
 OVR=$(python3 -c "
 import sys; sys.path.insert(0, 'benchmarks/gpu'); from pretrain_shapes import SHAPES
 print(' '.join(f'{k}={v}' for k, v in SHAPES['$SHAPE'].items()))")

@@ -167,33 +167,12 @@ def _parent_params(sweep, storage_desc: str) -> dict[str, Any]:
     return p
 
 
-def main(argv: list[str] | None = None) -> dict[str, Any]:
+def _open_study(sweep, study_name: str, storage: str, storage_desc: str):
+    """The Optuna study (created or resumed), checked against the sweep's direction, with this launch counted;
+    returns (study, trials before this launch, launch number)."""
     import optuna
 
-    from sweeps.support import SweepTracker
-    from dflash.tracking.run_info import absolute_sqlite_uri
-    from sweeps.objective import reconcile_children, update_parent
-    from sweeps.space import check_conflicts, load_sweep, merge_overrides
-    from sweeps.storage import describe, ensure_sqlite_dir, make_storage, reap_stale
-    from sweeps.worker import Tickets, WorkerSpec, worker_main
-
-    args = parse_args(list(sys.argv[1:] if argv is None else argv))
-    sweep = load_sweep(args.sweep, args.sweep_overrides)
-    check_conflicts(sweep, args.overrides)
-    base_overrides = merge_overrides(sweep.fixed, args.overrides)
-    study_name = args.study or sweep.name
-    if not re.fullmatch(r"[A-Za-z0-9_.\-]+", study_name):
-        raise SweepError(f"study={study_name!r}: use letters, digits, '_', '-', '.'")
-    out_root = Path(args.out).resolve()
-    out_dir = out_root / study_name
-    storage = args.storage or str(out_root / f"{study_name}.journal")
-    storage_desc = describe(storage)
-    base_cfg = validate(sweep, base_overrides, out_dir)
-    if args.check:
-        print(f"sweep {sweep.name}: OK ({len(sweep.space)} parameters; objective "
-              f"{sweep.objective.direction} {sweep.objective.metric}; overrides {base_overrides})")
-        return {"check": "ok", "sweep": sweep.name}
-
+    from sweeps.storage import make_storage
     study = optuna.create_study(study_name=study_name, storage=make_storage(storage),
                                 direction=sweep.objective.direction, load_if_exists=True)
     with warnings.catch_warnings():  # experimental in Optuna 3.2-5; names the axis in optuna-dashboard
@@ -212,38 +191,39 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     study.set_user_attr("sweep.name", sweep.name)
     study.set_user_attr("sweep.digest", sweep.digest())
     study.set_user_attr("sweep.objective", sweep.objective.metric)
+    return study, n_before, launch_no
 
-    tracker, parent_id = None, None
-    tr = base_cfg.tracking
-    if tr.enabled:
-        tr = dataclasses.replace(tr, tracking_uri=absolute_sqlite_uri(tr.tracking_uri))  # as the trainer does
-        ensure_sqlite_dir(tr.tracking_uri)
-        tracker = SweepTracker(tr.tracking_uri, tr.experiment)
-        prev = study.user_attrs.get("mlflow.parent_run_id")
-        if prev and study.user_attrs.get("mlflow.tracking_uri") != tr.tracking_uri:
-            prev = None  # another store: a new parent there
-        tags = {"optuna.storage": storage_desc, "optuna.direction": sweep.objective.direction,
-                "optuna.sampler": sweep.sampler.type, "optuna.pruner": sweep.pruner.type,
-                "sweep.name": sweep.name, "sweep.objective": sweep.objective.metric,
-                "sweep.definition_path": sweep.path, "sweep.launches": launch_no,
-                "sweep.out_dir": str(out_dir), "sweep.fixed": " ".join(base_overrides)}
-        parent_id = tracker.ensure_parent(study_name, prev, tags, _parent_params(sweep, storage_desc))
-        study.set_user_attr("mlflow.parent_run_id", parent_id)
-        study.set_user_attr("mlflow.tracking_uri", tr.tracking_uri)
-        study.set_user_attr("mlflow.experiment", tr.experiment)
-        launch = {"argv": list(sys.argv[1:] if argv is None else argv), "host": socket.gethostname(),
-                  "launch": launch_no, "n_trials": args.n_trials, "workers": args.workers,
-                  "storage": storage_desc, "overrides": base_overrides}
-        tracker.log_text(parent_id, sweep.to_yaml(), "sweep.yaml")
-        tracker.log_text(parent_id, json.dumps(launch, indent=1), f"launches/launch_{launch_no:03d}.json")
-    else:
-        log.warning("tracking.enabled=false: no MLflow parent/child runs for this sweep")
 
-    reaped = reap_stale(study, tracker)
-    reconcile_children(study, tracker, parent_id)
-    if reaped:
-        print(f"[sweep {study_name}] marked stale trial(s) {reaped} FAIL (their worker is gone)", file=sys.stderr)
+def _parent_run(tr, study, sweep, study_name: str, storage_desc: str, out_dir: Path, base_overrides: list[str],
+                launch: dict[str, Any]):
+    """The sweep's MLflow parent run (reused across launches on the same store): (tracker, parent run id), with
+    the sweep definition and this launch's arguments logged to it."""
+    from dflash.tracking.run_info import absolute_sqlite_uri
+    from sweeps.storage import ensure_sqlite_dir
+    from sweeps.support import SweepTracker
+    tr = dataclasses.replace(tr, tracking_uri=absolute_sqlite_uri(tr.tracking_uri))  # as the trainer does
+    ensure_sqlite_dir(tr.tracking_uri)
+    tracker = SweepTracker(tr.tracking_uri, tr.experiment)
+    prev = study.user_attrs.get("mlflow.parent_run_id")
+    if prev and study.user_attrs.get("mlflow.tracking_uri") != tr.tracking_uri:
+        prev = None  # another store: a new parent there
+    tags = {"optuna.storage": storage_desc, "optuna.direction": sweep.objective.direction,
+            "optuna.sampler": sweep.sampler.type, "optuna.pruner": sweep.pruner.type,
+            "sweep.name": sweep.name, "sweep.objective": sweep.objective.metric,
+            "sweep.definition_path": sweep.path, "sweep.launches": launch["launch"],
+            "sweep.out_dir": str(out_dir), "sweep.fixed": " ".join(base_overrides)}
+    parent_id = tracker.ensure_parent(study_name, prev, tags, _parent_params(sweep, storage_desc))
+    study.set_user_attr("mlflow.parent_run_id", parent_id)
+    study.set_user_attr("mlflow.tracking_uri", tr.tracking_uri)
+    study.set_user_attr("mlflow.experiment", tr.experiment)
+    tracker.log_text(parent_id, sweep.to_yaml(), "sweep.yaml")
+    tracker.log_text(parent_id, json.dumps(launch, indent=1), f"launches/launch_{launch['launch']:03d}.json")
+    return tracker, parent_id, tr
 
+
+def _worker_specs(args, sweep, base_overrides, storage, study_name, out_dir: Path, parent_id, tr, n_before: int,
+                  launch_no: int):
+    from sweeps.worker import WorkerSpec
     gpus = args.gpus if args.gpus is not None else detect_gpus()
     if gpus and args.workers > len(gpus):
         log.warning("%d workers share %d GPU(s) round-robin", args.workers, len(gpus))
@@ -257,6 +237,49 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                         gpu=gpus[i % len(gpus)] if gpus else None, threads=threads,
                         log_file=str(out_dir / "logs" / f"{stamp}-launch{launch_no}-w{i}.log"), deadline=deadline)
              for i in range(args.workers)]
+    return specs, gpus
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    from sweeps.objective import reconcile_children, update_parent
+    from sweeps.space import check_conflicts, load_sweep, merge_overrides
+    from sweeps.storage import describe, reap_stale
+    from sweeps.worker import Tickets, worker_main
+
+    args = parse_args(list(sys.argv[1:] if argv is None else argv))
+    sweep = load_sweep(args.sweep, args.sweep_overrides)
+    check_conflicts(sweep, args.overrides)
+    base_overrides = merge_overrides(sweep.fixed, args.overrides)
+    study_name = args.study or sweep.name
+    if not re.fullmatch(r"[A-Za-z0-9_.\-]+", study_name):
+        raise SweepError(f"study={study_name!r}: use letters, digits, '_', '-', '.'")
+    out_root = Path(args.out).resolve()
+    out_dir = out_root / study_name
+    storage = args.storage or str(out_root / f"{study_name}.journal")
+    storage_desc = describe(storage)
+    base_cfg = validate(sweep, base_overrides, out_dir)
+    if args.check:
+        print(f"sweep {sweep.name}: OK ({len(sweep.space)} parameters; objective "
+              f"{sweep.objective.direction} {sweep.objective.metric}; overrides {base_overrides})")
+        return {"check": "ok", "sweep": sweep.name}
+
+    study, n_before, launch_no = _open_study(sweep, study_name, storage, storage_desc)
+    tracker, parent_id, tr = None, None, base_cfg.tracking
+    if tr.enabled:
+        launch = {"argv": list(sys.argv[1:] if argv is None else argv), "host": socket.gethostname(),
+                  "launch": launch_no, "n_trials": args.n_trials, "workers": args.workers,
+                  "storage": storage_desc, "overrides": base_overrides}
+        tracker, parent_id, tr = _parent_run(tr, study, sweep, study_name, storage_desc, out_dir, base_overrides,
+                                             launch)
+    else:
+        log.warning("tracking.enabled=false: no MLflow parent/child runs for this sweep")
+
+    reaped = reap_stale(study, tracker)
+    reconcile_children(study, tracker, parent_id)
+    if reaped:
+        print(f"[sweep {study_name}] marked stale trial(s) {reaped} FAIL (their worker is gone)", file=sys.stderr)
+    specs, gpus = _worker_specs(args, sweep, base_overrides, storage, study_name, out_dir, parent_id, tr, n_before,
+                                launch_no)
     print(f"[sweep {study_name}] storage {storage_desc} | {n_before} trials so far | +{args.n_trials} with "
           f"{args.workers} worker(s){' on GPUs ' + ','.join(gpus) if gpus else ' on CPU'} | mlflow parent "
           f"{parent_id} ({tr.tracking_uri if tr.enabled else 'off'})", file=sys.stderr, flush=True)

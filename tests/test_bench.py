@@ -1,5 +1,7 @@
 """The benchmark runs end to end at tiny shapes on CPU and reports every figure it promises."""
 
+import dataclasses
+
 from experiments.bench import main
 from tests.conftest import FAST
 
@@ -194,7 +196,7 @@ def test_tree_verify_of_a_chain_equals_the_block_verify_and_a_branch_changes_it(
     assert not torch.allclose(results[1][0][:, 3], feats[:, 3], atol=1e-5)
 
 
-def test_drafter_step_bench_runs_the_trainers_step_and_times_its_phases(fast_cfg):
+def test_drafter_step_bench_runs_the_trainers_step_and_times_its_phases(fast_cfg, caplog):
     """The drafter section is the trainer's own Trainer.step (no copy of it); its phase boundaries come from
     public hooks (forward hook, the loss, the optimizer's step hooks): four phases per step, in order."""
     import time
@@ -212,7 +214,9 @@ def test_drafter_step_bench_runs_the_trainers_step_and_times_its_phases(fast_cfg
         def elapsed_time(self, other):
             return (other.t - self.t) * 1e3
     cfg = fast_cfg()
+    cfg = dataclasses.replace(cfg, trainer=dataclasses.replace(cfg.trainer, max_steps=5000))
     bench = DrafterStepBench(cfg, Target(cfg.target), BenchConfig(seq_len=48, anchors=4, warmup=1, iters=1))
+    assert "MEMORIZATION RISK" not in caplog.text  # it times one fixed batch; the run's max_steps do not apply
     before = [p.detach().clone() for p in bench.trainer.drafter.parameters()]
     loss_fn = bench.trainer.loss_fn
     phases = bench.phases(steps=2, event=HostEvent, sync=lambda: None)

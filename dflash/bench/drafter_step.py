@@ -67,7 +67,8 @@ class DrafterStepBench:
         self.b, self.device = b, target.device
         run_cfg = dataclasses.replace(
             cfg, data=dataclasses.replace(cfg.data, source="synthetic", min_len=b.seq_len, max_len=b.seq_len,
-                                          num_sequences=8),
+                                          num_sequences=8, max_epochs=0),  # times one fixed batch: no epoch
+            # guard (it warned "MEMORIZATION RISK" in every bench run: 8 sequences for the run's max_steps)
             trainer=dataclasses.replace(cfg.trainer, num_anchors=b.anchors, warmup_steps=1, online_data=False),
             tracking=dataclasses.replace(cfg.tracking, enabled=False, console=False))
         self.trainer = Trainer(run_cfg, target=target)

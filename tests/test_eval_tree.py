@@ -64,3 +64,26 @@ def test_accept_depth_follows_the_matching_path():
     small = build_tree(logp, 2)  # (0,), (0,0)
     assert tree_accept_depth(small, idx, [10, 20, 30]) == 2
     assert tree_accept_depth(small, idx, [11, 20, 30]) == 0
+
+
+@pytest.mark.parametrize("seed", range(300))
+def test_tree_round_equals_the_tuple_tree_and_its_accept_depth(seed):
+    """`tree_round` (no tuples, early stop, rows not cut to the budget) gives exactly what the evaluation got from
+    `build_tree` + `tree_accept_depth` on rows cut to the budget: with ties (log-probs on a coarse grid), truth
+    paths that end by a missing token, by an unpopped node or by running out, and ids repeated in a row."""
+    from dflash.evaluation.tree import tree_round
+    rng = random.Random(seed)
+    depth, width, budget = rng.randint(1, 6), rng.randint(1, 9), rng.randint(1, 40)
+    logp = _random_logp(rng, depth, width)
+    logp = [row + [row[-1]] * (width - len(row)) for row in logp]  # equal widths, as the top-k rows are
+    if seed % 3 == 0:  # ties
+        logp = [sorted((round(x * 2) / 2 for x in row), reverse=True) for row in logp]
+    vocab = width + (0 if seed % 7 == 0 else 5)  # seed % 7 == 0: a row may repeat an id
+    idx = [rng.sample(range(vocab), width) if seed % 7 else [rng.randrange(vocab) for _ in range(width)]
+           for _ in range(depth)]
+    truth = [row[min(width - 1, int(rng.expovariate(1.0)))] if rng.random() < 0.8 else vocab + 1 for row in idx]
+    truth = truth[:rng.randint(0, depth)]
+    k = min(budget, width)
+    nodes = build_tree([row[:k] for row in logp], budget)
+    want = (tree_accept_depth(nodes, [row[:k] for row in idx], truth), len(nodes))
+    assert tree_round(logp, idx, truth, budget) == want

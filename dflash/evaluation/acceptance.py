@@ -5,9 +5,9 @@ A round: the committed prefix ends at position p (first round p = prompt length,
 first greedy token, at p). The proposer sees the context before p and the anchor and returns draft logits
 for positions p+1..p+bs−1. Vanilla: the draft is the argmax per position; accepted = the longest prefix
 equal to the ground truth; τ = accepted + 1 (the target's bonus token); p += τ. DDTree: the tree of
-`tree.build_tree` per budget; τ = 1 + depth of the deepest matching node. Rounds run while a ground-truth
-token remains after the anchor (p − P < N − 1); a round can accept at most the N − 1 − (p − P) tokens
-left (the last round is clipped). Each method runs its own rounds (a tree decoder advances by its own τ).
+`tree.build_tree` per budget (computed by `tree.tree_round`); τ = 1 + depth of the deepest matching node. Rounds
+run while a ground-truth token remains after the anchor (p − P < N − 1); a round can accept at most the
+N − 1 − (p − P) tokens left (the last round is clipped). Each method runs its own rounds (a tree decoder advances by its own τ).
 
 The proposer is pluggable: `(truth, p) -> logits [bs−1, V]`, or a ready `Proposal` (a proposer without
 logits, e.g. prompt lookup). The drafter's two (`eval.proposer`, `DRAFTER_PROPOSERS`):
@@ -28,7 +28,7 @@ import torch
 
 from dflash.evaluation.ground_truth import TaskTruth
 from dflash.evaluation.speculative import drafter_autocast
-from dflash.evaluation.tree import build_tree, tree_accept_depth
+from dflash.evaluation.tree import tree_round
 from dflash.registry import Registry
 
 Proposer = Callable[[TaskTruth, int], "torch.Tensor | Proposal"]
@@ -215,11 +215,9 @@ def simulate_task(truth: TaskTruth, proposer: Proposer, block_size: int,
         taus, p, n_nodes = [], P, 0
         while p - P < N - 1:
             prop, want = propose(p), target_after(p)
-            k = min(b, len(prop.topk_logp[0]))
-            nodes = build_tree([row[:k] for row in prop.topk_logp], b)
-            depth = tree_accept_depth(nodes, [row[:k] for row in prop.topk_idx], want)
+            depth, nodes = tree_round(prop.topk_logp, prop.topk_idx, want, b)
             taus.append(depth + 1)
-            n_nodes += len(nodes)
+            n_nodes += nodes
             p += depth + 1
         res.taus_tree[int(b)] = taus
         res.nodes_tree[int(b)] = n_nodes

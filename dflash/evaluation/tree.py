@@ -47,6 +47,78 @@ def build_tree(logp: Sequence[Sequence[float]], budget: int) -> list[Node]:
     return nodes
 
 
+def _rank_in(row: Sequence[int], want: int, lim: int) -> int | None:
+    """The rank of `want` among the first `lim` ids of `row` (one row's ids are distinct: top-k of one
+    distribution); None when absent; -1 when it occurs twice (not top-k: the caller walks the full tree)."""
+    row = row if isinstance(row, list) else list(row)
+    try:
+        r = row.index(want, 0, lim)
+    except ValueError:
+        return None
+    try:
+        row.index(want, r + 1, lim)
+        return -1
+    except ValueError:
+        return r
+
+
+def _tree_size(logp: Sequence[Sequence[float]], budget: int) -> int:
+    """min(budget, the number of rank paths): what `build_tree` returns when it runs to the end."""
+    total, width = 0, 1
+    for row in logp:
+        width *= len(row)
+        total += width
+        if total >= budget or width == 0:
+            break
+    return min(total, budget)
+
+
+def tree_round(logp: Sequence[Sequence[float]], idx: Sequence[Sequence[int]], truth: Sequence[int],
+               budget: int) -> tuple[int, int]:
+    """One DDTree round: (`tree_accept_depth(build_tree(logp, budget), idx, truth)`, the tree's node count),
+    from the same pops in the same order, without rank-path tuples (a node is its parent's pop index and its
+    rank), and stopping as soon as the accepted depth is known: when the next truth token is not among its
+    depth's first `budget` ids, or every truth token is accepted. The evaluation runs this ~40 K times per full
+    suite; the tuple version was its largest Python cost (7.8 of 70 s of a CPU evaluation).
+    `benchmarks/eval_tree_speed.py` checks both give identical results and times them side by side.
+
+    Rows need not be cut to `budget` ranks: a node of rank r is pushed only after its r lower siblings are
+    popped, so no rank ≥ budget is among the first `budget` pops, and an extra entry in the heap shifts later
+    push counters without changing their order."""
+    D = len(logp)
+    if budget <= 0 or D == 0 or not len(logp[0]):
+        return 0, 0
+
+    def wanted(depth: int, at: int):
+        """The key (parent pop index, rank) of the truth path's node at depth+1; None: the path ends here."""
+        if depth >= min(len(truth), len(idx)):
+            return None
+        r = _rank_in(idx[depth], int(truth[depth]), budget)
+        return None if r is None else (at, r)
+
+    heap: list[tuple[float, int, int, int, int]] = [(-float(logp[0][0]), 0, -1, 0, 1)]  # neg, counter, parent, r, d
+    counter, popped, depth = 1, 0, 0
+    need = wanted(0, -1)
+    pop, push = heapq.heappop, heapq.heappush
+    while heap and popped < budget and need is not None and need[1] >= 0:
+        neg, _, parent, r, d = pop(heap)
+        me, popped = popped, popped + 1
+        if (parent, r) == need:
+            depth += 1
+            need = wanted(depth, me)
+        row = logp[d - 1]
+        if r + 1 < len(row):  # next sibling
+            push(heap, (neg + float(row[r]) - float(row[r + 1]), counter, parent, r + 1, d))
+            counter += 1
+        if d < D and len(logp[d]):  # first child
+            push(heap, (neg - float(logp[d][0]), counter, me, 0, d + 1))
+            counter += 1
+    if need is not None and need[1] < 0:  # an id twice in one row: the tuple version decides
+        nodes = build_tree(logp, budget)
+        return tree_accept_depth(nodes, [list(r)[:budget] for r in idx], truth), len(nodes)
+    return depth, _tree_size(logp, budget)
+
+
 def node_score(logp: Sequence[Sequence[float]], node: Node) -> float:
     return sum(float(logp[d][r]) for d, r in enumerate(node))
 

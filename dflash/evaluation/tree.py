@@ -24,26 +24,33 @@ from typing import Sequence
 Node = tuple[int, ...]
 
 
+def _pops(logp: Sequence[Sequence[float]], budget: int):
+    """The best-first pops (module doc), at most `budget`: (the parent's pop index or -1, rank, depth) each."""
+    D = len(logp)
+    if budget <= 0 or D == 0 or not len(logp[0]):
+        return
+    heap: list[tuple[float, int, int, int, int]] = [(-float(logp[0][0]), 0, -1, 0, 1)]  # neg, counter, parent, r, d
+    counter, me = 1, 0
+    pop, push = heapq.heappop, heapq.heappush
+    while heap and me < budget:
+        neg, _, parent, r, d = pop(heap)
+        yield parent, r, d
+        row = logp[d - 1]
+        if r + 1 < len(row):  # next sibling
+            push(heap, (neg + float(row[r]) - float(row[r + 1]), counter, parent, r + 1, d))
+            counter += 1
+        if d < D and len(logp[d]):  # first child
+            push(heap, (neg - float(logp[d][0]), counter, me, 0, d + 1))
+            counter += 1
+        me += 1
+
+
 def build_tree(logp: Sequence[Sequence[float]], budget: int) -> list[Node]:
     """`logp[d][r]`: log-prob of the rank-r token at depth d+1, each row sorted descending.
     Returns the chosen nodes (rank paths) in pop order (non-increasing score)."""
-    D = len(logp)
-    if budget <= 0 or D == 0 or not len(logp[0]):
-        return []
-    heap: list[tuple[float, int, Node]] = [(-float(logp[0][0]), 0, (0,))]
-    counter = 1
     nodes: list[Node] = []
-    while heap and len(nodes) < budget:
-        neg, _, node = heapq.heappop(heap)
-        nodes.append(node)
-        d, r = len(node), node[-1]
-        row = logp[d - 1]
-        if r + 1 < len(row):  # next sibling
-            heapq.heappush(heap, (neg + float(row[r]) - float(row[r + 1]), counter, node[:-1] + (r + 1,)))
-            counter += 1
-        if d < D and len(logp[d]):  # first child
-            heapq.heappush(heap, (neg - float(logp[d][0]), counter, node + (0,)))
-            counter += 1
+    for parent, r, _ in _pops(logp, budget):
+        nodes.append((nodes[parent] if parent >= 0 else ()) + (r,))
     return nodes
 
 
@@ -96,23 +103,15 @@ def tree_round(logp: Sequence[Sequence[float]], idx: Sequence[Sequence[int]], tr
         r = _rank_in(idx[depth], int(truth[depth]), budget)
         return None if r is None else (at, r)
 
-    heap: list[tuple[float, int, int, int, int]] = [(-float(logp[0][0]), 0, -1, 0, 1)]  # neg, counter, parent, r, d
-    counter, popped, depth = 1, 0, 0
+    popped, depth = 0, 0
     need = wanted(0, -1)
-    pop, push = heapq.heappop, heapq.heappush
-    while heap and popped < budget and need is not None and need[1] >= 0:
-        neg, _, parent, r, d = pop(heap)
-        me, popped = popped, popped + 1
+    for parent, r, _ in _pops(logp, budget):
+        if need is None or need[1] < 0:
+            break
         if (parent, r) == need:
             depth += 1
-            need = wanted(depth, me)
-        row = logp[d - 1]
-        if r + 1 < len(row):  # next sibling
-            push(heap, (neg + float(row[r]) - float(row[r + 1]), counter, parent, r + 1, d))
-            counter += 1
-        if d < D and len(logp[d]):  # first child
-            push(heap, (neg - float(logp[d][0]), counter, me, 0, d + 1))
-            counter += 1
+            need = wanted(depth, popped)
+        popped += 1
     if need is not None and need[1] < 0:  # an id twice in one row: the tuple version decides
         nodes = build_tree(logp, budget)
         return tree_accept_depth(nodes, [list(r)[:budget] for r in idx], truth), len(nodes)

@@ -343,18 +343,19 @@ def stage_groups(c: Campaign) -> list[list[int]]:
 
 
 def run_campaign(c: Campaign, out: Path, extra: list[str], deadline_s: float = 0.0) -> dict[str, Any]:
-    """Every stage in order (a group of stages at once, `stage_groups`); `deadline_s` > 0: no cell starts later than that many seconds from now (the cells
-    left are the next launch's). `summary.json` is rewritten after every stage, so a cut campaign reports what
-    it finished."""
+    """Every stage in order (a group of stages at once, `stage_groups`); `deadline_s` > 0: no cell starts later
+    than that many seconds from now (the cells left are the next launch's). `summary.json` is rewritten after
+    every group, so a cut campaign reports what it finished."""
     t_start = time.time()
     deadline = t_start + deadline_s if deadline_s > 0 else None
     summary_f = out / c.name / "summary.json"
     summary: dict[str, Any] = {"campaign": c.name, "winners": {}, "cells": [], "complete": False, "stages": []}
     previous = json.loads(summary_f.read_text()) if summary_f.is_file() else {}
-    if not previous.get("complete"):
+    to_run = not previous.get("complete")
+    if to_run:  # refused before anything is written, the tracking store included
         summary["target_fingerprint"] = check_same_target(c, out, extra)
     prepare_store(c, extra)
-    if not previous.get("complete"):
+    if to_run:
         summary["write_ahead"] = shared_inputs(c, extra, out)
     done: dict[str, dict] = {}
     for group in stage_groups(c):

@@ -65,10 +65,11 @@ class DrafterStepBench:
     def __init__(self, cfg: RunConfig, target: Target, b: BenchConfig):
         from dflash.training.trainer import Trainer
         self.b, self.device = b, target.device
+        # max_epochs=0: this times one fixed batch, so no epoch guard (it warned "MEMORIZATION RISK" in every
+        # bench run: 8 sequences for the run's max_steps)
         run_cfg = dataclasses.replace(
             cfg, data=dataclasses.replace(cfg.data, source="synthetic", min_len=b.seq_len, max_len=b.seq_len,
-                                          num_sequences=8, max_epochs=0),  # times one fixed batch: no epoch
-            # guard (it warned "MEMORIZATION RISK" in every bench run: 8 sequences for the run's max_steps)
+                                          num_sequences=8, max_epochs=0),
             trainer=dataclasses.replace(cfg.trainer, num_anchors=b.anchors, warmup_steps=1, online_data=False),
             tracking=dataclasses.replace(cfg.tracking, enabled=False, console=False))
         self.trainer = Trainer(run_cfg, target=target)

@@ -7,7 +7,8 @@ for positions p+1..p+bs−1. Vanilla: the draft is the argmax per position; acce
 equal to the ground truth; τ = accepted + 1 (the target's bonus token); p += τ. DDTree: the tree of
 `tree.build_tree` per budget (computed by `tree.tree_round`); τ = 1 + depth of the deepest matching node. Rounds
 run while a ground-truth token remains after the anchor (p − P < N − 1); a round can accept at most the
-N − 1 − (p − P) tokens left (the last round is clipped). Each method runs its own rounds (a tree decoder advances by its own τ).
+N − 1 − (p − P) tokens left (the last round is clipped). Each method runs its own rounds (a tree decoder
+advances by its own τ).
 
 The proposer is pluggable: `(truth, p) -> logits [bs−1, V]`, or a ready `Proposal` (a proposer without
 logits, e.g. prompt lookup). The drafter's two (`eval.proposer`, `DRAFTER_PROPOSERS`):

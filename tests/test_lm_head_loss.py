@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -282,3 +283,67 @@ def test_fused_soft_labels_head_matmuls(temperature, fused_per_chunk):
     _, fused_mm = forward_backward_cost("fused", need_soft=True, temperature=temperature)
     _, recompute_mm = forward_backward_cost("recompute", need_soft=True, temperature=temperature)
     assert fused_mm == fused_per_chunk * n_chunks and recompute_mm == 3 * n_chunks
+
+
+# --------------------------------------------------------------------------
+# The compiled hard-label chunk (trainer.compile_loss) and the auto chunk size
+# --------------------------------------------------------------------------
+
+
+def run_compiled(name, hidden, lm_head, labels, chunk_size, compiled):
+    loss_fn = build_loss(LossConfig(name=name, chunk_size=chunk_size, **CFG), compiled=compiled)
+    batch = SimpleNamespace(labels_BNK=labels, soft_vals_BNKk=None, soft_idx_BNKk=None)
+    loss, metrics = loss_fn(hidden, lm_head, batch)
+    (grad,) = torch.autograd.grad(loss, hidden)
+    return loss, grad, metrics
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+def test_compiled_hard_chunk_matches_eager(dtype):
+    """inductor's fused kernels (CPU codegen here) give the eager fused path's loss, gradient and metrics, in
+    float64 and in bf16 (where both round softmax - e_y to bf16 before the head product), over ragged chunks
+    (chunk 8 of 35 positions: a shorter last chunk, a second graph) and with padded positions."""
+    hidden, lm_head, labels, _, _ = make_problem(D=64, V=301)
+    h = hidden.detach().to(dtype).requires_grad_()
+    w = lm_head.to(dtype)
+    for name in ("hard_ce", "dpace"):
+        loss_e, grad_e, m_e = run_compiled(name, h, w, labels, 8, compiled=False)
+        loss_c, grad_c, m_c = run_compiled(name, h, w, labels, 8, compiled=True)
+        tol = {"rtol": 1e-9, "atol": 1e-12} if dtype == torch.float64 else {"rtol": 1e-5, "atol": 1e-6}
+        torch.testing.assert_close(loss_c, loss_e, **tol)
+        if dtype == torch.float64:
+            torch.testing.assert_close(grad_c, grad_e, **tol)
+        else:  # one bf16 ulp where exp's last bits differ before the rounding
+            assert (grad_c.float() - grad_e.float()).norm() < 2e-3 * grad_e.float().norm()
+        assert grad_c[labels == -100].abs().max() == 0
+        for k in m_e:
+            torch.testing.assert_close(m_c[k], m_e[k], **tol)
+
+
+def test_compiled_loss_follows_trainer_compile(fast_cfg):
+    """trainer.compile_loss (default true) compiles the loss only where the drafter is compiled."""
+    from dflash.config import TrainerConfig
+    from dflash.training.trainer import Trainer
+    assert TrainerConfig().compile_loss is True
+    for overrides, want in (((), False), (("trainer.compile=true",), True),
+                            (("trainer.compile=true", "trainer.compile_loss=false"), False)):
+        assert Trainer(fast_cfg(*overrides)).loss_fn.compiled is want, overrides
+
+
+def test_auto_chunk_size():
+    """0 = auto: a power of two of positions whose [chunk, V] logits hold at most 2**28 values; the production
+    vocabulary keeps the old fixed 1,024, the reference target's gets 65,536; an explicit size is kept."""
+    from dflash.training.lm_head_loss import resolve_chunk
+    assert resolve_chunk(0, 248_320) == 1024
+    assert resolve_chunk(0, 4096) == 65_536
+    assert resolve_chunk(0, 10**9) == 64  # never below 64
+    assert resolve_chunk(7, 4096) == 7
+    hidden, lm_head, labels, soft_vals, soft_idx = make_problem()
+    for name in ("hard_ce", "soft_kl"):  # auto (one chunk here) computes what explicit chunks compute
+        loss_a, grad_a, _ = run_loss(name, 1.0, "fused", hidden, lm_head, labels, soft_vals, soft_idx, chunk_size=0)
+        loss_8, grad_8, _ = run_loss(name, 1.0, "fused", hidden, lm_head, labels, soft_vals, soft_idx, chunk_size=8)
+        torch.testing.assert_close(loss_a, loss_8, rtol=1e-12, atol=1e-14)
+        torch.testing.assert_close(grad_a, grad_8, rtol=1e-12, atol=1e-14)
+    with pytest.raises(ValueError, match="loss.chunk_size"):
+        from dflash.training.losses import validate_loss_config
+        validate_loss_config(LossConfig(name="hard_ce", chunk_size=-1))

@@ -10,6 +10,8 @@
 #    run trains (generation + features + drafter on one GPU).
 # 3. run "read": the same data settings again (a later run / another sweep trial): it reads the shards run 2
 #    wrote, so the loop is target features + drafter only — the figure to hold against the bench.
+# 4. with PROFILE=N (N > 0): benchmarks/profile_run.py on run 3's settings, N loop steps after 30: where the
+#    loop's time goes (inline producer, drafter step, the rest) and the GPU's busy fraction.
 # Env: WRITE_S / READ_S (time budgets, default 100 / 60 s); CORPUS (data.corpus.scope, default stdlib: its pool
 # of ~13 K prompts builds in seconds; `installed` parses every site-packages file once, then it is cached);
 # EXTRA (overrides for all three, e.g. a tiny CPU test: EXTRA='+target=tiny_random ...'), BENCH_EXTRA (bench.*
@@ -32,7 +34,7 @@ RUN="$SHAPE $DB data.corpus.scope=$CORPUS data.pool.cache_dir=$OUT/pool data.onl
 rm -rf "$OUT/shards" "$OUT/run_write" "$OUT/run_read" "$OUT/bench"
 
 echo "== 1/3 bench (64 x 320 tokens, 128 anchors)" >&2
-timeout 150 $PY -m experiments.bench $SHAPE $DB bench.seq_len=320 bench.target_batch=64 bench.drafter_batch=64 \
+timeout 240 $PY -m experiments.bench $SHAPE $DB bench.seq_len=320 bench.target_batch=64 bench.drafter_batch=64 \
     bench.anchors=128 bench.sections=target,drafter bench.kernel_profile=0 bench.pipeline_steps=0 \
     results="$OUT/RESULTS.md" run_dir="$OUT/bench" $EXTRA $BENCH_EXTRA > "$OUT/bench.txt"
 cat "$OUT/bench.txt" >&2
@@ -52,6 +54,13 @@ EOF
 echo "== 3/3 run reading run 2's shards (token budget $BUDGET, <= ${READ_S} s)" >&2
 timeout $((READ_S + 150)) $PY -m experiments.run $RUN trainer.time_budget_s=$READ_S trainer.token_budget=$BUDGET \
     run_dir="$OUT/run_read" $EXTRA > "$OUT/run_read.log" 2>&1 || { tail -30 "$OUT/run_read.log"; exit 1; }
+
+if [ "${PROFILE:-0}" -gt 0 ]; then
+  echo "== 4/4 profile of run 3's loop ($PROFILE steps after 30)" >&2
+  timeout 240 $PY benchmarks/profile_run.py --start 30 --steps "$PROFILE" --out "$OUT/loop_profile.json" -- \
+      $RUN run_dir="$OUT/run_profile" $EXTRA > "$OUT/profile.log" 2>&1 || tail -20 "$OUT/profile.log"
+  grep -A3 "^loop profile" "$OUT/profile.log" >&2 || true
+fi
 
 $PY - "$OUT" <<'EOF'
 import json, re, statistics, sys

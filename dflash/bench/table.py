@@ -66,11 +66,13 @@ def _pipelines(out: dict) -> list[tuple[str, str, str]]:
 
 def _breakdowns(out: dict) -> list[tuple[str, str, str]]:
     rows = []
-    if "drafter" in out and out["drafter"].get("phases"):
-        ph = out["drafter"]["phases"]
-        total = sum(ph.values()) or 1
-        rows.append(("drafter step", " | ".join(f"{k} {v * 1e3:.1f} ms" for k, v in ph.items()),
-                     " | ".join(f"{v / total:.0%}" for v in ph.values())))
+    for label, d in [("", out.get("drafter", {}))] + list(out.get("drafter_variants", {}).items()):
+        if d.get("phases"):  # the default's row keeps its name; a variant's phases say what changed
+            ph = d["phases"]
+            total = sum(ph.values()) or 1
+            rows.append(("drafter step" + (f" [{label}]" if label else ""),
+                         " | ".join(f"{k} {v * 1e3:.1f} ms" for k, v in ph.items()),
+                         " | ".join(f"{v / total:.0%}" for v in ph.values())))
     for label, d in [("default", out.get("drafter", {}))] + list(out.get("drafter_variants", {}).items()):
         if d.get("kernels"):
             fams = d["kernels"]["ms_per_step"]

@@ -23,6 +23,7 @@ import torch
 from dflash.devices import resolve_device, resolve_dtype
 from dflash.registry import Registry
 from dflash.target.kernels import preflight_kernels
+from dflash.training.lm_head_loss import resolve_chunk
 
 
 log = logging.getLogger(__name__)
@@ -56,7 +57,7 @@ class TargetConfig:
     device: str = "auto"
     soft_top_k: int = 64  # top-k target logits kept as soft labels (losses that need them)
     tokenizer: str = "auto"  # auto: the checkpoint's tokenizer, else bytes
-    lm_head_chunk: int = 1024  # positions per LM-head chunk when computing labels
+    lm_head_chunk: int = 0  # positions per LM-head chunk when computing labels; 0 = auto (lm_head_loss.resolve_chunk)
 
 
 class ByteTokenizer:
@@ -157,6 +158,8 @@ def validate_target_config(cfg: TargetConfig) -> TargetInfo:
         raise ValueError(f"target.mask_token_id={mask} lies outside the vocabulary (size {info.vocab_size})")
     if cfg.soft_top_k < 0:
         raise ValueError(f"target.soft_top_k must be >= 0, got {cfg.soft_top_k}")
+    if cfg.lm_head_chunk < 0:
+        raise ValueError(f"target.lm_head_chunk must be >= 1, or 0 for auto; got {cfg.lm_head_chunk}")
     if cfg.dtype not in ("auto", "float32", "bfloat16", "float16"):
         raise ValueError(f"target.dtype={cfg.dtype!r}; expected auto, float32, bfloat16 or float16")
     return info
@@ -320,8 +323,9 @@ class Target:
         flat = last_BTH.reshape(B * T, -1)
         k = min(soft_top_k, self.vocab_size)
         labels, vals, idx = [], [], []
-        for s in range(0, B * T, self.cfg.lm_head_chunk):
-            logits = (flat[s:s + self.cfg.lm_head_chunk] @ head.T).float()
+        chunk = resolve_chunk(self.cfg.lm_head_chunk, head.shape[0])
+        for s in range(0, B * T, chunk):
+            logits = (flat[s:s + chunk] @ head.T).float()
             labels.append(logits.argmax(-1))
             if k:
                 v, i = logits.topk(k, dim=-1)

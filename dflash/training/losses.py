@@ -47,7 +47,7 @@ class LMHeadConfig:
     """How the loss's per-position stats are computed."""
 
     temperature: float = 1.0  # soft-label temperature T (KL / TV stats at T)
-    chunk_size: int = 1024  # positions per LM-head chunk
+    chunk_size: int = 0  # positions per LM-head chunk; 0 = auto (a ~1 GiB float32 block: lm_head_loss.resolve_chunk)
     lm_head_grad: str = "fused"  # LM-head gradient path: fused (no logits recompute) | recompute (checkpointed)
 
 
@@ -258,8 +258,10 @@ class Loss:
                      for f in dataclasses.fields(part)]
             cls.config_keys = (*Loss.config_keys, *(("temperature",) if cls.needs_soft else ()), *parts)
 
-    def __init__(self, cfg: LossConfig):
+    def __init__(self, cfg: LossConfig, compiled: bool = False):
         self.cfg = cfg
+        # the fused path's hard-label chunks as inductor kernels: a run sets it with trainer.compile_loss
+        self.compiled = compiled
         self.lm_head = part_config(cfg, LMHeadConfig)
         term_cls, weighting_cls = TERMS[self.term], WEIGHTINGS[self.weighting]
         self.position_loss = term_cls(part_config(cfg, term_cls.config))
@@ -282,7 +284,7 @@ class Loss:
             soft_vals_NKk=batch.soft_vals_BNKk.flatten(0, -3) if soft else None,
             soft_idx_NKk=batch.soft_idx_BNKk.flatten(0, -3) if soft else None,
             temperature=c.temperature, chunk_size=c.chunk_size, need_soft=self.needs_soft,
-            lm_head_grad=c.lm_head_grad)
+            lm_head_grad=c.lm_head_grad, compiled=self.compiled)
         return stats, labels_NK != IGNORE_INDEX
 
     def reduce(self, stats: PositionStats, valid_NK: Tensor) -> Tensor:
@@ -298,16 +300,16 @@ LOSSES: Registry[type[Loss]] = Registry("loss.name")
 register_loss = LOSSES.register
 
 
-def build_loss(cfg: LossConfig) -> Loss:
-    return LOSSES.build(cfg.name, cfg)
+def build_loss(cfg: LossConfig, compiled: bool = False) -> Loss:
+    return LOSSES.build(cfg.name, cfg, compiled)
 
 
 def validate_loss_config(cfg: LossConfig) -> None:
     """The names a loss config picks exist (ValueError naming the key otherwise)."""
     LOSSES.check(cfg.name)
     LM_HEAD_GRADS.check(cfg.lm_head_grad)
-    if cfg.chunk_size < 1:
-        raise ValueError(f"loss.chunk_size must be >= 1, got {cfg.chunk_size}")
+    if cfg.chunk_size < 0:
+        raise ValueError(f"loss.chunk_size must be >= 1, or 0 for auto; got {cfg.chunk_size}")
 
 
 @register_loss("hard_ce")

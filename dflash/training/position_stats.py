@@ -16,7 +16,7 @@ from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
 from dflash.registry import Registry
-from dflash.training.lm_head_loss import IGNORE_INDEX, fused_position_stats
+from dflash.training.lm_head_loss import IGNORE_INDEX, fused_position_stats, resolve_chunk
 from dflash.training.lm_head_loss import chunk_logits as _chunk_logits
 
 
@@ -95,9 +95,11 @@ def _recompute_position_stats(
     *,
     temperature: float,
     chunk_size: int,
+    compiled: bool = False,
 ) -> tuple[Tensor | None, ...]:
     """(ce, kl, tv, overlap, p_label, correct), each [P]: chunks under activation checkpointing,
-    whose backward recomputes the chunk's logits (also differentiates a trainable head)."""
+    whose backward recomputes the chunk's logits (also differentiates a trainable head). Always eager
+    (``compiled`` is the fused path's)."""
     outputs = []
     for start in range(0, hidden_PD.shape[0], chunk_size):
         sl = slice(start, start + chunk_size)
@@ -132,15 +134,17 @@ def compute_position_stats(
     soft_vals_NKk: Tensor | None = None,
     soft_idx_NKk: Tensor | None = None,
     temperature: float = 1.0,
-    chunk_size: int = 1024,
+    chunk_size: int = 0,
     need_soft: bool = False,
     lm_head_grad: str = "fused",
+    compiled: bool = False,
 ) -> PositionStats:
     """Per-position CE / KL / TV stats of the drafter, computed in LM-head chunks.
 
     Logits are float32 (float64 if the inputs are float64; a bf16 head multiplies
     in bf16 with the chunk's logits upcast), ``chunk_size`` flattened positions at
-    a time, so only [chunk, V] logits exist at any time.  ``lm_head_grad`` picks
+    a time (0: ``resolve_chunk``'s size for this vocabulary), so only [chunk, V] logits exist at any
+    time. ``compiled``: the fused path's hard-label chunks as inductor kernels.  ``lm_head_grad`` picks
     how the gradient wrt the hidden state is made (see ``LM_HEAD_GRADS``): "fused"
     in the forward, without recomputing logits; "recompute" under activation
     checkpointing.  A head that requires grad always takes "recompute" (the fused
@@ -151,8 +155,9 @@ def compute_position_stats(
     N, K, D = hidden_NKD.shape
     if need_soft and (soft_vals_NKk is None or soft_idx_NKk is None):
         raise ValueError("need_soft=True requires soft_vals_NKk and soft_idx_NKk")
-    if chunk_size < 1:
-        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    if chunk_size < 0:
+        raise ValueError(f"chunk_size must be >= 0 (0: auto), got {chunk_size}")
+    chunk_size = resolve_chunk(chunk_size, lm_head_VD.shape[0])
     LM_HEAD_GRADS.check(lm_head_grad)
     if lm_head_VD.requires_grad:  # only the recompute path differentiates the head
         lm_head_grad = "recompute"
@@ -164,7 +169,7 @@ def compute_position_stats(
         soft_idx_Pk = soft_idx_NKk.reshape(N * K, k)
     per_position = LM_HEAD_GRADS[lm_head_grad](
         hidden_NKD.reshape(N * K, D), lm_head_VD, labels_NK.reshape(N * K), soft_vals_Pk, soft_idx_Pk,
-        temperature=temperature, chunk_size=chunk_size,
+        temperature=temperature, chunk_size=chunk_size, compiled=compiled,
     )
     ce, kl, tv, overlap, p_label, correct = (None if t is None else t.reshape(N, K) for t in per_position)
     return PositionStats(ce=ce, kl=kl, tv=tv, overlap=overlap, p_label=p_label, correct=correct,

@@ -196,7 +196,7 @@ class Trainer:
         self.device = resolve_device(cfg.trainer.device)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)  # the drafter may sit on another GPU than the target
-        self.loss_fn = build_loss(cfg.loss)
+        self.loss_fn = build_loss(cfg.loss, compiled=cfg.trainer.compile and cfg.trainer.compile_loss)
         self.drafter = self._build_drafter()
         self.train_model = wrap_ddp(self.drafter, self.dist, self.device)  # the drafter itself on one process
         if cfg.trainer.compile:
@@ -390,7 +390,8 @@ class Trainer:
         t_start, done = time.perf_counter(), self.start_step
         for step in range(self.start_step, c.trainer.max_steps):
             self.noise.advance(step)
-            items = [producers.next_item() for _ in range(c.trainer.sequences_per_step)]
+            with torch.profiler.record_function("dflash.next_items"):  # the inline producer's share: profiled runs
+                items = [producers.next_item() for _ in range(c.trainer.sequences_per_step)]
             with around_step(step), torch.profiler.record_function("dflash.train_step"):  # free unless profiled
                 tokens = self._step(items, acc)
             window.add(tokens, len(items))

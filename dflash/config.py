@@ -60,9 +60,6 @@ class TrainerConfig:
     # how it compiles (dflash/training/compiling.py): default | reduce-overhead (CUDA graphs) |
     # max-autotune-no-cudagraphs | max-autotune
     compile_mode: str = "default"
-    # with `compile`: the LM-head loss's hard-label chunks (hard_ce, streak, dpace) compiled too, one fused
-    # kernel per pass over [chunk, V] (dflash/training/lm_head_loss.py); soft-label losses stay eager
-    compile_loss: bool = True
     pad_multiple: int = 1  # pad each batch's length up to a multiple of this (compile: e.g. 256)
     eval_every: int = 0  # steps between cheap evals (0 = only at the end)
     time_budget_s: float = 0.0  # stop at the first log interval past this much training time (0: off);

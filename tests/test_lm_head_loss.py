@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -286,48 +285,8 @@ def test_fused_soft_labels_head_matmuls(temperature, fused_per_chunk):
 
 
 # --------------------------------------------------------------------------
-# The compiled hard-label chunk (trainer.compile_loss) and the auto chunk size
+# The auto chunk size
 # --------------------------------------------------------------------------
-
-
-def run_compiled(name, hidden, lm_head, labels, chunk_size, compiled):
-    loss_fn = build_loss(LossConfig(name=name, chunk_size=chunk_size, **CFG), compiled=compiled)
-    batch = SimpleNamespace(labels_BNK=labels, soft_vals_BNKk=None, soft_idx_BNKk=None)
-    loss, metrics = loss_fn(hidden, lm_head, batch)
-    (grad,) = torch.autograd.grad(loss, hidden)
-    return loss, grad, metrics
-
-
-@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
-def test_compiled_hard_chunk_matches_eager(dtype):
-    """inductor's fused kernels (CPU codegen here) give the eager fused path's loss, gradient and metrics, in
-    float64 and in bf16 (where both round softmax - e_y to bf16 before the head product), over ragged chunks
-    (chunk 8 of 35 positions: a shorter last chunk, a second graph) and with padded positions."""
-    hidden, lm_head, labels, _, _ = make_problem(D=64, V=301)
-    h = hidden.detach().to(dtype).requires_grad_()
-    w = lm_head.to(dtype)
-    for name in ("hard_ce", "dpace"):
-        loss_e, grad_e, m_e = run_compiled(name, h, w, labels, 8, compiled=False)
-        loss_c, grad_c, m_c = run_compiled(name, h, w, labels, 8, compiled=True)
-        tol = {"rtol": 1e-9, "atol": 1e-12} if dtype == torch.float64 else {"rtol": 1e-5, "atol": 1e-6}
-        torch.testing.assert_close(loss_c, loss_e, **tol)
-        if dtype == torch.float64:
-            torch.testing.assert_close(grad_c, grad_e, **tol)
-        else:  # one bf16 ulp where exp's last bits differ before the rounding
-            assert (grad_c.float() - grad_e.float()).norm() < 2e-3 * grad_e.float().norm()
-        assert grad_c[labels == -100].abs().max() == 0
-        for k in m_e:
-            torch.testing.assert_close(m_c[k], m_e[k], **tol)
-
-
-def test_compiled_loss_follows_trainer_compile(fast_cfg):
-    """trainer.compile_loss (default true) compiles the loss only where the drafter is compiled."""
-    from dflash.config import TrainerConfig
-    from dflash.training.trainer import Trainer
-    assert TrainerConfig().compile_loss is True
-    for overrides, want in (((), False), (("trainer.compile=true",), True),
-                            (("trainer.compile=true", "trainer.compile_loss=false"), False)):
-        assert Trainer(fast_cfg(*overrides)).loss_fn.compiled is want, overrides
 
 
 def test_auto_chunk_size():

@@ -216,3 +216,45 @@ def test_a_write_batch_past_cudas_grid_limit_is_refused_naming_the_key():
     with pytest.raises(ValueError, match=r"data.online.write_batch=8192.*at most 8191"):
         check_write_batch(fake, 8192)
     check_write_batch(SimpleNamespace(device=torch.device("cpu")), 1 << 20)  # no grid on the CPU
+
+
+def test_auto_write_batch_fits_memory_and_the_grid(monkeypatch, reference_target):
+    """write_batch=0: 1,024 rows on the CPU; on a GPU the largest power of two up to 4,096 whose caches fit half
+    the free memory and whose kernels fit CUDA's grid — 4,096 for the reference target, a few dozen for the
+    27B shapes after their weights."""
+    from types import SimpleNamespace
+
+    from transformers import Qwen3_5TextConfig
+
+    from dflash.data import online
+    assert online.auto_write_batch(reference_target, 320) == online.CPU_WRITE_ROWS == 1024
+    ref = SimpleNamespace(device=torch.device("cuda"), model=reference_target.model, dtype=torch.bfloat16)
+    per_row = online.cache_bytes_per_row(ref, 320)
+    cfg = reference_target.model.config
+    n_attn = cfg.layer_types.count("full_attention")
+    assert per_row > n_attn * 2 * cfg.num_key_value_heads * cfg.head_dim * 320 * 2  # + the recurrent states
+    free = {"bytes": 80 << 30}
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (free["bytes"], 141 << 30))
+    assert online.auto_write_batch(ref, 320) == 4096
+    free["bytes"] = int(2 * 1000 * per_row)  # half of it holds 1,000 rows: 512
+    assert online.auto_write_batch(ref, 320) == 512
+    free["bytes"] = 60 << 30  # the 27B shapes (48 GDN layers of 48 x 128 x 128, 16 attention layers) after weights
+    big = SimpleNamespace(device=torch.device("cuda"), dtype=torch.bfloat16, model=SimpleNamespace(config=Qwen3_5TextConfig(
+        num_hidden_layers=64, hidden_size=5120, num_attention_heads=24, num_key_value_heads=4, head_dim=256,
+        linear_num_value_heads=48, linear_num_key_heads=16, linear_key_head_dim=128, linear_value_head_dim=128)))
+    rows = online.auto_write_batch(big, 2048)
+    assert rows == 64 and rows * online.cache_bytes_per_row(big, 2048) <= 30 << 30
+    free["bytes"] = 1 << 50  # memory to spare: CUDA's grid caps it (8 value heads: 8,191 rows -> 4,096 anyway)
+    assert online.auto_write_batch(ref, 320) == 4096
+
+
+def test_auto_write_batch_is_resolved_before_the_shard_fingerprint(tmp_path, reference_target):
+    """The writer records the width it writes at (shards of auto and of an explicit 1,024 are the same shards
+    on the CPU), and an explicit width is kept."""
+    from dflash.data.online import OnlineConfig, OnlineWriter
+    from dflash.data.pool import PromptPool
+    pool = PromptPool([[5, 6, 7, 8]] * 3, ["chunk"] * 3, fingerprint="p", corpus_fingerprint="c")
+    auto = OnlineWriter(reference_target, pool, OnlineConfig(write_batch=0, shard_dir=str(tmp_path)), seq_len=16)
+    fixed = OnlineWriter(reference_target, pool, OnlineConfig(write_batch=1024, shard_dir=str(tmp_path)), seq_len=16)
+    assert auto.cfg.write_batch == 1024 and auto.fingerprint == fixed.fingerprint
+    assert OnlineWriter(reference_target, pool, OnlineConfig(write_batch=4), seq_len=16).cfg.write_batch == 4

@@ -34,7 +34,7 @@ def test_every_compile_mode_trains_to_the_eager_losses(fast_cfg, monkeypatch):
     for mode, (kwargs, graphs) in COMPILE_MODES.items():
         seen.clear(), marks.clear()
         got = _train(fast_cfg, "trainer.pad_multiple=32", "trainer.compile=true", f"trainer.compile_mode={mode}",
-                     "trainer.compile_loss=false", run=mode)  # the compiled loss: tests/test_lm_head_loss.py
+                     run=mode)
         assert seen == [kwargs], mode
         assert len(marks) == (4 if graphs else 0), mode  # CUDA-graph modes mark every step
         assert got == pytest.approx(eager, rel=1e-5), mode

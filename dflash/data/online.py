@@ -20,6 +20,7 @@ instead of writing (no trial regenerates what another wrote).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import json
 import logging
@@ -44,7 +45,8 @@ _MAGIC = b"DFLASH-ONLINE\n"
 @dataclass
 class OnlineConfig:
     seq_len: int = 0  # tokens per written sequence (prompt + continuation); 0: data.max_len
-    write_batch: int = 1024  # sequences the target writes together (one generation batch, one shard)
+    # sequences the target writes together (one generation batch, one shard); 0 = auto (`auto_write_batch`)
+    write_batch: int = 0
     temperature: float = 0.0  # 0: greedy; > 0: sampled continuations (labels stay the target's argmax)
     stream_seed: int = 0  # prompt order and sampling; not the run seed, so trials of a sweep share shards
     shard_dir: str = ".cache/dflash/online"  # written batches saved here and reused; empty: none
@@ -52,8 +54,8 @@ class OnlineConfig:
 
 
 def validate_online_config(cfg: OnlineConfig, seq_len: int, max_prompt_len: int) -> None:
-    if cfg.write_batch < 1:
-        raise ValueError(f"data.online.write_batch must be >= 1, got {cfg.write_batch}")
+    if cfg.write_batch < 0:
+        raise ValueError(f"data.online.write_batch must be >= 1, or 0 for auto; got {cfg.write_batch}")
     if cfg.temperature < 0:
         raise ValueError(f"data.online.temperature must be >= 0 (0: greedy), got {cfg.temperature}")
     if cfg.keep_batches < 1:
@@ -69,12 +71,57 @@ def validate_online_config(cfg: OnlineConfig, seq_len: int, max_prompt_len: int)
 CUDA_GRID_YZ_MAX = 65_535
 
 
+# auto write_batch: rows per written batch, at most this many. The decode step is host-bound (~3,600 small ops for
+# the reference target), so wider is nearly free: on an H200 a step took 49.5 ms at 1,024 rows and 67.6 ms at
+# 4,096 (3x the written tokens per second; benchmarks/gpu/decode_profile.py, RESULTS.md session 8).
+AUTO_WRITE_ROWS = 4096
+AUTO_WRITE_MEMORY_FRAC = 0.5  # of the GPU memory free when the writer starts, for the batch's caches
+CPU_WRITE_ROWS = 1024  # the CPU's auto (the default before auto; not measured there)
+
+
+def cache_bytes_per_row(target, seq_len: int) -> int:
+    """A written row's cache at `seq_len` tokens: each Gated-DeltaNet layer's recurrent state (value heads x
+    key dim x value dim, counted as float32) and conv state, each attention layer's keys and values."""
+    cfg = _text_config(target)
+    types = list(getattr(cfg, "layer_types", None) or ["full_attention"] * cfg.num_hidden_layers)
+    linear, attn = types.count("linear_attention"), len(types) - types.count("linear_attention")
+    vh, dk, dv = (int(getattr(cfg, k, 0) or 0) for k in
+                  ("linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim"))
+    kh, kernel = int(getattr(cfg, "linear_num_key_heads", 0) or 0), int(getattr(cfg, "linear_conv_kernel_dim", 0) or 0)
+    elt = torch.finfo(target.dtype).bits // 8
+    gdn = vh * dk * dv * 4 + (2 * kh * dk + vh * dv) * kernel * elt
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    kv = 2 * cfg.num_key_value_heads * head_dim * seq_len * elt
+    return linear * gdn + attn * kv
+
+
+def auto_write_batch(target, seq_len: int) -> int:
+    """data.online.write_batch=0: on a GPU the largest power of two of rows, at most AUTO_WRITE_ROWS, whose caches
+    fit AUTO_WRITE_MEMORY_FRAC of the free memory and whose chunked kernels fit CUDA's grid; on the CPU
+    CPU_WRITE_ROWS. The reference target gets 4,096; a 27B target after its 54 GB of weights, a few dozen."""
+    if target.device.type != "cuda":
+        return CPU_WRITE_ROWS
+    free, _ = torch.cuda.mem_get_info(target.device)
+    rows = min(AUTO_WRITE_ROWS, int(AUTO_WRITE_MEMORY_FRAC * free) // max(cache_bytes_per_row(target, seq_len), 1))
+    heads = _gdn_value_heads(target)
+    if heads:
+        rows = min(rows, CUDA_GRID_YZ_MAX // heads)
+    return 1 << max(rows, 1).bit_length() - 1
+
+
+def _text_config(target):
+    cfg = target.model.config
+    return getattr(cfg, "text_config", None) or cfg
+
+
+def _gdn_value_heads(target) -> int:
+    return int(getattr(_text_config(target), "linear_num_value_heads", 0) or 0)
+
+
 def check_write_batch(target, write_batch: int) -> None:
     if target.device.type != "cuda":
         return
-    cfg = target.model.config
-    cfg = getattr(cfg, "text_config", None) or cfg
-    heads = int(getattr(cfg, "linear_num_value_heads", 0) or 0)
+    heads = _gdn_value_heads(target)
     if heads and write_batch * heads > CUDA_GRID_YZ_MAX:
         raise ValueError(f"data.online.write_batch={write_batch}: x the target's {heads} Gated-DeltaNet value heads "
                          f"exceeds CUDA's grid limit ({CUDA_GRID_YZ_MAX}) of its chunked kernels; use at most "
@@ -129,6 +176,8 @@ class OnlineWriter:
     def __init__(self, target, pool: PromptPool, cfg: OnlineConfig, seq_len: int, rank: int = 0, world: int = 1):
         self.target, self.pool, self.cfg, self.seq_len = target, pool, cfg, seq_len
         self.rank, self.world = rank, world
+        if cfg.write_batch == 0:  # auto: resolved before the fingerprint, so shards name the real width
+            self.cfg = cfg = dataclasses.replace(cfg, write_batch=auto_write_batch(target, seq_len))
         check_write_batch(target, cfg.write_batch)
         self.fingerprint = self._fingerprint()
         self._batches: OrderedDict[int, torch.Tensor] = OrderedDict()

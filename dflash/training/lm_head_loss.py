@@ -33,8 +33,6 @@ gradient stays within 2x of the recompute path's own bf16 error.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -64,18 +62,13 @@ def resolve_chunk(chunk_size: int, vocab_size: int) -> int:
 # --------------------------------------------------------------------------
 
 
-def _matmul_logits(hidden_CD: Tensor, lm_head_VD: Tensor) -> Tensor:
-    """[C, V] logits as the matmul gives them: in the head's dtype for a bf16/fp16 head (tensor cores, never a
-    float32 copy of a 250k-row head), else in float32 (float64 for float64 inputs)."""
-    if lm_head_VD.dtype in _LOW_PRECISION:
-        return hidden_CD.to(lm_head_VD.dtype) @ lm_head_VD.T
-    out_dtype = torch.promote_types(hidden_CD.dtype, torch.float32)
-    return hidden_CD.to(out_dtype) @ lm_head_VD.to(out_dtype).T
-
-
 def chunk_logits(hidden_CD: Tensor, lm_head_VD: Tensor) -> Tensor:
-    """[C, V] logits in float32 (float64 for float64 inputs); a low-precision head's are upcast per chunk."""
-    return _matmul_logits(hidden_CD, lm_head_VD).to(torch.promote_types(hidden_CD.dtype, torch.float32))
+    """[C, V] logits in float32 (float64 for float64 inputs); a bf16/fp16 head multiplies on tensor cores
+    in its own dtype and only the chunk's logits are upcast — never a float32 copy of a 250k-row head."""
+    out_dtype = torch.promote_types(hidden_CD.dtype, torch.float32)
+    if lm_head_VD.dtype in _LOW_PRECISION:
+        return (hidden_CD.to(lm_head_VD.dtype) @ lm_head_VD.T).to(out_dtype)
+    return hidden_CD.to(out_dtype) @ lm_head_VD.to(out_dtype).T
 
 
 def _dense_product(coef_CV: Tensor, head_VD: Tensor, out_dtype: torch.dtype) -> Tensor:
@@ -107,33 +100,6 @@ def _min_grad_weight(q_Ck: Tensor, p_Ck: Tensor) -> Tensor:
     return torch.where(q_Ck < p_Ck, 1.0, torch.where(q_Ck == p_Ck, 0.5, 0.0)).to(q_Ck.dtype)
 
 
-def _fusable_hard_chunk(logits_CV: Tensor, labels_C: Tensor, with_coef: bool) -> tuple[dict, Tensor | None]:
-    """A hard-label chunk's stats from its logits as the matmul gave them, in reductions and pointwise ops only,
-    so that inductor fuses them (`trainer.compile_loss`): each pass reads the [C, V] block once in the head's
-    dtype, where the eager path makes about ten float32 passes. With ``with_coef``, also CE's gradient wrt the
-    logits, softmax - e_y, formed in float32 and rounded to the logits' dtype: the same numbers as the eager
-    path's in-place ``_ce_grad`` (e_y subtracted before the rounding); rows without a label are 0."""
-    z_CV = logits_CV.to(torch.promote_types(logits_CV.dtype, torch.float32))
-    valid_C = labels_C != IGNORE_INDEX
-    safe_labels_C = torch.where(valid_C, labels_C, 0)
-    lse_C = torch.logsumexp(z_CV, dim=-1)
-    ce_C = torch.where(valid_C, lse_C - z_CV.gather(1, safe_labels_C[:, None]).squeeze(1), 0.0)
-    stats = {"ce": ce_C, "p_label": torch.where(valid_C, torch.exp(-ce_C), 0.0),
-             "correct": (z_CV.argmax(dim=-1) == labels_C) & valid_C}
-    if not with_coef:
-        return stats, None
-    is_label_CV = torch.arange(z_CV.shape[1], device=z_CV.device) == safe_labels_C[:, None]
-    coef_CV = torch.where(valid_C[:, None], torch.exp(z_CV - lse_C[:, None]) - is_label_CV.to(z_CV.dtype), 0.0)
-    return stats, coef_CV.to(logits_CV.dtype)
-
-
-@functools.cache
-def _compiled_hard_chunk():
-    """`_fusable_hard_chunk` under torch.compile, made once per process (a chunk of another size, or the
-    last and shorter chunk, is one more graph; torch then marks the size dynamic)."""
-    return torch.compile(_fusable_hard_chunk)
-
-
 def _chunk_forward(
     hidden_CD: Tensor,
     head_VD: Tensor,
@@ -142,15 +108,9 @@ def _chunk_forward(
     soft_idx_Ck: Tensor | None,
     temperature: float,
     need_grad: bool,
-    compiled: bool = False,
 ) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
     """Stats ({ce, p_label, correct} + {kl, tv, overlap} with soft labels) and, when ``need_grad``,
-    the [C, D] gradient of each differentiable stat wrt hidden ({ce} + {kl, tv}). ``compiled``: hard labels
-    take the fused kernels of `_fusable_hard_chunk` (soft labels stay eager)."""
-    if compiled and soft_vals_Ck is None:
-        out_dtype = torch.promote_types(hidden_CD.dtype, torch.float32)
-        stats, coef_CV = _compiled_hard_chunk()(_matmul_logits(hidden_CD, head_VD), labels_C, need_grad)
-        return stats, ({"ce": _dense_product(coef_CV, head_VD, out_dtype)} if need_grad else {})
+    the [C, D] gradient of each differentiable stat wrt hidden ({ce} + {kl, tv})."""
     logits_CV = chunk_logits(hidden_CD, head_VD)
     valid_C = labels_C != IGNORE_INDEX
     safe_labels_C = torch.where(valid_C, labels_C, 0)
@@ -295,8 +255,7 @@ class FusedLMHeadStats(torch.autograd.Function):
     labels) whose backward is Σ_stat grad_stat · G_stat with G made in the forward."""
 
     @staticmethod
-    def forward(ctx, hidden_PD, lm_head_VD, labels_P, soft_vals_Pk, soft_idx_Pk, temperature, chunk_size, need_grad,
-                compiled):
+    def forward(ctx, hidden_PD, lm_head_VD, labels_P, soft_vals_Pk, soft_idx_Pk, temperature, chunk_size, need_grad):
         out_dtype = torch.promote_types(hidden_PD.dtype, torch.float32)
         # A full-precision head is cast once per call, not once per chunk (a no-op in the usual cases).
         head_VD = lm_head_VD if lm_head_VD.dtype in _LOW_PRECISION else lm_head_VD.to(out_dtype)
@@ -308,7 +267,7 @@ class FusedLMHeadStats(torch.autograd.Function):
             stats, grads = _chunk_forward(
                 hidden_PD[sl], head_VD, labels_P[sl],
                 soft_vals_Pk[sl] if soft else None, soft_idx_Pk[sl] if soft else None,
-                temperature, need_grad, compiled,
+                temperature, need_grad,
             )
             for parts, chunk in ((stat_parts, stats), (grad_parts, grads)):
                 for name, t in chunk.items():
@@ -334,7 +293,7 @@ class FusedLMHeadStats(torch.autograd.Function):
             grad_hidden_PD = term_PD if grad_hidden_PD is None else grad_hidden_PD.add_(term_PD)
         if grad_hidden_PD is not None:
             grad_hidden_PD = grad_hidden_PD.to(ctx.hidden_dtype)
-        return grad_hidden_PD, None, None, None, None, None, None, None, None
+        return grad_hidden_PD, None, None, None, None, None, None, None
 
 
 def fused_position_stats(
@@ -346,16 +305,14 @@ def fused_position_stats(
     *,
     temperature: float,
     chunk_size: int,
-    compiled: bool = False,
 ) -> tuple[Tensor | None, ...]:
     """(ce, kl, tv, overlap, p_label, correct), each [P] (soft ones None without soft labels).
 
     The head is treated as frozen: no gradient flows to ``lm_head_VD``.  Gradients wrt hidden are
-    only formed (and kept) when grad mode is on and ``hidden_PD`` requires grad. ``compiled``: hard-label
-    chunks run as inductor's fused kernels (`_fusable_hard_chunk`)."""
+    only formed (and kept) when grad mode is on and ``hidden_PD`` requires grad."""
     if (soft_vals_Pk is None) != (soft_idx_Pk is None):
         raise ValueError("soft_vals_Pk and soft_idx_Pk must be given together")
     need_grad = torch.is_grad_enabled() and hidden_PD.requires_grad
     return FusedLMHeadStats.apply(
-        hidden_PD, lm_head_VD, labels_P, soft_vals_Pk, soft_idx_Pk, temperature, chunk_size, need_grad, compiled
+        hidden_PD, lm_head_VD, labels_P, soft_vals_Pk, soft_idx_Pk, temperature, chunk_size, need_grad
     )

@@ -258,10 +258,8 @@ class Loss:
                      for f in dataclasses.fields(part)]
             cls.config_keys = (*Loss.config_keys, *(("temperature",) if cls.needs_soft else ()), *parts)
 
-    def __init__(self, cfg: LossConfig, compiled: bool = False):
+    def __init__(self, cfg: LossConfig):
         self.cfg = cfg
-        # the fused path's hard-label chunks as inductor kernels: a run sets it with trainer.compile_loss
-        self.compiled = compiled
         self.lm_head = part_config(cfg, LMHeadConfig)
         term_cls, weighting_cls = TERMS[self.term], WEIGHTINGS[self.weighting]
         self.position_loss = term_cls(part_config(cfg, term_cls.config))
@@ -284,7 +282,7 @@ class Loss:
             soft_vals_NKk=batch.soft_vals_BNKk.flatten(0, -3) if soft else None,
             soft_idx_NKk=batch.soft_idx_BNKk.flatten(0, -3) if soft else None,
             temperature=c.temperature, chunk_size=c.chunk_size, need_soft=self.needs_soft,
-            lm_head_grad=c.lm_head_grad, compiled=self.compiled)
+            lm_head_grad=c.lm_head_grad)
         return stats, labels_NK != IGNORE_INDEX
 
     def reduce(self, stats: PositionStats, valid_NK: Tensor) -> Tensor:
@@ -300,8 +298,8 @@ LOSSES: Registry[type[Loss]] = Registry("loss.name")
 register_loss = LOSSES.register
 
 
-def build_loss(cfg: LossConfig, compiled: bool = False) -> Loss:
-    return LOSSES.build(cfg.name, cfg, compiled)
+def build_loss(cfg: LossConfig) -> Loss:
+    return LOSSES.build(cfg.name, cfg)
 
 
 def validate_loss_config(cfg: LossConfig) -> None:

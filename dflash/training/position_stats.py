@@ -95,11 +95,9 @@ def _recompute_position_stats(
     *,
     temperature: float,
     chunk_size: int,
-    compiled: bool = False,
 ) -> tuple[Tensor | None, ...]:
     """(ce, kl, tv, overlap, p_label, correct), each [P]: chunks under activation checkpointing,
-    whose backward recomputes the chunk's logits (also differentiates a trainable head). Always eager
-    (``compiled`` is the fused path's)."""
+    whose backward recomputes the chunk's logits (also differentiates a trainable head)."""
     outputs = []
     for start in range(0, hidden_PD.shape[0], chunk_size):
         sl = slice(start, start + chunk_size)
@@ -137,14 +135,13 @@ def compute_position_stats(
     chunk_size: int = 0,
     need_soft: bool = False,
     lm_head_grad: str = "fused",
-    compiled: bool = False,
 ) -> PositionStats:
     """Per-position CE / KL / TV stats of the drafter, computed in LM-head chunks.
 
     Logits are float32 (float64 if the inputs are float64; a bf16 head multiplies
     in bf16 with the chunk's logits upcast), ``chunk_size`` flattened positions at
     a time (0: ``resolve_chunk``'s size for this vocabulary), so only [chunk, V] logits exist at any
-    time. ``compiled``: the fused path's hard-label chunks as inductor kernels.  ``lm_head_grad`` picks
+    time.  ``lm_head_grad`` picks
     how the gradient wrt the hidden state is made (see ``LM_HEAD_GRADS``): "fused"
     in the forward, without recomputing logits; "recompute" under activation
     checkpointing.  A head that requires grad always takes "recompute" (the fused
@@ -169,7 +166,7 @@ def compute_position_stats(
         soft_idx_Pk = soft_idx_NKk.reshape(N * K, k)
     per_position = LM_HEAD_GRADS[lm_head_grad](
         hidden_NKD.reshape(N * K, D), lm_head_VD, labels_NK.reshape(N * K), soft_vals_Pk, soft_idx_Pk,
-        temperature=temperature, chunk_size=chunk_size, compiled=compiled,
+        temperature=temperature, chunk_size=chunk_size,
     )
     ce, kl, tv, overlap, p_label, correct = (None if t is None else t.reshape(N, K) for t in per_position)
     return PositionStats(ce=ce, kl=kl, tv=tv, overlap=overlap, p_label=p_label, correct=correct,

@@ -196,7 +196,7 @@ class Trainer:
         self.device = resolve_device(cfg.trainer.device)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)  # the drafter may sit on another GPU than the target
-        self.loss_fn = build_loss(cfg.loss, compiled=cfg.trainer.compile and cfg.trainer.compile_loss)
+        self.loss_fn = build_loss(cfg.loss)
         self.drafter = self._build_drafter()
         self.train_model = wrap_ddp(self.drafter, self.dist, self.device)  # the drafter itself on one process
         if cfg.trainer.compile:

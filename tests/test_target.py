@@ -91,3 +91,31 @@ def test_torch_gdn_path_is_temporary(monkeypatch):
     with torch_gdn_path("qwen3_5") as report:
         assert report["chunk_gated_delta_rule"] == "torch"
     assert mod.torch_chunk_gated_delta_rule is fast
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_5", "qwen3_next"])
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_target_forward_makes_its_masks_without_a_host_read(model_type, attn):
+    """forward_features hands the decoder its causal masks (transformers' own check for packed sequences reads a
+    value back to the host on every forward: a sync on CUDA). Same features and labels as the model's own
+    forward, with SDPA's causal skip and with eager attention's materialised mask."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class HostReads(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func in (torch.ops.aten._local_scalar_dense.default, torch.ops.aten.nonzero.default):
+                HostReads.n += 1
+            return func(*args, **(kwargs or {}))
+    t = Target(TargetConfig(random=TinyTargetSpec(model_type=model_type, hidden_size=64, num_layers=4,
+                                                  intermediate_size=128, head_dim=16, linear_head_dim=16),
+                            layer_ids=[0, 2]))
+    t.model.config._attn_implementation = attn
+    ids = torch.randint(0, 256, (3, 24))
+    with HostReads():
+        out = t.forward_features(ids)
+    assert HostReads.n == 0
+    ref = t.model(input_ids=ids, output_hidden_states=True)
+    torch.testing.assert_close(out.features_BTLH[:, :, 1], ref.hidden_states[3], atol=1e-5, rtol=1e-5)
+    assert torch.equal(out.labels_BT, ref.logits.argmax(-1))

@@ -291,7 +291,8 @@ class Target:
                 # sync here idles the GPU while the host then builds the drafter's batch (issue 20)
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 start.record()
-            out = self.decoder(input_ids=input_ids_BT, output_hidden_states=True, use_cache=False)
+            out = self.decoder(input_ids=input_ids_BT, output_hidden_states=True, use_cache=False,
+                               attention_mask=self.causal_masks(input_ids_BT))
             feats = torch.stack([out.hidden_states[i + 1] for i in self.layer_ids], dim=2)
             labels, vals, idx = self.labels_from_hidden(out.last_hidden_state, soft_top_k)
             if cuda:
@@ -303,6 +304,17 @@ class Target:
                 self.busy_s += time.perf_counter() - t0
             self.tokens_done += input_ids_BT.numel()
         return TargetBatch(feats, labels, vals, idx)
+
+    def causal_masks(self, input_ids_BT: torch.Tensor) -> dict:
+        """The decoder's mask mapping for a causal batch without padding, made as transformers makes it but without
+        position ids: given them (the decoder makes its own), it checks the batch for packed sequences with an
+        `.all()` — a host sync on every target forward, which stalled the inline producer until the drafter's
+        queued step had drained (issue 20, `benchmarks/profile_run.py`). Right-padded rows need no mask: causal."""
+        from transformers.masking_utils import create_causal_mask
+        shape_only = torch.empty(*input_ids_BT.shape, 0, dtype=self.dtype, device=input_ids_BT.device)
+        full = create_causal_mask(config=self.decoder.config, inputs_embeds=shape_only, attention_mask=None,
+                                  cache=None, position_ids=None)
+        return {"full_attention": full, "linear_attention": None}
 
     def _resolve_timings(self, n: int | None = None) -> None:
         done, self._timings = self._timings[:n], self._timings[len(self._timings[:n]):]

@@ -236,6 +236,7 @@ class Target:
         # One forward at a time per target: producers share the device's default stream anyway, and
         # Triton's autotuner (FLA kernels) is not thread-safe — two threads tuning the same kernel race.
         self._lock = threading.Lock()
+        self._own_masks_failed = False  # `causal_masks` met a create_causal_mask it cannot call
         self.busy_s, self.tokens_done = 0.0, 0  # forward time and tokens, for perf/target_tok_s
         self._timings: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []  # GPU forwards not yet timed
 
@@ -310,10 +311,25 @@ class Target:
         position ids: given them (the decoder makes its own), it checks the batch for packed sequences with an
         `.all()` — a host sync on every target forward, which stalled the inline producer until the drafter's
         queued step had drained (issue 20, `benchmarks/profile_run.py`). Right-padded rows need no mask: causal."""
+        if self._own_masks_failed:
+            return None
+        import inspect
+
         from transformers.masking_utils import create_causal_mask
+        params = inspect.signature(create_causal_mask).parameters  # its argument names changed across 5.x
         shape_only = torch.empty(*input_ids_BT.shape, 0, dtype=self.dtype, device=input_ids_BT.device)
-        full = create_causal_mask(config=self.decoder.config, inputs_embeds=shape_only, attention_mask=None,
-                                  cache=None, position_ids=None)
+        kw = {"config": self.decoder.config, "attention_mask": None, "position_ids": None,
+              ("inputs_embeds" if "inputs_embeds" in params else "input_embeds"): shape_only}
+        kw.update({name: None for name in ("cache", "past_key_values") if name in params})
+        if "cache_position" in params:
+            kw["cache_position"] = torch.arange(input_ids_BT.shape[1], device=input_ids_BT.device)
+        try:
+            full = create_causal_mask(**kw)
+        except TypeError as e:  # another signature: the decoder makes its own masks (and syncs)
+            self._own_masks_failed = True
+            log.warning("target masks made by transformers (create_causal_mask%s: %s)", inspect.signature(
+                create_causal_mask), e)
+            return None
         return {"full_attention": full, "linear_attention": None}
 
     def _resolve_timings(self, n: int | None = None) -> None:

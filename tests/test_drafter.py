@@ -117,3 +117,17 @@ def test_published_layout_training_logits_equal_inference_logits(attn_group):
         assert [k.shape[2] for k in cache.k] == [min(a, 7 + 6)] * 4 + [a]  # window - 1 + one block of slack
         infer_h = d.draft_hidden(cache, tokens[:, a])
         assert torch.allclose(train_h[:, n], infer_h, atol=1e-10), f"anchor {a}"  # hidden: logits are float32
+
+
+def test_logits_upcast_a_low_precision_head_in_row_chunks():
+    """A bf16 head is upcast a few vocabulary rows at a time: the same float32 logits as one product with a float32
+    copy of the whole head (ragged last chunk included); a float32 head multiplies directly."""
+    d = _drafter(V=50).float()
+    d.lm_head_VH = d.lm_head_VH.bfloat16()
+    hidden = torch.randn(2, 5, 32)
+    want = hidden @ d.lm_head_VH.float().T
+    got = d.logits(hidden, rows=7)
+    assert got.dtype == torch.float32 and got.shape == (2, 5, 50)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    d.lm_head_VH = d.lm_head_VH.float()
+    torch.testing.assert_close(d.logits(hidden), want, rtol=1e-6, atol=1e-6)

@@ -35,6 +35,7 @@ from dflash.drafter.attention import (  # noqa: F401 (training_mask: re-export)
     training_mask,
 )
 
+LOGITS_HEAD_ROWS = 32_768  # head rows upcast at a time by `DFlashDrafter.logits` (640 MB of float32 at H = 5,120)
 LAYER_TYPES = ("full_attention", "sliding_attention")  # the names config.json's `layer_types` uses
 
 
@@ -372,8 +373,17 @@ class DFlashDrafter(nn.Module):
         h = self._run_layers(self.block_embeddings(anchor_tokens_B[:, None]), blk_pos, ctx_kv, masks)
         return h[:, 1:]
 
-    def logits(self, hidden_BKH: torch.Tensor) -> torch.Tensor:
-        return hidden_BKH.float() @ self.lm_head_VH.float().T
+    def logits(self, hidden_BKH: torch.Tensor, rows: int = LOGITS_HEAD_ROWS) -> torch.Tensor:
+        """float32 logits [..., V] (the evaluation's and the serving bench's proposals). A low-precision head is
+        upcast `rows` vocabulary rows at a time: a float32 product as before, without a float32 copy of the whole
+        head on every draft (5 GB at V = 248,320, H = 5,120)."""
+        hidden, head_VH = hidden_BKH.float(), self.lm_head_VH
+        if head_VH.dtype == torch.float32:
+            return hidden @ head_VH.T
+        out = hidden.new_empty(*hidden.shape[:-1], head_VH.shape[0])
+        for v in range(0, head_VH.shape[0], rows):
+            out[..., v:v + rows] = hidden @ head_VH[v:v + rows].float().T
+        return out
 
 
 def build_drafter(cfg: DrafterConfig, hidden_size: int, num_target_layers: int, mask_token_id: int,

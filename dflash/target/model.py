@@ -10,6 +10,7 @@ Nothing is ever fetched from a hub: a real target is a local folder (`target.pat
 """
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -306,17 +307,15 @@ class Target:
             self.tokens_done += input_ids_BT.numel()
         return TargetBatch(feats, labels, vals, idx)
 
-    def causal_masks(self, input_ids_BT: torch.Tensor) -> dict:
+    def causal_masks(self, input_ids_BT: torch.Tensor) -> dict | None:
         """The decoder's mask mapping for a causal batch without padding, made as transformers makes it but without
         position ids: given them (the decoder makes its own), it checks the batch for packed sequences with an
         `.all()` — a host sync on every target forward, which stalled the inline producer until the drafter's
         queued step had drained (issue 20, `benchmarks/profile_run.py`). Right-padded rows need no mask: causal."""
         if self._own_masks_failed:
             return None
-        import inspect
-
         from transformers.masking_utils import create_causal_mask
-        params = inspect.signature(create_causal_mask).parameters  # its argument names changed across 5.x
+        params = _mask_arg_names()
         shape_only = torch.empty(*input_ids_BT.shape, 0, dtype=self.dtype, device=input_ids_BT.device)
         kw = {"config": self.decoder.config, "attention_mask": None, "position_ids": None,
               ("inputs_embeds" if "inputs_embeds" in params else "input_embeds"): shape_only}
@@ -327,8 +326,7 @@ class Target:
             full = create_causal_mask(**kw)
         except TypeError as e:  # another signature: the decoder makes its own masks (and syncs)
             self._own_masks_failed = True
-            log.warning("target masks made by transformers (create_causal_mask%s: %s)", inspect.signature(
-                create_causal_mask), e)
+            log.warning("target masks made by transformers (create_causal_mask(%s): %s)", ", ".join(params), e)
             return None
         return {"full_attention": full, "linear_attention": None}
 
@@ -366,6 +364,16 @@ class Target:
 
     def logits(self, input_ids_BT: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids=input_ids_BT.to(self.device)).logits
+
+
+@functools.cache
+def _mask_arg_names() -> tuple[str, ...]:
+    """create_causal_mask's argument names, which changed across transformers 5.x (5.17: `past_key_values`,
+    5.24: `cache`)."""
+    import inspect
+
+    from transformers.masking_utils import create_causal_mask
+    return tuple(inspect.signature(create_causal_mask).parameters)
 
 
 def _file_digest(path: Path, limit: int = 1 << 20) -> str:

@@ -45,7 +45,8 @@ _LOW_PRECISION = (torch.bfloat16, torch.float16)
 # Positions per LM-head chunk when `loss.chunk_size` (or `target.lm_head_chunk`) is 0, "auto": as many as keep
 # one [chunk, V] float32 block near 1 GiB. At V = 248,320 that is 1,024, the fixed default it replaces; at the
 # reference target's V = 4,096 it is 65,536. There 1,024 made 128 chunks of ~20 small kernels each per step:
-# launch-bound, the LM-head loss took 55 of the drafter step's 81 ms (benchmarks/RESULTS.md, session 5).
+# launch-bound. On an H200, in one process: the LM-head loss 72.2 -> 10.3 ms, the drafter step 80.0 -> 43.9 ms
+# (benchmarks/RESULTS.md, session 8).
 AUTO_CHUNK_LOGITS = 1 << 28
 
 

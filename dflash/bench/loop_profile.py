@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 
-from dflash.bench.profiling import _is_annotation, _on_cpu
+from dflash.bench.profiling import _on_cpu, device_kernels
 
 RANGES = ("dflash.next_items", "dflash.train_step")
 
@@ -48,8 +48,7 @@ def loop_breakdown(events, top: int = 8) -> dict:
         out[f"{name}_top_ops"] = [{"op": k[:80], "ms_per_step": v / 1e3 / n}
                                   for k, v in sorted(ops.items(), key=lambda kv: -kv[1])[:top]]
     out["other_ms_per_step"] = out["wall_ms_per_step"] - sum(out[f"{r}_ms_per_step"] for r in RANGES)
-    kernels = [(e.time_range.start, e.time_range.end) for e in events
-               if not _on_cpu(e) and e.name and not _is_annotation(e)]
+    kernels = [(e.time_range.start, e.time_range.end) for e in device_kernels(events)]
     clipped = [(max(a, t0), min(b, t1)) for a, b in kernels if b > t0 and a < t1]
     out["gpu_busy_frac"] = _union_us(clipped) / wall if wall > 0 and clipped else 0.0
     return out

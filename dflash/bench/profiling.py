@@ -97,13 +97,16 @@ def kernel_family(name: str) -> str:
     return next((fam for fam, keys in KERNEL_FAMILIES if any(k in low for k in keys)), "other")
 
 
+def device_kernels(events) -> list:
+    """The trace's GPU kernels: device-side events that are not annotations mirrored from the host."""
+    return [e for e in events if not _on_cpu(e) and e.name and not _is_annotation(e)]
+
+
 def kernel_breakdown(events, steps: int, top: int = 8) -> dict:
     """GPU time per step by kernel family, and the costliest kernels, from a profiler's device events:
     where a step's time goes once the phases (forward, loss, backward, optimizer) are known."""
     per_kernel: dict[str, list] = {}
-    for e in events:
-        if _on_cpu(e) or not e.name or _is_annotation(e):
-            continue
+    for e in device_kernels(events):
         us = e.time_range.end - e.time_range.start
         k = per_kernel.setdefault(e.name, [0.0, 0])
         k[0] += us

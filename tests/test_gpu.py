@@ -91,3 +91,20 @@ def test_windowed_drafter_kernels_and_train_equals_inference_on_gpu(kernel, comp
         train = d(feats[:1], anchors[:1, -1:], tokens[:1, -1:])[:, 0]
     assert cache.k[0].shape[2] <= 64 - 1 + bs
     torch.testing.assert_close(infer.float(), train.float(), atol=1e-4, rtol=1e-4)
+
+
+def test_graph_decode_replays_the_eager_static_step_and_writes_the_targets_greedy_text():
+    """The online writer's CUDA-graph decode (dflash.target.static_decode): a replay computes what the same
+    step computes op by op, bit for bit; in float32 its tokens are transformers' cached decode's."""
+    from dflash.data.online import write_continuations
+    spec = TinyTargetSpec(hidden_size=256, num_layers=8)
+    t = Target(TargetConfig(random=spec, device="cuda", dtype="float32"))
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, 256, (int(n),), generator=g).tolist() for n in torch.randint(3, 40, (64,), generator=g)]
+    graph = write_continuations(t, prompts, 96, decode="graph")
+    assert torch.equal(graph, write_continuations(t, prompts, 96, decode="graph"))  # a second batch, same graph
+    assert torch.equal(graph, write_continuations(t, prompts, 96, decode="static"))
+    cached = write_continuations(t, prompts, 96, decode="cache")
+    assert (graph == cached).float().mean() > 0.99, (graph != cached).sum()  # fp32: kernels differ only in rounding
+    from dflash.target.static_decode import static_decoder
+    assert static_decoder(t, 64, 96, True).graph is not None  # captured, not the eager fallback

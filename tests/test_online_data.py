@@ -1,5 +1,6 @@
 """Issue 20: the prompt pool, online target-written data (same tokens as the target's greedy decoding, shards,
 exact resume), the epoch counter and its warning, the consumed-token budget."""
+import dataclasses
 import json
 import logging
 from pathlib import Path
@@ -82,6 +83,67 @@ def test_written_sequences_are_the_targets_own_greedy_continuations(model_type):
     for p, row in zip(prompts, out):
         ref = greedy_generate(target, torch.tensor([p]), 14 - len(p), use_cache=False)[0]
         assert row[:len(p)].tolist() == p and torch.equal(row[len(p):], ref), (len(p), row, ref)
+
+
+def _gqa_tiny():
+    """Grouped heads on both sides: 4 value heads per 2 key heads in Gated DeltaNet, 1 KV head for 4 queries."""
+    spec = TinyTargetSpec(model_type="qwen3_5", hidden_size=32, num_layers=4, intermediate_size=64, num_heads=4,
+                          num_kv_heads=1, head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4,
+                          linear_head_dim=8)
+    return Target(TargetConfig(random=spec, layer_ids=[0, 1, 2], device="cpu"))
+
+
+@pytest.mark.parametrize("make", [_tiny, _gqa_tiny], ids=["qwen3_5", "qwen3_5-grouped"])
+def test_static_decoder_writes_what_transformers_cache_writes(make):
+    """The static decoder (dflash.target.static_decode; a CUDA graph on a GPU, op by op here) from position 0
+    gives the tokens of transformers' cached decode, and its hidden states match to float32 rounding."""
+    from dflash.target.static_decode import static_decoder
+    target = make()
+    g = torch.Generator().manual_seed(11)
+    prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (2, 9, 4, 6, 2)]
+    cached = write_continuations(target, prompts, seq_len=24, decode="cache")
+    static = write_continuations(target, prompts, seq_len=24, decode="static")
+    assert torch.equal(static, cached)
+    sampled = [write_continuations(target, prompts, 24, 1.3, torch.Generator().manual_seed(2), decode=d)
+               for d in ("cache", "static")]
+    assert torch.equal(*sampled) and not torch.equal(sampled[0], cached)  # the same draws, and really sampled
+    seq = cached[:, :12]
+    ref = target.decoder(input_ids=seq, use_cache=False).last_hidden_state
+    dec = static_decoder(target, len(prompts), 24, graph=True)  # no GPU: the eager step
+    dec.reset()
+    for t in range(12):
+        torch.testing.assert_close(dec.step(seq[:, t]), ref[:, t:t + 1], rtol=1e-4, atol=1e-5)
+    assert int(dec.pos) == 12
+
+
+def test_static_decode_is_refused_for_a_model_type_without_one():
+    target = _tiny("qwen3_next")
+    with pytest.raises(ValueError, match="data.online.decode=static.*qwen3_next"):
+        write_continuations(target, [[1, 2]], seq_len=6, decode="static")
+    assert write_continuations(target, [[1, 2]], seq_len=6).shape == (1, 6)  # auto: transformers' cache
+    with pytest.raises(ValueError, match="data.online.decode must be one of"):
+        from dflash.data.online import validate_online_config
+        validate_online_config(OnlineConfig(decode="fast"), 64, 16)
+
+
+def test_batches_written_ahead_in_the_background_are_the_same_batches(target, tmp_path):
+    """`ahead` (on a GPU): a thread writes batch b+1 while b is consumed; the tokens do not change, a batch is
+    written once, and a failure reaches whoever asks for that batch."""
+    pool = _pool()
+    cfg = OnlineConfig(write_batch=3, shard_dir="")
+    plain = OnlineWriter(target, pool, cfg, seq_len=20)
+    want = [plain.sequence(g) for g in range(9)]
+    ahead = OnlineWriter(target, pool, dataclasses.replace(cfg, ahead=2), seq_len=20)
+    ahead.ahead = 2  # (a CPU target writes when asked)
+    got = [ahead.sequence(g) for g in range(9)]
+    ahead.close()
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert ahead.written_batches == 5 and not ahead._pending  # batches 0-2, and 3-4 written ahead
+    broken = OnlineWriter(target, pool, cfg, seq_len=20)
+    broken.ahead = 1
+    broken._load_or_write = lambda b: (_ for _ in ()).throw(RuntimeError(f"disk full at {b}"))
+    with pytest.raises(RuntimeError, match="disk full at 0"):
+        broken.sequence(0)
 
 
 def _pool(n=12):

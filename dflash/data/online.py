@@ -27,6 +27,7 @@ import logging
 import threading
 import time
 from collections import OrderedDict
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -51,6 +52,14 @@ class OnlineConfig:
     stream_seed: int = 0  # prompt order and sampling; not the run seed, so trials of a sweep share shards
     shard_dir: str = ".cache/dflash/online"  # written batches saved here and reused; empty: none
     keep_batches: int = 4  # written batches kept in memory (a resume's replay reaches back into the last ones)
+    # how the target decodes (DECODE_MODES): auto = graph on a GPU for a model type with a static decoder, else cache
+    decode: str = "auto"
+    ahead: int = 1  # on a GPU, batches written in the background ahead of the consumer (0: write when asked)
+
+
+# graph: static states, each token one CUDA-graph replay (dflash.target.static_decode; eager off the GPU);
+# static: the same states and step, run op by op; cache: transformers' own cache (the reference path).
+DECODE_MODES = ("auto", "graph", "static", "cache")
 
 
 def validate_online_config(cfg: OnlineConfig, seq_len: int, max_prompt_len: int) -> None:
@@ -60,6 +69,10 @@ def validate_online_config(cfg: OnlineConfig, seq_len: int, max_prompt_len: int)
         raise ValueError(f"data.online.temperature must be >= 0 (0: greedy), got {cfg.temperature}")
     if cfg.keep_batches < 1:
         raise ValueError(f"data.online.keep_batches must be >= 1, got {cfg.keep_batches}")
+    if cfg.decode not in DECODE_MODES:
+        raise ValueError(f"data.online.decode must be one of {', '.join(DECODE_MODES)}; got {cfg.decode!r}")
+    if cfg.ahead < 0:
+        raise ValueError(f"data.online.ahead must be >= 0 (0: write when asked), got {cfg.ahead}")
     if seq_len <= max_prompt_len:
         raise ValueError(f"data.online.seq_len ({seq_len}; 0 means data.max_len) must exceed "
                          f"data.pool.max_prompt_len ({max_prompt_len}): the target must write something")
@@ -81,7 +94,7 @@ CPU_WRITE_ROWS = 1024  # the CPU's auto (the default before auto; not measured t
 
 def cache_bytes_per_row(target, seq_len: int) -> int:
     """A written row's cache at `seq_len` tokens: each Gated-DeltaNet layer's recurrent state (value heads x
-    key dim x value dim, counted as float32) and conv state, each attention layer's keys and values."""
+    key dim x value dim, float32, counted twice) and conv state, each attention layer's keys and values."""
     cfg = _text_config(target)
     types = list(getattr(cfg, "layer_types", None) or ["full_attention"] * cfg.num_hidden_layers)
     linear, attn = types.count("linear_attention"), len(types) - types.count("linear_attention")
@@ -89,7 +102,9 @@ def cache_bytes_per_row(target, seq_len: int) -> int:
                   ("linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim"))
     kh, kernel = int(getattr(cfg, "linear_num_key_heads", 0) or 0), int(getattr(cfg, "linear_conv_kernel_dim", 0) or 0)
     elt = torch.finfo(target.dtype).bits // 8
-    gdn = vh * dk * dv * 4 + (2 * kh * dk + vh * dv) * kernel * elt
+    # the recurrent state twice: a step computes the new state beside the old before it replaces it (transformers'
+    # cache and the static decoder's graph alike)
+    gdn = 2 * vh * dk * dv * 4 + (2 * kh * dk + vh * dv) * kernel * elt
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     kv = 2 * cfg.num_key_value_heads * head_dim * seq_len * elt
     return linear * gdn + attn * kv
@@ -137,36 +152,86 @@ def _choose(target, last_B1H: torch.Tensor, temperature: float, gen: torch.Gener
     return (logits - torch.log(-torch.log(u))).argmax(-1)  # Gumbel-max: a sample of softmax(logits / T)
 
 
+def resolve_decode(target, mode: str) -> str:
+    """data.online.decode → the path that runs: auto is graph on a GPU where the model type has a static decoder
+    (`dflash.target.static_decode.STATIC_DECODERS`), else transformers' cache."""
+    from dflash.target.static_decode import supports_static
+    if mode == "auto":
+        return "graph" if target.device.type == "cuda" and supports_static(target) else "cache"
+    if mode in ("graph", "static") and not supports_static(target):
+        raise ValueError(f"data.online.decode={mode}: no static decoder for model type {target.info.model_type!r}; "
+                         f"use cache or auto")
+    return mode
+
+
 @torch.no_grad()
 def write_continuations(target, prompts: list[list[int]], seq_len: int, temperature: float = 0.0,
-                        generator: torch.Generator | None = None) -> torch.Tensor:
+                        generator: torch.Generator | None = None, decode: str = "auto") -> torch.Tensor:
     """Each prompt continued by the target to exactly `seq_len` tokens: LongTensor [B, seq_len] on the CPU.
 
-    One prefill of the shortest prompt's length, then one cached decode step per position for the whole
-    batch (static [B, 1] inputs); a row still inside its prompt is fed its own prompt token, so it sees exactly
-    the tokens it would alone. Never stops early (an end-of-text token is just another token)."""
+    Every row is fed one token per step at the same position; a row still inside its prompt is fed its own
+    prompt token, so it sees exactly the tokens it would alone. Never stops early (an end-of-text token is
+    just another token). `decode` (DECODE_MODES): the static decoder from position 0, or transformers' cache
+    (one prefill of the shortest prompt's length, then cached steps). Takes the target's lock itself."""
     lens = [len(p) for p in prompts]
     if not prompts or min(lens) < 1 or max(lens) >= seq_len:
         raise ValueError(f"write_continuations: need non-empty prompts shorter than seq_len={seq_len} "
                          f"(got lengths {min(lens, default=0)}..{max(lens, default=0)})")
-    dev, B = target.device, len(prompts)
-    seq = torch.zeros(B, seq_len, dtype=torch.long)
-    for r, p in enumerate(prompts):
-        seq[r, :len(p)] = torch.tensor(p, dtype=torch.long)
-    seq = seq.to(dev)
-    in_prompt_BT = (torch.arange(seq_len)[None] < torch.tensor(lens)[:, None]).to(dev)
-    p0 = min(lens)
+    mode = resolve_decode(target, decode)
+    dev = target.device
+    # on a GPU the writing runs on its own stream: a writer thread's kernels then interleave with training's
+    stream = torch.cuda.Stream(dev) if dev.type == "cuda" and mode != "cache" else None
+    with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+        seq = torch.zeros(len(prompts), seq_len, dtype=torch.long)
+        for r, p in enumerate(prompts):
+            seq[r, :len(p)] = torch.tensor(p, dtype=torch.long)
+        seq = seq.to(dev)
+        in_prompt_BT = (torch.arange(seq_len)[None] < torch.tensor(lens)[:, None]).to(dev)
+        if mode == "cache":
+            with _target_lock(target):
+                _write_cached(target, seq, in_prompt_BT, min(lens), temperature, generator)
+        else:
+            _write_static(target, seq, in_prompt_BT, min(lens), temperature, generator, graph=mode == "graph")
+        return seq.cpu()
+
+
+def _target_lock(target):
+    # one forward at a time per target (Triton's autotuner is not thread-safe)
+    return getattr(target, "_lock", None) or contextlib.nullcontext()
+
+
+def _write_cached(target, seq, in_prompt_BT, p0: int, temperature, generator) -> None:
+    B, seq_len = seq.shape
     decoder = target.decoder
     cache, kw = new_hf_cache(decoder), cache_kwarg(decoder)
-    pos = torch.arange(p0, device=dev)[None].expand(B, -1)
+    pos = torch.arange(p0, device=seq.device)[None].expand(B, -1)
     h = decoder(input_ids=seq[:, :p0], position_ids=pos, use_cache=True, **{kw: cache}).last_hidden_state
     for t in range(p0, seq_len):
         tok = torch.where(in_prompt_BT[:, t], seq[:, t], _choose(target, h[:, -1:], temperature, generator))
         seq[:, t] = tok
         if t + 1 < seq_len:
-            pos = torch.full((B, 1), t, device=dev, dtype=torch.long)
+            pos = torch.full((B, 1), t, device=seq.device, dtype=torch.long)
             h = decoder(input_ids=tok[:, None], position_ids=pos, use_cache=True, **{kw: cache}).last_hidden_state
-    return seq.cpu()
+
+
+def _write_static(target, seq, in_prompt_BT, p0: int, temperature, generator, graph: bool) -> None:
+    from dflash.target.static_decode import static_decoder
+    B, seq_len = seq.shape
+    with _target_lock(target):  # a build captures the graph: its warm-up steps may autotune Triton kernels
+        dec = static_decoder(target, B, seq_len, graph)
+    # replays launch no Triton code; an eager step may (FLA's recurrence), so it takes the lock per step
+    step_lock = _target_lock(target) if dec.graph is None else contextlib.nullcontext()
+    with dec.lock:
+        dec.reset()
+        tok = seq[:, 0]
+        for t in range(1, seq_len):
+            with step_lock:
+                h = dec.step(tok)  # position t - 1
+            if t < p0:  # every row still inside its prompt (and no draw: sampling consumes what the cache path does)
+                tok = seq[:, t]
+                continue
+            tok = torch.where(in_prompt_BT[:, t], seq[:, t], _choose(target, h, temperature, generator))
+            seq[:, t] = tok
 
 
 # -- the stream -----------------------------------------------------------------------------------------
@@ -179,10 +244,16 @@ class OnlineWriter:
         if cfg.write_batch == 0:  # auto: resolved before the fingerprint, so shards name the real width
             self.cfg = cfg = dataclasses.replace(cfg, write_batch=auto_write_batch(target, seq_len))
         check_write_batch(target, cfg.write_batch)
+        self.decode = resolve_decode(target, cfg.decode)
         self.fingerprint = self._fingerprint()
         self._batches: OrderedDict[int, torch.Tensor] = OrderedDict()
         self._orders: OrderedDict[int, list[int]] = OrderedDict()
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # the maps above and `_pending`
+        self._write_lock = threading.Lock()  # one batch written at a time
+        self._pending: dict[int, Future] = {}
+        # batches written ahead in the background: on a GPU (the static decoder's replays leave the host free);
+        # on the CPU a second writer would only compete with training for the cores
+        self.ahead = cfg.ahead if target.device.type == "cuda" else 0
         # what the engine did, for data/ and perf/ metrics
         self.written_batches = self.shard_reads = self.written_tokens = 0
         self.write_s = 0.0
@@ -196,7 +267,8 @@ class OnlineWriter:
         payload = {"format": FORMAT_VERSION, "target": str(t.identity), "dtype": str(t.dtype),
                    "device_type": t.device.type, "pool": self.pool.fingerprint, "seq_len": self.seq_len,
                    "temperature": self.cfg.temperature, "stream_seed": self.cfg.stream_seed,
-                   "write_batch": self.cfg.write_batch, "world": self.world, "rank": self.rank}
+                   "write_batch": self.cfg.write_batch, "world": self.world, "rank": self.rank,
+                   "decode": "cache" if self.decode == "cache" else "static"}  # graph and static: the same kernels
         return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
 
     def shard_path(self, b: int) -> Path | None:
@@ -221,12 +293,58 @@ class OnlineWriter:
         if g % self.world != self.rank:
             raise ValueError(f"item {g} belongs to rank {g % self.world}, not {self.rank}")
         b, row = divmod(n, self.cfg.write_batch)
+        return self._batch(b)[row]
+
+    # A batch is claimed once (a Future in `_pending`) and filled by one writer at a time (`_write_lock`): in the
+    # caller, or with `ahead` > 0 (a GPU) in a background thread, which also writes the next `ahead` batches
+    # while the run trains on this one. Batches are pure functions of their keys, so who writes them and when
+    # changes no token (an exact resume reads or writes the same batches).
+    def _batch(self, b: int) -> torch.Tensor:
         with self._lock:
-            if b not in self._batches:
-                self._batches[b] = self._load_or_write(b)
-                while len(self._batches) > self.cfg.keep_batches:
-                    self._batches.popitem(last=False)
-            return self._batches[b][row]
+            tokens, fut, mine = self._batches.get(b), None, False
+            if tokens is None:
+                fut = self._pending.get(b)
+                if fut is None:
+                    fut, mine = self._claim(b), True
+        if tokens is None:
+            if mine and not self.ahead:
+                self._fill(b, fut)
+            tokens = fut.result()
+        for nxt in range(b + 1, b + 1 + self.ahead):
+            with self._lock:
+                if nxt not in self._batches and nxt not in self._pending:
+                    self._claim(nxt)
+        return tokens
+
+    def _claim(self, b: int) -> Future:  # (under self._lock)
+        fut = self._pending[b] = Future()
+        if self.ahead:
+            threading.Thread(target=self._fill, args=(b, fut), name=f"dflash-online-{b}", daemon=True).start()
+        return fut
+
+    def _fill(self, b: int, fut: Future) -> None:
+        try:
+            with self._write_lock:
+                tokens = self._load_or_write(b)
+        except BaseException as e:  # noqa: BLE001 - handed to whoever waits for this batch
+            log.warning("online data: writing batch %d failed (%s: %s)", b, type(e).__name__, e)
+            with self._lock:
+                self._pending.pop(b, None)
+            fut.set_exception(e)
+            return
+        with self._lock:
+            self._pending.pop(b, None)
+            self._batches[b] = tokens
+            while len(self._batches) > self.cfg.keep_batches:
+                self._batches.popitem(last=False)
+        fut.set_result(tokens)
+
+    def close(self) -> None:
+        """Wait for the batches being written ahead (a shard half written at exit is a wasted batch)."""
+        with self._lock:
+            pending = list(self._pending.values())
+        for fut in pending:
+            fut.exception()
 
     def _load_or_write(self, b: int) -> torch.Tensor:
         path = self.shard_path(b)
@@ -252,9 +370,7 @@ class OnlineWriter:
             gen = torch.Generator(device=self.target.device)
             gen.manual_seed(((self.cfg.stream_seed * 1_000_003 + self.world) * 1_000_033 + self.rank) * 7_919 + b)
         t0 = time.perf_counter()
-        # the target's own lock: one forward at a time per target (Triton's autotuner is not thread-safe)
-        with getattr(self.target, "_lock", contextlib.nullcontext()):
-            tokens = write_continuations(self.target, prompts, self.seq_len, self.cfg.temperature, gen)
+        tokens = write_continuations(self.target, prompts, self.seq_len, self.cfg.temperature, gen, self.decode)
         self.write_s += time.perf_counter() - t0
         self.written_batches += 1
         self.written_tokens += sum(self.seq_len - len(p) for p in prompts)

@@ -353,6 +353,8 @@ class Trainer:
             raise
         finally:
             producers.shutdown()
+            if self.data.writer is not None:
+                self.data.writer.close()  # batches still being written ahead finish their shards
             _close_quietly(loggers, status)
             shutdown_distributed(self.dist)
         # The gate reads the closed (FINISHED) run's evaluated metrics: only after close.

@@ -86,8 +86,10 @@ class StaticDecoder:
     def _forward(self) -> torch.Tensor:
         dec = self.decoder
         h = dec.embed_tokens(self.tok_B[:, None])
-        pos_B1 = self.pos.view(1, 1).expand(self.rows, 1)
-        cos, sin = dec.rotary_emb(h, pos_B1)
+        # [3, B, 1]: the text positions of the three rotary sections, as the decoder hands them to its rotary
+        # embedding (transformers 5.17 indexes three dims; 5.24 expands a [B, T] to them)
+        pos_3B1 = self.pos.view(1, 1, 1).expand(3, self.rows, 1)
+        cos, sin = dec.rotary_emb(h, pos_3B1)
         visible_L = self.positions_L <= self.pos  # keys written so far (this step's included)
         for layer, state in zip(self.layers, self.states):
             x = layer.input_layernorm(h)

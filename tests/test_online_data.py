@@ -175,6 +175,29 @@ def test_writer_reuses_shards_rewrites_corrupt_ones_and_seeds_sampling(target, t
     assert OnlineWriter(target, pool, hot, 24).fingerprint != a.fingerprint
 
 
+def test_reuse_serves_each_written_row_r_times_and_counts_the_views(target):
+    """data.online.reuse=R: written batch b serves items b·R·W … (b+1)·R·W − 1, each of its rows R times in a
+    seeded order (the same batches R=1 writes: shards are shared); data/epochs never reads below R."""
+    from dflash.training.datastream import TrainingData
+    pool = _pool()
+    one = OnlineWriter(target, pool, OnlineConfig(write_batch=4, shard_dir="", reuse=1), seq_len=20)
+    three = OnlineWriter(target, pool, OnlineConfig(write_batch=4, shard_dir="", reuse=3), seq_len=20)
+    assert three.fingerprint == one.fingerprint
+    batch0 = [one.sequence(g) for g in range(4)]
+    views = [three.sequence(g) for g in range(12)]  # written batch 0, three times over
+    hits = [sum(torch.equal(v, row) for v in views) for row in batch0]
+    assert hits == [3, 3, 3, 3] and three.written_batches == 1
+    assert torch.equal(three.sequence(12), [one.sequence(g) for g in range(4, 8)][int(three._reuse_order(1)[0]) % 4])
+    again = OnlineWriter(target, pool, OnlineConfig(write_batch=4, shard_dir="", reuse=3), seq_len=20)
+    assert all(torch.equal(again.sequence(g), v) for g, v in enumerate(views))  # seeded: a resume sees the same
+    assert OnlineWriter(target, pool, OnlineConfig(write_batch=4, shard_dir=""), 20).cfg.reuse == 1  # auto, CPU
+    d = TrainingData("online", None, three, 12, 20.0, "fp", "c", 0, reuse=3)
+    assert d.epochs(6) == 3.0 and d.distinct_seen(6) == 2 and d.epochs(72) == 6.0 and d.distinct_seen(72) == 12
+    with pytest.raises(ValueError, match="data.online.reuse"):
+        from dflash.data.online import validate_online_config
+        validate_online_config(OnlineConfig(reuse=-1), 64, 16)
+
+
 def _online(tmp_path, *extra):
     return ("+data=online", "data.corpus.limit_files=20", "data.pool.size=10", "data.pool.max_prompt_len=60",
             "data.pool.chunk_min_len=4", "data.pool.chunk_max_len=16", "data.online.write_batch=4",

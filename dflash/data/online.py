@@ -55,6 +55,9 @@ class OnlineConfig:
     # how the target decodes (DECODE_MODES): auto = graph on a GPU for a model type with a static decoder, else cache
     decode: str = "auto"
     ahead: int = 1  # on a GPU, batches written in the background ahead of the consumer (0: write when asked)
+    # views of each written sequence: written batch b serves items b·R·W … (b+1)·R·W − 1, each row R times in a
+    # seeded order. Writing and training share one GPU; R > 1 lets training run at its own speed (issue 20 §5)
+    reuse: int = 0  # 0 = auto: AUTO_GPU_REUSE on a GPU, 1 on the CPU
 
 
 # graph: static states, each token one CUDA-graph replay (dflash.target.static_decode; eager off the GPU);
@@ -71,6 +74,9 @@ def validate_online_config(cfg: OnlineConfig, seq_len: int, max_prompt_len: int)
         raise ValueError(f"data.online.keep_batches must be >= 1, got {cfg.keep_batches}")
     if cfg.decode not in DECODE_MODES:
         raise ValueError(f"data.online.decode must be one of {', '.join(DECODE_MODES)}; got {cfg.decode!r}")
+    if cfg.reuse < 0:
+        raise ValueError(f"data.online.reuse must be >= 1 (views of each written sequence), or 0 for auto; "
+                         f"got {cfg.reuse}")
     if cfg.ahead < 0:
         raise ValueError(f"data.online.ahead must be >= 0 (0: write when asked), got {cfg.ahead}")
     if seq_len <= max_prompt_len:
@@ -141,6 +147,12 @@ def check_write_batch(target, write_batch: int) -> None:
         raise ValueError(f"data.online.write_batch={write_batch}: x the target's {heads} Gated-DeltaNet value heads "
                          f"exceeds CUDA's grid limit ({CUDA_GRID_YZ_MAX}) of its chunked kernels; use at most "
                          f"{CUDA_GRID_YZ_MAX // heads}")
+
+
+# auto reuse on a GPU. At the reference shapes (+trainer=gpu, 5-layer drafter) training takes ~0.54 ms of the
+# H200 per sequence (59% busy at 350 K consumed tok/s) and the graph decode ~0.71 ms per written sequence: one
+# view each needs more than the GPU; two views halve the writing (RESULTS.md session 9).
+AUTO_GPU_REUSE = 2
 
 
 # -- writing --------------------------------------------------------------------------------------------
@@ -243,6 +255,8 @@ class OnlineWriter:
         self.rank, self.world = rank, world
         if cfg.write_batch == 0:  # auto: resolved before the fingerprint, so shards name the real width
             self.cfg = cfg = dataclasses.replace(cfg, write_batch=auto_write_batch(target, seq_len))
+        if cfg.reuse == 0:
+            self.cfg = cfg = dataclasses.replace(cfg, reuse=AUTO_GPU_REUSE if target.device.type == "cuda" else 1)
         check_write_batch(target, cfg.write_batch)
         self.decode = resolve_decode(target, cfg.decode)
         self.fingerprint = self._fingerprint()
@@ -251,6 +265,7 @@ class OnlineWriter:
         self._lock = threading.Lock()  # the maps above and `_pending`
         self._write_lock = threading.Lock()  # one batch written at a time
         self._pending: dict[int, Future] = {}
+        self._reuse_orders: OrderedDict[int, torch.Tensor] = OrderedDict()
         # batches written ahead in the background: on a GPU (the static decoder's replays leave the host free);
         # on the CPU a second writer would only compete with training for the cores
         self.ahead = cfg.ahead if target.device.type == "cuda" else 0
@@ -292,8 +307,23 @@ class OnlineWriter:
         n = g // self.world
         if g % self.world != self.rank:
             raise ValueError(f"item {g} belongs to rank {g % self.world}, not {self.rank}")
-        b, row = divmod(n, self.cfg.write_batch)
-        return self._batch(b)[row]
+        W, R = self.cfg.write_batch, self.cfg.reuse
+        if R == 1:
+            b, row = divmod(n, W)
+            return self._batch(b)[row]
+        b, j = divmod(n, R * W)
+        return self._batch(b)[int(self._reuse_order(b)[j]) % W]
+
+    def _reuse_order(self, b: int) -> torch.Tensor:
+        """Written batch b's R·W views in a seeded order (each row R times, spread over the window)."""
+        with self._lock:
+            order = self._reuse_orders.get(b)
+            if order is None:
+                gen = torch.Generator().manual_seed((self.cfg.stream_seed * 1_000_003 + self.rank) * 7_919 + b)
+                order = self._reuse_orders[b] = torch.randperm(self.cfg.reuse * self.cfg.write_batch, generator=gen)
+                while len(self._reuse_orders) > 2:
+                    self._reuse_orders.popitem(last=False)
+            return order
 
     # A batch is claimed once (a Future in `_pending`) and filled by one writer at a time (`_write_lock`): in the
     # caller, or with `ahead` > 0 (a GPU) in a background thread, which also writes the next `ahead` batches

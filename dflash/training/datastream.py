@@ -49,6 +49,18 @@ class TrainingData:
     fingerprint: str
     corpus_fingerprint: str
     order_seed: int
+    reuse: int = 1  # views of each written sequence (data.online.reuse)
+
+    def epochs(self, items: int) -> float:
+        """data/epochs after `items` views: pool epochs (items over the distinct sequences) for a bounded pool,
+        never below the views each written sequence gets (`reuse`); unbounded (sampled) data: `reuse`."""
+        if not self.unique:
+            return float(self.reuse) if items else 0.0
+        return max(items / self.unique, float(self.reuse)) if self.reuse > 1 and items else items / self.unique
+
+    def distinct_seen(self, items: int) -> int:
+        seen = math.ceil(items / self.reuse)
+        return min(seen, self.unique) if self.unique else seen
 
     def examples(self) -> list:
         """What the run trains on, for eval/tau_train: the stored sequences, or the online stream's prompts."""
@@ -90,7 +102,7 @@ def build_training_data(cfg, target, dist_info: DistInfo) -> TrainingData:
     writer = OnlineWriter(target, pool, d.online, d.online_seq_len(), dist_info.rank, dist_info.world)
     unique = 0 if d.online.temperature > 0 else len(pool)  # greedy: one prompt, one sequence
     return TrainingData("online", None, writer, unique, float(d.online_seq_len()), writer.fingerprint,
-                        corpus.fingerprint, d.online.stream_seed)
+                        corpus.fingerprint, d.online.stream_seed, writer.cfg.reuse)
 
 
 def planned_items(cfg, data: TrainingData, world: int) -> int:
@@ -108,7 +120,7 @@ def planned_items(cfg, data: TrainingData, world: int) -> int:
 def epoch_guard(cfg, data: TrainingData, world: int) -> dict[str, str]:
     """Tags of the run's data, and a loud warning when it is planned past `data.max_epochs`."""
     items = planned_items(cfg, data, world)
-    epochs = items / data.unique if data.unique else 1.0
+    epochs = data.epochs(items) if data.unique or data.reuse > 1 else 1.0
     limit = cfg.data.max_epochs
     over = bool(limit) and epochs > limit
     if over:
@@ -138,10 +150,12 @@ class DataMeter:
         """All ranks' counts (one collective per log interval: every rank calls)."""
         tot = sum_(torch.tensor([self.items, self.tokens], dtype=torch.float64), self.dist).tolist()
         self.total_items, self.total_tokens = int(tot[0]), int(tot[1])
-        unique = min(self.total_items, self.data.unique) if self.data.unique else self.total_items
-        out = {"data/consumed_tokens": float(self.total_tokens), "data/consumed_sequences": float(self.total_items),
-               "data/unique_sequences": float(unique),
-               "data/epochs": self.total_items / self.data.unique if self.data.unique else min(self.total_items, 1)}
+        d, items = self.data, self.total_items
+        unique = d.distinct_seen(items)
+        epochs = d.epochs(items) if d.unique or d.reuse > 1 else min(items, 1)
+        out = {"data/consumed_tokens": float(self.total_tokens), "data/consumed_sequences": float(items),
+               "data/unique_sequences": float(unique), "data/epochs": epochs,
+               "data/views_per_sequence": items / unique if unique else 0.0}
         if self.data.writer is not None:
             out.update(self.data.writer.stats())  # this rank's writer
         return out

@@ -51,12 +51,13 @@ def write_ahead(cfg, items: int | None = None, more_cfgs=()) -> dict[str, float]
         out["sys/write_ahead_pool_s"] = time.perf_counter() - t1
         n = max(items_needed(x, data) for x in (cfg, *more_cfgs)) if items is None else int(items)
         w = data.writer
-        batches = math.ceil(n / w.cfg.write_batch)
+        per_batch = w.cfg.write_batch * w.cfg.reuse  # items a written batch serves
+        batches = math.ceil(n / per_batch)
         t2 = time.perf_counter()
         for b in range(batches):
-            w.sequence(b * w.cfg.write_batch)
+            w.sequence(b * per_batch)
         out.update(w.stats())
-        out.update({"data/write_ahead_items": batches * w.cfg.write_batch, "data/write_ahead_batches": batches,
+        out.update({"data/write_ahead_items": batches * per_batch, "data/write_ahead_batches": batches,
                     "sys/write_ahead_data_s": time.perf_counter() - t2, "data/pool_prompts": len(w.pool)})
         log.info("write-ahead: %d online batches of %d (%d read from shards, %d written, %.0f written tok/s)",
                  batches, w.cfg.write_batch, w.shard_reads, w.written_batches, out["perf/write_tok_s"])

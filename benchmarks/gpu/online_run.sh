@@ -7,7 +7,7 @@
 #   RUN_S=300 bash benchmarks/gpu/online_run.sh [OUT]     (default OUT=gpu_work/online_run)
 #
 # Env: RUN_S (this job's time budget, default 300 s), TOKENS (the run's token budget, which is also the plan the
-# memorization guard judges; default 220 M: 3.7 epochs of the 186 K-prompt installed pool), CORPUS
+# memorization guard judges; default 220 M: 3.8 epochs of the GPU machine's 180,736-prompt installed pool), CORPUS
 # (data.corpus.scope, default installed), EXTRA (more overrides, first job only), PY (python).
 set -euo pipefail
 OUT=${1:-gpu_work/online_run}

@@ -204,15 +204,20 @@ def _online(tmp_path, *extra):
             f"data.online.shard_dir={tmp_path / 'shards'}", f"data.pool.cache_dir={tmp_path / 'pool'}", *extra)
 
 
-def test_online_run_counts_epochs_and_resumes_exactly(fast_cfg, tmp_path):
+@pytest.mark.parametrize("reuse", [1, 3])
+def test_online_run_counts_epochs_and_resumes_exactly(fast_cfg, tmp_path, reuse):
     det = ("+buffer=deterministic", "buffer.max_depth=4", "buffer.min_ready=4", "trainer.producer_batch=3")
-    full = train(fast_cfg(*_online(tmp_path), *det, "+loss=streak", run="full"))
+    full = train(fast_cfg(*_online(tmp_path, f"data.online.reuse={reuse}"), *det, "+loss=streak", run="full"))
     rows = [r for r in _rows(full.run_dir) if "data/epochs" in r]
     last = rows[-1]
     assert last["step"] == 6 and last["data/consumed_sequences"] == 12  # 6 steps x 2 sequences
-    assert last["data/epochs"] == pytest.approx(12 / 10) and last["data/unique_sequences"] == 10
+    if reuse == 1:
+        assert last["data/epochs"] == pytest.approx(12 / 10) and last["data/unique_sequences"] == 10
+        assert last["data/written_batches"] >= 3  # 12 consumed + the buffer's 4 = 16 items = 4 batches of 4
+    else:  # 12 views of 4 written sequences, each seen 3 times
+        assert last["data/epochs"] == 3.0 and last["data/unique_sequences"] == 4
+        assert last["data/views_per_sequence"] == 3.0 and last["data/written_batches"] == 2  # 16 items / (3 x 4)
     assert last["data/consumed_tokens"] == 12 * 72  # every written sequence is data.max_len long
-    assert last["data/written_batches"] >= 3  # 12 consumed + the buffer's 4 = 16 items = 4 batches of 4
     tags = json.loads((full.run_dir / "tags.json").read_text())
     assert tags["data.kind"] == "online" and tags["data.over_epoch_limit"] == "false" and tags["data.corpus"] != "-"
     ref = _losses(full.run_dir)

@@ -97,7 +97,8 @@ print(f"| engine generation (written tokens / writing time) | {w['last'].get('pe
       f"{int(w['last'].get('data/written_batches', 0))} batches of data.online.write_batch written in run 2 |")
 for name, x in (("run writing online", w), ("run reading shards", r)):
     L = x["last"]
-    print(f"| {name}: after step {L['step']} | data/epochs {L['data/epochs']:.3f} | data/unique_sequences "
+    print(f"| {name}: after step {L['step']} | data/epochs {L['data/epochs']:.3f} | views per sequence "
+          f"{L.get('data/views_per_sequence', 0):.2f}, data/unique_sequences "
           f"{L['data/unique_sequences']:,.0f}, data/consumed_tokens {L['data/consumed_tokens']:,.0f}, "
           f"shards read {int(L.get('data/shard_reads', 0))}, written {int(L.get('data/written_batches', 0))} |")
 EOF

@@ -139,3 +139,19 @@ def test_parallel_header_prompts_are_the_single_process_ones(caplog):
         assert "parallel parsing failed" not in caplog.text  # the processes ran, no fallback
     finally:
         P.PARALLEL_MIN_FILES = old
+
+
+def test_encode_many_gives_the_tokenizers_own_ids():
+    """The pool encodes through the fast tokenizer's Rust batch (no per-text conversion): the same ids as the
+    tokenizer's own call, so pools built before and after match their fingerprints."""
+    from pathlib import Path
+
+    from transformers import AutoTokenizer
+
+    import dflash
+    from dflash.data.pool import encode_many
+    tok = AutoTokenizer.from_pretrained(Path(dflash.__file__).parent / "assets/reference_target", local_files_only=True)
+    assert tok.backend_tokenizer is not None
+    texts = ["def f(x):\n    return x + 1\n", "  \u00e9t\u00e9 caf\u00e9 \u2192 ", "", "class A:\n\t\"\"\"Doc.\"\"\"\n" * 3]
+    want = [list(ids) for ids in tok(texts, add_special_tokens=False)["input_ids"]]
+    assert encode_many(tok, texts) == want and all(isinstance(i, int) for ids in want for i in ids)

@@ -26,7 +26,7 @@ PY=${PY:-python}
 EXTRA=${EXTRA:-}
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
-export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True} TOKENIZERS_PARALLELISM=false
+export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
 DB="tracking.tracking_uri=sqlite:///$OUT/mlflow.db"
 SHAPE="+trainer=gpu drafter.num_layers=5 +eval=off"  # the gpu profile's 64 x 320 / 128 anchors
 RUN="$SHAPE $DB data.corpus.scope=$CORPUS data.pool.cache_dir=$OUT/pool data.online.shard_dir=$OUT/shards tracking.log_every=10 trainer.checkpoint_every=1000000 \

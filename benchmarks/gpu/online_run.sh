@@ -18,7 +18,7 @@ PY=${PY:-python}
 EXTRA=${EXTRA:-}
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
-export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True} TOKENIZERS_PARALLELISM=false
+export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
 if [ -f "$OUT/run/config.yaml" ]; then
   echo "== resuming $OUT/run for ${RUN_S} s" >&2
   $PY -m experiments.run resume="$OUT/run" trainer.time_budget_s=$RUN_S >> "$OUT/run.log" 2>&1 \

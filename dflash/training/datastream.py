@@ -120,7 +120,7 @@ def planned_items(cfg, data: TrainingData, world: int) -> int:
 def epoch_guard(cfg, data: TrainingData, world: int) -> dict[str, str]:
     """Tags of the run's data, and a loud warning when it is planned past `data.max_epochs`."""
     items = planned_items(cfg, data, world)
-    epochs = data.epochs(items) if data.unique or data.reuse > 1 else 1.0
+    epochs = data.epochs(items)
     limit = cfg.data.max_epochs
     over = bool(limit) and epochs > limit
     if over:
@@ -152,7 +152,7 @@ class DataMeter:
         self.total_items, self.total_tokens = int(tot[0]), int(tot[1])
         d, items = self.data, self.total_items
         unique = d.distinct_seen(items)
-        epochs = d.epochs(items) if d.unique or d.reuse > 1 else min(items, 1)
+        epochs = d.epochs(items)
         out = {"data/consumed_tokens": float(self.total_tokens), "data/consumed_sequences": float(items),
                "data/unique_sequences": float(unique), "data/epochs": epochs,
                "data/views_per_sequence": items / unique if unique else 0.0}

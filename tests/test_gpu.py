@@ -96,7 +96,7 @@ def test_windowed_drafter_kernels_and_train_equals_inference_on_gpu(kernel, comp
 def test_graph_decode_replays_the_eager_static_step_and_writes_the_targets_greedy_text():
     """The online writer's CUDA-graph decode (dflash.target.static_decode): a replay computes what the same
     step computes op by op, bit for bit; in float32 its tokens are transformers' cached decode's."""
-    from dflash.data.online import write_continuations
+    from dflash.data.writing import write_continuations
     spec = TinyTargetSpec(hidden_size=256, num_layers=8)
     t = Target(TargetConfig(random=spec, device="cuda", dtype="float32"))
     g = torch.Generator().manual_seed(0)

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from dflash.data.corpus import CorpusConfig, load_corpus, split_of
-from dflash.data.online import OnlineConfig, OnlineWriter, write_continuations
+from dflash.data.online import OnlineConfig, OnlineWriter
+from dflash.data.writing import write_continuations
 from dflash.data.pool import PoolConfig, PromptPool, build_prompt_pool
 from dflash.data.regen import greedy_generate
 from dflash.target.model import ByteTokenizer, Target, TargetConfig, TinyTargetSpec
@@ -299,7 +300,7 @@ def test_write_ahead_makes_the_shards_a_run_then_only_reads(fast_cfg, tmp_path):
 def test_a_write_batch_past_cudas_grid_limit_is_refused_naming_the_key():
     from types import SimpleNamespace
 
-    from dflash.data.online import check_write_batch
+    from dflash.data.writing import check_write_batch
     fake = SimpleNamespace(device=torch.device("cuda"),
                            model=SimpleNamespace(config=SimpleNamespace(linear_num_value_heads=8)))
     check_write_batch(fake, 8191)  # 65,528 blocks: fits
@@ -316,7 +317,7 @@ def test_auto_write_batch_fits_memory_and_the_grid(monkeypatch, reference_target
 
     from transformers import Qwen3_5TextConfig
 
-    from dflash.data import online
+    from dflash.data import writing as online
     assert online.auto_write_batch(reference_target, 320) == online.CPU_WRITE_ROWS == 1024
     ref = SimpleNamespace(device=torch.device("cuda"), model=reference_target.model, dtype=torch.bfloat16)
     per_row = online.cache_bytes_per_row(ref, 320)

@@ -12,7 +12,7 @@ import time
 
 import torch
 
-from dflash.data.online import write_continuations
+from dflash.data.writing import write_continuations
 from dflash.target.model import Target
 from experiments.config import compose_config
 

@@ -4,7 +4,7 @@
         [corpus=stdlib] [repeats=2] [out=decode_speed.json]
 
 Prompts are the first `rows` of the run's own prompt pool (`+trainer=gpu` data settings, `data.corpus.scope`
-= corpus), each continued to `seq_len` tokens as one written batch (`dflash.data.online.write_continuations`).
+= corpus), each continued to `seq_len` tokens as one written batch (`dflash.data.writing.write_continuations`).
 Per mode: a first write (kernels, autotuning, the graph's capture), then `repeats` timed writes; written tokens
 are those past each prompt. It then compares the modes' tokens: how many written tokens and whole rows agree
 with the first mode (greedy bf16 decoding on different kernels may part at a near-tie; after that the rows
@@ -19,7 +19,7 @@ import time
 
 import torch
 
-from dflash.data.online import write_continuations
+from dflash.data.writing import write_continuations
 from dflash.target.model import Target
 from dflash.training.datastream import build_training_data
 from dflash.training.distributed import DistInfo

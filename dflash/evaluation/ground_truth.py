@@ -78,10 +78,10 @@ GT_BATCH_ROWS = 128
 def greedy_continuations(target, prompts: list[list[int]], max_new_tokens: int,
                          rows: int = GT_BATCH_ROWS) -> list[list[int]]:
     """Each prompt's first `max_new_tokens` greedy tokens, prompts continued `rows` at a time with the cache
-    (`dflash.data.online.write_continuations`: a row inside its prompt is fed its own tokens, so it gets what
+    (`dflash.data.writing.write_continuations`: a row inside its prompt is fed its own tokens, so it gets what
     the target writes for it alone; greedy is causal, so a row's first N tokens do not depend on how far the
     batch goes on)."""
-    from dflash.data.online import write_continuations
+    from dflash.data.writing import write_continuations
     out: list[list[int]] = []
     for s in range(0, len(prompts), rows):
         group = prompts[s:s + rows]

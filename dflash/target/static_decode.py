@@ -8,7 +8,7 @@ step has the same shapes as the last and nothing can be captured.
 `StaticDecoder` holds B rows of one decoder's state for up to L positions — each Gated-DeltaNet layer's conv
 window [B, C, K] and recurrent state [B, Hv, dk, dv] (float32, as transformers keeps it), each attention layer's
 keys and values [B, Hkv, L, d] — and updates all of it in place. Every row is at the same position (the online
-writer feeds a row still inside its prompt its own prompt token, `dflash.data.online.write_continuations`), kept
+writer feeds a row still inside its prompt its own prompt token, `dflash.data.writing.write_continuations`), kept
 on the device, so a step is a fixed sequence of kernels on fixed addresses: captured once, replayed per token.
 
 The step is wired from the decoder's own modules (embedding, norms, projections, MLPs, rotary embedding) and

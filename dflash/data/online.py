@@ -10,9 +10,9 @@ target's feature forward and the drafter step see one static shape.
 Writing is batched wide: a rank's items n = b·W .. (b+1)·W − 1 (`write_batch` W) are one written batch,
 generated together (`dflash.data.writing.write_continuations`); with `reuse` R a written batch serves R·W items,
 each row R times. On a GPU the next `ahead` batches are written in the background while the run trains on this
-one. A batch is a pure function of its keys: an exact resume writes the same tokens again, or reads them back. With `shard_dir` set each written batch is saved as a shard keyed
-by a fingerprint of everything that decides it (target, dtype, pool, length, sampling, stream seed, world and
-rank), atomically and checksummed; later runs and every sweep trial with the same data settings read the shards
+one. A batch is a pure function of its keys: an exact resume writes the same tokens again, or reads them back.
+With `shard_dir` set each written batch is saved as a shard keyed by a fingerprint of everything that decides
+it (target, dtype, pool, length, sampling, stream seed, world, rank, decode path), atomically and checksummed; later runs and every sweep trial with the same data settings read the shards
 instead of writing (no trial regenerates what another wrote).
 """
 from __future__ import annotations

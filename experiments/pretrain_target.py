@@ -130,6 +130,10 @@ def main(argv: list[str] | None = None) -> dict:
     command = "python -m experiments.pretrain_target" + "".join(" " + shlex.quote(a) for a in argv)
     result = pretrain(cfg, prompts=eval_prompts, command=command)
     m = result["metrics"]
+    if result.get("intermediate"):
+        print(f"intermediate job: step {m['steps']} of {m['max_steps']} ({m['stop_reason']}), "
+              f"{m['tokens_per_s']:,.0f} tok/s over {m['jobs']} job(s); checkpoint {result['checkpoint']}")
+        return m
     print(f"wrote {result['out_dir']}" + (f" and {cfg.results_path}" if cfg.results_path else ""))
     print(f"held-out test loss {m['test_loss']:.4f} (ppl {m['test_ppl']:.2f}) vs unigram ppl {m['unigram_ppl']:.1f}; "
           f"{m['params']:,} params, {m['bf16_bytes'] / 1e6:.1f} MB bf16; {m['tokens_per_s']:,.0f} tok/s; "

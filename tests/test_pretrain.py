@@ -222,6 +222,35 @@ def test_two_resumed_jobs_equal_one_run(small_root, tmp_path):
         pretrain(tiny_cfg(small_root, tmp_path / "two", hidden_size=48, results_path=""))
 
 
+def test_intermediate_jobs_only_checkpoint_and_the_last_one_finalizes(small_root, tmp_path):
+    """finalize_every_job=false: a job that stops early writes its checkpoint and no folder; the job that
+    reaches max_steps scores and writes as a one-job run does."""
+    cfg = tiny_cfg(small_root, tmp_path, results_path="", job_max_steps=10, finalize_every_job=False,
+                   token_cache_dir=str(tmp_path / "tok"))
+    first = pretrain(cfg)
+    assert first["intermediate"] and first["metrics"]["steps"] == 10
+    assert Path(first["checkpoint"]).is_file() and not (Path(cfg.out_dir) / "model.safetensors").exists()
+    last = pretrain(tiny_cfg(small_root, tmp_path, results_path="", finalize_every_job=False,
+                             token_cache_dir=str(tmp_path / "tok")))
+    assert not last.get("intermediate") and last["metrics"]["steps"] == 24 and last["metrics"]["jobs"] == 2
+    assert (Path(cfg.out_dir) / "model.safetensors").is_file() and last["metrics"]["test_loss"] > 0
+
+
+def test_compiled_training_loss_equals_eager_and_bad_modes_are_refused(small_root, tmp_path):
+    from dflash.pretrain.config import validate_pretrain_config
+    from dflash.pretrain.loop import training_loss_fn
+    from dflash.pretrain.model import GdnKernels, build_hf_config, build_model
+    with pytest.raises(ValueError, match="pretrain.compile='fast'"):
+        validate_pretrain_config(tiny_cfg(small_root, tmp_path, compile="fast"))
+    cfg = tiny_cfg(small_root, tmp_path, num_layers=4, seq_len=64)
+    GdnKernels("qwen3_5").use_torch()  # what the recipe trains with on CPU
+    model = build_model(build_hf_config(cfg, cfg.vocab_size, 1, 0), 0)
+    ids = torch.randint(3, cfg.vocab_size, (2, cfg.seq_len), generator=torch.Generator().manual_seed(0))
+    eager = training_loss_fn(cfg, model, None)(ids)
+    compiled = training_loss_fn(tiny_cfg(small_root, tmp_path, compile="default"), model, None)(ids)
+    torch.testing.assert_close(compiled, eager, rtol=1e-4, atol=1e-4)
+
+
 def test_lookup_tau_reports_the_copy_rate_of_the_continuations():
     from dflash.pretrain.evaluate import lookup_tau
     prompt = list(range(20))

@@ -5,9 +5,11 @@
 #   2. experiments.pretrain_target with the shape of lowest val loss that fits 40 MB, max_steps sized to the
 #      time left (90% of the measured rate), EXTRA overrides appended (e.g. EXTRA=tokenizer_split_newlines=true);
 #   3. the folder, results and logs tarred and split into 15 MB pieces under $OUT (reassemble: cat | tar x).
-# Usage (repo root, wheels installed): [SHAPE=h384_l8] [EXTRA=...] [STEPS=N] bash benchmarks/gpu/pretrain_reference_target.sh [TOTAL_S] [SHAPE_S]
-# A longer run: the same command with the same STEPS in back-to-back calls on one warm machine (/tmp/pt persists
-# there): e.g. STEPS=7000 three times, about 20 M tokens per job more than the first (which also builds the corpus).
+# Usage (repo root, wheels installed): [SHAPE=h384_l8] [EXTRA=...] [STEPS=N] [BATCH=32] [INTERMEDIATE=1]
+#   bash benchmarks/gpu/pretrain_reference_target.sh [TOTAL_S] [SHAPE_S]
+# A longer run: the same command with the same STEPS (and BATCH) in back-to-back calls on one warm machine (/tmp/pt
+# persists there). INTERMEDIATE=1 on every job but the last: that job only checkpoints (finalize_every_job=false),
+# so its ~110 s of final scoring go to training; the last job, without it, scores and writes the folder.
 set -o pipefail
 TOTAL=${1:-560}; SHAPE_S=${2:-25}; OUT=${OUT:-/tmp/pt_out}; T0=$(date +%s)
 W=/tmp/pt; mkdir -p $W $OUT
@@ -26,20 +28,26 @@ fi
 RATE=${RATE:-132851}
 LEFT=$(( TOTAL - ($(date +%s) - T0) - 25 ))   # 25 s for the tar at the end
 FINAL=110                                      # final eval, probes, save, continuations (Triton compiles)
+BATCH=${BATCH:-32}
+if [ -n "$INTERMEDIATE" ]; then FINAL=15; EXTRA="$EXTRA finalize_every_job=false"; fi  # checkpoint only
 SETUP=$([ -n "$TF" ] && echo 45 || echo 90)    # corpus (+ tokenizer training and encoding when not cached)
 TRAIN=$(( LEFT - FINAL - SETUP ))
 # STEPS=N: one run of N steps over several jobs on one machine (each job resumes state_dir's checkpoint, which needs
 # the same max_steps; time_budget_s ends each job in time and writes a usable folder)
-STEPS=${STEPS:-$(python3 -c "print(int(0.9 * $RATE * $TRAIN / (32 * 512)))")}
+STEPS=${STEPS:-$(python3 -c "print(int(0.9 * $RATE * $TRAIN / ($BATCH * 512)))")}
 OVR=$(python3 -c "
 import sys; sys.path.insert(0, 'benchmarks/gpu'); from pretrain_shapes import SHAPES
 print(' '.join(f'{k}={v}' for k, v in SHAPES['$SHAPE'].items()))")
 echo "shape $SHAPE ($OVR): max_steps=$STEPS for ${TRAIN}s of training, job budget ${LEFT}s"
-python3 -m experiments.pretrain_target $OVR max_steps=$STEPS warmup_steps=150 gdn_kernels=torch $TF \
+python3 -m experiments.pretrain_target $OVR max_steps=$STEPS batch_size=$BATCH warmup_steps=150 gdn_kernels=torch $TF \
   token_cache_dir=$W/tokens state_dir=$W/state run_dir=$W/run out_dir=$W/reference_target \
   results_path=$W/reference_target.md time_budget_s=$LEFT finalize_reserve_s=$FINAL eval_every=400 checkpoint_every=0 \
   tracking.tracking_uri=sqlite:///$W/mlflow.db $EXTRA 2>&1 | grep -v "INFO dflash.tracking\|Writing model" | tee $W/pretrain.log
 cp $W/shapes.json $W/shapes.log $W/run/pretrain_result.json $W/run/metrics.jsonl $W/pretrain.log $W/reference_target/ 2>/dev/null
 cp $W/reference_target.md $W/reference_target/RESULTS.md 2>/dev/null
-tar cf - -C $W reference_target | split -b 15M - $OUT/target.tar.
+if [ -d $W/reference_target ] && [ -z "$INTERMEDIATE" ]; then
+  tar cf - -C $W reference_target | split -b 15M - $OUT/target.tar.
+else
+  cp $W/pretrain.log $W/run/metrics.jsonl $OUT/ 2>/dev/null
+fi
 ls -la $OUT; echo "total $(( $(date +%s) - T0 )) s"

@@ -50,6 +50,9 @@ class PretrainConfig:
     # true: the cosine's progress is also pushed on by this job's wall clock (one-job runs end decayed);
     # false: the LR follows max_steps alone, so several jobs that resume each other make one schedule
     schedule_by_time: bool = False
+    # false: a job that stops before max_steps (time budget, job_max_steps) only checkpoints: no final eval, no
+    # folder, no continuations (the intermediate jobs of a multi-job run; the last job finalizes)
+    finalize_every_job: bool = True
     job_max_steps: int = 0  # steps this job may train before it checkpoints and stops (0 = no cap)
     resume: bool = True  # continue from state_dir's checkpoint when there is one
     state_dir: str = ""  # the resume checkpoint's folder; empty → <run_dir>/state
@@ -62,6 +65,9 @@ class PretrainConfig:
     device: str = "auto"
     autocast: str = "auto"  # auto: bf16 on CUDA, off on CPU; or bfloat16 / off
     gdn_kernels: str = "auto"  # auto (measure), torch, fla
+    # torch.compile of the training forward + loss: off | default | reduce-overhead | max-autotune-no-cudagraphs
+    # (benchmarks/gpu/pretrain_step.py measures them side by side; eval and generation stay eager)
+    compile: str = "off"
     grad_check_tol: float = 0.05
     seed: int = 0
     # outputs
@@ -78,6 +84,7 @@ class PretrainConfig:
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
 
 
+COMPILE_MODES = ("off", "default", "reduce-overhead", "max-autotune-no-cudagraphs")
 _POSITIVE = ("vocab_size", "hidden_size", "num_layers", "intermediate_size", "num_heads", "num_kv_heads",
              "head_dim", "linear_num_key_heads", "linear_num_value_heads", "linear_head_dim", "seq_len",
              "batch_size", "max_steps", "lr", "log_every", "lookup_draft_len")
@@ -95,6 +102,8 @@ def validate_pretrain_config(cfg: PretrainConfig) -> None:
         raise ValueError("pretrain.linear_num_value_heads must be a multiple of linear_num_key_heads")
     if cfg.gdn_kernels not in ("auto", "torch", "fla"):
         raise ValueError(f"pretrain.gdn_kernels={cfg.gdn_kernels!r}; expected auto, torch or fla")
+    if cfg.compile not in COMPILE_MODES:
+        raise ValueError(f"pretrain.compile={cfg.compile!r}; expected one of {', '.join(COMPILE_MODES)}")
     if cfg.autocast not in ("auto", "bfloat16", "off"):
         raise ValueError(f"pretrain.autocast={cfg.autocast!r}; expected auto, bfloat16 or off")
     if not 0 <= cfg.min_lr_ratio <= 1:

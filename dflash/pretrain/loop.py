@@ -71,6 +71,16 @@ def build_optimizer(cfg: PretrainConfig, model, device: torch.device):
                              eps=1e-8, **opt_kw)
 
 
+def training_loss_fn(cfg: PretrainConfig, model, amp_dtype):
+    """ids_BT -> mean next-token loss, compiled per `cfg.compile` (the windows have one fixed shape, so one
+    graph serves the whole run; its compile time counts as training time)."""
+    def loss_fn(ids_BT):
+        return lm_loss(model, ids_BT, amp_dtype)
+    if cfg.compile == "off":
+        return loss_fn
+    return torch.compile(loss_fn, mode=None if cfg.compile == "default" else cfg.compile, dynamic=False)
+
+
 # -- checkpoint ---------------------------------------------------------------------------------------
 def checkpoint_path(cfg: PretrainConfig, run_dir: Path) -> Path:
     return Path(cfg.state_dir or run_dir / "state") / "pretrain_state.pt"
@@ -121,6 +131,7 @@ class PretrainLoop:
         self.device, self.amp_dtype, self.state, self.save = device, amp_dtype, state, save
         self.val_windows = eval_windows(val_tokens, cfg.seq_len, cfg.eval_tokens)
         self.eval_seconds = 0.0
+        self.loss_fn = training_loss_fn(cfg, model, amp_dtype)
 
     def run_val(self, step: int) -> float:
         t = time.perf_counter()
@@ -156,7 +167,7 @@ class PretrainLoop:
     def _step(self, lr: float):
         for gr in self.opt.param_groups:
             gr["lr"] = lr
-        loss = lm_loss(self.model, self.sampler.next(), self.amp_dtype)
+        loss = self.loss_fn(self.sampler.next())
         loss.backward()
         gnorm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
         self.opt.step()

@@ -255,6 +255,24 @@ def _finish(cfg: PretrainConfig, model, data: PretrainData, st: LoopState, kdeta
     return result
 
 
+INTERMEDIATE_STOPS = ("time budget", "job_max_steps")
+
+
+def _intermediate(cfg: PretrainConfig, st: LoopState, data: PretrainData, ckpt_path: Path, run_dir: Path,
+                  t_start: float) -> dict:
+    """A job that stopped early under `finalize_every_job=false`: its checkpoint is the result."""
+    tokens_seen = st.step * cfg.batch_size * cfg.seq_len
+    metrics = {"steps": st.step, "max_steps": cfg.max_steps, "stop_reason": st.stop_reason, "jobs": st.jobs,
+               "tokens_seen": tokens_seen, "epochs": tokens_seen / max(data.train.numel(), 1),
+               "train_seconds": st.train_seconds, "tokens_per_s": tokens_seen / max(st.train_seconds, 1e-9),
+               "val_loss": st.best_loss, "wall_seconds": time.perf_counter() - t_start}
+    log.info("intermediate job: step %d of %d (%s), checkpoint %s; the next job resumes it", st.step,
+             cfg.max_steps, st.stop_reason, ckpt_path)
+    (run_dir / "pretrain_result.json").write_text(json.dumps({"metrics": metrics, "intermediate": True,
+                                                              "checkpoint": str(ckpt_path)}, indent=1))
+    return {"metrics": metrics, "intermediate": True, "checkpoint": str(ckpt_path), "run_dir": str(run_dir)}
+
+
 def pretrain(cfg: PretrainConfig, prompts: PromptArg = None, command: str = "") -> dict:
     """One job of the recipe (module docstring). Returns {"metrics", "meta", "out_dir", "continuations",
     "lookup_tau", "probes", "run_dir"}."""
@@ -281,6 +299,8 @@ def pretrain(cfg: PretrainConfig, prompts: PromptArg = None, command: str = "") 
         model, kdetails, kernels = _build(cfg, data, device, amp_dtype, logger)
         try:
             st = _train(cfg, model, data, device, amp_dtype, logger, ckpt, ckpt_path, deadline)
+            if not cfg.finalize_every_job and st.step < cfg.max_steps and st.stop_reason in INTERMEDIATE_STOPS:
+                return _intermediate(cfg, st, data, ckpt_path, run_dir, t_start)
             return _finish(cfg, model, data, st, kdetails, kernels, logger, device, amp_dtype, prompts, command,
                            run_dir, t_start)
         finally:

@@ -1,11 +1,11 @@
 #!/bin/bash
 # The reference target's pretraining on one H200 in one call of under 10 minutes (issue 11):
 #   1. pretrain_shapes.py: the installed-packages corpus, its tokenizer, 3 shapes x SHAPE_S seconds each
-#      (skipped when SHAPE=<name> is given: that shape, at RATE tok/s, default the measured 132,851);
+#      (skipped when SHAPE=<name> is given: that shape, at RATE tok/s, default the rate measured at BATCH);
 #   2. experiments.pretrain_target with the shape of lowest val loss that fits 40 MB, max_steps sized to the
-#      time left (90% of the measured rate), EXTRA overrides appended (e.g. EXTRA=tokenizer_split_newlines=true);
+#      time left (90% of the measured rate), EXTRA overrides appended (e.g. EXTRA="lr=0.002 compile=default");
 #   3. the folder, results and logs tarred and split into 15 MB pieces under $OUT (reassemble: cat | tar x).
-# Usage (repo root, wheels installed): [SHAPE=h384_l8] [EXTRA=...] [STEPS=N] [BATCH=32] [INTERMEDIATE=1]
+# Usage (repo root, wheels installed): [SHAPE=h384_l8] [EXTRA=...] [STEPS=N] [BATCH=128] [INTERMEDIATE=1]
 #   bash benchmarks/gpu/pretrain_reference_target.sh [TOTAL_S] [SHAPE_S]
 # A longer run: the same command with the same STEPS (and BATCH) in back-to-back calls on one warm machine (/tmp/pt
 # persists there). INTERMEDIATE=1 on every job but the last: that job only checkpoints (finalize_every_job=false),
@@ -13,11 +13,12 @@
 set -o pipefail
 TOTAL=${1:-560}; SHAPE_S=${2:-25}; OUT=${OUT:-/tmp/pt_out}; T0=$(date +%s)
 W=/tmp/pt; mkdir -p $W $OUT
+BATCH=${BATCH:-128}   # the recipe's batch (experiments.pretrain_target); 32 before session 10
 export PYTHONUNBUFFERED=1
-SPLIT=""; [[ "$EXTRA" == *tokenizer_split_newlines=true* ]] && SPLIT="--split-newlines"
+SPLIT="--split-newlines"; [[ "$EXTRA" == *tokenizer_split_newlines=false* ]] && SPLIT=""  # the recipe splits newlines
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__, torch.cuda.get_device_name())"
 if [ -z "$SHAPE" ]; then
-  python3 benchmarks/gpu/pretrain_shapes.py --seconds $SHAPE_S --train-seconds 1 --token-cache $W/tokens $SPLIT \
+  python3 benchmarks/gpu/pretrain_shapes.py --seconds $SHAPE_S --batch-size $BATCH --train-seconds 1 --token-cache $W/tokens $SPLIT \
     --tokenizer-out $W/tokenizer --out $W/shapes.json 2>&1 | grep -v "INFO dflash.tracking" | tee $W/shapes.log || exit 1
   TF="tokenizer_file=$W/tokenizer/tokenizer.json"
   read SHAPE RATE < <(python3 -c "
@@ -25,10 +26,9 @@ import json; d=json.load(open('$W/shapes.json'))
 ok = {k: v for k, v in d['shapes'].items() if v['bf16_mb'] < 40}
 s = min(ok, key=lambda k: ok[k]['val_loss']); print(s, ok[s]['tok_s'])")
 fi
-RATE=${RATE:-132851}
+RATE=${RATE:-$([ "$BATCH" = 128 ] && echo 259853 || echo 132851)}   # tok/s measured at that batch (sessions 10, 5)
 LEFT=$(( TOTAL - ($(date +%s) - T0) - 25 ))   # 25 s for the tar at the end
 FINAL=110                                      # final eval, probes, save, continuations (Triton compiles)
-BATCH=${BATCH:-32}
 if [ -n "$INTERMEDIATE" ]; then FINAL=15; EXTRA="$EXTRA finalize_every_job=false"; fi  # checkpoint only
 SETUP=$([ -n "$TF" ] && echo 45 || echo 90)    # corpus (+ tokenizer training and encoding when not cached)
 TRAIN=$(( LEFT - FINAL - SETUP ))

@@ -227,6 +227,20 @@ def test_drafter_step_bench_runs_the_trainers_step_and_times_its_phases(fast_cfg
     assert out["tok_s"] > 0 and out["flops_per_tok"] > 0 and out["sec_per_step"] > 0
 
 
+def test_pipeline_windows_hold_whole_producer_periods():
+    """A window that cuts the producer's period holds a varying number of target forwards (session 8's 24.6%
+    spread at producer_batch 4 and windows of 10 steps): windows are rounded up to whole periods."""
+    from dflash.bench.config import BenchConfig
+    from dflash.bench.pipeline import Schedule
+    b = BenchConfig(pipeline_steps=40, pipeline_repeats=4, pipeline_warmup=10)
+    assert (Schedule.of(b).window, Schedule.of(b).warmup) == (10, 10)
+    s = Schedule.of(b, producer_batch=4)
+    assert (s.window, s.warmup, s.measured_end) == (12, 12, 60)
+    assert Schedule.of(BenchConfig(pipeline_steps=40, pipeline_repeats=4, drafter_batch=2), 4).window == 10
+    assert Schedule.of(BenchConfig(pipeline_steps=24, pipeline_repeats=2, drafter_batch=4), 4).window == 12
+    assert Schedule.of(BenchConfig(pipeline_steps=4, pipeline_repeats=2), 3).window == 3
+
+
 def test_window_records_are_the_measured_windows_of_the_latest_run(tmp_path):
     import json
 

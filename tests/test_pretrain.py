@@ -251,6 +251,27 @@ def test_compiled_training_loss_equals_eager_and_bad_modes_are_refused(small_roo
     torch.testing.assert_close(compiled, eager, rtol=1e-4, atol=1e-4)
 
 
+def test_probe_perplexity_carries_a_window_bootstrap_interval(small_root, tmp_path):
+    """perplexity_on_texts: the pooled loss of its windows equals evaluate_nll's, and the 95% interval over
+    windows brackets the point estimate (a probe of 2 files, 24 windows, is read against a goal with it)."""
+    from dflash.pretrain.evaluate import eval_windows, evaluate_nll, perplexity_on_texts, window_nlls
+    from dflash.pretrain.model import build_hf_config, build_model
+    cfg = tiny_cfg(small_root, tmp_path)
+    tok = train_tokenizer([CODE * 20], vocab_size=cfg.vocab_size)
+    model = build_model(build_hf_config(cfg, tok.get_vocab_size(), 1, 0), 0)
+    texts = [(STDLIB / n).read_text() for n in ("bisect.py", "colorsys.py")]
+    p = perplexity_on_texts(model, tok, texts, 64, 4, None, torch.device("cpu"))
+    lo, hi = p["ppl_ci"]
+    assert p["windows"] > 2 and lo < p["ppl"] < hi
+    from dflash.data.corpus import encode_documents
+    ids = torch.tensor([t for doc in encode_documents(tok, texts) for t in doc])
+    wins = eval_windows(ids, 64, 0)
+    per = window_nlls(model, wins, 4, None, torch.device("cpu"))
+    s, n = evaluate_nll(model, wins, 3, None, torch.device("cpu"))  # another batching, the same sums
+    assert len(per) == len(wins) and n == sum(c for _, c in per)
+    assert abs(s - sum(v for v, _ in per)) < 1e-3 * abs(s)
+
+
 def test_lookup_tau_reports_the_copy_rate_of_the_continuations():
     from dflash.pretrain.evaluate import lookup_tau
     prompt = list(range(20))

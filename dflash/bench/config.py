@@ -16,8 +16,9 @@ class BenchConfig:
     iters: int = 10
     peak_n: int = 8192
     # The pipeline's headline: tokens the drafter trained on per second, over `pipeline_steps` steps after
-    # `pipeline_warmup` steps, measured as `pipeline_repeats` windows of pipeline_steps / repeats steps each
-    # (their spread is printed). 0 steps skips the pipeline measurement.
+    # `pipeline_warmup` steps, measured as `pipeline_repeats` windows of pipeline_steps / repeats steps each,
+    # rounded up to whole producer periods (dflash.bench.pipeline.Schedule; their spread is printed).
+    # 0 steps skips the pipeline measurement.
     pipeline_steps: int = 20
     pipeline_warmup: int = 10  # rounded up to whole windows (the trainer reads its metrics once per window)
     pipeline_repeats: int = 2

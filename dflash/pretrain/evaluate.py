@@ -5,6 +5,7 @@ the prompt-lookup τ of those continuations (how much of what the target writes 
 from __future__ import annotations
 
 import glob
+import math
 import os
 import time
 from contextlib import nullcontext
@@ -13,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from dflash.data.corpus import EOS_TOKEN, MASK_TOKEN, PAD_TOKEN
+from dflash.evaluation.stats import pooled_ci
 
 
 def eval_windows(tokens: torch.Tensor, seq_len: int, max_tokens: int) -> list[torch.Tensor]:
@@ -38,25 +40,31 @@ def lm_loss(model, ids_BT: torch.Tensor, amp_dtype) -> torch.Tensor:
 
 
 @torch.no_grad()
+def window_nlls(model, windows: list[torch.Tensor], batch_size: int, amp_dtype,
+                device: torch.device) -> list[tuple[float, int]]:
+    """(sum of next-token NLL in nats, predicted tokens) of each window, in the order given."""
+    was_training = model.training
+    model.eval()
+    out: list[tuple[float, int] | None] = [None] * len(windows)
+    full = [i for i, w in enumerate(windows) if w.numel() == windows[0].numel()] if windows else []
+    rest = [i for i, w in enumerate(windows) if w.numel() != windows[0].numel()] if windows else []
+    groups = [full[i:i + batch_size] for i in range(0, len(full), batch_size)] + [[i] for i in rest]
+    for grp in groups:
+        ids = torch.stack([windows[i] for i in grp]).to(device)
+        with _amp(device, amp_dtype):
+            logits = model(input_ids=ids, use_cache=False).logits
+        nll_B = F.cross_entropy(logits[:, :-1].float().transpose(1, 2), ids[:, 1:], reduction="none").sum(1)
+        for i, v in zip(grp, nll_B.tolist()):  # one host read per batch
+            out[i] = (v, windows[i].numel() - 1)
+    model.train(was_training)
+    return [o for o in out if o is not None]
+
+
 def evaluate_nll(model, windows: list[torch.Tensor], batch_size: int, amp_dtype,
                  device: torch.device) -> tuple[float, int]:
     """(sum of next-token NLL in nats, number of predicted tokens) over the windows."""
-    was_training = model.training
-    model.eval()
-    total, count = 0.0, 0
-    full = [w for w in windows if w.numel() == windows[0].numel()] if windows else []
-    rest = [w for w in windows if w.numel() != windows[0].numel()] if windows else []
-    groups = [full[i:i + batch_size] for i in range(0, len(full), batch_size)] + [[w] for w in rest]
-    for grp in groups:
-        ids = torch.stack(grp).to(device)
-        with _amp(device, amp_dtype):
-            logits = model(input_ids=ids, use_cache=False).logits
-        nll = F.cross_entropy(logits[:, :-1].float().reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1),
-                              reduction="sum")
-        total += float(nll)
-        count += ids[:, 1:].numel()
-    model.train(was_training)
-    return total, count
+    per = window_nlls(model, windows, batch_size, amp_dtype, device)
+    return sum(s for s, _ in per), sum(n for _, n in per)
 
 
 def unigram_nll(train_tokens: torch.Tensor, windows: list[torch.Tensor], vocab_size: int) -> tuple[float, int]:
@@ -108,17 +116,26 @@ def probe_files(probes: dict[str, str], stdlib_v1: bool) -> dict[str, list[tuple
     return out
 
 
+PPL_CI_LEVEL = 0.95
+
+
 def perplexity_on_texts(model, tok, texts: list[str], seq_len: int, batch_size: int, amp_dtype,
                         device: torch.device) -> dict:
-    """Loss, perplexity and bits/byte of `model` on `texts` (each followed by eos, as in training)."""
+    """Loss, perplexity and bits/byte of `model` on `texts` (each followed by eos, as in training), with a
+    percentile-bootstrap interval of the perplexity over the `seq_len`-token windows (`ppl_ci`, 95%)."""
     from dflash.data.corpus import encode_documents
     ids = [t for doc in encode_documents(tok, texts) for t in doc]
     windows = eval_windows(torch.tensor(ids, dtype=torch.long), seq_len, 0)
-    s, n = evaluate_nll(model, windows, batch_size, amp_dtype, device)
+    per = window_nlls(model, windows, batch_size, amp_dtype, device)
+    s, n = sum(v for v, _ in per), sum(c for _, c in per)
     nbytes = sum(len(t.encode("utf-8")) for t in texts)
     loss = s / max(n, 1)
-    return {"loss": loss, "ppl": float(torch.tensor(min(loss, 50.0)).exp()), "tokens": n,
-            "bits_per_byte": s / 0.6931471805599453 / max(nbytes, 1), "files": len(texts), "bytes": nbytes}
+    out = {"loss": loss, "ppl": math.exp(min(loss, 50.0)), "tokens": n, "windows": len(per),
+           "bits_per_byte": s / math.log(2) / max(nbytes, 1), "files": len(texts), "bytes": nbytes}
+    if len(per) >= 2:  # windows of one file are correlated: an interval over windows is on the narrow side
+        ci = pooled_ci([v for v, _ in per], [c for _, c in per], PPL_CI_LEVEL)
+        out["ppl_ci"] = [math.exp(min(ci.low, 50.0)), math.exp(min(ci.high, 50.0))]
+    return out
 
 
 # -- continuations and prompt-lookup τ ----------------------------------------------------------------

@@ -55,15 +55,18 @@ def _header_lines(result: dict) -> list[str]:
 
 def _probe_lines(result: dict) -> list[str]:
     m = result["metrics"]
-    lines = ["| held-out set | files | tokens | loss (nats/token) | perplexity | bits/byte |",
-             "| --- | --- | --- | --- | --- | --- |",
+    lines = ["| held-out set | files | tokens | loss (nats/token) | perplexity | 95% CI (bootstrap over windows) "
+             "| bits/byte |",
+             "| --- | --- | --- | --- | --- | --- | --- |",
              f"| new test split | {result['meta']['corpus']['test_files']:,} | {m['test_tokens']:,} | "
-             f"{_fmt(m['test_loss'])} | {_fmt(m['test_ppl'], 2)} | {_fmt(m['test_bits_per_byte'])} |",
+             f"{_fmt(m['test_loss'])} | {_fmt(m['test_ppl'], 2)} | | {_fmt(m['test_bits_per_byte'])} |",
              f"| unigram on the same tokens (train counts, add-one) | | | {_fmt(m['unigram_loss'])} | "
-             f"{_fmt(m['unigram_ppl'], 2)} | {_fmt(m['unigram_bits_per_byte'])} |"]
+             f"{_fmt(m['unigram_ppl'], 2)} | | {_fmt(m['unigram_bits_per_byte'])} |"]
     for name, p in result.get("probes", {}).items():
+        ci = p.get("ppl_ci")
+        ci_txt = f"[{_fmt(ci[0], 2)}, {_fmt(ci[1], 2)}] over {p.get('windows', '?')}" if ci else ""
         lines.append(f"| {name} | {p['files']} | {p['tokens']:,} | {_fmt(p['loss'])} | {_fmt(p['ppl'], 2)} | "
-                     f"{_fmt(p['bits_per_byte'])} |")
+                     f"{ci_txt} | {_fmt(p['bits_per_byte'])} |")
     return lines + ["", f"Best val loss {_fmt(m['val_loss'])} (ppl {_fmt(m['val_ppl'], 2)})."]
 
 

@@ -23,7 +23,7 @@ from dflash.devices import resolve_device
 from dflash.pretrain.config import PretrainConfig
 from dflash.pretrain.data import WindowSampler, prepare_data
 from dflash.pretrain.evaluate import eval_windows, evaluate_nll
-from dflash.pretrain.loop import build_optimizer, lr_at
+from dflash.pretrain.loop import build_optimizer, lr_at, train_step, training_loss_fn
 from dflash.pretrain.model import bf16_bytes, build_hf_config, build_model, count_params, select_gdn_kernels
 
 SHAPES = {  # name → PretrainConfig overrides (all qwen3_5, every 4th layer full attention)
@@ -42,17 +42,12 @@ def measure(cfg: PretrainConfig, data, device, seconds: float, val_tokens: int) 
     choice, _, kernels = select_gdn_kernels(model, device, cfg, torch.bfloat16, "qwen3_5")
     sampler = WindowSampler(data.train.to(device), cfg.seq_len, cfg.batch_size, cfg.seed)
     opt = build_optimizer(cfg, model, device)
+    loss_fn = training_loss_fn(cfg, model, torch.bfloat16 if device.type == "cuda" else None)
     steps, t0, warm_t, warm_steps = 0, time.perf_counter(), None, 0
     while time.perf_counter() - t0 < seconds:
         for gr in opt.param_groups:  # the schedule as a run of `seconds` would have it
             gr["lr"] = lr_at(cfg, steps, (time.perf_counter() - t0) / seconds)
-        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda"):
-            logits = model(input_ids=(ids := sampler.next()), use_cache=False).logits
-        loss = torch.nn.functional.cross_entropy(logits[:, :-1].float().flatten(0, 1), ids[:, 1:].flatten())
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        train_step(model, opt, loss_fn, sampler.next(), cfg.grad_clip)
         steps += 1
         if steps == 5:
             torch.cuda.synchronize() if device.type == "cuda" else None

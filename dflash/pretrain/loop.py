@@ -81,6 +81,16 @@ def training_loss_fn(cfg: PretrainConfig, model, amp_dtype):
     return torch.compile(loss_fn, mode=None if cfg.compile == "default" else cfg.compile, dynamic=False)
 
 
+def train_step(model, opt, loss_fn, ids_BT: torch.Tensor, grad_clip: float):
+    """One optimizer step on a batch: (loss, grad norm before clipping), both still on the device."""
+    loss = loss_fn(ids_BT)
+    loss.backward()
+    gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return loss.detach(), gnorm
+
+
 # -- checkpoint ---------------------------------------------------------------------------------------
 def checkpoint_path(cfg: PretrainConfig, run_dir: Path) -> Path:
     return Path(cfg.state_dir or run_dir / "state") / "pretrain_state.pt"
@@ -167,12 +177,7 @@ class PretrainLoop:
     def _step(self, lr: float):
         for gr in self.opt.param_groups:
             gr["lr"] = lr
-        loss = self.loss_fn(self.sampler.next())
-        loss.backward()
-        gnorm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
-        self.opt.step()
-        self.opt.zero_grad(set_to_none=True)
-        return loss.detach(), gnorm
+        return train_step(self.model, self.opt, self.loss_fn, self.sampler.next(), self.cfg.grad_clip)
 
     def run(self, deadline: float) -> LoopState:
         cfg, st = self.cfg, self.state

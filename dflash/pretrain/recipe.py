@@ -132,6 +132,14 @@ def save_target(cfg: PretrainConfig, model, data: PretrainData, meta: dict) -> P
 
 
 # -- scoring ------------------------------------------------------------------------------------------
+def progress(cfg: PretrainConfig, st: LoopState, data: PretrainData) -> dict:
+    """How far the run has trained, over all its jobs: steps, tokens, epochs of the train split, tok/s."""
+    tokens_seen = st.step * cfg.batch_size * cfg.seq_len
+    return {"steps": st.step, "tokens_seen": tokens_seen, "epochs": tokens_seen / max(data.train.numel(), 1),
+            "train_seconds": st.train_seconds, "tokens_per_s": tokens_seen / max(st.train_seconds, 1e-9),
+            "stop_reason": st.stop_reason, "jobs": st.jobs}
+
+
 def final_scores(cfg: PretrainConfig, model, data: PretrainData, st: LoopState, amp_dtype,
                  device: torch.device) -> tuple[dict, dict]:
     """(metrics, probes) of the shipped weights: the best val snapshot rounded to bf16."""
@@ -145,12 +153,9 @@ def final_scores(cfg: PretrainConfig, model, data: PretrainData, st: LoopState, 
     us, un = unigram_nll(data.train, windows, model.config.vocab_size)
     byte_len = token_byte_lengths(data.tok)
     test_bytes = int(sum(int(byte_len[w[1:].long()].sum()) for w in windows))
-    tokens_seen = st.step * cfg.batch_size * cfg.seq_len
-    m = {"params": count_params(model), "bf16_bytes": bf16_bytes(model), "steps": st.step,
-         "best_step": st.best_step if cfg.keep_best else st.step, "tokens_seen": tokens_seen,
-         "epochs": tokens_seen / max(data.train.numel(), 1), "train_seconds": st.train_seconds,
-         "tokens_per_s": tokens_seen / max(st.train_seconds, 1e-9), "stop_reason": st.stop_reason,
-         "jobs": st.jobs, "job_history": st.history, "train_tokens": int(data.train.numel()),
+    m = {"params": count_params(model), "bf16_bytes": bf16_bytes(model), **progress(cfg, st, data),
+         "best_step": st.best_step if cfg.keep_best else st.step,
+         "job_history": st.history, "train_tokens": int(data.train.numel()),
          "val_loss": st.best_loss, "val_ppl": math.exp(min(st.best_loss, 50)),
          "test_loss": s / max(n, 1), "test_ppl": math.exp(min(s / max(n, 1), 50)), "test_tokens": n,
          "test_bits_per_byte": s / math.log(2) / max(test_bytes, 1),
@@ -261,11 +266,8 @@ INTERMEDIATE_STOPS = ("time budget", "job_max_steps")
 def _intermediate(cfg: PretrainConfig, st: LoopState, data: PretrainData, ckpt_path: Path, run_dir: Path,
                   t_start: float) -> dict:
     """A job that stopped early under `finalize_every_job=false`: its checkpoint is the result."""
-    tokens_seen = st.step * cfg.batch_size * cfg.seq_len
-    metrics = {"steps": st.step, "max_steps": cfg.max_steps, "stop_reason": st.stop_reason, "jobs": st.jobs,
-               "tokens_seen": tokens_seen, "epochs": tokens_seen / max(data.train.numel(), 1),
-               "train_seconds": st.train_seconds, "tokens_per_s": tokens_seen / max(st.train_seconds, 1e-9),
-               "val_loss": st.best_loss, "wall_seconds": time.perf_counter() - t_start}
+    metrics = {**progress(cfg, st, data), "max_steps": cfg.max_steps, "val_loss": st.best_loss,
+               "wall_seconds": time.perf_counter() - t_start}
     log.info("intermediate job: step %d of %d (%s), checkpoint %s; the next job resumes it", st.step,
              cfg.max_steps, st.stop_reason, ckpt_path)
     (run_dir / "pretrain_result.json").write_text(json.dumps({"metrics": metrics, "intermediate": True,

@@ -12,6 +12,7 @@ def test_bench_reports_all_sections(tmp_path):
                 "bench.warmup=1", "bench.pipeline_steps=4", "drafter.attn_group=2", f"results={results}",
                 "bench.drafter_variants=drafter.attn_group=0;loss.lm_head_grad=recompute&loss.chunk_size=7",
                 "bench.pipeline_variants=trainer.producer_mode=inline",
+                "bench.target_variants=target.fused_ops=eager",
                 f"tracking.tracking_uri=sqlite:///{tmp_path / 'm.db'}", f"run_dir={tmp_path / 'run'}"])
     for side in ("target", "drafter"):
         assert out[side]["tok_s"] > 0 and out[side]["flops_per_tok"] > 0 and 0 < out[side]["mfu"]
@@ -34,9 +35,12 @@ def test_bench_reports_all_sections(tmp_path):
     # (the CPU's unfused AdamW reads its step counts on the host: allowed there, fused on the GPU)
     sites = out["pipeline"]["sync_sites"]
     assert all(site.startswith("dflash.optimizer:") for site in sites), sites
+    fused = out["target_variants"]["target.fused_ops=eager"]  # on the same target, then back to the default
+    assert fused["fused_ops"] == "eager" and fused["tok_s"] > 0 and out["target"]["fused_ops"] == "off"
     assert out["back_to_back_tok_s"] < min(out["target"]["tok_s"], out["drafter"]["tok_s"])
     text = results.read_text()
     assert "python -m experiments.bench" in text and "pipeline tok/s" in text
+    assert "target tok/s [target.fused_ops=eager]" in text
     assert "drafter tok/s [drafter.attn_group=0]" in text and "pipeline tok/s [trainer.producer_mode=inline]" in text
 
 
@@ -251,3 +255,13 @@ def test_window_records_are_the_measured_windows_of_the_latest_run(tmp_path):
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in old + new))
     got = window_records(tmp_path, s)
     assert [r["step"] for r in got] == [6, 8, 10] and all(r["perf/consumed_tok_s"] == 2.0 for r in got)
+
+
+def test_bench_variants_may_not_change_how_the_target_is_built():
+    import pytest
+
+    from dflash.config import ConfigError
+    with pytest.raises(ConfigError, match=r"bench\.target_variants: variant 'target\.soft_top_k=3' changes target keys"):
+        main([*FAST, "bench.target_variants=target.soft_top_k=3", "bench.sections=peak"])
+    with pytest.raises(ConfigError, match=r"bench\.pipeline_variants: .*target\.fused_ops"):
+        main([*FAST, "bench.pipeline_variants=target.dtype=float32", "bench.sections=peak"])

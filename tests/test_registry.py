@@ -34,7 +34,8 @@ def test_entries_at_construction_and_pop():
 @pytest.mark.parametrize("section,key,value", [
     ("loss", "lm_head_grad", "nope"), ("loss", "name", "nope"), ("trainer", "producer_mode", "nope"),
     ("drafter", "attn_kernel", "nope"), ("noise", "name", "nope"), ("buffer", "policy", "nope"),
-    ("data", "source", "nope"), ("eval", "proposer", "nope"),
+    ("data", "source", "nope"), ("eval", "proposer", "nope"), ("loss", "lm_head_kernel", "nope"),
+    ("target", "fused_ops", "nope"),
 ])
 def test_validate_names_the_key_and_the_known_names(section, key, value):
     import dataclasses

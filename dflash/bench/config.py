@@ -1,6 +1,7 @@
 """`bench.*` keys (experiments.bench's own; everything else is the run config) and the before/after variants."""
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from dflash.config import ConfigError, RunConfig, validate, with_overrides
@@ -30,6 +31,9 @@ class BenchConfig:
     # config overrides joined by '&', variants separated by ';' (e.g. "drafter.attn_group=0;trainer.compile=true")
     drafter_variants: str = ""
     pipeline_variants: str = ""
+    # the target section again under each variant: only keys applied to the one built target in place
+    # (IN_PLACE_TARGET_KEYS, e.g. "target.fused_ops=off"); drafter and pipeline variants may set them too
+    target_variants: str = ""
     kernel_profile: int = 1  # 1: break each drafter step's GPU time down by kernel family (profiler, 2 steps)
     # serving section: contexts (tokens already in the caches), DDTree budgets (nodes), timed calls of each
     serving_contexts: str = "1024,2048,4096,8192"
@@ -68,10 +72,19 @@ def parse_variants(spec: str) -> list[tuple[str, list[str]]]:
     return [(v.strip(), [o for o in v.strip().split("&") if o]) for v in spec.split(";") if v.strip()]
 
 
+# target.* keys a variant may change: applied to the bench's one target in place (Target.set_fused_ops); any other
+# would need a second target (54 GB at the 27B shapes)
+IN_PLACE_TARGET_KEYS = ("fused_ops",)
+
+
 def variant_configs(cfg: RunConfig, spec: str, key: str) -> dict[str, RunConfig]:
     """Each variant's config, checked before any work starts (a bad key names `bench.<key>`)."""
     out = {}
     for label, overrides in parse_variants(spec):
         out[label] = with_overrides(cfg, overrides, f"bench.{key}")
         validate(out[label])
+        kept = {k: getattr(cfg.target, k) for k in IN_PLACE_TARGET_KEYS}
+        if dataclasses.replace(out[label].target, **kept) != cfg.target:
+            raise ConfigError(f"bench.{key}: variant {label!r} changes target keys other than "
+                              f"{', '.join('target.' + k for k in IN_PLACE_TARGET_KEYS)}; the bench builds one target")
     return out

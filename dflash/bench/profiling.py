@@ -82,6 +82,8 @@ class StepProfiler:
 
 # Kernel families, first match wins (names of cuBLAS/CUTLASS/SDPA/Triton/fused-optimizer kernels on Hopper).
 KERNEL_FAMILIES = (
+    # FLA's Gated-DeltaNet kernels (the target's linear-attention layers) and its short convolution
+    ("gdn (fla)", ("chunk_", "delta_rule", "solve_tril", "kkt", "recompute_w_u", "conv1d", "l2norm", "cumsum")),
     ("triton", ("triton_",)),  # torch.compile's fused kernels (their names list the ops they fuse)
     ("attention", ("fmha", "flash", "attention", "flex", "sdpa")),
     ("gemm", ("gemm", "cutlass", "nvjet", "cublas", "sm90_xmma", "matmul", "wgmma")),
@@ -131,7 +133,7 @@ def _is_annotation(e) -> bool:
     return "#" in name and not any(c in name for c in "(<{ ")
 
 
-def profile_kernels(fn, steps: int = 2) -> dict:
+def profile_kernels(fn, steps: int = 2, top: int = 8) -> dict:
     """Run `fn` `steps` times under the CUDA profiler and break the device time down by kernel."""
     import torch
     from torch.profiler import ProfilerActivity, profile
@@ -140,4 +142,4 @@ def profile_kernels(fn, steps: int = 2) -> dict:
         for _ in range(steps):
             fn()
         torch.cuda.synchronize()
-    return kernel_breakdown(prof.events(), steps)
+    return kernel_breakdown(prof.events(), steps, top)

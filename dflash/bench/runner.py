@@ -20,6 +20,7 @@ import dataclasses
 import gc
 import json
 import logging
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -30,6 +31,7 @@ from dflash.bench.config import BenchConfig, check_bench_config, parse_variants,
 from dflash.bench.drafter_step import DrafterStepBench
 from dflash.bench.flops import count_flops, matmul_peak, timed
 from dflash.bench.pipeline import bench_pipeline
+from dflash.bench.profiling import profile_kernels
 from dflash.bench.table import format_table  # noqa: F401 (experiments.bench's import)
 from dflash.config import RunConfig
 from dflash.target.kernels import torch_gdn_path
@@ -53,11 +55,17 @@ def bench_target_torch(target: Target, b: BenchConfig) -> dict:
 def bench_target(target: Target, b: BenchConfig) -> dict:
     ids = torch.randint(0, target.vocab_size - 1, (b.target_batch, b.seq_len), device=target.device)
     run = lambda: target.forward_features(ids)  # noqa: E731
-    for _ in range(b.warmup):  # also warms FLA's autotuning for this shape before timing
-        run()
+    mode = target.fused.mode  # FLOPs counted on transformers' own modules: a counting mode must not meet compiled
+    target.set_fused_ops("off")  # code, and fusing elementwise work changes no matmul
     flops = count_flops(run) / ids.numel()
+    target.set_fused_ops(mode)
+    for _ in range(b.warmup):  # also warms FLA's autotuning and compiles the fused pieces for this shape
+        run()
     sec = timed(run, b.iters, target.device)
-    return {"tok_s": ids.numel() / sec, "flops_per_tok": flops, "sec_per_call": sec}
+    out = {"tok_s": ids.numel() / sec, "flops_per_tok": flops, "sec_per_call": sec}
+    if target.device.type == "cuda" and b.kernel_profile:  # where the forward's time goes, by kernel family
+        out["kernels"] = profile_kernels(run, steps=1, top=12)
+    return out
 
 
 @dataclass
@@ -69,7 +77,19 @@ class Bench:
     target: Target
     drafter_variants: dict[str, RunConfig]
     pipeline_variants: dict[str, RunConfig]
+    target_variants: dict[str, RunConfig] = field(default_factory=dict)
     out: dict = field(default_factory=dict)
+
+
+@contextmanager
+def target_as(target: Target, cfg: RunConfig):
+    """The bench's one target with a variant's in-place keys (bench.config.IN_PLACE_TARGET_KEYS), then as before."""
+    before = target.cfg.fused_ops
+    target.set_fused_ops(cfg.target.fused_ops)
+    try:
+        yield
+    finally:
+        target.set_fused_ops(before)
 
 
 def _peak(x: Bench) -> None:
@@ -80,6 +100,12 @@ def _peak(x: Bench) -> None:
 
 def _target(x: Bench) -> None:
     x.out["target"] = _measure("target", lambda: bench_target(x.target, x.b))
+    x.out["target"]["fused_ops"] = x.target.fused.mode
+    for label, vcfg in x.target_variants.items():
+        with target_as(x.target, vcfg):
+            x.out.setdefault("target_variants", {})[label] = result = _measure(
+                f"target [{label}]", lambda: bench_target(x.target, x.b), keep_going=True)
+            result["fused_ops"] = x.target.fused.mode
 
 
 def _target_torch(x: Bench) -> None:
@@ -109,23 +135,26 @@ SECTIONS: dict[str, Callable[[Bench], None]] = {
 
 def _variants(x: Bench) -> None:
     for i, (label, vcfg) in enumerate(x.drafter_variants.items()):
-        x.out.setdefault("drafter_variants", {})[label] = _measure(
-            f"drafter [{label}]",
-            lambda vcfg=vcfg, i=i: DrafterStepBench(in_dir(vcfg, f"drafter_variant{i}"), x.target, x.b).run(),
-            keep_going=True)
+        with target_as(x.target, vcfg):
+            x.out.setdefault("drafter_variants", {})[label] = _measure(
+                f"drafter [{label}]",
+                lambda vcfg=vcfg, i=i: DrafterStepBench(in_dir(vcfg, f"drafter_variant{i}"), x.target, x.b).run(),
+                keep_going=True)
     if not x.b.pipeline_steps:
         return
     for i, (label, vcfg) in enumerate(x.pipeline_variants.items()):
-        x.out.setdefault("pipeline_variants", {})[label] = _measure(
-            f"pipeline [{label}]",
-            lambda vcfg=vcfg, i=i: bench_pipeline(in_dir(vcfg, f"pipeline_variant{i}"), x.target, x.b),
-            keep_going=True)
+        with target_as(x.target, vcfg):
+            x.out.setdefault("pipeline_variants", {})[label] = _measure(
+                f"pipeline [{label}]",
+                lambda vcfg=vcfg, i=i: bench_pipeline(in_dir(vcfg, f"pipeline_variant{i}"), x.target, x.b),
+                keep_going=True)
 
 
 def run_bench(cfg: RunConfig, b: BenchConfig) -> dict:
     check_bench_config(b)
     x = Bench(cfg, b, None, variant_configs(cfg, b.drafter_variants, "drafter_variants"),  # type: ignore[arg-type]
-              variant_configs(cfg, b.pipeline_variants, "pipeline_variants"))
+              variant_configs(cfg, b.pipeline_variants, "pipeline_variants"),
+              variant_configs(cfg, b.target_variants, "target_variants"))
     info = init_distributed()  # under torchrun: before the target, so "cuda" is this rank's GPU
     x.target = Target(cfg.target)
     dev = x.target.device
@@ -192,7 +221,8 @@ def derive(out: dict) -> dict:
     trained on; the stock-credited rate gets its own, labelled, MFU)."""
     peak = out.get("peak_flops")
     t, d = out.get("target"), out.get("drafter")
-    for side in [s for s in (t, d) if s] + list(out.get("drafter_variants", {}).values()):
+    variants = list(out.get("drafter_variants", {}).values()) + list(out.get("target_variants", {}).values())
+    for side in [s for s in (t, d) if s] + variants:
         if peak and "tok_s" in side:
             side["mfu"] = side["tok_s"] * side["flops_per_tok"] / peak
     if t and d:

@@ -11,6 +11,14 @@ def _sides(out: dict) -> list[tuple[str, str, str]]:
             s = out[side]
             rows.append((f"{side} tok/s", f"{s['tok_s']:,.0f}",
                          f"{s['flops_per_tok'] / 1e9:.1f} GFLOP/tok, MFU {s.get('mfu', 0):.0%}"))
+    base = out.get("target", {}).get("tok_s", 0.0)
+    for label, s in out.get("target_variants", {}).items():
+        if "error" in s:
+            rows.append((f"target tok/s [{label}]", "failed", s["error"]))
+            continue
+        rows.append((f"target tok/s [{label}]", f"{s['tok_s']:,.0f}",
+                     (f"the default is {base / s['tok_s']:.2f}x this; " if s["tok_s"] else "")
+                     + f"{s['sec_per_call'] * 1e3:.1f} ms per call, MFU {s.get('mfu', 0):.0%}"))
     if "target_torch" in out:
         s, fast = out["target_torch"], out.get("target", {}).get("tok_s", 0.0)
         rows.append(("target tok/s, torch GDN", f"{s['tok_s']:,.0f}",
@@ -73,11 +81,12 @@ def _breakdowns(out: dict) -> list[tuple[str, str, str]]:
             rows.append(("drafter step" + (f" [{label}]" if label else ""),
                          " | ".join(f"{k} {v * 1e3:.1f} ms" for k, v in ph.items()),
                          " | ".join(f"{v / total:.0%}" for v in ph.values())))
-    for label, d in [("default", out.get("drafter", {}))] + list(out.get("drafter_variants", {}).items()):
-        if d.get("kernels"):
-            fams = d["kernels"]["ms_per_step"]
-            rows.append((f"drafter kernels [{label}]", " | ".join(f"{k} {v:.1f}" for k, v in fams.items()),
-                         "ms/step of GPU time by kernel family"))
+    for side, what in (("target", "ms per forward"), ("drafter", "ms/step")):
+        for label, d in [("default", out.get(side, {}))] + list(out.get(f"{side}_variants", {}).items()):
+            if d.get("kernels"):
+                fams = d["kernels"]["ms_per_step"]
+                rows.append((f"{side} kernels [{label}]", " | ".join(f"{k} {v:.1f}" for k, v in fams.items()),
+                             f"{what} of GPU time by kernel family"))
     if "peak_mem_gb" in out:
         rows.append(("peak GPU memory", f"{out['peak_mem_gb']:.1f} GiB", ""))
     return rows

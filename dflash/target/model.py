@@ -23,6 +23,7 @@ import torch
 
 from dflash.devices import resolve_device, resolve_dtype
 from dflash.registry import Registry
+from dflash.target.fused import FUSED_OPS, FusedForward, resolve_fused_ops
 from dflash.target.kernels import preflight_kernels
 from dflash.training.lm_head_loss import resolve_chunk
 
@@ -59,6 +60,7 @@ class TargetConfig:
     soft_top_k: int = 64  # top-k target logits kept as soft labels (losses that need them)
     tokenizer: str = "auto"  # auto: the checkpoint's tokenizer, else bytes
     lm_head_chunk: int = 0  # positions per LM-head chunk when computing labels; 0 = auto (lm_head_loss.resolve_chunk)
+    fused_ops: str = "auto"  # the producer's forward: compile (fused norms / MLP) | eager | off | auto (compile on CUDA)
 
 
 class ByteTokenizer:
@@ -161,6 +163,8 @@ def validate_target_config(cfg: TargetConfig) -> TargetInfo:
         raise ValueError(f"target.soft_top_k must be >= 0, got {cfg.soft_top_k}")
     if cfg.lm_head_chunk < 0:
         raise ValueError(f"target.lm_head_chunk must be >= 1, or 0 for auto; got {cfg.lm_head_chunk}")
+    if cfg.fused_ops != "auto":
+        FUSED_OPS.check(cfg.fused_ops)
     if cfg.dtype not in ("auto", "float32", "bfloat16", "float16"):
         raise ValueError(f"target.dtype={cfg.dtype!r}; expected auto, float32, bfloat16 or float16")
     return info
@@ -231,6 +235,7 @@ class Target:
         self.model = self._load().to(device=self.device, dtype=self.dtype).eval()
         self.model.requires_grad_(False)
         self.decoder = self.model.get_decoder()
+        self.fused = FusedForward(self.model, resolve_fused_ops(cfg.fused_ops, self.device))
         self.tokenizer = self._tokenizer()
         self.identity = self._identity()
         self.fingerprint = target_fingerprint(cfg)
@@ -240,6 +245,13 @@ class Target:
         self._own_masks_failed = False  # `causal_masks` met a create_causal_mask it cannot call
         self.busy_s, self.tokens_done = 0.0, 0  # forward time and tokens, for perf/target_tok_s
         self._timings: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []  # GPU forwards not yet timed
+
+    def set_fused_ops(self, name: str) -> None:
+        """`target.fused_ops` changed in place (the bench's before / after on one target's weights)."""
+        mode = resolve_fused_ops(name, self.device)
+        if mode != self.fused.mode:
+            self.fused.remove()
+            self.fused = FusedForward(self.model, mode)
 
     def _load(self):
         if not self.cfg.path:
@@ -293,8 +305,9 @@ class Target:
                 # sync here idles the GPU while the host then builds the drafter's batch (issue 20)
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 start.record()
-            out = self.decoder(input_ids=input_ids_BT, output_hidden_states=True, use_cache=False,
-                               attention_mask=self.causal_masks(input_ids_BT))
+            with self.fused.scope():
+                out = self.decoder(input_ids=input_ids_BT, output_hidden_states=True, use_cache=False,
+                                   attention_mask=self.causal_masks(input_ids_BT))
             feats = torch.stack([out.hidden_states[i + 1] for i in self.layer_ids], dim=2)
             labels, vals, idx = self.labels_from_hidden(out.last_hidden_state, soft_top_k)
             if cuda:
@@ -343,7 +356,9 @@ class Target:
             return self.tokens_done, self.busy_s
 
     def labels_from_hidden(self, last_BTH: torch.Tensor, soft_top_k: int):
-        """LM head in chunks of positions: the full [T, V] logits of a 250k vocabulary never live at once."""
+        """LM head in chunks of positions: the full [T, V] logits of a 250k vocabulary never live at once. The argmax
+        and top-k read the head's own dtype (bf16 on a GPU): upcasting first gave the same values (bf16 → float32 is
+        exact) for a [chunk, V] float32 copy and a float32 read (~1 ms per 2,048 tokens at V = 248,320)."""
         head = self.lm_head_weight()
         B, T, _ = last_BTH.shape
         flat = last_BTH.reshape(B * T, -1)
@@ -351,11 +366,11 @@ class Target:
         labels, vals, idx = [], [], []
         chunk = resolve_chunk(self.cfg.lm_head_chunk, head.shape[0])
         for s in range(0, B * T, chunk):
-            logits = (flat[s:s + chunk] @ head.T).float()
+            logits = flat[s:s + chunk] @ head.T
             labels.append(logits.argmax(-1))
             if k:
                 v, i = logits.topk(k, dim=-1)
-                vals.append(v)
+                vals.append(v.float())
                 idx.append(i)
         lab = torch.cat(labels).view(B, T)
         if not k:

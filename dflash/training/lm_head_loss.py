@@ -37,9 +37,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from dflash.registry import Registry
+from dflash.training import lm_head_triton
+
 # The label of a position with no target (block padding): written by dflash.training.batching, skipped by
 # every stat and loss. torch's cross_entropy default ignore_index; the project's one spelling of it.
-IGNORE_INDEX = -100
+IGNORE_INDEX = lm_head_triton.IGNORE
 _LOW_PRECISION = (torch.bfloat16, torch.float16)
 
 # Positions per LM-head chunk when `loss.chunk_size` (or `target.lm_head_chunk`) is 0, "auto": as many as keep
@@ -56,6 +59,23 @@ def resolve_chunk(chunk_size: int, vocab_size: int) -> int:
     if chunk_size > 0:
         return chunk_size
     return 1 << max(6, (AUTO_CHUNK_LOGITS // max(vocab_size, 1)).bit_length() - 1)
+
+
+def _triton_kernel_or_fail(device: torch.device) -> bool:
+    if not lm_head_triton.triton_available(device):
+        raise ValueError(f"loss.lm_head_kernel=triton needs Triton and a CUDA device (here: {device}, Triton "
+                         f"{'imports' if lm_head_triton.triton is not None else 'does not import'}); use auto or torch")
+    return True
+
+
+# loss.lm_head_kernel -> whether the hard-label chunk runs on lm_head_triton's two kernels on this device (soft
+# labels, a float32 / float64 head and the recompute path always take the torch chunk). auto: where they can run.
+# At the 27B shapes, in one process: the LM-head loss 41.6 -> see benchmarks/RESULTS.md session 11.
+LM_HEAD_KERNELS: Registry = Registry("loss.lm_head_kernel", {
+    "auto": lm_head_triton.triton_available,
+    "torch": lambda device: False,
+    "triton": _triton_kernel_or_fail,
+})
 
 
 # --------------------------------------------------------------------------
@@ -109,9 +129,16 @@ def _chunk_forward(
     soft_idx_Ck: Tensor | None,
     temperature: float,
     need_grad: bool,
+    use_triton: bool = False,
 ) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
     """Stats ({ce, p_label, correct} + {kl, tv, overlap} with soft labels) and, when ``need_grad``,
-    the [C, D] gradient of each differentiable stat wrt hidden ({ce} + {kl, tv})."""
+    the [C, D] gradient of each differentiable stat wrt hidden ({ce} + {kl, tv}). ``use_triton``: hard labels
+    with a bf16 / fp16 head take ``lm_head_triton.hard_label_chunk`` (the same values, 6 bytes per logit)."""
+    if use_triton and soft_vals_Ck is None and head_VD.dtype in _LOW_PRECISION and hidden_CD.dtype != torch.float64:
+        stats, grads = lm_head_triton.hard_label_chunk(hidden_CD, head_VD, labels_C, need_grad)
+        for G_CD in grads.values():
+            G_CD.masked_fill_((labels_C == IGNORE_INDEX)[:, None], 0.0)
+        return stats, grads
     logits_CV = chunk_logits(hidden_CD, head_VD)
     valid_C = labels_C != IGNORE_INDEX
     safe_labels_C = torch.where(valid_C, labels_C, 0)
@@ -256,11 +283,13 @@ class FusedLMHeadStats(torch.autograd.Function):
     labels) whose backward is Σ_stat grad_stat · G_stat with G made in the forward."""
 
     @staticmethod
-    def forward(ctx, hidden_PD, lm_head_VD, labels_P, soft_vals_Pk, soft_idx_Pk, temperature, chunk_size, need_grad):
+    def forward(ctx, hidden_PD, lm_head_VD, labels_P, soft_vals_Pk, soft_idx_Pk, temperature, chunk_size, need_grad,
+                kernel="torch"):
         out_dtype = torch.promote_types(hidden_PD.dtype, torch.float32)
         # A full-precision head is cast once per call, not once per chunk (a no-op in the usual cases).
         head_VD = lm_head_VD if lm_head_VD.dtype in _LOW_PRECISION else lm_head_VD.to(out_dtype)
         soft = soft_vals_Pk is not None
+        use_triton = LM_HEAD_KERNELS[kernel](hidden_PD.device)
         stat_parts: dict[str, list[Tensor]] = {}
         grad_parts: dict[str, list[Tensor]] = {}
         for start in range(0, hidden_PD.shape[0], chunk_size):
@@ -268,7 +297,7 @@ class FusedLMHeadStats(torch.autograd.Function):
             stats, grads = _chunk_forward(
                 hidden_PD[sl], head_VD, labels_P[sl],
                 soft_vals_Pk[sl] if soft else None, soft_idx_Pk[sl] if soft else None,
-                temperature, need_grad,
+                temperature, need_grad, use_triton,
             )
             for parts, chunk in ((stat_parts, stats), (grad_parts, grads)):
                 for name, t in chunk.items():
@@ -294,7 +323,7 @@ class FusedLMHeadStats(torch.autograd.Function):
             grad_hidden_PD = term_PD if grad_hidden_PD is None else grad_hidden_PD.add_(term_PD)
         if grad_hidden_PD is not None:
             grad_hidden_PD = grad_hidden_PD.to(ctx.hidden_dtype)
-        return grad_hidden_PD, None, None, None, None, None, None, None
+        return grad_hidden_PD, None, None, None, None, None, None, None, None
 
 
 def fused_position_stats(
@@ -306,14 +335,15 @@ def fused_position_stats(
     *,
     temperature: float,
     chunk_size: int,
+    kernel: str = "auto",
 ) -> tuple[Tensor | None, ...]:
     """(ce, kl, tv, overlap, p_label, correct), each [P] (soft ones None without soft labels).
 
     The head is treated as frozen: no gradient flows to ``lm_head_VD``.  Gradients wrt hidden are
-    only formed (and kept) when grad mode is on and ``hidden_PD`` requires grad."""
+    only formed (and kept) when grad mode is on and ``hidden_PD`` requires grad. ``kernel``: LM_HEAD_KERNELS."""
     if (soft_vals_Pk is None) != (soft_idx_Pk is None):
         raise ValueError("soft_vals_Pk and soft_idx_Pk must be given together")
     need_grad = torch.is_grad_enabled() and hidden_PD.requires_grad
     return FusedLMHeadStats.apply(
-        hidden_PD, lm_head_VD, labels_P, soft_vals_Pk, soft_idx_Pk, temperature, chunk_size, need_grad
+        hidden_PD, lm_head_VD, labels_P, soft_vals_Pk, soft_idx_Pk, temperature, chunk_size, need_grad, kernel
     )

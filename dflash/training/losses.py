@@ -34,7 +34,8 @@ import torch
 from torch import Tensor
 
 from dflash.registry import Registry
-from dflash.training.lm_head_loss import IGNORE_INDEX
+from dflash.training import lm_head_triton
+from dflash.training.lm_head_loss import IGNORE_INDEX, LM_HEAD_KERNELS
 from dflash.training.position_stats import LM_HEAD_GRADS, PositionStats, compute_position_stats
 
 # --------------------------------------------------------------------------
@@ -49,6 +50,7 @@ class LMHeadConfig:
     temperature: float = 1.0  # soft-label temperature T (KL / TV stats at T)
     chunk_size: int = 0  # positions per LM-head chunk; 0 = auto (a ~1 GiB float32 block: lm_head_loss.resolve_chunk)
     lm_head_grad: str = "fused"  # LM-head gradient path: fused (no logits recompute) | recompute (checkpointed)
+    lm_head_kernel: str = "auto"  # fused hard-label chunks: triton (2 passes over bf16 logits) | torch | auto (triton where it runs)
 
 
 @dataclass
@@ -247,7 +249,7 @@ class Loss:
 
     # The LossConfig keys this loss reads (what the run logs as params; the others are another loss's knobs):
     # set from the term's and the weighting's configs.
-    config_keys: tuple[str, ...] = ("name", "chunk_size", "lm_head_grad")
+    config_keys: tuple[str, ...] = ("name", "chunk_size", "lm_head_grad", "lm_head_kernel")
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
@@ -282,7 +284,7 @@ class Loss:
             soft_vals_NKk=batch.soft_vals_BNKk.flatten(0, -3) if soft else None,
             soft_idx_NKk=batch.soft_idx_BNKk.flatten(0, -3) if soft else None,
             temperature=c.temperature, chunk_size=c.chunk_size, need_soft=self.needs_soft,
-            lm_head_grad=c.lm_head_grad)
+            lm_head_grad=c.lm_head_grad, lm_head_kernel=c.lm_head_kernel)
         return stats, labels_NK != IGNORE_INDEX
 
     def reduce(self, stats: PositionStats, valid_NK: Tensor) -> Tensor:
@@ -306,6 +308,9 @@ def validate_loss_config(cfg: LossConfig) -> None:
     """The names a loss config picks exist (ValueError naming the key otherwise)."""
     LOSSES.check(cfg.name)
     LM_HEAD_GRADS.check(cfg.lm_head_grad)
+    LM_HEAD_KERNELS.check(cfg.lm_head_kernel)
+    if cfg.lm_head_kernel == "triton" and lm_head_triton.triton is None:
+        raise ValueError("loss.lm_head_kernel=triton: Triton does not import here; use auto or torch")
     if cfg.chunk_size < 0:
         raise ValueError(f"loss.chunk_size must be >= 1, or 0 for auto; got {cfg.chunk_size}")
 

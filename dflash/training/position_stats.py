@@ -16,7 +16,7 @@ from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
 from dflash.registry import Registry
-from dflash.training.lm_head_loss import IGNORE_INDEX, fused_position_stats, resolve_chunk
+from dflash.training.lm_head_loss import IGNORE_INDEX, LM_HEAD_KERNELS, fused_position_stats, resolve_chunk
 from dflash.training.lm_head_loss import chunk_logits as _chunk_logits
 
 
@@ -95,6 +95,7 @@ def _recompute_position_stats(
     *,
     temperature: float,
     chunk_size: int,
+    kernel: str = "torch",  # noqa: ARG001 - the fused path's option; the recompute chunks are torch only
 ) -> tuple[Tensor | None, ...]:
     """(ce, kl, tv, overlap, p_label, correct), each [P]: chunks under activation checkpointing,
     whose backward recomputes the chunk's logits (also differentiates a trainable head)."""
@@ -135,6 +136,7 @@ def compute_position_stats(
     chunk_size: int = 0,
     need_soft: bool = False,
     lm_head_grad: str = "fused",
+    lm_head_kernel: str = "auto",
 ) -> PositionStats:
     """Per-position CE / KL / TV stats of the drafter, computed in LM-head chunks.
 
@@ -147,7 +149,8 @@ def compute_position_stats(
     checkpointing.  A head that requires grad always takes "recompute" (the fused
     path treats the head as frozen).  Soft labels are the target's top-k logits
     (``soft_vals``) at vocabulary indices ``soft_idx``; they are only used when
-    ``need_soft`` is set.
+    ``need_soft`` is set. ``lm_head_kernel`` (``lm_head_loss.LM_HEAD_KERNELS``): whether the fused path's
+    hard-label chunks run on Triton kernels.
     """
     N, K, D = hidden_NKD.shape
     if need_soft and (soft_vals_NKk is None or soft_idx_NKk is None):
@@ -156,6 +159,7 @@ def compute_position_stats(
         raise ValueError(f"chunk_size must be >= 0 (0: auto), got {chunk_size}")
     chunk_size = resolve_chunk(chunk_size, lm_head_VD.shape[0])
     LM_HEAD_GRADS.check(lm_head_grad)
+    LM_HEAD_KERNELS.check(lm_head_kernel)
     if lm_head_VD.requires_grad:  # only the recompute path differentiates the head
         lm_head_grad = "recompute"
 
@@ -166,7 +170,7 @@ def compute_position_stats(
         soft_idx_Pk = soft_idx_NKk.reshape(N * K, k)
     per_position = LM_HEAD_GRADS[lm_head_grad](
         hidden_NKD.reshape(N * K, D), lm_head_VD, labels_NK.reshape(N * K), soft_vals_Pk, soft_idx_Pk,
-        temperature=temperature, chunk_size=chunk_size,
+        temperature=temperature, chunk_size=chunk_size, kernel=lm_head_kernel,
     )
     ce, kl, tv, overlap, p_label, correct = (None if t is None else t.reshape(N, K) for t in per_position)
     return PositionStats(ce=ce, kl=kl, tv=tv, overlap=overlap, p_label=p_label, correct=correct,

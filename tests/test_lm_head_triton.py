@@ -1,0 +1,106 @@
+"""The Triton hard-label LM-head chunk against the torch chunk and a float64 reference.
+
+Runs on a CUDA GPU, or on the CPU under Triton's interpreter (`TRITON_INTERPRET=1` with Triton installed; the
+interpreter needs numpy < 2.3); skipped elsewhere (the CPU-only CI machine has no Triton).
+"""
+import os
+
+import pytest
+import torch
+
+from dflash.training import lm_head_triton
+from dflash.training.lm_head_loss import IGNORE_INDEX, fused_position_stats
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+# Triton's interpreter rounds float32 to bf16 by truncation (the GPU rounds to nearest even): twice the error
+INTERPRETED = DEVICE.type == "cpu"
+pytestmark = pytest.mark.skipif(not lm_head_triton.triton_available(DEVICE),
+                                reason="needs Triton on a CUDA GPU, or TRITON_INTERPRET=1 on the CPU")
+
+
+def _stats(kernel, hidden, head, labels, weights, chunk):
+    h = hidden.detach().clone().requires_grad_()
+    ce, kl, _, _, p_label, correct = fused_position_stats(h, head, labels, None, None, temperature=1.0,
+                                                          chunk_size=chunk, kernel=kernel)
+    assert kl is None
+    (ce * weights).sum().backward()
+    return ce.detach(), p_label, correct, h.grad
+
+
+@pytest.mark.parametrize("V", [5000, 4096, 8193])  # a partial last block, exactly one block, one element over two
+def test_triton_chunk_matches_the_torch_chunk_and_float64(V):
+    gen = torch.Generator().manual_seed(V)
+    C, D = 40, 32
+    head = (torch.randn(V, D, generator=gen) * 0.3).bfloat16().to(DEVICE)
+    hidden = torch.randn(C, D, generator=gen).to(DEVICE)
+    labels = torch.randint(0, V, (C,), generator=gen).to(DEVICE)
+    labels[[3, 7, 39]] = IGNORE_INDEX
+    weights = torch.linspace(0.5, 1.5, C, device=DEVICE)
+    ref = _stats("torch", hidden, head, labels, weights, chunk=16)
+    tri = _stats("triton", hidden, head, labels, weights, chunk=16)
+
+    torch.testing.assert_close(tri[0], ref[0], rtol=1e-5, atol=1e-5)  # ce
+    torch.testing.assert_close(tri[1], ref[1], rtol=1e-5, atol=1e-6)  # p_label
+    assert torch.equal(tri[2], ref[2])  # correct
+    assert (tri[0][labels == IGNORE_INDEX] == 0).all() and (tri[3][labels == IGNORE_INDEX] == 0).all()
+
+    # The gradient of both is made from bf16 coefficients: each is as close to the float64 gradient as the other
+    # (the exp sums differ in order, so a coefficient can round to the neighbouring bf16 value).
+    h64 = hidden.double().requires_grad_()
+    logits = h64 @ head.double().T
+    valid = labels != IGNORE_INDEX
+    ce64 = torch.nn.functional.cross_entropy(logits[valid], labels[valid], reduction="none")
+    (ce64 * weights[valid]).sum().backward()
+    err_ref = (ref[3].double() - h64.grad).abs().max().item()
+    err_tri = (tri[3].double() - h64.grad).abs().max().item()
+    assert err_tri <= (4 if INTERPRETED else 1.5) * err_ref + 1e-6, (err_tri, err_ref)
+
+
+def test_ce_coefficients_are_the_rounded_softmax_minus_the_label():
+    gen = torch.Generator().manual_seed(1)
+    C, V = 8, 5000
+    logits = (torch.randn(C, V, generator=gen) * 3).bfloat16().to(DEVICE)
+    labels = torch.randint(0, V, (C,), generator=gen).to(DEVICE)
+    labels[2] = IGNORE_INDEX
+    lse, _, _ = lm_head_triton.row_stats(logits, torch.where(labels == IGNORE_INDEX, 0, labels))
+    coef = lm_head_triton.ce_coefficients_(logits.clone(), lse, labels)
+    p = torch.softmax(logits.float(), -1)
+    valid = labels != IGNORE_INDEX
+    p[valid] = p[valid].scatter_add(1, labels[valid, None], torch.full_like(p[valid, :1], -1.0))
+    p[~valid] = 0.0
+    if INTERPRETED:
+        expected = (p.view(torch.int32) & ~0xFFFF).view(torch.float32).bfloat16()
+    else:
+        expected = p.bfloat16()
+    same = (coef == expected).float().mean().item()
+    assert same > 0.999, same  # the rest: exp's last float32 bit moved a value across a rounding boundary
+    ulp = torch.finfo(torch.bfloat16).eps * expected.float().abs().clamp_min(1e-30)
+    assert ((coef.float() - expected.float()).abs() <= ulp).all()
+
+
+def test_row_stats_takes_the_first_of_tied_maxima_across_blocks():
+    V = 3 * lm_head_triton.BLOCK_V + 17
+    logits = torch.zeros(4, V)
+    logits[0, [5, 4100, 9000]] = 3.0  # tie across blocks: the first
+    logits[1, [9000, 9001]] = 3.0  # tie inside one block
+    logits[2, V - 1] = 2.0  # the last element of a partial block
+    logits[3] = -torch.arange(V, dtype=torch.float32) / V  # the first element
+    logits = logits.bfloat16().to(DEVICE)
+    labels = torch.tensor([5, 0, V - 1, 1], device=DEVICE)
+    lse, label_logit, argmax = lm_head_triton.row_stats(logits, labels)
+    assert argmax.tolist() == [5, 9000, V - 1, 0]
+    assert argmax.tolist() == logits.float().argmax(-1).tolist()
+    torch.testing.assert_close(lse, torch.logsumexp(logits.float(), -1), rtol=1e-6, atol=1e-5)
+    torch.testing.assert_close(label_logit, logits.float().gather(1, labels[:, None]).squeeze(1))
+
+
+def test_explicit_triton_kernel_without_triton_names_the_key(monkeypatch):
+    from dflash.training.losses import LossConfig, validate_loss_config
+    monkeypatch.setattr(lm_head_triton, "triton", None)
+    with pytest.raises(ValueError, match=r"loss\.lm_head_kernel=triton"):
+        validate_loss_config(LossConfig(lm_head_kernel="triton"))
+    assert not lm_head_triton.triton_available(DEVICE)
+
+
+def test_interpreter_flag_is_what_enables_the_cpu():
+    assert lm_head_triton.triton_available(torch.device("cpu")) == (os.environ.get("TRITON_INTERPRET") == "1")

@@ -24,7 +24,8 @@ def test_eager_fused_forward_is_transformers_math_exactly(model_type):
     assert off.fused.patched == 0
     norms = _count(fused.model, {"Qwen3_5RMSNorm", "Qwen3NextRMSNorm", "Qwen3_5RMSNormGated", "Qwen3NextRMSNormGated"})
     mlps = _count(fused.model, {"Qwen3_5MLP", "Qwen3NextMLP"})  # qwen3_next's MoE experts keep their own code
-    assert norms > 0 and fused.fused.patched == norms + mlps
+    attention = _count(fused.model, {"Qwen3_5Attention", "Qwen3NextAttention"})
+    assert norms > 0 and attention > 0 and fused.fused.patched == norms + mlps + attention
     ids = torch.randint(0, 256, (2, 40))
     a, b = off.forward_features(ids, soft_top_k=4), fused.forward_features(ids, soft_top_k=4)
     assert torch.equal(a.features_BTLH, b.features_BTLH) and torch.equal(a.labels_BT, b.labels_BT)
@@ -34,7 +35,7 @@ def test_eager_fused_forward_is_transformers_math_exactly(model_type):
 def test_fused_forwards_run_only_inside_the_scope_and_come_off():
     t = Target(TargetConfig(random=_spec("qwen3_5"), fused_ops="off"))
     calls = []
-    spy = lambda fn: lambda *a: calls.append(1) or fn(*a)  # noqa: E731
+    spy = lambda fn: lambda *a: calls.append(fn.__name__) or fn(*a)  # noqa: E731
     FUSED_OPS.register("spy", spy)
     try:
         t.set_fused_ops("spy")
@@ -42,7 +43,7 @@ def test_fused_forwards_run_only_inside_the_scope_and_come_off():
         t.model(input_ids=ids)  # evaluation's own forward: transformers' code
         assert calls == []
         t.forward_features(ids)
-        assert len(calls) == t.fused.patched > 0
+        assert set(calls) == {"zero_centered_rms_norm", "gated_rms_norm", "silu_mul", "attention_qk", "sigmoid_gate"}
         calls.clear()
         worker = threading.Thread(target=lambda: t.model(input_ids=ids))
         with t.fused.scope():  # entered on this thread only

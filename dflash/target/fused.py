@@ -4,8 +4,10 @@ Why: transformers' Qwen3.5 / Qwen3-Next layers run their norms and the MLP's act
 torch kernels, each a full pass over the activations: the zero-centred RMSNorm upcasts, squares, averages,
 scales, multiplies by (1 + w) and casts back (~8 passes of a [tokens, 5120] float32 tensor, twice per layer), the
 Gated DeltaNet's gated RMSNorm does the same over [tokens, 6144] plus a float32 SiLU of its gate, and the MLP
-writes silu(gate) before multiplying it by up ([tokens, 17408]). At the 27B shapes these passes are a sizeable
-share of a forward that reaches only ~61% MFU (benchmarks/RESULTS.md, session 11, has the before / after).
+writes silu(gate) before multiplying it by up ([tokens, 17408]); the gated attention's per-head norms, rotary
+embedding and output gate run as strided kernels over [B, heads, T, 256] views. At the 27B shapes these passes
+held a forward of 4 × 2,048 tokens at 62% MFU; fusing the norms and the MLP took it to 73% (9,343 → 10,916 tok/s,
+one process, benchmarks/RESULTS.md session 11).
 
 `compile` replaces each such module's forward, on this model's instances only, with the same math compiled by
 torch.compile (one fused kernel per piece); the functions below are the reference and what gets compiled. The
@@ -15,6 +17,7 @@ fixed shapes, outside any CUDA-graph capture) enters: evaluation's decoders and 
 """
 from __future__ import annotations
 
+import sys
 import threading
 from contextlib import contextmanager
 from typing import Callable
@@ -46,30 +49,73 @@ def silu_mul(gate: Tensor, up: Tensor) -> Tensor:
     return F.silu(gate) * up
 
 
-def _norm(module: nn.Module, fn: Callable) -> Callable:
-    return lambda x: fn(x, module.weight, module.eps)
+def attention_qk(q_BTHD: Tensor, k_BTHD: Tensor, q_weight: Tensor, k_weight: Tensor, eps: float, cos: Tensor,
+                 sin: Tensor, rotary: Callable) -> tuple[Tensor, Tensor]:
+    """The gated attention's q / k: per-head zero-centred RMSNorm, heads first, then the modelling module's own
+    (partial) rotary embedding, `rotary` (its `apply_rotary_pos_emb`)."""
+    q = zero_centered_rms_norm(q_BTHD, q_weight, eps).transpose(1, 2)
+    k = zero_centered_rms_norm(k_BTHD, k_weight, eps).transpose(1, 2)
+    return rotary(q, k, cos, sin)
 
 
-def _gated_norm(module: nn.Module, fn: Callable) -> Callable | None:
+def sigmoid_gate(attn_BTHD: Tensor, gate_BTX: Tensor) -> Tensor:
+    """The attention output, heads flattened ([B, T, H·D]), times sigmoid(gate)."""
+    return attn_BTHD.reshape(gate_BTX.shape) * torch.sigmoid(gate_BTX)
+
+
+def _norm(module: nn.Module, fns: tuple, eager: Callable) -> Callable:
+    return lambda x: fns[0](x, module.weight, module.eps)
+
+
+def _gated_norm(module: nn.Module, fns: tuple, eager: Callable) -> Callable | None:
     if getattr(module, "activation", "silu") != "silu":
         return None
-    return lambda x, gate: fn(x, gate, module.weight, module.variance_epsilon)
+    return lambda x, gate: fns[0](x, gate, module.weight, module.variance_epsilon)
 
 
-def _mlp(module: nn.Module, fn: Callable) -> Callable | None:
+def _mlp(module: nn.Module, fns: tuple, eager: Callable) -> Callable | None:
     if getattr(module.config, "hidden_act", None) != "silu":
         return None
-    return lambda x: module.down_proj(fn(module.gate_proj(x), module.up_proj(x)))
+    return lambda x: module.down_proj(fns[0](module.gate_proj(x), module.up_proj(x)))
 
 
-# a transformers module class -> (the fused function, how it becomes that module's forward: None = keep it)
-MODULES: dict[str, tuple[Callable, Callable]] = {
-    "Qwen3_5RMSNorm": (zero_centered_rms_norm, _norm),
-    "Qwen3NextRMSNorm": (zero_centered_rms_norm, _norm),
-    "Qwen3_5RMSNormGated": (gated_rms_norm, _gated_norm),
-    "Qwen3NextRMSNormGated": (gated_rms_norm, _gated_norm),
-    "Qwen3_5MLP": (silu_mul, _mlp),
-    "Qwen3NextMLP": (silu_mul, _mlp),
+def _attention(module: nn.Module, fns: tuple, eager: Callable) -> Callable | None:
+    """transformers' gated attention forward (Qwen3_5Attention / Qwen3NextAttention, 5.17 to 5.24) without a cache,
+    its norms + rotary and its output gate fused: at the 27B shapes the unfused rotary alone was ~34 ms of GPU time
+    per 4 × 2,048-token forward, in strided elementwise kernels over [B, heads, T, 256] views. With a cache (decode)
+    it is transformers' own forward."""
+    modeling = sys.modules[type(module).__module__]
+    rotary = getattr(modeling, "apply_rotary_pos_emb", None)
+    interfaces = getattr(modeling, "ALL_ATTENTION_FUNCTIONS", None)
+    if rotary is None or interfaces is None or not hasattr(module, "q_norm"):
+        return None
+    qk, gated = fns
+
+    def forward(hidden_states, position_embeddings, attention_mask=None, **kwargs):
+        if module.training or any(kwargs.get(k) is not None for k in ("past_key_values", "cache")):
+            return eager(hidden_states, position_embeddings, attention_mask, **kwargs)
+        kwargs = {k: v for k, v in kwargs.items() if k not in ("past_key_values", "cache")}
+        lead, d = hidden_states.shape[:-1], module.head_dim
+        q, gate = torch.chunk(module.q_proj(hidden_states).view(*lead, -1, 2 * d), 2, dim=-1)
+        k = module.k_proj(hidden_states).view(*lead, -1, d)
+        v = module.v_proj(hidden_states).view(*lead, -1, d).transpose(1, 2)
+        q, k = qk(q, k, module.q_norm.weight, module.k_norm.weight, module.q_norm.eps, *position_embeddings, rotary)
+        attend = interfaces.get_interface(module.config._attn_implementation, modeling.eager_attention_forward)
+        out, weights = attend(module, q, k, v, attention_mask, dropout=0.0, scaling=module.scaling, **kwargs)
+        return module.o_proj(gated(out, gate.reshape(*lead, -1))), weights
+    return forward
+
+
+# a transformers module class -> (the fused functions, how they become that module's forward: None = keep it)
+MODULES: dict[str, tuple[tuple[Callable, ...], Callable]] = {
+    "Qwen3_5RMSNorm": ((zero_centered_rms_norm,), _norm),
+    "Qwen3NextRMSNorm": ((zero_centered_rms_norm,), _norm),
+    "Qwen3_5RMSNormGated": ((gated_rms_norm,), _gated_norm),
+    "Qwen3NextRMSNormGated": ((gated_rms_norm,), _gated_norm),
+    "Qwen3_5MLP": ((silu_mul,), _mlp),
+    "Qwen3NextMLP": ((silu_mul,), _mlp),
+    "Qwen3_5Attention": ((attention_qk, sigmoid_gate), _attention),
+    "Qwen3NextAttention": ((attention_qk, sigmoid_gate), _attention),
 }
 
 
@@ -102,10 +148,10 @@ class FusedForward:
         make = FUSED_OPS[mode]
         if make is None:
             return
-        fused = {name: make(fn) for name, (fn, _) in MODULES.items()}
+        fused = {fn: make(fn) for fns, _ in MODULES.values() for fn in fns}  # one compiled function per piece
         for module in model.modules():
             entry = MODULES.get(type(module).__name__)
-            forward = entry[1](module, fused[type(module).__name__]) if entry else None
+            forward = entry[1](module, tuple(fused[f] for f in entry[0]), module.forward) if entry else None
             if forward is not None:
                 self._saved.append((module, module.__dict__.get("forward")))
                 module.forward = self._dispatch(module.forward, forward)
@@ -125,11 +171,16 @@ class FusedForward:
         self._saved = []
 
     def _dispatch(self, eager: Callable, fused: Callable) -> Callable:
-        def forward(x, *args, **kwargs):
-            if getattr(self._local, "active", False) and not (x.is_cuda and torch.cuda.is_current_stream_capturing()):
-                return fused(x, *args, **kwargs)
-            return eager(x, *args, **kwargs)
+        def forward(*args, **kwargs):
+            if getattr(self._local, "active", False) and not self._capturing(args[0] if args else
+                                                                             next(iter(kwargs.values()))):
+                return fused(*args, **kwargs)
+            return eager(*args, **kwargs)
         return forward
+
+    @staticmethod
+    def _capturing(x: Tensor) -> bool:
+        return x.is_cuda and torch.cuda.is_current_stream_capturing()
 
     @contextmanager
     def scope(self):

@@ -39,7 +39,7 @@ def test_fused_forwards_run_only_inside_the_scope_and_come_off():
     FUSED_OPS.register("spy", spy)
     try:
         t.set_fused_ops("spy")
-        ids = torch.randint(0, 256, (1, 12))
+        ids = torch.randint(0, 256, (1, 12), device=t.device)
         t.model(input_ids=ids)  # evaluation's own forward: transformers' code
         assert calls == []
         t.forward_features(ids)
@@ -58,18 +58,26 @@ def test_fused_forwards_run_only_inside_the_scope_and_come_off():
         FUSED_OPS.pop("spy")
 
 
-def test_compiled_fused_forward_matches_on_cpu():
-    """`compile` traces each piece as one graph (fullgraph: a graph break would raise) and keeps the values."""
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_compiled_fused_forward_matches(device):
+    """`compile` traces each piece as one graph (fullgraph: a graph break would raise) and keeps the values: float32
+    on the CPU to 1e-4; bf16 on a GPU to bf16's own rounding (the fused kernels round once where the chains of
+    kernels rounded after every op)."""
     torch._dynamo.reset()
-    off = Target(TargetConfig(random=_spec("qwen3_5"), layer_ids=[1, 3], fused_ops="off"))
-    comp = Target(TargetConfig(random=_spec("qwen3_5"), layer_ids=[1, 3], fused_ops="compile"))
-    ids = torch.randint(0, 256, (2, 24))
+    off = Target(TargetConfig(random=_spec("qwen3_5"), layer_ids=[1, 3], fused_ops="off", device=device))
+    comp = Target(TargetConfig(random=_spec("qwen3_5"), layer_ids=[1, 3], fused_ops="compile", device=device))
+    ids = torch.randint(0, 256, (2, 24), device=off.device)
     from torch._dynamo.utils import counters
     counters.clear()
     a, b = off.forward_features(ids), comp.forward_features(ids)
-    assert counters["stats"]["unique_graphs"] >= 3  # norm, gated norm, silu·up (no graph breaks: fullgraph)
-    torch.testing.assert_close(b.features_BTLH, a.features_BTLH, rtol=1e-4, atol=1e-4)
-    assert (a.labels_BT == b.labels_BT).float().mean() > 0.99
+    assert counters["stats"]["unique_graphs"] >= 3  # the pieces (fullgraph: no graph breaks)
+    if device == "cpu":
+        torch.testing.assert_close(b.features_BTLH, a.features_BTLH, rtol=1e-4, atol=1e-4)
+        assert (a.labels_BT == b.labels_BT).float().mean() > 0.99
+    else:
+        rel = ((b.features_BTLH.float() - a.features_BTLH.float()).norm() / a.features_BTLH.float().norm()).item()
+        assert rel < 2e-2, rel
+        assert (a.labels_BT == b.labels_BT).float().mean() > 0.9
     torch._dynamo.reset()
 
 

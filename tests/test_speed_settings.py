@@ -41,17 +41,22 @@ def test_every_compile_mode_trains_to_the_eager_losses(fast_cfg, monkeypatch):
 
 
 def test_stream_and_chunk_settings_train_to_the_default_losses(fast_cfg):
-    """producer_stream=side (on CPU there are no streams: the plumbing; the GPU test below checks the sync)
-    and a different LM-head chunk give the default run's losses."""
+    """producer_stream=side (on CPU there are no streams: the plumbing; the GPU test below checks the sync),
+    a different LM-head chunk and the target's fused pieces (uncompiled: transformers' math exactly; compiled by
+    inductor's CPU backend) give the default run's losses."""
     default = _train(fast_cfg, run="default")
-    for i, setting in enumerate(("trainer.producer_stream=side", "loss.chunk_size=5")):
-        assert _train(fast_cfg, setting, run=f"variant{i}") == pytest.approx(default, rel=1e-5), setting
+    settings = ("trainer.producer_stream=side", "loss.chunk_size=5", "target.fused_ops=eager", "target.fused_ops=compile")
+    for i, setting in enumerate(settings):
+        rel = 1e-4 if setting.endswith("compile") else 1e-5
+        assert _train(fast_cfg, setting, run=f"variant{i}") == pytest.approx(default, rel=rel), setting
+    torch._dynamo.reset()
 
 
 def test_unknown_speed_settings_are_rejected_before_any_work(fast_cfg):
     from dflash.config import validate
     for bad, key in (("trainer.compile_mode=fastest", "trainer.compile_mode"),
-                     ("trainer.producer_stream=other", "trainer.producer_stream")):
+                     ("trainer.producer_stream=other", "trainer.producer_stream"),
+                     ("loss.lm_head_kernel=fastest", "loss.lm_head_kernel"), ("target.fused_ops=fastest", "target.fused_ops")):
         with pytest.raises(ConfigError, match=key):
             validate(fast_cfg(bad))
 
@@ -70,3 +75,16 @@ def test_side_stream_producer_trains_to_the_same_losses_on_gpu(fast_cfg, mode):
     side = _train(fast_cfg, *common, "trainer.producer_stream=side", run="side", mode=mode)
     assert all(torch.isfinite(torch.tensor(side)))
     assert side == pytest.approx(default, rel=1e-4)
+
+
+@pytest.mark.gpu
+def test_triton_lm_head_and_compiled_target_train_to_the_torch_losses_on_gpu(fast_cfg):
+    """On a GPU the defaults (`loss.lm_head_kernel=auto` → triton, `target.fused_ops=auto` → compile) train to the
+    losses of the torch chunk on transformers' own modules, within bf16's rounding."""
+    common = ("target.random.hidden_size=256", "target.random.head_dim=64", "target.random.linear_head_dim=64",
+              "target.random.intermediate_size=512")
+    before = _train(fast_cfg, *common, "loss.lm_head_kernel=torch", "target.fused_ops=off", run="torch")
+    after = _train(fast_cfg, *common, run="defaults")
+    assert all(torch.isfinite(torch.tensor(after)))
+    assert after == pytest.approx(before, rel=2e-2)
+    torch._dynamo.reset()

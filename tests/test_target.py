@@ -4,6 +4,7 @@ import functools
 import importlib
 import importlib.util
 import inspect
+import warnings
 
 import pytest
 import torch
@@ -66,10 +67,16 @@ def test_fla_bound_without_cuda_falls_back_to_torch(monkeypatch):
             return implementation(*a, **k)
         return wrapped
     monkeypatch.setattr(mod, "torch_chunk_gated_delta_rule", make_wrapper(fake_fla_kernel))
+    monkeypatch.setattr(importlib.import_module("dflash.target.kernels"), "_UNBOUND", {})  # the fake stays here
     assert kernel_report("qwen3_5")["chunk_gated_delta_rule"] == "fla"
     report = preflight_kernels("qwen3_5", torch.device("cpu"))
     assert report["chunk_gated_delta_rule"] == "torch"
     Target(TargetConfig(random=SMALL)).forward_features(torch.randint(0, 256, (1, 70)))  # runs, no crash
+    # a CUDA target built later in the same process gets the fast kernel back (it once stayed on torch)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # no fla short conv here: the slow-path warning for causal_conv1d
+        assert preflight_kernels("qwen3_5", torch.device("cuda"))["chunk_gated_delta_rule"] == "fla"
+    preflight_kernels("qwen3_5", torch.device("cpu"))  # the torch path again for the tests after this one
 
 
 @pytest.mark.skipif(importlib.util.find_spec("fla") is not None, reason="fla installed: no slow path to warn about")

@@ -85,6 +85,12 @@ def kernel_report(model_type: str) -> dict[str, str]:
     return out
 
 
+# (modelling module name, function name) -> the fast function `force_torch_gdn` unbound for a CPU target, so that a
+# CUDA target built later in the same process gets it back (a CPU target once left every later GPU target of the
+# process on the torch path: the GPU tests after a CPU one saw chunk_gated_delta_rule = torch, session 11)
+_UNBOUND: dict[tuple[str, str], object] = {}
+
+
 def force_torch_gdn(model_type: str) -> None:
     """With `fla` importable but no CUDA, transformers binds the Triton kernels and crashes: rebind the
     module's functions to their pure-torch originals (the wrapped function under `__wrapped__`)."""
@@ -93,7 +99,17 @@ def force_torch_gdn(model_type: str) -> None:
         fn = getattr(mod, name, None)
         if fn is not None and (getattr(fn, "_dflash_backend", None)
                                or _implementation(fn).split(".")[0] != "transformers"):
+            _UNBOUND.setdefault((mod.__name__, name), fn)
             setattr(mod, name, inspect.unwrap(fn))
+
+
+def _rebind_fast(model_type: str) -> None:
+    """The fast functions a CPU target's preflight unbound in this process, bound again (for a CUDA target)."""
+    mod = _modeling_module(model_type)
+    for name in _GDN_FUNCS if mod else ():
+        fast = _UNBOUND.pop((mod.__name__, name), None)
+        if fast is not None:
+            setattr(mod, name, fast)
 
 
 @contextmanager
@@ -114,6 +130,7 @@ def preflight_kernels(model_type: str, device: torch.device) -> dict[str, str]:
     if device.type != "cuda":
         force_torch_gdn(model_type)
     else:
+        _rebind_fast(model_type)
         use_fla_short_conv(model_type)
     report = kernel_report(model_type)
     slow = [k for k, v in report.items() if v == "torch"]

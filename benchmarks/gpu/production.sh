@@ -3,12 +3,12 @@
 #     bash benchmarks/gpu/production.sh
 # 0. tests/test_speed_settings.py's GPU test: the side-stream producer trains to the one-stream losses;
 # 1. the training side at the 27B shapes (2,048 tokens, 256 anchors, +trainer=gpu): target, drafter step and the
-#    pipeline's headline (tokens trained on per second, 4 windows of 10 steps after 10 warm-up steps), each
+#    pipeline's headline (tokens trained on per second, 4 windows of 12 steps after 12 warm-up steps), each
 #    speed setting beside the default in the same process (before / after):
-#      drafter step: trainer.compile_mode=reduce-overhead (CUDA graphs of the fixed-shape compiled forward and
-#                    its backward), loss.chunk_size=4096 (LM-head loss in chunks of 4,096 positions, not 1,024);
-#      pipeline:     trainer.producer_stream=side (target forward on its own stream beside the drafter's queued
-#                    step, inline producer), then the same with producer threads;
+#      target:   target.fused_ops=off (transformers' own norms, MLP and attention; the default compiles them fused);
+#      drafter:  loss.lm_head_kernel=torch (the torch LM-head chunk; the default runs it on two Triton kernels);
+#      pipeline: both of those off (the pre-session-11 pipeline), then trainer.producer_stream=side (the target's
+#                forwards on their own stream; a tie with the default in session 11);
 # 2. what τ buys (bench.sections=serving): greedy decode step, block verify (B = 16), DDTree verify of 16 / 64 /
 #    256 nodes, re-advance and the drafter's round, after 1 K / 2 K / 4 K / 8 K tokens of context;
 # 3. time allowing: the CUDA-graph drafter in the pipeline and trainer.compile_mode=max-autotune-no-cudagraphs
@@ -40,9 +40,9 @@ timeout 75 python -m pytest -q -p no:cacheprovider tests/test_speed_settings.py 
 echo "gpu tests: rc $? at $((SECONDS - T0)) s: $(tail -1 $W/gpu_tests.log)"
 
 timeout $(( $(left) - 100 < 330 ? $(left) - 100 : 330 )) python -m experiments.bench $TRAIN \
-  bench.sections=peak,target,drafter,pipeline bench.profile_steps=2 bench.kernel_profile=0 \
-  "bench.drafter_variants=trainer.compile_mode=reduce-overhead;loss.chunk_size=4096" \
-  "bench.pipeline_variants=trainer.producer_stream=side;trainer.producer_mode=thread&trainer.producer_stream=side" \
+  bench.sections=peak,target,drafter,pipeline bench.profile_steps=2 bench.kernel_profile=1 \
+  "bench.target_variants=target.fused_ops=off" "bench.drafter_variants=loss.lm_head_kernel=torch" \
+  "bench.pipeline_variants=target.fused_ops=off&loss.lm_head_kernel=torch;trainer.producer_stream=side" \
   results=$W/RESULTS_train.md "$(db train)" > $W/train.log 2>&1
 echo "train: rc $? at $((SECONDS - T0)) s"
 

@@ -7,7 +7,8 @@ Measured side by side in one process, on one device, each a section of `bench.se
 - `drafter`: full training steps on synthetic features of the same shape (dflash/bench/drafter_step.py);
 - `pipeline`: the real trainer, headline = tokens trained on per second (dflash/bench/pipeline.py);
 - `serving`: what τ buys — decode, verify and draft forwards after long contexts (dflash/bench/serving_speed.py).
-Before/after variants of the drafter step and the pipeline run in the same process (`bench.*_variants`).
+Before/after variants of the target forward (in place: `target.fused_ops`), the drafter step and the pipeline run in
+the same process (`bench.*_variants`).
 
 FLOPs are counted by `torch.utils.flop_counter.FlopCounterMode` on one real call of each side (matmuls and
 attention; the Gated-DeltaNet recurrences run in Triton kernels that the counter cannot see, so the target's

@@ -67,16 +67,22 @@ def test_fla_bound_without_cuda_falls_back_to_torch(monkeypatch):
             return implementation(*a, **k)
         return wrapped
     monkeypatch.setattr(mod, "torch_chunk_gated_delta_rule", make_wrapper(fake_fla_kernel))
-    monkeypatch.setattr(importlib.import_module("dflash.target.kernels"), "_UNBOUND", {})  # the fake stays here
     assert kernel_report("qwen3_5")["chunk_gated_delta_rule"] == "fla"
     report = preflight_kernels("qwen3_5", torch.device("cpu"))
     assert report["chunk_gated_delta_rule"] == "torch"
     Target(TargetConfig(random=SMALL)).forward_features(torch.randint(0, 256, (1, 70)))  # runs, no crash
-    # a CUDA target built later in the same process gets the fast kernel back (it once stayed on torch)
+    # CUDA tensors still reach the fast kernel: a GPU target of the same process keeps it (a CPU target once left
+    # every later GPU target on the torch path)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # no fla short conv here: the slow-path warning for causal_conv1d
         assert preflight_kernels("qwen3_5", torch.device("cuda"))["chunk_gated_delta_rule"] == "fla"
-    preflight_kernels("qwen3_5", torch.device("cpu"))  # the torch path again for the tests after this one
+    assert kernel_report("qwen3_5", torch.device("cpu"))["chunk_gated_delta_rule"] == "torch"
+
+    class OnCuda(torch.Tensor):  # stands in for a CUDA tensor on a CPU-only machine
+        is_cuda = True
+    with pytest.raises(RuntimeError, match="no CUDA driver"):
+        mod.torch_chunk_gated_delta_rule(torch.zeros(1).as_subclass(OnCuda))
+    Target(TargetConfig(random=SMALL)).forward_features(torch.randint(0, 256, (1, 70)))  # the CPU path still runs
 
 
 @pytest.mark.skipif(importlib.util.find_spec("fla") is not None, reason="fla installed: no slow path to warn about")
@@ -126,3 +132,21 @@ def test_target_forward_makes_its_masks_without_a_host_read(model_type, attn):
     ref = t.model(input_ids=ids, output_hidden_states=True)
     torch.testing.assert_close(out.features_BTLH[:, :, 1], ref.hidden_states[3], atol=1e-5, rtol=1e-5)
     assert torch.equal(out.labels_BT, ref.logits.argmax(-1))
+
+
+def test_fla_short_conv_keeps_cpu_tensors_on_the_torch_code(monkeypatch):
+    """FLA's short convolution goes behind causal_conv1d_fn process-wide for a GPU target; a CPU target of the same
+    process still runs transformers' torch code (FLA's Triton kernel would crash on its tensors)."""
+    from dflash.target import kernels
+    mod = importlib.import_module("transformers.models.qwen3_5.modeling_qwen3_5")
+    monkeypatch.setattr(mod, "causal_conv1d_fn", mod.causal_conv1d_fn)  # restored after the test
+
+    def fla_conv(x, weight, bias=None, activation=None):
+        raise RuntimeError("Triton: no CUDA driver")
+    monkeypatch.setattr(kernels, "_fla_conv1d", lambda: fla_conv)
+    assert kernels.use_fla_short_conv("qwen3_5")
+    assert kernel_report("qwen3_5")["causal_conv1d_fn"] == "fla"
+    x, w = torch.randn(1, 6, 10), torch.randn(6, 4)
+    ref = inspect.unwrap(mod.causal_conv1d_fn)
+    assert torch.equal(mod.causal_conv1d_fn(x, w, None, activation="silu"), ref(x, w, None, activation="silu"))
+    Target(TargetConfig(random=SMALL, device="cpu")).forward_features(torch.randint(0, 256, (1, 40)))  # no crash

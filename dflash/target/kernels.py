@@ -4,10 +4,12 @@ transformers binds FLA's Triton kernels when `fla` imports and silently falls ba
 does not (DESIGN §7: the original pipeline lost most of its throughput that way). These functions patch the
 modelling module process-wide: report which kernels are active, put FLA's short convolution behind
 `causal_conv1d_fn`, or force the torch reference (CPU, or a side-by-side benchmark).
-Public: `preflight_kernels`, `kernel_report`, `force_torch_gdn`, `torch_gdn_path`, `use_fla_short_conv`.
+Public: `preflight_kernels`, `kernel_report`, `route_cpu_to_torch` (a CPU target: torch code for CPU tensors, the fast
+kernels kept for CUDA ones), `force_torch_gdn` (torch code for all), `torch_gdn_path`, `use_fla_short_conv`.
 """
 from __future__ import annotations
 
+import functools
 import inspect
 import logging
 import warnings
@@ -57,38 +59,43 @@ def use_fla_short_conv(model_type: str) -> bool:
     if not _implementation(current).startswith("transformers"):
         return False  # causal-conv1d itself is active
 
-    def causal_conv1d_fn(x, weight, bias=None, activation=None, **_):
+    reference = inspect.unwrap(current)
+
+    def causal_conv1d_fn(x, weight, bias=None, activation=None, **kwargs):
+        if not x.is_cuda:  # bound process-wide: a CPU target of the same process keeps the torch code
+            return reference(x, weight, bias, activation=activation, **kwargs)
         y = conv(x.transpose(1, 2), weight=weight, bias=bias, activation=activation)
         y = y[0] if isinstance(y, tuple) else y
         return y.transpose(1, 2)
 
     causal_conv1d_fn._dflash_backend = "fla"
-    causal_conv1d_fn.__wrapped__ = inspect.unwrap(current)  # the torch reference stays reachable
+    causal_conv1d_fn.__wrapped__ = reference  # the torch reference stays reachable
     mod.causal_conv1d_fn = causal_conv1d_fn
     return True
 
 
-def kernel_report(model_type: str) -> dict[str, str]:
-    """Which Gated-DeltaNet kernels are active: {'chunk_gated_delta_rule': 'fla' | 'torch', ...}."""
+def kernel_report(model_type: str, device: torch.device | None = None) -> dict[str, str]:
+    """Which Gated-DeltaNet kernels are active (for tensors on `device`; None: on a GPU):
+    {'chunk_gated_delta_rule': 'fla' | 'torch', ...}."""
     mod = _modeling_module(model_type)
     if mod is None:
         return {}
     out = {}
     for name in _GDN_FUNCS:
         if hasattr(mod, name):
-            backend = getattr(getattr(mod, name), "_dflash_backend", None)
+            fn = getattr(mod, name)
+            if getattr(fn, "_dflash_fast", None) is not None:  # routed by device (route_cpu_to_torch)
+                if device is not None and device.type != "cuda":
+                    out[name.removeprefix("torch_")] = "torch"
+                    continue
+                fn = fn._dflash_fast
+            backend = getattr(fn, "_dflash_backend", None)
             if backend:
                 out[name.removeprefix("torch_")] = backend
                 continue
-            impl = _implementation(getattr(mod, name))
+            impl = _implementation(fn)
             out[name.removeprefix("torch_")] = ("torch" if impl.startswith("transformers") else impl.split(".")[0])
     return out
-
-
-# (modelling module name, function name) -> the fast function `force_torch_gdn` unbound for a CPU target, so that a
-# CUDA target built later in the same process gets it back (a CPU target once left every later GPU target of the
-# process on the torch path: the GPU tests after a CPU one saw chunk_gated_delta_rule = torch, session 11)
-_UNBOUND: dict[tuple[str, str], object] = {}
 
 
 def force_torch_gdn(model_type: str) -> None:
@@ -99,17 +106,32 @@ def force_torch_gdn(model_type: str) -> None:
         fn = getattr(mod, name, None)
         if fn is not None and (getattr(fn, "_dflash_backend", None)
                                or _implementation(fn).split(".")[0] != "transformers"):
-            _UNBOUND.setdefault((mod.__name__, name), fn)
             setattr(mod, name, inspect.unwrap(fn))
 
 
-def _rebind_fast(model_type: str) -> None:
-    """The fast functions a CPU target's preflight unbound in this process, bound again (for a CUDA target)."""
+def _by_device(fast, reference):
+    """`fast` for CUDA tensors, `reference` (transformers' torch code) for any other: what a CPU target's preflight
+    binds, so that a GPU target of the same process keeps the fast kernels. Binding the reference process-wide (as
+    `force_torch_gdn` does) left every later GPU target on the torch path: the GPU tests after a CPU target saw
+    chunk_gated_delta_rule = torch (session 11)."""
+    @functools.wraps(reference)  # __wrapped__: the reference, for inspect.unwrap
+    def by_device(*args, **kwargs):
+        x = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)), None)
+        return (fast if x is not None and x.is_cuda else reference)(*args, **kwargs)
+    by_device._dflash_fast = fast
+    return by_device
+
+
+def route_cpu_to_torch(model_type: str) -> None:
+    """A CPU target's preflight: every fast Gated-DeltaNet function bound in the modelling module (FLA's Triton
+    kernels crash on CPU tensors) runs transformers' torch code for CPU tensors and stays fast for CUDA ones."""
     mod = _modeling_module(model_type)
     for name in _GDN_FUNCS if mod else ():
-        fast = _UNBOUND.pop((mod.__name__, name), None)
-        if fast is not None:
-            setattr(mod, name, fast)
+        fn = getattr(mod, name, None)
+        if fn is None or getattr(fn, "_dflash_fast", None):
+            continue
+        if getattr(fn, "_dflash_backend", None) or _implementation(fn).split(".")[0] != "transformers":
+            setattr(mod, name, _by_device(fn, inspect.unwrap(fn)))
 
 
 @contextmanager
@@ -128,11 +150,10 @@ def torch_gdn_path(model_type: str):
 
 def preflight_kernels(model_type: str, device: torch.device) -> dict[str, str]:
     if device.type != "cuda":
-        force_torch_gdn(model_type)
+        route_cpu_to_torch(model_type)
     else:
-        _rebind_fast(model_type)
         use_fla_short_conv(model_type)
-    report = kernel_report(model_type)
+    report = kernel_report(model_type, device)
     slow = [k for k, v in report.items() if v == "torch"]
     if device.type == "cuda" and slow:
         warnings.warn(f"SLOW PATH: Gated-DeltaNet kernels {slow} use the torch fallback on a GPU; install "

@@ -98,14 +98,19 @@ def kernel_report(model_type: str, device: torch.device | None = None) -> dict[s
     return out
 
 
+def _is_fast(fn) -> bool:
+    """A bound function that is not transformers' torch code: ours (`_dflash_backend`, a by-device router) or a
+    kernel package's."""
+    return bool(getattr(fn, "_dflash_backend", None)) or _implementation(fn).split(".")[0] != "transformers"
+
+
 def force_torch_gdn(model_type: str) -> None:
     """With `fla` importable but no CUDA, transformers binds the Triton kernels and crashes: rebind the
     module's functions to their pure-torch originals (the wrapped function under `__wrapped__`)."""
     mod = _modeling_module(model_type)
     for name in _GDN_FUNCS if mod else ():
         fn = getattr(mod, name, None)
-        if fn is not None and (getattr(fn, "_dflash_backend", None)
-                               or _implementation(fn).split(".")[0] != "transformers"):
+        if fn is not None and _is_fast(fn):
             setattr(mod, name, inspect.unwrap(fn))
 
 
@@ -130,7 +135,7 @@ def route_cpu_to_torch(model_type: str) -> None:
         fn = getattr(mod, name, None)
         if fn is None or getattr(fn, "_dflash_fast", None):
             continue
-        if getattr(fn, "_dflash_backend", None) or _implementation(fn).split(".")[0] != "transformers":
+        if _is_fast(fn):
             setattr(mod, name, _by_device(fn, inspect.unwrap(fn)))
 
 

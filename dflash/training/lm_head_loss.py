@@ -138,10 +138,7 @@ def _chunk_forward(
     the [C, D] gradient of each differentiable stat wrt hidden ({ce} + {kl, tv}). ``use_triton``: hard labels
     with a bf16 / fp16 head take ``lm_head_triton.hard_label_chunk`` (the same values, 6 bytes per logit)."""
     if use_triton and soft_vals_Ck is None and head_VD.dtype in _LOW_PRECISION and hidden_CD.dtype != torch.float64:
-        stats, grads = lm_head_triton.hard_label_chunk(hidden_CD, head_VD, labels_C, need_grad)
-        for G_CD in grads.values():
-            G_CD.masked_fill_((labels_C == IGNORE_INDEX)[:, None], 0.0)
-        return stats, grads
+        return lm_head_triton.hard_label_chunk(hidden_CD, head_VD, labels_C, need_grad)  # unlabelled rows: 0 coefficients
     logits_CV = chunk_logits(hidden_CD, head_VD)
     valid_C = labels_C != IGNORE_INDEX
     safe_labels_C = torch.where(valid_C, labels_C, 0)

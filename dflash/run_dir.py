@@ -24,14 +24,13 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from dflash.atomic import atomic_write_text
+from dflash.tracking.records import METRICS_FILE, MLFLOW_FILE, read_metric_records, read_mlflow_record
 
 log = logging.getLogger(__name__)
 
 CONFIG_FILE = "config.yaml"
 CHECKPOINT_DIR = "checkpoints"
 FINAL_DIR = "final"
-MLFLOW_FILE = "mlflow_run.json"
-METRICS_FILE = "metrics.jsonl"
 EVAL_DIR = "eval"
 SERVING_CONFIG = "config.json"  # a serving folder's marker (DESIGN §6)
 
@@ -108,43 +107,15 @@ class RunDir:
             raise ValueError(f"{self.config_file}: expected a mapping, got {type(d).__name__}")
         return d
 
-    # ---- mlflow_run.json
+    # ---- mlflow_run.json, metrics.jsonl (the loggers' files: dflash/tracking/records.py)
     def mlflow_info(self) -> dict:
         """{} when absent; an unreadable file warns and reads as absent."""
-        f = self.mlflow_file
-        if not f.is_file():
-            return {}
-        try:
-            info = json.loads(f.read_text())
-            return info if isinstance(info, dict) else {}
-        except (OSError, ValueError):
-            log.warning("%s is unreadable; treated as an untracked run", f)
-            return {}
-
-    def write_mlflow_info(self, info: Mapping[str, Any]) -> None:
-        atomic_write_text(self.mlflow_file, json.dumps(dict(info), indent=1))
-
-    # ---- metrics.jsonl
-    def metric_records(self) -> list[dict[str, Any]]:
-        """Records oldest first ([] when absent; a torn line is skipped)."""
-        try:
-            lines = self.metrics_file.read_text(encoding="utf-8").splitlines()
-        except OSError:
-            return []
-        out = []
-        for line in lines:
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            if isinstance(rec, dict):
-                out.append(rec)
-        return out
+        return read_mlflow_record(self.root)
 
     def logged_keys(self) -> dict[int, set[str]]:
         """step -> the metric keys metrics.jsonl already holds at that step (what a resume must not log again)."""
         seen: dict[int, set[str]] = {}
-        for rec in self.metric_records():
+        for rec in read_metric_records(self.root):
             if isinstance(rec.get("step"), int):
                 seen.setdefault(rec["step"], set()).update(k for k in rec if k not in ("step", "time"))
         return seen

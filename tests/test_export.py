@@ -397,8 +397,8 @@ def test_export_from_checkpoint_without_final_writes_target_facts(tmp_path):
                run / "checkpoints" / "step_00000002.pt")
     out = export_drafter(run, tmp_path / "served", dtype="float32")
     sc = read_serving_config(out)
-    from dflash.target.model import _tiny_hf_config
-    t = _tiny_hf_config(spec)
+    from dflash.target.model import tiny_hf_config
+    t = tiny_hf_config(spec)
     assert sc["max_position_embeddings"] == t.max_position_embeddings
     assert sc["rope_theta"] == t.rope_parameters["rope_theta"] and sc["layer_types"] == WINDOWED
     assert "mask_token" not in sc["dflash_config"]  # the byte tokenizer has no token strings

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 
-from dflash.bench.profiling import _on_cpu, device_kernels
+from dflash.bench.profiling import on_cpu, device_kernels
 
 RANGES = ("dflash.next_items", "dflash.train_step")
 
@@ -29,11 +29,11 @@ def _union_us(intervals: list[tuple[float, float]]) -> float:
 def loop_breakdown(events, top: int = 8) -> dict:
     """Per profiled step, in ms: the consumer's time in each range, the rest, the GPU's busy time and the
     costliest host ops (self time) inside each range."""
-    steps = [e for e in events if e.name == "dflash.train_step" and _on_cpu(e)]
+    steps = [e for e in events if e.name == "dflash.train_step" and on_cpu(e)]
     if not steps:
         return {"steps": 0}
     thread = steps[0].thread
-    mine = [e for e in events if e.thread == thread and _on_cpu(e)]
+    mine = [e for e in events if e.thread == thread and on_cpu(e)]
     t0 = min(e.time_range.start for e in mine)
     t1 = max(e.time_range.end for e in mine)
     n, wall = len(steps), t1 - t0

@@ -22,7 +22,7 @@ def count_step_syncs(events, step_name: str = "dflash.train_step") -> dict:
     own thread (producer threads sync on purpose, to time their forwards; the consumer must not). `sites`
     names each one's place: the innermost `dflash.*` phase, the innermost op around it, and the nearest frame
     of our code when the trace has stacks."""
-    steps = [e for e in events if e.name == step_name and _on_cpu(e)]  # not the GPU-side annotation
+    steps = [e for e in events if e.name == step_name and on_cpu(e)]  # not the GPU-side annotation
     threads = {e.thread for e in steps}
     spans = [(e.time_range.start, e.time_range.end) for e in steps]
 
@@ -31,7 +31,7 @@ def count_step_syncs(events, step_name: str = "dflash.train_step") -> dict:
     syncs = [e for e in events if e.name in SYNC_CALLS and in_step(e)]
     reads = [e for e in events if e.name in HOST_READ_OPS and in_step(e)]
     out: dict = {"steps": len(steps), "syncs": len(syncs), "host_reads": len(reads), "sites": {}}
-    ops = [e for e in events if e.thread in threads and _on_cpu(e) and e.name not in SYNC_CALLS
+    ops = [e for e in events if e.thread in threads and on_cpu(e) and e.name not in SYNC_CALLS
            and e.name != step_name] if syncs or reads else []
     for e in syncs:
         out[e.name] = out.get(e.name, 0) + 1
@@ -41,7 +41,7 @@ def count_step_syncs(events, step_name: str = "dflash.train_step") -> dict:
     return out
 
 
-def _on_cpu(e) -> bool:
+def on_cpu(e) -> bool:
     return str(getattr(e, "device_type", "CPU")).endswith("CPU")
 
 
@@ -101,7 +101,7 @@ def kernel_family(name: str) -> str:
 
 def device_kernels(events) -> list:
     """The trace's GPU kernels: device-side events that are not annotations mirrored from the host."""
-    return [e for e in events if not _on_cpu(e) and e.name and not _is_annotation(e)]
+    return [e for e in events if not on_cpu(e) and e.name and not _is_annotation(e)]
 
 
 def kernel_breakdown(events, steps: int, top: int = 8) -> dict:

@@ -16,6 +16,7 @@ import contextlib
 import torch
 
 from dflash.target.cache import cache_kwarg, new_hf_cache
+from dflash.target.model import target_lock
 
 # graph: static states, each token one CUDA-graph replay (dflash.target.static_decode; eager off the GPU);
 # static: the same states and step, run op by op; cache: transformers' own cache (the reference path).
@@ -132,16 +133,11 @@ def write_continuations(target, prompts: list[list[int]], seq_len: int, temperat
         seq = seq.to(dev)
         in_prompt_BT = (torch.arange(seq_len)[None] < torch.tensor(lens)[:, None]).to(dev)
         if mode == "cache":
-            with _target_lock(target):
+            with target_lock(target):
                 _write_cached(target, seq, in_prompt_BT, min(lens), temperature, generator)
         else:
             _write_static(target, seq, in_prompt_BT, min(lens), temperature, generator, graph=mode == "graph")
         return seq.cpu()
-
-
-def _target_lock(target):
-    # one forward at a time per target (Triton's autotuner is not thread-safe)
-    return getattr(target, "_lock", None) or contextlib.nullcontext()
 
 
 def _write_cached(target, seq, in_prompt_BT, p0: int, temperature, generator) -> None:
@@ -161,10 +157,10 @@ def _write_cached(target, seq, in_prompt_BT, p0: int, temperature, generator) ->
 def _write_static(target, seq, in_prompt_BT, p0: int, temperature, generator, graph: bool) -> None:
     from dflash.target.static_decode import static_decoder
     B, seq_len = seq.shape
-    with _target_lock(target):  # a build captures the graph: its warm-up steps may autotune Triton kernels
+    with target_lock(target):  # a build captures the graph: its warm-up steps may autotune Triton kernels
         dec = static_decoder(target, B, seq_len, graph)
     # replays launch no Triton code; an eager step may (FLA's recurrence), so it takes the lock per step
-    step_lock = _target_lock(target) if dec.graph is None else contextlib.nullcontext()
+    step_lock = target_lock(target) if dec.graph is None else contextlib.nullcontext()
     with dec.lock:
         dec.reset()
         tok = seq[:, 0]

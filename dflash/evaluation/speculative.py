@@ -34,6 +34,7 @@ import torch
 
 from dflash.drafter.model import DFlashDrafter
 from dflash.target.cache import cache_kwarg, new_hf_cache
+from dflash.target.model import target_lock
 
 
 def drafter_autocast(drafter, enabled: bool | None = None):
@@ -61,8 +62,8 @@ class TargetSession:
         self.length = 0  # committed tokens in the cache
         self.forwards = 0
         self._layered = hasattr(self.cache, "layers")
-        # One forward at a time per target (Target._lock: Triton's autotuner is not thread-safe).
-        self._lock = getattr(target, "_lock", None) or nullcontext()
+        # One forward at a time per target (Triton's autotuner is not thread-safe).
+        self._lock = target_lock(target)
 
     # -- forward ---------------------------------------------------------------------------------
     @torch.no_grad()

@@ -68,10 +68,10 @@ class GdnKernels:
     importable) and the pure-torch originals; `restore()` puts the bound ones back."""
 
     def __init__(self, model_type: str):
-        from dflash.target.kernels import _GDN_FUNCS, _modeling_module
+        from dflash.target.kernels import GDN_FUNCS, modeling_module
         self.model_type = model_type
-        self.mod = _modeling_module(model_type)
-        self.bound = {n: getattr(self.mod, n) for n in _GDN_FUNCS if self.mod is not None and hasattr(self.mod, n)}
+        self.mod = modeling_module(model_type)
+        self.bound = {n: getattr(self.mod, n) for n in GDN_FUNCS if self.mod is not None and hasattr(self.mod, n)}
 
     def use_torch(self) -> None:
         for n, fn in self.bound.items():

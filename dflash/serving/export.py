@@ -72,9 +72,9 @@ def _mask_token_string(tokenizer, mask_token_id: int) -> str | None:
 
 def read_target_facts(tcfg) -> TargetFacts:
     """A `TargetConfig`'s facts from its config.json and tokenizer (a random target: its built config)."""
-    from dflash.target.model import _text_config_dict, _tiny_hf_config, checkpoint_path, resolve_mask_token
+    from dflash.target.model import text_config_dict, tiny_hf_config, checkpoint_path, resolve_mask_token
     if not tcfg.path:
-        return facts_from_text_config(_tiny_hf_config(tcfg.random).to_dict(), None, "target.random")
+        return facts_from_text_config(tiny_hf_config(tcfg.random).to_dict(), None, "target.random")
     path = Path(checkpoint_path(tcfg))
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"target.path={tcfg.path!r}: no config.json there")
@@ -86,7 +86,7 @@ def read_target_facts(tcfg) -> TargetFacts:
             mask_token = _mask_token_string(tok, resolve_mask_token(tcfg))
         except (OSError, ValueError):
             mask_token = None  # no tokenizer in the folder: the mask string stays unknown
-    return facts_from_text_config(_text_config_dict(path), mask_token, str(path / "config.json"))
+    return facts_from_text_config(text_config_dict(path), mask_token, str(path / "config.json"))
 
 
 def facts_of_target(target) -> TargetFacts:

@@ -19,11 +19,11 @@ import torch
 
 log = logging.getLogger(__name__)
 
-_GDN_FUNCS = ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule",
+GDN_FUNCS = ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule",
               "causal_conv1d_fn", "causal_conv1d_update")
 
 
-def _modeling_module(model_type: str):
+def modeling_module(model_type: str):
     import importlib
     name = {"qwen3_5": "qwen3_5", "qwen3_5_text": "qwen3_5", "qwen3_next": "qwen3_next"}.get(model_type)
     return importlib.import_module(f"transformers.models.{name}.modeling_{name}") if name else None
@@ -51,7 +51,7 @@ def _fla_conv1d():
 def use_fla_short_conv(model_type: str) -> bool:
     """causal-conv1d builds only from source (no offline install); FLA ships a Triton short convolution.
     Put it behind transformers' `causal_conv1d_fn` call ([B, D, T] in and out) when that is the torch path."""
-    mod = _modeling_module(model_type)
+    mod = modeling_module(model_type)
     current = getattr(mod, "causal_conv1d_fn", None) if mod else None
     conv = _fla_conv1d()
     if current is None or conv is None or getattr(current, "_dflash_backend", None):
@@ -77,11 +77,11 @@ def use_fla_short_conv(model_type: str) -> bool:
 def kernel_report(model_type: str, device: torch.device | None = None) -> dict[str, str]:
     """Which Gated-DeltaNet kernels are active (for tensors on `device`; None: on a GPU):
     {'chunk_gated_delta_rule': 'fla' | 'torch', ...}."""
-    mod = _modeling_module(model_type)
+    mod = modeling_module(model_type)
     if mod is None:
         return {}
     out = {}
-    for name in _GDN_FUNCS:
+    for name in GDN_FUNCS:
         if hasattr(mod, name):
             fn = getattr(mod, name)
             if getattr(fn, "_dflash_fast", None) is not None:  # routed by device (route_cpu_to_torch)
@@ -107,8 +107,8 @@ def _is_fast(fn) -> bool:
 def force_torch_gdn(model_type: str) -> None:
     """With `fla` importable but no CUDA, transformers binds the Triton kernels and crashes: rebind the
     module's functions to their pure-torch originals (the wrapped function under `__wrapped__`)."""
-    mod = _modeling_module(model_type)
-    for name in _GDN_FUNCS if mod else ():
+    mod = modeling_module(model_type)
+    for name in GDN_FUNCS if mod else ():
         fn = getattr(mod, name, None)
         if fn is not None and _is_fast(fn):
             setattr(mod, name, inspect.unwrap(fn))
@@ -130,8 +130,8 @@ def _by_device(fast, reference):
 def route_cpu_to_torch(model_type: str) -> None:
     """A CPU target's preflight: every fast Gated-DeltaNet function bound in the modelling module (FLA's Triton
     kernels crash on CPU tensors) runs transformers' torch code for CPU tensors and stays fast for CUDA ones."""
-    mod = _modeling_module(model_type)
-    for name in _GDN_FUNCS if mod else ():
+    mod = modeling_module(model_type)
+    for name in GDN_FUNCS if mod else ():
         fn = getattr(mod, name, None)
         if fn is None or getattr(fn, "_dflash_fast", None):
             continue
@@ -143,8 +143,8 @@ def route_cpu_to_torch(model_type: str) -> None:
 def torch_gdn_path(model_type: str):
     """Temporarily run the Gated-DeltaNet functions on their pure-torch reference (benchmarks compare the
     fast path against it in one process); the bound kernels come back on exit."""
-    mod = _modeling_module(model_type)
-    saved = {n: getattr(mod, n) for n in _GDN_FUNCS if mod is not None and hasattr(mod, n)}
+    mod = modeling_module(model_type)
+    saved = {n: getattr(mod, n) for n in GDN_FUNCS if mod is not None and hasattr(mod, n)}
     try:
         force_torch_gdn(model_type)
         yield kernel_report(model_type)

@@ -25,7 +25,7 @@ from dflash.devices import resolve_device, resolve_dtype
 from dflash.registry import Registry
 from dflash.target.fused import FUSED_OPS, FusedForward, resolve_fused_ops
 from dflash.target.kernels import preflight_kernels
-from dflash.training.lm_head_loss import resolve_chunk
+from dflash.target.lm_head import resolve_chunk
 
 
 log = logging.getLogger(__name__)
@@ -59,7 +59,7 @@ class TargetConfig:
     device: str = "auto"
     soft_top_k: int = 64  # top-k target logits kept as soft labels (losses that need them)
     tokenizer: str = "auto"  # auto: the checkpoint's tokenizer, else bytes
-    lm_head_chunk: int = 0  # positions per LM-head chunk when computing labels; 0 = auto (lm_head_loss.resolve_chunk)
+    lm_head_chunk: int = 0  # positions per LM-head chunk when computing labels; 0 = auto (target/lm_head.py resolve_chunk)
     fused_ops: str = "auto"  # the producer's forward: compile (fused norms / MLP) | eager | off | auto (compile on CUDA)
 
 
@@ -94,7 +94,7 @@ def checkpoint_path(cfg: TargetConfig) -> str:
     return cfg.path
 
 
-def _text_config_dict(path: Path) -> dict:
+def text_config_dict(path: Path) -> dict:
     cfg = json.loads((path / "config.json").read_text())
     return cfg.get("text_config") or cfg
 
@@ -107,7 +107,7 @@ def read_target_info(cfg: TargetConfig) -> TargetInfo:
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"target.path={cfg.path!r}: no config.json there (expected a local "
                                 f"Hugging Face checkpoint folder; nothing is downloaded)")
-    t = _text_config_dict(path)
+    t = text_config_dict(path)
     return TargetInfo(int(t["num_hidden_layers"]), int(t["hidden_size"]), int(t["vocab_size"]),
                       str(t.get("model_type", "?")))
 
@@ -179,7 +179,7 @@ class TargetBatch:
     soft_idx_BTk: torch.Tensor | None = None
 
 
-def _tiny_hf_config(spec: TinyTargetSpec):
+def tiny_hf_config(spec: TinyTargetSpec):
     common = dict(vocab_size=spec.vocab_size, hidden_size=spec.hidden_size,
                   intermediate_size=spec.intermediate_size, num_hidden_layers=spec.num_layers,
                   num_attention_heads=spec.num_heads, num_key_value_heads=spec.num_kv_heads,
@@ -215,7 +215,7 @@ def build_random_model(spec: TinyTargetSpec, device: torch.device | None = None,
     """Random weights built directly on `device` in `dtype` (a 27B-shaped target is 54 GB in bf16: it
     must never pass through host memory in float32). Seeded, so CPU builds are reproducible."""
     from transformers import AutoModelForCausalLM
-    hf_cfg = _tiny_hf_config(spec)
+    hf_cfg = tiny_hf_config(spec)
     device = device or torch.device("cpu")
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), torch.device(device):
         torch.manual_seed(spec.seed)
@@ -241,7 +241,7 @@ class Target:
         self.fingerprint = target_fingerprint(cfg)
         # One forward at a time per target: producers share the device's default stream anyway, and
         # Triton's autotuner (FLA kernels) is not thread-safe — two threads tuning the same kernel race.
-        self._lock = threading.Lock()
+        self.lock = threading.Lock()  # taken through `target_lock(target)` by every other forward of it
         self._own_masks_failed = False  # `causal_masks` met a create_causal_mask it cannot call
         self.busy_s, self.tokens_done = 0.0, 0  # forward time and tokens, for perf/target_tok_s
         self._timings: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []  # GPU forwards not yet timed
@@ -298,7 +298,7 @@ class Target:
     def forward_features(self, input_ids_BT: torch.Tensor, soft_top_k: int = 0) -> TargetBatch:
         """Target forward: selected-layer features, greedy labels and optional top-k soft labels."""
         input_ids_BT = input_ids_BT.to(self.device)
-        with self._lock:
+        with self.lock:
             t0 = time.perf_counter()
             cuda = input_ids_BT.is_cuda
             if cuda:  # timed by CUDA events read at the next log interval, not a host sync per forward: a
@@ -351,7 +351,7 @@ class Target:
 
     def forward_stats(self) -> tuple[int, float]:
         """(tokens, seconds) of `forward_features` so far (GPU time on CUDA; waits for the last forward)."""
-        with self._lock:
+        with self.lock:
             self._resolve_timings()
             return self.tokens_done, self.busy_s
 
@@ -439,3 +439,11 @@ def check_drafter_target(recorded: str | None, target: Target, where: str) -> No
                      f"{target.cfg.name!r} is {target.fingerprint} (the target changed); retrain the drafter for "
                      f"this target, or pass --allow-other-target")
 
+
+def target_lock(target):
+    """The lock every forward of `target` takes (one forward at a time per target: producers share the device's
+    default stream anyway, and Triton's autotuner, FLA's kernels, is not thread-safe); a no-op context for an
+    object without one (a test's stand-in)."""
+    import contextlib
+    lock = getattr(target, "lock", None)
+    return lock if lock is not None else contextlib.nullcontext()

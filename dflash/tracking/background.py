@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from dflash.tracking.loggers import Logger, MLflowLogger, MultiLogger
-from dflash.tracking.run_info import _json_default
+from dflash.tracking.run_info import json_default
 
 
 class BackgroundLogger(Logger):
@@ -83,7 +83,7 @@ class BackgroundLogger(Logger):
         self._put(self.inner.log_text, text, name)
 
     def log_dict(self, d: Mapping[str, Any], name: str) -> None:
-        self._put(self.inner.log_dict, json.loads(json.dumps(d, default=_json_default)), name)
+        self._put(self.inner.log_dict, json.loads(json.dumps(d, default=json_default)), name)
 
     def log_figure(self, fig: Any, name: str) -> None:
         """Rendered here (the figure may change after this call), uploaded on the worker."""

@@ -40,12 +40,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable
 
-from dflash.run_dir import METRICS_FILE, RunDir
 from dflash.tracking.run_info import (MAX_METRICS_PER_BATCH, MAX_PARAM_VAL_LENGTH, MAX_PARAMS_TAGS_PER_BATCH,
-                                      MAX_TAG_VAL_LENGTH, _WRITE_ONCE_TAGS, _chunks, _fmt_duration, _fmt_num,
-                                      _fmt_rate, _json_default, _param_str, _sanitize_key, _to_float,
+                                      MAX_TAG_VAL_LENGTH, WRITE_ONCE_TAGS, in_batches, fmt_duration, fmt_num,
+                                      fmt_rate, json_default, param_str, sanitize_key, to_float,
                                       default_run_name, flatten_config, get_or_create_experiment, git_sha,
                                       mlflow_ui_hint, quiet_library_logs, source_tags, truncate)
+from dflash.tracking.records import METRICS_FILE, read_metric_records, write_mlflow_record
 from dflash.tracking.transport import HEARTBEAT_TAG, heartbeat_tags, http_preflight, utc_now
 
 _VALID_STATUSES = ("FINISHED", "FAILED", "KILLED")
@@ -111,7 +111,7 @@ class Logger(ABC):
 
 def read_jsonl_metrics(run_dir: str | os.PathLike) -> list[dict[str, Any]]:
     """The records of `<run_dir>/metrics.jsonl`, oldest first ([] when absent; a torn line is skipped)."""
-    return RunDir(run_dir).metric_records()
+    return read_metric_records(run_dir)
 
 
 class JsonlLogger(Logger):
@@ -130,7 +130,7 @@ class JsonlLogger(Logger):
     def log(self, metrics: Mapping[str, float], step: int) -> None:
         rec: dict[str, Any] = {"step": int(step), "time": time.time()}
         for k, v in metrics.items():
-            f = _to_float(v)
+            f = to_float(v)
             rec[str(k)] = f if f is not None else (v if isinstance(v, str) else str(v))
         if self._f is None or self._f.closed:
             self._f = open(self.path, "a", encoding="utf-8")
@@ -145,7 +145,7 @@ class JsonlLogger(Logger):
                 cur = json.loads(p.read_text(encoding="utf-8"))
             except json.JSONDecodeError:
                 cur = {}
-        cur.update({str(k): _param_str(v) for k, v in d.items()})
+        cur.update({str(k): param_str(v) for k, v in d.items()})
         tmp = p.with_suffix(p.suffix + ".tmp")
         tmp.write_text(json.dumps(cur, indent=1, sort_keys=True), encoding="utf-8")
         os.replace(tmp, p)
@@ -199,7 +199,7 @@ class MLflowLogger(Logger):
             return
         if tags:
             self.set_tags({k: v for k, v in tags.items()
-                           if not (k in _WRITE_ONCE_TAGS and self._existing_tags.get(k))})
+                           if not (k in WRITE_ONCE_TAGS and self._existing_tags.get(k))})
         if params:
             self.log_params(params)
         if cfg.system_metrics:
@@ -322,10 +322,10 @@ class MLflowLogger(Logger):
         ts = int(time.time() * 1000)
         ms = []
         for k, v in metrics.items():
-            f = _to_float(v)
+            f = to_float(v)
             if f is not None:
-                ms.append(Metric(_sanitize_key(k), f, ts, int(step)))
-        for i, chunk in enumerate(_chunks(ms, MAX_METRICS_PER_BATCH)):
+                ms.append(Metric(sanitize_key(k), f, ts, int(step)))
+        for i, chunk in enumerate(in_batches(ms, MAX_METRICS_PER_BATCH)):
             beat = heartbeat_tags() if i == 0 else []  # rides along: no extra request
             if not self._call("log_batch(metrics) failed", self.client.log_batch, self._run_id, metrics=list(chunk),
                               tags=beat):
@@ -340,14 +340,14 @@ class MLflowLogger(Logger):
         new: list[Any] = []
         changed: dict[str, str] = {}
         for k, v in flat.items():
-            key = _sanitize_key(k)
+            key = sanitize_key(k)
             val = truncate(v, MAX_PARAM_VAL_LENGTH)
             old = self._existing_params.get(key)
             if old is None:
                 new.append(Param(key, val))
             elif old != val:  # MLflow params are immutable; record the change as a tag
                 changed[f"param_changed.{key}"] = val
-        for chunk in _chunks(new, MAX_PARAMS_TAGS_PER_BATCH):
+        for chunk in in_batches(new, MAX_PARAMS_TAGS_PER_BATCH):
             if not self._call("log_batch(params) failed", self.client.log_batch, self._run_id, params=list(chunk)):
                 return
         for p in new:
@@ -360,8 +360,8 @@ class MLflowLogger(Logger):
             return
         from mlflow.entities import RunTag
 
-        ts = [RunTag(_sanitize_key(k), truncate(_param_str(v), MAX_TAG_VAL_LENGTH)) for k, v in tags.items()]
-        for chunk in _chunks(ts, MAX_PARAMS_TAGS_PER_BATCH):
+        ts = [RunTag(sanitize_key(k), truncate(param_str(v), MAX_TAG_VAL_LENGTH)) for k, v in tags.items()]
+        for chunk in in_batches(ts, MAX_PARAMS_TAGS_PER_BATCH):
             if not self._call("log_batch(tags) failed", self.client.log_batch, self._run_id, tags=list(chunk)):
                 return
 
@@ -411,9 +411,9 @@ class MLflowLogger(Logger):
                 if p.endswith((".yaml", ".yml")):
                     import yaml
 
-                    yaml.safe_dump(json.loads(json.dumps(d, default=_json_default)), f, sort_keys=False)
+                    yaml.safe_dump(json.loads(json.dumps(d, default=json_default)), f, sort_keys=False)
                 else:
-                    json.dump(d, f, indent=2, default=_json_default)
+                    json.dump(d, f, indent=2, default=json_default)
 
         self._log_generated(name, write)
 
@@ -460,7 +460,7 @@ class ConsoleLogger(Logger):
         now = time.monotonic() if now is None else now
         if self._t0 is None:
             self._t0, self._s0 = now, int(step)
-        m = {k: f for k, v in metrics.items() if (f := _to_float(v)) is not None}
+        m = {k: f for k, v in metrics.items() if (f := to_float(v)) is not None}
         parts: list[str] = []
         for key, label, fmt in (
             ("train/loss", "loss", "{:.3f}"),
@@ -474,13 +474,13 @@ class ConsoleLogger(Logger):
         tok_s = next((m[k] for k in ("perf/consumed_tok_s", "perf/pipeline_tok_s", "perf/drafter_tok_s") if k in m),
                      None)
         if tok_s is not None:
-            parts.append(f"{_fmt_rate(tok_s)} tok/s")
+            parts.append(f"{fmt_rate(tok_s)} tok/s")
         if "buffer/total" in m:
             buf = f"buf {int(m['buffer/total'])}"
             if "buffer/max_depth" in m:
                 buf += f"/{int(m['buffer/max_depth'])}"
             parts.append(buf)
-        ev = [f"{k[len('eval/'):]} {_fmt_num(v)}" for k, v in m.items() if k.startswith("eval/tau") and "_ci_" not in k]
+        ev = [f"{k[len('eval/'):]} {fmt_num(v)}" for k, v in m.items() if k.startswith("eval/tau") and "_ci_" not in k]
         if ev:
             parts.append("eval " + " ".join(ev))
         if not parts:
@@ -491,7 +491,7 @@ class ConsoleLogger(Logger):
         elapsed = now - self._t0
         if self.total_steps and done > 0 and elapsed > 0:
             eta = (self.total_steps - int(step)) * elapsed / done
-            line += f" | ETA {_fmt_duration(eta)}"
+            line += f" | ETA {fmt_duration(eta)}"
         return line
 
     def log(self, metrics: Mapping[str, float], step: int) -> None:
@@ -600,7 +600,7 @@ def build_loggers(
                 "run_id": ml.run_id,
                 "run_name": ml.run_name,
             }
-            RunDir(run_dir).write_mlflow_info(info)
+            write_mlflow_record(run_dir, info)
     if cfg.console:
         loggers.append(ConsoleLogger(total_steps))
         print(start_banner(run_dir, loggers[1] if cfg.enabled else None), flush=True)

@@ -71,18 +71,18 @@ def git_sha(full: bool = False) -> str:
     return "unknown"
 
 
-def _param_str(v: Any) -> str:
+def param_str(v: Any) -> str:
     if isinstance(v, str):
         return v
     if isinstance(v, (list, tuple, set, frozenset)):
         seq = sorted(v, key=str) if isinstance(v, (set, frozenset)) else list(v)
-        return json.dumps(seq, default=_json_default)
+        return json.dumps(seq, default=json_default)
     if isinstance(v, Path):
         return str(v)
     return str(v)
 
 
-def _json_default(o: Any) -> Any:
+def json_default(o: Any) -> Any:
     if dataclasses.is_dataclass(o) and not isinstance(o, type):
         return dataclasses.asdict(o)
     if isinstance(o, Mapping):
@@ -111,11 +111,11 @@ def flatten_config(d: Mapping[str, Any] | Any, prefix: str = "") -> dict[str, st
             else:
                 out.update(flatten_config(v, key))
         else:
-            out[key] = _param_str(v)
+            out[key] = param_str(v)
     return out
 
 
-def _to_float(v: Any) -> float | None:
+def to_float(v: Any) -> float | None:
     """float(v) for numbers / 0-d tensors / numpy scalars; None if not convertible."""
     if v is None or isinstance(v, (str, bytes)):
         return None
@@ -137,7 +137,7 @@ def truncate(s: str, limit: int) -> str:
 _BAD_KEY_CHARS = re.compile(r"[^\w\-. :/]")
 
 
-def _sanitize_key(k: str) -> str:
+def sanitize_key(k: str) -> str:
     """Make ``k`` a valid MLflow metric/param/tag name (invalid chars -> ``_``; length cap)."""
     k = re.sub(r"/+", "/", _BAD_KEY_CHARS.sub("_", str(k))).strip("/") or "_"
     if len(k) > MAX_KEY_LENGTH:
@@ -146,12 +146,12 @@ def _sanitize_key(k: str) -> str:
     return k
 
 
-def _chunks(seq: Sequence[Any], n: int) -> Iterable[Sequence[Any]]:
+def in_batches(seq: Sequence[Any], n: int) -> Iterable[Sequence[Any]]:
     for i in range(0, len(seq), n):
         yield seq[i : i + n]
 
 
-def _fmt_duration(seconds: float) -> str:
+def fmt_duration(seconds: float) -> str:
     s = max(0, int(round(seconds)))
     if s < 60:
         return f"{s}s"
@@ -160,7 +160,7 @@ def _fmt_duration(seconds: float) -> str:
     return f"{s // 3600}h{(s % 3600) // 60:02d}m"
 
 
-def _fmt_rate(v: float) -> str:
+def fmt_rate(v: float) -> str:
     if abs(v) >= 1e6:
         return f"{v / 1e6:.2f}M"
     if abs(v) >= 1e3:
@@ -168,9 +168,9 @@ def _fmt_rate(v: float) -> str:
     return f"{v:.0f}"
 
 
-def _fmt_num(v: float) -> str:
+def fmt_num(v: float) -> str:
     if math.isfinite(v) and abs(v) >= 1e4:
-        return _fmt_rate(v)
+        return fmt_rate(v)
     return f"{v:.4g}"
 
 
@@ -229,7 +229,7 @@ def get_or_create_experiment(client, name: str, tracking_uri: str) -> str:
 SOURCE_NAME, SOURCE_TYPE, GIT_COMMIT, NOTE = ("mlflow.source.name", "mlflow.source.type",
                                               "mlflow.source.git.commit", "mlflow.note.content")
 # Written once: a reopened run (resume, a sweep trial's pre-made child) keeps the command that made it.
-_WRITE_ONCE_TAGS = (SOURCE_NAME, SOURCE_TYPE, NOTE)
+WRITE_ONCE_TAGS = (SOURCE_NAME, SOURCE_TYPE, NOTE)
 
 
 def command_line() -> str:

@@ -41,28 +41,13 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from dflash.registry import Registry
+from dflash.target.lm_head import resolve_chunk  # noqa: F401  (the chunk rule the losses share with the target)
 from dflash.training import lm_head_triton
 
 # The label of a position with no target (block padding): written by dflash.training.batching, skipped by
 # every stat and loss. torch's cross_entropy default ignore_index; the project's one spelling of it.
 IGNORE_INDEX = lm_head_triton.IGNORE
 _LOW_PRECISION = (torch.bfloat16, torch.float16)
-
-# Positions per LM-head chunk when `loss.chunk_size` (or `target.lm_head_chunk`) is 0, "auto": as many as keep
-# one [chunk, V] float32 block near 1 GiB. At V = 248,320 that is 1,024, the fixed default it replaces; at the
-# reference target's V = 4,096 it is 65,536. There 1,024 made 128 chunks of ~20 small kernels each per step:
-# launch-bound. On an H200, in one process: the LM-head loss 72.2 -> 10.3 ms, the drafter step 80.0 -> 43.9 ms
-# (benchmarks/RESULTS.md, session 8).
-AUTO_CHUNK_LOGITS = 1 << 28
-
-
-def resolve_chunk(chunk_size: int, vocab_size: int) -> int:
-    """`chunk_size` itself when > 0; for 0 (auto) the largest power of two (at least 64) of positions whose
-    [chunk, V] logits hold at most AUTO_CHUNK_LOGITS values."""
-    if chunk_size > 0:
-        return chunk_size
-    return 1 << max(6, (AUTO_CHUNK_LOGITS // max(vocab_size, 1)).bit_length() - 1)
-
 
 def _triton_kernel_or_fail(device: torch.device) -> bool:
     if not lm_head_triton.triton_available(device):

@@ -16,7 +16,8 @@ from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
 from dflash.registry import Registry
-from dflash.training.lm_head_loss import IGNORE_INDEX, LM_HEAD_KERNELS, fused_position_stats, resolve_chunk
+from dflash.target.lm_head import resolve_chunk
+from dflash.training.lm_head_loss import IGNORE_INDEX, LM_HEAD_KERNELS, fused_position_stats
 from dflash.training.lm_head_loss import chunk_logits as _chunk_logits
 
 

@@ -20,14 +20,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 def profile_run(overrides: list[str], start: int, steps: int) -> dict:
     from dflash.bench.loop_profile import LoopProfiler
-    from dflash.training.trainer import Trainer
+    from dflash.app.run import TrainingRun
     from experiments.config import compose_config
     cfg = compose_config(overrides)
     cfg = dataclasses.replace(cfg, trainer=dataclasses.replace(
         cfg.trainer, max_steps=start + steps, checkpoint_every=10**9, eval_every=0, time_budget_s=0.0))
-    trainer = Trainer(cfg)
-    prof = LoopProfiler(trainer.device, start, steps)
-    trainer.run(final=False, around_step=prof.around_step)
+    run = TrainingRun(cfg)
+    prof = LoopProfiler(run.trainer.device, start, steps)
+    run.run(final=False, around_step=prof.around_step)
     return {"overrides": overrides, "start": start, **prof.result}
 
 

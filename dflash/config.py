@@ -2,7 +2,7 @@
 
 The library never imports Hydra. `experiments/` composes YAML groups against this schema (a Hydra
 structured config built from `RunConfig`, so unknown keys and wrong types fail at compose time) and
-hands a plain `RunConfig` to `dflash.training.trainer.train`. Tests, sweeps and notebooks build `RunConfig`
+hands a plain `RunConfig` to `dflash.app.run.train`. Tests, sweeps and notebooks build `RunConfig`
 directly or through the same compose helper.
 """
 from __future__ import annotations
@@ -12,6 +12,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from dflash.errors import ConfigError  # noqa: F401  (defined below every layer; importable from here as before)
 from dflash.training.buffer import BufferConfig, validate_buffer_config
 from dflash.data.sources import DataConfig, validate_data_config, validate_online_data
 from dflash.run_dir import CHECKPOINT_DIR, RunDir
@@ -25,10 +26,6 @@ from dflash.training.pipeline import PRODUCER_MODES, PRODUCER_STREAMS
 from dflash.serving.promotion import PromoteConfig
 from dflash.target.model import TargetConfig, validate_target_config
 from dflash.tracking.loggers import TrackingConfig
-
-
-class ConfigError(ValueError):
-    """Bad input, found before any work starts."""
 
 
 @dataclass

@@ -9,8 +9,9 @@ A training run owns one folder (`runs/<timestamp>-<loss>/` unless `run_dir=` nam
     metrics.jsonl      every logged step, the log of record (also when the tracking store is down)
     eval/              evaluation outputs (reports, the eval CLI's runs)
 
-`RunDir` is the only code that knows these names; the trainer, the eval, export and promote CLIs and sweeps ask
-it. It lives at the top of the library (beside `config` and `atomic`) because both training and tracking use it.
+`RunDir` knows the layout; the run it holds is composed in dflash/app/run.py, which hands the trainer only its
+checkpoint folder, and the eval, export and promote CLIs and sweeps ask it. It sits above training and tracking
+(their checkpoint format and the loggers' two files, dflash/tracking/records.py, are theirs) and below config.
 `resolve_drafter_source(path)` turns a run folder, a serving folder or a checkpoint file into a drafter source
 (eval and export). Resume reads everything it needs through `ResumeState` before anything is written.
 """
@@ -188,6 +189,11 @@ class DrafterSource:
     @property
     def step(self) -> int | None:
         return int(self.state.get("step", 0)) if self.state is not None else None
+
+    @property
+    def run_serving(self) -> Path | None:
+        """The serving folder (final/) of the run a checkpoint belongs to, when the run has one."""
+        return self.run.final if self.run is not None and self.run.has_final() else None
 
     @property
     def run_config(self) -> dict | None:

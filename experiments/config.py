@@ -128,6 +128,9 @@ def run_cli(main) -> None:
     except RunInterrupted as e:  # the trainer checkpointed and closed its run KILLED
         print(f"{e}", file=sys.stderr)
         sys.exit(e.exit_code)
+    except KeyboardInterrupt:  # Ctrl-C before a run began (while composing the config): nothing to keep
+        print("stopped by SIGINT before the run started", file=sys.stderr)
+        sys.exit(130)
     except DeadDrafterError as e:  # closed FAILED
         print(f"error: {e}", file=sys.stderr)
         sys.exit(1)

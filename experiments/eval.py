@@ -91,7 +91,7 @@ def resolve_source(path: Path, overrides: list[str]):
     run_dir = src.run.root if src.run is not None else None
     if src.serving is not None:
         return cfg, cfg.eval, lambda dev: load_drafter(src.serving, dev), run_dir, cfg.trainer.max_steps
-    return (cfg, cfg.eval, lambda dev: drafter_from_checkpoint(src.checkpoint, src.state).drafter.to(dev),
+    return (cfg, cfg.eval, lambda dev: drafter_from_checkpoint(src.checkpoint, src.state, src.run_serving).drafter.to(dev),
             run_dir, src.step)
 
 

@@ -19,7 +19,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from dflash.serving.export import export_drafter, read_serving_config
+from dflash.app.export import export_drafter
+from dflash.serving.export import read_serving_config
 
 
 def build_parser() -> argparse.ArgumentParser:

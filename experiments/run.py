@@ -1,6 +1,6 @@
 """One training run: `python -m experiments.run [+loss=soft_kl] [+noise=cosine] [key=value ...]`.
 
-Thin on purpose: compose the config, call `dflash.training.trainer.train`, print the result. Sweeps, tests and
+Thin on purpose: compose the config, call `dflash.app.run.train`, print the result. Sweeps, tests and
 notebooks call the same functions. `--cfg` prints the resolved config and exits; `--help` lists the config
 groups, their options and every key. `resume=<run dir>` continues a run from its newest intact checkpoint.
 SIGTERM / Ctrl-C: the step finishes, a checkpoint is written, the MLflow run closes KILLED, exit 128 + signal.
@@ -12,7 +12,7 @@ import sys
 import yaml
 
 from dflash.config import to_dict
-from dflash.training.trainer import train
+from dflash.app.run import train
 from experiments.config import compose_config, exit_on_help, resume_config, run_cli
 
 

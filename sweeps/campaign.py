@@ -287,7 +287,7 @@ def config_key(overrides: list[str]) -> str:
 def shared_inputs(c: Campaign, extra: list[str], out: Path) -> dict[str, float]:
     """The prompt pool, the online shards every cell reads and the eval ground truth, made once before any
     cell starts (`dflash.training.write_ahead`); recorded in `<out>/<campaign>/write_ahead.json`."""
-    from dflash.training.write_ahead import write_ahead
+    from dflash.app.write_ahead import write_ahead
     cfgs = every_option_config(c, extra)  # every option: the deepest buffer decides how far to write
     stats = write_ahead(cfgs[0], more_cfgs=cfgs[1:])
     atomic_write_text(out / c.name / "write_ahead.json", json.dumps(stats, indent=2))

@@ -2,7 +2,7 @@
 
 The trial's training run is the MLflow child of the study's parent run: it is created (tagged
 `mlflow.parentRunId`, `optuna.study_name`, `optuna.trial_number`, `optuna.state=RUNNING`) before training
-starts and the trainer logs into it (`dflash.training.trainer.train(..., run_id=…)`). When the trial ends, the
+starts and the trainer logs into it (`dflash.app.run.train(..., run_id=…)`). When the trial ends, the
 Optuna callback `TrialEnd` writes `optuna.state` (COMPLETE / PRUNED / FAIL), `optuna.pruned_step`,
 `optuna.value`, sets the run status (FINISHED / KILLED / FAILED) and refreshes the parent (best value,
 params, run, checkpoint; trial counts).
@@ -85,7 +85,7 @@ def trial_description(ctx: TrialContext, number: int, overrides: list[str]) -> s
 
 
 def run_trial(trial, ctx: TrialContext, tracker: SweepTracker | None) -> float:
-    from dflash.training.trainer import run_label  # imported late: the launcher process never trains
+    from dflash.app.run import run_label  # imported late: the launcher process never trains
 
     sampled, values = suggest(trial, ctx.sweep)
     overrides = merge_overrides(ctx.base_overrides, sampled)
@@ -110,7 +110,7 @@ def run_trial(trial, ctx: TrialContext, tracker: SweepTracker | None) -> float:
                 trial.set_user_attr(ATTR_RUN_ID, run_id)
         evaluator = PruningEvaluator(trial, ctx.sweep.objective.metric, run_dir,
                                      base=base_evaluator(ecfg, out_dir=RunDir(run_dir).eval_dir))
-        from dflash.training.trainer import train  # imported late: the launcher process never trains
+        from dflash.app.run import train  # imported late: the launcher process never trains
         result = train(cfg, evaluator, run_id=run_id)
         if result.checkpoint is not None:
             trial.set_user_attr(ATTR_CKPT, str(Path(result.checkpoint).resolve()))

@@ -57,7 +57,7 @@ def last_logged(run_dir: str | os.PathLike, key: str, max_step: int | None = Non
 
 
 class PruningEvaluator:
-    """`evaluator(drafter, target, step, final, logger=None)` for `dflash.training.trainer.train`.
+    """`evaluator(drafter, target, step, final, logger=None)` for `dflash.app.run.train`.
 
     Calls `base` (the real evaluator, may be None), then — for intermediate calls only — reports the
     objective `metric` at `step` to `trial` and raises `EvalPruned` when `trial.should_prune()`. The

@@ -14,8 +14,8 @@ from safetensors.torch import load_file
 from torch import nn
 
 from dflash.drafter.model import DFlashDrafter, DrafterConfig
-from dflash.serving.export import (export_drafter, load_drafter, read_serving_config, save_drafter,
-                           write_serving_folder)
+from dflash.app.export import export_drafter
+from dflash.serving.export import load_drafter, read_serving_config, save_drafter, write_serving_folder
 
 H, V, MASK, LAYER_IDS, N_TARGET = 32, 50, 49, [1, 3, 4], 6
 
@@ -527,7 +527,7 @@ def test_automodel_trust_remote_code_in_a_fresh_interpreter_matches_ours(tmp_pat
 def test_training_run_writes_a_complete_folder_for_a_windowed_drafter(fast_cfg):
     """The trainer's final/ carries the target's facts; rope_theta 0 trained with the target's theta."""
     from dflash.serving.export import read_target_facts
-    from dflash.training.trainer import train
+    from dflash.app.run import train
     cfg = fast_cfg("+tracking=off", "drafter.num_layers=2", "drafter.layer_types=[sliding_attention,full_attention]",
                    "drafter.sliding_window=16", "drafter.rope_theta=0.0", "trainer.max_steps=2",
                    "trainer.checkpoint_every=2")

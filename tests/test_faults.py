@@ -19,7 +19,7 @@ import torch
 from mlflow.tracking import MlflowClient
 
 from dflash.config import ConfigError, validate
-from dflash.training.trainer import train
+from dflash.app.run import train
 from tests.conftest import FAST
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -92,7 +92,7 @@ def test_crafted_pickle_never_runs_for_resume_eval_or_export(base_run, tmp_path)
     torch.save({"step": 6, "drafter": _Payload(marker), "optimizer": {}, "scheduler": {}, "ranks": [],
                 "config": {}}, evil)
     _sha_sidecar(evil)  # a matching digest does not make it trusted: only plain data loads
-    from dflash.serving.export import export_drafter
+    from dflash.app.export import export_drafter
     from experiments import eval as eval_cli
     with pytest.raises(ValueError, match="refused.*Unsupported global"):
         export_drafter(evil, tmp_path / "served")

@@ -33,7 +33,7 @@ def test_fla_forward_matches_torch_fallback():
 
 
 def test_gpu_training_steps(fast_cfg):
-    from dflash.training.trainer import train
+    from dflash.app.run import train
     res = train(fast_cfg("trainer.device=cuda", "target.device=cuda", "+loss=soft_kl"))
     assert res.metrics["train/loss"] == res.metrics["train/loss"]  # not NaN
 

@@ -15,7 +15,7 @@ NOTEBOOKS = ["ablation.ipynb", "run_deep_dive.ipynb"]
 @pytest.fixture(scope="module")
 def store(tmp_path_factory):
     """Three tiny runs with eval: hard_ce × seeds {0, 1}, streak × seed 0 (experiment 'nb')."""
-    from dflash.training.trainer import train
+    from dflash.app.run import train
     from experiments.config import compose_config
     from tests.conftest import FAST
 

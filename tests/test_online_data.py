@@ -14,7 +14,7 @@ from dflash.data.writing import write_continuations
 from dflash.data.pool import PoolConfig, PromptPool, build_prompt_pool
 from dflash.data.regen import greedy_generate
 from dflash.target.model import ByteTokenizer, Target, TargetConfig, TinyTargetSpec
-from dflash.training.trainer import train
+from dflash.app.run import train
 from tests.conftest import interrupted_copy
 
 
@@ -284,7 +284,7 @@ def test_gpu_profile_trains_on_online_data(fast_cfg, tmp_path):
 def test_write_ahead_makes_the_shards_a_run_then_only_reads(fast_cfg, tmp_path):
     """A campaign's shared inputs: the shards every run will claim, written once up front; the run that
     follows writes nothing (the engine's own counters say so)."""
-    from dflash.training.write_ahead import write_ahead
+    from dflash.app.write_ahead import write_ahead
     cfg = fast_cfg(*_online(tmp_path), "trainer.producer_batch=3", run="ahead")
     stats = write_ahead(cfg)
     # 6 steps x 2 sequences + a full buffer (4) + one producer batch (3) = 19 items -> 5 batches of 4

@@ -340,7 +340,7 @@ def test_training_run_then_promote_and_export(fast_cfg, tmp_path, capsys):
     the gate and the export read. The eval metric is logged by hand here (evaluation is tested apart)."""
     pytest.importorskip("experiments.config")
     from dflash.serving.export import load_drafter
-    from dflash.training.trainer import train
+    from dflash.app.run import train
     from experiments.export import main as export_main
     from experiments.promote import main as promote_main
     cfg = fast_cfg()

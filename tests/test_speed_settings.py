@@ -14,7 +14,7 @@ def _losses(run_dir) -> list[float]:
 def _train(fast_cfg, *overrides, run, mode="inline"):
     """Losses of a short run; inline producer by default: the buffer fills in the same order every run (a
     producer thread races the consumer)."""
-    from dflash.training.trainer import train
+    from dflash.app.run import train
     return _losses(train(fast_cfg("trainer.max_steps=4", "trainer.checkpoint_every=100", f"trainer.producer_mode={mode}",
                                   *overrides, run=run)).run_dir)
 

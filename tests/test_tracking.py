@@ -342,7 +342,7 @@ def test_run_name_is_the_run_folder_and_the_run_says_what_it_is(tmp_path, monkey
     same name, MLflow's Source / commit / Description fields are set, and the run id, folder and `mlflow
     ui` command are printed before the first step."""
     from dflash.tracking.run_info import command_line
-    from dflash.training.trainer import train
+    from dflash.app.run import train
     from experiments.config import compose_config
     from tests.conftest import FAST
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from mlflow.tracking import MlflowClient
 
-from dflash.training.trainer import train
+from dflash.app.run import train
 from tests.conftest import interrupted_copy
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -1,10 +1,12 @@
-"""The trainer's public step API: make_batch / step on device tensors, run(final=False, around_step=...)."""
+"""The trainer's public step API: make_batch / step on device tensors; a composed run's run(final=False,
+around_step=...)."""
 import contextlib
 
 import torch
 
 from dflash.training.pipeline import Item
-from dflash.training.trainer import StepOutput, Trainer
+from dflash.app.run import TrainingRun
+from dflash.training.trainer import StepOutput
 
 
 def _item(trainer, length=80, seed=0):
@@ -18,7 +20,8 @@ def _item(trainer, length=80, seed=0):
 
 def test_step_api_and_run_hooks(fast_cfg):
     cfg = fast_cfg("+loss=soft_kl", "trainer.max_steps=3", "tracking.enabled=false", "eval.enabled=false")
-    trainer = Trainer(cfg)
+    run = TrainingRun(cfg)
+    trainer = run.trainer
 
     # One step by hand: a batch from buffered-shaped items, device tensors back, the parameters move.
     batch = trainer.make_batch([_item(trainer, seed=s) for s in range(cfg.trainer.sequences_per_step)])
@@ -37,7 +40,7 @@ def test_step_api_and_run_hooks(fast_cfg):
         entered.append(step)
         yield
 
-    result = trainer.run(final=False, around_step=around)
+    result = run.run(final=False, around_step=around)
     assert entered == [0, 1, 2]
-    assert result.checkpoint is None and not (trainer.run_dir / "final").exists()
-    assert (trainer.run_dir / "checkpoints").is_dir() and "train/loss" in result.metrics
+    assert result.checkpoint is None and not (run.run_dir / "final").exists()
+    assert (run.run_dir / "checkpoints").is_dir() and "train/loss" in result.metrics

@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 from dflash.evaluation.evaluator import summary_table
-from dflash.training.trainer import train
+from dflash.app.run import train
 from experiments.config import compose_config
 
 DEFAULTS = ["+trainer=gpu", "+eval=full", "trainer.time_budget_s=240", "trainer.eval_every=0",

@@ -20,7 +20,7 @@ sys.path.insert(0, str(ROOT))
 def main(overrides: list[str]) -> int:
     from mlflow.tracking import MlflowClient
 
-    from dflash.training.trainer import train
+    from dflash.app.run import train
     from experiments.config import compose_config
 
     with tempfile.TemporaryDirectory(prefix="dflash-sysmetrics-") as d:

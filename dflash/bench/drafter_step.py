@@ -63,7 +63,7 @@ class DrafterStepBench:
     """The trainer's step on one fixed synthetic batch (features, anchors and labels of the bench's shape)."""
 
     def __init__(self, cfg: RunConfig, target: Target, b: BenchConfig):
-        from dflash.training.trainer import Trainer
+        from dflash.app.run import TrainingRun
         self.b, self.device = b, target.device
         # max_epochs=0: this times one fixed batch, so no epoch guard (it warned "MEMORIZATION RISK" in every
         # bench run: 8 sequences for the run's max_steps)
@@ -72,7 +72,7 @@ class DrafterStepBench:
                                           num_sequences=8, max_epochs=0),
             trainer=dataclasses.replace(cfg.trainer, num_anchors=b.anchors, warmup_steps=1, online_data=False),
             tracking=dataclasses.replace(cfg.tracking, enabled=False, console=False))
-        self.trainer = Trainer(run_cfg, target=target)
+        self.trainer = TrainingRun(run_cfg, target=target).trainer
         soft_k = target.cfg.soft_top_k if self.trainer.loss_fn.needs_soft else 0
         self.batch = synthetic_batch(target, cfg.drafter.block_size, b, soft_k)
 

@@ -93,9 +93,10 @@ def bench_config(cfg: RunConfig, b: BenchConfig, s: Schedule) -> RunConfig:
 
 def bench_pipeline(cfg: RunConfig, target: Target, b: BenchConfig) -> dict:
     """The real trainer; `cfg.run_dir` must be this measurement's own (its metrics.jsonl is read back)."""
-    from dflash.training.trainer import Trainer
+    from dflash.app.run import TrainingRun
     s = Schedule.of(b, cfg.trainer.producer_batch)
-    trainer = Trainer(bench_config(cfg, b, s), target=target)
+    run = TrainingRun(bench_config(cfg, b, s), target=target)
+    trainer = run.trainer
     clock = StepClock(trainer.device, s.warmup, s.measured_end)
     syncs: dict = {}
     profiler = StepProfiler(trainer.device, s.measured_end, b.profile_steps, syncs, bool(b.sync_stacks))
@@ -108,8 +109,8 @@ def bench_pipeline(cfg: RunConfig, target: Target, b: BenchConfig) -> dict:
         yield
         clock.after_step(step + 1, tokens_per_step)
         profiler.leave(step)
-    trainer.run(final=False, around_step=around_step)  # a benchmark writes no final drafter
-    windows = window_records(trainer.run_dir, s)
+    run.run(final=False, around_step=around_step)  # a benchmark writes no final drafter
+    windows = window_records(run.run_dir, s)
     out = summarise(clock, windows, trainer.dist.world)
     out.update(sync_summary(syncs))
     out.update({"producer_batch": cfg.trainer.producer_batch,

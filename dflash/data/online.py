@@ -82,6 +82,17 @@ def validate_online_config(cfg: OnlineConfig, seq_len: int, max_prompt_len: int)
 AUTO_GPU_REUSE = 2
 
 
+def resolve_online_config(cfg: OnlineConfig, target, seq_len: int) -> OnlineConfig:
+    """`cfg` with its "auto" values (0) made what runs: `write_batch` (`auto_write_batch` for this target and
+    length) and `reuse` (AUTO_GPU_REUSE on a GPU, 1 on the CPU). Resolved values pass through unchanged, so the
+    composing layer resolves once and every reader (the writer, the data's epoch count, write-ahead) sees it."""
+    if cfg.write_batch == 0:
+        cfg = dataclasses.replace(cfg, write_batch=auto_write_batch(target, seq_len))
+    if cfg.reuse == 0:
+        cfg = dataclasses.replace(cfg, reuse=AUTO_GPU_REUSE if target.device.type == "cuda" else 1)
+    return cfg
+
+
 # -- the stream -----------------------------------------------------------------------------------------
 class OnlineWriter:
     """Key → written sequence, by written batches (memory → shard → the target writes it). Thread-safe."""
@@ -89,10 +100,9 @@ class OnlineWriter:
     def __init__(self, target, pool: PromptPool, cfg: OnlineConfig, seq_len: int, rank: int = 0, world: int = 1):
         self.target, self.pool, self.cfg, self.seq_len = target, pool, cfg, seq_len
         self.rank, self.world = rank, world
-        if cfg.write_batch == 0:  # auto: resolved before the fingerprint, so shards name the real width
-            self.cfg = cfg = dataclasses.replace(cfg, write_batch=auto_write_batch(target, seq_len))
-        if cfg.reuse == 0:
-            self.cfg = cfg = dataclasses.replace(cfg, reuse=AUTO_GPU_REUSE if target.device.type == "cuda" else 1)
+        # "auto" values: resolved by the composing layer already (a no-op then), and before the fingerprint, so
+        # shards name the real width
+        self.cfg = cfg = resolve_online_config(cfg, target, seq_len)
         check_write_batch(target, cfg.write_batch)
         self.decode = resolve_decode(target, cfg.decode)
         self.fingerprint = self._fingerprint()

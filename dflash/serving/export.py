@@ -465,26 +465,25 @@ class ExportSource:
     target: TargetFacts | None = None  # None: unknown (a bare folder as source) -> a bare export
 
 
-def drafter_from_checkpoint(pt: Path, state: dict) -> ExportSource:
+def drafter_from_checkpoint(pt: Path, state: dict, run_serving: Path | None = None) -> ExportSource:
     """A trainer checkpoint's loaded state (`checkpoints/step_*.pt`) → drafter; target facts (mask token, layer
-    ids, vocab) from the same run's final/config.json when present, else from the saved target config."""
+    ids, vocab) from the same run's serving folder `run_serving` (its final/, when it has one: dflash/run_dir.py
+    `DrafterSource.run_serving`), else from the saved target config."""
     if "drafter" not in state or "config" not in state:
         raise ValueError(f"{pt}: not a dflash training checkpoint (expected a dict with 'drafter' and "
-                         f"'config', as written by dflash.training.trainer)")
+                         f"'config', as written by dflash/training/trainer.py)")
     weights, run_cfg = state["drafter"], state["config"]
     if "fc.weight" not in weights:
         raise ValueError(f"{pt}: 'drafter' state has no fc.weight (not a DFlash drafter state dict)")
     known = {f.name for f in dataclasses.fields(DrafterConfig)}
     dcfg = DrafterConfig(**{k: v for k, v in (run_cfg.get("drafter") or {}).items() if k in known})
     H, in_features = weights["fc.weight"].shape
-    from dflash.run_dir import RunDir
-    run = RunDir(pt.parent.parent)  # checkpoints/ sits in the run folder
-    if run.has_final():
-        sc = read_serving_config(run.final)
+    if run_serving is not None:
+        sc = read_serving_config(run_serving)
         d = sc.get("dflash_config") or {}
         layer_ids, mask = list(d["target_layer_ids"]), int(d["mask_token_id"])
         n_target, vocab = int(sc["num_target_layers"]), int(sc.get("vocab_size", 0))
-        facts, rope_theta = facts_from_serving(sc), rope_theta_of(sc, str(run.final / "config.json"))
+        facts, rope_theta = facts_from_serving(sc), rope_theta_of(sc, str(run_serving / "config.json"))
     else:
         from dflash.target.model import (
             TargetConfig,
@@ -520,34 +519,7 @@ def drafter_from_checkpoint(pt: Path, state: dict) -> ExportSource:
     return ExportSource(drafter.float(), vocab, extra, pt, facts)
 
 
-def _from_serving(folder: Path) -> ExportSource:
+def source_from_serving(folder: Path) -> ExportSource:
     cfg = read_serving_config(folder)
     return ExportSource(load_drafter(folder), int(cfg.get("vocab_size", 0)),
                         dict(cfg.get("dflash_training") or {}), folder, facts_from_serving(cfg))
-
-
-def resolve_export_source(source: str | os.PathLike) -> ExportSource:
-    """A run dir (its final/ serving folder, else its newest intact checkpoint), a serving folder, or a .pt
-    (`dflash.run_dir.resolve_drafter_source` decides which)."""
-    from dflash.run_dir import resolve_drafter_source
-    src = resolve_drafter_source(source)
-    if src.serving is not None:
-        return _from_serving(src.serving)
-    return drafter_from_checkpoint(src.checkpoint, src.state)
-
-
-def export_drafter(source: str | os.PathLike, out_dir: str | os.PathLike,
-                   dtype: str | torch.dtype = "bfloat16",
-                   target: TargetFacts | str | os.PathLike | None = None) -> Path:
-    """Writes the serving folder (DESIGN §6) for a run dir / serving folder / checkpoint, atomically.
-    `target` (its facts, or a local target folder: config.json + tokenizer) replaces the facts the source
-    records (needed when the source is a bare folder: no context length or mask string of its own)."""
-    src = resolve_export_source(source)
-    if target is not None and not isinstance(target, TargetFacts):
-        from dflash.target.model import TargetConfig
-        target = read_target_facts(TargetConfig(name="export", path=str(target),
-                                                mask_token_id=src.drafter.mask_token_id))
-    target = target or src.target
-    vocab = target.vocab_size if target else src.vocab_size
-    return write_serving_folder(src.drafter, out_dir, dtype=parse_dtype(dtype), extra=src.extra or None,
-                                vocab_size=vocab, target=target)

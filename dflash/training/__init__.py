@@ -1,7 +1,8 @@
 """Training a drafter against a frozen target (DESIGN §2–§4).
 
-- `trainer`: `train(cfg) -> TrainResult`, `Trainer` (the step API `make_batch` / `step` / `run`, logging every
-  N steps from device accumulators, eval, checkpoint, resume).
+- `trainer`: `Trainer`, handed its components (`TrainParts`): the step API `make_batch` / `step`, the loop
+  `run` (metrics from device accumulators every N steps, checkpoints, resume, a stop at a step boundary).
+  `hooks`: `LoopHooks`, what the loop calls out to; the run around it is composed in dflash/app/run.py.
 - `pipeline`: producers (target forwards) feeding `Item`s into the buffer (`ProducerPool`, `ItemSource`;
   `PRODUCER_MODES`, and `PRODUCER_STREAMS`: the forwards on the consumer's stream or on a side stream).
 - `compiling`: `compile_drafter` in one of `COMPILE_MODES` (inductor, CUDA graphs, autotuned matmuls).
@@ -13,7 +14,8 @@
 - `noise`: noise schedules on the target features (`build_noise`, `NoiseConfig`).
 - `checkpoint`: atomic step checkpoints that load as plain data, each with a sha256 (`save_checkpoint`,
   `load_checkpoint`, `intact_checkpoint`: the newest that verifies, falling back past torn ones, `CheckpointError`).
-- `interrupts`: SIGTERM / SIGINT stop at a step boundary with a checkpoint (`StopOnSignal`, `RunInterrupted`).
+- `interrupts`: SIGTERM / SIGINT stop at a step boundary with a checkpoint, or at once where there is none
+  (`StopOnSignal`, `RunInterrupted`).
 - `health`: a dead drafter (loss at ln V, zero gradient) ends the run FAILED (`check_alive`, `DeadDrafterError`).
 - `distributed`: torchrun data parallelism (`init_distributed`, `wrap_ddp`).
 """

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dflash.data.online import OnlineWriter
+from dflash.data.online import OnlineWriter, resolve_online_config
 from dflash.data.sources import build_training_sequences
 from dflash.training.distributed import DistInfo, sum_
 from dflash.training.pipeline import ItemSource
@@ -99,10 +99,11 @@ def build_training_data(cfg, target, dist_info: DistInfo) -> TrainingData:
     validate_online_data(d)
     corpus = load_corpus(d.corpus)
     pool = build_prompt_pool(corpus, target.tokenizer, d.pool, str(target.identity))
-    writer = OnlineWriter(target, pool, d.online, d.online_seq_len(), dist_info.rank, dist_info.world)
-    unique = 0 if d.online.temperature > 0 else len(pool)  # greedy: one prompt, one sequence
+    online = resolve_online_config(d.online, target, d.online_seq_len())  # a no-op on a composed run's config
+    writer = OnlineWriter(target, pool, online, d.online_seq_len(), dist_info.rank, dist_info.world)
+    unique = 0 if online.temperature > 0 else len(pool)  # greedy: one prompt, one sequence
     return TrainingData("online", None, writer, unique, float(d.online_seq_len()), writer.fingerprint,
-                        corpus.fingerprint, d.online.stream_seed, writer.cfg.reuse)
+                        corpus.fingerprint, online.stream_seed, online.reuse)
 
 
 def planned_items(cfg, data: TrainingData, world: int) -> int:

@@ -2,27 +2,33 @@
 
 `timeout`, batch schedulers and `kill` send SIGTERM; Ctrl-C sends SIGINT. Python's default ends the process at
 once (SIGTERM) or raises KeyboardInterrupt wherever the main thread happens to be (SIGINT), so the steps since the
-last checkpoint were lost and the MLflow run stayed RUNNING (issue 15). `StopOnSignal` turns the first signal
-into a request the step loop reads at a step boundary; a second signal abandons the step at once.
+last checkpoint were lost and the MLflow run stayed RUNNING. `StopOnSignal` turns the first signal into a
+request the step loop reads at a step boundary; a second signal abandons the step at once, but only when it comes
+at least `REPEAT_S` after the first: GNU `timeout` and batch schedulers send SIGTERM to the child and then to its
+whole process group, two copies of one stop within milliseconds. Where there is no step boundary to wait for
+(the run's setup, its final evaluation) `at_once()` makes the first signal stop it where it is.
 """
 from __future__ import annotations
 
 import logging
 import signal
 import threading
+import time
+from contextlib import contextmanager
 
 log = logging.getLogger(__name__)
 
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
+REPEAT_S = 1.0  # a second signal sooner than this after the first is the same stop (a process group's copy)
 
 
 class RunInterrupted(KeyboardInterrupt):
     """The run stopped on a signal; the trainer closes its run KILLED, the CLI exits 128 + signal number."""
     run_status = "KILLED"
 
-    def __init__(self, signum: int, step: int | None = None, checkpoint=None):
+    def __init__(self, signum: int, step: int | None = None, checkpoint=None, where: str = ""):
         self.signum, self.step, self.checkpoint = signum, step, checkpoint
-        where = f" after step {step}" if step is not None else " mid-step (second signal)"
+        where = where or (f" after step {step}" if step is not None else " mid-step (second signal)")
         saved = f"; checkpoint {checkpoint}" if checkpoint else ""
         super().__init__(f"stopped by {signal.Signals(signum).name}{where}{saved}")
 
@@ -33,10 +39,13 @@ class RunInterrupted(KeyboardInterrupt):
 
 class StopOnSignal:
     """While active (a context manager, main thread only: elsewhere it does nothing), the first SIGTERM/SIGINT
-    sets `signum`; a second raises RunInterrupted where the main thread is."""
+    sets `signum`; a second one, `REPEAT_S` or more later, raises RunInterrupted where the main thread is. Inside
+    `at_once(...)` the first one raises at once (and a stop already requested raises on entry)."""
 
     def __init__(self):
         self.signum: int | None = None
+        self._first_s = 0.0
+        self._at_once: dict | None = None  # RunInterrupted's step / checkpoint / where, inside at_once()
         self._previous: dict[int, object] = {}
 
     @property
@@ -44,11 +53,34 @@ class StopOnSignal:
         return self.signum is not None
 
     def _handle(self, signum, frame) -> None:
+        now = time.monotonic()
         if self.signum is not None:
+            if now - self._first_s < REPEAT_S:
+                log.info("%s again within %.1f s: the same stop", signal.Signals(signum).name, REPEAT_S)
+                return
             raise RunInterrupted(signum)
-        self.signum = signum
+        self.signum, self._first_s = signum, now
+        if self._at_once is not None:
+            raise RunInterrupted(signum, **self._at_once)
         log.warning("%s received: stopping after this step with a checkpoint (send it again to stop at once)",
                     signal.Signals(signum).name)
+
+    @contextmanager
+    def at_once(self, step: int | None = None, checkpoint=None, where: str = ""):
+        """The first signal inside raises RunInterrupted(signum, step, checkpoint) where the main thread is;
+        a stop requested before raises on entry. Nests in an active `with self:` or installs the handlers."""
+        installed = not self._previous
+        if installed:
+            self.__enter__()
+        saved, self._at_once = self._at_once, {"step": step, "checkpoint": checkpoint, "where": where}
+        try:
+            if self.signum is not None:
+                raise RunInterrupted(self.signum, **self._at_once)
+            yield self
+        finally:
+            self._at_once = saved
+            if installed:
+                self.__exit__(None, None, None)
 
     def __enter__(self) -> "StopOnSignal":
         if threading.current_thread() is threading.main_thread():

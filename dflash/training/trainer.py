@@ -1,9 +1,11 @@
-"""One training run: target producers → buffer → drafter steps, tracked, checkpointed, resumable.
+"""The training loop: target producers → buffer → drafter steps, checkpointed at step boundaries, resumable.
 
-`train(cfg)` is what `experiments/run.py`, sweeps, tests and notebooks all call. It validates the whole
-config before any work, writes the resolved config into the run directory, and returns the final
-metrics. The step loop never syncs the host: metrics accumulate on the device and are read every
-`tracking.log_every` steps (DESIGN §4: a per-step `.item()` cost the original pipeline 1.3 s a step).
+`Trainer` is handed its components (`TrainParts`: target, drafter, loss, noise, data) and trains them: the step
+API (`make_batch`, `step`), the loop (`run`), its checkpoints and its resume. Everything around a run (the run
+folder, resume state, loggers, evaluation, export, promotion) is composed one layer up, in dflash/app/run.py,
+and reaches the loop only through `LoopHooks` (dflash/training/hooks.py). The step loop never syncs the host:
+metrics accumulate on the device and are read every `tracking.log_every` steps (a per-step `.item()` cost the
+original pipeline 1.3 s a step).
 """
 from __future__ import annotations
 
@@ -13,49 +15,27 @@ import math
 import random
 import time
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
+from dflash.errors import ConfigError
 from dflash.training.batching import DrafterBatch, make_batch
-from dflash.training.compiling import compile_drafter
 from dflash.training.buffer import BucketedBuffer
-from dflash.config import ConfigError, RunConfig, from_dict, to_dict, validate
-from dflash.run_dir import ResumeState, RunDir, SkipLogged, read_resume_state
-from dflash.training.checkpoint import load_checkpoint
+from dflash.training.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from dflash.training.compiling import compile_drafter
+from dflash.training.distributed import DistInfo, broadcast_object, gather_objects, init_distributed, mean_, sum_, wrap_ddp
 from dflash.training.health import check_alive
+from dflash.training.hooks import LoopHooks, TrainParts
 from dflash.training.interrupts import RunInterrupted, StopOnSignal
-from dflash.training.distributed import (
-    DistInfo,
-    broadcast_object,
-    gather_objects,
-    init_distributed,
-    mean_,
-    sum_,
-    wrap_ddp,
-)
-from dflash.training.distributed import shutdown as shutdown_distributed
-from dflash.drafter.model import DFlashDrafter, build_drafter
-from dflash.evaluation import make_evaluator
-from dflash.training.losses import build_loss
-from dflash.training.noise import build_noise
-from dflash.training.datastream import DataMeter, build_training_data, epoch_guard
 from dflash.training.pipeline import PRODUCER_MODES, Item, ProducerPool
-from dflash.serving.promotion import auto_promote
-from dflash.tracking.sysmetrics import system_metrics
-from dflash.target.model import Target
-from dflash.devices import resolve_device
-from dflash.tracking.loggers import MultiLogger, build_loggers
-from dflash.tracking.run_info import absolute_sqlite_uri, git_sha, run_params
-from dflash.tracking.background import in_background
+
+if TYPE_CHECKING:  # annotations only
+    from dflash.config import RunConfig
 
 log = logging.getLogger(__name__)
-
-# An evaluator takes (drafter, target, step, final, logger) and returns `eval/…` metrics; by default
-# `dflash.evaluation.make_evaluator(cfg.eval)` (cheap subset every trainer.eval_every steps, full suite at the end).
-Evaluator = Callable[[DFlashDrafter, Target, int, bool, object], dict]
 
 
 @dataclass
@@ -64,63 +44,6 @@ class StepOutput:
     loss: torch.Tensor  # scalar, detached
     grad_norm: torch.Tensor  # before clipping
     metrics: dict[str, torch.Tensor]  # the loss's: acc, acc_per_pos [K], streak
-
-
-@dataclass
-class TrainResult:
-    run_dir: Path
-    run_id: str | None
-    metrics: dict[str, float] = field(default_factory=dict)
-    checkpoint: Path | None = None
-
-
-def resolve_run(cfg: RunConfig) -> RunConfig:
-    """For `resume=<dir>`: the saved resolved config of that run (its run_dir and resume filled in).
-    A config whose run_dir already is the resumed dir was resolved by the caller (e.g. `experiments.run`
-    applying key=value overrides on top of the saved config) and is used as given."""
-    if not cfg.resume or Path(cfg.run_dir or ".").resolve() == Path(cfg.resume).resolve():
-        return cfg
-    try:
-        resumed = from_dict(RunDir(cfg.resume).read_config())
-    except (OSError, ValueError) as e:
-        raise ConfigError(f"resume={cfg.resume!r}: {e}") from e
-    return dataclasses.replace(resumed, run_dir=str(cfg.resume), resume=str(cfg.resume))
-
-
-def run_label(cfg: RunConfig) -> str:
-    """What the run is, in the order a reader compares runs: `hard_ce-cosine-r30_90-s0`."""
-    return f"{cfg.loss.name}-{cfg.noise.name}-{cfg.buffer.name}-s{cfg.seed}"
-
-
-def make_run_dir(cfg: RunConfig) -> Path:
-    """`runs/<label>-<time>`; the folder's name is also the MLflow run's name."""
-    return RunDir.for_config(cfg.run_dir, run_label(cfg)).create().root
-
-
-def read_resume(cfg: RunConfig) -> ResumeState | None:
-    """For `resume=`: the newest intact checkpoint (falling back past torn or corrupt ones, with a warning) and
-    what the run already logged, read before anything in the folder changes. ConfigError when none is usable."""
-    if not cfg.resume:
-        return None
-    try:
-        return read_resume_state(RunDir(cfg.resume))
-    except ValueError as e:
-        raise ConfigError(str(e)) from e
-
-
-def tracked_params(cfg: RunConfig, loss_fn, noise) -> dict[str, str]:
-    """The config as MLflow params, without knobs the run never reads: other losses' and noise schedules'
-    keys (each variant lists its own `config_keys`), the random-target spec of a checkpoint target, and the
-    settings of a switched-off evaluation or promotion (only their `enabled` stays)."""
-    active = {"loss": type(loss_fn).config_keys, "noise": type(noise).config_keys}
-    active.update({group: ("enabled",) for group in ("eval", "promote") if not getattr(cfg, group).enabled})
-    return run_params(to_dict(cfg), active, drop=["target.random"] if cfg.target.path else [])
-
-
-def run_tags(cfg: RunConfig) -> dict[str, str]:
-    return {"loss": cfg.loss.name, "noise": cfg.noise.name, "buffer": cfg.buffer.name,
-            "buffer_policy": cfg.buffer.policy, "target": cfg.target.name, "git_sha": git_sha(),
-            "dflash.kind": "train"}
 
 
 def warmup_cosine(step: int, warmup: int, max_steps: int, min_ratio: float, progress_floor: float = 0.0) -> float:
@@ -174,63 +97,35 @@ class MetricAccumulator:
 
 
 class Trainer:
-    def __init__(self, cfg: RunConfig, evaluator: Evaluator | None = None, target: Target | None = None,
-                 run_id: str | None = None):
-        t_setup = time.perf_counter()
-        self.dist = init_distributed()  # torchrun: one rank per GPU; a plain process is rank 0 of 1
-        cfg = resolve_run(cfg)
-        cfg = dataclasses.replace(cfg, tracking=dataclasses.replace(
-            cfg.tracking, tracking_uri=absolute_sqlite_uri(cfg.tracking.tracking_uri)))
+    def __init__(self, cfg: "RunConfig", parts: TrainParts, checkpoint_dir: str | Path, *, resume=None,
+                 dist: DistInfo | None = None, stop: StopOnSignal | None = None, saved_config: dict | None = None):
+        """`cfg`: the run's config with its "auto" values resolved (what runs); `saved_config`: what each
+        checkpoint records as the run's config (default: `cfg`). `resume` (rank 0's): the checkpoint to continue
+        from and its loaded `state` (dflash/run_dir.py `ResumeState`), read and verified before this."""
+        self.dist = dist or init_distributed()  # torchrun: one rank per GPU; a plain process is rank 0 of 1
         self.cfg = cfg
-        validate(cfg)  # bad input fails here, before the target loads or anything is written
-        self.resume_state = read_resume(cfg) if self.dist.is_main else None  # resume: read only, validated here
-        self.stop = StopOnSignal()  # SIGTERM/SIGINT: checkpoint at the next step boundary, close KILLED
-        torch.manual_seed(cfg.seed)
-        random.seed(cfg.seed)
-        main = self.dist.is_main
-        self.run_dir = Path(broadcast_object(str(make_run_dir(cfg)) if main else None, self.dist))
-        self.evaluator = None if not main else (
-            evaluator if evaluator is not None else make_evaluator(cfg.eval, out_dir=RunDir(self.run_dir).eval_dir))
-        self.target = target or Target(cfg.target)  # benchmarks reuse one (54 GB) target
-        self.run_id = run_id  # log into an existing MLflow run (a sweep trial's child run)
-        self.device = resolve_device(cfg.trainer.device)
-        if self.device.type == "cuda":
-            torch.cuda.set_device(self.device)  # the drafter may sit on another GPU than the target
-        self.loss_fn = build_loss(cfg.loss)
-        self.drafter = self._build_drafter()
+        self.checkpoint_dir = Path(checkpoint_dir)
+        self.resume_state = resume
+        self.stop = stop or StopOnSignal()  # SIGTERM/SIGINT: checkpoint at the next step boundary
+        self.saved_config = saved_config if saved_config is not None else dataclasses.asdict(cfg)
+        self.target, self.drafter, self.loss_fn, self.noise = parts.target, parts.drafter, parts.loss_fn, parts.noise
+        self.data, self.data_meter = parts.data, parts.data_meter
+        self.device = next(self.drafter.parameters()).device
         self.train_model = wrap_ddp(self.drafter, self.dist, self.device)  # the drafter itself on one process
         if cfg.trainer.compile:
             self.train_model = compile_drafter(self.train_model, cfg.trainer.compile_mode)
         self.producers_inline = self._inline_producer()
-        self.data = build_training_data(cfg, self.target, self.dist)  # stored sequences or the online stream
-        self.data_tags = epoch_guard(cfg, self.data, self.dist.world)  # warns now when planned past max_epochs
-        self.data_meter = DataMeter(self.data, cfg.trainer.token_budget, self.dist)
-        if hasattr(self.evaluator, "use_train_sequences"):  # eval/tau_train: the generalization gap
-            self.evaluator.use_train_sequences(self.data.examples())
-        self.noise = build_noise(cfg.noise, cfg.trainer.max_steps)
         self.opt = torch.optim.AdamW(self.drafter.parameters(), lr=cfg.trainer.lr,
                                      weight_decay=cfg.trainer.weight_decay, betas=(0.9, 0.95),
                                      fused=self.device.type == "cuda")
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lr_lambda(cfg))
         self.buffer = BucketedBuffer(cfg.buffer, seed=cfg.seed)
         self.start_step, next_item, replay = self._restore()
+        self.final_step = self.start_step
         self.source = self.data.source(next_item, replay, self.dist.rank, self.dist.world)
-        if main:  # only now, with the resume state applied, does the run folder change
-            RunDir(self.run_dir).write_config(to_dict(cfg))
-            RunDir(self.run_dir).remove_torn_writes()
         # where a run's wall time goes besides training (a campaign's 4 M-token cells spent ~155 of 250 s
-        # elsewhere): logged at the end as sys/setup_s, sys/loop_s, sys/save_s, sys/final_eval_s
-        self.phase_s = {"sys/setup_s": time.perf_counter() - t_setup}
-
-    def _build_drafter(self) -> DFlashDrafter:
-        from dflash.serving.export import facts_of_target
-        t = self.target
-        self.target_facts = facts_of_target(t)  # rope_theta for drafter.rope_theta=0; the serving folder's facts
-        d = build_drafter(self.cfg.drafter.for_target(self.target_facts.rope_theta), t.hidden_size,
-                          t.info.num_layers, t.mask_token_id, t.layer_ids)
-        d = d.to(device=self.device, dtype=getattr(torch, self.cfg.trainer.dtype))
-        d.attach_target_head(t.embed_weight(), t.lm_head_weight())
-        return d
+        # elsewhere): the composing layer logs sys/setup_s, sys/loop_s, sys/save_s, sys/final_eval_s at the end
+        self.phase_s: dict[str, float] = {}
 
     def _restore(self) -> tuple[int, int, list[int]]:
         if not self.cfg.resume:
@@ -272,9 +167,12 @@ class Trainer:
         if not self.dist.is_main:
             return None
         state = {"step": step, "drafter": self.drafter.state_dict(), "optimizer": self.opt.state_dict(),
-                 "scheduler": self.sched.state_dict(), "ranks": ranks, "config": to_dict(self.cfg),
+                 "scheduler": self.sched.state_dict(), "ranks": ranks, "config": self.saved_config,
                  "target_fingerprint": self.target.fingerprint}
-        return RunDir(self.run_dir).save_checkpoint(step, state, self.cfg.trainer.keep_checkpoints)
+        return save_checkpoint(self.checkpoint_dir, step, state, self.cfg.trainer.keep_checkpoints)
+
+    def latest_checkpoint(self) -> Path | None:
+        return latest_checkpoint(self.checkpoint_dir) if self.checkpoint_dir.is_dir() else None
 
     # -- the step API (the loop and the bench call these) -----------------------------------------------
     def make_batch(self, items: list[Item]) -> DrafterBatch:
@@ -318,58 +216,34 @@ class Trainer:
 
     def _producers(self) -> ProducerPool:
         n = 1 if self.cfg.buffer.deterministic else self.cfg.trainer.producers
-        top_k = self.cfg.target.soft_top_k if self.loss_fn.needs_soft else 0
-        if self.loss_fn.needs_soft and top_k == 0:
-            raise ConfigError(f"loss.name={self.cfg.loss.name} needs soft labels: target.soft_top_k must be > 0")
+        top_k = self.cfg.target.soft_top_k if self.loss_fn.needs_soft else 0  # > 0 there: checked at composition
         return ProducerPool(self.target, self.buffer, self.source, n, top_k, self.cfg.trainer.producer_batch,
                             inline=self.producers_inline, stream=self.cfg.trainer.producer_stream).start()
 
     def _inline_producer(self) -> bool:
         return PRODUCER_MODES[self.cfg.trainer.producer_mode](self.device, self.target.device)
 
-    def run(self, final: bool = True,
-            around_step: Callable[[int], AbstractContextManager] | None = None) -> TrainResult:
-        """Train to trainer.max_steps (or the time budget), checkpointing and logging; then, with `final`, export
-        the drafter to `final/` and run the full evaluation (a benchmark passes final=False). `around_step(step)`
-        is entered around each loop step (items → `make_batch` → `step` → metrics), outside its
-        `dflash.train_step` profiler range: the bench starts and stops a profiler there."""
-        c = self.cfg
-        loggers = self._loggers() if self.dist.is_main else MultiLogger([])
-        loggers.set_tags({**{f"kernel.{k}": v for k, v in self.target.kernels.items()},
-                          "dflash.target_fingerprint": self.target.fingerprint})
-        loggers.set_tags(self.data_tags)
-        loggers.log_artifact(str(RunDir(self.run_dir).config_file))
-        status, result = "FAILED", TrainResult(self.run_dir, loggers.run_id)
+    def run(self, hooks: LoopHooks | None = None,
+            around_step: Callable[[int], AbstractContextManager] | None = None) -> dict[str, float]:
+        """Train to trainer.max_steps (or the time / token budget), checkpointing, with the producers running;
+        `hooks` (dflash/training/hooks.py) take the metrics, the periodic evaluation and, after the last
+        checkpoint, the end of the run. `around_step(step)` is entered around each loop step (items →
+        `make_batch` → `step` → metrics), outside its `dflash.train_step` profiler range: the bench starts and
+        stops a profiler there. Returns the last interval's metrics. Signals: while `self.stop` is active (the
+        composing layer enters it), one SIGTERM/SIGINT checkpoints at the next step boundary and raises
+        RunInterrupted."""
+        hooks = hooks or LoopHooks()
         producers = self._producers()
         try:
-            with self.stop:  # a signal during the final save and eval lets them finish; a second one abandons
-                t_loop = time.perf_counter()
-                result.metrics = self._loop(producers, loggers, around_step or (lambda step: nullcontext()))
-                self.phase_s["sys/loop_s"] = time.perf_counter() - t_loop
-                result.checkpoint = self._finish(loggers, result.metrics) if final else None
-            status = "FINISHED"
-        except BaseException as e:  # a pruned sweep trial and a signal carry run_status="KILLED"
-            status = getattr(e, "run_status", "KILLED" if isinstance(e, KeyboardInterrupt) else "FAILED")
-            raise
+            t_loop = time.perf_counter()
+            metrics = self._loop(producers, hooks, around_step or (lambda step: nullcontext()))
+            self.phase_s["sys/loop_s"] = time.perf_counter() - t_loop
+            hooks.on_loop_end(self, metrics)
+            return metrics
         finally:
             producers.shutdown()
             if self.data.writer is not None:
                 self.data.writer.close()  # batches still being written ahead finish their shards
-            _close_quietly(loggers, status)
-            shutdown_distributed(self.dist)
-        # The gate reads the closed (FINISHED) run's evaluated metrics: only after close.
-        if self.dist.is_main:
-            auto_promote(result.run_id, c.promote, c.tracking.tracking_uri)
-        return result
-
-    def _loggers(self):
-        """Rank 0's loggers: MLflow off the training thread; on resume the saved MLflow run reopened (taken
-        over when it was left RUNNING) and steps already logged not logged again."""
-        c, rs = self.cfg, self.resume_state
-        loggers = build_loggers(c.tracking, self.run_dir, tracked_params(c, self.loss_fn, self.noise), run_tags(c),
-                                c.trainer.max_steps, run_id=self.run_id or (rs.run_id if rs else None))
-        loggers = in_background(loggers)
-        return SkipLogged(loggers, rs.logged) if rs is not None and rs.logged else loggers
 
     def _stop_now(self, done: int, at_log: bool, saved: bool) -> None:
         """A SIGTERM/SIGINT seen at a step boundary: checkpoint this step and stop (every rank at the same step:
@@ -382,9 +256,9 @@ class Trainer:
             requested, self.stop.signum = signum is not None, signum
         if requested:
             path = None if saved else self._checkpoint(done)
-            raise RunInterrupted(self.stop.signum, done, path or RunDir(self.run_dir).latest_checkpoint())
+            raise RunInterrupted(self.stop.signum, done, path or self.latest_checkpoint())
 
-    def _loop(self, producers: ProducerPool, loggers, around_step) -> dict[str, float]:
+    def _loop(self, producers: ProducerPool, hooks: LoopHooks, around_step) -> dict[str, float]:
         c, K = self.cfg, self.cfg.drafter.block_size - 1
         acc = MetricAccumulator(K, self.device, self.dist)
         metrics: dict[str, float] = {}
@@ -398,15 +272,15 @@ class Trainer:
                 tokens = self._step(items, acc)
             window.add(tokens, len(items))
             self.data_meter.add(tokens, len(items))
-            done = step + 1
+            done = self.final_step = step + 1  # steps trained so far (the composing layer reads it on a fault)
             last = done == c.trainer.max_steps
             if done % c.tracking.log_every == 0 or last:
                 metrics = self._read_metrics(acc, window, done)
-                loggers.log(metrics, done)
+                hooks.on_log(self, metrics, done)
                 check_alive(metrics, int(self.drafter.lm_head_VH.shape[0]), done)
                 last = last or self._out_of_time(t_start) or self.data_meter.over_budget()
-            if c.trainer.eval_every and self.evaluator and done % c.trainer.eval_every == 0 and not last:
-                loggers.log(self.evaluator(self.drafter, self.target, done, False, loggers), done)
+            if c.trainer.eval_every and done % c.trainer.eval_every == 0 and not last:
+                hooks.on_eval(self, done)
             saved = done % c.trainer.checkpoint_every == 0 or last
             if saved:
                 self._checkpoint(done)
@@ -414,7 +288,6 @@ class Trainer:
                 self._stop_now(done, done % c.tracking.log_every == 0, saved)
             if last:
                 break
-        self.final_step = done
         return metrics
 
     def _out_of_time(self, t_start: float) -> bool:
@@ -434,40 +307,7 @@ class Trainer:
         m["train/noise_sigma"] = self.noise.sigma()
         m.update(window.read(self.cfg.buffer.max_depth))
         m.update(self.data_meter.read())  # data/epochs, data/consumed_tokens (drives trainer.token_budget)
-        if self.cfg.tracking.system_metrics and not self.cfg.tracking.enabled:  # else MLflow's own monitor
-            m.update(system_metrics())  # logs them (the run's System metrics tab, `system/…`)
         return m
-
-    def _finish(self, loggers, metrics: dict) -> Path | None:
-        if not self.dist.is_main:
-            return None
-        final = RunDir(self.run_dir).final
-        from dflash.serving.export import save_drafter
-        t0 = time.perf_counter()
-        save_drafter(self.drafter, final, extra={"target": self.cfg.target.name, "loss": self.cfg.loss.name,
-                                                   "target_fingerprint": self.target.fingerprint},
-                     target=self.target_facts)
-        loggers.log_artifact(str(final), "checkpoint")
-        self.phase_s["sys/save_s"] = time.perf_counter() - t0
-        if self.evaluator:
-            t0 = time.perf_counter()
-            ev = self.evaluator(self.drafter, self.target, self.final_step, True, loggers)
-            loggers.log(ev, self.final_step)
-            metrics.update(ev)
-            self.phase_s["sys/final_eval_s"] = time.perf_counter() - t0
-        loggers.log(self.phase_s, self.final_step)
-        metrics.update(self.phase_s)
-        return final
-
-
-def _close_quietly(loggers, status: str) -> None:
-    """Closing the loggers must never mask the run's own exception."""
-    try:
-        loggers.close(status)
-    except Exception as e:  # noqa: BLE001
-        if status == "FINISHED":
-            raise
-        log.warning("closing the loggers failed too: %s", e)
 
 
 class _Window:
@@ -514,6 +354,3 @@ class _Window:
         self.wait0, self.depth0 = self._waited(stats), stats["buffer/total"]
         return out
 
-
-def train(cfg: RunConfig, evaluator: Evaluator | None = None, *, run_id: str | None = None) -> TrainResult:
-    return Trainer(cfg, evaluator, run_id=run_id).run()

@@ -1,4 +1,4 @@
-"""What many runs of one campaign or sweep share, made once before they start (issues 12, 20).
+"""What many runs of one campaign or sweep share, made once before they start.
 
 Runs that share a GPU and start together would otherwise all make the same inputs at the same time: every one
 parses the corpus into its prompt pool, every one writes the same first online batches (the engine's shards
@@ -37,7 +37,10 @@ def items_needed(cfg, data) -> int:
 def write_ahead(cfg, items: int | None = None, more_cfgs=()) -> dict[str, float]:
     """Make the shared inputs of runs like `cfg` (module doc). `items`: online items to have written
     (default: the most that `cfg` or any of `more_cfgs`, e.g. other buffer settings, can claim)."""
+    from dflash.app.auto import resolve_auto
+    from dflash.devices import resolve_device
     from dflash.evaluation.evaluator import SuiteEvaluator
+    from dflash.serving.export import facts_of_target
     from dflash.target.model import Target
     from dflash.training.datastream import build_training_data, uses_online
     from dflash.training.distributed import DistInfo
@@ -47,11 +50,14 @@ def write_ahead(cfg, items: int | None = None, more_cfgs=()) -> dict[str, float]
     out["sys/write_ahead_target_load_s"] = time.perf_counter() - t0
     if uses_online(cfg):
         t1 = time.perf_counter()
+        # the online settings as the runs will resolve them (write_batch, reuse: dflash/app/auto.py)
+        cfg, _ = resolve_auto(cfg, target, resolve_device(cfg.trainer.device), facts_of_target(target).rope_theta)
         data = build_training_data(cfg, target, DistInfo())
         out["sys/write_ahead_pool_s"] = time.perf_counter() - t1
         n = max(items_needed(x, data) for x in (cfg, *more_cfgs)) if items is None else int(items)
         w = data.writer
-        per_batch = w.cfg.write_batch * w.cfg.reuse  # items a written batch serves
+        online = cfg.data.online
+        per_batch = online.write_batch * online.reuse  # items a written batch serves
         batches = math.ceil(n / per_batch)
         t2 = time.perf_counter()
         for b in range(batches):
@@ -61,7 +67,7 @@ def write_ahead(cfg, items: int | None = None, more_cfgs=()) -> dict[str, float]
         out.update({"data/write_ahead_items": batches * per_batch, "data/write_ahead_batches": batches,
                     "sys/write_ahead_data_s": time.perf_counter() - t2, "data/pool_prompts": len(w.pool)})
         log.info("write-ahead: %d online batches of %d (%d read from shards, %d written, %.0f written tok/s)",
-                 batches, w.cfg.write_batch, w.shard_reads, w.written_batches, out["perf/write_tok_s"])
+                 batches, online.write_batch, w.shard_reads, w.written_batches, out["perf/write_tok_s"])
     if cfg.eval.enabled:
         t3 = time.perf_counter()
         ev = SuiteEvaluator(cfg.eval)

@@ -11,6 +11,7 @@ whole process group, two copies of one stop within milliseconds. Where there is 
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import threading
 import time
@@ -89,6 +90,21 @@ class StopOnSignal:
         return self
 
     def __exit__(self, *exc) -> None:
+        # a stop requested moments ago may still have its process group's copy on the way: it must not find
+        # the default handler (SIGTERM's ends the process before the run is closed)
+        late = self.signum is not None and time.monotonic() - self._first_s < REPEAT_S
         for s, prev in self._previous.items():
-            signal.signal(s, prev)
+            signal.signal(s, self._late_copy(prev) if late else prev)
         self._previous.clear()
+
+    def _late_copy(self, previous):
+        """A handler that drops signals until REPEAT_S after the first, then gives way to `previous`."""
+        def handle(signum, frame):
+            if time.monotonic() - self._first_s < REPEAT_S:
+                return
+            signal.signal(signum, previous)
+            if callable(previous):
+                previous(signum, frame)
+            elif previous == signal.SIG_DFL:
+                os.kill(os.getpid(), signum)
+        return handle

@@ -17,7 +17,6 @@ checkpoint folder, and the eval, export and promote CLIs and sweeps ask it. It s
 """
 from __future__ import annotations
 
-import json
 import logging
 import os
 from dataclasses import dataclass, field
@@ -71,16 +70,12 @@ class RunDir:
         return self.root / MLFLOW_FILE
 
     @property
-    def metrics_file(self) -> Path:
-        return self.root / METRICS_FILE
-
-    @property
     def eval_dir(self) -> Path:
         return self.root / EVAL_DIR
 
     def is_run(self) -> bool:
         """A training run's folder (config.yaml or metrics.jsonl there)."""
-        return self.config_file.is_file() or self.metrics_file.is_file()
+        return self.config_file.is_file() or (self.root / METRICS_FILE).is_file()
 
     def has_final(self) -> bool:
         return (self.final / SERVING_CONFIG).is_file()
@@ -113,32 +108,26 @@ class RunDir:
         """{} when absent; an unreadable file warns and reads as absent."""
         return read_mlflow_record(self.root)
 
-    def logged_keys(self) -> dict[int, set[str]]:
-        """step -> the metric keys metrics.jsonl already holds at that step (what a resume must not log again)."""
-        seen: dict[int, set[str]] = {}
-        for rec in read_metric_records(self.root):
-            if isinstance(rec.get("step"), int):
-                seen.setdefault(rec["step"], set()).update(k for k in rec if k not in ("step", "time"))
-        return seen
-
-    # ---- checkpoints
-    def save_checkpoint(self, step: int, state: dict, keep: int) -> Path:
-        from dflash.training.checkpoint import save_checkpoint
-        return save_checkpoint(self.checkpoints, step, state, keep)
-
-    def latest_checkpoint(self) -> Path | None:
-        from dflash.training.checkpoint import latest_checkpoint
-        return latest_checkpoint(self.checkpoints) if self.checkpoints.is_dir() else None
-
-    def intact_checkpoint(self, check=None) -> tuple[Path, dict] | None:
-        """(path, state) of the newest checkpoint that verifies (warning naming any newer one passed over)."""
-        from dflash.training.checkpoint import intact_checkpoint
-        return intact_checkpoint(self.checkpoints, check) if self.checkpoints.is_dir() else None
-
+    # ---- checkpoints (their format: dflash/training/checkpoint.py)
     def remove_torn_writes(self) -> None:
         from dflash.training.checkpoint import remove_torn_writes
         if self.checkpoints.is_dir():
             remove_torn_writes(self.checkpoints)
+
+
+def _logged_keys(run_dir: RunDir) -> dict[int, set[str]]:
+    """step -> the metric keys metrics.jsonl already holds at that step (what a resume must not log again)."""
+    seen: dict[int, set[str]] = {}
+    for rec in read_metric_records(run_dir.root):
+        if isinstance(rec.get("step"), int):
+            seen.setdefault(rec["step"], set()).update(k for k in rec if k not in ("step", "time"))
+    return seen
+
+
+def _intact_checkpoint(run_dir: RunDir, check=None) -> tuple[Path, dict] | None:
+    """(path, state) of the newest checkpoint that verifies (warning naming any newer one passed over)."""
+    from dflash.training.checkpoint import intact_checkpoint
+    return intact_checkpoint(run_dir.checkpoints, check) if run_dir.checkpoints.is_dir() else None
 
 
 @dataclass
@@ -164,11 +153,11 @@ def read_resume_state(run_dir: RunDir) -> ResumeState:
     """The newest intact training checkpoint, the run's MLflow id and the steps already logged; reads only.
     CheckpointError (a ValueError) when no checkpoint there can be trusted."""
     from dflash.training.checkpoint import CheckpointError
-    found = run_dir.intact_checkpoint(_check_training_state)
+    found = _intact_checkpoint(run_dir, _check_training_state)
     if found is None:
         raise CheckpointError(f"resume={str(run_dir.root)!r}: no checkpoint in {CHECKPOINT_DIR}/")
     path, state = found
-    return ResumeState(path, state, run_dir.mlflow_info().get("run_id"), run_dir.logged_keys())
+    return ResumeState(path, state, run_dir.mlflow_info().get("run_id"), _logged_keys(run_dir))
 
 
 # ----------------------------------------------------------------------------- drafter sources
@@ -227,7 +216,7 @@ def resolve_drafter_source(path: str | os.PathLike) -> DrafterSource:
     run = RunDir(p)
     if run.has_final():
         return DrafterSource(p, run=run, serving=run.final)
-    found = run.intact_checkpoint()
+    found = _intact_checkpoint(run)
     if found is not None:
         return DrafterSource(p, run=run, checkpoint=found[0], state=found[1])
     raise FileNotFoundError(f"{p}: neither a serving folder ({SERVING_CONFIG}), a run directory with {FINAL_DIR}/ "

@@ -17,8 +17,8 @@ The packages follow the data path, corpus → target → buffer → drafter → 
 - `dflash.bench`, `dflash.pretrain`: the applications behind `experiments.bench` and `experiments.pretrain_target`.
 
 Top-level modules: `config` (the strict run schema), `registry` (the one name → variant table every choice by
-name uses), `errors` (`ConfigError`, raisable from every layer), `devices`, `atomic` (all-or-nothing file writes, with the umask's file modes), `run_dir` (the run
-folder's layout and resume state, `RunDir`, and `resolve_drafter_source`: which drafter a run folder / serving
-folder / checkpoint path means).
+name uses), `errors` (`ConfigError`, raisable from every layer), `devices`, `atomic` (all-or-nothing file
+writes, with the umask's file modes), `run_dir` (the run folder's layout and resume state, `RunDir`, and
+`resolve_drafter_source`: which drafter a run folder / serving folder / checkpoint path means).
 """
 __version__ = "0.1.0"

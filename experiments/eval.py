@@ -91,8 +91,10 @@ def resolve_source(path: Path, overrides: list[str]):
     run_dir = src.run.root if src.run is not None else None
     if src.serving is not None:
         return cfg, cfg.eval, lambda dev: load_drafter(src.serving, dev), run_dir, cfg.trainer.max_steps
-    return (cfg, cfg.eval, lambda dev: drafter_from_checkpoint(src.checkpoint, src.state, src.run_serving).drafter.to(dev),
-            run_dir, src.step)
+
+    def load(dev):
+        return drafter_from_checkpoint(src.checkpoint, src.state, src.run_serving).drafter.to(dev)
+    return cfg, cfg.eval, load, run_dir, src.step
 
 
 def recorded_target_fingerprint(path: Path) -> tuple[bool, str | None]:

@@ -59,7 +59,7 @@ class TargetConfig:
     device: str = "auto"
     soft_top_k: int = 64  # top-k target logits kept as soft labels (losses that need them)
     tokenizer: str = "auto"  # auto: the checkpoint's tokenizer, else bytes
-    lm_head_chunk: int = 0  # positions per LM-head chunk when computing labels; 0 = auto (target/lm_head.py resolve_chunk)
+    lm_head_chunk: int = 0  # positions per LM-head chunk when computing labels; 0 = auto (target/lm_head.py)
     fused_ops: str = "auto"  # the producer's forward: compile (fused norms / MLP) | eager | off | auto (compile on CUDA)
 
 

@@ -48,7 +48,7 @@ class LMHeadConfig:
     """How the loss's per-position stats are computed."""
 
     temperature: float = 1.0  # soft-label temperature T (KL / TV stats at T)
-    chunk_size: int = 0  # positions per LM-head chunk; 0 = auto (a ~1 GiB float32 block: target/lm_head.py resolve_chunk)
+    chunk_size: int = 0  # positions per LM-head chunk; 0 = auto (a ~1 GiB float32 block: target/lm_head.py)
     lm_head_grad: str = "fused"  # LM-head gradient path: fused (no logits recompute) | recompute (checkpointed)
     lm_head_kernel: str = "auto"  # fused hard-label chunks: triton (2 passes over bf16 logits) | torch | auto (triton where it runs)
 

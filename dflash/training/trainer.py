@@ -26,7 +26,8 @@ from dflash.training.batching import DrafterBatch, make_batch
 from dflash.training.buffer import BucketedBuffer
 from dflash.training.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from dflash.training.compiling import compile_drafter
-from dflash.training.distributed import DistInfo, broadcast_object, gather_objects, init_distributed, mean_, sum_, wrap_ddp
+from dflash.training.distributed import (DistInfo, broadcast_object, gather_objects, init_distributed, mean_, sum_,
+                                         wrap_ddp)
 from dflash.training.health import check_alive
 from dflash.training.hooks import LoopHooks, TrainParts
 from dflash.training.interrupts import RunInterrupted, StopOnSignal

@@ -71,6 +71,16 @@ def test_a_copy_arriving_after_the_run_stopped_is_dropped_too(monkeypatch):
     meet the default handler (for SIGTERM: the end of the process before the run is closed)."""
     from dflash.training import interrupts
     monkeypatch.setattr(interrupts, "REPEAT_S", 0.5, raising=False)
+    # Python's own Ctrl-C handler, as a fresh CLI process has it (an earlier stopped run in this process may have
+    # left its own late-copy handler in place)
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        _late_copy_dropped(interrupts)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def _late_copy_dropped(interrupts):
     before = signal.getsignal(signal.SIGINT)
     raised = []
     with interrupts.StopOnSignal():

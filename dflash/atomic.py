@@ -128,7 +128,8 @@ def load_checked(path: str | os.PathLike, magic: bytes, fmt: int, key: str) -> d
         raise ValueError(f"{path}: format or key mismatch")
     if len(payload) != header.get("nbytes") or hashlib.sha256(payload).hexdigest() != header.get("sha256"):
         raise ValueError(f"{path}: checksum mismatch (truncated or corrupt)")
-    data = torch.load(io.BytesIO(payload), map_location="cpu", weights_only=True)
+    from dflash.safe_load import load_plain
+    data = load_plain(io.BytesIO(payload), "cpu", name=str(path))
     if data.get("key") != key:
         raise ValueError(f"{path}: key mismatch in payload")
     return data

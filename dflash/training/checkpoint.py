@@ -1,9 +1,9 @@
 """Atomic step checkpoints that load without executing code, each with its own digest.
 
 A checkpoint is `step_NNNNNNNN.pt`: plain data only (tensors, numbers, strings, lists, tuples, dicts), read
-back with `torch.load(weights_only=True)`, so a crafted pickle in the folder is refused rather than run (issue
-15). Beside it `step_NNNNNNNN.pt.sha256` holds the file's digest, written after the file itself, so a garbled or
-truncated file is recognised before it is unpickled. `latest.json` names the newest one and is replaced
+back through `dflash.safe_load.load_plain` (`weights_only=True`), so a crafted pickle in the folder is refused
+rather than run. Beside it `step_NNNNNNNN.pt.sha256` holds the file's digest, written after the file itself, so a
+garbled or truncated file is recognised before it is unpickled. `latest.json` names the newest one and is replaced
 atomically after the checkpoint it names exists. A run killed at any moment (SIGKILL included) leaves either the
 previous checkpoint or the new one, never a torn file in its place.
 
@@ -23,6 +23,7 @@ from typing import Any, Callable
 import torch
 
 from dflash.atomic import atomic_write, atomic_write_text
+from dflash.safe_load import UnsafeFileError, load_plain
 
 log = logging.getLogger(__name__)
 
@@ -116,15 +117,9 @@ def load_checkpoint(path: str | os.PathLike, map_location: str | torch.device = 
             raise CheckpointError(f"{path}: sha256 {got[:12]}… does not match {digest.name} ({want[:12]}…): "
                                   f"torn or corrupt")
     try:
-        state = torch.load(path, map_location=map_location, weights_only=True)
-    except Exception as e:  # noqa: BLE001 - every way a file fails to unpickle is the same answer here
-        lines = str(e).strip().splitlines() or [""]
-        msg = lines[0]
-        if "weights_only" in str(e) or "Unsupported global" in str(e):
-            why = next((ln.strip() for ln in lines if "Unsupported global" in ln), "not plain data")
-            raise CheckpointError(f"{path}: refused, it holds objects other than plain data (tensors, numbers, "
-                                  f"strings, containers); loading it would run code ({why[:200]})") from e
-        raise CheckpointError(f"{path}: unreadable checkpoint ({type(e).__name__}: {msg[:300]})") from e
+        state = load_plain(path, map_location, what="checkpoint")
+    except UnsafeFileError as e:
+        raise CheckpointError(str(e)) from e
     if not isinstance(state, dict):
         raise CheckpointError(f"{path}: expected a dict of checkpoint state, got {type(state).__name__}")
     return state

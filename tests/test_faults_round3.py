@@ -133,3 +133,62 @@ def test_a_crafted_cache_is_rebuilt_not_run(tmp_path):
     with pytest.raises(UnsafeFileError, match=r"c\.bin: refused"):
         load_checked(tmp_path / "c.bin", b"DFTEST\n", 1, "k")
     assert not marker.exists()
+
+
+# ------------------------------------------------------------- a fresh sqlite store, four processes at once
+_TRACK_ONE = textwrap.dedent("""
+    import sys, warnings
+    from dflash.tracking.loggers import MLflowLogger, TrackingConfig
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        ml = MLflowLogger(TrackingConfig(tracking_uri=sys.argv[1], run_name=sys.argv[2], console=False,
+                                         system_metrics=False))
+        ml.log({"train/loss": 1.0}, 1)
+        ml.close("FINISHED")
+    print("HEALTHY" if ml.healthy else "DISABLED", ml.run_id, [str(w.message)[:300] for w in seen])
+""")
+
+
+def test_four_processes_on_a_fresh_sqlite_store_all_track(tmp_path):
+    from mlflow.tracking import MlflowClient
+    uri = f"sqlite:///{tmp_path / 'fresh' / 'mlflow.db'}"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    procs = [subprocess.Popen([sys.executable, "-c", _TRACK_ONE, uri, f"p{i}"], cwd=tmp_path, env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(4)]
+    outs = [p.communicate(timeout=170)[0] for p in procs]
+    assert all("HEALTHY" in o for o in outs), "\n".join(outs)
+    runs = MlflowClient(uri).search_runs([MlflowClient(uri).get_experiment_by_name("dflash").experiment_id])
+    assert sorted(r.info.run_name for r in runs) == ["p0", "p1", "p2", "p3"]
+    assert all(r.info.status == "FINISHED" and r.data.metrics["train/loss"] == 1.0 for r in runs)
+
+
+# ----------------------------------------------------- a tracking server that accepts and never answers
+def test_a_server_that_never_answers_is_disabled_within_seconds(monkeypatch):
+    from dflash.tracking.loggers import MLflowLogger, TrackingConfig
+    from dflash.tracking.transport import HTTP_DEFAULTS
+    for k in HTTP_DEFAULTS:
+        monkeypatch.delenv(k, raising=False)  # the library's own bounds, not the test suite's
+    mute = socket.socket()
+    mute.bind(("127.0.0.1", 0))
+    mute.listen(8)  # the kernel completes the handshake; nobody ever reads or answers
+    port = mute.getsockname()[1]
+    try:
+        t0 = time.perf_counter()
+        with pytest.warns(RuntimeWarning, match=rf"127\.0\.0\.1:{port} accepts connections but sends no response"):
+            ml = MLflowLogger(TrackingConfig(tracking_uri=f"http://127.0.0.1:{port}", system_metrics=False))
+        assert time.perf_counter() - t0 < 8 and not ml.healthy  # 5 s bound, the rest import
+    finally:
+        mute.close()
+
+
+def test_a_server_that_answers_passes_the_check():
+    import http.server
+    import threading
+
+    from dflash.tracking.transport import http_preflight
+    srv = http.server.HTTPServer(("127.0.0.1", 0), http.server.BaseHTTPRequestHandler)  # answers 501: an answer
+    threading.Thread(target=srv.handle_request, daemon=True).start()
+    try:
+        http_preflight(f"http://127.0.0.1:{srv.server_address[1]}", total=5)
+    finally:
+        srv.server_close()

@@ -192,3 +192,41 @@ def test_a_server_that_answers_passes_the_check():
         http_preflight(f"http://127.0.0.1:{srv.server_address[1]}", total=5)
     finally:
         srv.server_close()
+
+
+# ------------------------------------------------------- eval falls back past a torn or refused latest checkpoint
+@pytest.mark.parametrize("damage", ["torn", "refused"])
+def test_eval_of_a_run_without_final_uses_the_newest_intact_checkpoint(tmp_path, reference_target, damage):
+    import yaml
+
+    from dflash.config import RunConfig, to_dict
+    from dflash.drafter.model import DrafterConfig, build_drafter
+    from dflash.target.model import TargetConfig, read_target_info, resolve_layer_ids, resolve_mask_token
+    from dflash.tracking.loggers import TrackingConfig
+    from dflash.training.checkpoint import save_checkpoint
+    from experiments import eval as eval_cli
+    run_dir = tmp_path / "crashed"
+    cfg = RunConfig(run_dir=str(run_dir), target=TargetConfig(device="cpu"), drafter=DrafterConfig(block_size=3),
+                    tracking=TrackingConfig(enabled=False, console=False))
+    run_dir.mkdir()
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+    info = read_target_info(cfg.target)
+    d = build_drafter(cfg.drafter, info.hidden_size, info.num_layers, resolve_mask_token(cfg.target),
+                      resolve_layer_ids(cfg.target, info))
+    for step in (3, 7):
+        save_checkpoint(run_dir / "checkpoints", step, {"step": step, "drafter": d.state_dict(), "config": to_dict(cfg),
+                                                        "target_fingerprint": reference_target.fingerprint})
+    latest = run_dir / "checkpoints" / "step_00000007.pt"
+    marker = tmp_path / "PWNED"
+    if damage == "torn":
+        latest.write_bytes(latest.read_bytes()[: latest.stat().st_size // 2])
+    else:
+        torch.save({"step": 7, "drafter": _Payload(marker)}, latest)
+        (latest.parent / (latest.name + ".sha256")).unlink()
+    suite = tmp_path / "suite.json"
+    suite.write_text(json.dumps([{"name": "sq", "prompt": "def sq(x):\n"}]))
+    with pytest.warns(RuntimeWarning, match=r"step_00000003\.pt instead.*step_00000007\.pt"):
+        metrics = eval_cli.main([str(run_dir), f"eval.suite={suite}", "eval.max_new_tokens=4", "eval.tree_budgets=[2]",
+                                 f"eval.cache_dir={tmp_path / 'gt'}", f"--out={tmp_path / 'out'}"])
+    assert "eval/tau_vanilla" in metrics and not marker.exists()
+    assert json.loads((tmp_path / "out" / "metrics.jsonl").read_text().splitlines()[-1])["step"] == 3

@@ -230,3 +230,62 @@ def test_eval_of_a_run_without_final_uses_the_newest_intact_checkpoint(tmp_path,
                                  f"eval.cache_dir={tmp_path / 'gt'}", f"--out={tmp_path / 'out'}"])
     assert "eval/tau_vanilla" in metrics and not marker.exists()
     assert json.loads((tmp_path / "out" / "metrics.jsonl").read_text().splitlines()[-1])["step"] == 3
+
+
+# --------------------------------------------------------- every loss with its edge values, checked where read
+def _edges(b) -> tuple[list[float], list[float]]:
+    """(values just outside `b`, values on or just inside its ends)."""
+    bad = [b.low - 1.0] + ([b.low] if b.low_open else [b.low - 0.01]) + ([b.high + 0.01] if b.high < 1e9 else [])
+    good = [b.low + 1e-3 if b.low_open else b.low] + ([b.high] if b.high < 1e9 else [1e3])
+    return bad, good
+
+
+def _loss_on_random_blocks(loss_cfg) -> torch.Tensor:
+    from types import SimpleNamespace
+
+    from dflash.training.losses import build_loss
+    g = torch.Generator().manual_seed(0)
+    V, H, k = 16, 8, 3
+    batch = SimpleNamespace(labels_BNK=torch.randint(0, V, (1, 2, 4), generator=g),
+                            soft_vals_BNKk=torch.randn(1, 2, 4, k, generator=g),
+                            soft_idx_BNKk=torch.randint(0, V, (1, 2, 4, k), generator=g))
+    hidden = torch.randn(1, 2, 4, H, generator=g, requires_grad=True)
+    loss, _ = build_loss(loss_cfg)(hidden, torch.randn(V, H, generator=g), batch)
+    loss.backward()
+    assert torch.isfinite(hidden.grad).all()
+    return loss
+
+
+@pytest.mark.parametrize("option", sorted(p.stem for p in (ROOT / "conf" / "loss").glob("*.yaml")))
+def test_every_loss_option_rejects_its_edge_values_before_work(tmp_path, option):
+    from dflash.training.losses import BOUNDS, LOSSES
+    reads = [k for k in LOSSES[option].config_keys if k in BOUNDS]
+    assert reads, option  # every loss reads some bounded number (gamma or dpace_a at least)
+    for key in reads:
+        bad, good = _edges(BOUNDS[key])
+        for value in bad:
+            with pytest.raises(ConfigError, match=rf"loss\.{key}={value}"):
+                validate(_compose(tmp_path, "r", f"+loss={option}", f"loss.{key}={value}"))
+        for value in good:
+            cfg = _compose(tmp_path, "r", f"+loss={option}", f"loss.{key}={value}")
+            validate(cfg)
+            assert torch.isfinite(_loss_on_random_blocks(cfg.loss)), (option, key, value)
+    for key in sorted(set(BOUNDS) - set(reads)):  # a key this loss does not read: its value is no error here
+        validate(_compose(tmp_path, "r", f"+loss={option}", f"loss.{key}=-5"))
+
+
+def test_a_negative_temperature_on_the_cli_exits_2_before_any_work(tmp_path):
+    run_dir = tmp_path / "neg"
+    out = subprocess.run([sys.executable, "-m", "experiments.run", *FAST, "+loss=soft_kl", "loss.temperature=-1",
+                          f"run_dir={run_dir}", f"tracking.tracking_uri=sqlite:///{tmp_path / 'mlflow.db'}"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and "loss.temperature=-1" in out.stderr and "Traceback" not in out.stderr
+    assert not run_dir.exists()
+
+
+def test_the_soft_stats_refuse_a_temperature_they_would_divide_by():
+    from dflash.training.position_stats import compute_position_stats
+    with pytest.raises(ValueError, match=r"loss\.temperature must be > 0"):
+        compute_position_stats(torch.randn(2, 3, 4), torch.randn(5, 4), torch.zeros(2, 3, dtype=torch.long),
+                               soft_vals_NKk=torch.randn(2, 3, 2), soft_idx_NKk=torch.zeros(2, 3, 2, dtype=torch.long),
+                               temperature=0.0, need_soft=True)

@@ -289,3 +289,11 @@ def test_the_soft_stats_refuse_a_temperature_they_would_divide_by():
         compute_position_stats(torch.randn(2, 3, 4), torch.randn(5, 4), torch.zeros(2, 3, dtype=torch.long),
                                soft_vals_NKk=torch.randn(2, 3, 2), soft_idx_NKk=torch.zeros(2, 3, 2, dtype=torch.long),
                                temperature=0.0, need_soft=True)
+
+
+# --------------------------------------------------------------------------- a max_len too short for a block
+@pytest.mark.parametrize("max_len", [3, 7])
+def test_a_max_len_too_short_names_data_max_len(tmp_path, max_len):
+    with pytest.raises(ConfigError, match=rf"^data\.max_len={max_len} is shorter than drafter\.block_size=8") as e:
+        validate(_compose(tmp_path, "r", f"data.max_len={max_len}", "data.min_len=2"))
+    assert "num_anchors" not in str(e.value)

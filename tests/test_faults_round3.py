@@ -297,3 +297,36 @@ def test_a_max_len_too_short_names_data_max_len(tmp_path, max_len):
     with pytest.raises(ConfigError, match=rf"^data\.max_len={max_len} is shorter than drafter\.block_size=8") as e:
         validate(_compose(tmp_path, "r", f"data.max_len={max_len}", "data.min_len=2"))
     assert "num_anchors" not in str(e.value)
+
+
+# ------------------------------------------------------------------------------- promote's exit codes
+def _finished_or_failed_run(tmp_path, status: str, tau: float | None) -> tuple[str, Path]:
+    from dflash.tracking.loggers import MLflowLogger, TrackingConfig
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    ml = MLflowLogger(TrackingConfig(tracking_uri=uri, console=False, system_metrics=False))
+    if tau is not None:
+        ml.log({"eval/tau_vanilla": tau}, 1)
+    ml.close(status)
+    run_dir = tmp_path / f"run-{status}"
+    (run_dir / "final").mkdir(parents=True)
+    (run_dir / "config.yaml").write_text("seed: 0\n")
+    (run_dir / "mlflow_run.json").write_text(json.dumps({"tracking_uri": uri, "run_id": ml.run_id}))
+    return uri, run_dir
+
+
+def test_promote_exits_3_when_it_refuses(tmp_path):
+    _, run_dir = _finished_or_failed_run(tmp_path, "FAILED", 1.0)
+    for extra in ([], ["--dry-run"]):
+        out = subprocess.run([sys.executable, "-m", "experiments.promote", str(run_dir), *extra], cwd=ROOT,
+                             capture_output=True, text=True, timeout=120)
+        assert out.returncode == 3, out.stdout + out.stderr
+        assert "REFUSED" in out.stdout or "would refuse" in out.stdout
+        assert "only FINISHED runs" in out.stdout
+
+
+def test_promote_exit_codes_of_each_outcome():
+    from dflash.serving.promotion import Decision
+    from experiments.promote import exit_code
+    assert exit_code(Decision(True, "beats the holder")) == 0
+    assert exit_code(Decision(False, "run already holds @champion (v1)", holds_alias=True)) == 0
+    assert exit_code(Decision(False, "below the floor")) == 3

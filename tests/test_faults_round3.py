@@ -330,3 +330,50 @@ def test_promote_exit_codes_of_each_outcome():
     assert exit_code(Decision(True, "beats the holder")) == 0
     assert exit_code(Decision(False, "run already holds @champion (v1)", holds_alias=True)) == 0
     assert exit_code(Decision(False, "below the floor")) == 3
+
+
+# ------------------------------------------------------------------------ a full disk at the first checkpoint
+_FULL_AT_CHECKPOINTS = textwrap.dedent("""
+    import errno, sys, torch
+    real = torch.save
+    def save(obj, f, *a, **k):  # the run's filesystem fills up when the first checkpoint is written
+        if isinstance(f, str) and "/checkpoints/" in f:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(obj, f, *a, **k)
+    torch.save = save
+    from experiments.config import run_cli
+    from experiments.run import main
+    sys.argv = ["experiments.run", *sys.argv[1:]]
+    run_cli(main)
+""")
+
+
+def test_a_full_disk_at_the_first_checkpoint_is_one_line_and_exit_1(tmp_path):
+    from mlflow.tracking import MlflowClient
+    run_dir = tmp_path / "full"
+    out = subprocess.run([sys.executable, "-c", _FULL_AT_CHECKPOINTS, *FAST, f"run_dir={run_dir}",
+                          f"tracking.tracking_uri=sqlite:///{tmp_path / 'mlflow.db'}"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=180, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    errors = [ln for ln in out.stderr.splitlines() if ln.startswith("error:")]
+    assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr[-3000:]
+    assert len(errors) == 1 and "the disk is full: checkpoint step 3" in errors[0], out.stderr[-3000:]
+    assert "no checkpoint has been written yet" in errors[0] and "intact" not in errors[0]
+    assert list((run_dir / "checkpoints").iterdir()) == []  # no temp file, no pointer, no digest
+    info = json.loads((run_dir / "mlflow_run.json").read_text())
+    assert MlflowClient(info["tracking_uri"]).get_run(info["run_id"]).info.status == "FAILED"
+
+
+def test_a_full_disk_at_a_later_checkpoint_names_the_intact_one(tmp_path, monkeypatch):
+    from dflash.atomic import DiskFullError
+    from dflash.training import checkpoint as ck
+    ck.save_checkpoint(tmp_path, 1, {"step": 1, "w": torch.ones(2)})
+    real = ck.atomic_write_text
+
+    def pointer_fails(path, text):  # the step file and its digest fit, the pointer does not
+        if path.name == ck.POINTER:
+            raise DiskFullError(errno.ENOSPC, "the disk is full writing latest.json", str(path))
+        real(path, text)
+    monkeypatch.setattr(ck, "atomic_write_text", pointer_fails)
+    with pytest.raises(DiskFullError, match=r"checkpoint step 2 .*the newest checkpoint step_00000001\.pt is intact"):
+        ck.save_checkpoint(tmp_path, 2, {"step": 2, "w": torch.zeros(2)})
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest.json", "step_00000001.pt", "step_00000001.pt.sha256"]

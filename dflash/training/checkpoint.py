@@ -16,13 +16,14 @@ import hashlib
 import json
 import logging
 import os
+import shutil
 import warnings
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
 
-from dflash.atomic import atomic_write, atomic_write_text
+from dflash.atomic import DiskFullError, atomic_write, atomic_write_text
 from dflash.safe_load import UnsafeFileError, load_plain
 
 log = logging.getLogger(__name__)
@@ -62,14 +63,34 @@ def save_checkpoint(ckpt_dir: str | os.PathLike, step: int, state: dict[str, Any
         torch.save(state, tmp)
         digest["sha256"] = file_sha256(tmp)
 
-    atomic_write(path, write)
-    atomic_write_text(_digest_file(path), f"{digest['sha256']}  {path.name}\n")
-    atomic_write_text(ckpt_dir / POINTER, json.dumps({"step": step, "file": path.name, **digest}))
+    newest = latest_checkpoint(ckpt_dir) if ckpt_dir.is_dir() else None
+    existed = path.exists()
+    try:
+        atomic_write(path, write)
+        atomic_write_text(_digest_file(path), f"{digest['sha256']}  {path.name}\n")
+        atomic_write_text(ckpt_dir / POINTER, json.dumps({"step": step, "file": path.name, **digest}))
+    except DiskFullError as e:
+        if not existed:  # a file without its digest or pointer would be a second, unlisted newest checkpoint
+            path.unlink(missing_ok=True)
+            _digest_file(path).unlink(missing_ok=True)
+        raise _no_room(e, ckpt_dir, step, newest) from e
     old = sorted(ckpt_dir.glob("step_*.pt"))[:-keep] if keep > 0 else []
     for f in old:
         f.unlink(missing_ok=True)
         _digest_file(f).unlink(missing_ok=True)
     return path
+
+
+def _no_room(e: DiskFullError, ckpt_dir: Path, step: int, newest: Path | None) -> DiskFullError:
+    """The disk-full error of a checkpoint, saying what a resume would find."""
+    try:
+        free = f"{shutil.disk_usage(ckpt_dir).free} bytes free"
+    except OSError:
+        free = "free space unknown"
+    left = (f"the newest checkpoint {newest.name} is intact (resume=<run dir> continues from it)" if newest
+            else "no checkpoint has been written yet, so there is nothing to resume from")
+    return DiskFullError(e.errno, f"the disk is full: checkpoint step {step} could not be written to {ckpt_dir} "
+                                  f"({free}); {left}", str(ckpt_dir / checkpoint_name(step)))
 
 
 def remove_torn_writes(ckpt_dir: str | os.PathLike) -> None:

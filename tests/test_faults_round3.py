@@ -34,7 +34,7 @@ def _compose(tmp, run, *overrides):
 
 # ------------------------------------------------------------------ one loader for every file read
 LOADER = "dflash/safe_load.py"
-SCANNED = ("dflash", "experiments", "sweeps")
+SCANNED = ("dflash", "experiments", "sweeps", "benchmarks")
 PICKLERS = {"pickle", "_pickle", "cPickle", "dill", "cloudpickle", "joblib", "shelve", "marshal"}
 
 
@@ -50,7 +50,8 @@ def _dotted(node: ast.AST) -> str:
 
 def unsafe_loads(source: str, rel: str) -> list[str]:
     """Every place in `source` that could unpickle code: any pickle-family import, `torch.load` outside the
-    loader (and there, only with weights_only=True), `numpy.load(allow_pickle=True)`, `read_pickle`."""
+    loader (and there, only with weights_only=True), `numpy.load(allow_pickle=True)`, `read_pickle`, and any
+    `weights_only=False` (e.g. handed to transformers' `from_pretrained`, which otherwise loads safely)."""
     tree = ast.parse(source)
     torch_names, numpy_names, found = {"torch"}, {"numpy"}, []
     for node in ast.walk(tree):
@@ -76,6 +77,9 @@ def unsafe_loads(source: str, rel: str) -> list[str]:
             base = _dotted(node.value)
             if (base in torch_names or base.split(".")[0] in torch_names) and id(node) not in safe:
                 found.append(f"{rel}:{node.lineno}: {base}.load")
+        if isinstance(node, ast.keyword) and node.arg == "weights_only" and not (
+                isinstance(node.value, ast.Constant) and node.value.value is True):
+            found.append(f"{rel}:{node.value.lineno}: weights_only={ast.unparse(node.value)}")
         if isinstance(node, ast.Attribute) and node.attr == "read_pickle":
             found.append(f"{rel}:{node.lineno}: {_dotted(node)}")
         if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "load" \
@@ -91,6 +95,7 @@ def unsafe_loads(source: str, rel: str) -> list[str]:
     "import torch as T\nT.load(p, weights_only=True)", "from torch import load", "import pickle",
     "from pickle import loads", "import numpy as np\nnp.load(p, allow_pickle=True)", "import dill",
     "import torch\nf = torch.serialization.load", "import pandas as pd\npd.read_pickle(p)",
+    "M.from_pretrained(p, weights_only=False)",
 ])
 def test_the_source_walk_catches_every_way_to_unpickle(src):
     assert unsafe_loads(src, "dflash/x.py")

@@ -72,6 +72,7 @@ def test_the_drafter_compiles_as_one_graph_with_the_same_result():
 def test_trainer_compile_runs_padded_fixed_shape_steps(fast_cfg, monkeypatch):
     import functools
 
+    from dflash.app.run import train
     from dflash.training import trainer as trainer_mod
     seen = []
     real_make_batch = trainer_mod.make_batch
@@ -82,6 +83,6 @@ def test_trainer_compile_runs_padded_fixed_shape_steps(fast_cfg, monkeypatch):
         return batch
     monkeypatch.setattr(trainer_mod, "make_batch", spy)
     monkeypatch.setattr(trainer_mod.torch, "compile", functools.partial(torch.compile, backend="aot_eager"))
-    res = trainer_mod.train(fast_cfg("trainer.compile=true", "trainer.pad_multiple=32"))
+    res = train(fast_cfg("trainer.compile=true", "trainer.pad_multiple=32"))
     assert (res.run_dir / "final" / "model.safetensors").is_file()
     assert all(n == 4 and t % 32 == 0 for _, n, t in seen) and len(seen) == 6

@@ -60,8 +60,9 @@ def resolve_files(path: str) -> list[Path]:
     if is_saved_dataset(p):
         return [p]
     if p.is_dir():
-        found = [f for f in sorted(p.rglob("*")) if f.is_file() and f.suffix in FILE_SUFFIXES]
-        found += [d for d in sorted(p.iterdir()) if is_saved_dataset(d)]
+        saved = [d for d in sorted(p.rglob("*")) if is_saved_dataset(d)]  # their own .json files are not data
+        found = [f for f in sorted(p.rglob("*")) if f.is_file() and f.suffix in FILE_SUFFIXES
+                 and not any(d in f.parents for d in saved)] + saved
     elif p.is_file():
         found = [p]
     else:

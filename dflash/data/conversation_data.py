@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from dflash.data.chat import ChatConfig, TemplateError, prepare_tokenizer, render, render_prompt
+from dflash.data.chat import ChatConfig, TemplateError, prepare_tokenizer, render, render_prompt, template_name
 from dflash.data.conversations import read_conversations
 from dflash.registry import Registry
 
@@ -114,12 +114,12 @@ def _tokenize(batch: dict, *, tokenizer, chat: ChatConfig, max_len: int, min_len
 
 @dataclass
 class ConversationSet:
-    train: object  # datasets.Dataset: input_ids, loss_mask, length (the TRAIN split, status ok)
+    train: object  # datasets.Dataset: input_ids, loss_mask, length (the TRAIN split, status ok); None: responses=target
     heldout: object  # datasets.Dataset: normalized held-out conversations
     normalized: object  # datasets.Dataset: the TRAIN split, normalized (the target's prompts)
     stats: dict[str, float]
     formats: dict[str, str]
-    fingerprint: str
+    fingerprint: str  # the split and rendering; with responses=dataset also the cut (max_len, overflow, limit)
 
 
 def _num_proc(cfg: ConversationsConfig, rows: int) -> int | None:
@@ -128,7 +128,8 @@ def _num_proc(cfg: ConversationsConfig, rows: int) -> int | None:
 
 
 def load_conversation_set(data_cfg, tokenizer) -> ConversationSet:
-    """Steps 1-3 of the module doc; ConversationInputError / TemplateError on bad input."""
+    """Steps 1-3 of the module doc (step 3 only for responses=dataset: with responses=target the target writes
+    the training tokens, `turn_prompts`); ConversationInputError / TemplateError on bad input."""
     c, chat = data_cfg.conversations, data_cfg.chat
     tokenizer = prepare_tokenizer(tokenizer, chat)
     normalized, formats = read_conversations(data_cfg.path, c.cache_dir, _num_proc(c, 0) or 1)
@@ -139,13 +140,27 @@ def load_conversation_set(data_cfg, tokenizer) -> ConversationSet:
     heldout = split.filter(lambda h: h, input_columns="heldout", num_proc=procs)
     settings = {"format": FORMAT_VERSION, "data": normalized._fingerprint, "tokenizer": tokenizer_fingerprint(tokenizer),
                 "chat": asdict(chat), "template": Path(chat.template).read_text() if chat.template else "",
-                "max_len": data_cfg.max_len, "min_len": data_cfg.min_len, "overflow": c.overflow,
-                "heldout": [c.heldout_per_10k, c.salt]}
-    fingerprint = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()
+                "heldout": [c.heldout_per_10k, c.salt]}  # what decides the split and the rendering
+    base = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()
+    cut = {"max_len": data_cfg.max_len, "min_len": data_cfg.min_len, "overflow": c.overflow, "limit": c.limit}
+    fingerprint = base if c.responses == "target" else \
+        hashlib.sha256(json.dumps({"base": base, **cut}, sort_keys=True).encode()).hexdigest()
+    stats = {"data/conversations": float(len(normalized)), "data/heldout_conversations": float(len(heldout))}
+    cs = ConversationSet(None, heldout, train_norm, stats, formats, fingerprint)
+    if c.responses == "dataset":
+        _tokenize_train(cs, data_cfg, tokenizer, procs)
+    log.info("conversations: %d read (%s), %d held out; %s", len(normalized), ", ".join(sorted(set(formats.values()))),
+             len(heldout), {k: v for k, v in cs.stats.items() if k not in stats})
+    return cs
+
+
+def _tokenize_train(cs: ConversationSet, data_cfg, tokenizer, procs) -> None:
+    """Step 3: cs.train (status ok rows) and the data/ counts of what was skipped or cut."""
+    c, train_norm = data_cfg.conversations, cs.normalized
     tokenized = train_norm.map(_tokenize, batched=True, batch_size=64, remove_columns=train_norm.column_names,
-                               fn_kwargs={"tokenizer": tokenizer, "chat": chat, "max_len": data_cfg.max_len,
+                               fn_kwargs={"tokenizer": tokenizer, "chat": data_cfg.chat, "max_len": data_cfg.max_len,
                                           "min_len": data_cfg.min_len, "overflow": c.overflow},
-                               num_proc=procs, new_fingerprint=fingerprint[:32], desc="conversations: tokenize")
+                               num_proc=procs, new_fingerprint=cs.fingerprint[:32], desc="conversations: tokenize")
     status = Counter(tokenized["status"])
     broken = next((s for s in status if s.startswith("template_error")), None)
     if broken:
@@ -156,14 +171,12 @@ def load_conversation_set(data_cfg, tokenizer) -> ConversationSet:
     if not len(ok):
         raise ValueError(f"data.path={data_cfg.path!r}: no training conversation has an assistant token to train on "
                          f"(statuses: {dict(status)}; data.min_len={data_cfg.min_len}, data.max_len={data_cfg.max_len})")
-    ok = ok.remove_columns(["status", "truncated"])
-    stats = {"data/conversations": float(len(normalized)), "data/heldout_conversations": float(len(heldout)),
-             "data/skipped": float(sum(n for s, n in status.items() if s != "ok")),
-             "data/truncated": float(sum(tokenized["truncated"])), "data/train_sequences": float(len(ok))}
-    log.info("conversations: %d read (%s), %d held out, %d training sequences, %d skipped (%s), %d truncated",
-             len(normalized), ", ".join(sorted(set(formats.values()))), len(heldout), len(ok), stats["data/skipped"],
-             {s: n for s, n in status.items() if s != "ok"}, stats["data/truncated"])
-    return ConversationSet(ok, heldout, train_norm, stats, formats, fingerprint)
+    cs.train = ok.remove_columns(["status", "truncated"])
+    cs.stats.update({"data/skipped": float(sum(n for s, n in status.items() if s != "ok")),
+                     "data/truncated": float(sum(tokenized["truncated"])), "data/train_sequences": float(len(ok))})
+    for reason, n in status.items():
+        if reason != "ok":
+            cs.stats[f"data/skipped_{reason}"] = float(n)
 
 
 class ArrowColumn:
@@ -193,33 +206,50 @@ def spread(seq, count: int) -> list:
 # -- responses=target: one prompt per assistant turn --------------------------------------------------------
 def _turn_prompts(batch: dict, *, tokenizer, chat: ChatConfig, max_prompt_len: int) -> dict:
     """Each assistant turn's prompt: the conversation before it with the generation prompt, its last
-    `max_prompt_len` tokens (the target writes the rest of the sequence)."""
-    out: dict[str, list] = {"prompt_ids": [], "truncated": []}
-    for messages in batch["messages"]:
-        for i, m in enumerate(messages):
-            if m["role"] != "assistant":
-                continue
-            ids = tokenizer.encode(render_prompt(tokenizer, messages[:i], chat), add_special_tokens=False)
-            out["prompt_ids"].append(ids[-max_prompt_len:])
-            out["truncated"].append(len(ids) > max_prompt_len)
+    `max_prompt_len` tokens (the target writes the rest of the sequence). A conversation with no assistant turn
+    gives one empty row (status no_assistant_turn), one the template cannot render an error row."""
+    out: dict[str, list] = {"prompt_ids": [], "prompt_len": [], "truncated": [], "status": []}
+
+    def row(ids, truncated, status):
+        out["prompt_ids"].append(ids), out["prompt_len"].append(len(ids))
+        out["truncated"].append(truncated), out["status"].append(status)
+    for messages, source in zip(batch["messages"], batch["source"]):
+        turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+        if not turns:
+            row([], False, "no_assistant_turn")
+        for i in turns:
+            try:
+                text = render_prompt(tokenizer, messages[:i], chat)
+            except Exception as e:  # noqa: BLE001 - jinja raises many types
+                row([], False, f"template_error: {template_name(chat)} does not render record {source}: "
+                               f"{type(e).__name__}: {e}")
+                break
+            ids = tokenizer.encode(text, add_special_tokens=False)
+            row(ids[-max_prompt_len:], len(ids) > max_prompt_len, "ok")
     return out
 
 
 def turn_prompts(cs: ConversationSet, tokenizer, data_cfg) -> tuple[ArrowColumn, dict[str, float], str]:
     """(prompts as token lists, data/ figures, fingerprint) of every assistant turn of the TRAIN split."""
     c, chat, n = data_cfg.conversations, data_cfg.chat, data_cfg.pool.max_prompt_len
-    fingerprint = hashlib.sha256(f"{cs.fingerprint}:turn-prompts-v1:{n}".encode()).hexdigest()
+    fingerprint = hashlib.sha256(f"{cs.fingerprint}:turn-prompts-v2:{n}:{c.limit}".encode()).hexdigest()
     ds = cs.normalized.map(_turn_prompts, batched=True, batch_size=64, remove_columns=cs.normalized.column_names,
                            fn_kwargs={"tokenizer": prepare_tokenizer(tokenizer, chat), "chat": chat,
                                       "max_prompt_len": n},
                            num_proc=_num_proc(c, len(cs.normalized)), new_fingerprint=fingerprint[:32],
                            desc="conversations: turn prompts")
+    status = Counter(ds["status"])
+    broken = next((s for s in status if s.startswith("template_error")), None)
+    if broken:
+        raise TemplateError(broken.removeprefix("template_error: "))
+    ok = ds.filter(lambda s: s == "ok", input_columns="status")
     if c.limit:
-        ds = ds.select(range(min(c.limit, len(ds))))
-    if not len(ds):
+        ok = ok.select(range(min(c.limit, len(ok))))
+    if not len(ok):
         raise ValueError(f"data.path={data_cfg.path!r}: no training conversation has an assistant turn to rewrite")
-    stats = {"data/prompts": float(len(ds)), "data/truncated_prompts": float(sum(ds["truncated"]))}
-    return ArrowColumn(ds, "prompt_ids", None), stats, fingerprint
+    stats = {"data/prompts": float(len(ok)), "data/truncated": float(sum(ok["truncated"])),
+             "data/skipped": float(status.get("no_assistant_turn", 0))}
+    return ArrowColumn(ok, "prompt_ids", None), stats, fingerprint
 
 
 def response_mask(tokens_T: torch.Tensor, prompt_len: int, end_id: int | None) -> torch.Tensor:

@@ -221,6 +221,18 @@ class OnlineWriter:
         for fut in pending:
             fut.exception()
 
+    def ensure_shard(self, b: int) -> int:
+        """Written batch b on disk (`python -m experiments.regen`): the tokens the target wrote for it now, 0 when
+        its shard was already there (a resumed regen skips it without reading it)."""
+        path = self.shard_path(b)
+        if path is None:
+            raise ValueError("data.online.shard_dir is empty: there is nowhere to write shards")
+        if path.is_file():
+            return 0
+        before = self.written_tokens
+        self._load_or_write(b)
+        return self.written_tokens - before
+
     def _load_or_write(self, b: int) -> torch.Tensor:
         path = self.shard_path(b)
         key = f"{self.fingerprint}:{b}"

@@ -258,3 +258,40 @@ def test_bad_conversation_settings_are_config_errors(chat_cfg):
         validate(chat_cfg(f"data.path={SAMPLE}", "data.chat.think=maybe"))
     with pytest.raises(ConfigError, match="matches no file"):
         validate(chat_cfg("data.path=/no/such/conversations.jsonl"))
+
+
+def test_the_heldout_split_and_coding10_chat_are_eval_suites_with_prompt_lookup_and_cis(tmp_path, capsys):
+    from experiments.config import compose_config
+    from dflash.training.trainer import train
+    fast = [o for o in CHAT_FAST if o != "+eval=off"]
+    cfg = compose_config(fast + [
+        f"run_dir={tmp_path / 'run'}", f"tracking.tracking_uri=sqlite:///{tmp_path / 'mlflow.db'}",
+        f"data.conversations.cache_dir={tmp_path / 'hf'}", f"data.path={SAMPLE}", "eval.extra_suites=[]",
+        "eval.max_new_tokens=8", "eval.tree_budgets=[2]", "eval.bootstrap=50", "eval.train_tasks=0",
+        f"eval.cache_dir={tmp_path / 'eval'}", "data.conversations.eval_prompts=3", "data.conversations.eval_tokens=8",
+        "trainer.max_steps=2"])
+    metrics = train(cfg).metrics
+    for suite, n in (("chat_heldout", 3), ("coding10_chat", 10)):
+        pre = f"eval/suite/{suite}/"
+        assert metrics[pre + "num_tasks"] == n
+        for key in ("tau_vanilla", "tau_vanilla_ci_low", "tau_vanilla_ci_high", "tau_prompt_lookup",
+                    "delta_prompt_lookup"):
+            assert pre + key in metrics, pre + key
+    out = capsys.readouterr().out
+    assert "| chat_heldout | 3 |" in out and "| coding10_chat | 10 |" in out
+    assert "not written by the target in this run" in out
+
+
+
+def test_chat_suites_are_cut_from_heldout_conversations_through_the_template(chat_cfg, tok, tmp_path):
+    from dflash.training.chat_data import chat_suites
+    cfg = chat_cfg(f"data.path={SAMPLE}", "data.conversations.eval_prompts=5")
+    cs = load_conversation_set(cfg.data, tok)
+    held, coding = chat_suites(cs, tok, cfg)
+    assert held.name == "chat_heldout" and len(held.tasks) == 5 and held.max_new_tokens == 128
+    for task, row in zip(held.tasks, cs.heldout):
+        last = max(i for i, m in enumerate(row["messages"]) if m["role"] == "assistant")
+        assert task.prompt.endswith("<|im_start|>assistant\n")  # the target writes the next turn
+        assert row["messages"][last - 1]["content"] in task.prompt and row["messages"][last]["content"] not in task.prompt
+    assert coding.name == "coding10_chat" and len(coding.tasks) == 10
+    assert all(t.prompt.startswith("<|im_start|>user\n") for t in coding.tasks)

@@ -88,3 +88,28 @@ def test_regen_refuses_data_that_is_not_target_written(chat_cfg):
     from dflash.training.regen_shards import RegenConfig, run_regen
     with pytest.raises(ConfigError, match="responses=target"):
         run_regen(chat_cfg(f"data.path={SAMPLE}"), RegenConfig())
+
+
+def test_regen_splits_the_work_over_torchrun_ranks(tmp_path):
+    """Two regen ranks (gloo on the CPU) write the shards of two training ranks between them: the same files as
+    one process writing them all."""
+    import subprocess
+    import sys
+    from pathlib import Path
+    root = Path(__file__).resolve().parent.parent
+    common = ["+target=tiny_random_chat", "+data=conversations", f"data.path={SAMPLE}", *TARGET,
+              f"data.conversations.cache_dir={tmp_path / 'hf'}", "regen.batches=2", "regen.train_world=2",
+              "regen.progress=false", "target.random.hidden_size=64", "target.random.num_layers=4",
+              "target.random.intermediate_size=128", "target.random.head_dim=16", "target.random.linear_head_dim=16",
+              "target.layer_ids=[0,1,2]"]
+    for nproc, out in ((2, tmp_path / "two"), (1, tmp_path / "one")):
+        launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"] \
+            if nproc > 1 else [sys.executable]
+        proc = subprocess.run([*launcher, "-m", "experiments.regen", *common, f"data.online.shard_dir={out}"],
+                              cwd=root, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        if nproc > 1:  # each rank wrote its half of the (training rank, batch) pairs
+            assert proc.stdout.count("data/regen_written_shards=2") == 2, proc.stdout
+    two, one = _shards(tmp_path / "two"), _shards(tmp_path / "one")
+    assert len(one) == 4 and set(two) == set(one)  # 2 training ranks x 2 batches
+    assert all(torch.equal(two[k], one[k]) for k in one)

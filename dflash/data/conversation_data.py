@@ -5,8 +5,8 @@ Steps (each a `datasets` map, memory-mapped, run with `num_proc` workers and cac
 2. split by a salted hash of each conversation: `heldout_per_10k` of every 10,000 go to the held-out split, which
    is never trained on and gives the `chat_heldout` eval suite (its first `eval_prompts` conversations, each
    cut before its last assistant turn, continued by the target for `eval_tokens` tokens);
-3. render the TRAIN split through the target's chat template (`dflash.data.chat`): token ids and the assistant
-   mask. A conversation with no assistant turn is skipped (`data/skipped`); one longer than `data.max_len` is cut
+3. (`responses=dataset`) render the TRAIN split through the target's chat template (`dflash.data.chat`): token
+   ids and the assistant mask. A conversation with no assistant turn is skipped (`data/skipped`); one longer than `data.max_len` is cut
    (`overflow=truncate`) or split into `max_len` windows (`overflow=split`), counted in `data/truncated`;
    sequences shorter than `data.min_len`, or with no assistant token a block can be anchored on, are skipped.
 

@@ -23,7 +23,7 @@ campaign's noise and buffer stages both build on the loss, so they run as one wa
 config equals an earlier cell's (`+noise=none` on the best loss is the loss stage's
 run of that loss) is that cell: its result is reused, not trained again. `workers` cells run at once (several
 small runs share one GPU; the budget is in tokens, so that is fair). Before the first cell, the inputs every
-cell shares (prompt pool, online shards, eval ground truth) are made once (`dflash.training.write_ahead`).
+cell shares (prompt pool, online shards, eval ground truth) are made once (`dflash.app.write_ahead`).
 """
 from __future__ import annotations
 
@@ -286,7 +286,7 @@ def config_key(overrides: list[str]) -> str:
 
 def shared_inputs(c: Campaign, extra: list[str], out: Path) -> dict[str, float]:
     """The prompt pool, the online shards every cell reads and the eval ground truth, made once before any
-    cell starts (`dflash.training.write_ahead`); recorded in `<out>/<campaign>/write_ahead.json`."""
+    cell starts (`dflash.app.write_ahead`); recorded in `<out>/<campaign>/write_ahead.json`."""
     from dflash.app.write_ahead import write_ahead
     cfgs = every_option_config(c, extra)  # every option: the deepest buffer decides how far to write
     stats = write_ahead(cfgs[0], more_cfgs=cfgs[1:])

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from dflash.atomic import atomic_write_text
+from sweeps.learning_curves import curve_section
 from dflash.evaluation.pairing import NotPaired, ground_truth_of, per_task
 from dflash.evaluation.stats import paired_delta_ci, pooled_ci
 
@@ -153,7 +154,7 @@ def _speed_lines(summary: dict) -> list[str]:
                 f"sequences; {int(wa['data/written_batches'])} written at {wa['perf/write_tok_s']:,.0f} written "
                 f"tok/s, {int(wa['data/shard_reads'])} read from shards), " if wa.get("data/write_ahead_batches")
                 else "")  # stored data: nothing to write ahead
-        out.append(f"Shared inputs, made once before the cells (`dflash.training.write_ahead`): {data}eval ground "
+        out.append(f"Shared inputs, made once before the cells (`dflash.app.write_ahead`): {data}eval ground "
                    f"truth, {wa.get('sys/write_ahead_s', 0):.0f} s in all.")
     for st in summary.get("stages", []):
         if st.get("cells_run"):
@@ -210,6 +211,7 @@ def render_report(c, summary: dict) -> str:
             deltas = delta_table(cells, suite, stage.options[0])
             if len(deltas) > 2:
                 lines += ["Paired Δτ per drafting method:", "", *deltas, ""]
+        lines += curve_section([x for x in cells if "reused_from" not in x], c.objective, stage.factor)
         if stage.factor in winners:
             lines += [f"Highest mean objective: **{winners[stage.factor]}** (a winner only where its Δ "
                       f"interval above excludes 0).", ""]

@@ -39,7 +39,8 @@ from dflash.tracking.background import in_background
 from dflash.tracking.loggers import MultiLogger, build_loggers
 from dflash.tracking.run_info import absolute_sqlite_uri, git_sha, run_params
 from dflash.tracking.sysmetrics import system_metrics
-from dflash.training.datastream import DataMeter, build_training_data, epoch_guard
+from dflash.app.chat_data import build_run_data
+from dflash.training.datastream import DataMeter, epoch_guard
 from dflash.training.distributed import DistInfo, broadcast_object, init_distributed
 from dflash.training.distributed import shutdown as shutdown_distributed
 from dflash.training.hooks import LoopHooks, TrainParts
@@ -125,7 +126,7 @@ def build_parts(cfg: RunConfig, target: Target, device: torch.device, dist: Dist
                             target.layer_ids)
     drafter = drafter.to(device=device, dtype=getattr(torch, cfg.trainer.dtype))
     drafter.attach_target_head(target.embed_weight(), target.lm_head_weight())
-    data = build_training_data(cfg, target, dist)  # stored sequences or the online stream
+    data = build_run_data(cfg, target, dist)  # stored sequences, the online stream or a chat dataset
     tags = epoch_guard(cfg, data, dist.world)
     meter = DataMeter(data, cfg.trainer.token_budget, dist)
     noise = build_noise(cfg.noise, cfg.trainer.max_steps)
@@ -173,6 +174,8 @@ class TrainingRun:
         parts, self.data_tags = build_parts(self.ran, self.target, device, self.dist)
         if hasattr(self.evaluator, "use_train_sequences"):  # eval/tau_train: the generalization gap
             self.evaluator.use_train_sequences(parts.data.examples())
+        if hasattr(self.evaluator, "add_suites"):  # the data's own distribution (a chat dataset's held-out split)
+            self.evaluator.add_suites(parts.data.eval_suites, parts.data.eval_note)
         self.trainer = Trainer(self.ran, parts, RunDir(self.run_dir).checkpoints, resume=self.resume_state,
                                dist=self.dist, stop=self.stop, saved_config=to_dict(cfg))
         if main:  # only now, with the resume state applied, does the run folder change

@@ -42,7 +42,8 @@ def write_ahead(cfg, items: int | None = None, more_cfgs=()) -> dict[str, float]
     from dflash.evaluation.evaluator import SuiteEvaluator
     from dflash.serving.export import facts_of_target
     from dflash.target.model import Target
-    from dflash.training.datastream import build_training_data, uses_online
+    from dflash.app.chat_data import build_run_data
+    from dflash.training.datastream import uses_online
     from dflash.training.distributed import DistInfo
     out: dict[str, float] = {}
     t0 = time.perf_counter()
@@ -52,7 +53,7 @@ def write_ahead(cfg, items: int | None = None, more_cfgs=()) -> dict[str, float]
         t1 = time.perf_counter()
         # the online settings as the runs will resolve them (write_batch, reuse: dflash/app/auto.py)
         cfg, _ = resolve_auto(cfg, target, resolve_device(cfg.trainer.device), facts_of_target(target).rope_theta)
-        data = build_training_data(cfg, target, DistInfo())
+        data = build_run_data(cfg, target, DistInfo())
         out["sys/write_ahead_pool_s"] = time.perf_counter() - t1
         n = max(items_needed(x, data) for x in (cfg, *more_cfgs)) if items is None else int(items)
         w = data.writer

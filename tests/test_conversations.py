@@ -135,13 +135,13 @@ def test_no_user_or_system_token_ever_carries_loss(chat_cfg, tmp_path):
     assistant token, every anchor's first prediction is one, and assistant tokens do get labels."""
     from dflash.target.model import Target
     from dflash.training.batching import make_batch
-    from dflash.training.datastream import build_training_data
+    from dflash.app.chat_data import build_run_data
     from dflash.training.distributed import DistInfo
     from dflash.training.noise import NoiseConfig, build_noise
     from dflash.training.pipeline import ProducerPool
     cfg = chat_cfg(f"data.path={SAMPLE}", "data.max_len=160")
     target = Target(cfg.target)
-    data = build_training_data(cfg, target, DistInfo())
+    data = build_run_data(cfg, target, DistInfo())
     assert data.kind == "conversations" and data.stats["data/train_sequences"] > 150
     source = data.source(0, [], 0, 1)
     pool = ProducerPool(target, buffer=None, source=source, n=0, soft_top_k=0, batch=1, inline=True)

@@ -153,7 +153,8 @@ def build_training_sequences(cfg: DataConfig, target, seed: int) -> list[torch.T
     validate_data_config(cfg)
     if cfg.source in ONLINE_SOURCES + CONVERSATION_SOURCES:
         raise ValueError(f"data.source={cfg.source!r} is read or written while the run trains "
-                         f"(dflash.training.datastream.build_training_data), not built up front")
+                         f"(dflash.training.datastream.build_training_data; a chat dataset: dflash/app/chat_data.py), "
+                         f"not built up front")
     return SOURCES.build(cfg.source, cfg, target, seed)
 
 

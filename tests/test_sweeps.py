@@ -207,7 +207,8 @@ def test_pruning_evaluator_reports_and_prunes(tmp_path):
     with pytest.raises(EvalPruned) as e:
         ev(None, None, 3, False)
     assert isinstance(e.value, optuna.TrialPruned) and e.value.step == 3 and e.value.run_status == "KILLED"
-    ev2 = PruningEvaluator(trial, "eval/x", tmp_path, base=lambda *a: {"eval/x": 0.1})
+    # an eval/ objective is read, during training, from the subset evaluation's own name
+    ev2 = PruningEvaluator(trial, "eval/x", tmp_path, base=lambda *a: {"eval/subset/x": 0.1})
     ev2(None, None, 4, False, logger=object())  # the trainer's logger argument is passed through
     assert ev2.reports == [(4, 0.1)]
 

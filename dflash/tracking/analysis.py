@@ -36,7 +36,8 @@ _SUITE_RE = re.compile(r"^eval/suite/(?P<suite>[^/]+)/tau_vanilla$")
 GROUP_COLS = ["loss", "noise", "buffer"]
 # Curves whose scale does not depend on the loss: comparable between runs of different losses
 # (train/loss of soft_kl is T²-scaled KL, 11-34 where CE reads ~5.5).
-CURVE_KEYS = ["train/acc", "train/streak", "train/ce", "eval/tau_vanilla"]
+# τ during training is the eval subset's (`eval/subset/...`); the full suite's `eval/tau_vanilla` is one final value.
+CURVE_KEYS = ["train/acc", "train/streak", "train/ce", "eval/subset/tau_vanilla"]
 BASELINE_METRIC = "eval/tau_prompt_lookup"  # τ of prompt-lookup decoding on the same ground truth
 CI_SUFFIXES = ("_ci_low", "_ci_high")
 # Config keys (and prefixes, ending in ".") that change neither what is trained nor what is measured: the

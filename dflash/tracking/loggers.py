@@ -139,7 +139,8 @@ class ConsoleLogger(Logger):
             if "buffer/max_depth" in m:
                 buf += f"/{int(m['buffer/max_depth'])}"
             parts.append(buf)
-        ev = [f"{k[len('eval/'):]} {_fmt_num(v)}" for k, v in m.items() if k.startswith("eval/tau") and "_ci_" not in k]
+        ev = [f"{k[len('eval/'):]} {_fmt_num(v)}" for k, v in m.items()
+              if k.startswith(("eval/tau", "eval/subset/tau")) and "_ci_" not in k]
         if ev:
             parts.append("eval " + " ".join(ev))
         if not parts:

@@ -243,15 +243,11 @@ CELL_NAME = re.compile(r"^s(\d+)-(\w+?)-(.+)-seed(-?\d+)$")  # the run name is t
 
 
 def _artifacts_dir(run, tracking_uri: str) -> Path:
-    """The run's artifact folder: where the store says, or beside the sqlite file (`mlartifacts/<run id>`) when
-    the store was written on another machine and copied here."""
-    from urllib.parse import unquote, urlparse
-    u = urlparse(run.info.artifact_uri)
-    recorded = Path(unquote(u.path)) if u.scheme in ("", "file") else None
-    if recorded is not None and recorded.is_dir():
-        return recorded
-    db = Path(tracking_uri.removeprefix("sqlite:///")) if tracking_uri.startswith("sqlite:///") else Path(".")
-    return db.parent / "mlartifacts" / run.info.run_id / "artifacts"
+    """The run's artifact folder (`dflash.tracking.run_info.local_artifact_dir`: the recorded one, or beside the
+    sqlite file when the store was written on another machine and copied here)."""
+    from dflash.tracking.run_info import local_artifact_dir
+    found = local_artifact_dir(run.info.artifact_uri, tracking_uri, run.info.run_id)
+    return found if found is not None else Path(".") / "mlartifacts" / run.info.run_id / "artifacts"
 
 
 def _as_run_folder(art: Path, dest: Path) -> Path:

@@ -206,6 +206,47 @@ def _sqlite_artifact_location(uri: str) -> str | None:
     return None if db is None else (db.parent / "mlartifacts").as_uri()
 
 
+def local_artifact_dir(artifact_uri: str | None, tracking_uri: str, run_id: str) -> Path | None:
+    """A run's artifact folder on this machine: the recorded one when it exists, a relative one (a relocatable
+    store, `relocate_artifacts`) from the sqlite file's folder, else `mlartifacts/<run id>/artifacts` beside the
+    sqlite file (a store written on another machine and copied here). None when there is none."""
+    from urllib.parse import unquote, urlparse
+    db = sqlite_db_path(tracking_uri)
+    u = urlparse(artifact_uri or "")
+    recorded = Path(unquote(u.path)) if u.scheme in ("", "file") and u.path else None
+    candidates = []
+    if recorded is not None:
+        candidates.append(recorded if recorded.is_absolute() or db is None else db.parent / recorded)
+    if db is not None:
+        candidates.append(db.parent / "mlartifacts" / run_id / "artifacts")
+    return next((c for c in candidates if c.is_dir()), None)
+
+
+def relocate_artifacts(db: str | os.PathLike, relative: bool = True) -> int:
+    """Point a sqlite store's artifact locations at the `mlartifacts/` folder beside the database file, so the
+    store shows its artifacts wherever it is extracted: `relative=True` writes `mlartifacts/<run id>/artifacts`
+    (resolved from the folder `mlflow ui` starts in: run it beside `mlflow.db`), `relative=False` the absolute
+    path of this copy. Returns the number of rows changed."""
+    import sqlite3
+    db = Path(db).resolve()
+    base = "mlartifacts" if relative else (db.parent / "mlartifacts").as_uri()
+    con = sqlite3.connect(db)
+    try:
+        n = 0
+        for eid, loc in con.execute("SELECT experiment_id, artifact_location FROM experiments").fetchall():
+            if loc and "mlartifacts" in loc:
+                n += con.execute("UPDATE experiments SET artifact_location=? WHERE experiment_id=?",
+                                 (base, eid)).rowcount
+        for rid, uri in con.execute("SELECT run_uuid, artifact_uri FROM runs").fetchall():
+            if uri and "mlartifacts" in uri:
+                n += con.execute("UPDATE runs SET artifact_uri=? WHERE run_uuid=?",
+                                 (f"{base}/{rid}/artifacts", rid)).rowcount
+        con.commit()
+    finally:
+        con.close()
+    return n
+
+
 def get_or_create_experiment(client, name: str, tracking_uri: str) -> str:
     """The id of experiment `name` (restored if deleted, created if missing; a concurrent creation wins)."""
     from mlflow.exceptions import MlflowException

@@ -6,7 +6,7 @@
     format_table(table)                           # "1.071 ± 0.009 [1.05, 1.09] (n=3)" strings
     plot_tau_table(table)                         # bars from τ = 1 (no drafter), prompt lookup marked
     hist = metric_history("sqlite:///mlflow.db", runs.run_id, CURVE_KEYS)
-    plot_curves(hist, CURVE_KEYS, labels=run_labels(runs))   # one colour per run in every panel
+    plot_curves(hist, CURVE_KEYS, styles=run_styles(runs))   # colour = configuration, line style = seed
 
 Comparable rows: a row of `ablation_table` holds runs whose configs differ only in the seed (and in keys
 that change neither what is trained nor what is measured: `NOT_A_FACTOR`). Every config key that varies
@@ -229,6 +229,12 @@ def _fmt_tokens(v: float) -> str:
 # --------------------------------------------------------------------------- the table
 
 
+def _implied(f: pd.DataFrame, by: list[str], key: str) -> bool:
+    """True when `key` has one value for each combination of the `by` values (an option's own setting, such as
+    `buffer.max_depth` under `buffer=r10_20`): naming it beside the option says nothing new."""
+    return bool(by) and bool((f.groupby(by, sort=False)[key].nunique(dropna=False) <= 1).all())
+
+
 def comparable_groups(runs: pd.DataFrame, by: Sequence[str] = GROUP_COLS, pool: Sequence[str] = ()) -> pd.DataFrame:
     """Each run's row key in `ablation_table`: the `by` keys' values and, in column `other`, every other
     varying key as `key=value` (absent when nothing else varies). Runs with equal keys differ only in the
@@ -238,7 +244,7 @@ def comparable_groups(runs: pd.DataFrame, by: Sequence[str] = GROUP_COLS, pool: 
         if b not in f:
             f[b] = runs[b].map(_cell) if b in runs else "-"
     keys = f[list(by)].copy()
-    other = [k for k in varying_keys(runs) if k not in by and k not in pool]
+    other = [k for k in varying_keys(runs) if k not in by and k not in pool and not _implied(f, list(by), k)]
     if other:
         keys["other"] = f[other].apply(lambda r: ", ".join(f"{k}={v}" for k, v in r.items() if v != "-"), axis=1)
     return keys
@@ -260,8 +266,8 @@ def ablation_table(runs: pd.DataFrame, by: Sequence[str] = GROUP_COLS, metrics: 
     parts: dict[tuple[str, str], pd.Series] = {}
     for m in metrics:
         parts[(m, "mean")], parts[(m, "std")], parts[(m, "n")] = g[m].mean(), g[m].std(ddof=1), g[m].count()
-        pooled = g.apply(lambda runs_of_row, m=m: _pooled_interval(runs_of_row, m), include_groups=False)
-        if pooled.notna().any():
+        pooled = pd.Series([_pooled_interval(rows, m) for _, rows in g], index=g[m].mean().index, dtype=object)
+        if pooled.map(lambda iv: isinstance(iv, Interval)).any():
             parts[(m, "pooled")] = pooled.map(lambda iv: iv.value if isinstance(iv, Interval) else float("nan"))
             parts[(m, "ci_low")] = pooled.map(lambda iv: iv.low if isinstance(iv, Interval) else float("nan"))
             parts[(m, "ci_high")] = pooled.map(lambda iv: iv.high if isinstance(iv, Interval) else float("nan"))
@@ -467,13 +473,19 @@ def sweep_parent(tracking_uri: str, study: str, experiment: str | None = "dflash
 
 
 def summary_frame(info: dict[str, Any], keys: Sequence[str] = ("train/acc", "train/streak", "train/ce",
-                                                               "train/loss", *TAU_METRICS)) -> pd.DataFrame:
-    """Final values of the headline metrics of one run (`run_info(...)`)."""
+                                                               "train/loss", *TAU_METRICS, BASELINE_METRIC)
+                  ) -> pd.DataFrame:
+    """Final values of the headline metrics of one run (`run_info(...)`), each τ with the evaluation's
+    confidence interval (`ci_low`, `ci_high`; empty where none was logged)."""
     m = info["metrics"]
-    return pd.DataFrame({"metric": [k for k in keys if k in m],
-                         "value": [m[k] for k in keys if k in m]}).set_index("metric")
+    shown = [k for k in keys if k in m]
+    lo, hi = CI_SUFFIXES
+    return pd.DataFrame({"metric": shown, "value": [m[k] for k in shown],
+                         "ci_low": [m.get(k + lo, float("nan")) for k in shown],
+                         "ci_high": [m.get(k + hi, float("nan")) for k in shown]}).set_index("metric")
 
 
 from dflash.tracking.figures import (  # noqa: E402  (the figures read this module's constants)
-    plot_buffer_depths, plot_curves, plot_perf, plot_position_acceptance, plot_study, plot_tau_table, run_colors,
+    RunStyles, plot_buffer_depths, plot_curves, plot_perf, plot_position_acceptance, plot_study, plot_tau_table,
+    run_colors, run_styles,
 )

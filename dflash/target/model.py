@@ -46,6 +46,11 @@ class TinyTargetSpec:
     linear_num_value_heads: int = 4
     linear_head_dim: int = 32
     seed: int = 1234
+    # The context length and RoPE base the config records (a random stand-in for a real target records that
+    # target's: Qwen3.6-27B 262,144 and 1e7; the drafter's RoPE and its serving context length follow them).
+    max_position_embeddings: int = 8192
+    rope_theta: float = 10000.0
+    partial_rotary_factor: float = 0.25  # the attention layers' rotary share (Qwen3.5 / Qwen3-Next: a quarter)
 
 
 @dataclass
@@ -186,7 +191,9 @@ def _tiny_hf_config(spec: TinyTargetSpec):
                   head_dim=spec.head_dim, linear_num_key_heads=spec.linear_num_key_heads,
                   linear_num_value_heads=spec.linear_num_value_heads,
                   linear_key_head_dim=spec.linear_head_dim, linear_value_head_dim=spec.linear_head_dim,
-                  max_position_embeddings=8192, tie_word_embeddings=False,
+                  max_position_embeddings=spec.max_position_embeddings, tie_word_embeddings=False,
+                  rope_parameters={"rope_type": "default", "rope_theta": float(spec.rope_theta),
+                                   "partial_rotary_factor": float(spec.partial_rotary_factor)},
                   bos_token_id=ByteTokenizer.bos_token_id, eos_token_id=ByteTokenizer.eos_token_id,
                   pad_token_id=ByteTokenizer.pad_token_id)
     return TINY_TARGETS.build(spec.model_type, common)

@@ -40,7 +40,7 @@ GROUP_COLS = ["loss", "noise", "buffer"]
 # Curves whose scale does not depend on the loss: comparable between runs of different losses
 # (train/loss of soft_kl is T²-scaled KL, 11-34 where CE reads ~5.5).
 # τ during training is the eval subset's (`eval/subset/...`); the full suite's `eval/tau_vanilla` is one final value.
-CURVE_KEYS = ["train/acc", "train/streak", "train/ce", "eval/subset/tau_vanilla"]
+CURVE_KEYS = ["train/acc", "train/anchor_streak", "train/ce", "eval/subset/tau_vanilla"]
 BASELINE_METRIC = "eval/tau_prompt_lookup"  # τ of prompt-lookup decoding on the same ground truth
 CI_SUFFIXES = ("_ci_low", "_ci_high")
 CI_LEVEL = 0.95  # the rows' pooled intervals (the campaign report's level)
@@ -472,7 +472,7 @@ def sweep_parent(tracking_uri: str, study: str, experiment: str | None = "dflash
             "params": dict(r.data.params), "metrics": dict(r.data.metrics)}
 
 
-def summary_frame(info: dict[str, Any], keys: Sequence[str] = ("train/acc", "train/streak", "train/ce",
+def summary_frame(info: dict[str, Any], keys: Sequence[str] = ("train/acc", "train/anchor_streak", "train/ce",
                                                                "train/loss", *TAU_METRICS, BASELINE_METRIC)
                   ) -> pd.DataFrame:
     """Final values of the headline metrics of one run (`run_info(...)`), each τ with the evaluation's

@@ -284,7 +284,7 @@ EXPERIMENT_KIND_TAG, ML_EXPERIMENT_KIND = "mlflow.experimentKind", "custom_model
 SAVED_VIEW_PREFIX = "mlflow.sharedViewState."
 KEY_METRICS_VIEW = "dflash-key-metrics"
 KEY_METRIC_COLUMNS = ("eval/tau_vanilla", "eval/tau_vanilla_ci_low", "eval/tau_vanilla_ci_high",
-                      "eval/tau_prompt_lookup", "eval/tau_tree_64", "eval/subset/tau_vanilla", "train/streak",
+                      "eval/tau_prompt_lookup", "eval/tau_tree_64", "eval/subset/tau_vanilla", "train/tau_rounds",
                       "data/consumed_tokens", "perf/consumed_tok_s")
 KEY_TAG_COLUMNS = ("loss", "noise", "buffer")
 

@@ -16,7 +16,7 @@ import logging
 import os
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields as dataclass_fields
 from pathlib import Path
 
 import torch
@@ -418,13 +418,24 @@ def _head_tail_digest(path: Path, chunk: int = 1 << 20) -> str:
     return h.hexdigest()
 
 
+_LATER_SPEC_FIELDS = ("max_position_embeddings", "rope_theta", "partial_rotary_factor")
+
+
+def _spec_identity(spec: TinyTargetSpec) -> str:
+    """The spec as its dataclass repr, less fields added later while they hold their defaults: a random
+    target's fingerprint stays what it was for drafters trained before those fields existed."""
+    kept = [f for f in dataclass_fields(spec)
+              if not (f.name in _LATER_SPEC_FIELDS and getattr(spec, f.name) == f.default)]
+    return f"{type(spec).__name__}(" + ", ".join(f"{f.name}={getattr(spec, f.name)!r}" for f in kept) + ")"
+
+
 def target_fingerprint(cfg: TargetConfig) -> str:
     """Path-independent identity of the target a drafter learns from (16 hex digits): its weight files, its
     config.json and tokenizer files; for a random target, its spec. Recorded with every trained drafter and
     MLflow run (`dflash.target_fingerprint`), checked when a drafter is evaluated or promoted."""
     import hashlib
     if not cfg.path:
-        return hashlib.sha256(f"random:{cfg.random}".encode()).hexdigest()[:16]
+        return hashlib.sha256(f"random:{_spec_identity(cfg.random)}".encode()).hexdigest()[:16]
     folder = Path(checkpoint_path(cfg))
     names = ("config.json", "tokenizer.json", "tokenizer_config.json")
     parts = [(f.name, _head_tail_digest(f)) for f in sorted(folder.glob("*.safetensors"))]

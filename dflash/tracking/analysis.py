@@ -416,13 +416,24 @@ def run_labels(runs: pd.DataFrame, cols: Sequence[str] | None = None) -> dict[st
 # --------------------------------------------------------------------------- one run, the store
 
 
+# Names a store written before the current ones used (its runs show under the new name): the in-training eval
+# was logged under eval/ beside the final one, the anchor streak as train/streak.
+LEGACY_KEYS = {"eval/subset/tau_vanilla": "eval/tau_vanilla", "train/anchor_streak": "train/streak"}
+
+
 def metric_history(tracking_uri: str, run_ids: Iterable[str], keys: Iterable[str]) -> pd.DataFrame:
-    """Long frame [run_id, key, step, value, time] of every logged value."""
+    """Long frame [run_id, key, step, value, time] of every logged value (a run without a key that has a
+    `LEGACY_KEYS` name: that name's values, under the key)."""
     c = client(tracking_uri)
     rows = []
     for rid in run_ids:
         for k in keys:
-            for m in c.get_metric_history(rid, k):
+            hist = c.get_metric_history(rid, k)
+            if not hist and k in LEGACY_KEYS:
+                hist = c.get_metric_history(rid, LEGACY_KEYS[k])
+                if k.startswith("eval/subset/"):  # there the last value is the final suite's, not the subset's
+                    hist = sorted(hist, key=lambda m: m.step)[:-1]
+            for m in hist:
                 rows.append({"run_id": rid, "key": k, "step": m.step, "value": m.value,
                              "time": pd.to_datetime(m.timestamp, unit="ms")})
     return pd.DataFrame(rows, columns=["run_id", "key", "step", "value", "time"])

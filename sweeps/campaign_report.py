@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from dflash.atomic import atomic_write_text
+from sweeps.learning_curves import curve_section
 from dflash.evaluation.pairing import NotPaired, ground_truth_of, per_task
 from dflash.evaluation.stats import paired_delta_ci, pooled_ci
 
@@ -253,6 +254,7 @@ def render_report(c, summary: dict) -> str:
             deltas = delta_table(cells, suite, stage.options[0])
             if len(deltas) > 2:
                 lines += ["Paired Δτ per drafting method:", "", *deltas, ""]
+        lines += curve_section([x for x in cells if "reused_from" not in x], c.objective, stage.factor)
         if stage.factor in winners:
             tied = ((summary.get("calls") or {}).get(stage.factor) or {}).get("tied") or []
             tie = (f" **Tied with it: {', '.join(tied)}** (their paired Δ interval against it contains 0): no "

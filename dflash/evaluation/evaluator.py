@@ -138,6 +138,14 @@ class SuiteEvaluator:
         self._train_sequences: Sequence = ()
         self._train_suite: Suite | None = None
         self._history: list[tuple[int, float, float]] = []  # (step, tau_train, tau_vanilla), in-training evals
+        self.note = ""  # printed under the final summary table (e.g. where the training responses came from)
+
+    def add_suites(self, suites: Sequence[Suite], note: str = "") -> None:
+        """The trainer's hook: suites of the training data's own distribution (a chat dataset's held-out split),
+        evaluated at the end beside the configured ones (eval/suite/<name>/...), and a line for the summary."""
+        names = {s.name for s in self.suites}
+        self.suites += [s for s in suites if s.name not in names]
+        self.note = note
 
     def use_train_sequences(self, sequences: Sequence) -> None:
         """The trainer's hook: sequences the run trains on, for `eval/tau_train`."""
@@ -190,7 +198,8 @@ class SuiteEvaluator:
         if not final:
             metrics = {subset_key(k): v for k, v in metrics.items()}
         if final:
-            print(f"eval summary at step {step}:\n{summary_table(metrics, cfg.ci_level)}", flush=True)
+            note = f"\n{self.note}" if self.note else ""
+            print(f"eval summary at step {step}:\n{summary_table(metrics, cfg.ci_level)}{note}", flush=True)
         return metrics
 
 

@@ -40,7 +40,7 @@ GROUP_COLS = ["loss", "noise", "buffer"]
 # Curves whose scale does not depend on the loss: comparable between runs of different losses
 # (train/loss of soft_kl is T²-scaled KL, 11-34 where CE reads ~5.5).
 # τ during training is the eval subset's (`eval/subset/...`); the full suite's `eval/tau_vanilla` is one final value.
-CURVE_KEYS = ["train/acc", "train/anchor_streak", "train/ce", "eval/subset/tau_vanilla"]
+CURVE_KEYS = ["train/acc", "train/anchor_streak", "train/tau_rounds", "train/ce", "eval/subset/tau_vanilla"]
 BASELINE_METRIC = "eval/tau_prompt_lookup"  # τ of prompt-lookup decoding on the same ground truth
 CI_SUFFIXES = ("_ci_low", "_ci_high")
 CI_LEVEL = 0.95  # the rows' pooled intervals (the campaign report's level)

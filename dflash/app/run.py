@@ -28,6 +28,7 @@ import torch
 
 from dflash.app.auto import params_with_requested, resolve_auto
 from dflash.config import ConfigError, RunConfig, from_dict, to_dict, validate
+from dflash.data.sources import inactive_data_keys
 from dflash.devices import resolve_device
 from dflash.drafter.model import DFlashDrafter, build_drafter
 from dflash.evaluation import make_evaluator
@@ -104,11 +105,13 @@ def run_label(cfg: RunConfig) -> str:
 
 def tracked_params(cfg: RunConfig, loss_fn, noise) -> dict[str, str]:
     """The config as MLflow params, without knobs the run never reads: other losses' and noise schedules'
-    keys (each variant lists its own `config_keys`), the random-target spec of a checkpoint target, and the
-    settings of a switched-off evaluation or promotion (only their `enabled` stays)."""
+    keys (each variant lists its own `config_keys`), the random-target spec of a checkpoint target, the data
+    settings its source never reads (`inactive_data_keys`), and the settings of a switched-off evaluation or
+    promotion (only their `enabled` stays)."""
     active = {"loss": type(loss_fn).config_keys, "noise": type(noise).config_keys}
     active.update({group: ("enabled",) for group in ("eval", "promote") if not getattr(cfg, group).enabled})
-    return run_params(to_dict(cfg), active, drop=["target.random"] if cfg.target.path else [])
+    drop = (["target.random"] if cfg.target.path else []) + inactive_data_keys(cfg.data, cfg.trainer.online_data)
+    return run_params(to_dict(cfg), active, drop=drop)
 
 
 def run_tags(cfg: RunConfig) -> dict[str, str]:

@@ -15,15 +15,15 @@ Serving commands (SGLang, vLLM): README "Evaluate, promote, export, serve".
 """
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
 from dflash.serving.export import export_drafter, read_serving_config
+from experiments.config import ArgParser
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m experiments.export", description=__doc__.split("\n\n")[0])
+def build_parser() -> ArgParser:
+    p = ArgParser(prog="python -m experiments.export", description=__doc__.split("\n\n")[0])
     p.add_argument("source", help="run directory, serving folder, or checkpoint .pt")
     p.add_argument("--out", required=True, help="serving folder to write (replaced whole if it exists)")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],

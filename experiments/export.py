@@ -1,4 +1,4 @@
-"""Export a drafter to the serving format (DESIGN §6) that z-lab / SGLang / vLLM load.
+"""Export a drafter to the serving format (docs/serving.md) that z-lab / SGLang / vLLM load.
 
     python -m experiments.export runs/<run> --out exported/my-drafter [--dtype bfloat16]
     python -m experiments.export runs/<run>/checkpoints/step_00001000.pt --out exported/step1000
@@ -11,7 +11,7 @@ interrupted export never leaves a half folder where a previous export was. Read 
 The folder records what the engines read from the target (context length, mask token string, RoPE) and
 carries `modeling_dflash.py` for `AutoModel.from_pretrained(DIR, trust_remote_code=True)`. A run knows its
 target; for a source that does not (a bare folder), name the target folder: `--target /models/Qwen3.6-27B`.
-Serving commands (SGLang, vLLM): README "Evaluate, promote, export, serve".
+Serving commands (SGLang, vLLM): docs/serving.md.
 """
 from __future__ import annotations
 

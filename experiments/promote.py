@@ -1,4 +1,4 @@
-"""Promote an evaluated run through the gate (DESIGN §5).
+"""Promote an evaluated run through the gate (docs/DESIGN.md, "Evaluation and the gate").
 
     python -m experiments.promote runs/20260101-120000-ab12-soft_kl
     python -m experiments.promote <mlflow run id> --tracking-uri sqlite:////abs/mlflow.db --dry-run

@@ -219,7 +219,7 @@ def trained_for(run_dir: Path) -> str | None:
 def check_same_target(c: Campaign, out: Path, extra: list[str]) -> str:
     """The current target's fingerprint; refuses (before any work) to continue a campaign whose finished or
     cut-off cells were trained for another target: its later cells would be compared with runs of a different
-    model, and its ground truth and data would silently change under it (issue 11)."""
+    model, and its ground truth and data would silently change under it."""
     from dflash.target.model import target_fingerprint
     from experiments.config import compose_config
     now = target_fingerprint(compose_config([*stage_cells(c, 0, {})[0].overrides, *extra]).target)

@@ -1,7 +1,7 @@
 """How the MLflow client reaches its store: bounded HTTP timeouts and retries, a connect check, the heartbeat tag.
 
 An HTTP store that is down must cost seconds, not minutes: MLflow's defaults (7 retries, exponential backoff, 120 s
-timeout) stalled a 20-step run for ~4 minutes before the one warning (issue 15).
+timeout) stalled a 20-step run for ~4 minutes before the one warning.
 """
 from __future__ import annotations
 

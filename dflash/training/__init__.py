@@ -1,4 +1,4 @@
-"""Training a drafter against a frozen target (DESIGN §2–§4).
+"""Training a drafter against a frozen target (docs/DESIGN.md, "Losses and noise", "The buffer").
 
 - `trainer`: `train(cfg) -> TrainResult`, `Trainer` (the step API `make_batch` / `step` / `run`, logging every
   N steps from device accumulators, eval, checkpoint, resume).

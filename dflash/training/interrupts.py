@@ -2,7 +2,7 @@
 
 `timeout`, batch schedulers and `kill` send SIGTERM; Ctrl-C sends SIGINT. Python's default ends the process at
 once (SIGTERM) or raises KeyboardInterrupt wherever the main thread happens to be (SIGINT), so the steps since the
-last checkpoint were lost and the MLflow run stayed RUNNING (issue 15). `StopOnSignal` turns the first signal
+last checkpoint were lost and the MLflow run stayed RUNNING. `StopOnSignal` turns the first signal
 into a request the step loop reads at a step boundary; a second signal abandons the step at once.
 """
 from __future__ import annotations

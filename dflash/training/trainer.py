@@ -3,7 +3,7 @@
 `train(cfg)` is what `experiments/run.py`, sweeps, tests and notebooks all call. It validates the whole
 config before any work, writes the resolved config into the run directory, and returns the final
 metrics. The step loop never syncs the host: metrics accumulate on the device and are read every
-`tracking.log_every` steps (DESIGN §4: a per-step `.item()` cost the original pipeline 1.3 s a step).
+`tracking.log_every` steps (docs/DESIGN.md, "The buffer": a per-step `.item()` cost the original pipeline 1.3 s a step).
 """
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Throughput benchmark at production shapes (issues 6 and 13).
+"""Throughput benchmark at production shapes (docs/benchmarks.md).
 
 Measured side by side in one process, on one device, each a section of `bench.sections`:
 - `peak`: a bf16 matmul (n×n×n) — the MFU denominator, measured on the spot;

@@ -1,8 +1,9 @@
 """The run's typed configuration: one dataclass per module, composed here.
 
 The library never imports Hydra. `experiments/` composes YAML groups against this schema (a Hydra
-structured config built from `RunConfig`, so unknown keys and wrong types fail at compose time) and
-hands a plain `RunConfig` to `dflash.training.trainer.train`. Tests, sweeps and notebooks build `RunConfig`
+structured config built from `RunConfig`, so unknown keys and wrong types fail at compose time), applies
+`key=value` overrides through `dflash/overrides.py`, and hands a plain `RunConfig` to
+`dflash.training.trainer.train`. Tests, sweeps and notebooks build `RunConfig`
 directly or through the same compose helper.
 """
 from __future__ import annotations

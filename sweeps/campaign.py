@@ -42,7 +42,7 @@ import yaml
 
 from dflash.atomic import atomic_write_text
 from dflash.config import ConfigError
-from dflash.overrides import apply_overrides
+from dflash.overrides import apply_overrides, split_override
 from sweeps.support import last_logged
 
 CAMPAIGN_DIR = Path(__file__).resolve().parent.parent / "conf" / "campaign"
@@ -139,7 +139,7 @@ def load_campaign(ref: str, edits: list[str] = ()) -> Campaign:
         raise ConfigError(f"campaign {ref!r}: no file {path} (known: {known})")
     raw = yaml.safe_load(path.read_text())
     for edit in edits:
-        key, _, value = edit.removeprefix("campaign.").partition("=")
+        key, value = split_override(edit.removeprefix("campaign."), "argument")
         if key not in _fields(Campaign) or key == "stages":
             raise ConfigError(f"{edit!r}: campaign has no editable key {key!r}")
         raw[key] = yaml.safe_load(value)

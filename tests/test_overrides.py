@@ -168,3 +168,11 @@ def test_the_process_exits_2(argv):
     p = subprocess.run([sys.executable, "-m", *argv], cwd=ROOT, capture_output=True, text=True, timeout=180)
     assert p.returncode == 2, p.stderr[-2000:]
     assert p.stderr.strip().splitlines()[-1].startswith("error: ") and argv[-1].split("=")[0] in p.stderr
+
+
+def test_the_parser_keeps_the_library_free_of_hydra():
+    code = ("import sys, dflash.overrides, dflash.config, dflash.bench.config; "
+            "print(sorted({m.split('.')[0] for m in sys.modules} & {'hydra', 'omegaconf'}))")
+    p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=180)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert p.stdout.strip() == "[]", p.stdout

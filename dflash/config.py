@@ -23,6 +23,7 @@ from dflash.training.losses import LossConfig, validate_loss_config
 from dflash.training.compiling import COMPILE_MODES
 from dflash.training.noise import NoiseConfig, build_noise
 from dflash.training.pipeline import PRODUCER_MODES, PRODUCER_STREAMS
+from dflash.training.tau_probe import TauProbeConfig, validate_tau_probe_config
 from dflash.serving.promotion import PromoteConfig
 from dflash.target.model import TargetConfig, validate_target_config
 from dflash.tracking.loggers import TrackingConfig
@@ -63,6 +64,11 @@ class TrainerConfig:
     compile_mode: str = "default"
     pad_multiple: int = 1  # pad each batch's length up to a multiple of this (compile: e.g. 256)
     eval_every: int = 0  # steps between cheap evals (0 = only at the end)
+    # consumed-token milestones at which the in-training eval also runs (a learning curve at fixed budgets,
+    # e.g. [4000000, 16000000]: the first log interval at or past each one)
+    eval_at_tokens: list[int] = field(default_factory=list)
+    # train/tau_rounds: the evaluator's round simulation on a few training sequences per log interval
+    tau_probe: TauProbeConfig = field(default_factory=TauProbeConfig)
     time_budget_s: float = 0.0  # stop at the first log interval past this much training time (0: off);
     # the final checkpoint and full eval still run. For equal-time comparisons; the LR follows max_steps.
     token_budget: int = 0  # stop at the first log interval past this many consumed training tokens (0: off),
@@ -116,6 +122,13 @@ def _trainer_ranges(cfg: RunConfig) -> None:
     if t.grad_clip <= 0:
         raise ConfigError(f"trainer.grad_clip must be > 0 (the max gradient norm; clipping is always on, a large "
                           f"value leaves it idle), got {t.grad_clip}")
+    if any(n <= 0 for n in t.eval_at_tokens) or list(t.eval_at_tokens) != sorted(set(t.eval_at_tokens)):
+        raise ConfigError(f"trainer.eval_at_tokens must be increasing consumed-token counts > 0, "
+                          f"got {list(t.eval_at_tokens)}")
+    try:
+        validate_tau_probe_config(t.tau_probe, cfg.drafter.block_size)
+    except ValueError as e:
+        raise ConfigError(str(e)) from e
     if not 0 <= t.min_lr_ratio <= 1:
         raise ConfigError(f"trainer.min_lr_ratio must be in [0, 1] (the final LR as a fraction of trainer.lr), "
                           f"got {t.min_lr_ratio}")

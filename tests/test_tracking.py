@@ -241,18 +241,18 @@ def test_console_format(capsys):
     m = {
         "train/loss": 2.31449,
         "train/acc": 0.4121,
-        "train/streak": 1.834,
+        "train/anchor_streak": 1.834,
         "perf/drafter_tok_s": 12345.0,
         "buffer/total": 14,
         "buffer/max_depth": 20,
         "sys/host_rss_gb": 3.2,
     }
     assert lg.format(m, 100, now=1000.0) == (
-        "step 100/1000 | loss 2.314 | acc 0.412 | streak 1.83 | 12.3k tok/s | buf 14/20"
+        "step 100/1000 | loss 2.314 | acc 0.412 | anchor streak 1.83 | 12.3k tok/s | buf 14/20"
     )
     # 20 steps in 4 s -> 0.2 s/step -> 880 steps left = 176 s
     assert lg.format(m, 120, now=1004.0) == (
-        "step 120/1000 | loss 2.314 | acc 0.412 | streak 1.83 | 12.3k tok/s | buf 14/20 | ETA 2m56s"
+        "step 120/1000 | loss 2.314 | acc 0.412 | anchor streak 1.83 | 12.3k tok/s | buf 14/20 | ETA 2m56s"
     )
     # missing keys skipped; pipeline tok/s fallback; eval keys
     assert lg.format({"train/loss": 1.0, "perf/pipeline_tok_s": 850.0}, 130, now=1006.0) == (

@@ -31,7 +31,7 @@ def test_smoke_run_lands_in_mlflow(fast_cfg, tmp_path):
     p, t, m = run.data.params, run.data.tags, run.data.metrics
     assert p["loss.name"] == "soft_kl" and p["noise.name"] == "cosine" and p["loss.temperature"] == "2.0"
     assert t["loss"] == "soft_kl" and t["noise"] == "cosine" and t["buffer"] == "r10_20" and "git_sha" in t
-    for key in ["train/loss", "train/acc", "train/acc_pos01", "train/streak", "train/lr", "train/noise_sigma",
+    for key in ["train/loss", "train/acc", "train/acc_pos01", "train/anchor_streak", "train/lr", "train/noise_sigma",
                 "perf/target_tok_s", "perf/drafter_tok_s", "perf/pipeline_tok_s", "buffer/depth_b0",
                 "buffer/total", "system/cpu_utilization_percentage"]:  # MLflow's System metrics tab
         assert key in m, key

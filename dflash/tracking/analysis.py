@@ -36,7 +36,7 @@ _SUITE_RE = re.compile(r"^eval/suite/(?P<suite>[^/]+)/tau_vanilla$")
 GROUP_COLS = ["loss", "noise", "buffer"]
 # Curves whose scale does not depend on the loss: comparable between runs of different losses
 # (train/loss of soft_kl is T²-scaled KL, 11-34 where CE reads ~5.5).
-CURVE_KEYS = ["train/acc", "train/streak", "train/ce", "eval/tau_vanilla"]
+CURVE_KEYS = ["train/acc", "train/anchor_streak", "train/ce", "eval/tau_vanilla"]
 BASELINE_METRIC = "eval/tau_prompt_lookup"  # τ of prompt-lookup decoding on the same ground truth
 CI_SUFFIXES = ("_ci_low", "_ci_high")
 # Config keys (and prefixes, ending in ".") that change neither what is trained nor what is measured: the
@@ -414,7 +414,7 @@ def sweep_parent(tracking_uri: str, study: str, experiment: str | None = "dflash
             "params": dict(r.data.params), "metrics": dict(r.data.metrics)}
 
 
-def summary_frame(info: dict[str, Any], keys: Sequence[str] = ("train/acc", "train/streak", "train/ce",
+def summary_frame(info: dict[str, Any], keys: Sequence[str] = ("train/acc", "train/anchor_streak", "train/ce",
                                                                "train/loss", *TAU_METRICS)) -> pd.DataFrame:
     """Final values of the headline metrics of one run (`run_info(...)`)."""
     m = info["metrics"]

@@ -441,9 +441,9 @@ class MLflowLogger(Logger):
 class ConsoleLogger(Logger):
     """One progress line per ``log`` call, e.g.
 
-    ``step 120/1000 | loss 2.314 | acc 0.412 | streak 1.83 | 12.3k tok/s | buf 14/20 | ETA 3m12s``
+    ``step 120/1000 | loss 2.314 | acc 0.412 | anchor streak 1.83 | τ rounds 1.62 | 12.3k tok/s | buf 14/20 | ETA 3m12s``
 
-    From ``train/loss``, ``train/acc``, ``train/streak``, ``perf/drafter_tok_s`` (else
+    From ``train/loss``, ``train/acc``, ``train/anchor_streak``, ``train/tau_rounds``, ``perf/drafter_tok_s`` (else
     ``perf/pipeline_tok_s``), ``buffer/total``, ``buffer/max_depth``, plus the ``eval/tau*``
     τ keys (``| eval tau_vanilla 2.1 tau_tree_16 2.6``). Missing keys are skipped; a call with none of
     these keys (e.g. only ``sys/*``) prints nothing. ETA uses the wall-clock step rate
@@ -465,7 +465,8 @@ class ConsoleLogger(Logger):
         for key, label, fmt in (
             ("train/loss", "loss", "{:.3f}"),
             ("train/acc", "acc", "{:.3f}"),
-            ("train/streak", "streak", "{:.2f}"),
+            ("train/anchor_streak", "anchor streak", "{:.2f}"),  # uniform anchors: overstates τ
+            ("train/tau_rounds", "τ rounds", "{:.2f}"),  # the round simulation on training sequences
         ):
             if key in m:
                 parts.append(f"{label} {fmt.format(m[key])}")

@@ -41,6 +41,7 @@ from dflash.drafter.model import DFlashDrafter, build_drafter
 from dflash.evaluation import make_evaluator
 from dflash.training.losses import build_loss
 from dflash.training.noise import build_noise
+from dflash.training.tau_probe import probe_tau
 from dflash.training.datastream import DataMeter, build_training_data, epoch_guard
 from dflash.training.pipeline import PRODUCER_MODES, Item, ProducerPool
 from dflash.serving.promotion import auto_promote
@@ -167,7 +168,7 @@ class MetricAccumulator:
                                       self.ce]), self.acc_pos])
         vals = mean_(vec, self.dist).cpu().tolist()  # ranks averaged: one collective per interval
         # train/ce: plain CE against the target's argmax, whatever the loss: comparable across losses
-        out = {"train/loss": vals[0] / n, "train/acc": vals[1] / n, "train/streak": vals[2] / n,
+        out = {"train/loss": vals[0] / n, "train/acc": vals[1] / n, "train/anchor_streak": vals[2] / n,
                "train/grad_norm": vals[3] / n, "train/nonfinite_steps": vals[4], "train/ce": vals[5] / n}
         out.update({f"train/acc_pos{k + 1:02d}": v / n for k, v in enumerate(vals[6:])})
         return out
@@ -390,6 +391,9 @@ class Trainer:
         metrics: dict[str, float] = {}
         window = _Window(producers, self.buffer, self.dist)
         t_start, done = time.perf_counter(), self.start_step
+        # milestones a resumed run already passed (this rank's restored count, times the ranks) are not re-run
+        passed = self.data_meter.tokens * self.dist.world
+        self.milestones_done = {m for m in c.trainer.eval_at_tokens if m <= passed}
         for step in range(self.start_step, c.trainer.max_steps):
             self.noise.advance(step)
             with torch.profiler.record_function("dflash.next_items"):  # the inline producer's share: profiled runs
@@ -402,10 +406,11 @@ class Trainer:
             last = done == c.trainer.max_steps
             if done % c.tracking.log_every == 0 or last:
                 metrics = self._read_metrics(acc, window, done)
+                metrics.update(probe_tau(self.drafter, items, c.trainer.tau_probe, self._autocast()))
                 loggers.log(metrics, done)
                 check_alive(metrics, int(self.drafter.lm_head_VH.shape[0]), done)
                 last = last or self._out_of_time(t_start) or self.data_meter.over_budget()
-            if c.trainer.eval_every and self.evaluator and done % c.trainer.eval_every == 0 and not last:
+            if self.evaluator and not last and self._eval_due(done):
                 loggers.log(self.evaluator(self.drafter, self.target, done, False, loggers), done)
             saved = done % c.trainer.checkpoint_every == 0 or last
             if saved:
@@ -416,6 +421,19 @@ class Trainer:
                 break
         self.final_step = done
         return metrics
+
+    def _eval_due(self, done: int) -> bool:
+        """Every trainer.eval_every steps, and at the first log interval at or past each trainer.eval_at_tokens
+        milestone (consumed tokens, all ranks: the meter's count as of the last log interval)."""
+        c = self.cfg.trainer
+        if c.eval_every and done % c.eval_every == 0:
+            return True
+        if done % self.cfg.tracking.log_every or not c.eval_at_tokens:
+            return False
+        consumed = self.data_meter.total_tokens
+        due = [m for m in c.eval_at_tokens if m <= consumed and m not in self.milestones_done]
+        self.milestones_done.update(due)
+        return bool(due)
 
     def _out_of_time(self, t_start: float) -> bool:
         """Rank 0's clock decides for every rank (checked only at log intervals: no extra sync)."""

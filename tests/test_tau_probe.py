@@ -1,0 +1,83 @@
+"""train/tau_rounds (dflash.training.tau_probe) is the evaluator's round simulation on the same sequence, and the
+trainer logs it; trainer.eval_at_tokens runs the in-training eval at consumed-token milestones."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from dflash.config import ConfigError
+from dflash.evaluation.acceptance import BatchedDrafterProposer, simulate_task
+from dflash.training.tau_probe import TauProbeConfig, leading_matches, probe_tau, rounds_taus, sequence_round_taus
+from dflash.training.trainer import train
+from tests.test_eval_batched_proposer import BS, _chained_truth, _drafter
+
+
+def _varied_truth(d, P, N):
+    """A chained truth (every first draft right) with every 5th token changed: rounds of different lengths."""
+    truth = _chained_truth(d, P=P, N=N)
+    truth.continuation[3::5] = (truth.continuation[3::5] + 1) % 49
+    return truth
+
+
+def _labels(tokens_T: torch.Tensor) -> torch.Tensor:
+    """A target-written greedy sequence's labels: the token after each position (the last one: anything)."""
+    return torch.cat([tokens_T[1:], tokens_T[:1]])
+
+
+def test_rounds_follow_the_accepted_length():
+    assert rounds_taus([0, 0, 0, 0], 5) == [1, 1, 1, 1]
+    assert rounds_taus([3, 9, 9, 9, 0, 1, 0], 8) == [4, 1, 2]  # offsets 0, 4, 5; 7 = n_new - 1 ends them
+    m = leading_matches(torch.tensor([[1, 2, 3], [1, 2, 3]]), torch.tensor([[1, 2, 0], [1, 2, 3]]),
+                        torch.tensor([3, 2]))
+    assert m.tolist() == [2, 2]  # a mismatch ends the lead; fewer tokens left clip it
+
+
+@pytest.mark.parametrize("layout", ["full", "windowed"])
+@pytest.mark.parametrize("P,N", [(6, 31), (2, 40)])
+def test_probe_equals_the_evaluators_simulation(layout, P, N):
+    d = _drafter(layout)
+    truth = _varied_truth(d, P, N)
+    want = simulate_task(truth, BatchedDrafterProposer(d), BS).taus_vanilla
+    got = sequence_round_taus(d, truth.tokens, truth.features, _labels(truth.tokens), window=N)
+    assert got == want
+    assert len(set(got)) > 1  # rounds of different lengths: the comparison has something to catch
+
+
+def test_probe_metric_is_the_mean_over_rounds_and_streak_overstates_it():
+    d = _drafter("full")
+    truth = _varied_truth(d, 4, 48)
+
+    class It:  # the fields of a buffered training item the probe reads
+        tokens_T, features_TLH, labels_T = truth.tokens, truth.features, _labels(truth.tokens)
+
+    m = probe_tau(d, [It(), It()], TauProbeConfig(sequences=1, window=48))
+    taus = simulate_task(truth, BatchedDrafterProposer(d), BS).taus_vanilla
+    assert m["train/tau_rounds"] == pytest.approx(sum(taus) / len(taus))
+    assert m["train/tau_rounds_n"] == len(taus)  # sequences=1: the second item is not probed
+    assert probe_tau(d, [It()], TauProbeConfig(sequences=0)) == {}
+
+
+def test_trainer_logs_tau_rounds_and_evaluates_at_token_milestones(fast_cfg):
+    calls = []
+
+    def evaluator(drafter, target, step, final, logger=None):
+        calls.append((step, final))
+        return {"eval/tau_vanilla": 1.0}
+
+    # 2 sequences x 72 tokens = 144 consumed tokens a step: milestones 300 and 600 fall in steps 3 and 5
+    cfg = fast_cfg("trainer.eval_at_tokens=[300,600]", "trainer.tau_probe.window=32", "data.min_len=72")
+    res = train(cfg, evaluator)
+    assert calls == [(3, False), (5, False), (6, True)]
+    rows = [json.loads(line) for line in (res.run_dir / "metrics.jsonl").read_text().splitlines()]
+    taus = [r["train/tau_rounds"] for r in rows if "train/tau_rounds" in r]
+    assert len(taus) == cfg.trainer.max_steps and all(1.0 <= t <= cfg.drafter.block_size for t in taus)
+
+
+@pytest.mark.parametrize("override", ["trainer.eval_at_tokens=[600,300]", "trainer.eval_at_tokens=[0]",
+                                      "trainer.tau_probe.window=1", "trainer.tau_probe.sequences=-1"])
+def test_bad_probe_and_milestone_settings_name_the_key(fast_cfg, override):
+    from dflash.config import validate
+    with pytest.raises(ConfigError, match=override.split("=")[0].rsplit(".", 1)[-1]):
+        validate(fast_cfg(override))

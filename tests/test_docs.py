@@ -89,3 +89,12 @@ def test_quick_start_is_what_ci_runs():
     assert 'pip install -e ".[dev]" && python -m pytest -q\n' in text
     ci = (ROOT / ".ci" / "run").read_text()
     assert 'pip install -q -e ".[dev]"' in ci and "python -m pytest -q" in ci
+
+
+@pytest.mark.parametrize("md", [README, *DOCS], ids=lambda p: str(p.relative_to(ROOT)))
+def test_paths_the_docs_name_exist(md):
+    """A path in backticks (`dflash/training/buffer.py`, `conf/campaign/`) is a file or folder of the repo."""
+    top = "dflash|experiments|sweeps|conf|tests|benchmarks|notebooks|docs"
+    named = re.findall(rf"`((?:{top})/[\w/.\-]*)`", md.read_text())
+    missing = sorted({p for p in named if not (ROOT / p.rstrip("/")).exists()})
+    assert not missing, f"{md.relative_to(ROOT)} names paths that do not exist: {missing}"

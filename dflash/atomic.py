@@ -49,9 +49,15 @@ def dir_mode() -> int:
 _FULL_BELOW_BYTES = 1 << 20
 
 
-def disk_full_error(path: Path, exc: BaseException) -> OSError | None:
-    """An OSError saying the disk is full, when `exc` (or what caused it) is ENOSPC / EDQUOT, or the filesystem
-    is left with almost no free space (torch's writer then reports only `unexpected pos …`); else None."""
+class DiskFullError(OSError):
+    """A write that failed because its filesystem is full (errno ENOSPC); the message says what is left intact.
+    The command-line entry points print it as one line and exit 1."""
+
+
+def disk_full_error(path: Path, exc: BaseException, existed: bool = True) -> DiskFullError | None:
+    """A DiskFullError when `exc` (or what caused it) is ENOSPC / EDQUOT, or the filesystem is left with almost
+    no free space (torch's writer then reports only `unexpected pos …`); else None. `existed`: whether `path`
+    was there before the write (only then is there a previous file to speak of)."""
     e: BaseException | None = exc
     while e is not None:
         if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
@@ -69,13 +75,15 @@ def disk_full_error(path: Path, exc: BaseException) -> OSError | None:
         free = shutil.disk_usage(path.parent).free
     except OSError:
         free = -1
-    return OSError(errno.ENOSPC, f"the disk is full writing {path} ({free} bytes free on its filesystem); the "
-                                 f"previous file is intact ({type(exc).__name__}: {exc})", str(path))
+    left = "the previous file there is intact" if existed else "no partial file was left there"
+    return DiskFullError(errno.ENOSPC, f"the disk is full writing {path} ({free} bytes free on its filesystem); "
+                                       f"{left} ({type(exc).__name__}: {str(exc).strip()[:200]})", str(path))
 
 
 def atomic_write(path: str | os.PathLike, write: Callable[[str], None]) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
+    existed = path.exists()
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
     os.close(fd)
     try:
@@ -85,7 +93,7 @@ def atomic_write(path: str | os.PathLike, write: Callable[[str], None]) -> None:
         os.chmod(tmp, file_mode())
         os.replace(tmp, path)
     except BaseException as e:
-        full = disk_full_error(path, e) if isinstance(e, Exception) else None  # before the temp file goes
+        full = disk_full_error(path, e, existed) if isinstance(e, Exception) else None  # before the temp goes
         if os.path.exists(tmp):
             os.unlink(tmp)
         if full is not None:
@@ -128,7 +136,8 @@ def load_checked(path: str | os.PathLike, magic: bytes, fmt: int, key: str) -> d
         raise ValueError(f"{path}: format or key mismatch")
     if len(payload) != header.get("nbytes") or hashlib.sha256(payload).hexdigest() != header.get("sha256"):
         raise ValueError(f"{path}: checksum mismatch (truncated or corrupt)")
-    data = torch.load(io.BytesIO(payload), map_location="cpu", weights_only=True)
+    from dflash.safe_load import load_plain
+    data = load_plain(io.BytesIO(payload), "cpu", name=str(path))
     if data.get("key") != key:
         raise ValueError(f"{path}: key mismatch in payload")
     return data

@@ -134,6 +134,9 @@ def _trainer_ranges(cfg: RunConfig) -> None:
                           f"got {t.min_lr_ratio}")
     # draw_anchors: anchors a ∈ [1, length − block_size + 1], so a sequence holds at most that many blocks
     cap = cfg.data.max_len - cfg.drafter.block_size + 1
+    if cap < 1:  # no anchor fits at all: the length is what is wrong, not the anchor count
+        raise ConfigError(f"data.max_len={cfg.data.max_len} is shorter than drafter.block_size="
+                          f"{cfg.drafter.block_size}: a sequence must hold at least one block")
     if t.num_anchors > cap:
         raise ConfigError(f"trainer.num_anchors={t.num_anchors} is more than a sequence allows: at most "
                           f"data.max_len - drafter.block_size + 1 = {cap} anchors per sequence")

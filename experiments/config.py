@@ -145,6 +145,7 @@ def run_cli(main) -> None:
     # Fewer, growable allocator segments: the drafter's variable-length steps otherwise fragment the cache.
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    from dflash.atomic import DiskFullError
     from dflash.training.health import DeadDrafterError
     from dflash.training.interrupts import RunInterrupted
     try:
@@ -157,4 +158,7 @@ def run_cli(main) -> None:
         sys.exit(e.exit_code)
     except DeadDrafterError as e:  # closed FAILED
         print(f"error: {e}", file=sys.stderr)
+        sys.exit(1)
+    except DiskFullError as e:  # the folder holds only whole files; the run closed FAILED
+        print(f"error: {e.strerror}", file=sys.stderr)
         sys.exit(1)

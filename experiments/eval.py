@@ -11,7 +11,8 @@ tree budget), printed, logged as `eval/compare/delta_<metric>[_ci_low|_ci_high]`
 
 - A run directory (has `config.yaml`): its resolved config, then `key=value` overrides on top (type-checked
   against the schema, e.g. `eval.real_decode=true eval.max_new_tokens=128 target.device=cpu`); the drafter is
-  `final/` (the serving folder), or the newest `checkpoints/step_*.pt` when the run has no `final/`.
+  `final/` (the serving folder), or when the run has no `final/` its newest intact `checkpoints/step_*.pt`
+  (as resume does: a torn or refused latest one is passed over with a warning naming both files).
 - A serving folder (`config.json` with `DFlashDraftModel`, ours or a published drafter): the run config is
   composed from `conf/` with Hydra overrides (`experiments.config.compose_config`), so the target comes from
   the overrides (`target=...`, `target.path=...`, `target.mask_token_id=...`).
@@ -62,7 +63,7 @@ def _saved_config(d: dict, overrides: list[str]) -> RunConfig:
 
 
 def resolve_source(path: Path, overrides: list[str]):
-    """-> (RunConfig, EvalConfig, drafter loader, training run dir or None, default step).
+    """-> (RunConfig, EvalConfig, drafter loader, training run dir or None, default step, the DrafterSource).
     `dflash.run_dir.resolve_drafter_source` decides what the path names."""
     from dflash.run_dir import resolve_drafter_source
     from dflash.serving.export import drafter_from_checkpoint, load_drafter
@@ -77,34 +78,36 @@ def resolve_source(path: Path, overrides: list[str]):
     if saved is None:  # a bare serving folder: the target comes from the overrides
         from experiments.config import compose_config
         cfg = compose_config(overrides)
-        return cfg, cfg.eval, lambda dev: load_drafter(src.serving, dev), None, 0
+        return cfg, cfg.eval, lambda dev: load_drafter(src.serving, dev), None, 0, src
     cfg = _saved_config(saved, overrides)
     run_dir = src.run.root if src.run is not None else None
     if src.serving is not None:
-        return cfg, cfg.eval, lambda dev: load_drafter(src.serving, dev), run_dir, cfg.trainer.max_steps
+        return cfg, cfg.eval, lambda dev: load_drafter(src.serving, dev), run_dir, cfg.trainer.max_steps, src
     return (cfg, cfg.eval, lambda dev: drafter_from_checkpoint(src.checkpoint, src.state).drafter.to(dev),
-            run_dir, src.step)
+            run_dir, src.step, src)
 
 
 def recorded_target_fingerprint(path: Path) -> tuple[bool, str | None]:
-    """(trained here, its target fingerprint) of a run dir, serving folder or checkpoint. A serving folder
-    without `dflash_training` (a published drafter) is not ours: (False, None)."""
-    if path.is_dir() and (path / "config.yaml").is_file():
-        if (path / "final" / "config.json").is_file():
-            return recorded_target_fingerprint(path / "final")
-        from dflash.training.checkpoint import latest_checkpoint
-        path = latest_checkpoint(path / "checkpoints") or path
-    if path.is_file():
-        from dflash.training.checkpoint import load_checkpoint
-        return True, load_checkpoint(path).get("target_fingerprint")
+    """(trained here, its target fingerprint) of a run dir, serving folder or checkpoint: of the drafter eval
+    evaluates there (`dflash.run_dir.resolve_drafter_source`: a run's final/, else its newest intact checkpoint,
+    past a torn or refused latest one). A serving folder without `dflash_training` (a published drafter) is not
+    ours: (False, None)."""
+    from dflash.run_dir import resolve_drafter_source
+    return _recorded(resolve_drafter_source(path))
+
+
+def _recorded(src) -> tuple[bool, str | None]:
     from dflash.serving.export import read_serving_config
-    training = read_serving_config(path).get("dflash_training")
+    if src.state is not None:
+        return True, src.state.get("target_fingerprint")
+    training = read_serving_config(src.serving).get("dflash_training")
     return training is not None, (training or {}).get("target_fingerprint")
 
 
-def _check_target(path: Path, target) -> None:
+def _check_target(path: Path, target, src=None) -> None:
+    """The drafter at `path` (`src`: as resolve_source already read it) was trained on `target`."""
     from dflash.target.model import check_drafter_target
-    ours, recorded = recorded_target_fingerprint(path)
+    ours, recorded = recorded_target_fingerprint(path) if src is None else _recorded(src)
     if ours:
         try:
             check_drafter_target(recorded, target, str(path))
@@ -164,7 +167,7 @@ def _parse_argv(argv: list[str]) -> tuple[Path, str | None, list[str], Path | No
 def main(argv: list[str] | None = None) -> dict:
     argv = list(sys.argv[1:] if argv is None else argv)
     path, other, overrides, out, into_run = _parse_argv(argv)
-    cfg, ecfg, load, run_dir, step = resolve_source(path, overrides)
+    cfg, ecfg, load, run_dir, step, src = resolve_source(path, overrides)
     ml = _mlflow_info(run_dir)
     if other is not None and into_run:
         raise ConfigError("--into-run writes one drafter's eval into its run; not with a second drafter B")
@@ -176,7 +179,7 @@ def main(argv: list[str] | None = None) -> dict:
         raise ConfigError(str(e)) from e
     target = Target(cfg.target)
     if "--allow-other-target" not in argv:
-        _check_target(path, target)
+        _check_target(path, target, src)
     dev = target.device if ecfg.device == "auto" else resolve_device(ecfg.device)
     drafter = load(dev)
     other_drafter, other_label = (None, "") if other is None else _load_other(other, overrides, cfg, ml, dev)
@@ -249,7 +252,7 @@ def _load_other(other: str, overrides: list[str], cfg: RunConfig, ml: dict, dev)
             raise ConfigError(f"B={other!r}: no {name}@{alias} in the registry {uri!r} ({e})") from e
         return load_drafter(folder, dev), f"{name}@{alias} (v{mv.version}, run {mv.run_id})"
     p = Path(other)
-    _, _, load_b, _, _ = resolve_source(p, [o for o in overrides if not o.startswith("eval.")])
+    _, _, load_b, _, _, _ = resolve_source(p, [o for o in overrides if not o.startswith("eval.")])
     return load_b(dev), str(p)
 
 

@@ -18,7 +18,9 @@ from dataclasses import asdict
 
 from dflash.data.corpus import CorpusConfig
 from dflash.pretrain.recipe import PretrainConfig, pretrain
+from dflash.config import ConfigError
 from dflash.overrides import OverrideError, apply_overrides
+from dflash.safe_load import UnsafeFileError
 from experiments.config import run_cli
 
 SHIPPED_PROBES = {"modern_python": "benchmarks/data/modern_python/*.py",  # written for this, in no package
@@ -78,7 +80,10 @@ def main(argv: list[str] | None = None) -> dict:
         print(json.dumps(asdict(cfg), indent=1))
         return {}
     command = "python -m experiments.pretrain_target" + "".join(" " + shlex.quote(a) for a in argv)
-    result = pretrain(cfg, prompts=eval_prompts, command=command)
+    try:
+        result = pretrain(cfg, prompts=eval_prompts, command=command)
+    except UnsafeFileError as e:  # a state file that is not plain data (or is torn): bad input, nothing ran
+        raise ConfigError(str(e)) from e
     m = result["metrics"]
     if result.get("intermediate"):
         print(f"intermediate job: step {m['steps']} of {m['max_steps']} ({m['stop_reason']}), "

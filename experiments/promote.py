@@ -1,14 +1,18 @@
-"""Promote an evaluated run through the gate (docs/DESIGN.md, "Evaluation and the gate").
+"""Promote an evaluated run through the gate (`dflash/serving/promotion.py`; docs/evaluation.md).
 
     python -m experiments.promote runs/20260101-120000-ab12-soft_kl
     python -m experiments.promote <mlflow run id> --tracking-uri sqlite:////abs/mlflow.db --dry-run
     python -m experiments.promote <run dir> --margin 0.05 --floor 3.0 --alias champion --ci-level 0.95
 
-Exit code 0 when the gate ran, whether it promoted or refused (a refusal is a normal outcome, printed
-with its reason); 2 on bad input (no such run or store, a run dir without MLflow tracking).
+Exit codes, so a script can tell the outcomes apart (the decision and its reason are printed either way):
+  0  promoted (with --dry-run: would promote), or the run already holds the alias;
+  3  refused by the gate (with --dry-run: would refuse): not FINISHED, not evaluated, below the floor or margin;
+  2  bad input: no such run or store, a run dir without MLflow tracking, bad gate settings;
+  1  anything else that failed (a traceback).
 """
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 import os
@@ -27,8 +31,16 @@ _RUN_ID = re.compile(r"^[0-9a-f]{32}$")
 DEFAULT_URI = "sqlite:///mlflow.db"
 
 
+EXIT_PROMOTED, EXIT_BAD_INPUT, EXIT_REFUSED = 0, 2, 3
+
+
 class BadInput(Exception):
     pass
+
+
+def exit_code(decision: Decision) -> int:
+    """The process exit status of a decision (see the module doc)."""
+    return EXIT_PROMOTED if decision.promoted or decision.holds_alias else EXIT_REFUSED
 
 
 def _find_run_dir(path: Path) -> Path:
@@ -64,7 +76,9 @@ def resolve_target(target: str, tracking_uri: str | None) -> tuple[str, str]:
 
 def build_parser() -> ArgParser:
     d = PromoteConfig()
-    p = ArgParser(prog="python -m experiments.promote", description=__doc__.split("\n\n")[0])
+    head, *rest = __doc__.split("\n\n")
+    p = ArgParser(prog="python -m experiments.promote", description=head, epilog="\n\n".join(rest),
+                  formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("target", help="run directory (or its final/ or a checkpoint inside it), or an MLflow run id")
     p.add_argument("--dry-run", action="store_true", help="show the decision; register and tag nothing")
     # numbers stay text here: the one override parser (dflash/overrides.py) types them, naming the key
@@ -91,7 +105,7 @@ def main(argv: list[str] | None = None) -> Decision:
         decision = promote(run_id, cfg, uri, dry_run=args.dry_run)
     except (BadInput, PromotionError, ConfigError) as e:
         print(f"error: {e}", file=sys.stderr)
-        raise SystemExit(2) from e
+        raise SystemExit(EXIT_BAD_INPUT) from e
     print(decision.summary())
     print(f"  {cfg.metric}: candidate {decision.candidate_value}, holder "
           f"{'v' + decision.holder_version if decision.holder_version else 'none'} ({decision.holder_value}); "
@@ -107,4 +121,4 @@ def main(argv: list[str] | None = None) -> Decision:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    sys.exit(exit_code(main(sys.argv[1:])))

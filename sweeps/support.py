@@ -22,6 +22,7 @@ import optuna
 
 from dflash.tracking.loggers import read_jsonl_metrics
 from dflash.tracking.run_info import get_or_create_experiment
+from dflash.tracking.transport import prepare_store
 
 log = logging.getLogger(__name__)
 
@@ -134,8 +135,10 @@ class SweepTracker:
     @property
     def experiment_id(self) -> str:
         if self._experiment_id is None:
-            self._experiment_id = self._retry("get/create experiment", lambda: get_or_create_experiment(self.client, self.experiment, self.tracking_uri),
-                                              quiet=False)
+            def create():  # a fresh sqlite store is created once, under a lock, by whichever process comes first
+                prepare_store(self.tracking_uri)
+                return get_or_create_experiment(self.client, self.experiment, self.tracking_uri)
+            self._experiment_id = self._retry("get/create experiment", create, quiet=False)
         return self._experiment_id  # type: ignore[return-value]
 
     def _tags(self, run_id: str, tags: Mapping[str, Any]) -> None:

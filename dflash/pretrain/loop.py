@@ -26,6 +26,7 @@ from dflash.atomic import atomic_write
 from dflash.pretrain.config import PretrainConfig
 from dflash.pretrain.data import WindowSampler
 from dflash.pretrain.evaluate import evaluate_nll, eval_windows, lm_loss
+from dflash.safe_load import UnsafeFileError, load_plain
 from dflash.training.trainer import warmup_cosine
 
 log = logging.getLogger(__name__)
@@ -101,9 +102,13 @@ def resume_signature(cfg: PretrainConfig, corpus_fingerprint: str) -> dict:
 
 
 def read_checkpoint(path: Path) -> dict | None:
+    """The saved pretraining state (plain data only: a file that would run code raises UnsafeFileError)."""
     if not path.is_file():
         return None
-    return torch.load(path, map_location="cpu", weights_only=False)
+    state = load_plain(path, "cpu", what="pretraining state")
+    if not isinstance(state, dict) or "signature" not in state:
+        raise UnsafeFileError(f"{path}: not a pretraining state file (no signature)")
+    return state
 
 
 def check_resumable(ckpt: dict, cfg: PretrainConfig, corpus_fingerprint: str, path: Path) -> None:

@@ -29,10 +29,11 @@ from pathlib import Path
 from typing import Callable
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from dflash.atomic import atomic_write, atomic_write_text, dir_mode
 from dflash.drafter.model import LAYER_TYPES, DFlashDrafter, DrafterConfig
+from dflash.safe_load import load_tensors
 
 MODELING_FILE = "modeling_dflash.py"  # written into every complete folder; its source sits beside this module
 AUTO_MAP = {"AutoModel": "modeling_dflash.DFlashDraftModel"}
@@ -340,10 +341,7 @@ def load_drafter(folder: str | os.PathLike, device: str | torch.device = "cpu",
     state: dict[str, torch.Tensor] = {}
     origin: dict[str, Path] = {}
     for f in files:
-        try:
-            part = load_file(str(f))
-        except Exception as e:
-            raise ValueError(f"{f}: unreadable safetensors file ({type(e).__name__}: {e})") from e
+        part = load_tensors(f)
         state.update(part)
         origin.update(dict.fromkeys(part, f))
     expected = drafter.state_dict()

@@ -99,6 +99,7 @@ class Decision:
     prompt_lookup: float | None = None  # the candidate's prompt-lookup baseline τ on the same suite
     delta_prompt_lookup_ci_low: float | None = None
     delta_prompt_lookup_ci_high: float | None = None
+    holds_alias: bool = False  # the run already holds the alias: nothing to do, not a refusal
 
     def summary(self) -> str:
         head = ("[dry run] would promote" if self.promoted else "[dry run] would refuse") if self.dry_run \
@@ -488,7 +489,7 @@ def promote(run_id: str, cfg: PromoteConfig, tracking_uri: str | None, dry_run: 
         holder, holder_value = _current_holder(client, cfg)
         if holder is not None and holder.run_id == run_id:
             return Decision(False, f"run already holds @{cfg.alias} (v{holder.version})", None, value,
-                            str(holder.version), holder_value, **base)
+                            str(holder.version), holder_value, **base, holds_alias=True)
         ev = _evidence(client, run, holder, cfg)
         ok, reason = _compare(value, holder, holder_value, cfg, ev, run.data.tags.get(TARGET_FP))
         return _record(Decision(ok, reason, None, value, holder and str(holder.version), holder_value, **base), ev)
@@ -498,7 +499,7 @@ def promote(run_id: str, cfg: PromoteConfig, tracking_uri: str | None, dry_run: 
         hv = None if holder is None else str(holder.version)
         if holder is not None and holder.run_id == run_id:
             d = Decision(False, f"run already holds @{cfg.alias} (v{hv}); nothing registered", None, value,
-                         hv, holder_value, **base)
+                         hv, holder_value, **base, holds_alias=True)
             log.info(d.summary())
             return d
         ev = _evidence(client, run, holder, cfg)

@@ -46,7 +46,7 @@ from dflash.tracking.run_info import (MAX_METRICS_PER_BATCH, MAX_PARAM_VAL_LENGT
                                       _fmt_rate, _json_default, _param_str, _sanitize_key, _to_float,
                                       default_run_name, flatten_config, get_or_create_experiment, git_sha,
                                       mlflow_ui_hint, quiet_library_logs, source_tags, truncate)
-from dflash.tracking.transport import HEARTBEAT_TAG, heartbeat_tags, http_preflight, utc_now
+from dflash.tracking.transport import HEARTBEAT_TAG, heartbeat_tags, prepare_store, utc_now
 
 _VALID_STATUSES = ("FINISHED", "FAILED", "KILLED")
 
@@ -268,7 +268,7 @@ class MLflowLogger(Logger):
             pass
 
         quiet_library_logs()  # before the store opens: its schema setup logs 2-4 INFO lines
-        http_preflight(self.tracking_uri)
+        prepare_store(self.tracking_uri)  # HTTP: answers within seconds; sqlite: created once, under a lock
         self.client = MlflowClient(tracking_uri=self.tracking_uri)
         # sqlite: several processes creating the db/experiment at once may collide; retry.
         attempts = 3 if self.tracking_uri.startswith("sqlite:") else 1

@@ -1,18 +1,30 @@
-"""How the MLflow client reaches its store: bounded HTTP timeouts and retries, a connect check, the heartbeat tag.
+"""How the MLflow client reaches its store: bounded HTTP timeouts and retries, a connect check, the heartbeat tag,
+and a fresh sqlite store created once.
 
 An HTTP store that is down must cost seconds, not minutes: MLflow's defaults (7 retries, exponential backoff, 120 s
-timeout) stalled a 20-step run for ~4 minutes before the one warning.
+timeout) stalled a 20-step run for ~4 minutes before the one warning. A server that accepts connections and never
+answers cost 3 × 10 s read timeouts, so the check also waits (boundedly) for a first response.
+
+A fresh sqlite file is migrated by the first client that opens it (alembic, ~30 revisions); two processes doing it
+at once corrupt the schema ("table _alembic_tmp_… already exists", "Online migration expected to match one row")
+and neither tracks. `prepare_store` opens it under an exclusive `flock` on `<db>.lock`, so it is created once.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import time
-from typing import Any
+from pathlib import Path
+from typing import Any, Iterator
 
 # A TCP connect with this timeout runs before the first request; the request settings apply where the user has
 # not set them in the environment (MLflow reads them at every request).
 CONNECT_TIMEOUT_S = 3.0
+# Connect plus the first response of a small request: a server that never answers is disabled within this.
+FIRST_RESPONSE_S = 5.0
+# How long a process waits for another one creating the same sqlite store.
+STORE_LOCK_TIMEOUT_S = 120.0
 HTTP_DEFAULTS = {"MLFLOW_HTTP_REQUEST_TIMEOUT": "10", "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2",
                  "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1"}
 HEARTBEAT_TAG = "dflash.heartbeat"  # UTC time of the run's last log call: a stale RUNNING run shows here
@@ -27,9 +39,10 @@ def heartbeat_tags() -> list[Any]:
     return [RunTag(HEARTBEAT_TAG, utc_now())]
 
 
-def http_preflight(uri: str, timeout: float = CONNECT_TIMEOUT_S) -> None:
-    """For http(s) stores: bounded request timeouts/retries (unless set in the environment), and a TCP connect
-    within `timeout` seconds, raising ConnectionError naming the host when nothing answers."""
+def http_preflight(uri: str, timeout: float = CONNECT_TIMEOUT_S, total: float = FIRST_RESPONSE_S) -> None:
+    """For http(s) stores: bounded request timeouts/retries (unless set in the environment), a TCP connect within
+    `timeout` seconds and the first response to `GET /health` within `total` seconds of the start (any status
+    counts as an answer); ConnectionError naming the host otherwise."""
     from urllib.parse import urlsplit
     parts = urlsplit(uri)
     if parts.scheme not in ("http", "https"):
@@ -37,7 +50,64 @@ def http_preflight(uri: str, timeout: float = CONNECT_TIMEOUT_S) -> None:
     for k, v in HTTP_DEFAULTS.items():
         os.environ.setdefault(k, v)
     host, port = parts.hostname or "localhost", parts.port or (443 if parts.scheme == "https" else 80)
+    import http.client
+    import ssl
+    if parts.scheme == "https":  # the probe asks only "does it answer": TLS is verified by MLflow's own requests
+        conn: http.client.HTTPConnection = http.client.HTTPSConnection(
+            host, port, timeout=timeout, context=ssl._create_unverified_context())
+    else:
+        conn = http.client.HTTPConnection(host, port, timeout=timeout)
+    t0 = time.monotonic()
     try:
-        socket.create_connection((host, port), timeout=timeout).close()
-    except OSError as e:
-        raise ConnectionError(f"nothing answers at {host}:{port} within {timeout:g} s ({e})") from e
+        try:
+            conn.connect()
+        except OSError as e:
+            raise ConnectionError(f"nothing answers at {host}:{port} within {timeout:g} s ({e})") from e
+        wait = max(total - (time.monotonic() - t0), 0.5)
+        conn.sock.settimeout(wait)
+        try:
+            conn.request("GET", "/health", headers={"Connection": "close"})
+            conn.getresponse().close()
+        except (socket.timeout, TimeoutError) as e:
+            raise ConnectionError(f"{host}:{port} accepts connections but sends no response within {wait:.1f} s "
+                                  f"(a hung or wrong server)") from e
+        except (OSError, http.client.HTTPException) as e:
+            raise ConnectionError(f"{host}:{port} accepts connections but does not answer HTTP "
+                                  f"({type(e).__name__}: {e})") from e
+    finally:
+        conn.close()
+
+
+@contextlib.contextmanager
+def _exclusive(lock: Path, timeout: float) -> Iterator[None]:
+    """An exclusive `flock` on `lock` (released by the kernel if the process dies), waiting at most `timeout` s."""
+    import fcntl
+    with open(lock, "a") as f:
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"another process holds {lock} for more than {timeout:g} s") from None
+                time.sleep(0.05)
+        try:
+            yield
+        finally:
+            fcntl.flock(f.fileno(), fcntl.LOCK_UN)
+
+
+def prepare_store(uri: str, lock_timeout: float = STORE_LOCK_TIMEOUT_S) -> None:
+    """Before the first MLflow client call on `uri`: the HTTP preflight for a server; for a sqlite file, its
+    schema created (or checked) once, under an exclusive lock, so processes starting together on a fresh store
+    do not migrate it at the same time. Other stores: nothing."""
+    http_preflight(uri)
+    from dflash.tracking.run_info import sqlite_db_path
+    db = sqlite_db_path(uri)
+    if db is None:
+        return
+    db.parent.mkdir(parents=True, exist_ok=True)
+    with _exclusive(db.with_name(db.name + ".lock"), lock_timeout):
+        from mlflow.tracking import MlflowClient
+        MlflowClient(tracking_uri=uri).search_experiments(max_results=1)  # opens the store: migrates a fresh db

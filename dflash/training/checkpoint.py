@@ -1,9 +1,9 @@
 """Atomic step checkpoints that load without executing code, each with its own digest.
 
 A checkpoint is `step_NNNNNNNN.pt`: plain data only (tensors, numbers, strings, lists, tuples, dicts), read
-back with `torch.load(weights_only=True)`, so a crafted pickle in the folder is refused rather than run (issue
-15). Beside it `step_NNNNNNNN.pt.sha256` holds the file's digest, written after the file itself, so a garbled or
-truncated file is recognised before it is unpickled. `latest.json` names the newest one and is replaced
+back through `dflash.safe_load.load_plain` (`weights_only=True`), so a crafted pickle in the folder is refused
+rather than run. Beside it `step_NNNNNNNN.pt.sha256` holds the file's digest, written after the file itself, so a
+garbled or truncated file is recognised before it is unpickled. `latest.json` names the newest one and is replaced
 atomically after the checkpoint it names exists. A run killed at any moment (SIGKILL included) leaves either the
 previous checkpoint or the new one, never a torn file in its place.
 
@@ -16,13 +16,15 @@ import hashlib
 import json
 import logging
 import os
+import shutil
 import warnings
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
 
-from dflash.atomic import atomic_write, atomic_write_text
+from dflash.atomic import DiskFullError, atomic_write, atomic_write_text
+from dflash.safe_load import UnsafeFileError, load_plain
 
 log = logging.getLogger(__name__)
 
@@ -61,14 +63,34 @@ def save_checkpoint(ckpt_dir: str | os.PathLike, step: int, state: dict[str, Any
         torch.save(state, tmp)
         digest["sha256"] = file_sha256(tmp)
 
-    atomic_write(path, write)
-    atomic_write_text(_digest_file(path), f"{digest['sha256']}  {path.name}\n")
-    atomic_write_text(ckpt_dir / POINTER, json.dumps({"step": step, "file": path.name, **digest}))
+    newest = latest_checkpoint(ckpt_dir) if ckpt_dir.is_dir() else None
+    existed = path.exists()
+    try:
+        atomic_write(path, write)
+        atomic_write_text(_digest_file(path), f"{digest['sha256']}  {path.name}\n")
+        atomic_write_text(ckpt_dir / POINTER, json.dumps({"step": step, "file": path.name, **digest}))
+    except DiskFullError as e:
+        if not existed:  # a file without its digest or pointer would be a second, unlisted newest checkpoint
+            path.unlink(missing_ok=True)
+            _digest_file(path).unlink(missing_ok=True)
+        raise _no_room(e, ckpt_dir, step, newest) from e
     old = sorted(ckpt_dir.glob("step_*.pt"))[:-keep] if keep > 0 else []
     for f in old:
         f.unlink(missing_ok=True)
         _digest_file(f).unlink(missing_ok=True)
     return path
+
+
+def _no_room(e: DiskFullError, ckpt_dir: Path, step: int, newest: Path | None) -> DiskFullError:
+    """The disk-full error of a checkpoint, saying what a resume would find."""
+    try:
+        free = f"{shutil.disk_usage(ckpt_dir).free} bytes free"
+    except OSError:
+        free = "free space unknown"
+    left = (f"the newest checkpoint {newest.name} is intact (resume=<run dir> continues from it)" if newest
+            else "no checkpoint has been written yet, so there is nothing to resume from")
+    return DiskFullError(e.errno, f"the disk is full: checkpoint step {step} could not be written to {ckpt_dir} "
+                                  f"({free}); {left}", str(ckpt_dir / checkpoint_name(step)))
 
 
 def remove_torn_writes(ckpt_dir: str | os.PathLike) -> None:
@@ -116,15 +138,9 @@ def load_checkpoint(path: str | os.PathLike, map_location: str | torch.device = 
             raise CheckpointError(f"{path}: sha256 {got[:12]}… does not match {digest.name} ({want[:12]}…): "
                                   f"torn or corrupt")
     try:
-        state = torch.load(path, map_location=map_location, weights_only=True)
-    except Exception as e:  # noqa: BLE001 - every way a file fails to unpickle is the same answer here
-        lines = str(e).strip().splitlines() or [""]
-        msg = lines[0]
-        if "weights_only" in str(e) or "Unsupported global" in str(e):
-            why = next((ln.strip() for ln in lines if "Unsupported global" in ln), "not plain data")
-            raise CheckpointError(f"{path}: refused, it holds objects other than plain data (tensors, numbers, "
-                                  f"strings, containers); loading it would run code ({why[:200]})") from e
-        raise CheckpointError(f"{path}: unreadable checkpoint ({type(e).__name__}: {msg[:300]})") from e
+        state = load_plain(path, map_location, what="checkpoint")
+    except UnsafeFileError as e:
+        raise CheckpointError(str(e)) from e
     if not isinstance(state, dict):
         raise CheckpointError(f"{path}: expected a dict of checkpoint state, got {type(state).__name__}")
     return state

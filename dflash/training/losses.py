@@ -26,6 +26,7 @@ LM-head chunks, with the gradient path ``loss.lm_head_grad`` (fused or recompute
 """
 
 import dataclasses
+import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -87,6 +88,36 @@ class _LossName:
 class LossConfig(LKConfig, SoftKLConfig, DPaceConfig, StreakConfig, LMHeadConfig, _LossName):
     """The `loss.*` keys: the loss name, then every part's knobs, flat (`loss.temperature=1.5`); a dataclass's
     fields come in reverse MRO order, so `name` (the last base) leads in a dumped config."""
+
+
+@dataclass(frozen=True)
+class Bounds:
+    """The values a `loss.*` number may take: [low, high], each end open or closed; `why` says what breaks."""
+
+    low: float
+    high: float = math.inf
+    low_open: bool = False
+    why: str = ""
+
+    def check(self, key: str, value: float) -> None:
+        above = value > self.low if self.low_open else value >= self.low
+        if not (math.isfinite(value) and above and value <= self.high):
+            lo = f"{'(' if self.low_open else '['}{self.low:g}"
+            hi = "inf)" if self.high == math.inf else f"{self.high:g}]"
+            raise ValueError(f"loss.{key}={value} is outside {lo}, {hi}: {self.why}")
+
+
+# Each number a loss reads, where its term or weighting breaks outside these. A loss checks only the keys it
+# reads (`Loss.config_keys`): hard_ce ignores `temperature`, so any value there is harmless to it.
+BOUNDS = {
+    "temperature": Bounds(0.0, low_open=True, why="the soft labels are softmax(logits / T); T <= 0 divides by "
+                                                  "zero or flips the distribution"),
+    "gamma": Bounds(0.0, low_open=True, why="the position decay is exp(-(k-1) / gamma)"),
+    "alpha": Bounds(0.0, why="the streak boost 1 + alpha * ... turns negative below 0"),
+    "dpace_a": Bounds(0.0, 1.0, why="it blends q~ = (1 - a) q + a, a probability"),
+    "kl_weight": Bounds(0.0, 1.0, why="it blends kl_weight * KL + (1 - kl_weight) * CE"),
+    "lk_eta": Bounds(0.0, why="lambda = exp(-eta * overlap) must stay in (0, 1]"),
+}
 
 
 def part_config(cfg: LossConfig, part_cls: type | None) -> Any:
@@ -260,7 +291,15 @@ class Loss:
                      for f in dataclasses.fields(part)]
             cls.config_keys = (*Loss.config_keys, *(("temperature",) if cls.needs_soft else ()), *parts)
 
+    @classmethod
+    def check_config(cls, cfg: LossConfig) -> None:
+        """Every number this loss reads lies in its BOUNDS (ValueError naming `loss.<key>` otherwise)."""
+        for key in cls.config_keys:
+            if key in BOUNDS:
+                BOUNDS[key].check(key, float(getattr(cfg, key)))
+
     def __init__(self, cfg: LossConfig):
+        self.check_config(cfg)
         self.cfg = cfg
         self.lm_head = part_config(cfg, LMHeadConfig)
         term_cls, weighting_cls = TERMS[self.term], WEIGHTINGS[self.weighting]
@@ -305,8 +344,10 @@ def build_loss(cfg: LossConfig) -> Loss:
 
 
 def validate_loss_config(cfg: LossConfig) -> None:
-    """The names a loss config picks exist (ValueError naming the key otherwise)."""
+    """The names a loss config picks exist and the numbers the loss reads are in range (ValueError naming the
+    key otherwise)."""
     LOSSES.check(cfg.name)
+    LOSSES[cfg.name].check_config(cfg)
     LM_HEAD_GRADS.check(cfg.lm_head_grad)
     LM_HEAD_KERNELS.check(cfg.lm_head_kernel)
     if cfg.lm_head_kernel == "triton" and lm_head_triton.triton is None:

@@ -131,6 +131,8 @@ def compute_position_stats(
     N, K, D = hidden_NKD.shape
     if need_soft and (soft_vals_NKk is None or soft_idx_NKk is None):
         raise ValueError("need_soft=True requires soft_vals_NKk and soft_idx_NKk")
+    if need_soft and not 0.0 < temperature < float("inf"):  # the soft stats divide the logits by it
+        raise ValueError(f"loss.temperature must be > 0 and finite, got {temperature}")
     if chunk_size < 0:
         raise ValueError(f"chunk_size must be >= 0 (0: auto), got {chunk_size}")
     chunk_size = resolve_chunk(chunk_size, lm_head_VD.shape[0])

@@ -1,0 +1,55 @@
+"""The one way the project reads a saved tensor file: plain data only, never code.
+
+Every file dflash reads back — step checkpoints, pretraining state, data caches and shards, eval ground truth,
+serving weights — goes through `load_plain` (torch's zip/pickle format, read with `weights_only=True`: tensors,
+numbers, strings, lists, tuples, dicts) or `load_tensors` (safetensors, which has no code path at all). A file
+that holds anything else (a crafted `__reduce__`, a class instance) is refused before any of it runs, with an
+`UnsafeFileError` naming the file. `tests/test_faults.py` walks the source and fails on any other `torch.load`
+or pickle call, so a new reader cannot quietly bypass this.
+"""
+from __future__ import annotations
+
+import io
+import os
+from typing import Any
+
+import torch
+
+
+class UnsafeFileError(ValueError):
+    """A file that cannot be read as plain data: it would run code, or it is torn / not a tensor file."""
+
+
+def _refusal(e: BaseException) -> str | None:
+    """The line of torch's message that names the object it refused (never its advice to load with
+    weights_only=False); None when the failure is not a refusal."""
+    text = str(e)
+    if "weights_only" not in text and "Unsupported global" not in text:
+        return None
+    lines = [ln.strip() for ln in text.strip().splitlines()]
+    return next((ln for ln in lines if "Unsupported global" in ln or "GLOBAL" in ln), "not plain data")
+
+
+def load_plain(source: str | os.PathLike | io.BytesIO, map_location: Any = "cpu", what: str = "file",
+               name: str | None = None) -> Any:
+    """The plain data in a torch-saved file (or buffer). Raises UnsafeFileError naming `name` (default: the
+    path) and `what` it is, when the file holds objects other than plain data or cannot be read at all."""
+    label = name or (str(source) if isinstance(source, (str, os.PathLike)) else what)
+    try:
+        return torch.load(source, map_location=map_location, weights_only=True)
+    except Exception as e:  # noqa: BLE001 - every way a file fails to unpickle is the same answer here
+        why = _refusal(e)
+        if why is not None:
+            raise UnsafeFileError(f"{label}: refused, it holds objects other than plain data (tensors, numbers, "
+                                  f"strings, containers); loading it would run code ({why[:200]})") from e
+        first = (str(e).strip().splitlines() or [""])[0]
+        raise UnsafeFileError(f"{label}: unreadable {what} ({type(e).__name__}: {first[:300]})") from e
+
+
+def load_tensors(path: str | os.PathLike) -> dict[str, torch.Tensor]:
+    """The tensors of a safetensors file (a format that cannot carry code); UnsafeFileError when unreadable."""
+    from safetensors.torch import load_file
+    try:
+        return load_file(str(path))
+    except Exception as e:  # noqa: BLE001 - a torn or foreign file
+        raise UnsafeFileError(f"{path}: unreadable safetensors file ({type(e).__name__}: {e})") from e

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from dflash.atomic import atomic_write_text
+from sweeps.learning_curves import curve_section
 from dflash.evaluation.pairing import NotPaired, ground_truth_of, per_task
 from dflash.evaluation.stats import paired_delta_ci, pooled_ci
 
@@ -210,6 +211,7 @@ def render_report(c, summary: dict) -> str:
             deltas = delta_table(cells, suite, stage.options[0])
             if len(deltas) > 2:
                 lines += ["Paired Δτ per drafting method:", "", *deltas, ""]
+        lines += curve_section([x for x in cells if "reused_from" not in x], c.objective, stage.factor)
         if stage.factor in winners:
             lines += [f"Highest mean objective: **{winners[stage.factor]}** (a winner only where its Δ "
                       f"interval above excludes 0).", ""]

@@ -36,7 +36,7 @@ _SUITE_RE = re.compile(r"^eval/suite/(?P<suite>[^/]+)/tau_vanilla$")
 GROUP_COLS = ["loss", "noise", "buffer"]
 # Curves whose scale does not depend on the loss: comparable between runs of different losses
 # (train/loss of soft_kl is T²-scaled KL, 11-34 where CE reads ~5.5).
-CURVE_KEYS = ["train/acc", "train/anchor_streak", "train/ce", "eval/tau_vanilla"]
+CURVE_KEYS = ["train/acc", "train/anchor_streak", "train/tau_rounds", "train/ce", "eval/tau_vanilla"]
 BASELINE_METRIC = "eval/tau_prompt_lookup"  # τ of prompt-lookup decoding on the same ground truth
 CI_SUFFIXES = ("_ci_low", "_ci_high")
 # Config keys (and prefixes, ending in ".") that change neither what is trained nor what is measured: the

@@ -1,0 +1,152 @@
+"""Learning curves of a campaign's cells and whether short budgets rank options like the full one.
+
+Every cell of a campaign with `trainer.eval_at_tokens` evaluates its objective at those consumed-token milestones
+during training and in full at its end. From each cell's `metrics.jsonl` (the run folder's own record):
+
+- the curve: the objective at each milestone (the first log interval at or past it), per option averaged over
+  seeds;
+- the rank agreement of each budget's ordering of the options with the final budget's: Kendall's τ-b (1: the same
+  order, −1: reversed), and whether the winner (highest mean) and the loser (lowest mean) are the same;
+- the same agreement for the training-time predictors read at the end of training: `train/tau_rounds` (rounds
+  simulated on training sequences, pooled over the last `TRAIN_WINDOW` log intervals) and `train/anchor_streak`.
+
+The milestones are points of one run whose LR schedule ends at the full budget, which is what a sweep's pruner
+reads mid-run; a separate short run (its schedule ending early) is a different experiment.
+"""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Sequence
+
+TRAIN_WINDOW = 50  # log intervals at the end of training pooled for the train/ predictors
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    f = Path(run_dir) / "metrics.jsonl"
+    return [json.loads(line) for line in f.read_text().splitlines() if line.strip()] if f.is_file() else []
+
+
+def eval_curve(rows: Sequence[dict], objective: str) -> list[tuple[float, float]]:
+    """(consumed tokens, objective) at every step that logged the objective, in step order."""
+    tokens: dict[int, float] = {}
+    out = []
+    for r in rows:
+        if "data/consumed_tokens" in r:
+            tokens[r["step"]] = r["data/consumed_tokens"]
+        if objective in r and r["step"] in tokens:
+            out.append((tokens[r["step"]], float(r[objective])))
+    return out
+
+
+def train_predictors(rows: Sequence[dict], window: int = TRAIN_WINDOW) -> dict[str, float]:
+    """The train/ predictors over the last `window` log intervals: tau_rounds pooled over its rounds."""
+    probed = [r for r in rows if "train/tau_rounds" in r][-window:]
+    streak = [r["train/anchor_streak"] for r in rows if "train/anchor_streak" in r][-window:]
+    out = {}
+    n = sum(r.get("train/tau_rounds_n", 1.0) for r in probed)
+    if n:
+        out["train/tau_rounds"] = sum(r["train/tau_rounds"] * r.get("train/tau_rounds_n", 1.0) for r in probed) / n
+    if streak:
+        out["train/anchor_streak"] = sum(streak) / len(streak)
+    return out
+
+
+def kendall_tau_b(x: Sequence[float], y: Sequence[float]) -> float:
+    """Kendall's τ-b of two paired samples (ties in either count as neither concordant nor discordant)."""
+    conc = disc = tx = ty = 0
+    for i in range(len(x)):
+        for j in range(i + 1, len(x)):
+            dx, dy = x[i] - x[j], y[i] - y[j]
+            if dx == 0 and dy == 0:
+                continue
+            if dx == 0:
+                tx += 1
+            elif dy == 0:
+                ty += 1
+            elif (dx > 0) == (dy > 0):
+                conc += 1
+            else:
+                disc += 1
+    denom = math.sqrt((conc + disc + tx) * (conc + disc + ty))
+    return (conc - disc) / denom if denom else float("nan")
+
+
+def option_curves(cells: Sequence[dict], objective: str) -> dict[str, dict[str, float]]:
+    """option -> {budget label: mean over seeds}; budgets are the milestones every seed reached, labelled
+    by their token count in millions, plus the train/ predictors."""
+    per: dict[str, list[dict[str, float]]] = {}
+    for cell in cells:
+        rows = read_metrics(Path(cell["run_dir"]))
+        if not rows:
+            continue
+        point = {f"{round(t / 1e6):g} M": v for t, v in eval_curve(rows, objective)}
+        point.update(train_predictors(rows))
+        per.setdefault(cell["option"], []).append(point)
+    out = {}
+    for opt, seeds in per.items():
+        keys = set.intersection(*(set(s) for s in seeds))
+        out[opt] = {k: sum(s[k] for s in seeds) / len(seeds) for k in keys}
+    return out
+
+
+def _budgets(curves: dict[str, dict[str, float]]) -> list[str]:
+    keys = set.intersection(*(set(v) for v in curves.values())) if curves else set()
+    evals = sorted((k for k in keys if k.endswith(" M")), key=lambda k: float(k[:-2]))
+    return evals + [k for k in ("train/tau_rounds", "train/anchor_streak") if k in keys]
+
+
+def agreement_rows(curves: dict[str, dict[str, float]]) -> list[dict]:
+    """Per budget: Kendall's τ-b with the final budget's order, and whether winner / loser agree."""
+    budgets = _budgets(curves)
+    evals = [b for b in budgets if b.endswith(" M")]
+    if len(curves) < 2 or not evals:
+        return []
+    final, opts = evals[-1], sorted(curves)
+    ref = [curves[o][final] for o in opts]
+    best, worst = max(opts, key=lambda o: curves[o][final]), min(opts, key=lambda o: curves[o][final])
+    rows = []
+    for b in budgets:
+        vals = [curves[o][b] for o in opts]
+        rows.append({"budget": b, "kendall_tau_b": kendall_tau_b(vals, ref),
+                     "winner": max(opts, key=lambda o: curves[o][b]), "loser": min(opts, key=lambda o: curves[o][b]),
+                     "winner_agrees": max(opts, key=lambda o: curves[o][b]) == best,
+                     "loser_agrees": min(opts, key=lambda o: curves[o][b]) == worst})
+    return rows
+
+
+def smallest_agreeing_budget(rows: Sequence[dict]) -> str | None:
+    """The smallest eval budget from which on every budget's winner and loser agree with the final budget's."""
+    evals = [r for r in rows if r["budget"].endswith(" M")]
+    ok = None
+    for r in reversed(evals):
+        if not (r["winner_agrees"] and r["loser_agrees"]):
+            break
+        ok = r["budget"]
+    return ok
+
+
+def curve_section(cells: Sequence[dict], objective: str, factor: str) -> list[str]:
+    """Markdown: the learning-curve table and the rank-agreement table of one stage's cells."""
+    curves = option_curves(cells, objective)
+    budgets = _budgets(curves)
+    if sum(b.endswith(" M") for b in budgets) < 2:
+        return []  # no milestone evals: nothing beyond the final table
+    n_seeds = {o: sum(1 for c in cells if c["option"] == o) for o in curves}
+    lines = [f"#### Learning curve of `{objective}` (mean over seeds) and the train/ predictors at the end", "",
+             f"| {factor} | seeds | " + " | ".join(budgets) + " |", "|---|---|" + "---|" * len(budgets)]
+    final = [b for b in budgets if b.endswith(" M")][-1]
+    for o in sorted(curves, key=lambda o: -curves[o][final]):
+        lines.append(f"| {o} | {n_seeds[o]} | " + " | ".join(f"{curves[o][b]:.3f}" for b in budgets) + " |")
+    rows = agreement_rows(curves)
+    lines += ["", "Rank agreement with the final budget's order (Kendall's τ-b over the options; winner = highest "
+              "mean, loser = lowest):", "", "| ordering by | Kendall τ-b | winner | loser | agrees |", "|---|---|---|---|---|"]
+    for r in rows:
+        agree = "yes" if r["winner_agrees"] and r["loser_agrees"] else (
+            "winner only" if r["winner_agrees"] else "loser only" if r["loser_agrees"] else "no")
+        lines.append(f"| {r['budget']} | {r['kendall_tau_b']:+.2f} | {r['winner']} | {r['loser']} | {agree} |")
+    small = smallest_agreeing_budget(rows)
+    lines += ["", f"Smallest budget whose winner and loser agree with the final one: **{small or 'none'}** "
+              f"(the means; a difference inside the paired interval of the final table is a tie).", ""]
+    return lines

@@ -1,0 +1,60 @@
+"""Learning curves and rank agreement of a campaign's cells (sweeps.learning_curves) from run folders' metrics."""
+from __future__ import annotations
+
+import itertools
+import json
+
+import pytest
+
+from sweeps.learning_curves import (
+    agreement_rows,
+    curve_section,
+    eval_curve,
+    kendall_tau_b,
+    option_curves,
+    smallest_agreeing_budget,
+    train_predictors,
+)
+
+
+def _slow_kendall(x, y):
+    """τ-b from its definition: (concordant − discordant) / sqrt((n0 − ties_x)(n0 − ties_y))."""
+    pairs = list(itertools.combinations(range(len(x)), 2))
+    s = sum(((x[i] > x[j]) - (x[i] < x[j])) * ((y[i] > y[j]) - (y[i] < y[j])) for i, j in pairs)
+    tx = sum(x[i] == x[j] for i, j in pairs)
+    ty = sum(y[i] == y[j] for i, j in pairs)
+    return s / ((len(pairs) - tx) * (len(pairs) - ty)) ** 0.5
+
+
+@pytest.mark.parametrize("x,y", [([1, 2, 3, 4], [1, 2, 3, 4]), ([1, 2, 3, 4], [4, 3, 2, 1]),
+                                 ([1, 2, 2, 5, 0], [3, 1, 2, 2, 0]), ([0.3, 0.1, 0.2], [2, 3, 1])])
+def test_kendall_tau_b_matches_its_definition(x, y):
+    assert kendall_tau_b(x, y) == pytest.approx(_slow_kendall(x, y))
+
+
+def _cell(tmp_path, option, seed, taus, tau_rounds=2.0, streak=5.0):
+    d = tmp_path / f"{option}-{seed}"
+    d.mkdir()
+    rows = []
+    for step, (tokens, tau) in zip((10, 40, 160), zip((4e6, 16e6, 64e6), taus)):
+        rows.append({"step": step, "data/consumed_tokens": tokens, "train/tau_rounds": tau_rounds,
+                     "train/tau_rounds_n": 10.0, "train/anchor_streak": streak})
+        rows.append({"step": step, "eval/tau_vanilla": tau})
+    (d / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    return {"option": option, "seed": seed, "run_dir": str(d)}
+
+
+def test_curves_average_seeds_and_rank_agreement_finds_the_reversal(tmp_path):
+    cells = [_cell(tmp_path, "a", 0, (2.0, 3.0, 3.5), tau_rounds=4.0), _cell(tmp_path, "a", 1, (2.2, 3.2, 3.7)),
+             _cell(tmp_path, "b", 0, (1.5, 2.9, 4.0), tau_rounds=5.0), _cell(tmp_path, "c", 0, (1.0, 2.0, 3.0))]
+    rows = [json.loads(line) for line in (tmp_path / "a-0" / "metrics.jsonl").read_text().splitlines()]
+    assert eval_curve(rows, "eval/tau_vanilla") == [(4e6, 2.0), (16e6, 3.0), (64e6, 3.5)]
+    assert train_predictors(rows) == {"train/tau_rounds": 4.0, "train/anchor_streak": 5.0}
+    curves = option_curves(cells, "eval/tau_vanilla")
+    assert curves["a"]["4 M"] == pytest.approx(2.1) and curves["b"]["64 M"] == 4.0
+    by = {r["budget"]: r for r in agreement_rows(curves)}
+    assert by["4 M"]["winner"] == "a" and not by["4 M"]["winner_agrees"] and by["4 M"]["loser_agrees"]
+    assert by["64 M"]["kendall_tau_b"] == 1.0 and by["train/tau_rounds"]["winner"] == "b"
+    assert smallest_agreeing_budget(list(by.values())) == "64 M"
+    text = "\n".join(curve_section(cells, "eval/tau_vanilla", "loss"))
+    assert "| b | 1 | 1.500 | 2.900 | 4.000 |" in text and "**64 M**" in text

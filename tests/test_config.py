@@ -53,6 +53,8 @@ def test_every_option_composes_and_builds(group, option, tmp_path):
     overrides = [f"+{group}={option}"]
     if group == "data" and option == "text_files":
         overrides.append(f"data.path={ROOT / 'dflash'}")
+    if group == "data" and option == "conversations":
+        overrides.append(f"data.path={ROOT / 'benchmarks' / 'data' / 'conversations_sample.jsonl'}")
     cfg = compose_config(overrides)
     assert getattr(cfg, group) == _option_as_dataclass(group, option, cfg)
     if group == "target" and cfg.target.path:  # a real checkpoint: check the layer ids and token, not the weights
@@ -67,7 +69,7 @@ def test_every_option_composes_and_builds(group, option, tmp_path):
 def _option_as_dataclass(group, option, cfg):
     from dflash.config import _build
     data = yaml.safe_load((CONF_DIR / group / f"{option}.yaml").read_text())
-    if group == "data" and option == "text_files":
+    if group == "data" and option in ("text_files", "conversations"):
         data["path"] = cfg.data.path
     return _build(_schema(group), data, f"{group}.")
 

@@ -127,6 +127,13 @@ def test_bench(token, key, capsys):
     _exits_2_naming(main, [token, "results="], key, capsys)
 
 
+@pytest.mark.parametrize("token,key", [*BAD_RUN, ("regen.bathces=2", "bathces"), ("regen.batches=two", "regen.batches"),
+                                       ("regen.batches", "regen.batches")])
+def test_regen(token, key, capsys):
+    from experiments.regen import main
+    _exits_2_naming(main, [token], key, capsys)
+
+
 @pytest.mark.parametrize("token,key", [("batch_sise=4", "batch_sise"), ("batch_size=1.5", "batch_size"),
                                        ("batch_size", "batch_size"), ("corpus.scpoe=x", "scpoe")])
 def test_pretrain_target(token, key, capsys):

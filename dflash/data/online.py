@@ -139,16 +139,25 @@ class OnlineWriter:
         W = self.cfg.write_batch
         return [(b * W + j) * self.world + self.rank for j in range(W)]
 
-    def sequence(self, g: int) -> torch.Tensor:
+    def _row(self, g: int) -> tuple[int, int]:
+        """(written batch, row) that item g reads."""
         n = g // self.world
         if g % self.world != self.rank:
             raise ValueError(f"item {g} belongs to rank {g % self.world}, not {self.rank}")
         W, R = self.cfg.write_batch, self.cfg.reuse
         if R == 1:
-            b, row = divmod(n, W)
-            return self._batch(b)[row]
+            return divmod(n, W)
         b, j = divmod(n, R * W)
-        return self._batch(b)[int(self._reuse_order(b)[j]) % W]
+        return b, int(self._reuse_order(b)[j]) % W
+
+    def sequence(self, g: int) -> torch.Tensor:
+        b, row = self._row(g)
+        return self._batch(b)[row]
+
+    def prompt_of(self, g: int) -> int:
+        """The pool index of the prompt item g's sequence continues (its first tokens are that prompt)."""
+        b, row = self._row(g)
+        return self.prompt_index(self.batch_keys(b)[row])
 
     def _reuse_order(self, b: int) -> torch.Tensor:
         """Written batch b's R·W views in a seeded order (each row R times, spread over the window)."""
@@ -211,6 +220,18 @@ class OnlineWriter:
             pending = list(self._pending.values())
         for fut in pending:
             fut.exception()
+
+    def ensure_shard(self, b: int) -> int:
+        """Written batch b on disk (`python -m experiments.regen`): the tokens the target wrote for it now, 0 when
+        its shard was already there (a resumed regen skips it without reading it)."""
+        path = self.shard_path(b)
+        if path is None:
+            raise ValueError("data.online.shard_dir is empty: there is nowhere to write shards")
+        if path.is_file():
+            return 0
+        before = self.written_tokens
+        self._load_or_write(b)
+        return self.written_tokens - before
 
     def _load_or_write(self, b: int) -> torch.Tensor:
         path = self.shard_path(b)

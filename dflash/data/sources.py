@@ -24,6 +24,8 @@ from typing import Callable
 
 import torch
 
+from dflash.data.chat import ChatConfig, validate_chat_config
+from dflash.data.conversation_data import ConversationsConfig, validate_conversations_config
 from dflash.data.corpus import CorpusConfig, validate_corpus_config
 from dflash.data.online import OnlineConfig, validate_online_config
 from dflash.data.pool import PoolConfig, validate_pool_config
@@ -50,6 +52,10 @@ class DataConfig:
     corpus: CorpusConfig = field(default_factory=lambda: CorpusConfig(scope="installed"))  # all the machine's Python
     pool: PoolConfig = field(default_factory=PoolConfig)
     online: OnlineConfig = field(default_factory=OnlineConfig)
+    # conversations: a chat dataset at data.path rendered through the target's chat template (dflash.data.chat,
+    # dflash.data.conversation_data); only assistant tokens are trained on
+    chat: ChatConfig = field(default_factory=ChatConfig)
+    conversations: ConversationsConfig = field(default_factory=ConversationsConfig)
 
     def online_seq_len(self) -> int:
         return self.online.seq_len or self.max_len
@@ -138,13 +144,15 @@ SOURCES: Registry[Callable[..., list[torch.Tensor]]] = Registry("data.source", {
 REGEN_SOURCES = ("target_regen",)  # sources that need a base source (data.regen_base) of their own
 # sources the trainer's producers write while the run trains (dflash.training.datastream): no list to build
 ONLINE_SOURCES = ("online",)
+# chat datasets with loss masks, read by dflash.training.chat_data (not a list of plain sequences)
+CONVERSATION_SOURCES = ("conversations",)
 
 
 def build_training_sequences(cfg: DataConfig, target, seed: int) -> list[torch.Tensor]:
     """The trainer's sequences (a deterministic list of 1-D LongTensors): `data.source`'s entry in SOURCES."""
     validate_data_config(cfg)
-    if cfg.source in ONLINE_SOURCES:
-        raise ValueError(f"data.source={cfg.source!r} is written while the run trains "
+    if cfg.source in ONLINE_SOURCES + CONVERSATION_SOURCES:
+        raise ValueError(f"data.source={cfg.source!r} is read or written while the run trains "
                          f"(dflash.training.datastream.build_training_data), not built up front")
     return SOURCES.build(cfg.source, cfg, target, seed)
 
@@ -170,6 +178,9 @@ def validate_data_config(cfg: DataConfig) -> None:
     if cfg.source in ONLINE_SOURCES:
         validate_online_data(cfg)
         return
+    if cfg.source in CONVERSATION_SOURCES:
+        _validate_conversation_data(cfg)
+        return
     SOURCES.check(cfg.source)
     if cfg.source in REGEN_SOURCES:
         if cfg.regen_base in REGEN_SOURCES or cfg.regen_base not in SOURCES:
@@ -188,3 +199,15 @@ def validate_data_config(cfg: DataConfig) -> None:
                          f"{cfg.min_len}/{cfg.max_len}")
     if cfg.source in CORPORA:
         _corpus_files(cfg)  # raises, naming data.path, when there is nothing to read
+
+
+def _validate_conversation_data(cfg: DataConfig) -> None:
+    from dflash.data.conversations import resolve_files
+    validate_chat_config(cfg.chat)
+    validate_conversations_config(cfg.conversations)
+    if not 2 <= cfg.min_len <= cfg.max_len:
+        raise ValueError(f"data.min_len/max_len must satisfy 2 <= min_len <= max_len, got "
+                         f"{cfg.min_len}/{cfg.max_len}")
+    if cfg.conversations.responses == "target":
+        validate_online_config(cfg.online, cfg.online_seq_len(), cfg.pool.max_prompt_len)
+    resolve_files(cfg.path)  # raises, naming data.path, when it matches no file

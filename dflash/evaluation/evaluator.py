@@ -127,6 +127,14 @@ class SuiteEvaluator:
         self._train_sequences: Sequence = ()
         self._train_suite: Suite | None = None
         self._history: list[tuple[int, float, float]] = []  # (step, tau_train, tau_vanilla), in-training evals
+        self.note = ""  # printed under the final summary table (e.g. where the training responses came from)
+
+    def add_suites(self, suites: Sequence[Suite], note: str = "") -> None:
+        """The trainer's hook: suites of the training data's own distribution (a chat dataset's held-out split),
+        evaluated at the end beside the configured ones (eval/suite/<name>/...), and a line for the summary."""
+        names = {s.name for s in self.suites}
+        self.suites += [s for s in suites if s.name not in names]
+        self.note = note
 
     def use_train_sequences(self, sequences: Sequence) -> None:
         """The trainer's hook: sequences the run trains on, for `eval/tau_train`."""
@@ -177,7 +185,8 @@ class SuiteEvaluator:
         if self._train_sequences and cfg.train_tasks > 0:
             metrics.update(self._train_metrics(drafter, target, step, final, metrics["eval/tau_vanilla"]))
         if final:
-            print(f"eval summary at step {step}:\n{summary_table(metrics, cfg.ci_level)}", flush=True)
+            note = f"\n{self.note}" if self.note else ""
+            print(f"eval summary at step {step}:\n{summary_table(metrics, cfg.ci_level)}{note}", flush=True)
         return metrics
 
 

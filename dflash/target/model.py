@@ -58,7 +58,7 @@ class TargetConfig:
     dtype: str = "auto"  # auto: bfloat16 on GPU, float32 on CPU
     device: str = "auto"
     soft_top_k: int = 64  # top-k target logits kept as soft labels (losses that need them)
-    tokenizer: str = "auto"  # auto: the checkpoint's tokenizer, else bytes
+    tokenizer: str = "auto"  # auto: the checkpoint's tokenizer, else bytes; bytes; or a tokenizer folder (builtin:NAME)
     lm_head_chunk: int = 0  # positions per LM-head chunk when computing labels; 0 = auto (lm_head_loss.resolve_chunk)
     fused_ops: str = "auto"  # the producer's forward: compile (fused norms / MLP) | eager | off | auto (compile on CUDA)
 
@@ -92,6 +92,12 @@ def checkpoint_path(cfg: TargetConfig) -> str:
     if cfg.path.startswith("builtin:"):
         return str(ASSETS / cfg.path.removeprefix("builtin:"))
     return cfg.path
+
+
+def tokenizer_path(cfg: TargetConfig) -> str:
+    """`target.tokenizer` as a folder (`builtin:NAME`: dflash/assets/NAME), when it names one."""
+    return str(ASSETS / cfg.tokenizer.removeprefix("builtin:")) if cfg.tokenizer.startswith("builtin:") \
+        else cfg.tokenizer
 
 
 def _text_config_dict(path: Path) -> dict:
@@ -159,6 +165,9 @@ def validate_target_config(cfg: TargetConfig) -> TargetInfo:
     mask = resolve_mask_token(cfg)
     if not 0 <= mask < info.vocab_size:
         raise ValueError(f"target.mask_token_id={mask} lies outside the vocabulary (size {info.vocab_size})")
+    if cfg.tokenizer not in ("auto", "bytes") and not Path(tokenizer_path(cfg)).is_dir():
+        raise ValueError(f"target.tokenizer={cfg.tokenizer!r}: expected auto, bytes or a tokenizer folder "
+                         f"(builtin:NAME for one shipped in dflash/assets)")
     if cfg.soft_top_k < 0:
         raise ValueError(f"target.soft_top_k must be >= 0, got {cfg.soft_top_k}")
     if cfg.lm_head_chunk < 0:
@@ -261,6 +270,11 @@ class Target:
                                                     dtype=self.dtype)
 
     def _tokenizer(self):
+        if self.cfg.tokenizer not in ("auto", "bytes"):  # a tokenizer folder of its own (builtin:NAME: shipped)
+            from transformers import AutoTokenizer
+            tok = AutoTokenizer.from_pretrained(tokenizer_path(self.cfg), local_files_only=True)
+            tok.model_max_length = 1 << 30
+            return tok
         if self.cfg.path and self.cfg.tokenizer == "auto":
             from transformers import AutoTokenizer
             try:
@@ -274,8 +288,9 @@ class Target:
     def _identity(self) -> str:
         """Stable identity for caches: the checkpoint's path with each weights file's name, size and content
         digest (`_file_digest`), or the random spec."""
-        if not self.cfg.path:
-            return f"random:{self.cfg.random}"
+        if not self.cfg.path:  # a tokenizer folder of its own changes what every prompt's text encodes to
+            tok = "" if self.cfg.tokenizer in ("auto", "bytes") else f":tokenizer={self.cfg.tokenizer}"
+            return f"random:{self.cfg.random}{tok}"
         files = sorted(Path(checkpoint_path(self.cfg)).glob("*.safetensors"))
         stamp = [(f.name, f.stat().st_size, _file_digest(f)) for f in files]
         return f"path:{os.path.abspath(checkpoint_path(self.cfg))}:{stamp}"

@@ -40,6 +40,25 @@ def draw_anchors(length: int, block_size: int, num_anchors: int, gen: torch.Gene
     return perm.sort().values
 
 
+def label_mask(loss_mask_T: torch.Tensor) -> torch.Tensor:
+    """Label position p (the target's prediction of token p + 1) is trained iff token p + 1 is: [L] bool."""
+    return torch.cat([loss_mask_T[1:].bool(), torch.zeros(1, dtype=torch.bool)])
+
+
+def draw_masked_anchors(loss_mask_T: torch.Tensor, num_anchors: int, gen: torch.Generator) -> torch.Tensor:
+    """Anchors of a sequence trained only where `loss_mask_T` is True (a conversation's assistant tokens): every
+    anchor a in [1, length - 2] whose first prediction, token a + 1, is trained. A block may run past the
+    sequence's end or out of its span; those positions carry no label (`label_mask`). Same RNG use as
+    `draw_anchors`: one permutation per item and epoch."""
+    ok = label_mask(loss_mask_T)
+    ok[0] = False  # at least one context token before the anchor
+    allowed = ok.nonzero().flatten()
+    if allowed.numel() == 0:
+        return torch.empty(0, dtype=torch.long)
+    perm = torch.randperm(allowed.numel(), generator=gen)[:num_anchors]
+    return allowed[perm].sort().values
+
+
 def make_batch(items: list[Item], *, block_size: int, num_anchors: int, seed: int,
                noise: NoiseSchedule, sigma: float, device: torch.device, pad_multiple: int = 1,
                fixed_anchors: bool = False) -> DrafterBatch:
@@ -51,8 +70,7 @@ def make_batch(items: list[Item], *, block_size: int, num_anchors: int, seed: in
     T = -(-T // pad_multiple) * pad_multiple
     L, H = items[0].features_TLH.shape[-2:]
     K = block_size - 1
-    anchors = [draw_anchors(it.tokens_T.numel(), block_size, num_anchors,
-                            torch.Generator().manual_seed(item_seed(seed, it.epoch, it.index)))
+    anchors = [_anchors(it, block_size, num_anchors, torch.Generator().manual_seed(item_seed(seed, it.epoch, it.index)))
                for it in items]
     N = num_anchors if fixed_anchors else max(max(a.numel() for a in anchors), 1)
     feats = torch.zeros(B, T, L, H, dtype=items[0].features_TLH.dtype, device=device)
@@ -72,6 +90,10 @@ def make_batch(items: list[Item], *, block_size: int, num_anchors: int, seed: in
     b_idx = torch.arange(B, device=device)[:, None, None]
     pos_c = pos_BNK.clamp(max=T - 1)
     labels_BNK = labels[b_idx, pos_c].masked_fill(~valid_BN[:, :, None], IGNORE_INDEX)
+    if any(it.loss_mask_T is not None for it in items):  # only the trained tokens carry a label
+        trained_BT = _to_device(torch.stack([_pad(_label_mask_of(it), T) for it in items]), device)
+        trained_BNK = trained_BT[b_idx, pos_c] & (pos_BNK < T)
+        labels_BNK = labels_BNK.masked_fill(~trained_BNK, IGNORE_INDEX)
     soft_vals = soft_idx = None
     if items[0].soft_vals_Tk is not None:
         vals = torch.stack([_pad(it.soft_vals_Tk.to(device), T) for it in items])
@@ -80,6 +102,18 @@ def make_batch(items: list[Item], *, block_size: int, num_anchors: int, seed: in
     anchor_tokens = tokens.gather(1, anchors_BN)
     return DrafterBatch(feats, anchors_BN, anchor_tokens, labels_BNK, soft_vals, soft_idx,
                         sum(it.tokens_T.numel() for it in items))
+
+
+def _anchors(item: Item, block_size: int, num_anchors: int, gen: torch.Generator) -> torch.Tensor:
+    if item.loss_mask_T is None:
+        return draw_anchors(item.tokens_T.numel(), block_size, num_anchors, gen)
+    return draw_masked_anchors(item.loss_mask_T, num_anchors, gen)
+
+
+def _label_mask_of(item: Item) -> torch.Tensor:
+    if item.loss_mask_T is None:
+        return torch.ones(item.tokens_T.numel(), dtype=torch.bool)
+    return label_mask(item.loss_mask_T)
 
 
 _GENERATORS: dict[torch.device, torch.Generator] = {}

@@ -16,7 +16,8 @@ from __future__ import annotations
 import hashlib
 import logging
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
 
 import torch
 
@@ -31,12 +32,16 @@ log = logging.getLogger(__name__)
 class OnlineSource(ItemSource):
     """Item keys → sequences the target writes (or wrote into a shard earlier); epochs are prompt-pool epochs."""
 
-    def __init__(self, writer: OnlineWriter, next_index: int = 0, replay: list[int] | None = None):
+    def __init__(self, writer: OnlineWriter, next_index: int = 0, replay: list[int] | None = None,
+                 mask_source: Callable | None = None):
         super().__init__([], writer.cfg.stream_seed, next_index, replay, writer.rank, writer.world)
-        self.size, self.writer = writer.size, writer
+        self.size, self.writer, self.mask_source = writer.size, writer, mask_source
 
     def sequences_for(self, claims: list[tuple[int, int, int]]) -> list[torch.Tensor]:
         return [self.writer.sequence(g) for g, _, _ in claims]
+
+    def masks_for(self, claims: list[tuple[int, int, int]]) -> list[torch.Tensor | None]:
+        return [None] * len(claims) if self.mask_source is None else self.mask_source(claims)
 
 
 @dataclass
@@ -50,6 +55,13 @@ class TrainingData:
     corpus_fingerprint: str
     order_seed: int
     reuse: int = 1  # views of each written sequence (data.online.reuse)
+    loss_masks: Sequence | None = None  # stored data: per sequence, the tokens trained on (None: all)
+    mask_source: Callable | None = None  # online data: claims -> loss masks (None: every token)
+    stats: dict = field(default_factory=dict)  # fixed data/ figures logged beside the counts (data/skipped ...)
+    tags: dict = field(default_factory=dict)  # run tags the data adds (data.responses ...)
+    eval_suites: list = field(default_factory=list)  # suites of the data's own distribution (chat_heldout ...)
+    eval_note: str = ""  # printed under the eval summary (where the training responses came from)
+    sample: list | None = None  # what examples() returns when set (a few rows of a large memory-mapped set)
 
     def epochs(self, items: int) -> float:
         """data/epochs after `items` views: pool epochs (items over the distinct sequences) for a bounded pool,
@@ -64,12 +76,14 @@ class TrainingData:
 
     def examples(self) -> list:
         """What the run trains on, for eval/tau_train: the stored sequences, or the online stream's prompts."""
+        if self.sample is not None:
+            return self.sample
         return self.sequences if self.writer is None else self.writer.pool.prompts
 
     def source(self, next_index: int, replay: list[int], rank: int, world: int) -> ItemSource:
         if self.writer is not None:
-            return OnlineSource(self.writer, next_index, replay)
-        return ItemSource(self.sequences, self.order_seed, next_index, replay, rank, world)
+            return OnlineSource(self.writer, next_index, replay, self.mask_source)
+        return ItemSource(self.sequences, self.order_seed, next_index, replay, rank, world, self.loss_masks)
 
 
 def uses_online(cfg) -> bool:
@@ -85,6 +99,9 @@ def sequences_fingerprint(seqs: list[torch.Tensor]) -> str:
 
 
 def build_training_data(cfg, target, dist_info: DistInfo) -> TrainingData:
+    if cfg.data.source == "conversations":  # a chat dataset: assistant tokens only (dflash.training.chat_data)
+        from dflash.training.chat_data import build_conversation_data
+        return build_conversation_data(cfg, target, dist_info)
     if not uses_online(cfg):
         seqs = build_training_sequences(cfg.data, target, cfg.seed)
         return TrainingData("stored", seqs, None, len(seqs), sum(map(len, seqs)) / len(seqs),
@@ -133,7 +150,7 @@ def epoch_guard(cfg, data: TrainingData, world: int) -> dict[str, str]:
     return {"data.kind": data.kind, "data.fingerprint": data.fingerprint[:16],
             "data.corpus": data.corpus_fingerprint[:16] or "-", "data.planned_epochs": f"{epochs:.3f}",
             "data.max_epochs": f"{limit:g}", "data.over_epoch_limit": str(over).lower(),
-            "data.unique_sequences": str(data.unique or "unbounded")}
+            "data.unique_sequences": str(data.unique or "unbounded"), **data.tags}
 
 
 class DataMeter:
@@ -156,6 +173,7 @@ class DataMeter:
         out = {"data/consumed_tokens": float(self.total_tokens), "data/consumed_sequences": float(items),
                "data/unique_sequences": float(unique), "data/epochs": epochs,
                "data/views_per_sequence": items / unique if unique else 0.0}
+        out.update(d.stats)
         if self.data.writer is not None:
             out.update(self.data.writer.stats())  # this rank's writer
         return out

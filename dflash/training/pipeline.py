@@ -48,6 +48,9 @@ class Item:
     labels_T: torch.Tensor
     soft_vals_Tk: torch.Tensor | None
     soft_idx_Tk: torch.Tensor | None
+    # True on the tokens the drafter is trained to predict (a conversation's assistant tokens, on the host);
+    # None: every token (dflash.training.batching draws anchors and labels from it)
+    loss_mask_T: torch.Tensor | None = None
 
 
 class ItemSource:
@@ -57,8 +60,9 @@ class ItemSource:
     walk each epoch's order once, each its own share."""
 
     def __init__(self, sequences: list[torch.Tensor], seed: int, next_index: int = 0,
-                 replay: list[int] | None = None, rank: int = 0, world: int = 1):
+                 replay: list[int] | None = None, rank: int = 0, world: int = 1, masks=None):
         self.sequences = sequences
+        self.masks = masks  # per sequence, the tokens a drafter trains on (None: all)
         self.size = len(sequences)  # items per epoch
         self.seed = seed
         self.rank, self.world = rank, world
@@ -85,6 +89,10 @@ class ItemSource:
     def sequences_for(self, claims: list[tuple[int, int, int]]) -> list[torch.Tensor]:
         """The token sequences of claimed (key, epoch, index) triples (an online source writes them)."""
         return [self.sequences[idx] for _, _, idx in claims]
+
+    def masks_for(self, claims: list[tuple[int, int, int]]) -> list[torch.Tensor | None]:
+        """The loss masks of claimed triples (None for data trained on every token)."""
+        return [None if self.masks is None else self.masks[idx] for _, _, idx in claims]
 
 
 def length_groups(lengths: list[int], max_waste: float = 0.25) -> list[list[int]]:
@@ -182,6 +190,7 @@ class ProducerPool:
         Right-padding is exact for a causal model: attention, the Gated-DeltaNet recurrence and its short
         convolution only look back, so positions < len never see the pad tokens."""
         seqs = self.source.sequences_for(claims)
+        masks = self.source.masks_for(claims)
         items: list[Item | None] = [None] * len(claims)
         for group in length_groups([s.numel() for s in seqs]):
             T = seqs[group[0]].numel()
@@ -198,7 +207,7 @@ class ProducerPool:
                 soft = (None, None) if out.soft_vals_BTk is None else \
                     (out.soft_vals_BTk[row, :L], out.soft_idx_BTk[row, :L])
                 items[i] = Item(g, epoch, idx, ids[row, :L], out.features_BTLH[row, :L],
-                                out.labels_BT[row, :L], *soft)
+                                out.labels_BT[row, :L], *soft, masks[i])
         return items
 
     def next_item(self) -> Item:

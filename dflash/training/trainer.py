@@ -208,6 +208,8 @@ class Trainer:
         self.data_meter = DataMeter(self.data, cfg.trainer.token_budget, self.dist)
         if hasattr(self.evaluator, "use_train_sequences"):  # eval/tau_train: the generalization gap
             self.evaluator.use_train_sequences(self.data.examples())
+        if hasattr(self.evaluator, "add_suites"):  # the data's own distribution (a chat dataset's held-out split)
+            self.evaluator.add_suites(self.data.eval_suites, self.data.eval_note)
         self.noise = build_noise(cfg.noise, cfg.trainer.max_steps)
         self.opt = torch.optim.AdamW(self.drafter.parameters(), lr=cfg.trainer.lr,
                                      weight_decay=cfg.trainer.weight_decay, betas=(0.9, 0.95),

@@ -1,0 +1,114 @@
+#!/usr/bin/env bash
+# Conversation data at the 27B shapes on ONE H200 (kind nvidia-h200), one device call of at most 9 minutes:
+#     bash benchmarks/gpu/conversations.sh
+# A random Qwen3.6-27B-shaped target (+target=qwen3_6_27b_random, the tiny chat tokenizer for its chat template:
+# token ids < 4,100 of its 248,320) with the published drafter, on benchmarks/data/conversations_sample.jsonl with
+# data.conversations.responses=target (every assistant turn rewritten by the target to data.max_len tokens):
+# 1. regen:  `python -m experiments.regen` writes REGEN_BATCHES batches ahead at auto write_batch → written tok/s;
+# 2. loop:   +trainer=gpu training with the target writing its responses in the loop (empty shards) → consumed tok/s;
+# 3. ahead:  the same run reading the shards stage 1 wrote (nothing written in the loop) → consumed tok/s;
+# then a short table: written tok/s, both consumed tok/s, and how many writing GPUs one training GPU needs.
+# Each stage is its own process under `timeout`; logs and sqlite MLflow stores under $OUT/conversations.
+# Env: SEQ (data.max_len, default 2048), PROMPT (data.pool.max_prompt_len, default 256), LOOP_S / AHEAD_S (time budgets, default 150 / 90 s), REGEN_BATCHES
+# (default 2), REUSE (data.online.reuse, default 2), BIG / SHAPE (the target + drafter, and the trainer's shape: e.g. tiny ones for a CPU dry run of this
+# script), PY (python).
+set -uo pipefail
+OUT=${OUT:-gpu_out}
+W=$OUT/conversations
+mkdir -p "$W" && W=$(cd "$W" && pwd)
+if [ -d .whl ]; then  # the GPU machine has torch/transformers/triton but not our other dependencies (datasets too)
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+  export PYTHONPATH=/tmp/site:$PWD
+else
+  export PYTHONPATH=$PWD
+fi
+export PYTHONUNBUFFERED=1
+export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
+PY=${PY:-python}
+$PY -c "import datasets" || { echo "error: Hugging Face datasets is not importable (add its wheels to .whl)"; exit 1; }
+T0=$SECONDS
+left() { echo $(( 530 - (SECONDS - T0) )); }
+cap() { local want=$1 reserve=$2; local l=$(( $(left) - reserve )); echo $(( l < want ? l : want )); }
+SEQ=${SEQ:-2048}
+LOOP_S=${LOOP_S:-150}
+AHEAD_S=${AHEAD_S:-90}
+REGEN_BATCHES=${REGEN_BATCHES:-2}
+BIG=${BIG:-"+target=qwen3_6_27b_random target.tokenizer=builtin:tiny_chat +drafter=published"}
+DATA="+data=conversations data.path=$PWD/benchmarks/data/conversations_sample.jsonl data.conversations.responses=target \
+      data.max_len=$SEQ data.pool.max_prompt_len=${PROMPT:-256} data.conversations.cache_dir=$W/hf data.conversations.coding10_chat=false data.online.reuse=${REUSE:-2}"
+# the 27B training shape of benchmarks/RESULTS.md: 2,048-token sequences, 256 anchors, 4 sequences per target forward
+SHAPE=${SHAPE:-"+trainer=gpu trainer.producer_batch=4 trainer.sequences_per_step=4 trainer.num_anchors=256"}
+TRAIN="$SHAPE +eval=off tracking.log_every=10 tracking.system_metrics=false trainer.max_steps=1000000 \
+       trainer.checkpoint_every=1000000"
+rm -rf "$W/ahead" "$W/loop" "$W/run_loop" "$W/run_ahead"
+
+echo "== 1/3 regen: $REGEN_BATCHES batches at auto write_batch (seq $SEQ)" >&2
+timeout $(cap 200 250) $PY -m experiments.regen $BIG $DATA data.online.shard_dir=$W/ahead regen.batches=$REGEN_BATCHES \
+  regen.progress=false > $W/regen.log 2>&1
+echo "regen: rc $? at $((SECONDS - T0)) s: $(tail -1 $W/regen.log)"
+
+echo "== 2/3 training, the target writing its responses in the loop (${LOOP_S} s)" >&2
+timeout $(cap $((LOOP_S + 120)) 130) $PY -m experiments.run $BIG $DATA $TRAIN data.online.shard_dir=$W/loop \
+  trainer.time_budget_s=$LOOP_S trainer.token_budget=200000000 run_dir=$W/run_loop \
+  tracking.tracking_uri=sqlite:///$W/loop.db > $W/run_loop.log 2>&1
+echo "loop: rc $? at $((SECONDS - T0)) s"
+
+# read back no more than stage 1 wrote: its rows x views, less what the buffer (max_depth 20), one producer batch
+# (4) and the log interval the budget is checked at (10 steps x 4) hold past the budget, x the length
+BUDGET=$($PY - "$W" "$SEQ" "${REUSE:-2}" <<'EOF'
+import re, sys
+w, seq, reuse = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+text = open(f"{w}/regen.log").read()
+get = lambda k: float(re.findall(rf"{k}=([\d.e+]+)", text)[-1])
+print(max(int(get("data/regen_batches_per_rank") * get("data/write_batch") * reuse - 64) * seq, seq))
+EOF
+)
+echo "== 3/3 training on the shards regen wrote ahead (token budget ${BUDGET:-?}, <= ${AHEAD_S} s)" >&2
+timeout $(cap $((AHEAD_S + 120)) 5) $PY -m experiments.run $BIG $DATA $TRAIN data.online.shard_dir=$W/ahead \
+  trainer.time_budget_s=$AHEAD_S trainer.token_budget=${BUDGET:-1} run_dir=$W/run_ahead \
+  tracking.tracking_uri=sqlite:///$W/ahead.db > $W/run_ahead.log 2>&1
+echo "ahead: rc $? at $((SECONDS - T0)) s"
+
+$PY - "$W" "$SEQ" "${REUSE:-2}" <<'EOF'
+import json, re, statistics, sys
+w, seq, reuse = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+
+def regen():
+    text = open(f"{w}/regen.log").read()
+    found = dict(re.findall(r"(\S+)=([\d.e+-]+)", text.splitlines()[-1])) if text.strip() else {}
+    return {k: float(v) for k, v in found.items()}
+
+def run(name):
+    try:
+        rows = [json.loads(l) for l in open(f"{w}/{name}/metrics.jsonl")]
+    except OSError:
+        return {}
+    perf = [r for r in rows if "perf/consumed_tok_s" in r]
+    steady = perf[2:] or perf  # the first windows hold compilation
+    last = [r for r in rows if "data/consumed_tokens" in r][-1] if perf else {}
+    loop_s = next((r["sys/loop_s"] for r in rows if "sys/loop_s" in r), 0.0)
+    med = lambda k: statistics.median(r.get(k, 0.0) for r in steady) if steady else float("nan")
+    return {"median": med("perf/consumed_tok_s"), "whole": last.get("data/consumed_tokens", 0) / loop_s if loop_s else
+            float("nan"), "written": last.get("data/written_batches", 0), "reads": last.get("data/shard_reads", 0),
+            "write_tok_s": last.get("perf/write_tok_s", 0.0), "wait": med("perf/consumer_wait_frac")}
+
+g, loop, ahead = regen(), run("run_loop"), run("run_ahead")
+wtok = g.get("perf/write_tok_s", float("nan"))
+print(f"\nconversations at the 27B shapes, seq {seq}, responses=target, auto write_batch "
+      f"{g.get('data/write_batch', float('nan')):.0f}, one H200\n")
+print("| measure | tok/s | notes |\n| --- | --- | --- |")
+print(f"| written (experiments.regen) | {wtok:,.0f} | {g.get('data/regen_written_shards', 0):.0f} batches, "
+      f"{g.get('sys/regen_s', 0):.0f} s |")
+for name, r in (("consumed, writing in the loop", loop), ("consumed, shards written ahead", ahead)):
+    if r:
+        print(f"| {name} | {r['median']:,.0f} (whole loop {r['whole']:,.0f}) | written batches {r['written']:.0f}, "
+              f"shard reads {r['reads']:.0f}, consumer waits {r['wait']:.0%} |")
+if ahead and wtok == wtok and wtok > 0 and g.get("data/regen_written_shards"):
+    # a training sequence is one view of a written row (data.online.reuse views each); a row's written part is
+    # what regen wrote per row
+    per_row = g["data/written_tokens"] / (g["data/regen_written_shards"] * g["data/write_batch"])
+    rows_needed = ahead["median"] / seq / reuse
+    need = rows_needed / (wtok / per_row)
+    print(f"\nwriting GPUs per training GPU (greedy, reuse {reuse}): {need:.2f} (training takes {rows_needed:,.1f} written "
+          f"rows/s of {per_row:,.0f} written tokens each; one GPU writes {wtok / per_row:,.1f} rows/s)")
+EOF

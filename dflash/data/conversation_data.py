@@ -1,0 +1,274 @@
+"""`data.source=conversations`: a conversation dataset → the trainer's sequences, loss masks and eval suites.
+
+Steps (each a `datasets` map, memory-mapped, run with `num_proc` workers and cached by fingerprint):
+1. read and normalize every file of `data.path` (`dflash.data.conversations`);
+2. split by a salted hash of each conversation: `heldout_per_10k` of every 10,000 go to the held-out split, which
+   is never trained on and gives the `chat_heldout` eval suite (its first `eval_prompts` conversations, each
+   cut before its last assistant turn, continued by the target for `eval_tokens` tokens);
+3. (`responses=dataset`) render the TRAIN split through the target's chat template (`dflash.data.chat`): token
+   ids and the assistant mask. A conversation with no assistant turn is skipped (`data/skipped`); one longer than `data.max_len` is cut
+   (`overflow=truncate`) or split into `max_len` windows (`overflow=split`), counted in `data/truncated`;
+   sequences shorter than `data.min_len`, or with no assistant token a block can be anchored on, are skipped.
+
+Where the responses come from (`responses`, `RESPONSES`): `dataset` trains on them as given (data an engine
+already wrote with this target); `target` has the target rewrite them: every assistant turn of a TRAIN
+conversation becomes a prompt (the conversation before it, with the generation prompt) that the online writer
+(`dflash.data.online`) continues to `data.online.seq_len` tokens, and the drafter trains on the written tokens up
+to and including the first end-of-turn token. `python -m experiments.regen` writes the same shards ahead.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+from collections import Counter
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from dflash.data.chat import ChatConfig, TemplateError, prepare_tokenizer, render, render_prompt, template_name
+from dflash.data.conversations import read_conversations
+from dflash.registry import Registry
+
+log = logging.getLogger(__name__)
+FORMAT_VERSION = 1
+
+
+@dataclass
+class ConversationsConfig:
+    responses: str = "dataset"  # dataset: train on the dataset's responses | target: the target rewrites them
+    overflow: str = "truncate"  # a conversation longer than data.max_len: truncate | split (max_len windows)
+    heldout_per_10k: int = 500  # conversations of every 10,000 held out by hash (never trained on)
+    salt: str = "dflash-conversations-v1"  # the split's hash salt
+    limit: int = 0  # train on the first N training sequences only (0: all)
+    num_proc: int = 0  # tokenizing workers; 0 = auto (the machine's cores, 1 below AUTO_PARALLEL_ROWS rows)
+    cache_dir: str = ".cache/dflash/conversations"  # `datasets`' Arrow caches; empty: its own default
+    eval_prompts: int = 16  # the chat_heldout suite: its first N held-out conversations ...
+    eval_tokens: int = 128  # ... each continued for M tokens by the target
+    coding10_chat: bool = True  # also evaluate coding10's prompts as user messages through the chat template
+
+
+# data.conversations.overflow -> (ids, mask, max_len) -> windows of at most max_len tokens
+OVERFLOW: Registry = Registry("data.conversations.overflow", {
+    "truncate": lambda ids, mask, n: [(ids[:n], mask[:n])],
+    "split": lambda ids, mask, n: [(ids[i:i + n], mask[i:i + n]) for i in range(0, len(ids), n)],
+})
+RESPONSES = Registry("data.conversations.responses", {"dataset": "dataset", "target": "target"})
+AUTO_PARALLEL_ROWS = 20_000  # below this, worker processes cost more than they save
+
+
+def validate_conversations_config(cfg: ConversationsConfig) -> None:
+    RESPONSES.check(cfg.responses)
+    OVERFLOW.check(cfg.overflow)
+    if not 0 <= cfg.heldout_per_10k < 10_000:
+        raise ValueError(f"data.conversations.heldout_per_10k must be in [0, 10000), got {cfg.heldout_per_10k}")
+    for key in ("limit", "num_proc"):
+        if getattr(cfg, key) < 0:
+            raise ValueError(f"data.conversations.{key} must be >= 0, got {getattr(cfg, key)}")
+    if cfg.eval_prompts < 0 or cfg.eval_tokens < 2:
+        raise ValueError(f"data.conversations.eval_prompts must be >= 0 and eval_tokens >= 2, got "
+                         f"{cfg.eval_prompts} / {cfg.eval_tokens}")
+
+
+def heldout_bucket(conv_hash: str, salt: str) -> int:
+    return int(hashlib.sha256(f"{salt}:{conv_hash}".encode()).hexdigest()[:8], 16) % 10_000
+
+
+def tokenizer_fingerprint(tokenizer) -> str:
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    body = backend.to_str() if backend is not None else json.dumps(sorted(tokenizer.get_vocab().items()))
+    return hashlib.sha256((body + (tokenizer.chat_template or "")).encode()).hexdigest()
+
+
+def anchorable(mask: list[int]) -> bool:
+    """Some anchor a in [1, len - 2] has an assistant token at a + 1 (dflash.training.batching.draw_anchors)."""
+    return any(mask[2:])
+
+
+def _tokenize(batch: dict, *, tokenizer, chat: ChatConfig, max_len: int, min_len: int, overflow: str) -> dict:
+    out: dict[str, list] = {"input_ids": [], "loss_mask": [], "length": [], "truncated": [], "status": []}
+
+    def row(ids, mask, truncated, status):
+        out["input_ids"].append(ids), out["loss_mask"].append(mask), out["length"].append(len(ids))
+        out["truncated"].append(truncated), out["status"].append(status)
+    for messages, source in zip(batch["messages"], batch["source"]):
+        if not any(m["role"] == "assistant" for m in messages):
+            row([], [], False, "no_assistant_turn")
+            continue
+        try:
+            ids, mask = render(tokenizer, messages, chat, where=f"record {source}")
+        except TemplateError as e:
+            row([], [], False, f"template_error: {e}")
+            continue
+        kept = 0
+        for piece_ids, piece_mask in OVERFLOW[overflow](ids, mask, max_len):
+            if len(piece_ids) >= min_len and anchorable(piece_mask):
+                row(piece_ids, piece_mask, len(ids) > max_len and kept == 0, "ok")
+                kept += 1
+        if not kept:
+            row([], [], False, "no_trainable_tokens")
+    return out
+
+
+@dataclass
+class ConversationSet:
+    train: object  # datasets.Dataset: input_ids, loss_mask, length (the TRAIN split, status ok); None: responses=target
+    heldout: object  # datasets.Dataset: normalized held-out conversations
+    normalized: object  # datasets.Dataset: the TRAIN split, normalized (the target's prompts)
+    stats: dict[str, float]
+    formats: dict[str, str]
+    fingerprint: str  # the split and rendering; with responses=dataset also the cut (max_len, overflow, limit)
+
+
+def _num_proc(cfg: ConversationsConfig, rows: int) -> int | None:
+    n = cfg.num_proc or (min(os.cpu_count() or 1, 16) if rows >= AUTO_PARALLEL_ROWS else 1)
+    return n if n > 1 and rows >= 4 * n else None
+
+
+def load_conversation_set(data_cfg, tokenizer) -> ConversationSet:
+    """Steps 1-3 of the module doc (step 3 only for responses=dataset: with responses=target the target writes
+    the training tokens, `turn_prompts`); ConversationInputError / TemplateError on bad input."""
+    c, chat = data_cfg.conversations, data_cfg.chat
+    tokenizer = prepare_tokenizer(tokenizer, chat)
+    normalized, formats = read_conversations(data_cfg.path, c.cache_dir, _num_proc(c, 0) or 1)
+    procs = _num_proc(c, len(normalized))
+    split = normalized.map(lambda h: {"heldout": heldout_bucket(h, c.salt) < c.heldout_per_10k},
+                           input_columns="conv_hash", num_proc=procs, desc="conversations: split")
+    train_norm = split.filter(lambda h: not h, input_columns="heldout", num_proc=procs)
+    heldout = split.filter(lambda h: h, input_columns="heldout", num_proc=procs)
+    settings = {"format": FORMAT_VERSION, "data": normalized._fingerprint, "tokenizer": tokenizer_fingerprint(tokenizer),
+                "chat": asdict(chat), "template": Path(chat.template).read_text() if chat.template else "",
+                "heldout": [c.heldout_per_10k, c.salt]}  # what decides the split and the rendering
+    base = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()
+    cut = {"max_len": data_cfg.max_len, "min_len": data_cfg.min_len, "overflow": c.overflow, "limit": c.limit}
+    fingerprint = base if c.responses == "target" else \
+        hashlib.sha256(json.dumps({"base": base, **cut}, sort_keys=True).encode()).hexdigest()
+    stats = {"data/conversations": float(len(normalized)), "data/heldout_conversations": float(len(heldout))}
+    cs = ConversationSet(None, heldout, train_norm, stats, formats, fingerprint)
+    if c.responses == "dataset":
+        _tokenize_train(cs, data_cfg, tokenizer, procs)
+    log.info("conversations: %d read (%s), %d held out; %s", len(normalized), ", ".join(sorted(set(formats.values()))),
+             len(heldout), {k: v for k, v in cs.stats.items() if k not in stats})
+    return cs
+
+
+def _tokenize_train(cs: ConversationSet, data_cfg, tokenizer, procs) -> None:
+    """Step 3: cs.train (status ok rows) and the data/ counts of what was skipped or cut."""
+    c, train_norm = data_cfg.conversations, cs.normalized
+    tokenized = train_norm.map(_tokenize, batched=True, batch_size=64, remove_columns=train_norm.column_names,
+                               fn_kwargs={"tokenizer": tokenizer, "chat": data_cfg.chat, "max_len": data_cfg.max_len,
+                                          "min_len": data_cfg.min_len, "overflow": c.overflow},
+                               num_proc=procs, new_fingerprint=cs.fingerprint[:32], desc="conversations: tokenize")
+    status = Counter(tokenized["status"])
+    broken = next((s for s in status if s.startswith("template_error")), None)
+    if broken:
+        raise TemplateError(broken.removeprefix("template_error: "))
+    ok = tokenized.filter(lambda s: s == "ok", input_columns="status", num_proc=procs)
+    if c.limit:
+        ok = ok.select(range(min(c.limit, len(ok))))
+    if not len(ok):
+        raise ValueError(f"data.path={data_cfg.path!r}: no training conversation has an assistant token to train on "
+                         f"(statuses: {dict(status)}; data.min_len={data_cfg.min_len}, data.max_len={data_cfg.max_len})")
+    cs.train = ok.remove_columns(["status", "truncated"])
+    cs.stats.update({"data/skipped": float(sum(n for s, n in status.items() if s != "ok")),
+                     "data/truncated": float(sum(tokenized["truncated"])), "data/train_sequences": float(len(ok))})
+    for reason, n in status.items():
+        if reason != "ok":
+            cs.stats[f"data/skipped_{reason}"] = float(n)
+
+
+class ArrowColumn:
+    """One list column of a dataset as a read-only sequence of tensors (rows read when asked: memory-mapped)."""
+
+    def __init__(self, ds, column: str, dtype: torch.dtype | None):
+        self.ds, self.column, self.dtype = ds, column, dtype
+
+    def __len__(self) -> int:
+        return len(self.ds)
+
+    def __getitem__(self, i: int):
+        """Row i as a tensor of `dtype` (None: the plain list)."""
+        value = self.ds[int(i)][self.column]
+        return value if self.dtype is None else torch.tensor(value, dtype=self.dtype)
+
+    def __iter__(self):
+        return (self[i] for i in range(len(self)))
+
+
+def spread(seq, count: int) -> list:
+    """`count` rows spread over `seq` (deterministic), for eval/tau_train without reading everything."""
+    step = max(1, len(seq) // max(count, 1))
+    return [seq[i] for i in range(0, len(seq), step)[:count]]
+
+
+# -- responses=target: one prompt per assistant turn --------------------------------------------------------
+def _turn_prompts(batch: dict, *, tokenizer, chat: ChatConfig, max_prompt_len: int) -> dict:
+    """Each assistant turn's prompt: the conversation before it with the generation prompt, its last
+    `max_prompt_len` tokens (the target writes the rest of the sequence). A conversation with no assistant turn
+    gives one empty row (status no_assistant_turn), one the template cannot render an error row."""
+    out: dict[str, list] = {"prompt_ids": [], "prompt_len": [], "truncated": [], "status": []}
+
+    def row(ids, truncated, status):
+        out["prompt_ids"].append(ids), out["prompt_len"].append(len(ids))
+        out["truncated"].append(truncated), out["status"].append(status)
+    for messages, source in zip(batch["messages"], batch["source"]):
+        turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+        if not turns:
+            row([], False, "no_assistant_turn")
+        for i in turns:
+            try:
+                text = render_prompt(tokenizer, messages[:i], chat)
+            except Exception as e:  # noqa: BLE001 - jinja raises many types
+                row([], False, f"template_error: {template_name(chat)} does not render record {source}: "
+                               f"{type(e).__name__}: {e}")
+                break
+            ids = tokenizer.encode(text, add_special_tokens=False)
+            row(ids[-max_prompt_len:], len(ids) > max_prompt_len, "ok")
+    return out
+
+
+def turn_prompts(cs: ConversationSet, tokenizer, data_cfg) -> tuple[ArrowColumn, dict[str, float], str]:
+    """(prompts as token lists, data/ figures, fingerprint) of every assistant turn of the TRAIN split."""
+    c, chat, n = data_cfg.conversations, data_cfg.chat, data_cfg.pool.max_prompt_len
+    fingerprint = hashlib.sha256(f"{cs.fingerprint}:turn-prompts-v2:{n}:{c.limit}".encode()).hexdigest()
+    ds = cs.normalized.map(_turn_prompts, batched=True, batch_size=64, remove_columns=cs.normalized.column_names,
+                           fn_kwargs={"tokenizer": prepare_tokenizer(tokenizer, chat), "chat": chat,
+                                      "max_prompt_len": n},
+                           num_proc=_num_proc(c, len(cs.normalized)), new_fingerprint=fingerprint[:32],
+                           desc="conversations: turn prompts")
+    status = Counter(ds["status"])
+    broken = next((s for s in status if s.startswith("template_error")), None)
+    if broken:
+        raise TemplateError(broken.removeprefix("template_error: "))
+    ok = ds.filter(lambda s: s == "ok", input_columns="status")
+    if c.limit:
+        ok = ok.select(range(min(c.limit, len(ok))))
+    if not len(ok):
+        raise ValueError(f"data.path={data_cfg.path!r}: no training conversation has an assistant turn to rewrite")
+    stats = {"data/prompts": float(len(ok)), "data/truncated": float(sum(ok["truncated"])),
+             "data/skipped": float(status.get("no_assistant_turn", 0))}
+    return ArrowColumn(ok, "prompt_ids", None), stats, fingerprint
+
+
+def response_mask(tokens_T: torch.Tensor, prompt_len: int, end_id: int | None) -> torch.Tensor:
+    """The tokens the target wrote after its prompt, up to and including its first end-of-turn token (what
+    follows is the target talking past its turn: never trained on)."""
+    mask = torch.zeros(tokens_T.numel(), dtype=torch.bool)
+    tail = tokens_T[prompt_len:]
+    stop = tail.numel()
+    if end_id is not None:
+        hits = (tail == end_id).nonzero()
+        if hits.numel():
+            stop = int(hits[0]) + 1
+    mask[prompt_len:prompt_len + stop] = True
+    return mask
+
+
+def end_of_turn_id(tokenizer) -> int | None:
+    """The token a chat model ends its turn with: <|im_end|> where the vocabulary has it, else its eos token."""
+    vocab = tokenizer.get_vocab() if hasattr(tokenizer, "get_vocab") else {}
+    if "<|im_end|>" in vocab:
+        return int(vocab["<|im_end|>"])
+    return getattr(tokenizer, "eos_token_id", None)

@@ -1,0 +1,105 @@
+"""The trainer's data for `data.source=conversations` (dflash/data/conversation_data.py says what is read and how).
+
+`build_conversation_data` gives a `TrainingData` whose items carry a loss mask (only assistant tokens are
+trained on) and the eval suites of the user's own distribution: `chat_heldout` (the held-out split's first
+`data.conversations.eval_prompts` conversations, cut before their last assistant turn, `eval_tokens` tokens each)
+and `coding10_chat` (the coding10 prompts as user messages through the target's chat template).
+
+- `responses=dataset`: the tokenized TRAIN split, memory-mapped; the run is tagged `data.responses=dataset` and
+  the eval summary says no response was written by the target in this run.
+- `responses=target`: the online writer (`dflash.data.online`, shards, fingerprints, exact resume) continues one
+  prompt per assistant turn; `conversation_writer` builds it, and `python -m experiments.regen` writes the same
+  shards ahead of a run.
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from dflash.config import ConfigError
+from dflash.data.chat import prepare_tokenizer, render_prompt
+from dflash.data.conversation_data import (
+    ArrowColumn,
+    ConversationSet,
+    end_of_turn_id,
+    load_conversation_set,
+    response_mask,
+    spread,
+    turn_prompts,
+)
+from dflash.data.online import OnlineWriter
+from dflash.data.pool import PromptPool
+from dflash.evaluation.prompts import Suite, Task, load_suite
+from dflash.training.datastream import TrainingData
+
+log = logging.getLogger(__name__)
+SAMPLE_ROWS = 64  # training rows kept in memory for eval/tau_train
+
+
+def load_set(cfg, tokenizer) -> ConversationSet:
+    """The conversation set, bad input as ConfigError (exit 2), naming the file, line and field."""
+    try:
+        return load_conversation_set(cfg.data, tokenizer)
+    except (ValueError, FileNotFoundError) as e:
+        raise ConfigError(str(e)) from e
+
+
+def chat_suites(cs: ConversationSet, tokenizer, cfg) -> list[Suite]:
+    d, c = cfg.data, cfg.data.conversations
+    tokenizer = prepare_tokenizer(tokenizer, d.chat)
+    tasks = []
+    for row in cs.heldout:
+        if len(tasks) >= c.eval_prompts:
+            break
+        turns = [i for i, m in enumerate(row["messages"]) if m["role"] == "assistant"]
+        if turns:
+            tasks.append(Task(f"chat{len(tasks):04d}", render_prompt(tokenizer, row["messages"][:turns[-1]], d.chat)))
+    suites = [Suite("chat_heldout", tasks, c.eval_tokens)] if tasks else []
+    if not tasks and c.eval_prompts:
+        log.warning("data.conversations: the held-out split has no conversation with an assistant turn; no "
+                    "chat_heldout suite (raise data.conversations.heldout_per_10k)")
+    if c.coding10_chat:
+        coding = [Task(t.name, render_prompt(tokenizer, [{"role": "user", "content": t.prompt}], d.chat))
+                  for t in load_suite("coding10")]
+        suites.append(Suite("coding10_chat", coding, int(cfg.eval.max_new_tokens)))
+    return suites
+
+
+def conversation_writer(cfg, target, cs: ConversationSet, rank: int = 0, world: int = 1) -> tuple[OnlineWriter, dict]:
+    """The online writer of `responses=target` (one prompt per assistant turn) and its data/ figures."""
+    d = cfg.data
+    prompts, stats, fingerprint = turn_prompts(cs, target.tokenizer, d)
+    pool = PromptPool(prompts, [], fingerprint, cs.fingerprint, stats)  # type: ignore[arg-type] - read by index
+    return OnlineWriter(target, pool, d.online, d.online_seq_len(), rank, world), stats
+
+
+def build_conversation_data(cfg, target, dist_info) -> TrainingData:
+    d, c = cfg.data, cfg.data.conversations
+    cs = load_set(cfg, target.tokenizer)
+    suites = chat_suites(cs, target.tokenizer, cfg)
+    tags = {"data.responses": c.responses, "data.formats": ",".join(sorted(set(cs.formats.values()))),
+            "data.conversations": cs.fingerprint[:16]}
+    if c.responses == "dataset":
+        seqs = ArrowColumn(cs.train, "input_ids", torch.long)
+        masks = ArrowColumn(cs.train, "loss_mask", torch.bool)
+        mean_len = sum(cs.train["length"]) / len(cs.train)
+        note = ("training responses: the dataset's own (data.conversations.responses=dataset), not written by "
+                "the target in this run")
+        return TrainingData("conversations", seqs, None, len(seqs), mean_len, cs.fingerprint, cs.fingerprint,
+                            cfg.seed, loss_masks=masks, stats=cs.stats, tags=tags, eval_suites=suites,
+                            eval_note=note, sample=spread(seqs, SAMPLE_ROWS))
+    writer, stats = conversation_writer(cfg, target, cs, dist_info.rank, dist_info.world)
+    end_id = end_of_turn_id(target.tokenizer)
+    prompts = writer.pool.prompts
+
+    def masks(claims):
+        return [response_mask(writer.sequence(g), len(prompts[writer.prompt_of(g)]), end_id) for g, _, _ in claims]
+    unique = 0 if d.online.temperature > 0 else len(writer.pool)
+    note = (f"training responses: written by the target in this run (data.conversations.responses=target, "
+            f"temperature {d.online.temperature:g})")
+    return TrainingData("conversations_online", None, writer, unique, float(d.online_seq_len()), writer.fingerprint,
+                        cs.fingerprint, d.online.stream_seed, writer.cfg.reuse, mask_source=masks,
+                        stats={**cs.stats, **stats}, tags=tags, eval_suites=suites, eval_note=note,
+                        sample=spread(prompts, SAMPLE_ROWS))
+

@@ -1,0 +1,115 @@
+"""responses=target: the target rewrites every assistant turn, in the loop (online writer) or ahead (experiments.regen)."""
+import json
+
+import pytest
+import torch
+
+from dflash.atomic import load_checked
+from dflash.data.conversation_data import response_mask
+from tests.conftest import interrupted_copy
+from tests.test_conversations import SAMPLE, chat_cfg  # noqa: F401 - the fixture
+
+TARGET = ("data.conversations.responses=target", "data.online.write_batch=4", "data.max_len=64",
+          "data.pool.max_prompt_len=48", "data.conversations.coding10_chat=false")
+
+
+def _rows(run_dir):
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def _losses(run_dir):
+    return {r["step"]: r["train/loss"] for r in _rows(run_dir) if "train/loss" in r}
+
+
+def _shards(d):
+    """{folder/batch: tokens} of the online writer's shards under `d` (the folder is the data fingerprint)."""
+    out = {}
+    for p in sorted(d.rglob("*.pt")):
+        raw = p.read_bytes()
+        key = json.loads(raw[len(b"DFLASH-ONLINE\n"):raw.index(b"\n", 14)])["key"]
+        out[f"{p.parent.name}/{p.name}"] = load_checked(p, b"DFLASH-ONLINE\n", 1, key)["tokens"]
+    return out
+
+
+def test_response_mask_stops_at_the_first_end_of_turn():
+    seq = torch.tensor([5, 6, 7, 8, 9, 1, 4, 4, 1, 3])
+    assert response_mask(seq, 3, 1).tolist() == [False] * 3 + [True] * 3 + [False] * 4
+    assert response_mask(seq, 3, None).tolist() == [False] * 3 + [True] * 7
+
+
+def test_target_written_responses_train_and_resume_exactly(chat_cfg, tmp_path):
+    from dflash.training.trainer import train
+    shards = tmp_path / "shards"
+    det = ("+buffer=deterministic", "buffer.max_depth=4", "buffer.min_ready=4", "trainer.producer_batch=3")
+    full = train(chat_cfg(f"data.path={SAMPLE}", *TARGET, *det, f"data.online.shard_dir={shards}", run="full"))
+    last = [r for r in _rows(full.run_dir) if "data/written_batches" in r][-1]
+    assert last["data/written_batches"] >= 3 and last["data/prompts"] > 200 and last["data/conversations"] == 200
+    tags = json.loads((full.run_dir / "tags.json").read_text())
+    assert tags["data.responses"] == "target" and tags["data.kind"] == "conversations_online"
+    ref = _losses(full.run_dir)
+    part = interrupted_copy(full.run_dir, 3, tmp_path / "part")
+    for shard in shards.rglob("*.pt"):
+        shard.unlink()  # the resumed run writes its data again: the same tokens
+    res = train(chat_cfg(f"resume={part}", run="ignored"))
+    got = _losses(res.run_dir)
+    assert sorted(got) == [4, 5, 6]
+    for s in (4, 5, 6):
+        assert got[s] == pytest.approx(ref[s], rel=1e-6, abs=1e-7), (s, got, ref)
+
+
+def test_regen_writes_the_shards_a_run_reads_and_resumes(chat_cfg, tmp_path, capsys):
+    from dflash.training.trainer import train
+    from experiments.regen import main as regen
+    ahead, inloop = tmp_path / "ahead", tmp_path / "inloop"
+    args = [f"data.path={SAMPLE}", *TARGET, f"data.conversations.cache_dir={tmp_path / 'hf'}", "+target=tiny_random_chat",
+            "+data=conversations", "target.random.hidden_size=64", "target.random.num_layers=4",
+            "target.random.intermediate_size=128", "target.random.head_dim=16", "target.random.linear_head_dim=16",
+            "target.layer_ids=[0,1,2]", f"data.online.shard_dir={ahead}"]
+    first = regen([*args, "regen.batches=2"])  # a regen cut short ...
+    assert first["data/regen_written_shards"] == 2 and first["data/written_tokens"] > 0
+    again = regen([*args, "regen.batches=5"])  # ... resumes: only the missing shards are written
+    assert again["data/regen_shards"] == 5 and again["data/regen_written_shards"] == 3
+    assert "tok/s" in capsys.readouterr().err  # the progress bar
+    # a run with the same data settings reads them and writes nothing
+    run = train(chat_cfg(f"data.path={SAMPLE}", *TARGET, f"data.online.shard_dir={ahead}", run="reads"))
+    last = [r for r in _rows(run.run_dir) if "data/written_batches" in r][-1]
+    assert last["data/written_batches"] == 0 and last["data/shard_reads"] >= 3
+    # and they are exactly what the run would have written in its loop
+    train(chat_cfg(f"data.path={SAMPLE}", *TARGET, f"data.online.shard_dir={inloop}", run="writes"))
+    mine, theirs = _shards(ahead), _shards(inloop)
+    assert theirs and set(theirs) <= set(mine)
+    for name, tokens in theirs.items():
+        assert torch.equal(tokens, mine[name]), name
+    assert len(next(iter(theirs.values()))) == 4  # write_batch rows per shard
+
+
+def test_regen_refuses_data_that_is_not_target_written(chat_cfg):
+    from dflash.config import ConfigError
+    from dflash.training.regen_shards import RegenConfig, run_regen
+    with pytest.raises(ConfigError, match="responses=target"):
+        run_regen(chat_cfg(f"data.path={SAMPLE}"), RegenConfig())
+
+
+def test_regen_splits_the_work_over_torchrun_ranks(tmp_path):
+    """Two regen ranks (gloo on the CPU) write the shards of two training ranks between them: the same files as
+    one process writing them all."""
+    import subprocess
+    import sys
+    from pathlib import Path
+    root = Path(__file__).resolve().parent.parent
+    common = ["+target=tiny_random_chat", "+data=conversations", f"data.path={SAMPLE}", *TARGET,
+              f"data.conversations.cache_dir={tmp_path / 'hf'}", "regen.batches=2", "regen.train_world=2",
+              "regen.progress=false", "target.random.hidden_size=64", "target.random.num_layers=4",
+              "target.random.intermediate_size=128", "target.random.head_dim=16", "target.random.linear_head_dim=16",
+              "target.layer_ids=[0,1,2]"]
+    for nproc, out in ((2, tmp_path / "two"), (1, tmp_path / "one")):
+        launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"] \
+            if nproc > 1 else [sys.executable]
+        proc = subprocess.run([*launcher, "-m", "experiments.regen", *common, f"data.online.shard_dir={out}"],
+                              cwd=root, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        if nproc > 1:  # each rank wrote its half of the (training rank, batch) pairs
+            assert proc.stdout.count("data/regen_written_shards=2") == 2, proc.stdout
+    two, one = _shards(tmp_path / "two"), _shards(tmp_path / "one")
+    assert len(one) == 4 and set(two) == set(one)  # 2 training ranks x 2 batches
+    assert all(torch.equal(two[k], one[k]) for k in one)

@@ -29,14 +29,18 @@ def read_metrics(run_dir: Path) -> list[dict]:
 
 
 def eval_curve(rows: Sequence[dict], objective: str) -> list[tuple[float, float]]:
-    """(consumed tokens, objective) at every step that logged the objective, in step order."""
+    """(consumed tokens, objective) at every step that logged it, in step order. In-training evals log it under
+    `eval/subset/...` (with `eval.subset` at least the suite's size the subset is the whole suite); runs of stores
+    written before that name logged it under the objective's own name."""
+    subset = "eval/subset/" + objective.removeprefix("eval/")
     tokens: dict[int, float] = {}
     out = []
     for r in rows:
         if "data/consumed_tokens" in r:
             tokens[r["step"]] = r["data/consumed_tokens"]
-        if objective in r and r["step"] in tokens:
-            out.append((tokens[r["step"]], float(r[objective])))
+        key = objective if objective in r else subset if subset in r else None
+        if key is not None and r["step"] in tokens:
+            out.append((tokens[r["step"]], float(r[key])))
     return out
 
 

@@ -39,7 +39,8 @@ def _cell(tmp_path, option, seed, taus, tau_rounds=2.0, streak=5.0):
     for step, (tokens, tau) in zip((10, 40, 160), zip((4e6, 16e6, 64e6), taus)):
         rows.append({"step": step, "data/consumed_tokens": tokens, "train/tau_rounds": tau_rounds,
                      "train/tau_rounds_n": 10.0, "train/anchor_streak": streak})
-        rows.append({"step": step, "eval/tau_vanilla": tau})
+        key = "eval/tau_vanilla" if step == 160 else "eval/subset/tau_vanilla"  # in-training evals: the subset's name
+        rows.append({"step": step, key: tau})
     (d / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
     return {"option": option, "seed": seed, "run_dir": str(d)}
 

@@ -379,6 +379,9 @@ def run_campaign(c: Campaign, out: Path, extra: list[str], deadline_s: float = 0
                 cut = True  # a deadline or a failed cell: this stage's winner is not known yet (the next launch)
                 continue
             summary["winners"][c.stages[i].factor] = best_option(mine)
+            from sweeps.campaign_report import stage_call
+            summary.setdefault("calls", {})[c.stages[i].factor] = stage_call(
+                [r for r in mine if not r.get("failed")], c.objective, summary["winners"][c.stages[i].factor])
             log.info("stage %d (%s): best %s", i, c.stages[i].factor, summary["winners"][c.stages[i].factor])
         group_tokens = sum(st["consumed_tokens"] for st in summary["stages"][-len(group):])
         for st in summary["stages"][-len(group):]:

@@ -137,6 +137,49 @@ def delta_table(cells: list[dict], suite: str, reference: str) -> list[str]:
     return rows
 
 
+def _objective_suite(cells: list[dict], objective: str) -> str | None:
+    """The suite label of the objective's task tables (`eval/suite/<name>/...`, else the objective suite's own)."""
+    m = re.match(r"^eval/suite/([^/]+)/", objective)
+    if m:
+        return m[1]
+    for c in cells:
+        f = Path(c["run_dir"]) / "eval" / "tasks.json"
+        if f.is_file():
+            t = json.loads(f.read_text())
+            return str((t.get("info") or {}).get("suite_label") or "eval")
+    return None
+
+
+def stage_call(cells: list[dict], objective: str, best: str) -> dict[str, Any]:
+    """The stage's verdict beside its highest-mean option `best` (which later stages build on): the options tied
+    with it, whose paired Δ of the objective against it (seed for seed, prompt for prompt) has an interval
+    containing 0. `checked` is False where the task tables cannot say (then `tied` is empty)."""
+    from dflash.evaluation.pairing import metric_columns
+    cols = metric_columns(objective)
+    suite = _objective_suite(cells, objective)
+    by_opt = _by_option(cells, suite) if suite else {}
+    if cols is None or best not in by_opt:
+        return {"best": best, "tied": [], "checked": False}
+    tied = [opt for opt, seeds in by_opt.items() if opt != best
+            and _delta(seeds, by_opt[best], cols.sum_col, cols.count_col)[1].startswith("tie")]
+    return {"best": best, "tied": tied, "checked": True}
+
+
+def describe_calls(summary: dict) -> dict[str, str]:
+    """factor -> what its stage found, ties called ties: `dpace`, or `uniform (tied with none, cosine; the next
+    stages built on uniform)`."""
+    calls = summary.get("calls") or {}
+    out = {}
+    for factor, best in (summary.get("winners") or {}).items():
+        call = calls.get(factor) or {}
+        if call.get("tied"):
+            out[factor] = (f"tie: {best} ~ {', '.join(call['tied'])} (paired Δ intervals contain 0; later stages "
+                           f"built on {best}, the highest mean)")
+        else:
+            out[factor] = best if call.get("checked") else f"{best} (highest mean; ties not checked)"
+    return out
+
+
 def _budget_line(cells: list[dict]) -> str:
     tok = [c.get("consumed_tokens") or 0 for c in cells]
     ep = [c.get("epochs") for c in cells if c.get("epochs") is not None]
@@ -213,8 +256,11 @@ def render_report(c, summary: dict) -> str:
                 lines += ["Paired Δτ per drafting method:", "", *deltas, ""]
         lines += curve_section([x for x in cells if "reused_from" not in x], c.objective, stage.factor)
         if stage.factor in winners:
+            tied = ((summary.get("calls") or {}).get(stage.factor) or {}).get("tied") or []
+            tie = (f" **Tied with it: {', '.join(tied)}** (their paired Δ interval against it contains 0): no "
+                   f"winner among these." if tied else "")
             lines += [f"Highest mean objective: **{winners[stage.factor]}** (a winner only where its Δ "
-                      f"interval above excludes 0).", ""]
+                      f"interval above excludes 0).{tie}", ""]
         else:
             from sweeps.campaign import best_option
             lines += [f"**Stage incomplete**: {len(cells)} of {len(stage.options) * len(c.seeds)} cells; highest "
@@ -232,6 +278,10 @@ def write_report(c, out: Path, dest: Path | None = None) -> dict[str, Any]:
         here = out / c.name / "runs" / x.get("reused_from", x["cell"])
         if here.is_dir():
             x["run_dir"] = str(here)
+    for i, stage in enumerate(c.stages):  # a summary written before the calls were recorded
+        if stage.factor in summary["winners"] and stage.factor not in summary.setdefault("calls", {}):
+            summary["calls"][stage.factor] = stage_call([x for x in summary["cells"] if x["stage"] == i],
+                                                        c.objective, summary["winners"][stage.factor])
     text = render_report(c, summary)
     atomic_write_text(out / c.name / "ABLATIONS.md", text)
     if dest is not None:
@@ -245,15 +295,11 @@ CELL_NAME = re.compile(r"^s(\d+)-(\w+?)-(.+)-seed(-?\d+)$")  # the run name is t
 
 
 def _artifacts_dir(run, tracking_uri: str) -> Path:
-    """The run's artifact folder: where the store says, or beside the sqlite file (`mlartifacts/<run id>`) when
-    the store was written on another machine and copied here."""
-    from urllib.parse import unquote, urlparse
-    u = urlparse(run.info.artifact_uri)
-    recorded = Path(unquote(u.path)) if u.scheme in ("", "file") else None
-    if recorded is not None and recorded.is_dir():
-        return recorded
-    db = Path(tracking_uri.removeprefix("sqlite:///")) if tracking_uri.startswith("sqlite:///") else Path(".")
-    return db.parent / "mlartifacts" / run.info.run_id / "artifacts"
+    """The run's artifact folder (`dflash.tracking.run_info.local_artifact_dir`: the recorded one, or beside the
+    sqlite file when the store was written on another machine and copied here)."""
+    from dflash.tracking.run_info import local_artifact_dir
+    found = local_artifact_dir(run.info.artifact_uri, tracking_uri, run.info.run_id)
+    return found if found is not None else Path(".") / "mlartifacts" / run.info.run_id / "artifacts"
 
 
 def _as_run_folder(art: Path, dest: Path) -> Path:
@@ -310,4 +356,5 @@ def summary_from_mlflow(c, tracking_uri: str, work_dir: Path) -> dict[str, Any]:
             summary["complete"] = False
             break
         summary["winners"][stage.factor] = best_option(cells)
+        summary.setdefault("calls", {})[stage.factor] = stage_call(cells, c.objective, summary["winners"][stage.factor])
     return summary

@@ -185,6 +185,14 @@ def _open_study(sweep, study_name: str, storage: str, storage_desc: str):
     return study, n_before, launch_no
 
 
+def _code_tags() -> dict[str, str]:
+    """The code the sweep ran: MLflow's git commit and Source fields, and the short sha as the trials carry it."""
+    from dflash.tracking.run_info import GIT_COMMIT, SOURCE_NAME, SOURCE_TYPE, git_sha
+    full = git_sha(full=True)
+    return {SOURCE_NAME: "sweeps.launch", SOURCE_TYPE: "LOCAL", "git_sha": git_sha(),
+            **({GIT_COMMIT: full} if full != "unknown" else {})}
+
+
 def _parent_run(tr, study, sweep, study_name: str, storage_desc: str, out_dir: Path, base_overrides: list[str],
                 launch: dict[str, Any]):
     """The sweep's MLflow parent run (reused across launches on the same store): (tracker, parent run id), with
@@ -203,6 +211,7 @@ def _parent_run(tr, study, sweep, study_name: str, storage_desc: str, out_dir: P
             "sweep.name": sweep.name, "sweep.objective": sweep.objective.metric,
             "sweep.definition_path": sweep.path, "sweep.launches": launch["launch"],
             "sweep.out_dir": str(out_dir), "sweep.fixed": " ".join(base_overrides)}
+    tags.update(_code_tags())
     parent_id = tracker.ensure_parent(study_name, prev, tags, _parent_params(sweep, storage_desc))
     study.set_user_attr("mlflow.parent_run_id", parent_id)
     study.set_user_attr("mlflow.tracking_uri", tr.tracking_uri)
@@ -352,6 +361,10 @@ def _print_summary(s: dict[str, Any]) -> None:
     b = s.get("best")
     if b:
         lines.append(f"best trial #{b['number']}: {b['value']:.6g} {json.dumps(b['params'], default=str)}")
+        ties = b.get("ties") or {}
+        if ties.get("tied"):
+            lines.append("tied with it (paired Δ interval contains 0): trial(s) "
+                         + ", ".join(f"#{t['number']} {t['value']:.6g}" for t in ties["tied"]))
         lines.append(f"best run: {b['run_id']} dir {b['run_dir']}\n  promote: python -m experiments.promote "
                      f"{b['run_dir']}")
     if s.get("parent_run_id"):

@@ -27,6 +27,7 @@ from typing import Any
 
 from dflash.config import ConfigError, RunConfig
 from dflash.run_dir import RunDir
+from dflash.tracking.run_info import ML_WORKFLOW
 from sweeps.support import TAG_PRUNED_STEP, TAG_VALUE, EvalPruned, PruningEvaluator, SweepTracker
 from sweeps.space import SweepDef, merge_overrides, suggest
 
@@ -153,6 +154,76 @@ def study_summary(study) -> dict[str, Any]:
     return out
 
 
+TIE_LEVEL = 0.95  # the paired interval that calls two trials a tie
+
+
+def _trial_table(run_dir: str | None, metric: str) -> dict | None:
+    """A trial's per-prompt task table for `metric` from its run folder (`eval/tasks.json`, or
+    `eval/<suite>/tasks.json` for an `eval/suite/<suite>/...` metric); None when absent."""
+    from dflash.evaluation.pairing import metric_columns
+    cols = metric_columns(metric)
+    if cols is None or not run_dir:
+        return None
+    parts = cols.artifact.split("/")  # eval/tasks.json | eval/suite/<name>/tasks.json
+    f = RunDir(run_dir).eval_dir.joinpath(*([parts[2]] if len(parts) == 4 else []), "tasks.json")
+    return json.loads(f.read_text(encoding="utf-8")) if f.is_file() else None
+
+
+def best_and_ties(study, best: dict[str, Any], metric: str, level: float = TIE_LEVEL) -> dict[str, Any]:
+    """The best trial's pooled CI and the complete trials tied with it: their paired Δ interval against the best,
+    prompt for prompt on the same ground truth, contains 0. `checked`: False when the best trial has no task
+    table (ties then unknown); trials without a comparable table are listed in `unpaired`."""
+    from optuna.trial import TrialState
+
+    from dflash.evaluation.pairing import NotPaired, metric_columns, paired_delta, per_task
+    from dflash.evaluation.stats import pooled_ci
+    out: dict[str, Any] = {"checked": False, "ci": None, "tied": [], "unpaired": []}
+    table = _trial_table(best.get("run_dir"), metric)
+    cols = metric_columns(metric)
+    if table is None or cols is None:
+        return out
+    try:
+        _, sums, counts = per_task(table, cols.sum_col, cols.count_col)
+    except NotPaired:
+        return out
+    iv = pooled_ci(sums, counts, level)
+    out.update(checked=True, ci=[iv.low, iv.high])
+    for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)):
+        if t.number == best["number"]:
+            continue
+        other = _trial_table(t.user_attrs.get(ATTR_RUN_DIR), metric)
+        try:
+            if other is None:
+                raise NotPaired("no task table")
+            d = paired_delta(table, other, (cols.sum_col, cols.count_col), (cols.sum_col, cols.count_col), level)
+        except NotPaired:
+            out["unpaired"].append(t.number)
+            continue
+        if d.low <= 0.0 <= d.high:
+            out["tied"].append({"number": t.number, "value": t.value, "delta": [d.value, d.low, d.high]})
+    return out
+
+
+def _best_line(b: dict[str, Any], metric: str, link: str) -> list[str]:
+    """The Description's verdict: the best trial with its CI, and the trials tied with it."""
+    ties = b.get("ties") or {}
+    ci = ties.get("ci")
+    value = f"{metric} = {b['value']:.4f}" + (f" [{100 * TIE_LEVEL:g}% CI {ci[0]:.4f}, {ci[1]:.4f}]" if ci else "")
+    tied = ties.get("tied") or []
+    if tied:
+        names = ", ".join(f"{t['number']} ({t['value']:.4f}, Δ {t['delta'][0]:+.4f} [{t['delta'][1]:+.4f}, "
+                          f"{t['delta'][2]:+.4f}])" for t in tied)
+        head = (f"**Best: trial {b['number']}, tied with trial(s) {names}** (paired Δ interval contains 0: no "
+                f"trial is ahead of these), {value}, run {link}")
+    else:
+        head = f"**Best: trial {b['number']}**, {value}, run {link}"
+        head += " (no other complete trial is tied with it)" if ties.get("checked") else \
+            " (ties not checked: the trial has no per-prompt task table)"
+    if ties.get("unpaired"):
+        head += f"; not comparable prompt for prompt: trial(s) {', '.join(map(str, ties['unpaired']))}"
+    return [head]
+
+
 def parent_description(study_name: str, summary: dict[str, Any], metric: str, experiment_id: str | None,
                        storage: str = "") -> str:
     """The parent run's Description (markdown): the current best trial, a link to its run, the counts."""
@@ -163,10 +234,10 @@ def parent_description(study_name: str, summary: dict[str, Any], metric: str, ex
         lines.append("No complete trial yet.")
     else:
         run = Path(b["run_dir"]).name if b["run_dir"] else (b["run_id"] or "")
-        link = f"[{run}](#/experiments/{experiment_id}/runs/{b['run_id']})" if b["run_id"] and experiment_id \
-            else f"`{run}`"
+        link = f"[{run}](#/experiments/{experiment_id}/runs/{b['run_id']}?{ML_WORKFLOW})" \
+            if b["run_id"] and experiment_id else f"`{run}`"
         params = ", ".join(f"{k}={v}" for k, v in b["params"].items())
-        lines += [f"**Best: trial {b['number']}**, {metric} = {b['value']:.4f}, run {link}", f"params: {params}"]
+        lines += [*_best_line(b, metric, link), f"params: {params}"]
         if b["run_dir"]:
             lines.append(f"promote: `python -m experiments.promote {b['run_dir']}`")
     if storage and "://" not in storage:
@@ -183,6 +254,9 @@ def update_parent(study, tracker: SweepTracker | None, parent_id: str | None,
         return summary
     from dflash.tracking.run_info import NOTE
     current = tracker.tags_of(parent_id)
+    metric = current.get("sweep.objective") or study.user_attrs.get("sweep.objective", "")
+    if summary["best"] is not None and metric:
+        summary["best"]["ties"] = best_and_ties(study, summary["best"], metric)
     c = summary["states"]
     n_done = c["COMPLETE"] + c["PRUNED"] + c["FAIL"]
     tags: dict[str, Any] = {"sweep.n_trials": summary["n_trials"], "sweep.n_complete": c["COMPLETE"],
@@ -198,8 +272,13 @@ def update_parent(study, tracker: SweepTracker | None, parent_id: str | None,
                      "sweep.best_checkpoint": b["checkpoint"] or "", "sweep.best_host": b["host"] or ""})
         tags.update({f"best.{k}": v for k, v in b["params"].items()})
         tags["sweep.best_run_name"] = Path(b["run_dir"]).name if b["run_dir"] else ""
+        ties = b.get("ties") or {}
+        tags["sweep.tied_with_best"] = ",".join(str(t["number"]) for t in ties.get("tied", [])) \
+            if ties.get("checked") else "not checked"
+        if ties.get("ci"):
+            tags["sweep.best_ci"] = json.dumps([round(x, 6) for x in ties["ci"]])
         metrics["sweep/best_value"] = b["value"]
-    tags[NOTE] = parent_description(study.study_name, summary, current.get("sweep.objective", "objective"),
+    tags[NOTE] = parent_description(study.study_name, summary, metric or "objective",
                                     tracker.experiment_id, current.get("optuna.storage", ""))
     tracker.delete_tags(parent_id, [k for k in current if k.startswith("best.") and k not in tags])
     tracker.update_parent(parent_id, tags, metrics, step=n_done)

@@ -20,6 +20,7 @@ from typing import Any, Callable, Mapping
 
 import optuna
 
+from dflash.evaluation.evaluator import subset_key
 from dflash.tracking.loggers import read_jsonl_metrics
 from dflash.tracking.run_info import get_or_create_experiment
 from dflash.tracking.transport import prepare_store
@@ -61,7 +62,7 @@ class PruningEvaluator:
     """`evaluator(drafter, target, step, final, logger=None)` for `dflash.training.trainer.train`.
 
     Calls `base` (the real evaluator, may be None), then — for intermediate calls only — reports the
-    objective `metric` at `step` to `trial` and raises `EvalPruned` when `trial.should_prune()`. The
+    objective `metric`'s subset figure (`subset_key`: `eval/subset/tau_vanilla` for `eval/tau_vanilla`) at `step` to `trial` and raises `EvalPruned` when `trial.should_prune()`. The
     final call's value is the trial's result (the caller reads it from the run's metrics)."""
 
     def __init__(self, trial: Any, metric: str, run_dir: str | os.PathLike,
@@ -83,12 +84,13 @@ class PruningEvaluator:
             out = dict(res or {})
         if final:
             return out
-        value = out.get(self.metric)
+        key = subset_key(self.metric)  # the in-training figure: the eval subset's, under its own name
+        value = out.get(key)
         if value is None:
-            value = last_logged(self.run_dir, self.metric, max_step=step)
+            value = last_logged(self.run_dir, key, max_step=step)
         if value is None or not math.isfinite(float(value)):
             if not self._warned:
-                warnings.warn(f"objective metric {self.metric!r} not available at step {step}; "
+                warnings.warn(f"objective metric {key!r} not available at step {step}; "
                               f"nothing reported to the pruner", RuntimeWarning, stacklevel=2)
                 self._warned = True
             return out
@@ -96,7 +98,7 @@ class PruningEvaluator:
         self.trial.report(value, step)
         self.reports.append((step, value))
         if self.trial.should_prune():
-            raise EvalPruned(step, value, self.metric)
+            raise EvalPruned(step, value, key)
         return out
 
 

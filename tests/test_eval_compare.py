@@ -59,11 +59,11 @@ def test_evaluator_extra_suites_and_train_gap(reference_target, tmp_path, caplog
     ev.use_train_sequences([torch.tensor(target.tokenizer.encode("import os\n\ndef f(x):\n    return x\n"))] * 3)
     d = _drafter(target.cfg, 0)
     d.attach_target_head(target.embed_weight(), target.lm_head_weight())
-    m = ev(d, target, 1, False)
-    assert m["eval/num_tasks"] == 1 and "eval/suite/heldout/tau_vanilla" not in m
-    assert m["eval/tau_train_gap"] == pytest.approx(m["eval/tau_train"] - m["eval/tau_vanilla"])
-    for k in ("eval/tau_vanilla_ci_low", "eval/tau_prompt_lookup", "eval/tau_over_prompt_lookup",
-              "eval/tree_nodes_2"):
+    m = ev(d, target, 1, False)  # in training: the subset, under its own names
+    assert m["eval/subset/num_tasks"] == 1 and not any(k.startswith("eval/suite/") for k in m)
+    assert m["eval/subset/tau_train_gap"] == pytest.approx(m["eval/subset/tau_train"] - m["eval/subset/tau_vanilla"])
+    for k in ("eval/subset/tau_vanilla_ci_low", "eval/subset/tau_prompt_lookup", "eval/subset/tau_over_prompt_lookup",
+              "eval/subset/tree_nodes_2"):
         assert k in m
     m = ev(d, target, 2, True)
     assert m["eval/num_tasks"] == 2 and m["eval/suite/heldout/num_tasks"] == 3

@@ -111,11 +111,14 @@ def test_make_evaluator_subset_then_final_with_artifacts(target, drafter, cfg, t
     lg = FakeLogger()
     m = ev(drafter, target, 10, False, lg)
     assert drafter.training
-    assert m["eval/num_tasks"] == cfg.subset and not lg.calls  # cheap: no artifacts
-    assert "eval/task/three/tau_vanilla" not in m and "eval/real/tau" not in m
+    # the subset has its own names: one metric name never carries two prompt sets
+    assert m["eval/subset/num_tasks"] == cfg.subset and not lg.calls  # cheap: no artifacts
+    assert all(k.startswith("eval/subset/") for k in m) and "eval/subset/tau_vanilla" in m
+    assert "eval/subset/task/three/tau_vanilla" not in m and "eval/subset/real/tau" not in m
     m = ev(drafter, target, 20, True, lg)
     assert drafter.training
     assert m["eval/num_tasks"] == 3 and "eval/task/three/tau_vanilla" in m
+    assert not any(k.startswith("eval/subset/") for k in m)
     names = {c[2]: c[0] for c in lg.calls}
     assert names == {"eval/tasks.json": "log_dict", "eval/tasks.md": "log_text",
                      "eval/acceptance_per_position.png": "log_figure"}
@@ -123,7 +126,7 @@ def test_make_evaluator_subset_then_final_with_artifacts(target, drafter, cfg, t
     assert [r["task"] for r in table["tasks"]] == ["one", "two", "three"]
     assert (tmp_path / "eval" / "acceptance_per_position.png").read_bytes().startswith(b"\x89PNG")
     # the trainer's current 4-argument call works too (no logger: no artifacts)
-    assert ev(drafter, target, 30, False)["eval/num_tasks"] == cfg.subset
+    assert ev(drafter, target, 30, False)["eval/subset/num_tasks"] == cfg.subset
     assert make_evaluator(EvalConfig(enabled=False)) is None
 
 

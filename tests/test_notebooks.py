@@ -1,6 +1,7 @@
 """The notebooks run headless (nbclient) against a small MLflow store produced by CPU training runs, and
 draw their figures. They are committed with their outputs cleared."""
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -82,7 +83,7 @@ def test_ablation_notebook(store):
     # τ table, training curves, eval and train per-position acceptance
     assert _images(nb) >= 4
     if has_eval:
-        assert "hard_ce" in text and "±" in text and "(n=2)" in text  # two seeds of hard_ce: mean ± std
+        assert "hard_ce" in text and "±" in text and "(n=2, ±" in text  # two seeds of hard_ce: pooled, ± std
 
 
 def test_run_deep_dive_notebook(store):
@@ -109,3 +110,133 @@ def test_analysis_table_on_store(store):
     pos = A.position_acceptance(runs)
     assert list(pos.columns) == list(range(1, 8))  # block_size 8 -> positions 1..7
     json.dumps(A.format_table(table).to_dict())  # plain strings
+
+
+# --------------------------------------------------------------------------- the committed campaign store
+# The figures are checked from the figure objects the executed notebook holds (a cell injected at the end
+# describes every Figure variable): legends, line colours and styles, which runs are drawn, tick labels.
+DESCRIBE_FIGURES = r'''
+import json as _json
+from matplotlib.backends.backend_agg import FigureCanvasAgg as _Agg
+from matplotlib.colors import to_hex as _hex
+from matplotlib.figure import Figure as _Figure
+
+def _describe(fig):
+    _Agg(fig)
+    fig.canvas.draw()
+    box = lambda a: list(a.get_window_extent().bounds)
+    return {"size": list(fig.bbox.bounds),
+            "legends": [{"bbox": box(lg), "texts": [t.get_text() for t in lg.get_texts()]} for lg in fig.legends],
+            "axes": [{"bbox": box(ax), "title": ax.get_title(), "legend_inside": ax.get_legend() is not None,
+                      "xticks": [t.get_text() for t in ax.get_xticklabels()],
+                      "xtick_boxes": [box(t) for t in ax.get_xticklabels() if t.get_text()],
+                      "lines": [{"gid": ln.get_gid(), "color": _hex(ln.get_color()), "ls": str(ln.get_linestyle()),
+                                 "label": ln.get_label()} for ln in ax.lines if ln.get_gid()]}
+                     for ax in fig.axes]}
+
+print("FIGURES_JSON=" + _json.dumps({k: _describe(v) for k, v in dict(globals()).items()
+                                     if isinstance(v, _Figure) and not k.startswith("_")}))
+'''
+
+
+def _execute_described(name: str, params: dict):
+    nb = nbformat.read(ROOT / "notebooks" / name, as_version=4)
+    cell = next(c for c in nb.cells if "parameters" in c.metadata.get("tags", []))
+    cell.source += "\n# injected by the test\n" + "\n".join(f"{k} = {v!r}" for k, v in params.items())
+    nb.cells.append(nbformat.v4.new_code_cell(DESCRIBE_FIGURES))
+    nbclient.NotebookClient(nb, timeout=600, kernel_name="python3",
+                            resources={"metadata": {"path": str(ROOT)}}).execute()
+    text = _text(nb)
+    line = next(ln for ln in text.splitlines() if ln.startswith("FIGURES_JSON="))
+    return nb, text, json.loads(line[len("FIGURES_JSON="):])
+
+
+def _overlaps(a, b) -> bool:
+    (ax, ay, aw, ah), (bx, by, bw, bh) = a, b
+    return ax < bx + bw and bx < ax + aw and ay < by + bh and by < ay + ah
+
+
+def _legends_outside(fig: dict) -> None:
+    assert fig["legends"], "one legend on the figure"
+    assert not any(ax["legend_inside"] for ax in fig["axes"]), "no legend inside a panel"
+    for lg in fig["legends"]:
+        for ax in fig["axes"]:
+            assert not _overlaps(lg["bbox"], ax["bbox"]), (lg["texts"][:3], ax["title"])
+
+
+@pytest.fixture(scope="module")
+def committed_store(tmp_path_factory):
+    import tarfile
+    d = tmp_path_factory.mktemp("committed")
+    with tarfile.open(ROOT / "benchmarks" / "ablations" / "campaign_out.tgz") as t:
+        t.extractall(d, filter="data")
+    return f"sqlite:///{d / 'campaign_out' / 'mlflow.db'}"
+
+
+def test_ablation_notebook_on_the_committed_store_draws_every_run_readably(committed_store):
+    from dflash.tracking import analysis as A
+    runs = A.load_runs(committed_store, "dflash-ablation")
+    nb, text, figs = _execute_described("ablation.ipynb", {"TRACKING_URI": committed_store,
+                                                           "EXPERIMENT": "dflash-ablation", "STUDY": "",
+                                                           "CAMPAIGN": "reference"})
+    ids = set(runs["run_id"])
+    assert len(ids) == 26 and "left out" not in text
+    # the campaign's calls respect its own ties (its tables call uniform and proportional ties)
+    assert "noise: tie: uniform ~ none, cosine" in text and "buffer: tie: proportional ~ r10_20, r30_90" in text
+    assert "loss: dpace" in text and "winners {" not in text
+    seeds = dict(zip(runs["run_id"], runs["seed"]))
+    groups = {}
+    for name in ("fig_curves", "fig_pos_eval", "fig_pos_train"):
+        fig = figs[name]
+        _legends_outside(fig)
+        lines = [ln for ax in fig["axes"] for ln in ax["lines"]]
+        assert {ln["gid"] for ln in lines} == ids, name  # every run of the store, none dropped
+        # old names (train/streak) read under the new ones (this store logged no τ during training)
+        assert all(ax["lines"] for ax in fig["axes"] if ax["title"].startswith("train/")), name
+        for ax in fig["axes"]:  # panels keep a readable width beside the legend
+            assert ax["bbox"][2] >= 0.45 * fig["size"][2] / len(fig["axes"]), (name, ax["title"])
+        color = {ln["gid"]: ln["color"] for ln in lines}
+        style = {ln["gid"]: ln["ls"] for ln in lines}
+        for ln in lines:  # a run is drawn alike in every panel
+            assert (color[ln["gid"]], style[ln["gid"]]) == (ln["color"], ln["ls"])
+        # colour for the configuration, line style for the seed: 13 configurations × seeds {0, 1}
+        assert len(set(color.values())) == 13 and len(set(style.values())) == 2
+        assert all((style[a] == style[b]) == (seeds[a] == seeds[b]) for a in ids for b in ids)
+        texts = [t for lg in fig["legends"] for t in lg["texts"]]
+        assert len(texts) == 13 + 2 and {"seed 0", "seed 1"} <= set(texts)  # not 26 run labels
+        groups[name] = color
+    assert groups["fig_curves"] == groups["fig_pos_eval"]  # one colour per configuration in every figure
+    tau = figs["fig_tau"]
+    _legends_outside(tau)
+    ticks = [t for ax in tau["axes"] for t in ax["xticks"]]
+    assert len(ticks) == 13
+    boxes = tau["axes"][0]["xtick_boxes"]
+    assert not any(_overlaps(a, b) for i, a in enumerate(boxes) for b in boxes[i + 1:]), "bar labels overlap"
+    for t in ticks:  # short labels: the option names its own settings; floats at a readable precision
+        assert "buffer." not in t and "max_depth" not in t and not re.search(r"\d\.\d{5,}", t), t
+        assert max(len(part) for part in t.split("\n")) <= 40, t
+
+
+def test_ablation_notebook_says_which_runs_it_leaves_out(store):
+    uri, ids, _ = store
+    nb, text, figs = _execute_described("ablation.ipynb", {"TRACKING_URI": uri, "EXPERIMENT": "nb", "STUDY": "",
+                                                           "MAX_CURVES": 2})
+    assert "curves of 2 of 3 runs (MAX_CURVES=2); left out: streak-0" in text
+    assert len({ln["gid"] for ax in figs["fig_curves"]["axes"] for ln in ax["lines"]}) == 2
+
+
+def test_run_deep_dive_names_the_run_and_shows_its_ci(committed_store):
+    from dflash.tracking import analysis as A
+    runs = A.load_runs(committed_store, "dflash-ablation")
+    r = runs[runs["run_name"] == "s0-loss-dpace-seed0"].iloc[0]
+    nb, text, figs = _execute_described("run_deep_dive.ipynb", {"TRACKING_URI": committed_store,
+                                                                "EXPERIMENT": "dflash-ablation",
+                                                                "RUN_ID": r["run_id"]})
+    head = next(o for c in nb.cells if "summary_frame" in c.source for o in c.outputs
+                if "text/plain" in o.get("data", {}))["data"]["text/plain"]
+    assert "ci_low" in head and "ci_high" in head and "eval/tau_vanilla" in head
+    assert f"{r['eval/tau_vanilla_ci_low']:.6f}"[:5] in head
+    for name in ("fig_tau", "fig_perf"):
+        _legends_outside(figs[name])
+    texts = [t for lg in figs["fig_tau"]["legends"] for t in lg["texts"]]
+    assert texts == ["s0-loss-dpace-seed0"] and r["run_id"][:8] not in " ".join(texts)

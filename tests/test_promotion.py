@@ -106,6 +106,10 @@ def test_first_promotion_wins_and_records_everything(store):
     assert t["dflash.config_uri"] == f"runs:/{rid}/config.yaml" and t["dflash.loss"] == "soft_kl"
     run_tags = store.client.get_run(rid).data.tags
     assert run_tags[DECISION_TAG] == "promoted" and run_tags["dflash.promotion.version"] == "1"
+    # short sets, as the README promises: the gate adds 4 tags to the run, a version carries under 20
+    added = {k for k in run_tags if k.startswith("dflash.promotion.")}
+    assert added == {DECISION_TAG, REASON_TAG, "dflash.promotion.version", "dflash.promotion.model"}
+    assert len(t) < 20 and not any(k.endswith(("_ci_low", "_ci_high")) for k in t), sorted(t)
 
 
 def test_worse_refused_with_reason_on_version(store):

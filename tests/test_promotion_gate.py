@@ -76,8 +76,9 @@ def test_candidate_whose_interval_straddles_the_margin_is_refused(store):
     assert not d.promoted and d.comparison == "paired"
     assert d.delta_ci_low < 0 < d.delta_ci_high and "lower end of the interval does not clear" in d.reason
     tags = c.get_model_version("dflash-drafter", d.version).tags
-    assert tags[DECISION_TAG] == "refused" and float(tags[PREFIX + "delta_ci_low"]) == d.delta_ci_low
-    assert float(tags[PREFIX + "prompt_lookup"]) == pytest.approx(1.5)
+    record = json.loads(tags[PREFIX + "record"])  # the whole decision, one tag
+    assert tags[DECISION_TAG] == "refused" and record["delta_ci_low"] == d.delta_ci_low
+    assert record["prompt_lookup"] == pytest.approx(1.5) and record["holder_version"] == first.version
     # a clear, consistent gain is promoted; with a margin above the interval's lower end it is not
     clear = table(0.3, 0.05, seed=3)
     assert not promote(run(clear), PromoteConfig(margin=0.3), uri, dry_run=True).promoted
@@ -91,6 +92,10 @@ def test_never_promoted_without_beating_prompt_lookup(store):
     d = promote(run(table(0.0, 0.2, pl_tau=2.1)), PromoteConfig(), uri)  # τ ≈ 2.0 vs prompt lookup 2.1
     assert not d.promoted and "does not beat prompt-lookup" in d.reason
     assert d.delta_prompt_lookup_ci_low < 0
+    # an interval wholly below 0 is said to lie below it, not to "reach" 0
+    assert d.delta_prompt_lookup_ci_high < 0 and "lies wholly below 0" in d.reason and "reaches 0" not in d.reason
+    d = promote(run(table(0.0, 0.6, pl_tau=2.0, seed=5)), PromoteConfig(), uri, dry_run=True)
+    assert d.delta_prompt_lookup_ci_low < 0 < d.delta_prompt_lookup_ci_high and "contains 0" in d.reason
 
 
 def test_different_ground_truth_is_refused_and_dead_drafter_below_default_floor(store):

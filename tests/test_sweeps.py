@@ -207,7 +207,8 @@ def test_pruning_evaluator_reports_and_prunes(tmp_path):
     with pytest.raises(EvalPruned) as e:
         ev(None, None, 3, False)
     assert isinstance(e.value, optuna.TrialPruned) and e.value.step == 3 and e.value.run_status == "KILLED"
-    ev2 = PruningEvaluator(trial, "eval/x", tmp_path, base=lambda *a: {"eval/x": 0.1})
+    # an eval/ objective is read, during training, from the subset evaluation's own name
+    ev2 = PruningEvaluator(trial, "eval/x", tmp_path, base=lambda *a: {"eval/subset/x": 0.1})
     ev2(None, None, 4, False, logger=object())  # the trainer's logger argument is passed through
     assert ev2.reports == [(4, 0.1)]
 
@@ -296,7 +297,10 @@ def test_sweep_two_workers_pruning_resume_and_mlflow(tmp_path, eval_cache):
         name = runs[t.number].info.run_name
         assert name == Path(t.user_attrs["sweep.run_dir"]).name and name.startswith(f"trial_{t.number:05d}-")
         assert "python -m experiments.run" in runs[t.number].data.tags["mlflow.note.content"]
-    assert f"/runs/{pt['sweep.best_run_id']})" in pt["mlflow.note.content"]  # a link to the best trial's run
+    assert f"/runs/{pt['sweep.best_run_id']}?workflowType=machine_learning)" in pt["mlflow.note.content"]
+    from dflash.tracking.run_info import git_sha
+    if git_sha() != "unknown":  # the code the sweep ran, as every trial carries it
+        assert pt["mlflow.source.git.commit"] == git_sha(full=True) and pt["git_sha"] == git_sha()
 
     # the notebooks' view of the study
     df = A.load_runs(f"sqlite:///{tmp_path / 'mlflow.db'}", "sweeps", study="cpu_smoke")
@@ -405,6 +409,49 @@ def test_cpu_smoke_keeps_the_fast_overrides():
         assert fixed.get(override_key(o)) == deliberate.get(override_key(o), o), o
 
 
+def _tasks(folder: Path, sums: list[int], truth: str = "gt-A") -> str:
+    """A trial's run folder with an objective task table (20 rounds per prompt, the given τ sums)."""
+    (folder / "eval").mkdir(parents=True)
+    rows = [{"task": f"p{i}", "rounds": 20, "tau_sum_vanilla": s} for i, s in enumerate(sums)]
+    (folder / "eval" / "tasks.json").write_text(json.dumps({"tasks": rows, "info": {"ground_truth_key": truth}}))
+    return str(folder)
+
+
+def test_parent_names_the_trials_tied_with_the_best(tmp_path):
+    """Three trials that score exactly the same and a clearly worse one: the parent names the best trial, the two
+    tied with it (their paired Δ interval contains 0) and the best trial's pooled CI; the worse one is no tie."""
+    import random
+
+    from optuna.distributions import FloatDistribution
+    from optuna.trial import create_trial
+
+    from sweeps.objective import ATTR_RUN_DIR, ATTR_RUN_ID, update_parent
+    from sweeps.support import SweepTracker
+    tracker = SweepTracker(f"sqlite:///{tmp_path / 'mlflow.db'}", "ties")
+    parent = tracker.ensure_parent("t", None, {"sweep.objective": "eval/tau_vanilla"}, {})
+    rng = random.Random(0)
+    same = [rng.randint(25, 45) for _ in range(30)]
+    worse = [s - 10 for s in same]
+    study = optuna.create_study(direction="maximize")
+    lr = FloatDistribution(1e-5, 1e-3)
+    for i, sums in enumerate([same, same, same, worse]):
+        study.add_trial(create_trial(
+            params={"trainer.lr": 1e-4 * (i + 1)}, distributions={"trainer.lr": lr},
+            value=sum(sums) / (20 * len(sums)),
+            user_attrs={ATTR_RUN_ID: tracker.create_child(parent, "t", i, run_name=f"trial_{i:05d}"),
+                        ATTR_RUN_DIR: _tasks(tmp_path / f"trial_{i:05d}", sums)}))
+    summary = update_parent(study, tracker, parent)
+    ties = summary["best"]["ties"]
+    assert summary["best"]["number"] == 0 and [t["number"] for t in ties["tied"]] == [1, 2]
+    lo, hi = ties["ci"]
+    assert lo < summary["best"]["value"] < hi
+    tags = tracker.tags_of(parent)
+    assert tags["sweep.tied_with_best"] == "1,2" and json.loads(tags["sweep.best_ci"]) == pytest.approx([lo, hi], abs=1e-6)
+    note = tags["mlflow.note.content"]
+    assert "**Best: trial 0, tied with trial(s) 1 (" in note and "2 (" in note and "contains 0" in note
+    assert f"[95% CI {lo:.4f}, {hi:.4f}]" in note and "3 (" not in note.split("params:")[0]
+
+
 def test_parent_shows_the_current_best_trial_only(tmp_path):
     """A new best trial with fewer params removes the previous best's `best.*` keys; the parent's Description
     links the best run."""
@@ -433,5 +480,6 @@ def test_parent_shows_the_current_best_trial_only(tmp_path):
     assert {k: v for k, v in tags.items() if k.startswith("best.")} == {"best.loss": "hard_ce"}
     assert tags["sweep.best_run_id"] == kids[1] and tags["sweep.best_run_name"] == "trial_00001-hard_ce"
     note = tags["mlflow.note.content"]
-    assert f"[trial_00001-hard_ce](#/experiments/{tracker.experiment_id}/runs/{kids[1]})" in note
+    assert f"[trial_00001-hard_ce](#/experiments/{tracker.experiment_id}/runs/{kids[1]}?workflowType=machine_learning)" \
+        in note
     assert "eval/tau_vanilla = 1.0700" in note and "soft_kl_streak" not in note

@@ -364,11 +364,27 @@ def test_run_name_is_the_run_folder_and_the_run_says_what_it_is(tmp_path, monkey
     head = out[: out.index("step 1/2")]
     assert f"mlflow run: {res.run_dir.name} ({res.run_id})" in head
     assert f"run folder: {res.run_dir.resolve()}" in head
-    assert f"mlflow ui --backend-store-uri {uri}" in head and f"/runs/{res.run_id}" in head
+    assert f"mlflow ui --backend-store-uri {uri}" in head
+    # MLflow 3 opens the GenAI view unless the URL asks for the training one (mlflow/server/js, 3.17)
+    assert f"/#/experiments/{run.info.experiment_id}/runs/{res.run_id}?workflowType=machine_learning" in head
+    key = "dflash-key-metrics"
+    assert f"/#/experiments/{run.info.experiment_id}/runs?viewStateShareKey={key}&workflowType=machine_learning" in head
+    exp = MlflowClient(uri).get_experiment(run.info.experiment_id)
+    assert exp.tags["mlflow.experimentKind"] == "custom_model_development"
+    view = json.loads(exp.tags[f"mlflow.sharedViewState.{key}"])  # MLflow's saved-view envelope
+    assert isinstance(view["name"], str) and isinstance(view["createdAt"], int)
+    state = json.loads(view["state"])
+    cols = state["selectedColumns"]
+    assert "metrics.`eval/tau_vanilla`" in cols and state["orderByKey"] == "metrics.`eval/tau_vanilla`"
+    # the CI bounds' headers are wide enough to read (the table's default 100 px cuts both to `eval/tau_vanilla`)
+    assert all(state["columnWidths"][c] >= 8 * len(c.split("`")[1]) for c in cols)
     # only the active variants' knobs: streak reads alpha and gamma, not another loss's temperature
     p = run.data.params
     assert {"loss.alpha", "loss.gamma", "noise.start", "noise.end", "target.random.hidden_size"} <= set(p)
     assert not {"loss.kl_weight", "loss.temperature", "loss.dpace_a", "loss.lk_eta", "noise.sigma"} & set(p)
+    # nor the settings of disabled data features: no online writer, no regeneration on a stdlib run
+    assert not [k for k in p if k.startswith(("data.online.", "data.pool.", "data.corpus.", "data.regen_"))]
+    assert {"data.source", "data.max_len"} <= set(p)
     m = run.data.metrics
     assert m["data/consumed_tokens"] > 0 and m["train/ce"] > 0  # the budget; the loss-independent CE
 

@@ -148,6 +148,16 @@ ONLINE_SOURCES = ("online",)
 CONVERSATION_SOURCES = ("conversations",)
 
 
+def inactive_data_keys(cfg: DataConfig, online: bool) -> list[str]:
+    """Dotted `data.` keys a run with this source never reads (its MLflow params leave them out): the online
+    writer's corpus / pool / online settings unless the target writes the data, the regeneration settings unless
+    the source regenerates."""
+    out = [] if online or cfg.source in ONLINE_SOURCES else ["data.corpus", "data.pool", "data.online"]
+    if cfg.source not in REGEN_SOURCES:
+        out += ["data.regen_base", "data.regen_prompt_len", "data.regen_batch_size", "data.regen_cache_dir"]
+    return out
+
+
 def build_training_sequences(cfg: DataConfig, target, seed: int) -> list[torch.Tensor]:
     """The trainer's sequences (a deterministic list of 1-D LongTensors): `data.source`'s entry in SOURCES."""
     validate_data_config(cfg)

@@ -7,7 +7,9 @@ figures under `eval/...` (what sweeps and the promotion gate read) plus every su
 
 `make_evaluator(cfg)` -> `SuiteEvaluator`, called by the trainer as
 `evaluator(drafter, target, step, final, logger=None) -> {eval/...: float}`:
-- `final=False`: the first `eval.subset` prompts of the objective suite (simulated only, no artifacts);
+- `final=False`: the first `eval.subset` prompts of the objective suite (simulated only, no artifacts), logged
+  under `eval/subset/...` (`subset_key`): a subset figure never shares a name, a chart line or the pruner's and
+  the sweep's reading with the full suite's `eval/...`;
 - `final=True`: every suite in full (real decoding if `eval.real_decode`), console tables printed,
   artifacts logged (`eval/...` for the objective, `eval/suite/<name>/...` for the others) and written to
   `out_dir` (`<out_dir>/` and `<out_dir>/<name>/`).
@@ -32,6 +34,15 @@ from dflash.evaluation.report import EvalReport, evaluate
 log = logging.getLogger(__name__)
 
 TRAIN_PROMPT_MAX_TOKENS = 128
+SUBSET_PREFIX = "eval/subset/"
+
+
+def subset_key(metric: str) -> str:
+    """The name an `eval/...` metric has in the in-training subset evaluation (`eval/tau_vanilla` ->
+    `eval/subset/tau_vanilla`); other metrics (`train/loss`) keep their name."""
+    if not metric.startswith("eval/") or metric.startswith(SUBSET_PREFIX):
+        return metric
+    return SUBSET_PREFIX + metric[len("eval/"):]
 
 
 def config_suites(cfg: EvalConfig, tasks: Sequence[Task] | None = None) -> list[Suite]:
@@ -184,6 +195,8 @@ class SuiteEvaluator:
                     rep.save(self.out_dir if i == 0 else self.out_dir / rep.info["suite_label"])
         if self._train_sequences and cfg.train_tasks > 0:
             metrics.update(self._train_metrics(drafter, target, step, final, metrics["eval/tau_vanilla"]))
+        if not final:
+            metrics = {subset_key(k): v for k, v in metrics.items()}
         if final:
             note = f"\n{self.note}" if self.note else ""
             print(f"eval summary at step {step}:\n{summary_table(metrics, cfg.ci_level)}{note}", flush=True)

@@ -37,6 +37,7 @@ from dflash.safe_load import load_tensors
 
 MODELING_FILE = "modeling_dflash.py"  # written into every complete folder; its source sits beside this module
 AUTO_MAP = {"AutoModel": "modeling_dflash.DFlashDraftModel"}
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 _UNKNOWN_TARGET_CONTEXT = 32768  # Qwen3Config's default: written only when the target is unknown (bare save)
 
 
@@ -49,6 +50,7 @@ class TargetFacts:
     max_position_embeddings: int
     rope_theta: float
     mask_token: str | None = None  # the tokenizer's string for the mask token id (None: no tokenizer)
+    mask_token_id: int | None = None  # the id that string has in the tokenizer (None: no tokenizer)
 
 
 def rope_theta_of(text_cfg: dict, where: str = "target config") -> float:
@@ -59,16 +61,29 @@ def rope_theta_of(text_cfg: dict, where: str = "target config") -> float:
     raise ValueError(f"{where}: no rope_theta (rope_parameters.rope_theta) to give the drafter")
 
 
-def facts_from_text_config(t: dict, mask_token: str | None, where: str = "target config") -> TargetFacts:
+def facts_from_text_config(t: dict, mask_token: str | None, where: str = "target config",
+                           mask_token_id: int | None = None) -> TargetFacts:
     if t.get("max_position_embeddings") is None:
         raise ValueError(f"{where}: no max_position_embeddings (the target's context length)")
     return TargetFacts(int(t["hidden_size"]), int(t["num_hidden_layers"]), int(t["vocab_size"]),
-                       int(t["max_position_embeddings"]), rope_theta_of(t, where), mask_token)
+                       int(t["max_position_embeddings"]), rope_theta_of(t, where), mask_token,
+                       None if mask_token is None else mask_token_id)
 
 
-def _mask_token_string(tokenizer, mask_token_id: int) -> str | None:
+def _mask_token_string(tokenizer, mask_token_id: int, where: str = "target tokenizer") -> str | None:
+    """The tokenizer's string for `mask_token_id`; None for a tokenizer without token strings (the byte
+    tokenizer of random targets). An id the tokenizer has no token for is refused: SGLang checks the string
+    against the target tokenizer, and a made-up one ("None") would name another token or none."""
     convert = getattr(tokenizer, "convert_ids_to_tokens", None)
-    return str(convert(int(mask_token_id))) if convert is not None else None  # ByteTokenizer: none
+    if convert is None:
+        return None
+    token = convert(int(mask_token_id))
+    if not isinstance(token, str) or not token:
+        size = getattr(tokenizer, "vocab_size", None)
+        raise ValueError(f"{where}: no token at mask_token_id={int(mask_token_id)} (the tokenizer has "
+                         f"{size if size is not None else 'an unknown number of'} tokens); set target.mask_token_id "
+                         f"to the id of the tokenizer's mask token")
+    return token
 
 
 def read_target_facts(tcfg) -> TargetFacts:
@@ -79,22 +94,25 @@ def read_target_facts(tcfg) -> TargetFacts:
     path = Path(checkpoint_path(tcfg))
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"target.path={tcfg.path!r}: no config.json there")
-    mask_token = None
-    if tcfg.tokenizer == "auto":
+    mask_token, mask_id, tok = None, resolve_mask_token(tcfg), None
+    has_tokenizer = any((path / f).is_file() for f in _TOKENIZER_FILES)  # else transformers makes an empty one
+    if tcfg.tokenizer == "auto" and has_tokenizer:
         try:
             from transformers import AutoTokenizer
             tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
-            mask_token = _mask_token_string(tok, resolve_mask_token(tcfg))
         except (OSError, ValueError):
-            mask_token = None  # no tokenizer in the folder: the mask string stays unknown
-    return facts_from_text_config(_text_config_dict(path), mask_token, str(path / "config.json"))
+            tok = None  # no tokenizer in the folder: the mask string stays unknown (and is not written)
+    if tok is not None:
+        mask_token = _mask_token_string(tok, mask_id, f"{path} tokenizer")
+    return facts_from_text_config(_text_config_dict(path), mask_token, str(path / "config.json"), mask_id)
 
 
 def facts_of_target(target) -> TargetFacts:
     """A live `dflash.target.model.Target`'s facts (its loaded config and tokenizer)."""
     hf = target.model.config
     t = (getattr(hf, "text_config", None) or hf).to_dict()
-    return facts_from_text_config(t, _mask_token_string(target.tokenizer, target.mask_token_id))
+    return facts_from_text_config(t, _mask_token_string(target.tokenizer, target.mask_token_id), "target config",
+                                  int(target.mask_token_id))
 
 
 def modeling_source() -> str:
@@ -200,9 +218,11 @@ def facts_from_serving(cfg: dict) -> TargetFacts | None:
     """The target facts a complete serving folder records (None for a bare one: no auto_map)."""
     if "auto_map" not in cfg:
         return None
+    d = cfg.get("dflash_config") or {}
+    token = d.get("mask_token")
     return TargetFacts(int(cfg["hidden_size"]), int(cfg["num_target_layers"]), int(cfg.get("vocab_size", 0)),
-                       int(cfg["max_position_embeddings"]), rope_theta_of(cfg, "config.json"),
-                       (cfg.get("dflash_config") or {}).get("mask_token"))
+                       int(cfg["max_position_embeddings"]), rope_theta_of(cfg, "config.json"), token,
+                       int(d["mask_token_id"]) if token is not None and "mask_token_id" in d else None)
 
 
 _REQUIRED = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
@@ -237,6 +257,13 @@ def read_serving_config(folder: str | os.PathLike) -> dict:
         raise ValueError(f"{f}: missing dflash_config.target_layer_ids (the target layers the drafter reads)")
     if dcfg.get("mask_token_id", cfg.get("mask_token_id")) is None:
         raise ValueError(f"{f}: missing dflash_config.mask_token_id")
+    if _block_size(cfg) < 1:  # SGLang: "DFLASH block_size must be positive"
+        raise ValueError(f"{f}: block_size={_block_size(cfg)}; expected a positive block size (16 for the "
+                         f"published drafters)")
+    token = dcfg.get("mask_token")
+    if token is not None and (not isinstance(token, str) or not token or token == "None"):
+        raise ValueError(f"{f}: dflash_config.mask_token={token!r} is not a token string (SGLang checks it against "
+                         f"the target tokenizer; leave it out when unknown)")
     rope = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
     if rope.get("rope_type", rope.get("type", "default")) not in ("default", None):
         raise ValueError(f"{f}: rope type {rope.get('rope_type', rope.get('type'))!r} is not supported "
@@ -312,10 +339,16 @@ def check_folder_against_target(cfg: dict, target: TargetFacts, f: Path) -> None
     if int(cfg.get("max_position_embeddings", 0)) < target.max_position_embeddings:
         raise ValueError(f"{f}: max_position_embeddings={cfg.get('max_position_embeddings')} is below the "
                          f"target's context length {target.max_position_embeddings} (SGLang refuses to start)")
-    token = (cfg.get("dflash_config") or {}).get("mask_token")
+    d = cfg.get("dflash_config") or {}
+    token = d.get("mask_token")
     if token is not None and target.mask_token is not None and token != target.mask_token:
         raise ValueError(f"{f}: dflash_config.mask_token={token!r} but the target tokenizer's mask token is "
                          f"{target.mask_token!r}")
+    mask_id = d.get("mask_token_id", cfg.get("mask_token_id"))
+    if target.mask_token_id is not None and int(mask_id) != target.mask_token_id:
+        raise ValueError(f"{f}: dflash_config.mask_token_id={mask_id} but the target tokenizer's mask token "
+                         f"{target.mask_token!r} is id {target.mask_token_id} (SGLang refuses a drafter whose mask "
+                         f"id and token disagree)")
 
 
 def load_drafter(folder: str | os.PathLike, device: str | torch.device = "cpu",

@@ -6,11 +6,12 @@ MLflow Model Registry and move the serving alias only when its acceptance beats 
 Rules, in order:
 1. The run must be FINISHED, have the gate metric (`eval/tau_vanilla` by default) and a finite value,
    and have a `checkpoint` artifact. Otherwise the decision is "refused", nothing is registered, and the
-   reason is written on the *run* as tags (`dflash.serving.promotion.decision` / `dflash.serving.promotion.reason`).
+   reason is written on the *run* as tags (`dflash.promotion.decision` / `dflash.promotion.reason`).
 2. Otherwise a model version is registered (source = the run's `checkpoint` artifact URI, `run_id` set)
-   with a short set of tags: the headline `eval/` metrics (τ per budget, their confidence intervals,
-   prompt lookup's τ; not the per-task and per-position ones, which stay on the run), the run's name,
-   loss / noise / buffer / target, and links to the per-task table and the run's config.
+   with a short set of tags: the headline `eval/` metrics (τ per budget and prompt lookup's τ; intervals,
+   per-task and per-position figures stay on the run), the run's name, loss / noise / buffer / target, links
+   to the per-task table and the run's config, and the decision (decision, reason, holder, and the whole
+   record as one JSON tag `dflash.promotion.record`). The run gains four tags: decision, reason, version, model.
 3. The alias moves to it only if all of these hold (a refusal names every one that fails):
    - `value >= floor` (default 1.1: a dead drafter, τ = 1, is never promoted);
    - it beats prompt lookup (the zero-cost n-gram baseline the eval logs beside every τ): the lower end
@@ -58,6 +59,7 @@ log = logging.getLogger(__name__)
 
 DECISION_TAG = "dflash.promotion.decision"
 REASON_TAG = "dflash.promotion.reason"
+RECORD_TAG = "dflash.promotion.record"  # a version's whole decision record, JSON (`decision_record`)
 PREFIX = "dflash.promotion."
 TARGET_FP = "dflash.target_fingerprint"  # run and version tag: the target the drafter was trained for
 PROMOTED, REFUSED = "promoted", "refused"
@@ -330,8 +332,11 @@ def _compare(value: float, holder, holder_value: float | None, cfg: PromoteConfi
     if bd is not None and math.isfinite(bd.low):
         text = (f"Δ vs prompt-lookup ({_fmt(ev.baseline)}) {bd.value:+.4f}, {lvl} CI "
                 f"[{bd.low:+.4f}, {bd.high:+.4f}]")
-        (notes if bd.low > 0 else fails).append(
-            f"beats prompt-lookup: {text}" if bd.low > 0 else f"does not beat prompt-lookup: {text} reaches 0")
+        if bd.low > 0:
+            notes.append(f"beats prompt-lookup: {text}")
+        else:  # the interval contains 0, or lies wholly below it (worse than prompt lookup)
+            where = "lies wholly below 0" if bd.high < 0 else "contains 0"
+            fails.append(f"does not beat prompt-lookup: {text} {where}")
     elif ev.baseline is not None:
         ok = value > ev.baseline
         (notes if ok else fails).append(f"{m}={_fmt(value)} {'beats' if ok else 'does not beat'} prompt-lookup "
@@ -396,9 +401,16 @@ def _task_table_ref(client, run_id: str) -> str:
     return f"runs:/{run_id}/{pick}" if pick else ""
 
 
+def _headline(metric: str) -> bool:
+    """A version carries the run's headline figures only: τ per drafting method and prompt lookup's τ, real
+    decoding's verdict; intervals, ratios and the training-prompt τ stay on the run."""
+    return metric.startswith(_HEADLINE_EVAL) and not metric.endswith(("_ci_low", "_ci_high")) \
+        and not metric.startswith(("eval/tau_train", "eval/tau_over"))
+
+
 def _version_tags(client, run, cfg: PromoteConfig, value: float) -> dict[str, str]:
     run_id = run.info.run_id
-    tags = {k: repr(float(v)) for k, v in run.data.metrics.items() if k.startswith(_HEADLINE_EVAL)}
+    tags = {k: repr(float(v)) for k, v in run.data.metrics.items() if _headline(k)}
     tags[cfg.metric] = repr(float(value))
     tags.update({
         "dflash.run_id": run_id,
@@ -412,23 +424,33 @@ def _version_tags(client, run, cfg: PromoteConfig, value: float) -> dict[str, st
     return tags
 
 
+def decision_record(d: Decision, cfg: PromoteConfig) -> dict[str, Any]:
+    """Everything the gate weighed, as one record (the version's `dflash.promotion.record` tag, JSON)."""
+    num = {k: getattr(d, k) for k in ("holder_value", "delta", "delta_ci_low", "delta_ci_high", "prompt_lookup",
+                                      "delta_prompt_lookup_ci_low", "delta_prompt_lookup_ci_high")}
+    return {"alias": cfg.alias, "metric": cfg.metric, "margin": float(cfg.margin), "floor": float(cfg.floor),
+            "ci_level": float(cfg.ci_level), "comparison": d.comparison, "holder_version": d.holder_version,
+            **{k: None if v is None else float(v) for k, v in num.items()},
+            "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+
+
 def _decision_tags(d: Decision, cfg: PromoteConfig) -> dict[str, str]:
+    """A short set (the README's promise): the decision, its one-line reason, the holder it was weighed
+    against, and the whole record as one JSON tag."""
     return {
         DECISION_TAG: PROMOTED if d.promoted else REFUSED,
         REASON_TAG: truncate(d.reason, _TAG_VALUE_LIMIT),
-        PREFIX + "alias": cfg.alias,
-        PREFIX + "metric": cfg.metric,
-        PREFIX + "margin": repr(float(cfg.margin)),
-        PREFIX + "floor": repr(float(cfg.floor)),
         PREFIX + "holder_version": d.holder_version or "",
-        PREFIX + "holder_value": "" if d.holder_value is None else repr(float(d.holder_value)),
-        PREFIX + "comparison": d.comparison,
-        PREFIX + "ci_level": repr(float(cfg.ci_level)),
-        **{PREFIX + k: "" if getattr(d, k) is None else repr(float(getattr(d, k)))
-           for k in ("delta", "delta_ci_low", "delta_ci_high", "prompt_lookup", "delta_prompt_lookup_ci_low",
-                     "delta_prompt_lookup_ci_high")},
-        PREFIX + "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        RECORD_TAG: json.dumps(decision_record(d, cfg)),
     }
+
+
+def _run_decision_tags(d: Decision, version: str | None = None, model: str | None = None) -> dict[str, str]:
+    """What the gate adds to the run: its decision and reason, and the version it made (the record is on it)."""
+    tags = {DECISION_TAG: PROMOTED if d.promoted else REFUSED, REASON_TAG: truncate(d.reason, _TAG_VALUE_LIMIT)}
+    if version is not None:
+        tags.update({PREFIX + "version": version, PREFIX + "model": model or ""})
+    return tags
 
 
 def version_description(d: Decision, run_name: str = "") -> str:
@@ -481,7 +503,7 @@ def promote(run_id: str, cfg: PromoteConfig, tracking_uri: str | None, dry_run: 
     if refusal is not None:
         d = Decision(False, refusal, candidate_value=value, **base)
         if not dry_run:
-            _tag_run(client, run_id, _decision_tags(d, cfg))
+            _tag_run(client, run_id, _run_decision_tags(d))
         log.info(d.summary())
         return d
 
@@ -519,8 +541,7 @@ def promote(run_id: str, cfg: PromoteConfig, tracking_uri: str | None, dry_run: 
         for k, v in _decision_tags(d, cfg).items():
             client.set_model_version_tag(cfg.model_name, version, k, v)
         client.update_model_version(cfg.model_name, version, description=version_description(d, run.info.run_name))
-        _tag_run(client, run_id, {**_decision_tags(d, cfg), PREFIX + "version": version,
-                                  PREFIX + "model": cfg.model_name})
+        _tag_run(client, run_id, _run_decision_tags(d, version, cfg.model_name))
     log.info(d.summary())
     return d
 

@@ -16,7 +16,7 @@ import logging
 import os
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields as dataclass_fields
 from pathlib import Path
 
 import torch
@@ -46,6 +46,11 @@ class TinyTargetSpec:
     linear_num_value_heads: int = 4
     linear_head_dim: int = 32
     seed: int = 1234
+    # The context length and RoPE base the config records (a random stand-in for a real target records that
+    # target's: Qwen3.6-27B 262,144 and 1e7; the drafter's RoPE and its serving context length follow them).
+    max_position_embeddings: int = 8192
+    rope_theta: float = 10000.0
+    partial_rotary_factor: float = 0.25  # the attention layers' rotary share (Qwen3.5 / Qwen3-Next: a quarter)
 
 
 @dataclass
@@ -195,7 +200,9 @@ def _tiny_hf_config(spec: TinyTargetSpec):
                   head_dim=spec.head_dim, linear_num_key_heads=spec.linear_num_key_heads,
                   linear_num_value_heads=spec.linear_num_value_heads,
                   linear_key_head_dim=spec.linear_head_dim, linear_value_head_dim=spec.linear_head_dim,
-                  max_position_embeddings=8192, tie_word_embeddings=False,
+                  max_position_embeddings=spec.max_position_embeddings, tie_word_embeddings=False,
+                  rope_parameters={"rope_type": "default", "rope_theta": float(spec.rope_theta),
+                                   "partial_rotary_factor": float(spec.partial_rotary_factor)},
                   bos_token_id=ByteTokenizer.bos_token_id, eos_token_id=ByteTokenizer.eos_token_id,
                   pad_token_id=ByteTokenizer.pad_token_id)
     return TINY_TARGETS.build(spec.model_type, common)
@@ -426,13 +433,24 @@ def _head_tail_digest(path: Path, chunk: int = 1 << 20) -> str:
     return h.hexdigest()
 
 
+_LATER_SPEC_FIELDS = ("max_position_embeddings", "rope_theta", "partial_rotary_factor")
+
+
+def _spec_identity(spec: TinyTargetSpec) -> str:
+    """The spec as its dataclass repr, less fields added later while they hold their defaults: a random
+    target's fingerprint stays what it was for drafters trained before those fields existed."""
+    kept = [f for f in dataclass_fields(spec)
+              if not (f.name in _LATER_SPEC_FIELDS and getattr(spec, f.name) == f.default)]
+    return f"{type(spec).__name__}(" + ", ".join(f"{f.name}={getattr(spec, f.name)!r}" for f in kept) + ")"
+
+
 def target_fingerprint(cfg: TargetConfig) -> str:
     """Path-independent identity of the target a drafter learns from (16 hex digits): its weight files, its
     config.json and tokenizer files; for a random target, its spec. Recorded with every trained drafter and
     MLflow run (`dflash.target_fingerprint`), checked when a drafter is evaluated or promoted."""
     import hashlib
     if not cfg.path:
-        return hashlib.sha256(f"random:{cfg.random}".encode()).hexdigest()[:16]
+        return hashlib.sha256(f"random:{_spec_identity(cfg.random)}".encode()).hexdigest()[:16]
     folder = Path(checkpoint_path(cfg))
     names = ("config.json", "tokenizer.json", "tokenizer_config.json")
     parts = [(f.name, _head_tail_digest(f)) for f in sorted(folder.glob("*.safetensors"))]

@@ -1,7 +1,8 @@
 """What a run reports and how it is read back.
 
 - `loggers`: one logging interface over console, `metrics.jsonl` and MLflow (`TrackingConfig`,
-  `build_loggers`, key prefixes `train/ eval/ perf/ data/ sys/`).
+  `build_loggers`, key prefixes `train/ eval/ perf/ data/ sys/`); the interface and its config in `logger_base`,
+  the MLflow run's logger in `mlflow_logger` (both re-exported by `loggers`).
 - `background`: MLflow calls on a worker thread, so a slow or dead store costs training nothing (`in_background`).
 - `transport`: bounded HTTP timeouts / retries, a connect check, the `dflash.heartbeat` tag.
 - `sysmetrics`: MLflow's own system-metrics monitor on a run (the System metrics tab: CPU / GPU utilisation,

@@ -6,7 +6,7 @@
     format_table(table)                           # "1.071 ± 0.009 [1.05, 1.09] (n=3)" strings
     plot_tau_table(table)                         # bars from τ = 1 (no drafter), prompt lookup marked
     hist = metric_history("sqlite:///mlflow.db", runs.run_id, CURVE_KEYS)
-    plot_curves(hist, CURVE_KEYS, labels=run_labels(runs))   # one colour per run in every panel
+    plot_curves(hist, CURVE_KEYS, styles=run_styles(runs))   # colour = configuration, line style = seed
 
 Comparable rows: a row of `ablation_table` holds runs whose configs differ only in the seed (and in keys
 that change neither what is trained nor what is measured: `NOT_A_FACTOR`). Every config key that varies
@@ -14,8 +14,9 @@ between the runs (`varying_keys`: a sampled learning rate, the step budget, the 
 key: the ones asked for (`by`) as index levels, the others joined into the index level `other`, so a
 40-step trial never pools with a 120-step run, and the ± is the spread over seeds only. `pool=[keys]` lets
 named keys vary inside a row, on purpose (the row then says so). Each row shows n, its budget (trained
-steps, consumed tokens) and, when the evaluation logged them, the mean of the runs' confidence intervals
-(`<metric>_ci_low` / `_ci_high`) and prompt-lookup's τ (`eval/tau_prompt_lookup`) as the baseline.
+steps, consumed tokens) and one interval: τ pooled over the row's runs with its bootstrap CI over (run, prompt)
+pairs, from the runs' eval task tables (as the campaign report; one run: its logged `<metric>_ci_low/_high`),
+never the mean of per-run bounds; and prompt-lookup's τ (`eval/tau_prompt_lookup`) as the baseline.
 
 `load_runs` returns one row per training run (tag `dflash.kind=train`): ids, status, times, the grouping
 tags (`loss`, `noise`, `buffer`, `target`), `seed`, sweep tags (`trial`, `trial_state`, `pruned_step`), the
@@ -31,14 +32,18 @@ from typing import Any, Iterable, Sequence
 
 import pandas as pd
 
+from dflash.evaluation.stats import Interval
+
 TAU_METRICS = ["eval/tau_vanilla", "eval/tau_tree_16", "eval/tau_tree_64", "eval/tau_tree_256"]  # tree: nodes
 _SUITE_RE = re.compile(r"^eval/suite/(?P<suite>[^/]+)/tau_vanilla$")
 GROUP_COLS = ["loss", "noise", "buffer"]
 # Curves whose scale does not depend on the loss: comparable between runs of different losses
 # (train/loss of soft_kl is T²-scaled KL, 11-34 where CE reads ~5.5).
-CURVE_KEYS = ["train/acc", "train/anchor_streak", "train/tau_rounds", "train/ce", "eval/tau_vanilla"]
+# τ during training is the eval subset's (`eval/subset/...`); the full suite's `eval/tau_vanilla` is one final value.
+CURVE_KEYS = ["train/acc", "train/anchor_streak", "train/tau_rounds", "train/ce", "eval/subset/tau_vanilla"]
 BASELINE_METRIC = "eval/tau_prompt_lookup"  # τ of prompt-lookup decoding on the same ground truth
 CI_SUFFIXES = ("_ci_low", "_ci_high")
+CI_LEVEL = 0.95  # the rows' pooled intervals (the campaign report's level)
 # Config keys (and prefixes, ending in ".") that change neither what is trained nor what is measured: the
 # replicate seed, bookkeeping, placement, intermediate-eval and checkpoint cadence.
 NOT_A_FACTOR = ("seed", "run_dir", "resume", "tracking.", "promote.", "eval.cache_dir", "eval.subset",
@@ -92,7 +97,8 @@ def _last_step(r) -> float:
     return float(max(steps)) if steps else float("nan")
 
 
-def _row(r) -> dict[str, Any]:
+def _row(r, tracking_uri: str = "") -> dict[str, Any]:
+    from dflash.tracking.run_info import local_artifact_dir
     t, p = r.data.tags, r.data.params
     start = pd.to_datetime(r.info.start_time, unit="ms") if r.info.start_time else pd.NaT
     end = pd.to_datetime(r.info.end_time, unit="ms") if r.info.end_time else pd.NaT
@@ -109,6 +115,8 @@ def _row(r) -> dict[str, Any]:
         "pruned_step": int(t["optuna.pruned_step"]) if t.get("optuna.pruned_step") else None,
         "run_dir": t.get("dflash.run_dir"),
         "steps": _last_step(r), "tokens": r.data.metrics.get("data/consumed_tokens", float("nan")),
+        "artifact_dir": str(d) if (d := local_artifact_dir(r.info.artifact_uri, tracking_uri, r.info.run_id))
+        else None,
     }
     row.update({f"p.{k}": _num(v) for k, v in p.items()})
     row.update(dict(r.data.metrics))
@@ -128,7 +136,7 @@ def load_runs(tracking_uri: str, experiment: str | Sequence[str] | None = "dflas
     if statuses is not None:
         keep = set(statuses)
         runs = [r for r in runs if r.info.status in keep]
-    df = pd.DataFrame([_row(r) for r in runs])
+    df = pd.DataFrame([_row(r, tracking_uri) for r in runs])
     if df.empty:
         return pd.DataFrame(columns=["run_id", "run_name", "status", "loss", "noise", "buffer", "seed"])
     if merge_eval_runs and kind == "train":
@@ -221,6 +229,12 @@ def _fmt_tokens(v: float) -> str:
 # --------------------------------------------------------------------------- the table
 
 
+def _implied(f: pd.DataFrame, by: list[str], key: str) -> bool:
+    """True when `key` has one value for each combination of the `by` values (an option's own setting, such as
+    `buffer.max_depth` under `buffer=r10_20`): naming it beside the option says nothing new."""
+    return bool(by) and bool((f.groupby(by, sort=False)[key].nunique(dropna=False) <= 1).all())
+
+
 def comparable_groups(runs: pd.DataFrame, by: Sequence[str] = GROUP_COLS, pool: Sequence[str] = ()) -> pd.DataFrame:
     """Each run's row key in `ablation_table`: the `by` keys' values and, in column `other`, every other
     varying key as `key=value` (absent when nothing else varies). Runs with equal keys differ only in the
@@ -230,7 +244,7 @@ def comparable_groups(runs: pd.DataFrame, by: Sequence[str] = GROUP_COLS, pool: 
         if b not in f:
             f[b] = runs[b].map(_cell) if b in runs else "-"
     keys = f[list(by)].copy()
-    other = [k for k in varying_keys(runs) if k not in by and k not in pool]
+    other = [k for k in varying_keys(runs) if k not in by and k not in pool and not _implied(f, list(by), k)]
     if other:
         keys["other"] = f[other].apply(lambda r: ", ".join(f"{k}={v}" for k, v in r.items() if v != "-"), axis=1)
     return keys
@@ -239,7 +253,7 @@ def comparable_groups(runs: pd.DataFrame, by: Sequence[str] = GROUP_COLS, pool: 
 def ablation_table(runs: pd.DataFrame, by: Sequence[str] = GROUP_COLS, metrics: Sequence[str] = TAU_METRICS,
                    finished_only: bool = True, pool: Sequence[str] = ()) -> pd.DataFrame:
     """One row per set of comparable runs (module doc, `comparable_groups`): index `by` (+ `other`),
-    columns (metric, mean|std|n|ci_low|ci_high), (budget, steps|tokens), (runs, seeds), and
+    columns (metric, mean|std|n|pooled|ci_low|ci_high) (pooled τ and its CI: `_pooled_interval`), (budget, steps|tokens), (runs, seeds), and
     (BASELINE_METRIC, mean) when logged. `pool`: keys allowed to vary inside a row."""
     df = runs[runs["status"] == "FINISHED"] if finished_only and "status" in runs else runs
     metrics = [m for m in metrics if m in df.columns]
@@ -252,10 +266,11 @@ def ablation_table(runs: pd.DataFrame, by: Sequence[str] = GROUP_COLS, metrics: 
     parts: dict[tuple[str, str], pd.Series] = {}
     for m in metrics:
         parts[(m, "mean")], parts[(m, "std")], parts[(m, "n")] = g[m].mean(), g[m].std(ddof=1), g[m].count()
-        lo, hi = (f"{m}{s}" for s in CI_SUFFIXES)
-        if lo in df.columns and hi in df.columns:  # the runs' mean CI, only where every run has one
-            full = g[lo].count().eq(g[m].count()) & g[hi].count().eq(g[m].count())
-            parts[(m, "ci_low")], parts[(m, "ci_high")] = g[lo].mean().where(full), g[hi].mean().where(full)
+        pooled = pd.Series([_pooled_interval(rows, m) for _, rows in g], index=g[m].mean().index, dtype=object)
+        if pooled.map(lambda iv: isinstance(iv, Interval)).any():
+            parts[(m, "pooled")] = pooled.map(lambda iv: iv.value if isinstance(iv, Interval) else float("nan"))
+            parts[(m, "ci_low")] = pooled.map(lambda iv: iv.low if isinstance(iv, Interval) else float("nan"))
+            parts[(m, "ci_high")] = pooled.map(lambda iv: iv.high if isinstance(iv, Interval) else float("nan"))
     if BASELINE_METRIC in df.columns and BASELINE_METRIC not in metrics:
         parts[(BASELINE_METRIC, "mean")] = g[BASELINE_METRIC].mean()
     for col in ("steps", "tokens"):
@@ -269,6 +284,47 @@ def ablation_table(runs: pd.DataFrame, by: Sequence[str] = GROUP_COLS, metrics: 
     out.columns = pd.MultiIndex.from_tuples(out.columns)
     out.index.names = list(keys.columns)
     return out.sort_values((metrics[0], "mean"), ascending=False)
+
+
+def _task_table(artifact_dir: Any, artifact: str) -> dict | None:
+    import json
+    from pathlib import Path
+    if not isinstance(artifact_dir, str) or not artifact_dir:
+        return None
+    f = Path(artifact_dir) / artifact
+    return json.loads(f.read_text(encoding="utf-8")) if f.is_file() else None
+
+
+def _pooled_interval(group: pd.DataFrame, m: str, level: float = CI_LEVEL) -> Any:
+    """τ pooled over the row's runs with its bootstrap CI over (run, prompt) pairs, from the runs' task tables
+    (the campaign report's interval); one run: its own logged interval. None where neither can be had: a
+    row never shows the mean of its runs' bounds, which is no interval of anything."""
+    from dflash.evaluation.pairing import NotPaired, metric_columns, per_task
+    from dflash.evaluation.stats import pooled_ci
+    lo, hi = (f"{m}{s}" for s in CI_SUFFIXES)
+    group = group[group[m].notna()]
+    if "seed" in group:  # (seed, prompt) pairs in seed order, as the campaign report resamples them
+        group = group.sort_values("seed", kind="stable")
+    if len(group) == 1:
+        r = group.iloc[0]
+        if lo in group and hi in group and pd.notna(r[lo]) and pd.notna(r[hi]):
+            return Interval(float(r[m]), float(r[lo]), float(r[hi]))
+    cols = metric_columns(m)
+    if cols is None or group.empty or "artifact_dir" not in group:
+        return None
+    sums: list[float] = []
+    counts: list[float] = []
+    for d in group["artifact_dir"]:
+        t = _task_table(d, cols.artifact)
+        if t is None:
+            return None
+        try:
+            _, s, c = per_task(t, cols.sum_col, cols.count_col)
+        except NotPaired:
+            return None
+        sums += s
+        counts += c
+    return pooled_ci(sums, counts, level) if sum(counts) else None
 
 
 def ci_table(runs: pd.DataFrame, metrics: Sequence[str] = ("tau_vanilla", "tau_prompt_lookup"),
@@ -324,12 +380,14 @@ def _fmt_cell(row: pd.Series, m: str, digits: int) -> str:
     mean, std, n = row[(m, "mean")], row[(m, "std")], int(row[(m, "n")])
     if n == 0 or pd.isna(mean):
         return ""
-    s = f"{mean:.{digits}f}"
-    if n > 1 and not pd.isna(std):
-        s += f" ± {std:.{digits}f}"
+    pooled = row.get((m, "pooled"), float("nan"))
     lo, hi = row.get((m, "ci_low"), float("nan")), row.get((m, "ci_high"), float("nan"))
+    s = f"{mean if pd.isna(pooled) else pooled:.{digits}f}"
     if not (pd.isna(lo) or pd.isna(hi)):
         s += f" [{lo:.{digits}f}, {hi:.{digits}f}]"
+    if n > 1 and not pd.isna(std):
+        s += f" (n={n}, ± {std:.{digits}f} over seeds)"
+        return s
     return s + f" (n={n})"
 
 
@@ -358,13 +416,24 @@ def run_labels(runs: pd.DataFrame, cols: Sequence[str] | None = None) -> dict[st
 # --------------------------------------------------------------------------- one run, the store
 
 
+# Names a store written before the current ones used (its runs show under the new name): the in-training eval
+# was logged under eval/ beside the final one, the anchor streak as train/streak.
+LEGACY_KEYS = {"eval/subset/tau_vanilla": "eval/tau_vanilla", "train/anchor_streak": "train/streak"}
+
+
 def metric_history(tracking_uri: str, run_ids: Iterable[str], keys: Iterable[str]) -> pd.DataFrame:
-    """Long frame [run_id, key, step, value, time] of every logged value."""
+    """Long frame [run_id, key, step, value, time] of every logged value (a run without a key that has a
+    `LEGACY_KEYS` name: that name's values, under the key)."""
     c = client(tracking_uri)
     rows = []
     for rid in run_ids:
         for k in keys:
-            for m in c.get_metric_history(rid, k):
+            hist = c.get_metric_history(rid, k)
+            if not hist and k in LEGACY_KEYS:
+                hist = c.get_metric_history(rid, LEGACY_KEYS[k])
+                if k.startswith("eval/subset/"):  # there the last value is the final suite's, not the subset's
+                    hist = sorted(hist, key=lambda m: m.step)[:-1]
+            for m in hist:
                 rows.append({"run_id": rid, "key": k, "step": m.step, "value": m.value,
                              "time": pd.to_datetime(m.timestamp, unit="ms")})
     return pd.DataFrame(rows, columns=["run_id", "key", "step", "value", "time"])
@@ -393,7 +462,7 @@ def run_info(tracking_uri: str, run_id: str) -> dict[str, Any]:
     r = client(tracking_uri).get_run(run_id)
     return {"run_id": run_id, "run_name": r.info.run_name, "status": r.info.status,
             "params": dict(r.data.params), "tags": dict(r.data.tags), "metrics": dict(r.data.metrics),
-            "row": _row(r)}
+            "row": _row(r, tracking_uri)}
 
 
 def latest_run(tracking_uri: str, experiment: str | None = "dflash", study: str | None = None,
@@ -415,13 +484,19 @@ def sweep_parent(tracking_uri: str, study: str, experiment: str | None = "dflash
 
 
 def summary_frame(info: dict[str, Any], keys: Sequence[str] = ("train/acc", "train/anchor_streak", "train/ce",
-                                                               "train/loss", *TAU_METRICS)) -> pd.DataFrame:
-    """Final values of the headline metrics of one run (`run_info(...)`)."""
+                                                               "train/loss", *TAU_METRICS, BASELINE_METRIC)
+                  ) -> pd.DataFrame:
+    """Final values of the headline metrics of one run (`run_info(...)`), each τ with the evaluation's
+    confidence interval (`ci_low`, `ci_high`; empty where none was logged)."""
     m = info["metrics"]
-    return pd.DataFrame({"metric": [k for k in keys if k in m],
-                         "value": [m[k] for k in keys if k in m]}).set_index("metric")
+    shown = [k for k in keys if k in m]
+    lo, hi = CI_SUFFIXES
+    return pd.DataFrame({"metric": shown, "value": [m[k] for k in shown],
+                         "ci_low": [m.get(k + lo, float("nan")) for k in shown],
+                         "ci_high": [m.get(k + hi, float("nan")) for k in shown]}).set_index("metric")
 
 
 from dflash.tracking.figures import (  # noqa: E402  (the figures read this module's constants)
-    plot_buffer_depths, plot_curves, plot_perf, plot_position_acceptance, plot_study, plot_tau_table, run_colors,
+    RunStyles, plot_buffer_depths, plot_curves, plot_perf, plot_position_acceptance, plot_study, plot_tau_table,
+    run_colors, run_styles,
 )

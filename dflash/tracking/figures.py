@@ -1,16 +1,22 @@
 """The standard figures of the analysis (`dflash.tracking.analysis` re-exports them).
 
-Every figure that shows several runs gives each run one colour (`run_colors`) in all of its panels and one
-legend, on the figure, that lists every run by its label: a line never carries another run's label because
-one panel skipped a run. τ bars start at 1 (τ = 1 is decoding with no drafter: the target's own token), and
+Every figure that shows several runs draws every run it is given (each line's `gid` is its run id) and keeps
+one legend, on the figure and outside its panels. With `run_styles(runs)` the colour says the configuration
+(the runs' factors: loss / noise / buffer, and whatever else varies) and the line style the seed, so the legend
+has one entry per configuration and one per seed however many runs there are; without it each run gets its own
+colour (`run_colors`) and the legend lists every run by its label: a line never carries another run's label
+because one panel skipped a run. τ bars start at 1 (τ = 1 is decoding with no drafter: the target's own token), and
 prompt-lookup's τ is marked per row when the evaluation logged it. Figures are
 `matplotlib.figure.Figure` objects not managed by pyplot (a notebook shows each once).
 """
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import pandas as pd
+
+SEED_STYLES = ["-", "--", ":", "-.", (0, (5, 1, 1, 1)), (0, (1, 3))]
 
 # Read from dflash.tracking.analysis inside the functions (it re-exports this module: no import cycle).
 
@@ -41,6 +47,50 @@ def run_colors(run_ids: Sequence[str]) -> dict[str, Any]:
     return {rid: cmap(i / n if cmap.N > 20 else i) for i, rid in enumerate(ids)}
 
 
+@dataclass
+class RunStyles:
+    """How each run is drawn: its configuration's colour, its seed's line style (`run_styles`)."""
+    color: dict[str, Any] = field(default_factory=dict)
+    linestyle: dict[str, Any] = field(default_factory=dict)
+    group: dict[str, str] = field(default_factory=dict)  # run id -> its configuration's label
+    seed: dict[str, str] = field(default_factory=dict)  # run id -> "seed 0"
+
+    @property
+    def runs(self) -> list[str]:
+        return list(self.color)
+
+    def legend(self, fig, has_data: set[str] | None = None, title: str = "") -> None:
+        """One entry per configuration (its colour) and one per seed (its line style), outside the panels."""
+        from matplotlib.lines import Line2D
+        groups = dict.fromkeys(self.group[r] for r in self.runs)
+        color_of = {self.group[r]: self.color[r] for r in self.runs}
+        drew = {self.group[r] for r in self.runs if has_data is None or r in has_data}
+        handles = [Line2D([], [], color=color_of[g], linewidth=2.5,
+                          label=g + ("" if g in drew else " (no data)")) for g in groups]
+        seeds = dict.fromkeys(sorted({self.seed[r] for r in self.runs}))
+        style_of = {self.seed[r]: self.linestyle[r] for r in self.runs}
+        if len(seeds) > 1:
+            handles += [Line2D([], [], color="dimgray", linestyle=style_of[sd], label=sd) for sd in seeds]
+        if handles:
+            fig.legend(handles=handles, loc="outside right upper", fontsize=8, title=title or None)
+
+
+def run_styles(runs: pd.DataFrame, by: Sequence[str] | None = None) -> RunStyles:
+    """Colour by configuration (the runs' comparable group: `analysis.comparable_groups` over `by`, default
+    loss / noise / buffer, plus any other key that varies), line style by seed."""
+    from dflash.tracking.analysis import GROUP_COLS, comparable_groups
+    keys = comparable_groups(runs, list(by or GROUP_COLS))
+    group = {rid: _row_label(list(keys.columns), tuple(row), sep=" / ", other_sep=", ")
+             for rid, (_, row) in zip(runs["run_id"], keys.iterrows())}
+    colors = run_colors(list(dict.fromkeys(group.values())))
+    seeds = runs["seed"] if "seed" in runs else pd.Series(None, index=runs.index)
+    seed_label = {rid: ("seed -" if pd.isna(sd) else f"seed {sd}") for rid, sd in zip(runs["run_id"], seeds)}
+    order = sorted(set(seed_label.values()))
+    return RunStyles(color={rid: colors[g] for rid, g in group.items()},
+                     linestyle={rid: SEED_STYLES[order.index(seed_label[rid]) % len(SEED_STYLES)] for rid in group},
+                     group=group, seed=seed_label)
+
+
 def _run_legend(fig, order: Sequence[str], labels: dict[str, str], colors: dict[str, Any], has_data: set[str]):
     """The figure's one legend: every run, by its colour and label ("no data" where it drew nothing)."""
     from matplotlib.lines import Line2D
@@ -52,16 +102,21 @@ def _run_legend(fig, order: Sequence[str], labels: dict[str, str], colors: dict[
 
 
 def plot_curves(hist: pd.DataFrame, keys: str | Sequence[str] | None = None, labels: dict[str, str] | None = None,
-                title: str | None = None, logy: bool = False, colors: dict[str, Any] | None = None):
-    """One panel per key (default `analysis.CURVE_KEYS`, the loss-independent curves), one line per run,
-    the same colour for a run in every panel. Runs: `labels`' order (every labelled run is in the legend,
-    with or without data), else the runs in `hist`."""
+                title: str | None = None, logy: bool = False, colors: dict[str, Any] | None = None,
+                styles: RunStyles | None = None):
+    """One panel per key (default `analysis.CURVE_KEYS`, the loss-independent curves), one line per run.
+    `styles` (`run_styles`): colour by configuration, line style by seed, a legend of both; else one colour
+    per run in every panel and a legend naming every run (`labels`' order; every labelled run is in it, with
+    or without data)."""
     if keys is None:
         from dflash.tracking.analysis import CURVE_KEYS as keys
     keys = [keys] if isinstance(keys, str) else list(keys)
-    order = list(labels) if labels else list(dict.fromkeys(hist["run_id"])) if not hist.empty else []
+    if styles is not None:
+        order = styles.runs
+    else:
+        order = list(labels) if labels else list(dict.fromkeys(hist["run_id"])) if not hist.empty else []
     labels = labels or {rid: str(rid)[:8] for rid in order}
-    colors = colors or run_colors(order)
+    colors = styles.color if styles is not None else (colors or run_colors(order))
     fig, axes = _fig(1, len(keys), w=5.0)
     drawn: set[str] = set()
     for ax, key in zip(axes[0], keys):
@@ -74,22 +129,28 @@ def plot_curves(hist: pd.DataFrame, keys: str | Sequence[str] | None = None, lab
             if g.empty:
                 continue
             ax.plot(g["step"], g["value"], color=colors[rid], marker="." if len(g) < 30 else None,
-                    label=labels[rid])
+                    linestyle=styles.linestyle[rid] if styles is not None else "-",
+                    label=labels.get(rid, str(rid)[:8]), gid=rid)
             drawn.add(rid)
         ax.set_xlabel("step")
         ax.set_title(key)
         if logy:
             ax.set_yscale("log")
         ax.grid(alpha=0.3)
-    _run_legend(fig, order, labels, colors, drawn)
+    if styles is not None:
+        styles.legend(fig, drawn)
+    else:
+        _run_legend(fig, order, labels, colors, drawn)
     if title:
         fig.suptitle(title)
     return fig
 
 
 def plot_position_acceptance(pos: pd.DataFrame, labels: dict[str, str] | None = None,
-                             title: str = "acceptance by block position", colors: dict[str, Any] | None = None):
-    """P(position k accepted | positions < k accepted) per run; unreached positions are gaps."""
+                             title: str = "acceptance by block position", colors: dict[str, Any] | None = None,
+                             styles: RunStyles | None = None):
+    """P(position k accepted | positions < k accepted) per run; unreached positions are gaps. `styles` as in
+    `plot_curves`."""
     fig, axes = _fig()
     ax = axes[0][0]
     if pos.empty or pos.shape[1] == 0:
@@ -97,16 +158,21 @@ def plot_position_acceptance(pos: pd.DataFrame, labels: dict[str, str] | None = 
         return fig
     order = list(dict.fromkeys(pos.index))
     labels = {rid: (labels or {}).get(rid, str(rid)[:8]) for rid in order}
-    colors = colors or run_colors(order)
+    colors = styles.color if styles is not None else (colors or run_colors(order))
     for i, (rid, row) in enumerate(pos.iterrows()):  # an index may repeat (eval/train rows of one run)
-        ax.plot(list(pos.columns), row.values, marker="o", color=colors.get(rid, f"C{i}"), label=labels[rid],
-                linestyle="-" if list(pos.index).index(rid) == i else "--")
+        first = list(pos.index).index(rid) == i
+        style = styles.linestyle.get(rid, "-") if styles is not None else ("-" if first else "--")
+        ax.plot(list(pos.columns), row.values, marker="o", markersize=3, color=colors.get(rid, f"C{i}"),
+                label=labels[rid], linestyle=style, gid=rid)
     ax.set_xlabel("block position k")
     ax.set_ylabel("acceptance")
     ax.set_ylim(-0.02, 1.02)
     ax.set_title(title)
     ax.grid(alpha=0.3)
-    _run_legend(fig, order, labels, colors, set(order))
+    if styles is not None:
+        styles.legend(fig, set(order))
+    else:
+        _run_legend(fig, order, labels, colors, set(order))
     return fig
 
 
@@ -122,12 +188,34 @@ def _bar_errors(table: pd.DataFrame, m: str) -> tuple[pd.Series, pd.Series]:
     return below, above
 
 
-def _row_label(names: Sequence[str | None], key: Any) -> str:
-    """A table row's tick label: the factors on the first line, then what else varied, one key a line."""
+def short_value(v: Any) -> str:
+    """A config value as a label shows it: numbers with 3 significant digits (`0.0003`, `1e-05`), else as is."""
+    text = str(v)
+    try:
+        x = float(text)
+    except ValueError:
+        return text
+    return text if x.is_integer() and "e" not in text.lower() else f"{x:.3g}"
+
+
+def _short_other(other: str) -> list[str]:
+    """`a.b.key=0.000123456789, c.d=x` -> [`key=0.000123`, `d=x`] (the option's group is in the label already)."""
+    out = []
+    for part in (p for p in str(other).split(", ") if p):
+        key, _, value = part.partition("=")
+        out.append(f"{key.rsplit('.', 1)[-1]}={short_value(value)}")
+    return out
+
+
+def _row_label(names: Sequence[str | None], key: Any, sep: str = " / ", other_sep: str = "\n") -> str:
+    """A table row's label: the factors on the first line, then what else varied, one short key a line."""
     key = key if isinstance(key, tuple) else (key,)
-    shown = [str(v) for n, v in zip(names, key) if n != "other"]
-    other = [str(v) for n, v in zip(names, key) if n == "other" and v]
-    return "\n".join([" / ".join(shown), *(o.replace(", ", "\n") for o in other)])
+    shown = [short_value(v) for n, v in zip(names, key) if n != "other"]
+    other = [o for n, v in zip(names, key) if n == "other" and v for o in _short_other(v)]
+    head = sep.join(shown)
+    if not other:
+        return head
+    return head + ("\n" if other_sep == "\n" else " (") + other_sep.join(other) + ("" if other_sep == "\n" else ")")
 
 
 def plot_tau_table(table: pd.DataFrame, metrics: Sequence[str] | None = None, title: str = "τ by group"):
@@ -136,7 +224,7 @@ def plot_tau_table(table: pd.DataFrame, metrics: Sequence[str] | None = None, ti
     `metrics`: default `analysis.TAU_METRICS`."""
     from dflash.tracking.analysis import BASELINE_METRIC, TAU_METRICS
     metrics = TAU_METRICS if metrics is None else metrics
-    labels = [_row_label(table.index.names, i) for i in table.index]
+    labels = [_row_label(table.index.names, i, sep="\n") for i in table.index]  # one factor a line: no overlap
     extra = max([lab.count("\n") for lab in labels] or [0])
     fig, axes = _fig(w=max(6.0, 1.6 * max(len(table), 1) + 2), h=4.0 + 0.18 * extra)
     ax = axes[0][0]
@@ -170,7 +258,8 @@ def plot_tau_table(table: pd.DataFrame, metrics: Sequence[str] | None = None, ti
     ax.set_xticks(range(len(table)), labels, fontsize=8)
     ax.set_ylabel("acceptance length τ")
     ax.set_title(title)
-    ax.legend(fontsize=8)
+    handles, names = ax.get_legend_handles_labels()
+    fig.legend(handles, names, loc="outside right upper", fontsize=8)
     ax.grid(axis="y", alpha=0.3)
     return fig
 
@@ -197,7 +286,7 @@ def plot_study(runs: pd.DataFrame, objective: str, direction: str = "maximize",
     ax.set_ylabel(objective)
     ax.set_title(title or f"{objective} by trial")
     ax.grid(alpha=0.3)
-    ax.legend()
+    fig.legend(*ax.get_legend_handles_labels(), loc="outside right upper", fontsize=8)
     return fig
 
 
@@ -221,7 +310,7 @@ def plot_buffer_depths(hist: pd.DataFrame, run_label: str = ""):
     ax.set_ylabel("items")
     ax.set_title(f"buffer depths {run_label}".strip())
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8, ncol=2)
+    fig.legend(*ax.get_legend_handles_labels(), loc="outside right upper", fontsize=8)
     return fig
 
 
@@ -243,6 +332,7 @@ def plot_perf(hist: pd.DataFrame, run_label: str = ""):
     for a in (ax, ax2):
         a.set_xlabel("step")
         a.grid(alpha=0.3)
-        if a.get_legend_handles_labels()[0]:
-            a.legend(fontsize=8)
+    handles = [h for a in (ax, ax2) for h in a.get_legend_handles_labels()[0]]
+    if handles:
+        fig.legend(handles=handles, loc="outside right upper", fontsize=8)
     return fig

@@ -206,21 +206,110 @@ def _sqlite_artifact_location(uri: str) -> str | None:
     return None if db is None else (db.parent / "mlartifacts").as_uri()
 
 
+def local_artifact_dir(artifact_uri: str | None, tracking_uri: str, run_id: str) -> Path | None:
+    """A run's artifact folder on this machine: the recorded one when it exists, a relative one (a relocatable
+    store, `relocate_artifacts`) from the sqlite file's folder, else `mlartifacts/<run id>/artifacts` beside the
+    sqlite file (a store written on another machine and copied here). None when there is none."""
+    from urllib.parse import unquote, urlparse
+    db = sqlite_db_path(tracking_uri)
+    u = urlparse(artifact_uri or "")
+    recorded = Path(unquote(u.path)) if u.scheme in ("", "file") and u.path else None
+    candidates = []
+    if recorded is not None:
+        candidates.append(recorded if recorded.is_absolute() or db is None else db.parent / recorded)
+    if db is not None:
+        candidates.append(db.parent / "mlartifacts" / run_id / "artifacts")
+    return next((c for c in candidates if c.is_dir()), None)
+
+
+def relocate_artifacts(db: str | os.PathLike, relative: bool = True) -> int:
+    """Point a sqlite store's artifact locations at the `mlartifacts/` folder beside the database file, so the
+    store shows its artifacts wherever it is extracted: `relative=True` writes `mlartifacts/<run id>/artifacts`
+    (resolved from the folder `mlflow ui` starts in: run it beside `mlflow.db`), `relative=False` the absolute
+    path of this copy. Returns the number of rows changed."""
+    import sqlite3
+    db = Path(db).resolve()
+    base = "mlartifacts" if relative else (db.parent / "mlartifacts").as_uri()
+    con = sqlite3.connect(db)
+    try:
+        n = 0
+        for eid, loc in con.execute("SELECT experiment_id, artifact_location FROM experiments").fetchall():
+            if loc and "mlartifacts" in loc:
+                n += con.execute("UPDATE experiments SET artifact_location=? WHERE experiment_id=?",
+                                 (base, eid)).rowcount
+        for rid, uri in con.execute("SELECT run_uuid, artifact_uri FROM runs").fetchall():
+            if uri and "mlartifacts" in uri:
+                n += con.execute("UPDATE runs SET artifact_uri=? WHERE run_uuid=?",
+                                 (f"{base}/{rid}/artifacts", rid)).rowcount
+        con.commit()
+    finally:
+        con.close()
+    return n
+
+
 def get_or_create_experiment(client, name: str, tracking_uri: str) -> str:
-    """The id of experiment `name` (restored if deleted, created if missing; a concurrent creation wins)."""
+    """The id of experiment `name` (restored if deleted, created if missing; a concurrent creation wins), marked
+    as a training experiment with the key-metrics runs-table view (`experiment_view_tags`)."""
     from mlflow.exceptions import MlflowException
     exp = client.get_experiment_by_name(name)
-    if exp is not None:
-        if getattr(exp, "lifecycle_stage", "active") == "deleted":
-            client.restore_experiment(exp.experiment_id)
-        return exp.experiment_id
-    try:
-        return client.create_experiment(name, artifact_location=_sqlite_artifact_location(tracking_uri))
-    except MlflowException:
-        exp = client.get_experiment_by_name(name)  # created concurrently
-        if exp is None:
-            raise
-        return exp.experiment_id
+    if exp is None:
+        try:
+            eid = client.create_experiment(name, artifact_location=_sqlite_artifact_location(tracking_uri),
+                                           tags=experiment_view_tags())
+            return eid
+        except MlflowException:
+            exp = client.get_experiment_by_name(name)  # created concurrently
+            if exp is None:
+                raise
+    if getattr(exp, "lifecycle_stage", "active") == "deleted":
+        client.restore_experiment(exp.experiment_id)
+    have = dict(getattr(exp, "tags", {}) or {})
+    for k, v in experiment_view_tags().items():
+        if k not in have:  # an experiment made before these tags (or by hand): add them, never overwrite
+            try:
+                client.set_experiment_tag(exp.experiment_id, k, v)
+            except MlflowException:
+                pass
+    return exp.experiment_id
+
+
+# --------------------------------------------------------------------------- the MLflow 3 UI
+# MLflow 3's UI opens an experiment in its GenAI view unless the URL asks for the training one
+# (`workflowType=machine_learning`, mlflow/server/js in MLflow 3.17) or the experiment's kind says so
+# (tag `mlflow.experimentKind` = `custom_model_development`). Its runs table shows Source / Models / Dataset
+# until columns are picked by hand; a saved view (experiment tag `mlflow.sharedViewState.<key>`, opened by
+# `?viewStateShareKey=<key>`) picks the key metrics with headers wide enough to tell the CI bounds apart.
+ML_WORKFLOW = "workflowType=machine_learning"
+EXPERIMENT_KIND_TAG, ML_EXPERIMENT_KIND = "mlflow.experimentKind", "custom_model_development"
+SAVED_VIEW_PREFIX = "mlflow.sharedViewState."
+KEY_METRICS_VIEW = "dflash-key-metrics"
+KEY_METRIC_COLUMNS = ("eval/tau_vanilla", "eval/tau_vanilla_ci_low", "eval/tau_vanilla_ci_high",
+                      "eval/tau_prompt_lookup", "eval/tau_tree_64", "eval/subset/tau_vanilla", "train/tau_rounds",
+                      "data/consumed_tokens", "perf/consumed_tok_s")
+KEY_TAG_COLUMNS = ("loss", "noise", "buffer")
+
+
+def _column(kind: str, name: str) -> str:
+    return f"{kind}.`{name}`"  # the runs table's column id (its canonical sort key)
+
+
+def experiment_view_tags() -> dict[str, str]:
+    """The experiment tags that open it in MLflow 3's training view with the key-metrics runs table."""
+    cols = [_column("attributes", "Source"), *(_column("tags", t) for t in KEY_TAG_COLUMNS),
+            _column("params", "seed"), *(_column("metrics", m) for m in KEY_METRIC_COLUMNS)]
+    state = {"selectedColumns": cols, "columnWidths": {c: 12 + 8 * len(c.split("`")[1]) for c in cols},
+             "orderByKey": _column("metrics", "eval/tau_vanilla"), "orderByAsc": False}
+    now = int(time.time() * 1000)
+    view = {"name": "dflash: key metrics", "createdAt": now, "updatedAt": now, "state": json.dumps(state)}
+    return {EXPERIMENT_KIND_TAG: ML_EXPERIMENT_KIND, SAVED_VIEW_PREFIX + KEY_METRICS_VIEW: json.dumps(view)}
+
+
+def ui_run_url(base: str, experiment_id: str, run_id: str) -> str:
+    return f"{base}/#/experiments/{experiment_id}/runs/{run_id}?{ML_WORKFLOW}"
+
+
+def ui_runs_table_url(base: str, experiment_id: str) -> str:
+    return f"{base}/#/experiments/{experiment_id}/runs?viewStateShareKey={KEY_METRICS_VIEW}&{ML_WORKFLOW}"
 
 
 # --------------------------------------------------------------------------- what a run is
@@ -296,7 +385,8 @@ def quiet_library_logs() -> None:
 
 
 def mlflow_ui_hint(tracking_uri: str, experiment_id: str | None, run_id: str | None) -> str:
-    """The command that shows this store, and the run's address in it (the UI's default port)."""
+    """The command that shows this store, the run's address in it and the runs table with the key metrics
+    (the UI's default port; MLflow 3's training view, not its GenAI one)."""
     cmd = f"mlflow ui --backend-store-uri {tracking_uri}"
     if not (tracking_uri.startswith(("sqlite:", "file:", "postgresql", "mysql")) or "://" not in tracking_uri):
         cmd = f"open {tracking_uri}"  # a tracking server: it already serves the UI
@@ -304,5 +394,6 @@ def mlflow_ui_hint(tracking_uri: str, experiment_id: str | None, run_id: str | N
     else:
         base = "http://127.0.0.1:5000"
     if experiment_id and run_id:
-        return f"{cmd}  ->  {base}/#/experiments/{experiment_id}/runs/{run_id}"
+        return (f"{cmd}  ->  {ui_run_url(base, experiment_id, run_id)}\n"
+                f"runs table: {ui_runs_table_url(base, experiment_id)}")
     return cmd

@@ -37,6 +37,7 @@ from dflash.training.distributed import (
     wrap_ddp,
 )
 from dflash.training.distributed import shutdown as shutdown_distributed
+from dflash.data.sources import inactive_data_keys
 from dflash.drafter.model import DFlashDrafter, build_drafter
 from dflash.evaluation import make_evaluator
 from dflash.training.losses import build_loss
@@ -111,11 +112,13 @@ def read_resume(cfg: RunConfig) -> ResumeState | None:
 
 def tracked_params(cfg: RunConfig, loss_fn, noise) -> dict[str, str]:
     """The config as MLflow params, without knobs the run never reads: other losses' and noise schedules'
-    keys (each variant lists its own `config_keys`), the random-target spec of a checkpoint target, and the
-    settings of a switched-off evaluation or promotion (only their `enabled` stays)."""
+    keys (each variant lists its own `config_keys`), the random-target spec of a checkpoint target, the data
+    settings its source never reads (`inactive_data_keys`), and the settings of a switched-off evaluation or
+    promotion (only their `enabled` stays)."""
     active = {"loss": type(loss_fn).config_keys, "noise": type(noise).config_keys}
     active.update({group: ("enabled",) for group in ("eval", "promote") if not getattr(cfg, group).enabled})
-    return run_params(to_dict(cfg), active, drop=["target.random"] if cfg.target.path else [])
+    drop = (["target.random"] if cfg.target.path else []) + inactive_data_keys(cfg.data, cfg.trainer.online_data)
+    return run_params(to_dict(cfg), active, drop=drop)
 
 
 def run_tags(cfg: RunConfig) -> dict[str, str]:

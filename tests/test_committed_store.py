@@ -1,0 +1,63 @@
+"""The committed campaign store (`benchmarks/ablations/campaign_out.tgz`) read as a researcher reads it: extracted
+anywhere, its artifacts show; the ablation table's interval is the campaign report's pooled one."""
+import sqlite3
+import tarfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+TGZ = ROOT / "benchmarks" / "ablations" / "campaign_out.tgz"
+
+
+@pytest.fixture(scope="module")
+def campaign_store(tmp_path_factory):
+    d = tmp_path_factory.mktemp("extracted_somewhere")
+    with tarfile.open(TGZ) as t:
+        t.extractall(d, filter="data")
+    return d / "campaign_out"
+
+
+def test_artifact_locations_are_relative_to_the_store(campaign_store, monkeypatch):
+    from mlflow.tracking import MlflowClient
+    con = sqlite3.connect(campaign_store / "mlflow.db")
+    uris = [u for (u,) in con.execute("SELECT artifact_uri FROM runs")]
+    locs = [loc for (loc,) in con.execute("SELECT artifact_location FROM experiments WHERE name='dflash-ablation'")]
+    con.close()
+    assert uris and all(u.startswith("mlartifacts/") for u in uris), uris[:3]
+    assert locs == ["mlartifacts"]
+    # `mlflow ui` started beside mlflow.db (docs/tracking.md) lists every run's artifacts
+    monkeypatch.chdir(campaign_store)
+    c = MlflowClient("sqlite:///mlflow.db")
+    runs = c.search_runs([c.get_experiment_by_name("dflash-ablation").experiment_id], max_results=100)
+    assert len(runs) == 27
+    assert all({a.path for a in c.list_artifacts(r.info.run_id)} >= {"eval"} for r in runs)
+
+
+def test_relocate_artifacts_absolute_for_any_working_folder(tmp_path):
+    from mlflow.tracking import MlflowClient
+
+    from dflash.tracking.run_info import relocate_artifacts
+    with tarfile.open(TGZ) as t:
+        t.extractall(tmp_path, filter="data")
+    db = tmp_path / "campaign_out" / "mlflow.db"
+    assert relocate_artifacts(db, relative=False) == 35  # two campaign experiments, 33 runs
+    c = MlflowClient(f"sqlite:///{db}")
+    r = c.search_runs([c.get_experiment_by_name("dflash-ablation").experiment_id], max_results=1)[0]
+    assert r.info.artifact_uri == (db.parent / "mlartifacts").as_uri() + f"/{r.info.run_id}/artifacts"
+    assert {a.path for a in c.list_artifacts(r.info.run_id)} >= {"eval"}
+
+
+def test_ablation_table_shows_the_pooled_interval(campaign_store):
+    """One CI for one result: the row's interval is τ pooled over its seeds with the bootstrap over (seed, prompt)
+    pairs, exactly the campaign report's (benchmarks/ABLATIONS.md: dpace 1.817 [1.735, 1.918]), not the mean of
+    the two seeds' bounds."""
+    from dflash.tracking import analysis as A
+    runs = A.load_runs(f"sqlite:///{campaign_store / 'mlflow.db'}", "dflash-ablation")
+    assert runs["artifact_dir"].notna().all()
+    table = A.ablation_table(runs, by=["loss", "noise", "buffer"], metrics=["eval/tau_vanilla"])
+    cells = A.format_table(table)["eval/tau_vanilla"]
+    row = cells.xs(("dpace", "none", "r10_20"), level=["loss", "noise", "buffer"]).iloc[0]
+    assert row.startswith("1.817 [1.735, 1.918]") and "(n=2" in row, row
+    report = (ROOT / "benchmarks" / "ABLATIONS.md").read_text()
+    assert "held-out τ 1.817 [1.735, 1.918]" in report  # the reference campaign's report on this store

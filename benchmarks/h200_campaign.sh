@@ -1,15 +1,15 @@
 #!/usr/bin/env bash
-# The GPU runs behind benchmarks/RESULTS.md and the closing notes of issues 4-6, exactly as run on a
+# The GPU runs behind benchmarks/RESULTS.md exactly as run on a
 # 2 x H200 machine:   bash benchmarks/h200_campaign.sh <stage>      (stages a-g; g on one H200)
 # Everything a stage writes lands in $OUT (default ./gpu_out): logs, MLflow sqlite files, results tables,
 # packed into one tarball at the end. Each stage keeps inside 10 minutes of wall time.
 #
-# a  GPU 0: the 27B-shaped benchmark (issue 6), one H200, then its pipeline with producer_batch=1 (before).
-#    GPU 1: the reference target's fast-vs-torch benchmark (issue 4), then side by side on the same GPU:
-#           5-minute hard_ce and soft_kl runs on target-regenerated data (issue 4) and the loss sweep (issue 5).
+# a  GPU 0: the 27B-shaped benchmark, one H200, then its pipeline with producer_batch=1 (before).
+#    GPU 1: the reference target's fast-vs-torch benchmark, then side by side on the same GPU:
+#           5-minute hard_ce and soft_kl runs on target-regenerated data and the loss sweep.
 # b  Both GPUs: the 27B-shaped pipeline under torchrun (DDP, target+drafter on each GPU); then the one-H200
 #    benchmark on GPU 0 beside the reference target's fast-vs-torch benchmark on GPU 1; then, time allowing,
-#    target on GPU 0 and drafter on GPU 1 in one process (issue 6).
+#    target on GPU 0 and drafter on GPU 1 in one process.
 # c  The split layout (target GPU 0, drafter GPU 1); then 8 more trials of stage a's loss sweep, one worker per
 #    GPU (copy stage a's loss_variants.journal and sweep.db into gpu_carry/ and carry it).
 # d  (superseded by e, not run) the grouped-anchor drafter step beside the one-call step; the split layout.

@@ -1,8 +1,9 @@
 """The run's typed configuration: one dataclass per module, composed here.
 
 The library never imports Hydra. `experiments/` composes YAML groups against this schema (a Hydra
-structured config built from `RunConfig`, so unknown keys and wrong types fail at compose time) and
-hands a plain `RunConfig` to `dflash.app.run.train`. Tests, sweeps and notebooks build `RunConfig`
+structured config built from `RunConfig`, so unknown keys and wrong types fail at compose time), applies
+`key=value` overrides through `dflash/overrides.py`, and hands a plain `RunConfig` to
+`dflash.app.run.train`. Tests, sweeps and notebooks build `RunConfig`
 directly or through the same compose helper.
 """
 from __future__ import annotations
@@ -216,38 +217,3 @@ def _dataclass_of(cls, name):
         obj = default.default_factory()  # type: ignore[misc]
         return type(obj) if dataclasses.is_dataclass(obj) else None
     return None
-
-
-def with_overrides(cfg: RunConfig, overrides: list[str], what: str = "override") -> RunConfig:
-    """`cfg` with dotted `key=value` overrides (e.g. 'drafter.attn_group=0'), each value parsed as its field's
-    type. For the library's own callers (a benchmark's variants); the CLI composes with Hydra instead."""
-    for text in overrides:
-        key, sep, raw = text.strip().partition("=")
-        if not sep:
-            raise ConfigError(f"{what} {text!r}: expected key=value")
-        *path, leaf = key.strip().split(".")
-        cfg = _replace_path(cfg, path, leaf, raw.strip(), f"{what} {text!r}")
-    return cfg
-
-
-def _replace_path(obj: Any, path: list[str], leaf: str, raw: str, where: str) -> Any:
-    if path:
-        head = path[0]
-        if not (dataclasses.is_dataclass(obj) and hasattr(obj, head) and dataclasses.is_dataclass(getattr(obj, head))):
-            raise ConfigError(f"{where}: {head!r} is not a config section")
-        return dataclasses.replace(obj, **{head: _replace_path(getattr(obj, head), path[1:], leaf, raw, where)})
-    if leaf not in {f.name for f in dataclasses.fields(obj)}:
-        raise ConfigError(f"{where}: unknown key {leaf!r} in {type(obj).__name__}")
-    current = getattr(obj, leaf)
-    try:
-        if isinstance(current, bool):
-            if raw.lower() not in ("true", "false", "1", "0"):
-                raise ValueError(raw)
-            value: Any = raw.lower() in ("true", "1")
-        else:
-            value = type(current)(raw) if isinstance(current, (int, float, str)) else None
-    except ValueError as e:
-        raise ConfigError(f"{where}: expected {type(current).__name__}") from e
-    if value is None:
-        raise ConfigError(f"{where}: {leaf!r} ({type(current).__name__}) cannot be set this way")
-    return dataclasses.replace(obj, **{leaf: value})

@@ -4,7 +4,7 @@ A training run owns one folder (`runs/<timestamp>-<loss>/` unless `run_dir=` nam
 
     config.yaml        the resolved run config (written once the run, or its resume, has validated)
     checkpoints/       step_NNNNNNNN.pt (+ .sha256) and latest.json: `dflash.training.checkpoint`
-    final/             the drafter in the serving format (DESIGN §6)
+    final/             the drafter in the serving format (docs/serving.md)
     mlflow_run.json    where the run is tracked: tracking_uri, experiment, run_id, run_name
     metrics.jsonl      every logged step, the log of record (also when the tracking store is down)
     eval/              evaluation outputs (reports, the eval CLI's runs)
@@ -32,7 +32,7 @@ CONFIG_FILE = "config.yaml"
 CHECKPOINT_DIR = "checkpoints"
 FINAL_DIR = "final"
 EVAL_DIR = "eval"
-SERVING_CONFIG = "config.json"  # a serving folder's marker (DESIGN §6)
+SERVING_CONFIG = "config.json"  # a serving folder's marker (docs/serving.md)
 
 
 class RunDir:

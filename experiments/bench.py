@@ -20,7 +20,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from dflash.bench.runner import BenchConfig, format_table, run_bench
-from dflash.config import ConfigError, to_dict
+from dflash.config import to_dict
+from dflash.overrides import apply_overrides
 from dflash.tracking.loggers import MLflowLogger
 from dflash.tracking.run_info import flatten_config
 from experiments.config import compose_config, exit_on_help, run_cli
@@ -29,23 +30,12 @@ RESULTS = Path(__file__).resolve().parent.parent / "benchmarks" / "RESULTS.md"
 
 
 def parse_bench_args(argv: list[str]) -> tuple[BenchConfig, list[str], str | None]:
-    fields = {f.name: f for f in dataclasses.fields(BenchConfig)}
-    bench, rest, results = BenchConfig(), [], str(RESULTS)
-    for a in argv:
-        if a.startswith("bench."):
-            key, _, val = a[len("bench."):].partition("=")
-            if key not in fields:
-                raise ConfigError(f"unknown key bench.{key}; expected one of {sorted(fields)}")
-            typ = type(getattr(bench, key))
-            try:
-                setattr(bench, key, typ(val))
-            except ValueError as e:
-                raise ConfigError(f"bench.{key}={val!r}: expected {typ.__name__}") from e
-        elif a.startswith("results="):
-            results = a.partition("=")[2] or None
-        else:
-            rest.append(a)
-    return bench, rest, results
+    """(bench.* keys, the run config's overrides, the results file or None): `bench.*` tokens go through
+    the one override parser (`dflash/overrides.py`) against `BenchConfig`, the rest compose the run config."""
+    ours = [a for a in argv if a.startswith("bench.")]
+    results = next((a.partition("=")[2] or None for a in reversed(argv) if a.startswith("results=")), str(RESULTS))
+    rest = [a for a in argv if not a.startswith(("bench.", "results="))]
+    return apply_overrides(BenchConfig(), ours, prefix="bench."), rest, results
 
 
 def _flat_numbers(d: dict, prefix: str = "") -> dict[str, float]:

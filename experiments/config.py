@@ -1,10 +1,15 @@
 """Hydra composition against the typed schema; the only place (with the entry points) that knows Hydra.
 
-`compose_config(overrides)` returns a plain `dflash.config.RunConfig`: the structured schema registered
-here makes Hydra reject unknown keys and wrong types while composing, naming the key.
+`compose_config(overrides)` returns a plain `dflash.config.RunConfig`: Hydra composes the group selections
+(`+loss=soft_kl`) against the structured schema registered here (unknown keys and wrong types in a YAML group
+fail, naming the key); the `key=value` overrides then go through `dflash.overrides`, the one override parser
+of every entry point, so a bad one reads the same everywhere and exits 2 (`run_cli`).
 """
 from __future__ import annotations
 
+import argparse
+import dataclasses
+import sys
 from pathlib import Path
 
 from hydra import compose, initialize_config_dir
@@ -14,21 +19,40 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from dflash.config import ConfigError, RunConfig, from_dict
+from dflash.overrides import apply_overrides, split_override
 
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 ConfigStore.instance().store(name="schema", node=RunConfig)
 
 
+def split_overrides(overrides: list[str]) -> tuple[list[str], list[str]]:
+    """(Hydra's tokens, key=value tokens): `+group=option` / `group=option` selections and `~` deletions are
+    Hydra's; every other token is a `key=value` override for `dflash.overrides` (a leading `+` dropped)."""
+    hydra, values = [], []
+    for o in overrides:
+        key = o.partition("=")[0].lstrip("+")
+        if o.startswith("~") or ("=" in o and key in GROUPS):
+            hydra.append(o)
+        else:
+            values.append(o.lstrip("+") if "=" in o else o)
+    return hydra, values
+
+
 def compose_config(overrides: list[str] | None = None, config_name: str = "config") -> RunConfig:
-    """Compose conf/config.yaml with Hydra-style overrides (e.g. ['+loss=soft_kl', 'seed=3'])."""
+    """Compose conf/config.yaml with its group selections (e.g. ['+loss=soft_kl']), then the `key=value`
+    overrides on top (e.g. ['seed=3']) through the one override parser, `dflash.overrides`."""
+    group_tokens, values = split_overrides(list(overrides or []))
+    for token in values:  # a malformed token fails before Hydra runs
+        split_override(token)
     try:
         with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-            cfg = compose(config_name=config_name, overrides=list(overrides or []))
+            cfg = compose(config_name=config_name, overrides=group_tokens)
         # `+key=value` force-adds keys even into a structured node: the strict rebuild rejects them.
-        return from_dict(OmegaConf.to_container(cfg, resolve=True))
+        composed = from_dict(OmegaConf.to_container(cfg, resolve=True))
     except (HydraException, OmegaConfBaseException) as e:
         cause = f" ({e.__cause__})" if e.__cause__ else ""
         raise ConfigError(f"config: {e}{cause}".strip()) from e
+    return apply_overrides(composed, values)
 
 
 def resume_config(run_dir: str, overrides: list[str]) -> RunConfig:
@@ -42,14 +66,8 @@ def resume_config(run_dir: str, overrides: list[str]) -> RunConfig:
     groups = [o for o in overrides if o.startswith("+") or o.split("=")[0] in GROUPS]
     if groups:
         raise ConfigError(f"resume: {groups} would change a config group; only key=value overrides apply on resume")
-    try:
-        merged = OmegaConf.merge(OmegaConf.structured(RunConfig), saved_cfg,
-                                 OmegaConf.from_dotlist(overrides))
-        d = OmegaConf.to_container(merged, resolve=True)
-    except OmegaConfBaseException as e:
-        raise ConfigError(f"resume: {e}") from e
-    d.update(run_dir=str(run_dir), resume=str(run_dir))
-    return from_dict(d)
+    cfg = apply_overrides(from_dict(saved_cfg), overrides)
+    return dataclasses.replace(cfg, run_dir=str(run_dir), resume=str(run_dir))
 
 
 # Config groups whose option is switched with `+group=option` (the base entry sits in conf/config.yaml):
@@ -101,6 +119,15 @@ def help_text(doc: str, run_keys: bool = True, extra: dict | None = None, groups
     for section, d in (extra or {}).items():
         out += ["", f"{section} keys:" if section else "Keys (key=value, defaults shown):"] + _keys_table(d, f"{section}." if section else "")
     return "\n".join(out)
+
+
+class ArgParser(argparse.ArgumentParser):
+    """argparse for the flag-style entry points (promote, export), whose errors read like every other entry
+    point's: `error: …` on stderr, exit status 2."""
+
+    def error(self, message: str):
+        print(f"error: {message} (see {self.prog} --help)", file=sys.stderr)
+        raise SystemExit(2)
 
 
 def exit_on_help(argv: list[str], doc: str, **kw) -> None:

@@ -43,6 +43,7 @@ from pathlib import Path
 
 
 from dflash.config import ConfigError, RunConfig, from_dict
+from dflash.overrides import apply_overrides
 from dflash.evaluation import validate_eval_config
 from dflash.evaluation.evaluator import evaluate_suites, merged_metrics, summary_table
 from dflash.evaluation.pairing import NotPaired, paired_delta
@@ -54,21 +55,11 @@ from dflash.tracking.run_info import default_run_name, flatten_config, resolve_r
 log = logging.getLogger(__name__)
 
 
-def _merge_dotlist(schema_obj, base: dict, dotlist: list[str]) -> dict:
-    from omegaconf import OmegaConf
-    from omegaconf.errors import OmegaConfBaseException
-    bad = [o for o in dotlist if o.startswith(("+", "~")) or "=" not in o]
+def _saved_config(d: dict, overrides: list[str]) -> RunConfig:
+    bad = [o for o in overrides if o.startswith(("+", "~"))]
     if bad:
         raise ConfigError(f"overrides on a saved run config must be plain key=value, got {bad}")
-    try:
-        merged = OmegaConf.merge(OmegaConf.structured(schema_obj), base, OmegaConf.from_dotlist(dotlist))
-        return OmegaConf.to_container(merged, resolve=True)
-    except OmegaConfBaseException as e:
-        raise ConfigError(f"config override: {e}") from e
-
-
-def _saved_config(d: dict, overrides: list[str]) -> RunConfig:
-    return from_dict(_merge_dotlist(RunConfig, d, overrides))
+    return apply_overrides(from_dict(d), overrides)
 
 
 def resolve_source(path: Path, overrides: list[str]):
@@ -169,6 +160,9 @@ def _parse_argv(argv: list[str]) -> tuple[Path, str | None, list[str], Path | No
         raise ConfigError("usage: python -m experiments.eval <run dir | serving folder | checkpoint.pt> "
                           "[B: the same, or champion] [key=value ...] [--out=DIR] [--into-run]")
     other = rest[1] if len(rest) > 1 and _is_source(rest[1]) else None
+    if other is not None and not (Path(other).exists() or other == "champion" or other.startswith(("@", "models:/"))):
+        raise ConfigError(f"override {other!r}: expected key=value (or, as the second drafter B, an existing run "
+                          f"dir, serving folder or checkpoint, or champion)")
     return Path(rest[0]), other, rest[2 if other else 1:], out, into
 
 

@@ -1,4 +1,4 @@
-"""Export a drafter to the serving format (DESIGN §6) that z-lab / SGLang / vLLM load.
+"""Export a drafter to the serving format (docs/serving.md) that z-lab / SGLang / vLLM load.
 
     python -m experiments.export runs/<run> --out exported/my-drafter [--dtype bfloat16]
     python -m experiments.export runs/<run>/checkpoints/step_00001000.pt --out exported/step1000
@@ -11,20 +11,20 @@ interrupted export never leaves a half folder where a previous export was. Read 
 The folder records what the engines read from the target (context length, mask token string, RoPE) and
 carries `modeling_dflash.py` for `AutoModel.from_pretrained(DIR, trust_remote_code=True)`. A run knows its
 target; for a source that does not (a bare folder), name the target folder: `--target /models/Qwen3.6-27B`.
-Serving commands (SGLang, vLLM): README "Evaluate, promote, export, serve".
+Serving commands (SGLang, vLLM): docs/serving.md.
 """
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
 from dflash.app.export import export_drafter
 from dflash.serving.export import read_serving_config
+from experiments.config import ArgParser
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m experiments.export", description=__doc__.split("\n\n")[0])
+def build_parser() -> ArgParser:
+    p = ArgParser(prog="python -m experiments.export", description=__doc__.split("\n\n")[0])
     p.add_argument("source", help="run directory, serving folder, or checkpoint .pt")
     p.add_argument("--out", required=True, help="serving folder to write (replaced whole if it exists)")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],

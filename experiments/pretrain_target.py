@@ -3,13 +3,13 @@
 Corpus → tokenizer → pretraining → `dflash/assets/reference_target/` (or `--out` / `out_dir=`) and the
 results file `benchmarks/reference_target.md` (`results_path=`; `results_path=` empty skips it). Keys are
 `dflash.pretrain.recipe.PretrainConfig` fields, nested with dots: `time_budget_s=600`, `corpus.heldout_per_10k=500`,
-`tracking.enabled=false`; values parse as JSON when they can (numbers, true/false, lists), else as strings.
+`tracking.enabled=false`; each value parses as its field's type (`dflash/overrides.py`, the parser of every
+entry point: numbers, true/false, lists `[1,3,5]`, mappings `{a: b}`, strings).
 `--cfg` prints the resolved config and exits. The eval prompts are the `coding10` suite of
 `dflash.evaluation` (a few built-in `def` prompts when that package is missing).
 """
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import shlex
@@ -19,6 +19,7 @@ from dataclasses import asdict
 from dflash.data.corpus import CorpusConfig
 from dflash.pretrain.recipe import PretrainConfig, pretrain
 from dflash.config import ConfigError
+from dflash.overrides import OverrideError, apply_overrides
 from dflash.safe_load import UnsafeFileError
 from experiments.config import run_cli
 
@@ -41,59 +42,6 @@ def eval_prompts(suite: str = "coding10") -> list[tuple[str, str]]:
         logging.getLogger(__name__).warning("eval suite %r unavailable (%s); using %d fallback prompts", suite, e,
                                             len(FALLBACK_PROMPTS))
         return list(FALLBACK_PROMPTS)
-
-
-class OverrideError(ConfigError):
-    """A bad command-line override (exit status 2, no traceback)."""
-
-
-def _parse_value(raw: str, current):
-    if isinstance(current, str):
-        return raw
-    try:
-        value = json.loads(raw)
-    except json.JSONDecodeError:
-        low = raw.lower()
-        if low in ("true", "false"):
-            return low == "true"
-        raise ValueError(f"cannot parse {raw!r} as a {type(current).__name__}")
-    if isinstance(current, bool):
-        if not isinstance(value, bool):
-            raise ValueError(f"expected true/false, got {raw!r}")
-        return value
-    if isinstance(current, float) and isinstance(value, (int, float)) and not isinstance(value, bool):
-        return float(value)
-    if isinstance(current, int) and not isinstance(current, bool):
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or int(value) != value:
-            raise ValueError(f"expected an integer, got {raw!r}")
-        return int(value)
-    if isinstance(current, list) and not isinstance(value, list):
-        raise ValueError(f"expected a JSON list, got {raw!r}")
-    return value
-
-
-def apply_overrides(cfg, overrides: list[str]):
-    for item in overrides:
-        if "=" not in item:
-            raise OverrideError(f"override {item!r} is not key=value")
-        key, raw = item.split("=", 1)
-        obj, parts = cfg, key.split(".")
-        for p in parts[:-1]:
-            if not dataclasses.is_dataclass(obj) or not hasattr(obj, p):
-                raise OverrideError(f"unknown config key {key!r}")
-            obj = getattr(obj, p)
-        leaf = parts[-1]
-        names = {f.name for f in dataclasses.fields(obj)} if dataclasses.is_dataclass(obj) else set()
-        if leaf not in names:
-            raise OverrideError(f"unknown config key {key!r} (known here: {', '.join(sorted(names))})")
-        current = getattr(obj, leaf)
-        if dataclasses.is_dataclass(current):
-            raise OverrideError(f"{key!r} is a group; set its fields ({key}.<field>=...)")
-        try:
-            setattr(obj, leaf, _parse_value(raw, current))
-        except ValueError as e:
-            raise OverrideError(f"{key}: {e}") from None
-    return cfg
 
 
 def build_config(argv: list[str]) -> PretrainConfig:

@@ -1,4 +1,4 @@
-"""Promote an evaluated run through the gate (`dflash/serving/promotion.py`).
+"""Promote an evaluated run through the gate (`dflash/serving/promotion.py`; docs/evaluation.md).
 
     python -m experiments.promote runs/20260101-120000-ab12-soft_kl
     python -m experiments.promote <mlflow run id> --tracking-uri sqlite:////abs/mlflow.db --dry-run
@@ -13,15 +13,19 @@ Exit codes, so a script can tell the outcomes apart (the decision and its reason
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import re
 import sys
 from pathlib import Path
 
+from dflash.config import ConfigError
+from dflash.overrides import apply_overrides
 from dflash.run_dir import MLFLOW_FILE, RunDir
 from dflash.serving.promotion import Decision, PromoteConfig, PromotionError, promote
 from dflash.tracking.run_info import resolve_relative_sqlite
+from experiments.config import ArgParser
 
 _RUN_ID = re.compile(r"^[0-9a-f]{32}$")
 DEFAULT_URI = "sqlite:///mlflow.db"
@@ -70,18 +74,19 @@ def resolve_target(target: str, tracking_uri: str | None) -> tuple[str, str]:
     raise BadInput(f"{target!r} is neither an existing run directory nor an MLflow run id (32 hex chars)")
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser() -> ArgParser:
     d = PromoteConfig()
     head, *rest = __doc__.split("\n\n")
-    p = argparse.ArgumentParser(prog="python -m experiments.promote", description=head, epilog="\n\n".join(rest),
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = ArgParser(prog="python -m experiments.promote", description=head, epilog="\n\n".join(rest),
+                  formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("target", help="run directory (or its final/ or a checkpoint inside it), or an MLflow run id")
     p.add_argument("--dry-run", action="store_true", help="show the decision; register and tag nothing")
-    p.add_argument("--margin", type=float, default=d.margin,
+    # numbers stay text here: the one override parser (dflash/overrides.py) types them, naming the key
+    p.add_argument("--margin", default=str(d.margin),
                    help="the lower end of the paired Δτ interval vs the holder must exceed this")
-    p.add_argument("--floor", type=float, default=d.floor, help="and the candidate's value be at least this")
-    p.add_argument("--ci-level", type=float, default=d.ci_level, help="level of the paired Δτ intervals")
-    p.add_argument("--bootstrap", type=int, default=d.bootstrap, help="bootstrap replicates of those intervals")
+    p.add_argument("--floor", default=str(d.floor), help="and the candidate's value be at least this")
+    p.add_argument("--ci-level", default=str(d.ci_level), help="level of the paired Δτ intervals")
+    p.add_argument("--bootstrap", default=str(d.bootstrap), help="bootstrap replicates of those intervals")
     p.add_argument("--alias", default=d.alias)
     p.add_argument("--model-name", default=d.model_name)
     p.add_argument("--metric", default=d.metric, help="gate metric (default %(default)s)")
@@ -92,12 +97,13 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> Decision:
     args = build_parser().parse_args(argv)
     try:
+        cfg = apply_overrides(PromoteConfig(model_name=args.model_name, alias=args.alias, metric=args.metric),
+                              [f"margin={args.margin}", f"floor={args.floor}", f"ci_level={args.ci_level}",
+                               f"bootstrap={args.bootstrap}"], "promote")
         run_id, uri = resolve_target(args.target, args.tracking_uri or None)
-        cfg = PromoteConfig(model_name=args.model_name, alias=args.alias, metric=args.metric,
-                            margin=args.margin, floor=args.floor, ci_level=args.ci_level,
-                            bootstrap=args.bootstrap, tracking_uri=uri)
+        cfg = dataclasses.replace(cfg, tracking_uri=uri)
         decision = promote(run_id, cfg, uri, dry_run=args.dry_run)
-    except (BadInput, PromotionError) as e:
+    except (BadInput, PromotionError, ConfigError) as e:
         print(f"error: {e}", file=sys.stderr)
         raise SystemExit(EXIT_BAD_INPUT) from e
     print(decision.summary())

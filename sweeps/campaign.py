@@ -42,6 +42,7 @@ import yaml
 
 from dflash.atomic import atomic_write_text
 from dflash.config import ConfigError
+from dflash.overrides import apply_overrides, split_override
 from sweeps.support import last_logged
 
 CAMPAIGN_DIR = Path(__file__).resolve().parent.parent / "conf" / "campaign"
@@ -138,7 +139,7 @@ def load_campaign(ref: str, edits: list[str] = ()) -> Campaign:
         raise ConfigError(f"campaign {ref!r}: no file {path} (known: {known})")
     raw = yaml.safe_load(path.read_text())
     for edit in edits:
-        key, _, value = edit.removeprefix("campaign.").partition("=")
+        key, value = split_override(edit.removeprefix("campaign."), "argument")
         if key not in _fields(Campaign) or key == "stages":
             raise ConfigError(f"{edit!r}: campaign has no editable key {key!r}")
         raw[key] = yaml.safe_load(value)
@@ -218,7 +219,7 @@ def trained_for(run_dir: Path) -> str | None:
 def check_same_target(c: Campaign, out: Path, extra: list[str]) -> str:
     """The current target's fingerprint; refuses (before any work) to continue a campaign whose finished or
     cut-off cells were trained for another target: its later cells would be compared with runs of a different
-    model, and its ground truth and data would silently change under it (issue 11)."""
+    model, and its ground truth and data would silently change under it."""
     from dflash.target.model import target_fingerprint
     from experiments.config import compose_config
     now = target_fingerprint(compose_config([*stage_cells(c, 0, {})[0].overrides, *extra]).target)
@@ -395,6 +396,12 @@ def run_campaign(c: Campaign, out: Path, extra: list[str], deadline_s: float = 0
     return summary
 
 
+@dataclasses.dataclass
+class CampaignArgs:
+    out: str = DEFAULT_OUT
+    deadline_s: float = 0.0  # start no cell later than this many seconds after launch (0: no deadline)
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
@@ -405,11 +412,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     check = "--check" in rest
     rest = [a for a in rest if a not in ("report", "--check")]
     edits = [a for a in rest if a.startswith("campaign.")]
-    out = Path(next((a.partition("=")[2] for a in rest if a.startswith("out=")), DEFAULT_OUT))
+    # this command's own keys go through the one override parser (dflash/overrides.py): typed, named
+    args = apply_overrides(CampaignArgs(), [a for a in rest if a.startswith(("out=", "deadline_s="))], "argument")
+    out = Path(args.out)
     workers = [a for a in rest if a.startswith("workers=")]
     if workers:
         edits.append(f"campaign.workers={workers[-1].partition('=')[2]}")
-    deadline = [float(a.partition("=")[2]) for a in rest if a.startswith("deadline_s=")]
     extra = [a for a in rest if not a.startswith(("campaign.", "out=", "workers=", "deadline_s="))]
     c = load_campaign(ref, edits)
     if report:
@@ -419,7 +427,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if check:
         print(f"campaign {c.name}: {sum(len(s.options) for s in c.stages) * len(c.seeds)} cells valid")
         return {}
-    return run_campaign(c, out, extra, deadline[-1] if deadline else 0.0)
+    return run_campaign(c, out, extra, args.deadline_s)
 
 
 if __name__ == "__main__":

@@ -45,6 +45,7 @@ from pathlib import Path
 from typing import Any
 
 from dflash.config import ConfigError
+from dflash.overrides import apply_overrides, split_override
 from sweeps.space import SweepError
 
 DEFAULT_OUT = "sweeps_out"
@@ -89,26 +90,16 @@ def parse_args(argv: list[str]) -> LaunchArgs:
     if bad_flags:
         raise SweepError(f"unknown option(s) {bad_flags}; see python -m sweeps.launch --help")
     a = LaunchArgs(sweep=argv[0], check=check)
+    ours = []
     for arg in argv[1:]:
-        if "=" not in arg:
-            raise SweepError(f"argument {arg!r}: expected key=value (see --help)")
-        key, value = arg.split("=", 1)
+        key, _ = split_override(arg, "argument")
         if key in LAUNCH_KEYS:
-            try:
-                if key in ("n_trials", "workers"):
-                    setattr(a, key, int(value))
-                elif key == "timeout":
-                    a.timeout = float(value)
-                elif key == "gpus":
-                    a.gpus = [g for g in value.split(",") if g != ""]
-                else:
-                    setattr(a, key, value)
-            except ValueError:
-                raise SweepError(f"{key}={value!r}: expected a number") from None
+            ours.append(arg)
         elif key.startswith("sweep."):
             a.sweep_overrides.append(arg[len("sweep."):])
         else:
             a.overrides.append(arg)
+    a = apply_overrides(a, ours, "argument")  # the one override parser (dflash/overrides.py): typed, named
     if a.n_trials < 0:
         raise SweepError(f"n_trials must be >= 0, got {a.n_trials}")
     if a.workers < 1:
@@ -386,10 +377,5 @@ def _print_summary(s: dict[str, Any]) -> None:
 
 
 if __name__ == "__main__":
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    try:
-        res = main()
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
-    sys.exit(1 if res.get("lost_workers") else 0)
+    from experiments.config import run_cli
+    run_cli(lambda: sys.exit(1 if main().get("lost_workers") else 0))

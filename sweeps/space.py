@@ -42,6 +42,7 @@ from typing import Any, Callable
 import yaml
 
 from dflash.config import ConfigError
+from dflash.overrides import split_override
 from dflash.registry import Registry, UnknownName
 from experiments.config import CONF_DIR, GROUPS, group_options
 
@@ -190,9 +191,7 @@ def load_sweep(ref: str, overrides: list[str] | tuple[str, ...] = ()) -> SweepDe
 
 
 def _apply_dotted(raw: Any, override: str, where: str) -> None:
-    if "=" not in override:
-        raise SweepError(f"{where}: sweep override {override!r} must be key=value")
-    key, value = override.split("=", 1)
+    key, value = split_override(override, f"{where}: sweep override")  # the entry points' malformed-token check
     parts = key.split(".")
     if not isinstance(raw, dict) or not all(parts):
         raise SweepError(f"{where}: cannot apply sweep override {override!r}")

@@ -137,11 +137,11 @@ def test_backpressure_blocks_producer_at_max_depth():
     w = start(lambda: buf.put(3, LEN[1]))
     time.sleep(0.1)
     assert w.is_alive(), "put should block at max_depth"
-    assert buf.total() == 3
+    assert len(buf) == 3
     assert buf.get() == 0
     w.finish()
     assert w.exc is None
-    assert buf.total() == 3 and buf.depths() == [2, 1, 0]
+    assert len(buf) == 3 and buf.depths() == [2, 1, 0]
 
 
 def test_min_ready_then_drain_after_close():
@@ -212,7 +212,7 @@ def test_round_robin_rotates_nonempty_buckets_with_dominant_bucket():
     it = iter(stream)
     for b in it:
         buf.put(b, LEN[b])
-        if buf.total() == 20:
+        if len(buf) == 20:
             break
     for b in it:
         depths = buf.depths()
@@ -261,7 +261,7 @@ def test_proportional_buffer_with_dominant_bucket():
     stream = dominant_stream(2000, seed=1)
     got = []
     for b in stream:
-        if buf.total() == 20:
+        if len(buf) == 20:
             got.append(buf.get_entry().bucket)
         buf.put(b, LEN[b])
     frac0 = got.count(0) / len(got)
@@ -288,19 +288,19 @@ def test_buffer_state_dict_and_pending_keys_resume_exactly():
     ref = BucketedBuffer(cfg, seed=11)
     out_ref = []
     for i, b in stream:
-        if ref.total() == 8:
+        if len(ref) == 8:
             out_ref.append(ref.get())
         ref.put(i, LEN[b], key=(i, b))
 
     buf = BucketedBuffer(cfg, seed=11)
     out, pos = [], 0
     for i, b in stream[:30]:
-        if buf.total() == 8:
+        if len(buf) == 8:
             out.append(buf.get())
         buf.put(i, LEN[b], key=(i, b))
         pos += 1
-    sd, pending = buf.state_dict(), buf.pending_keys()
-    assert len(pending) == buf.total()
+    sd, pending = buf.snapshot()
+    assert len(pending) == len(buf)
     assert [k[0] for _, k in pending] == sorted(k[0] for _, k in pending)  # arrival order
     assert all(bk == k[1] for bk, k in pending)
     stats_before = buf.stats()
@@ -313,7 +313,7 @@ def test_buffer_state_dict_and_pending_keys_resume_exactly():
         assert st[f"buffer/puts_b{i}"] == stats_before[f"buffer/puts_b{i}"]
         assert st[f"buffer/gets_b{i}"] == stats_before[f"buffer/gets_b{i}"]
     for i, b in stream[pos:]:
-        if res.total() == 8:
+        if len(res) == 8:
             out.append(res.get())
         res.put(i, LEN[b], key=(i, b))
     assert out == out_ref
@@ -468,7 +468,7 @@ def test_timeouts_name_depths():
     buf.put(2, LEN[2])
     with pytest.raises(TimeoutError, match=r"depths=\[0, 1, 2\]"):
         buf.put(3, 1)
-    assert buf.total() == 3  # nothing lost or added
+    assert len(buf) == 3  # nothing lost or added
 
 
 # ------------------------------------------------------------ no silent loss
@@ -507,4 +507,4 @@ def test_no_loss_two_producers():
     assert all(e.bucket == buf.bucket_of(e.item[2]) for e in got)
     st = buf.stats()
     assert st["buffer/puts"] == st["buffer/gets"] == 2 * n_each
-    assert st["buffer/total"] == 0 and buf.pending_keys() == []
+    assert st["buffer/total"] == 0 and buf.snapshot()[1] == []

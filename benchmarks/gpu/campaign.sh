@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 12 on one H200: the ablation campaign (conf/campaign/<name>.yaml) in GPU jobs of under ten minutes.
+# One H200: the ablation campaign (conf/campaign/<name>.yaml) in GPU jobs of under ten minutes.
 #
 #   DEADLINE=400 bash benchmarks/gpu/campaign.sh [campaign] [run overrides ...]      (default campaign: reference)
 #

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Issue 20 on one H200, < 8 minutes: the bench's back-to-back tok/s against the real run's consumed tok/s at the
-# same shapes (reference target, 5-layer drafter, +trainer=gpu: 64 x 320 tokens, 128 anchors per step), the
+# The online data engine on one H200, < 8 minutes: the bench's back-to-back tok/s against the real run's consumed
+# tok/s at the same shapes (reference target, 5-layer drafter, +trainer=gpu: 64 x 320 tokens, 128 anchors per step), the
 # online engine's generation tok/s, and data/epochs after each run.
 #
 #   bash benchmarks/gpu/data_engine.sh [OUT]            (default OUT=gpu_work/data_engine)
@@ -83,7 +83,7 @@ def run(name):
             "overall": last["data/consumed_tokens"] / loop_s if loop_s else 0.0, "loop_s": loop_s}
 
 w, r = run("run_write"), run("run_read")
-print(f"\nissue 20 data engine, one GPU — reference target, drafter.num_layers=5, 64 x 320 tokens, 128 anchors\n")
+print(f"\nonline data engine, one GPU — reference target, drafter.num_layers=5, 64 x 320 tokens, 128 anchors\n")
 print(f"| figure | tok/s | note |\n| --- | --- | --- |")
 print(f"| bench target forward (64 x 320) | {tgt:,.0f} | |")
 print(f"| bench drafter step (64 x 320, 128 anchors, compiled) | {dft:,.0f} | |")

@@ -1,4 +1,4 @@
-"""Where the online writer's decode step goes (issue 20): wall ms per step at two batch widths, and the ops of
+"""Where the online writer's decode step goes: wall ms per step at two batch widths, and the ops of
 a profiled stretch by host time and by device time.
 
     PYTHONPATH=$PWD python benchmarks/gpu/decode_profile.py [rows=1024] [steps=24] [device=auto]

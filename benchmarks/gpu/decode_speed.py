@@ -1,4 +1,4 @@
-"""The online writer's generation speed by decode path, side by side in one process (issue 20 §5).
+"""The online writer's generation speed by decode path, side by side in one process (docs/data.md, "Writing").
 
     PYTHONPATH=$PWD python benchmarks/gpu/decode_speed.py [rows=4096] [seq_len=320] [modes=cache,graph]
         [corpus=stdlib] [repeats=2] [out=decode_speed.json]

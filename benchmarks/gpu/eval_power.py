@@ -1,5 +1,5 @@
-"""The closing figures of issue 19 on one GPU: train a drafter for a fixed time, then evaluate it on coding10
-and on the full held-out suite (128 prompts × 256 tokens), τ ± 95% CI beside prompt lookup's.
+"""The evaluation's power on one GPU (docs/evaluation.md): train a drafter for a fixed time, then evaluate it on
+coding10 and on the full held-out suite (128 prompts × 256 tokens), τ ± 95% CI beside prompt lookup's.
 
     PYTHONPATH=$PWD python benchmarks/gpu/eval_power.py                       # ~7 min on one H200
     PYTHONPATH=$PWD python benchmarks/gpu/eval_power.py trainer.time_budget_s=120 +loss=soft_kl

@@ -1,4 +1,4 @@
-"""The LM-head work at the 27B shapes, before and after, side by side in one process (issue 13):
+"""The LM-head work at the 27B shapes, before and after, side by side in one process (docs/benchmarks.md):
 `python benchmarks/gpu/lm_head_kernels.py [--positions 4096] [--target-positions 8192] [--iters 10]`.
 
 A random bf16 head of Qwen3.6-27B's shape (V = 248,320, D = 5,120), then:

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 20 on one GPU: the `+trainer=gpu` defaults (online data the target writes: the installed corpus's prompt
+# One GPU: the `+trainer=gpu` defaults (online data the target writes: the installed corpus's prompt
 # pool, graph decode, batches written ahead, data.online.reuse auto) with a 5-layer drafter, as one run made of
 # jobs of under ten minutes each. The first call starts the run; a later call with the same OUT resumes it from
 # its checkpoint (on a machine that kept OUT). Prints each job's consumed tok/s and, after the last, data/epochs.
@@ -44,7 +44,7 @@ for r in rows:
     if "sys/loop_s" in r:
         jobs.append((cur, r["sys/loop_s"]))
         cur = []
-print("\nissue 20: +trainer=gpu defaults (online data), drafter.num_layers=5, one GPU\n")
+print("\nonline data: +trainer=gpu defaults (online data), drafter.num_layers=5, one GPU\n")
 print("| job | steps | consumed tokens | loop s | whole job tok/s | median window tok/s | consumer waits | "
       "written batches | write tok/s |\n| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
 prev_tokens, total_s = 0.0, 0.0

@@ -1,5 +1,5 @@
 #!/bin/bash
-# The reference target's pretraining on one H200 in one call of under 10 minutes (issue 11):
+# The reference target's pretraining on one H200 in one call of under 10 minutes (benchmarks/reference_target.md):
 #   1. pretrain_shapes.py: the installed-packages corpus, its tokenizer, 3 shapes x SHAPE_S seconds each
 #      (skipped when SHAPE=<name> is given: that shape, at RATE tok/s, default the rate measured at BATCH);
 #   2. experiments.pretrain_target with the shape of lowest val loss that fits 40 MB, max_steps sized to the

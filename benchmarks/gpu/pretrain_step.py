@@ -1,4 +1,4 @@
-"""The reference target's pretraining step, variants side by side in one process (issue 11):
+"""The reference target's pretraining step, variants side by side in one process (benchmarks/reference_target.md):
 `python benchmarks/gpu/pretrain_step.py [--variants off:32,default:32,...] [--seconds 20] [--profile]`.
 
 Each variant builds the same `h384_l8` model (seed 0), trains on random tokens of `--seq-len` (speed does not
@@ -99,7 +99,7 @@ def main() -> None:
     ap.add_argument("--out", default="")
     a = ap.parse_args()
     cfg = PretrainConfig(seq_len=a.seq_len)  # the h384_l8 defaults, vocab 4096
-    GdnKernels("qwen3_5").use_torch()  # the recipe trains on transformers' torch GDN (DESIGN §7)
+    GdnKernels("qwen3_5").use_torch()  # the recipe trains on transformers' torch GDN (docs/DESIGN.md)
     if a.profile:
         profile_eager(cfg, 32)
     variants = [(m, int(b)) for m, b in (v.split(":") for v in a.variants.split(","))]

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 13 on ONE H200 (kind nvidia-h200), one device call of at most 9 minutes:
+# The production-shape figures on ONE H200 (kind nvidia-h200), one device call of at most 9 minutes:
 #     bash benchmarks/gpu/production.sh
 # 0. tests/test_speed_settings.py's GPU test: the side-stream producer trains to the one-stream losses;
 # 1. the training side at the 27B shapes (2,048 tokens, 256 anchors, +trainer=gpu): target, drafter step and the
@@ -58,7 +58,7 @@ if (( $(left) > 150 )); then  # time allowing: the CUDA-graph drafter in the pip
   echo "extra: rc $? at $((SECONDS - T0)) s"
 fi
 
-echo; echo "== issue 13, one H200, 27B shapes (2,048 tokens, 256 anchors) =="
+echo; echo "== production shapes, one H200, 27B shapes (2,048 tokens, 256 anchors) =="
 for f in train extra; do
   [ -f $W/RESULTS_$f.md ] && grep -E "^(shapes|matmul peak|target tok/s|drafter tok/s|back-to-back|pipeline tok/s|drafter step|peak GPU)" $W/RESULTS_$f.md
 done

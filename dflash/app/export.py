@@ -24,7 +24,7 @@ def resolve_export_source(source: str | os.PathLike) -> ExportSource:
 def export_drafter(source: str | os.PathLike, out_dir: str | os.PathLike,
                    dtype: str | torch.dtype = "bfloat16",
                    target: TargetFacts | str | os.PathLike | None = None) -> Path:
-    """Writes the serving folder (the serving format: dflash/serving/export.py) for a run dir / serving folder /
+    """Writes the serving folder (docs/serving.md) for a run dir / serving folder /
     checkpoint, atomically. `target` (its facts, or a local target folder: config.json + tokenizer) replaces
     the facts the source records (needed when the source is a bare folder: no context length or mask string of
     its own)."""

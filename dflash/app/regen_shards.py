@@ -110,20 +110,8 @@ def _progress(total: int, show: bool, world: int):
 
 
 def regen_config_from(argv: list[str]) -> tuple[RegenConfig, list[str]]:
-    """`regen.KEY=VALUE` arguments as a RegenConfig; the rest are run-config overrides."""
-    fields = {f.name: f for f in dataclasses.fields(RegenConfig)}
-    cfg, rest = RegenConfig(), []
-    for a in argv:
-        if not a.startswith("regen."):
-            rest.append(a)
-            continue
-        key, _, raw = a[len("regen."):].partition("=")
-        if key not in fields:
-            raise ConfigError(f"unknown key regen.{key}; expected one of {sorted(fields)}")
-        current = getattr(cfg, key)
-        try:
-            value = raw.lower() in ("1", "true") if isinstance(current, bool) else type(current)(raw)
-        except ValueError as e:
-            raise ConfigError(f"regen.{key}={raw!r}: expected {type(current).__name__}") from e
-        cfg = dataclasses.replace(cfg, **{key: value})
-    return cfg, rest
+    """`regen.KEY=VALUE` arguments as a RegenConfig (through the one override parser, dflash/overrides.py); the
+    rest are run-config overrides."""
+    from dflash.overrides import apply_overrides
+    ours = [a for a in argv if a.startswith("regen.")]
+    return apply_overrides(RegenConfig(), ours, prefix="regen."), [a for a in argv if not a.startswith("regen.")]

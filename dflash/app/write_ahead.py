@@ -1,4 +1,4 @@
-"""What many runs of one campaign or sweep share, made once before they start.
+"""What many runs of one campaign or sweep share, made once before they start (docs/sweeps.md, docs/data.md).
 
 Runs that share a GPU and start together would otherwise all make the same inputs at the same time: every one
 parses the corpus into its prompt pool, every one writes the same first online batches (the engine's shards

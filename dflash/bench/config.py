@@ -4,7 +4,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from dflash.config import ConfigError, RunConfig, validate, with_overrides
+from dflash.config import ConfigError, RunConfig, validate
+from dflash.overrides import apply_overrides
 
 
 @dataclass
@@ -81,7 +82,7 @@ def variant_configs(cfg: RunConfig, spec: str, key: str) -> dict[str, RunConfig]
     """Each variant's config, checked before any work starts (a bad key names `bench.<key>`)."""
     out = {}
     for label, overrides in parse_variants(spec):
-        out[label] = with_overrides(cfg, overrides, f"bench.{key}")
+        out[label] = apply_overrides(cfg, overrides, f"bench.{key}")
         validate(out[label])
         kept = {k: getattr(cfg.target, k) for k in IN_PLACE_TARGET_KEYS}
         if dataclasses.replace(out[label].target, **kept) != cfg.target:

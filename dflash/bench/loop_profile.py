@@ -1,5 +1,5 @@
-"""Where a real training run's loop time goes (issue 20: a run reading shards consumed 87% of the tokens per
-second that the bench's back-to-back measured at the same shapes).
+"""Where a real training run's loop time goes (benchmarks/RESULTS.md: a run reading shards once consumed 87% of the
+tokens per second that the bench's back-to-back measured at the same shapes).
 
 `LoopProfiler` is a `Trainer.run(around_step=...)` hook: the torch profiler runs from the start of loop step
 `start` to the end of step `start + steps - 1`. `loop_breakdown` then splits the consumer thread's wall time

@@ -6,7 +6,7 @@ once per window (`perf/consumed_tok_s`, `perf/pipeline_tok_s`, …). The headlin
 all the windows together: the tokens of the steps it saw, over the wall time from the device idle before the
 first window to the device idle after the last. It must agree with the trainer's `perf/consumed_tok_s` of the
 same windows (within 2%, tested). `perf/pipeline_tok_s` credits the stock the producer left in the buffer
-(tokens put, not trained on): it is reported as `stock_credited_tok_s`, never as the headline (issue 13: a
+(tokens put, not trained on): it is reported as `stock_credited_tok_s`, never as the headline (a
 20-step window's stock swing once read 6,085 where 5,071 trained).
 """
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Host syncs inside the training step, from a profiler trace (issue 6: "no host sync in the step loop").
+"""Host syncs inside the training step, from a profiler trace (the rule: no host sync in the step loop).
 
 Two kinds are counted on the consumer's own thread, inside the `dflash.train_step` ranges the trainer marks:
 blocking CUDA runtime calls (seen on a GPU only) and ops that read a device value back to the host (`.item()`,

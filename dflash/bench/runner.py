@@ -1,4 +1,4 @@
-"""Throughput benchmark at production shapes (issues 6 and 13).
+"""Throughput benchmark at production shapes (docs/benchmarks.md).
 
 Measured side by side in one process, on one device, each a section of `bench.sections`:
 - `peak`: a bf16 matmul (n×n×n) — the MFU denominator, measured on the spot;
@@ -174,7 +174,7 @@ def run_bench(cfg: RunConfig, b: BenchConfig) -> dict:
 
 
 def describe(cfg: RunConfig, b: BenchConfig, target: Target, world: int) -> dict:
-    """The shapes a figure is found by (issue 13): target, drafter, seq_len, anchors and GPUs."""
+    """The shapes a figure is found by in benchmarks/RESULTS.md: target, drafter, seq_len, anchors and GPUs."""
     dev = target.device
     split = cfg.trainer.device not in ("auto", str(dev)) and "cuda" in cfg.trainer.device
     d = cfg.drafter

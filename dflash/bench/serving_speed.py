@@ -1,4 +1,4 @@
-"""What τ buys at production shapes (issue 13, `bench.sections=serving`).
+"""What τ buys at production shapes (`bench.sections=serving`, docs/benchmarks.md).
 
 Decoding is memory-bandwidth bound, so an eval τ turns into serving speed only through the cost of one
 speculative round against one greedy step. After a context of C tokens already in the caches (the target's

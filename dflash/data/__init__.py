@@ -1,4 +1,4 @@
-"""What the target reads (DESIGN §5 "Data").
+"""What the target reads (docs/DESIGN.md, "The data path"; docs/data.md).
 
 - `corpus`: Python source files (the standard library, or with `scope=installed` every installed package too),
   deduplicated by content, split by a hash of their path into train / val / test (`load_corpus`, `split_of`,

@@ -1,4 +1,4 @@
-"""Online target-written training data (issue 20 §3): the target writes every training sequence while the run
+"""Online target-written training data (docs/data.md): the target writes every training sequence while the run
 trains, so a run never needs to see a sequence twice.
 
 The stream: item key g (the trainer's global item index; rank r of `world` takes g = n·world + r) names
@@ -53,7 +53,7 @@ class OnlineConfig:
     decode: str = "auto"
     ahead: int = 1  # on a GPU, batches written in the background ahead of the consumer (0: write when asked)
     # views of each written sequence: written batch b serves items b·R·W … (b+1)·R·W − 1, each row R times in a
-    # seeded order. Writing and training share one GPU; R > 1 lets training run at its own speed (issue 20 §5)
+    # seeded order. Writing and training share one GPU; R > 1 lets training run at its own speed
     reuse: int = 0  # 0 = auto: AUTO_GPU_REUSE on a GPU, 1 on the CPU
 
 

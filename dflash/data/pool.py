@@ -1,4 +1,5 @@
-"""The training prompt pool (issue 20 §2): prompts like the ones users evaluate on, from the TRAIN split only.
+"""The training prompt pool (docs/data.md, "Prompt pool"): prompts like the ones users evaluate on, from the TRAIN
+split only.
 
 Two kinds, mixed by `data.pool.headers_frac`:
 - `header`: a function or class header with its docstring (`dflash.data.prompts.header_prompts`, found with

@@ -1,4 +1,4 @@
-"""Drafter training data written by the target itself (issue 4 §3).
+"""Drafter training data written by the target itself (`+data=target_regen`).
 
 The drafter learns to predict the target, so its training sequences should look like what the target
 writes: each corpus sequence keeps its first `prompt_len` tokens (the prompt) and the rest is replaced by

@@ -1,4 +1,4 @@
-"""How the target writes a batch of continuations (issue 20 §3, §5): `write_continuations` and the width of a
+"""How the target writes a batch of continuations (docs/data.md, "Writing"): `write_continuations` and the width of a
 written batch (`auto_write_batch`).
 
 Every row of a batch is fed one token per step at the same position; a row still inside its own prompt is fed

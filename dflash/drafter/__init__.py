@@ -1,4 +1,4 @@
-"""The DFlash drafter (DESIGN §1).
+"""The DFlash drafter (docs/DESIGN.md, "The drafter").
 
 - `model`: `DFlashDrafter` (context features from the target's layers, KV injection in every layer,
   bidirectional blocks), `DrafterConfig`, `build_drafter`, `DrafterCache` for inference.

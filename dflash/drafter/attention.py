@@ -2,8 +2,8 @@
 
 In training, N blocks of `block_size` query tokens per sequence attend to the context K/V (positions < their
 anchor) and to their own block, both directions; blocks never see each other, so each block sees exactly what
-it would see when drafted alone at inference (DFlash, arXiv 2602.06036; DESIGN §1). `training_mask` is that
-mask as a dense bool tensor; `block_mask_mod` is the same predicate for FlexAttention.
+it would see when drafted alone at inference (DFlash, arXiv 2602.06036; docs/DESIGN.md, "The drafter").
+`training_mask` is that mask as a dense bool tensor; `block_mask_mod` is the same predicate for FlexAttention.
 
 A layer may attend through a sliding window (`LayerAttention`): the published Qwen3.6-27B drafter has 4 such
 layers (window 2,048) and one full-attention layer. As the engines run them (SGLang: DECODER attention with a

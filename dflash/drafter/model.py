@@ -1,5 +1,5 @@
-"""The DFlash drafter (DESIGN §1; Chen et al., "DFlash: Block Diffusion for Flash Speculative Decoding",
-arXiv 2602.06036).
+"""The DFlash drafter (docs/DESIGN.md, "The drafter"; Chen et al., "DFlash: Block Diffusion for Flash Speculative
+Decoding", arXiv 2602.06036).
 
 - Context feature: target hidden states at `target_layer_ids`, concatenated on the feature axis,
   `fc` (n·H → H, no bias) then `hidden_norm` (RMSNorm).

@@ -1,4 +1,4 @@
-"""Evaluated acceptance (DESIGN §5): the number a checkpoint is judged by.
+"""Evaluated acceptance (docs/DESIGN.md, "Evaluation and the gate"): the number a checkpoint is judged by.
 
 - `prompts`: eval suites (built-in `coding10`, generated `heldout`, or a JSON file of {name, prompt}).
 - `heldout`: the held-out suite, header + docstring prompts from the corpus's held-out files.

@@ -1,5 +1,5 @@
-"""Simulated speculative rounds on the ground truth (DESIGN §5): vanilla τ, DDTree τ, per-position
-acceptance.
+"""Simulated speculative rounds on the ground truth (docs/DESIGN.md, "Evaluation and the gate"): vanilla τ, DDTree τ,
+per-position acceptance.
 
 A round: the committed prefix ends at position p (first round p = prompt length, anchor = the target's
 first greedy token, at p). The proposer sees the context before p and the anchor and returns draft logits

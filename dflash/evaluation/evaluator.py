@@ -1,4 +1,4 @@
-"""The trainer's evaluator and the multi-suite evaluation (issue 19).
+"""The trainer's evaluator and the multi-suite evaluation (docs/evaluation.md).
 
 `evaluate_suites(drafter, target, cfg)`: the objective suite (`eval.suite`) and every `eval.extra_suites`
 entry, each on its own cached ground truth at its own continuation length; metrics = the objective's

@@ -1,4 +1,4 @@
-"""The `heldout` suite (issue 19): prompts from the corpus's held-out files, of the kind the training
+"""The `heldout` suite (docs/evaluation.md): prompts from the corpus's held-out files, of the kind the training
 prompt pool uses — a function or class header with its docstring (`dflash.data.prompts.header_prompts`) —
 continued for `max_new_tokens` (default 256) tokens, long enough for a drafter to show long streaks.
 

@@ -1,4 +1,4 @@
-"""Paired comparisons from task tables (issue 19): the promotion gate and `experiments.eval A B` compare
+"""Paired comparisons from task tables (docs/evaluation.md): the promotion gate and `experiments.eval A B` compare
 two drafters on the SAME ground truth, prompt for prompt.
 
 A task table is `EvalReport.to_dict()` (the `eval/tasks.json` artifact, or `eval/suite/<name>/tasks.json`):
@@ -65,7 +65,7 @@ def paired_delta(table_a: dict, table_b: dict, cols_a: tuple[str, str], cols_b: 
     """Δ = τ_A − τ_B over the prompts both tables ran, on one ground truth; raises NotPaired otherwise."""
     ka, kb = ground_truth_of(table_a), ground_truth_of(table_b)
     if not ka or not kb:
-        raise NotPaired("a task table without info.ground_truth_key (written before issue 19)")
+        raise NotPaired("a task table without info.ground_truth_key (written before tables recorded it)")
     if ka != kb:
         raise DifferentGroundTruth("the two evaluations ran on different ground truth (target, prompts or continuation "
                         f"length differ: {ka[:12] or 'none'} vs {kb[:12] or 'none'})")

@@ -1,5 +1,5 @@
 """Prompt-lookup decoding (Saxena 2023; vLLM's and SGLang's `ngram` speculative method): the zero-cost
-baseline a trained drafter must beat (issue 19).
+baseline a trained drafter must beat (docs/evaluation.md).
 
 At a round whose committed context is `tokens[0..p]` (the anchor at p included), take the longest suffix
 of the context of length n, n from `max_n` down to `min_n`, that also occurs earlier in the context; the

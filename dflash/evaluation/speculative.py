@@ -1,4 +1,5 @@
-"""Real speculative decoding on the target (DESIGN §5): draft → verify → commit, greedy, lossless.
+"""Real speculative decoding on the target (docs/DESIGN.md, "Evaluation and the gate"): draft → verify → commit,
+greedy, lossless.
 
 `TargetSession` drives the target's decoder with a Hugging Face cache and can roll it back:
 

@@ -1,4 +1,4 @@
-"""Uncertainty of τ: percentile bootstrap over prompts (issue 19).
+"""Uncertainty of τ: percentile bootstrap over prompts (docs/evaluation.md).
 
 τ is pooled over rounds: τ = Σ_i s_i / Σ_i n_i, where prompt i ran n_i rounds whose τ sum to s_i. Rounds
 of one prompt are not independent (a prompt that a drafter finds easy gives it long streaks all along), so

@@ -1,4 +1,4 @@
-"""DDTree (DESIGN §5): a draft tree built best-first from the drafter's one forward.
+"""DDTree (docs/DESIGN.md, "Evaluation and the gate"): a draft tree built best-first from the drafter's one forward.
 
 The drafter gives, for each depth d = 1..D (block position d), a distribution over the token at that
 position; DDTree keeps the top-k tokens per depth and treats the per-depth log-probs as independent. A

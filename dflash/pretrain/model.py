@@ -2,8 +2,8 @@
 transformers' default layer types put full attention on every 4th layer), its size, and the choice of
 Gated-DeltaNet kernels to train with.
 
-Gated-DeltaNet kernels on CUDA (DESIGN §7): FLA's backward is wrong or refused on Hopper with Triton
-< 3.7.1. With `gdn_kernels=auto`, the model's loss and gradients on a batch of the training shape are
+Gated-DeltaNet kernels on CUDA (docs/DESIGN.md, "The target and its kernels"): FLA's backward is wrong or refused on
+Hopper with Triton < 3.7.1. With `gdn_kernels=auto`, the model's loss and gradients on a batch of the training shape are
 computed once with the bound kernels (FLA) and once with transformers' pure-torch functions; FLA trains
 only if it runs and agrees (relative gradient error ≤ `grad_check_tol` overall and ≤ 4× that for every
 parameter with a non-negligible gradient). Otherwise the torch functions train. The module's functions

@@ -1,4 +1,4 @@
-"""Pretraining the shipped reference target: a small `qwen3_5` hybrid code model (issues 4, 11).
+"""Pretraining the shipped reference target: a small `qwen3_5` hybrid code model (benchmarks/reference_target.md).
 
 `pretrain(cfg, prompts)` runs one job of the recipe:
 

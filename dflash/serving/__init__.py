@@ -1,4 +1,4 @@
-"""From a trained drafter to a served one (DESIGN §5 "Promotion", §6).
+"""From a trained drafter to a served one (docs/DESIGN.md, "Evaluation and the gate"; docs/serving.md).
 
 - `export`: the serving folder (`config.json` with `DFlashDraftModel` and the target's facts the engines read,
   safetensors with the reference tensor names, `modeling_dflash.py` for `AutoModel` + trust_remote_code):

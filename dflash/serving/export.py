@@ -1,9 +1,9 @@
-"""The serving format (DESIGN §6): a folder with `config.json` (`DFlashDraftModel`, Qwen3 decoder fields,
+"""The serving format (docs/serving.md): a folder with `config.json` (`DFlashDraftModel`, Qwen3 decoder fields,
 `block_size`, `num_target_layers`, `dflash_config`) and `model.safetensors` whose tensor names are those
 of the reference implementation (z-lab/dflash `dflash/model.py`), which our module names mirror.
 z-lab / SGLang / vLLM load such a folder; `load_drafter` reads it back (ours or a published one).
 
-What the engines read beyond the weights (checked against their source, DESIGN §6), and where it comes from:
+What the engines read beyond the weights (checked against their source, docs/serving.md), and where it comes from:
 - `max_position_embeddings`: the target's context length (SGLang refuses a drafter shorter than its target;
   vLLM sizes the drafter's RoPE table with it).
 - `dflash_config.mask_token`: the target tokenizer's string for `mask_token_id` (SGLang checks it).

@@ -1,5 +1,5 @@
-"""The promotion gate (DESIGN §5): register an *evaluated* run's checkpoint in the MLflow Model Registry
-and move the serving alias only when its acceptance beats the current holder.
+"""The promotion gate (docs/DESIGN.md, "Evaluation and the gate"): register an *evaluated* run's checkpoint in the
+MLflow Model Registry and move the serving alias only when its acceptance beats the current holder.
 
     decision = promote(run_id, PromoteConfig(margin=0.05, floor=3.0), "sqlite:///mlflow.db")
 
@@ -19,7 +19,7 @@ Rules, in order:
      task table lacks per-prompt columns, `value > eval/tau_prompt_lookup`; a run without any
      prompt-lookup figure (evaluated before it existed, or by hand) is only noted;
    - it beats the holder (the version the alias points at now): when both runs' task tables
-     (`eval/tasks.json`, issue 19) ran on the same ground truth, the lower end of the paired
+     (`eval/tasks.json`) ran on the same ground truth, the lower end of the paired
      `promote.ci_level` bootstrap interval of Δ = candidate − holder must exceed `margin`; two tables on
      different ground truth refuse (re-evaluate both on one: `python -m experiments.eval <candidate>
      champion`); when either run has no per-prompt table, the recorded values decide

@@ -1,4 +1,4 @@
-"""The frozen target (DESIGN §1, §7).
+"""The frozen target (docs/DESIGN.md, "The target and its kernels").
 
 - `model`: `Target` (hidden states at `layer_ids`, greedy labels, top-k soft labels), `TargetConfig`,
   `validate_target_config`, `default_layer_ids`, tiny random hybrid targets, the shipped reference target.

@@ -1,7 +1,8 @@
 """Gated-DeltaNet kernel selection for transformers' hybrid models (`qwen3_5`, `qwen3_next`).
 
 transformers binds FLA's Triton kernels when `fla` imports and silently falls back to slow torch code when it
-does not (DESIGN §7: the original pipeline lost most of its throughput that way). These functions patch the
+does not (docs/DESIGN.md, "The target and its kernels": the original pipeline lost most of its throughput that way).
+These functions patch the
 modelling module process-wide: report which kernels are active, put FLA's short convolution behind
 `causal_conv1d_fn`, or force the torch reference (CPU, or a side-by-side benchmark).
 Public: `preflight_kernels`, `kernel_report`, `route_cpu_to_torch` (a CPU target: torch code for CPU tensors, the fast

@@ -1,7 +1,7 @@
 """The frozen target: any local Hugging Face causal LM, or a tiny random hybrid built from config.
 
-Gives the drafter what it trains on (DESIGN §1): hidden states at `layer_ids` (decoder-layer *outputs*:
-HF `hidden_states[id + 1]`), the target's greedy labels, and optionally its top-k logits as soft labels.
+Gives the drafter what it trains on (docs/DESIGN.md, "The drafter"): hidden states at `layer_ids` (decoder-layer
+*outputs*: HF `hidden_states[id + 1]`), the target's greedy labels, and optionally its top-k logits as soft labels.
 Everything runs under `torch.no_grad()` with `requires_grad=False` parameters.
 
 Nothing is ever fetched from a hub: a real target is a local folder (`target.path`), loaded with
@@ -324,7 +324,7 @@ class Target:
             t0 = time.perf_counter()
             cuda = input_ids_BT.is_cuda
             if cuda:  # timed by CUDA events read at the next log interval, not a host sync per forward: a
-                # sync here idles the GPU while the host then builds the drafter's batch (issue 20)
+                # sync here idles the GPU while the host then builds the drafter's batch
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 start.record()
             with self.fused.scope():
@@ -346,7 +346,7 @@ class Target:
         """The decoder's mask mapping for a causal batch without padding, made as transformers makes it but without
         position ids: given them (the decoder makes its own), it checks the batch for packed sequences with an
         `.all()` — a host sync on every target forward, which stalled the inline producer until the drafter's
-        queued step had drained (issue 20, `benchmarks/profile_run.py`). Right-padded rows need no mask: causal."""
+        queued step had drained (`benchmarks/profile_run.py`). Right-padded rows need no mask: causal."""
         if self._own_masks_failed:
             return None
         from transformers.masking_utils import create_causal_mask

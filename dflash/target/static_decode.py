@@ -1,4 +1,4 @@
-"""One-token decode steps with every state preallocated, replayed as a CUDA graph (issue 20 §5).
+"""One-token decode steps with every state preallocated, replayed as a CUDA graph (docs/data.md, "Writing").
 
 transformers' cached decode of a hybrid Gated-DeltaNet target runs ~3,600 small ops a step for the reference
 target (mask building, cache bookkeeping; host-bound at 1,024 rows, RESULTS.md session 8), its caches grow by

@@ -1,4 +1,4 @@
-"""MLflow calls on a worker thread: a slow or dead tracking server costs the training loop nothing (issue 15).
+"""MLflow calls on a worker thread: a slow or dead tracking server costs the training loop nothing.
 
 The trainer wraps its MLflow logger (`in_background(loggers)`); metrics.jsonl and the console stay on the caller's
 thread (the jsonl file is the log of record: its disk errors must reach the trainer).

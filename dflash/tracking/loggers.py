@@ -129,7 +129,7 @@ class ConsoleLogger(Logger):
         ):
             if key in m:
                 parts.append(f"{label} {fmt.format(m[key])}")
-        # what trains (issue 13): consumed tok/s; the drafter's busy rate only where that is not logged (the
+        # what trains: consumed tok/s; the drafter's busy rate only where that is not logged (the
         # campaign's cells printed 73 K here while they consumed 42.5 K)
         tok_s = next((m[k] for k in ("perf/consumed_tok_s", "perf/pipeline_tok_s", "perf/drafter_tok_s") if k in m),
                      None)

@@ -1,4 +1,4 @@
-"""Training a drafter against a frozen target (DESIGN §2–§4).
+"""Training a drafter against a frozen target (docs/DESIGN.md, "Losses and noise", "The buffer").
 
 - `trainer`: `Trainer`, handed its components (`TrainParts`): the step API `make_batch` / `step`, the loop
   `run` (metrics from device accumulators every N steps, checkpoints, resume, a stop at a step boundary).

@@ -1,4 +1,4 @@
-"""Turn buffered items into one drafter training batch (DESIGN §1: random anchors per sequence).
+"""Turn buffered items into one drafter training batch (docs/DESIGN.md, "The drafter": random anchors per sequence).
 
 Everything random here (anchors, feature noise) is drawn from generators seeded by
 (run seed, epoch, sequence index): anchors are re-drawn every epoch, and a resumed run draws exactly

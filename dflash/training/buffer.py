@@ -45,8 +45,8 @@ Shutdown and errors
   ``put``/``get`` raises :class:`BufferFailed` chained (``__cause__``) from ``exc``.
   Use ``with buffer.guard("producer 0"): ...`` around a producer/consumer loop to fail
   the buffer on any exception.
-* Items are never dropped silently: ``pending_keys()`` lists what is still buffered
-  (for exact resume) and the per-bucket put/get counters are part of ``state_dict``.
+* Items are never dropped silently: ``snapshot()`` gives what is still buffered (for exact
+  resume) with the per-bucket put/get counters.
 """
 
 from __future__ import annotations
@@ -434,10 +434,6 @@ class BucketedBuffer:
 
     # ------------------------------------------------------------ inspection
     @property
-    def closed(self) -> bool:
-        return self._closed
-
-    @property
     def error(self) -> BaseException | None:
         return self._error
 
@@ -445,23 +441,10 @@ class BucketedBuffer:
         with self._cond:
             return self._depths()
 
-    def total(self) -> int:
+    def __len__(self) -> int:
+        """Items buffered now, all buckets together."""
         with self._cond:
             return self._total
-
-    def __len__(self) -> int:
-        return self.total()
-
-    def pending_keys(self) -> list[tuple[int, Any]]:
-        """``(bucket, key)`` of every buffered item, in arrival order.
-
-        Re-putting these items in this order after ``load_state_dict`` restores the
-        buffer exactly (same within-bucket and fifo order, same counters).
-        """
-        with self._cond:
-            entries = [e for b in self._buckets for e in b]
-        entries.sort(key=lambda e: e.seq)
-        return [(e.bucket, e.key) for e in entries]
 
     def stats(self) -> dict[str, float]:
         with self._cond:
@@ -479,14 +462,12 @@ class BucketedBuffer:
             return out
 
     # ------------------------------------------------------------ checkpoint
-    def state_dict(self) -> dict:
-        """Policy state and per-bucket counters (items themselves: ``pending_keys``)."""
-        with self._cond:
-            return self._state_unlocked()
-
     def snapshot(self) -> tuple[dict, list[tuple[int, Any]]]:
-        """``(state_dict(), pending_keys())`` taken under one lock, so a concurrent put cannot slip
-        between them (a checkpoint needs both to agree)."""
+        """``(state, pending)`` taken under one lock, so a concurrent put cannot slip between them (a checkpoint
+        needs both to agree): the policy state and per-bucket counters, and the ``(bucket, key)`` of every
+        buffered item in arrival order. ``load_state_dict(state)`` into an empty buffer, then re-putting the
+        pending items in this order, restores the buffer exactly (same within-bucket and fifo order, same
+        counters)."""
         with self._cond:
             entries = sorted((e for b in self._buckets for e in b), key=lambda e: e.seq)
             return self._state_unlocked(), [(e.bucket, e.key) for e in entries]
@@ -506,7 +487,7 @@ class BucketedBuffer:
         """Restore policy state and counters into an empty buffer.
 
         The put counters are restored *minus* the items that were pending at save
-        time, so re-putting the ``pending_keys`` items yields the saved counters.
+        time, so re-putting the pending items of ``snapshot`` yields the saved counters.
         """
         with self._cond:
             if self._total:

@@ -1,4 +1,4 @@
-"""What a run trains on, and how often it has seen it (issue 20 §3–4).
+"""What a run trains on, and how often it has seen it (docs/data.md).
 
 `build_training_data` gives the run its data before the first step: stored sequences (`data.source`) or the
 online stream the target writes (`data.source=online`, or `trainer.online_data`, which `+trainer=gpu` turns

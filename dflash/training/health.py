@@ -1,6 +1,6 @@
 """A dead drafter: loss at ln V (uniform logits over the vocabulary) and a zero gradient, so nothing can change.
 
-Seen with `trainer.lr=1e6` (issue 15): the loss sat at ln 4096 with grad norm 0 for the whole run, which
+Seen with `trainer.lr=1e6`: the loss sat at ln 4096 with grad norm 0 for the whole run, which
 FINISHED and scored τ 1.00. Nothing more can be learnt once the gradient is exactly zero, so the run stops at the
 first metric read that shows it and ends FAILED (the promotion gate refuses FAILED runs).
 """

@@ -160,6 +160,21 @@ def _chunk_forward(
     return stats, grads
 
 
+def chunk_stats(
+    hidden_CD: Tensor,
+    head_VD: Tensor,
+    labels_C: Tensor,
+    soft_vals_Ck: Tensor | None = None,
+    soft_idx_Ck: Tensor | None = None,
+    temperature: float = 1.0,
+) -> dict[str, Tensor]:
+    """One chunk's stats ({ce, p_label, correct}, + {kl, tv, overlap} with soft labels) in plain torch ops that
+    autograd differentiates: the one implementation of the CE / KL / TV maths. The fused path forms their
+    gradients by hand (``_chunk_forward`` with ``need_grad``); the recompute path (``position_stats``) runs this
+    under activation checkpointing."""
+    return _chunk_forward(hidden_CD, head_VD, labels_C, soft_vals_Ck, soft_idx_Ck, temperature, need_grad=False)[0]
+
+
 def _soft_stats_and_grads(
     logits_CV: Tensor,
     lse_C: Tensor,

@@ -1,4 +1,4 @@
-"""Noise on the target features fed to the drafter (DESIGN §3).
+"""Noise on the target features fed to the drafter (docs/DESIGN.md, "Losses and noise").
 
 Noise is added to every selected target layer *except the last one*: the last selected layer is the
 one closest to the target's output and carries most of the next-token signal, so corrupting it teaches

@@ -123,8 +123,8 @@ class SideStream:
     """The target's forwards on their own CUDA stream (one per producer thread), beside the consumer's: the
     drafter work the consumer has queued keeps running while the target computes — with an inline producer the
     step queued just before the forward; with producer threads (`trainer.producer_mode=thread`) every step the
-    consumer launches meanwhile. DESIGN §4: an unsynchronised second stream once handed the consumer NaNs.
-    Exact because (1) the consumer's stream waits for the side stream's work before it touches an item
+    consumer launches meanwhile. docs/DESIGN.md, "The buffer": an unsynchronised second stream once handed the
+    consumer NaNs. Exact because (1) the consumer's stream waits for the side stream's work before it touches an item
     (`wait_stream`: a device-side wait, no host sync; the target also synchronises its own stream to time its
     forward), and (2) every tensor of an item is recorded as used by the consumer's stream, so the caching
     allocator cannot hand its memory to the next forward on the side stream while the drafter's queued

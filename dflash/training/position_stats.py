@@ -17,8 +17,7 @@ from torch.utils.checkpoint import checkpoint
 
 from dflash.registry import Registry
 from dflash.target.lm_head import resolve_chunk
-from dflash.training.lm_head_loss import IGNORE_INDEX, LM_HEAD_KERNELS, fused_position_stats
-from dflash.training.lm_head_loss import chunk_logits as _chunk_logits
+from dflash.training.lm_head_loss import IGNORE_INDEX, LM_HEAD_KERNELS, chunk_stats, fused_position_stats
 
 
 @dataclass
@@ -34,19 +33,10 @@ class PositionStats:
     temperature: float = 1.0  # the T of kl / tv / overlap
 
 
-def _ce_and_correct(logits_CV: Tensor, labels_C: Tensor) -> tuple[Tensor, Tensor]:
-    """CE at T=1 and argmax correctness; both 0 / False where label == IGNORE_INDEX."""
-    valid_C = labels_C != IGNORE_INDEX
-    safe_labels_C = torch.where(valid_C, labels_C, 0)
-    label_logit_C = logits_CV.gather(1, safe_labels_C[:, None]).squeeze(1)
-    ce_C = torch.where(valid_C, torch.logsumexp(logits_CV, dim=-1) - label_logit_C, 0.0)
-    correct_C = (logits_CV.argmax(dim=-1) == labels_C) & valid_C
-    return ce_C, correct_C
-
-
 def _hard_chunk(hidden_CD: Tensor, lm_head_VD: Tensor, labels_C: Tensor) -> tuple[Tensor, Tensor]:
-    """CE and correctness for one chunk of positions."""
-    return _ce_and_correct(_chunk_logits(hidden_CD, lm_head_VD), labels_C)
+    """CE and correctness for one chunk of positions (``lm_head_loss.chunk_stats``)."""
+    stats = chunk_stats(hidden_CD, lm_head_VD, labels_C)
+    return stats["ce"], stats["correct"]
 
 
 def _soft_chunk(
@@ -57,25 +47,10 @@ def _soft_chunk(
     soft_idx_Ck: Tensor,
     temperature: float,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """CE, correctness, KL, TV and overlap (top-k soft labels) for one chunk."""
-    logits_CV = _chunk_logits(hidden_CD, lm_head_VD)
-    ce_C, correct_C = _ce_and_correct(logits_CV, labels_C)
-    valid_C = labels_C != IGNORE_INDEX
-
-    # Drafter log q at the target's top-k indices, q = softmax(d / T) over V.
-    scaled_CV = logits_CV / temperature
-    safe_idx_Ck = torch.where(valid_C[:, None], soft_idx_Ck, 0)
-    log_q_Ck = scaled_CV.gather(1, safe_idx_Ck) - torch.logsumexp(scaled_CV, dim=-1, keepdim=True)
-    # Target p = softmax(vals / T) over its top-k.  Invalid rows get dummy
-    # values so padding garbage (e.g. all -inf) cannot yield NaN gradients.
-    vals_Ck = torch.where(valid_C[:, None], soft_vals_Ck.to(logits_CV.dtype), 0.0)
-    log_p_Ck = torch.log_softmax(vals_Ck / temperature, dim=-1)
-    p_Ck = log_p_Ck.exp()
-    kl_terms_Ck = torch.where(p_Ck > 0, p_Ck * (log_p_Ck - log_q_Ck), 0.0)
-    kl_C = torch.where(valid_C, kl_terms_Ck.sum(dim=-1), 0.0)
-    overlap_C = torch.where(valid_C, torch.minimum(p_Ck, log_q_Ck.exp()).sum(dim=-1), 0.0)
-    tv_C = torch.where(valid_C, 1.0 - overlap_C, 0.0)
-    return ce_C, correct_C, kl_C, tv_C, overlap_C.detach()
+    """CE, correctness, KL, TV and overlap (detached) against top-k soft labels for one chunk: the maths of
+    ``lm_head_loss.chunk_stats``, the one implementation both paths share."""
+    stats = chunk_stats(hidden_CD, lm_head_VD, labels_C, soft_vals_Ck, soft_idx_Ck, temperature)
+    return stats["ce"], stats["correct"], stats["kl"], stats["tv"], stats["overlap"].detach()
 
 
 def _maybe_checkpoint(fn: Callable, *args) -> tuple[Tensor, ...]:

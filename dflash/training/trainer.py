@@ -4,8 +4,8 @@
 API (`make_batch`, `step`), the loop (`run`), its checkpoints and its resume. Everything around a run (the run
 folder, resume state, loggers, evaluation, export, promotion) is composed one layer up, in dflash/app/run.py,
 and reaches the loop only through `LoopHooks` (dflash/training/hooks.py). The step loop never syncs the host:
-metrics accumulate on the device and are read every `tracking.log_every` steps (a per-step `.item()` cost the
-original pipeline 1.3 s a step).
+metrics accumulate on the device and are read every `tracking.log_every` steps (docs/DESIGN.md, "The buffer": a per-step
+`.item()` cost the original pipeline 1.3 s a step).
 """
 from __future__ import annotations
 

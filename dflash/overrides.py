@@ -23,7 +23,7 @@ from typing import Any
 
 import yaml
 
-from dflash.config import ConfigError
+from dflash.errors import ConfigError
 
 _TRUE, _FALSE = ("true", "yes", "on", "1"), ("false", "no", "off", "0")
 

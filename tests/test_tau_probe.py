@@ -9,7 +9,14 @@ import torch
 
 from dflash.config import ConfigError
 from dflash.evaluation.acceptance import BatchedDrafterProposer, simulate_task
-from dflash.training.tau_probe import TauProbeConfig, leading_matches, probe_tau, rounds_taus, sequence_round_taus
+from dflash.training.tau_probe import (
+    TauProbeConfig,
+    leading_matches,
+    probe_tau,
+    rounds_taus,
+    sequence_round_taus,
+    trained_span,
+)
 from dflash.app.run import train
 from tests.test_eval_batched_proposer import BS, _chained_truth, _drafter
 
@@ -81,3 +88,26 @@ def test_bad_probe_and_milestone_settings_name_the_key(fast_cfg, override):
     from dflash.config import validate
     with pytest.raises(ConfigError, match=override.split("=")[0].rsplit(".", 1)[-1]):
         validate(fast_cfg(override))
+
+
+def test_masked_data_is_probed_over_its_last_trained_span_only():
+    """Conversations: rounds run over the last assistant span, never over a user or system turn."""
+    m = torch.zeros(40, dtype=torch.bool)
+    m[5:12] = True
+    m[20:31] = True
+    assert trained_span(None, 40, 16) == (16, 40)
+    assert trained_span(m, 40, 128) == (11, 31)  # tokens 20..30: anchors 20..29
+    assert trained_span(m, 40, 4) == (4, 24)  # the span's first 4 tokens
+    assert trained_span(torch.zeros(40, dtype=torch.bool), 40, 16)[0] == 0
+    d = _drafter("full")
+    truth = _varied_truth(d, 4, 48)
+    T = truth.tokens.numel()
+    mask = torch.zeros(T, dtype=torch.bool)
+    mask[T - 30:T - 6] = True  # a span that ends before the sequence does
+
+    class It:
+        tokens_T, features_TLH, labels_T, loss_mask_T = truth.tokens, truth.features, _labels(truth.tokens), mask
+
+    got = probe_tau(d, [It()], TauProbeConfig(sequences=1, window=128))
+    want = sequence_round_taus(d, truth.tokens, truth.features, _labels(truth.tokens), 24, end=T - 6)
+    assert got["train/tau_rounds_n"] == len(want) and got["train/tau_rounds"] == pytest.approx(sum(want) / len(want))

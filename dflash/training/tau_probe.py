@@ -15,7 +15,8 @@ T − 2, as `BatchedDrafterProposer` does), the leading matches are reduced on t
 per sequence feeds the rounds: p = T − window; τ_round = 1 + matched; p += τ_round while p < T − 1. For online
 data with `window` ≤ seq_len − max_prompt_len, the window is all target-written, so the probe is the evaluator's
 `simulate_task` on that sequence (tests/test_tau_probe.py checks equality on a fixed drafter). On text that the
-target did not write it is the same rounds against the target's teacher-forced labels: an approximation.
+target did not write it is the same rounds against the target's teacher-forced labels: an approximation. Data
+with a loss mask (conversations) is probed over its last trained (assistant) span instead (`trained_span`).
 
 It runs at log intervals only (the interval's host sync is already there), on `sequences` items of the step,
 with the clean features (no training noise), under no_grad: a few forwards per interval, off every step.
@@ -62,10 +63,11 @@ def rounds_taus(matched: list[int], n_new: int) -> list[int]:
 
 @torch.no_grad()
 def sequence_round_taus(drafter, tokens_T: Tensor, features_TLH: Tensor, labels_T: Tensor, window: int,
-                        autocast: bool = False) -> list[int]:
-    """The rounds' τ over the last `window` positions of one sequence (module doc)."""
-    T = int(tokens_T.numel())
-    n_new = min(window, T - 1)  # at least one context token before the first anchor
+                        autocast: bool = False, end: int | None = None) -> list[int]:
+    """The rounds' τ over the `window` positions of one sequence that end at `end` (default: its length; module
+    doc): the first anchor is at end − window, with at least one context token before it."""
+    T = int(tokens_T.numel()) if end is None else int(end)
+    n_new = min(window, T - 1)
     P = T - n_new
     K = drafter.block_size - 1
     dev = next(drafter.parameters()).device
@@ -80,13 +82,32 @@ def sequence_round_taus(drafter, tokens_T: Tensor, features_TLH: Tensor, labels_
     return rounds_taus(matched.tolist(), n_new)  # the one transfer: n_new − 1 ints
 
 
+def trained_span(loss_mask_T: Tensor | None, length: int, window: int) -> tuple[int, int]:
+    """(window, end) of the probed stretch: the last `window` tokens, or, for data with a loss mask (conversations:
+    assistant tokens only), the first `window` tokens of its last trained span, so no round runs over a user or
+    system turn. A span shorter than 2 tokens gives window 0 (nothing to probe)."""
+    if loss_mask_T is None:
+        return window, length
+    trained = loss_mask_T.to("cpu", torch.bool).tolist()  # at log intervals only
+    if not any(trained):
+        return 0, length
+    last = len(trained) - 1 - trained[::-1].index(True)
+    first = last
+    while first > 1 and trained[first - 1]:  # back over the contiguous run (a context token stays before it)
+        first -= 1
+    end = min(last + 1, first + window)
+    return (end - first if end - first >= 2 else 0), end
+
+
 def probe_tau(drafter, items, cfg: TauProbeConfig, autocast: bool = False) -> dict[str, float]:
     """`train/tau_rounds` (mean τ over the rounds of the probed sequences) and `train/tau_rounds_n` (rounds)."""
     if cfg.sequences <= 0 or not items:
         return {}
     taus: list[int] = []  # the drafter has no dropout: no eval() toggle (it would retrigger a compiled forward's guards)
     for it in items[: cfg.sequences]:
-        taus += sequence_round_taus(drafter, it.tokens_T, it.features_TLH, it.labels_T, cfg.window, autocast)
+        window, end = trained_span(getattr(it, "loss_mask_T", None), int(it.tokens_T.numel()), cfg.window)
+        if window:
+            taus += sequence_round_taus(drafter, it.tokens_T, it.features_TLH, it.labels_T, window, autocast, end)
     if not taus:
         return {}
     return {"train/tau_rounds": sum(taus) / len(taus), "train/tau_rounds_n": float(len(taus))}

@@ -67,6 +67,22 @@ class LenCache:
 
 
 
+def resume_rewrites_the_same_data(full_run_dir, shard_dir, make_cfg, tmp_path, losses):
+    """Resume a copy of `full_run_dir` cut after its step-3 checkpoint with every shard under `shard_dir` deleted
+    (the resumed run writes its data again): steps 4-6 give the uninterrupted run's losses. Returns the result."""
+    from dflash.app.run import train
+    ref = losses(full_run_dir)
+    part = interrupted_copy(full_run_dir, 3, tmp_path / "part")
+    for shard in shard_dir.rglob("*.pt"):
+        shard.unlink()
+    res = train(make_cfg(f"resume={part}", run="ignored"))
+    got = losses(res.run_dir)
+    assert sorted(got) == [4, 5, 6]
+    for s in (4, 5, 6):
+        assert got[s] == pytest.approx(ref[s], rel=1e-6, abs=1e-7), (s, got, ref)
+    return res
+
+
 def interrupted_copy(run_dir, step: int, dest):
     """`dest` as `run_dir` stood right after its step-`step` checkpoint (an interrupted run to resume):
     that checkpoint and the config, pointed at `dest`."""

@@ -6,7 +6,7 @@ import torch
 
 from dflash.atomic import load_checked
 from dflash.data.conversation_data import response_mask
-from tests.conftest import interrupted_copy
+from tests.conftest import resume_rewrites_the_same_data
 from tests.test_conversations import SAMPLE, chat_cfg  # noqa: F401 - the fixture
 
 TARGET = ("data.conversations.responses=target", "data.online.write_batch=4", "data.max_len=64",
@@ -46,15 +46,7 @@ def test_target_written_responses_train_and_resume_exactly(chat_cfg, tmp_path):
     assert last["data/written_batches"] >= 3 and last["data/prompts"] > 200 and last["data/conversations"] == 200
     tags = json.loads((full.run_dir / "tags.json").read_text())
     assert tags["data.responses"] == "target" and tags["data.kind"] == "conversations_online"
-    ref = _losses(full.run_dir)
-    part = interrupted_copy(full.run_dir, 3, tmp_path / "part")
-    for shard in shards.rglob("*.pt"):
-        shard.unlink()  # the resumed run writes its data again: the same tokens
-    res = train(chat_cfg(f"resume={part}", run="ignored"))
-    got = _losses(res.run_dir)
-    assert sorted(got) == [4, 5, 6]
-    for s in (4, 5, 6):
-        assert got[s] == pytest.approx(ref[s], rel=1e-6, abs=1e-7), (s, got, ref)
+    resume_rewrites_the_same_data(full.run_dir, shards, chat_cfg, tmp_path, _losses)
 
 
 def test_regen_writes_the_shards_a_run_reads_and_resumes(chat_cfg, tmp_path, capsys):

@@ -15,7 +15,7 @@ from dflash.data.pool import PoolConfig, PromptPool, build_prompt_pool
 from dflash.data.regen import greedy_generate
 from dflash.target.model import ByteTokenizer, Target, TargetConfig, TinyTargetSpec
 from dflash.app.run import train
-from tests.conftest import interrupted_copy
+from tests.conftest import resume_rewrites_the_same_data
 
 
 def _rows(run_dir):
@@ -221,15 +221,7 @@ def test_online_run_counts_epochs_and_resumes_exactly(fast_cfg, tmp_path, reuse)
     assert last["data/consumed_tokens"] == 12 * 72  # every written sequence is data.max_len long
     tags = json.loads((full.run_dir / "tags.json").read_text())
     assert tags["data.kind"] == "online" and tags["data.over_epoch_limit"] == "false" and tags["data.corpus"] != "-"
-    ref = _losses(full.run_dir)
-    part = interrupted_copy(full.run_dir, 3, tmp_path / "part")
-    for shard in (tmp_path / "shards").rglob("*.pt"):
-        shard.unlink()  # the resumed run writes its data again: the same tokens
-    res = train(fast_cfg(f"resume={part}", run="ignored"))
-    got = _losses(res.run_dir)
-    assert sorted(got) == [4, 5, 6]
-    for s in (4, 5, 6):
-        assert got[s] == pytest.approx(ref[s], rel=1e-6, abs=1e-7), (s, got, ref)
+    res = resume_rewrites_the_same_data(full.run_dir, tmp_path / "shards", fast_cfg, tmp_path, _losses)
     assert [r for r in _rows(res.run_dir) if "data/epochs" in r][-1]["data/consumed_sequences"] == 12
 
 

@@ -128,27 +128,22 @@ def test_load_drafter_with_target_refuses_what_sglang_refuses(tmp_path):
     facts = read_target_facts(TargetConfig(name="r", path=str(REFERENCE), mask_token_id=2))
     ok = save_drafter(_reference_drafter(), tmp_path / "ok", target=facts)
     load_drafter(ok, target=facts)  # fits
+    def edited(name, edit):  # a copy of the good folder with its config.json edited
+        folder = tmp_path / name
+        shutil.copytree(ok, folder)
+        cfg = json.loads((folder / "config.json").read_text())
+        edit(cfg)
+        (folder / "config.json").write_text(json.dumps(cfg))
+        return folder
+
     # mask_token_id 3 while the tokenizer's <|mask|> is 2
-    wrong = tmp_path / "wrong_mask"
-    shutil.copytree(ok, wrong)
-    cfg = json.loads((wrong / "config.json").read_text())
-    cfg["dflash_config"]["mask_token_id"] = 3
-    (wrong / "config.json").write_text(json.dumps(cfg))
+    wrong = edited("wrong_mask", lambda cfg: cfg["dflash_config"].update(mask_token_id=3))
     with pytest.raises(ValueError, match=r"mask_token_id=3 but the target tokenizer's mask token '<\|mask\|>' is id 2"):
         load_drafter(wrong, target=facts)
-    # block_size 0
-    zero = tmp_path / "zero_block"
-    shutil.copytree(ok, zero)
-    cfg = json.loads((zero / "config.json").read_text())
-    cfg["block_size"] = 0
-    (zero / "config.json").write_text(json.dumps(cfg))
+    zero = edited("zero_block", lambda cfg: cfg.update(block_size=0))
     with pytest.raises(ValueError, match=r"block_size=0; expected a positive block size"):
         load_drafter(zero, target=facts)
     # the text "None" as the mask string is no token
-    none = tmp_path / "none_mask"
-    shutil.copytree(ok, none)
-    cfg = json.loads((none / "config.json").read_text())
-    cfg["dflash_config"]["mask_token"] = "None"
-    (none / "config.json").write_text(json.dumps(cfg))
+    none = edited("none_mask", lambda cfg: cfg["dflash_config"].update(mask_token="None"))
     with pytest.raises(ValueError, match=r"mask_token='None' is not a token string"):
         load_drafter(none)

@@ -8,8 +8,9 @@ several seeds, every run an MLflow run in one experiment, resumable.
 A campaign file (`conf/campaign/*.yaml`) names a base run config (`base`: overrides), a budget
 (`budget_tokens`: consumed — trained-on — tokens per run, so runs sharing one GPU stay comparable; wall time
 would favour whichever run got the GPU more often), the seeds, the objective metric, and stages. A stage varies
-one config group (`factor`) over `options`; `on_best` names earlier factors whose winner it builds on (the
-option with the highest mean objective over seeds). Each cell (stage, option, seed) is one `experiments.run`
+one config group (`factor`) over `options` (or, with `options` a mapping of name -> [overrides], whatever those
+overrides set, e.g. how many views of how many distinct sequences); `on_best` names earlier factors whose winner it
+builds on (the option with the highest mean objective over seeds). Each cell (stage, option, seed) is one `experiments.run`
 subprocess with a fixed run folder `<out>/<campaign>/runs/<cell id>`:
 
 - finished (its `cell.json` exists): skipped;
@@ -53,9 +54,16 @@ log = logging.getLogger("sweeps.campaign")
 
 @dataclasses.dataclass
 class Stage:
-    factor: str  # a config group: loss, noise, buffer, ...
+    factor: str  # a config group (loss, noise, buffer, ...) or, with `sets`, any name for what varies
     options: list[str]
     on_best: list[str] = dataclasses.field(default_factory=list)  # earlier factors whose winner this stage uses
+    # option name -> the run overrides that make it (the campaign file's `options:` as a mapping), for a factor that
+    # is not one config group, e.g. how many views of how many distinct sequences; None: option = `+factor=option`
+    sets: dict[str, list[str]] | None = None
+
+    def overrides(self, option: str) -> list[str]:
+        """The run overrides that select `option` of this stage's factor."""
+        return list(self.sets[option]) if self.sets is not None else [f"+{self.factor}={option}"]
 
 
 @dataclasses.dataclass
@@ -112,8 +120,10 @@ def parse_campaign(raw: Any, where: str) -> Campaign:
     stages = []
     for i, s in enumerate(d.pop("stages")):
         s = _strict(Stage, s, f"{where}: stages[{i}]")
-        stage = Stage(factor=str(s["factor"]), options=[str(o) for o in s["options"]],
-                      on_best=[str(f) for f in s.get("on_best", [])])
+        if "sets" in s:
+            raise ConfigError(f"{where}: stages[{i}]: unknown key 'sets' (named overrides are `options:` as a mapping)")
+        stage = Stage(factor=str(s["factor"]), options=[], on_best=[str(f) for f in s.get("on_best", [])])
+        stage.options, stage.sets = _options(s["options"], f"{where}: stages[{i}].options")
         earlier = {st.factor for st in stages}
         if not set(stage.on_best) <= earlier:
             raise ConfigError(f"{where}: stages[{i}].on_best {stage.on_best}: not all are factors of earlier "
@@ -129,6 +139,22 @@ def parse_campaign(raw: Any, where: str) -> Campaign:
     if not c.seeds or len(set(c.seeds)) != len(c.seeds):
         raise ConfigError(f"{where}: seeds={c.seeds!r}; expected a non-empty list of distinct integers")
     return c
+
+
+def _options(raw: Any, where: str) -> tuple[list[str], dict[str, list[str]] | None]:
+    """A stage's options: a list of a config group's option names, or a mapping of option name -> run overrides
+    (a list of `key=value` strings; an empty list is the base config itself)."""
+    if isinstance(raw, list):
+        return [str(o) for o in raw], None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{where}: expected a list of option names or a mapping name -> [overrides], "
+                          f"got {type(raw).__name__}")
+    sets = {}
+    for name, ovr in raw.items():
+        if not isinstance(ovr, list) or not all(isinstance(o, str) and "=" in o for o in ovr):
+            raise ConfigError(f"{where}.{name}: expected a list of key=value overrides, got {ovr!r}")
+        sets[str(name)] = list(ovr)
+    return list(sets), sets
 
 
 def load_campaign(ref: str, edits: list[str] = ()) -> Campaign:
@@ -149,11 +175,12 @@ def load_campaign(ref: str, edits: list[str] = ()) -> Campaign:
 def stage_cells(c: Campaign, index: int, winners: dict[str, str]) -> list[Cell]:
     """The cells of stage `index`, built on the winners of the factors it names in `on_best`."""
     stage = c.stages[index]
-    fixed = [f"+{f}={winners[f]}" for f in stage.on_best]
+    by_factor = {st.factor: st for st in c.stages}
+    fixed = [o for f in stage.on_best for o in by_factor[f].overrides(winners[f])]
     budget = [f"trainer.token_budget={c.budget_tokens}", f"trainer.max_steps={c.max_steps}",
               f"tracking.experiment={c.experiment}"]
     return [Cell(index, stage.factor, opt, seed,
-                 [*c.base, *fixed, f"+{stage.factor}={opt}", f"seed={seed}", *budget])
+                 [*c.base, *fixed, *stage.overrides(opt), f"seed={seed}", *budget])
             for opt in stage.options for seed in c.seeds]
 
 

@@ -46,6 +46,34 @@ def test_cells_share_the_budget_and_build_on_the_winner():
                         {"option": "b", "value": 1.9}, {"option": "b", "value": 2.0}]) == "a"
 
 
+def test_a_stage_of_named_override_sets(tmp_path):
+    """`options:` as a mapping varies what no single config group holds (the 64 M campaign's views against
+    distinct sequences); the empty set is the base run itself, and a later stage builds on the winning set."""
+    raw = (ROOT / "conf" / "campaign" / "cpu_smoke.yaml").read_text() + (
+        "  - factor: data\n    on_best: [loss]\n    options:\n      views1: []\n"
+        "      views4: [data.online.reuse=4, data.max_epochs=4]\n"
+        "  - factor: buffer\n    on_best: [data]\n    options: [r10_20, fifo]\n")
+    f = tmp_path / "sets.yaml"
+    f.write_text(raw)
+    c = load_campaign(str(f), ["campaign.seeds=[0]"])
+    data = stage_cells(c, 2, {"loss": "soft_kl"})
+    assert [x.option for x in data] == ["views1", "views4"]
+    assert data[1].overrides[-7:-4] == ["+loss=soft_kl", "data.online.reuse=4", "data.max_epochs=4"]
+    assert not any(o.startswith("+data=") for x in data for o in x.overrides)
+    assert data[0].overrides == [o for o in stage_cells(c, 0, {})[1].overrides]  # views1 = the soft_kl cell
+    buf = stage_cells(c, 3, {"loss": "soft_kl", "data": "views4"})
+    assert all("data.online.reuse=4" in x.overrides and f"+buffer={x.option}" in x.overrides for x in buf)
+    assert stage_groups(c) == [[0], [1, 2], [3]]
+    for bad, msg in (("views4: data.online.reuse=4", "views4: expected a list of key=value"),
+                     ("views4: [reuse]", "views4: expected a list of key=value")):
+        f.write_text(raw.replace("views4: [data.online.reuse=4, data.max_epochs=4]", bad))
+        with pytest.raises(ConfigError, match=msg):
+            load_campaign(str(f))
+    f.write_text(raw.replace("views1: []", "views1: [data.online.reuse=x]"))
+    with pytest.raises(ConfigError, match="reuse"):  # composed before any work, named
+        main([str(f), "--check", "campaign.seeds=[0]"])
+
+
 def test_stages_that_build_on_decided_factors_share_one_pool():
     assert stage_groups(load_campaign("reference")) == [[0], [1, 2]]  # noise and buffer both on the loss
     assert stage_groups(load_campaign("cpu_smoke")) == [[0], [1]]

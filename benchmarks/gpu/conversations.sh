@@ -11,7 +11,7 @@
 # Each stage is its own process under `timeout`; logs and sqlite MLflow stores under $OUT/conversations.
 # Env: SEQ (data.max_len, default 2048), PROMPT (data.pool.max_prompt_len, default 256), LOOP_S / AHEAD_S (time budgets, default 150 / 90 s), REGEN_BATCHES
 # (default 2), REUSE (data.online.reuse, default 2), BIG / SHAPE (the target + drafter, and the trainer's shape: e.g. tiny ones for a CPU dry run of this
-# script), PY (python).
+# script), TRACKING (e.g. +tracking=off: no MLflow, for a machine without its wheels), PY (python).
 set -uo pipefail
 OUT=${OUT:-gpu_out}
 W=$OUT/conversations
@@ -33,12 +33,13 @@ SEQ=${SEQ:-2048}
 LOOP_S=${LOOP_S:-150}
 AHEAD_S=${AHEAD_S:-90}
 REGEN_BATCHES=${REGEN_BATCHES:-2}
-BIG=${BIG:-"+target=qwen3_6_27b_random target.tokenizer=builtin:tiny_chat +drafter=published"}
+# the tiny chat tokenizer brings its own mask token (id 2): the 27B id 248,070 is past its 4,100 ids
+BIG=${BIG:-"+target=qwen3_6_27b_random target.tokenizer=builtin:tiny_chat target.mask_token_id=2 +drafter=published"}
 DATA="+data=conversations data.path=$PWD/benchmarks/data/conversations_sample.jsonl data.conversations.responses=target \
       data.max_len=$SEQ data.pool.max_prompt_len=${PROMPT:-256} data.conversations.cache_dir=$W/hf data.conversations.coding10_chat=false data.online.reuse=${REUSE:-2}"
 # the 27B training shape of benchmarks/RESULTS.md: 2,048-token sequences, 256 anchors, 4 sequences per target forward
 SHAPE=${SHAPE:-"+trainer=gpu trainer.producer_batch=4 trainer.sequences_per_step=4 trainer.num_anchors=256"}
-TRAIN="$SHAPE +eval=off tracking.log_every=10 tracking.system_metrics=false trainer.max_steps=1000000 \
+TRAIN="$SHAPE +eval=off ${TRACKING:-} tracking.log_every=10 tracking.system_metrics=false trainer.max_steps=1000000 \
        trainer.checkpoint_every=1000000"
 rm -rf "$W/ahead" "$W/loop" "$W/run_loop" "$W/run_ahead"
 

@@ -255,7 +255,9 @@ def render_report(c, summary: dict) -> str:
             if len(deltas) > 2:
                 lines += ["Paired Δτ per drafting method:", "", *deltas, ""]
         lines += curve_section([x for x in cells if "reused_from" not in x], c.objective, stage.factor)
-        if stage.factor in winners:
+        # a stage given more options after its winner was called (the campaign file grew) is open again
+        complete = len({x["option"] for x in cells}) >= len(stage.options)
+        if stage.factor in winners and complete:
             tied = ((summary.get("calls") or {}).get(stage.factor) or {}).get("tied") or []
             tie = (f" **Tied with it: {', '.join(tied)}** (their paired Δ interval against it contains 0): no "
                    f"winner among these." if tied else "")

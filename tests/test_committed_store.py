@@ -1,4 +1,4 @@
-"""The committed campaign store (`benchmarks/ablations/campaign_out.tgz`) read as a researcher reads it: extracted
+"""The committed campaign store (`benchmarks/ablations/campaign_out.tar.xz`) read as a researcher reads it: extracted
 anywhere, its artifacts show; the ablation table's interval is the campaign report's pooled one."""
 import sqlite3
 import tarfile
@@ -7,13 +7,13 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-TGZ = ROOT / "benchmarks" / "ablations" / "campaign_out.tgz"
+STORE = ROOT / "benchmarks" / "ablations" / "campaign_out.tar.xz"
 
 
 @pytest.fixture(scope="module")
 def campaign_store(tmp_path_factory):
     d = tmp_path_factory.mktemp("extracted_somewhere")
-    with tarfile.open(TGZ) as t:
+    with tarfile.open(STORE) as t:
         t.extractall(d, filter="data")
     return d / "campaign_out"
 
@@ -38,10 +38,10 @@ def test_relocate_artifacts_absolute_for_any_working_folder(tmp_path):
     from mlflow.tracking import MlflowClient
 
     from dflash.tracking.run_info import relocate_artifacts
-    with tarfile.open(TGZ) as t:
+    with tarfile.open(STORE) as t:
         t.extractall(tmp_path, filter="data")
     db = tmp_path / "campaign_out" / "mlflow.db"
-    assert relocate_artifacts(db, relative=False) == 35  # two campaign experiments, 33 runs
+    assert relocate_artifacts(db, relative=False) == 40  # two campaign experiments, 38 runs
     c = MlflowClient(f"sqlite:///{db}")
     r = c.search_runs([c.get_experiment_by_name("dflash-ablation").experiment_id], max_results=1)[0]
     assert r.info.artifact_uri == (db.parent / "mlartifacts").as_uri() + f"/{r.info.run_id}/artifacts"

@@ -168,7 +168,7 @@ def _legends_outside(fig: dict) -> None:
 def committed_store(tmp_path_factory):
     import tarfile
     d = tmp_path_factory.mktemp("committed")
-    with tarfile.open(ROOT / "benchmarks" / "ablations" / "campaign_out.tgz") as t:
+    with tarfile.open(ROOT / "benchmarks" / "ablations" / "campaign_out.tar.xz") as t:
         t.extractall(d, filter="data")
     return f"sqlite:///{d / 'campaign_out' / 'mlflow.db'}"
 

@@ -13,6 +13,9 @@
 #    checkpoints, shards or figures (commit it as benchmarks/ablations/campaign_out.tar.xz), and $OUT/best_drafter.tgz:
 #    the best finished cell's final/ drafter (for the gate, export and eval on any machine).
 # Env: DEADLINE (s, default 400), HARD (s, default DEADLINE + 190), WORKERS (default: the campaign's), OUT (default gpu_out), PY (python).
+# The GPU machine lacks our stack's wheels (.whl, about 23 MiB); the working tree that travels with a call (44 MiB,
+# the reference target's weights and this store included) leaves room for part of them in one call: install the
+# rest in an earlier call on the same warm machine (pip --target /tmp/site keeps them there between calls).
 set -uo pipefail
 C=${1:-reference}
 shift || true

@@ -12,6 +12,11 @@
 # Env: SEQ (data.max_len, default 2048), PROMPT (data.pool.max_prompt_len, default 256), LOOP_S / AHEAD_S (time budgets, default 150 / 90 s), REGEN_BATCHES
 # (default 2), REUSE (data.online.reuse, default 2), BIG / SHAPE (the target + drafter, and the trainer's shape: e.g. tiny ones for a CPU dry run of this
 # script), TRACKING (e.g. +tracking=off: no MLflow, for a machine without its wheels), PY (python).
+# Wheels: with TRACKING=+tracking=off (metrics still land in each run's metrics.jsonl, which the table reads) the
+# machine needs only hydra-core, omegaconf, antlr4-python3-runtime, fla-core, flash-linear-attention, datasets, dill,
+# multiprocess and fsspec (about 3 MiB): a fresh machine takes them in the same call as the 44 MiB working tree.
+# Measured in session 13 (benchmarks/RESULTS.md): regen writes 64 rows of 2,048 tokens in about 87 s here, so the
+# in-loop stage needs LOOP_S well past 90 s to see more than its first written batch.
 set -uo pipefail
 OUT=${OUT:-gpu_out}
 W=$OUT/conversations

@@ -107,6 +107,41 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> None:
     atomic_write(path, write)
 
 
+def atomic_create_text(path: str | os.PathLike, text: str) -> bool:
+    """`text` written to `path` whole, only if no file is there yet: True when this call made it, False when one
+    was already there (left as it is). Of several processes racing to write the same file, the first wins and
+    the others can read what it wrote (a hard link is atomic and, unlike `os.replace`, refuses an existing name)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, file_mode())
+        try:
+            os.link(tmp, path)
+            return True
+        except FileExistsError:
+            return False
+        except OSError as e:
+            if e.errno not in (errno.EPERM, errno.EOPNOTSUPP, errno.ENOTSUP):
+                raise
+        if path.exists():  # a filesystem without hard links: check, then replace (a narrow race, never a torn file)
+            return False
+        os.replace(tmp, path)
+        return True
+    except Exception as e:
+        full = disk_full_error(path, e, False)
+        if full is not None:
+            raise full from e
+        raise
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
 def save_checked(path: str | os.PathLike, magic: bytes, fmt: int, key: str, obj: dict) -> None:
     """A cache file that can be verified before it is trusted: `magic`, a JSON header (format, key, payload
     size and sha256), then the torch-saved payload. Written atomically."""

@@ -24,7 +24,9 @@ campaign's noise and buffer stages both build on the loss, so they run as one wa
 config equals an earlier cell's (`+noise=none` on the best loss is the loss stage's
 run of that loss) is that cell: its result is reused, not trained again. `workers` cells run at once (several
 small runs share one GPU; the budget is in tokens, so that is fair). Before the first cell, the inputs every
-cell shares (prompt pool, online shards, eval ground truth) are made once (`dflash.app.write_ahead`).
+cell shares (prompt pool, online shards, eval ground truth) are made once (`dflash.app.write_ahead`). The ground
+truth's tokens are pinned in `<out>/<campaign>/truth` (`eval.truth_dir`, unless given): a later launch on another
+machine evaluates on the same tokens, so its cells pair with the earlier ones.
 """
 from __future__ import annotations
 
@@ -182,6 +184,16 @@ def stage_cells(c: Campaign, index: int, winners: dict[str, str]) -> list[Cell]:
     return [Cell(index, stage.factor, opt, seed,
                  [*c.base, *fixed, *stage.overrides(opt), f"seed={seed}", *budget])
             for opt in stage.options for seed in c.seeds]
+
+
+def with_truth_dir(c: Campaign, out: Path, extra: list[str]) -> list[str]:
+    """`extra` with `eval.truth_dir=<out>/<campaign>/truth` unless it sets eval.truth_dir itself: every cell and the
+    shared-inputs step evaluate on the tokens pinned there. GPU greedy decoding differs across machines, and the
+    folder travels with the committed campaign, so cells of later sessions pair with earlier ones. The same for
+    every cell of a launch: `config_key` still tells identical cells apart only by what they train."""
+    if any(split_override(a)[0].lstrip("+") == "eval.truth_dir" for a in extra if "=" in a):
+        return list(extra)
+    return [*extra, f"eval.truth_dir={out / c.name / 'truth'}"]
 
 
 def cell_dir(out: Path, c: Campaign, cell: Cell) -> Path:
@@ -376,6 +388,7 @@ def run_campaign(c: Campaign, out: Path, extra: list[str], deadline_s: float = 0
     every group, so a cut campaign reports what it finished."""
     t_start = time.time()
     deadline = t_start + deadline_s if deadline_s > 0 else None
+    extra = with_truth_dir(c, out, extra)
     summary_f = out / c.name / "summary.json"
     summary: dict[str, Any] = {"campaign": c.name, "winners": {}, "cells": [], "complete": False, "stages": []}
     previous = json.loads(summary_f.read_text()) if summary_f.is_file() else {}
@@ -450,6 +463,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if report:
         from sweeps.campaign_report import write_report
         return write_report(c, out)
+    extra = with_truth_dir(c, out, extra)
     validate_cells(c, extra)
     if check:
         print(f"campaign {c.name}: {sum(len(s.options) for s in c.stages) * len(c.seeds)} cells valid")

@@ -103,6 +103,31 @@ def test_one_pool_runs_each_distinct_config_once(monkeypatch, tmp_path):
     assert results[1]["value"] == results[0]["value"]
 
 
+def test_every_cell_and_the_shared_inputs_pin_the_ground_truth_under_the_campaign(monkeypatch, tmp_path):
+    """eval.truth_dir=<out>/<campaign>/truth for the shared-inputs step (which writes the pins first) and every cell,
+    so launches on other machines evaluate on the same tokens; being the same for all cells, it leaves
+    config_key's reuse of identical cells as it was."""
+    import dflash.app.write_ahead as write_ahead
+    import sweeps.campaign as campaign
+    c = load_campaign("cpu_smoke", ["campaign.seeds=[0]"])
+    out = tmp_path / "out"
+    pinned = f"eval.truth_dir={out / 'cpu_smoke' / 'truth'}"
+    made, ran = [], []
+    monkeypatch.setattr(write_ahead, "write_ahead",
+                        lambda cfg, more_cfgs=(): made.append(cfg) or {"sys/write_ahead_s": 0.0})
+
+    def fake_run(c_, cell, out_):
+        ran.append(cell)
+        return {**cell.labels(), "value": float(cell.option == "soft_kl"), "consumed_tokens": 1,
+                "run_dir": str(tmp_path / cell.id)}
+    monkeypatch.setattr(campaign, "run_cell", fake_run)
+    summary = campaign.run_campaign(c, out, ["tracking.enabled=false"])
+    assert made[0].eval.truth_dir == str(out / "cpu_smoke" / "truth")
+    assert len(ran) == 3 and all(cell.overrides.count(pinned) == 1 for cell in ran)
+    assert [x["option"] for x in summary["cells"] if x.get("reused_from")] == ["none"]  # +noise=none: that run
+    assert campaign.with_truth_dir(c, out, ["+eval.truth_dir=/pins"]) == ["+eval.truth_dir=/pins"]  # the user's
+
+
 def test_cells_get_their_share_of_the_cores(monkeypatch):
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     monkeypatch.setattr(os, "cpu_count", lambda: 16)

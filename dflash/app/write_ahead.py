@@ -10,7 +10,7 @@ generates the evaluation's ground truth at its end. `write_ahead(cfg, items)` ma
   0 … items−1, saved as shards under `data.online.shard_dir`, which every later run with the same data
   settings reads instead of writing;
 - the ground truth of every evaluation suite (`eval.suite` and `eval.extra_suites`, cached under
-  `eval.cache_dir`), when `eval.enabled`.
+  `eval.cache_dir`, its tokens pinned under `eval.truth_dir` when set), when `eval.enabled`.
 
 It returns what it did and how fast (`data/write_ahead_batches`, `perf/write_tok_s`, seconds per part), so a
 campaign's summary records the engine's generation speed beside the runs that used it.

@@ -5,6 +5,7 @@
 - `stats`: bootstrap confidence intervals over prompts, pooled and paired (Δτ).
 - `prompt_lookup`: the n-gram prompt-lookup proposer, the zero-cost baseline in every report.
 - `ground_truth`: the target's greedy continuation of each prompt plus its features, cached on disk.
+- `truth_pin`: pinned ground-truth tokens (`eval.truth_dir`), so evaluations on other machines pair.
 - `acceptance`: simulated rounds on the ground truth — vanilla τ, DDTree τ per budget, per-position
   acceptance — with a pluggable proposer (the drafter, or an oracle in tests).
 - `tree`: the DDTree best-first builder.
@@ -40,6 +41,10 @@ class EvalConfig:
     bootstrap: int = 2000  # bootstrap replicates (0 = no interval)
     train_tasks: int = 4  # training sequences simulated at every eval for eval/tau_train (0 = off)
     cache_dir: str = ".cache/dflash/eval"  # ground-truth cache (continuations + target features)
+    # Pinned ground-truth tokens (evaluation.truth_pin): a folder of small JSON files, one per suite, written by the
+    # first evaluation and used by every later one, so evaluations on other machines (GPU greedy decoding is not
+    # bit-reproducible) run on the same tokens and pair. "" = off. Campaigns set it under their out folder.
+    truth_dir: str = ""
     real_decode: bool = False  # also run real speculative decoding (losslessness, τ, tokens/s)
     device: str = "auto"  # where a standalone eval puts the drafter; auto = the target's device
     # How the simulated rounds get the drafter's proposals (acceptance.DRAFTER_PROPOSERS): "batched", all of a
@@ -60,6 +65,7 @@ def validate_eval_config(cfg: EvalConfig) -> None:
         raise ValueError(f"eval.tree_budgets must be positive integers, got {list(cfg.tree_budgets)}")
     if len(set(cfg.tree_budgets)) != len(cfg.tree_budgets):
         raise ValueError(f"eval.tree_budgets has duplicates: {list(cfg.tree_budgets)}")
+    _check_truth_dir(cfg.truth_dir)
     if cfg.device != "auto" and cfg.device.split(":")[0] not in ("cpu", "cuda", "mps"):
         raise ValueError(f"eval.device={cfg.device!r}; expected auto, cpu, cuda[:i] or mps")
     from dflash.evaluation.stats import check_level
@@ -77,6 +83,16 @@ def validate_eval_config(cfg: EvalConfig) -> None:
         for s in [cfg.suite, *cfg.extra_suites]:
             if s not in generated_suites():
                 load_suite(s)  # raises FileNotFoundError / ValueError naming eval.suite
+
+
+def _check_truth_dir(truth_dir) -> None:
+    # a string by type at the command line, but a config read back from disk or built in code can hold anything
+    if not isinstance(truth_dir, str):
+        raise ValueError(f"eval.truth_dir must be a folder path (a string; '' = off), got "
+                         f"{type(truth_dir).__name__} {truth_dir!r}")
+    from pathlib import Path
+    if truth_dir and Path(truth_dir).exists() and not Path(truth_dir).is_dir():
+        raise ValueError(f"eval.truth_dir={truth_dir!r} is a file; expected a folder of pinned ground truth")
 
 
 def __getattr__(name: str):

@@ -53,17 +53,19 @@ def config_suites(cfg: EvalConfig, tasks: Sequence[Task] | None = None) -> list[
 
 
 class TruthMemo:
-    """Ground truth per (target, suite, length), built or loaded from the disk cache once per process."""
+    """Ground truth per (target, suite, length), built or loaded from the disk cache once per process (its tokens
+    pinned under `truth_dir` when set: `eval.truth_dir`)."""
 
-    def __init__(self, cache_dir: str):
+    def __init__(self, cache_dir: str, truth_dir: str = ""):
         self.cache_dir = cache_dir
+        self.truth_dir = truth_dir
         self._memo: dict[str, list[TaskTruth]] = {}
 
     def get(self, target, suite: Suite) -> list[TaskTruth]:
         key = cache_key(target, suite.tasks, suite.max_new_tokens)
         if key not in self._memo:
             self._memo[key], _ = load_or_build_ground_truth(target, suite.tasks, suite.max_new_tokens,
-                                                            self.cache_dir)
+                                                            self.cache_dir, self.truth_dir, suite.name)
         return self._memo[key]
 
 
@@ -71,7 +73,7 @@ def evaluate_suites(drafter, target, cfg: EvalConfig, suites: Sequence[Suite] | 
                     memo: TruthMemo | None = None, real_decode: bool | None = None) -> list[EvalReport]:
     """One report per suite, the objective first; `merged_metrics(reports)` flattens them."""
     suites = list(suites) if suites is not None else config_suites(cfg)
-    memo = memo or TruthMemo(cfg.cache_dir)
+    memo = memo or TruthMemo(cfg.cache_dir, cfg.truth_dir)
     return [evaluate(drafter, target, cfg, truths=memo.get(target, s), suite=s,
                      real_decode=real_decode if i == 0 else False) for i, s in enumerate(suites)]
 
@@ -134,7 +136,7 @@ class SuiteEvaluator:
         self.cfg = cfg
         self.suites = config_suites(cfg, tasks)
         self.out_dir = Path(out_dir) if out_dir else None
-        self.memo = TruthMemo(cfg.cache_dir)
+        self.memo = TruthMemo(cfg.cache_dir, cfg.truth_dir)
         self._train_sequences: Sequence = ()
         self._train_suite: Suite | None = None
         self._history: list[tuple[int, float, float]] = []  # (step, tau_train, tau_vanilla), in-training evals

@@ -4,8 +4,14 @@ For each prompt: the target's own greedy output, `max_new_tokens` long, no stop 
 together, `greedy_continuations`; the same tokens as `greedy_decode` of each alone), then ONE
 `target.forward_features` over prompt + continuation for the features the drafter conditions on.
 
+With `truth_dir` (`eval.truth_dir`) the continuation tokens are pinned (`dflash.evaluation.truth_pin`): a pin
+there is used instead of the greedy decode (the features still come from the one forward, and the one-shot
+argmax's agreement with the pinned tokens is still `consistency`, so numerical drift stays visible); without one,
+the ground truth is built and its tokens pinned.
+
 Cached on disk under `cache_dir/<key>.gt`, key = sha256 of (format version, target identity, layer ids,
-target dtype and device type, suite prompts, max_new_tokens): changing any of them misses. A cache file is
+target dtype and device type, suite prompts, max_new_tokens, and the pin's digest when pinned): changing any
+of them misses, and a pinned ground truth never reads an unpinned one's file. A cache file is
 written atomically (`dflash.training.checkpoint.atomic_write`) and carries the sha256 of its payload; a file that
 cannot be read, fails its checksum, or does not match the expected shapes is rebuilt (with a warning),
 never trusted.
@@ -24,6 +30,7 @@ import torch
 
 from dflash.atomic import load_checked, save_checked
 from dflash.evaluation.prompts import Task
+from dflash.evaluation.truth_pin import PinnedSuite
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +59,8 @@ class TaskTruth:
         return torch.cat([self.prompt_ids, self.continuation])
 
 
-def cache_key(target, tasks: list[Task], max_new_tokens: int) -> str:
+def cache_key(target, tasks: list[Task], max_new_tokens: int, pinned: str = "") -> str:
+    """`pinned`: the pin's digest (`Pin.digest`) when the continuation tokens come from a pin."""
     dev = getattr(target, "device", None)
     payload = {
         "format": FORMAT_VERSION,
@@ -63,6 +71,8 @@ def cache_key(target, tasks: list[Task], max_new_tokens: int) -> str:
         "prompts": [[t.name, t.prompt] for t in tasks],
         "max_new_tokens": int(max_new_tokens),
     }
+    if pinned:  # only then: an unpinned ground truth keeps the key its cache files were written under
+        payload["pinned"] = pinned
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
 
 
@@ -92,26 +102,40 @@ def greedy_continuations(target, prompts: list[list[int]], max_new_tokens: int,
     return out
 
 
-@torch.no_grad()
-def build_ground_truth(target, tasks: list[Task], max_new_tokens: int) -> list[TaskTruth]:
+def prompt_token_ids(target, tasks: list[Task]) -> list[list[int]]:
     prompts = []
     for t in tasks:
         ids = list(target.tokenizer.encode(t.prompt))
         if not ids:
             raise ValueError(f"eval task {t.name!r}: the prompt tokenizes to nothing")
         prompts.append(ids)
+    return prompts
+
+
+@torch.no_grad()
+def truths_from_tokens(target, tasks: list[Task], prompts: list[list[int]], continuations: list[list[int]],
+                       source: str = "greedy") -> list[TaskTruth]:
+    """The ground truth of known tokens: ONE `target.forward_features` over prompt + continuation per task for
+    the features; `consistency` = how often that forward's argmax agrees with the continuation (`source`
+    names where the tokens came from, for the warning)."""
     out = []
-    for t, ids, cont in zip(tasks, prompts, greedy_continuations(target, prompts, max_new_tokens)):
-        full = torch.tensor(ids + cont, dtype=torch.long)
+    for t, ids, cont in zip(tasks, prompts, continuations):
+        full = torch.tensor(ids + list(cont), dtype=torch.long)
         batch = target.forward_features(full[None], 0)
         labels = batch.labels_BT[0, len(ids) - 1:-1].cpu()
         agree = float((labels == torch.tensor(cont)).float().mean())
         if agree < 1.0:
-            log.warning("eval task %s: the one-shot forward's argmax agrees with the greedy continuation on "
-                        "%.1f%% of tokens (numerics of cached vs. full-sequence forward)", t.name, 100 * agree)
+            log.warning("eval task %s: the one-shot forward's argmax agrees with the %s continuation on "
+                        "%.1f%% of tokens (numerics of cached vs. full-sequence forward)", t.name, source, 100 * agree)
         out.append(TaskTruth(t.name, torch.tensor(ids, dtype=torch.long), torch.tensor(cont, dtype=torch.long),
                              batch.features_BTLH[0].detach().cpu().contiguous(), agree))
     return out
+
+
+@torch.no_grad()
+def build_ground_truth(target, tasks: list[Task], max_new_tokens: int) -> list[TaskTruth]:
+    prompts = prompt_token_ids(target, tasks)
+    return truths_from_tokens(target, tasks, prompts, greedy_continuations(target, prompts, max_new_tokens))
 
 
 # -- cache file ---------------------------------------------------------------------------------
@@ -145,11 +169,41 @@ def _validate(truths: list[TaskTruth], target, tasks: list[Task], max_new_tokens
 
 
 def load_or_build_ground_truth(target, tasks: list[Task], max_new_tokens: int,
-                               cache_dir: str | os.PathLike | None) -> tuple[list[TaskTruth], bool]:
-    """(truths, hit). `cache_dir` None or empty: no disk cache."""
+                               cache_dir: str | os.PathLike | None, truth_dir: str | os.PathLike | None = None,
+                               suite: str = "") -> tuple[list[TaskTruth], bool]:
+    """(truths, hit). `cache_dir` None or empty: no disk cache. `truth_dir`: the pin folder (module doc; `suite`
+    is the name a new pin records); a pin there that cannot be used raises `truth_pin.PinError`."""
+    if not truth_dir:
+        return _through_cache(target, tasks, max_new_tokens, cache_dir, "",
+                              lambda: build_ground_truth(target, tasks, max_new_tokens))
+    prompts = prompt_token_ids(target, tasks)
+    spec = PinnedSuite(str(target.identity), tuple(t.name for t in tasks), tuple(map(tuple, prompts)),
+                       int(max_new_tokens), int(getattr(target, "vocab_size", 0) or 0))
+    path = spec.path(truth_dir)
+    if path.exists():
+        pin = spec.read(path)
+        log.info("eval ground truth: pinned tokens from %s", path)
+        return _through_cache(target, tasks, max_new_tokens, cache_dir, pin.digest,
+                              lambda: truths_from_tokens(target, tasks, prompts, pin.continuations, "pinned"))
+    # No pin yet: this evaluation's greedy tokens become it. Built afresh (an unpinned cache file is not read):
+    # the feature cache is then written once, under the pinned key every later evaluation looks up.
+    truths = build_ground_truth(target, tasks, max_new_tokens)
+    pin = spec.write(path, suite, [t.continuation.tolist() for t in truths])
+    if pin.continuations != [t.continuation.tolist() for t in truths]:  # another run pinned its tokens first
+        truths = truths_from_tokens(target, tasks, prompts, pin.continuations, "pinned")
+    log.info("eval ground truth: built and pinned its tokens in %s", path)
+    if cache_dir:
+        key = cache_key(target, tasks, max_new_tokens, pin.digest)
+        save_ground_truth(cache_path(cache_dir, key), key, truths)
+    return truths, False
+
+
+def _through_cache(target, tasks: list[Task], max_new_tokens: int, cache_dir: str | os.PathLike | None,
+                   pinned: str, build) -> tuple[list[TaskTruth], bool]:
+    """`build()`'s ground truth through the disk cache under `cache_key(..., pinned)`: (truths, hit)."""
     if not cache_dir:
-        return build_ground_truth(target, tasks, max_new_tokens), False
-    key = cache_key(target, tasks, max_new_tokens)
+        return build(), False
+    key = cache_key(target, tasks, max_new_tokens, pinned)
     path = cache_path(cache_dir, key)
     if path.exists():
         try:
@@ -159,8 +213,8 @@ def load_or_build_ground_truth(target, tasks: list[Task], max_new_tokens: int,
             return truths, True
         except Exception as e:  # noqa: BLE001 - any failure means: do not trust, rebuild
             warnings.warn(f"eval ground-truth cache {path} is unreadable or invalid ({type(e).__name__}: {e}); "
-                          f"rebuilding it", RuntimeWarning, stacklevel=2)
-    truths = build_ground_truth(target, tasks, max_new_tokens)
+                          f"rebuilding it", RuntimeWarning, stacklevel=3)
+    truths = build()
     save_ground_truth(path, key, truths)
     log.info("eval ground truth: built and cached %s", path)
     return truths, False

@@ -279,7 +279,8 @@ def evaluate(drafter, target, cfg: EvalConfig, tasks: Sequence[Task] | None = No
                             "target": str(getattr(target, "identity", "")), "ci_level": cfg.ci_level,
                             "bootstrap": cfg.bootstrap}
     if truths is None:
-        truths, hit = load_or_build_ground_truth(target, suite.tasks, suite.max_new_tokens, cfg.cache_dir)
+        truths, hit = load_or_build_ground_truth(target, suite.tasks, suite.max_new_tokens, cfg.cache_dir,
+                                                 cfg.truth_dir, suite.name)
         info.update(cache_hit=hit)
     truths = list(truths)[:limit] if limit else list(truths)
     if not truths:

@@ -34,6 +34,7 @@ import dataclasses
 import json
 import logging
 import os
+import re
 import subprocess
 import sys
 import time
@@ -205,6 +206,15 @@ def cell_result(run_dir: Path) -> dict | None:
     return json.loads(f.read_text()) if f.is_file() else None
 
 
+def tokens_at_resume(run_dir: Path) -> float:
+    """Consumed tokens at the newest checkpoint a cut cell resumes from (0 for a new cell): the tokens this launch
+    trains are the rest, and a launch's consumed tok/s counts only those (a resumed cell's whole budget over one
+    launch's wall time overstated the rate)."""
+    steps = [int(m[1]) for f in (run_dir / "checkpoints").glob("step_*") if (m := re.match(r"step_(\d+)", f.name))] \
+        if (run_dir / "checkpoints").is_dir() else []
+    return (last_logged(run_dir, "data/consumed_tokens", max_step=max(steps)) or 0.0) if steps else 0.0
+
+
 def cell_command(cell: Cell, run_dir: Path) -> list[str]:
     if (run_dir / "checkpoints").is_dir() and any((run_dir / "checkpoints").glob("step_*")):
         return [sys.executable, "-m", "experiments.run", f"resume={run_dir}"]
@@ -230,6 +240,7 @@ def run_cell(c: Campaign, cell: Cell, out: Path) -> dict:
         return done
     run_dir.parent.mkdir(parents=True, exist_ok=True)
     cmd = cell_command(cell, run_dir)
+    start_tokens = tokens_at_resume(run_dir)
     log.info("cell %s: %s", cell.id, " ".join(cmd[1:]))
     t0 = time.time()
     with open(run_dir.parent / f"{cell.id}.log", "a") as logf:
@@ -240,6 +251,7 @@ def run_cell(c: Campaign, cell: Cell, out: Path) -> dict:
     result = {**cell.labels(), "overrides": cell.overrides, "run_dir": str(run_dir),
               "objective": c.objective, "value": last_logged(run_dir, c.objective),
               "consumed_tokens": last_logged(run_dir, "data/consumed_tokens"),
+              "leg_tokens": (last_logged(run_dir, "data/consumed_tokens") or 0.0) - start_tokens,
               "epochs": last_logged(run_dir, "data/epochs"),
               "consumed_tok_s": last_logged(run_dir, "perf/consumed_tok_s"),
               "phases_s": {k.removeprefix("sys/"): last_logged(run_dir, k) for k in PHASES},
@@ -410,7 +422,7 @@ def run_campaign(c: Campaign, out: Path, extra: list[str], deadline_s: float = 0
         for i, cells in zip(group, per_stage):
             mine, results = results[:len(cells)], results[len(cells):]
             ran = [r for r in mine if r is not None and "reused_from" not in r and not r.get("earlier_launch")]
-            tokens = sum(r["consumed_tokens"] or 0 for r in ran)
+            tokens = sum(r.get("leg_tokens", r["consumed_tokens"]) or 0 for r in ran)  # this launch's tokens
             summary["stages"].append({"stage": i, "factor": c.stages[i].factor, "wall_s": round(wall, 1),
                                       "stages_sharing_wall": len(group), "cells_run": len(ran),
                                       "consumed_tokens": tokens})

@@ -74,6 +74,18 @@ def test_a_stage_of_named_override_sets(tmp_path):
         main([str(f), "--check", "campaign.seeds=[0]"])
 
 
+def test_a_resumed_cell_counts_only_the_tokens_of_its_own_launch(tmp_path):
+    from sweeps.campaign import tokens_at_resume
+    run = tmp_path / "cell"
+    assert tokens_at_resume(run) == 0.0  # a new cell trains its whole budget in this launch
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "data/consumed_tokens": s * 100}) + "\n"
+                                               for s in (10, 20, 30, 40)))
+    for name in ("step_00000020.pt", "step_00000020.pt.sha256", "step_00000030.pt"):
+        (run / "checkpoints" / name).write_bytes(b"")
+    assert tokens_at_resume(run) == 3000.0  # the newest checkpoint (step 30), not the last logged step (40)
+
+
 def test_stages_that_build_on_decided_factors_share_one_pool():
     assert stage_groups(load_campaign("reference")) == [[0], [1, 2]]  # noise and buffer both on the loss
     assert stage_groups(load_campaign("cpu_smoke")) == [[0], [1]]
@@ -162,7 +174,9 @@ def test_campaign_runs_then_resumes_where_it_was_cut(tmp_path):
         again = main(args)
         assert (cut / "cell.json").is_file() and len(again["cells"]) == 4 and again["complete"]
         assert {c: (runs / c / "cell.json").stat().st_mtime for c in cells[1:]} == mtimes
-        assert json.loads((cut / "cell.json").read_text())["resumed"]  # from its checkpoint, not from scratch
+        rec = json.loads((cut / "cell.json").read_text())
+        assert rec["resumed"]  # from its checkpoint, not from scratch
+        assert 0 <= rec["leg_tokens"] < rec["consumed_tokens"]  # this launch trained only what the checkpoint lacked
     finally:
         os.chdir(cwd)
     client = mlflow.tracking.MlflowClient(f"sqlite:///{db}")

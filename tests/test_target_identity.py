@@ -33,6 +33,10 @@ def test_fingerprint_follows_the_weights_not_the_path(tmp_path):
     assert a.fingerprint == a2.fingerprint != b.fingerprint
     tasks = [Task("t", "def f():\n")]
     assert cache_key(a, tasks, 8) != cache_key(b, tasks, 8)  # eval ground truth is rebuilt for a new target
+    # the same checkpoint in another folder (another checkout, a GPU machine's copy) is the same target for every
+    # cache and ground-truth key: pinned ground truth written in one place pairs in the other
+    assert a.identity == a2.identity != b.identity and str(tmp_path) not in a.identity
+    assert cache_key(a, tasks, 8) == cache_key(a2, tasks, 8)
 
 
 def test_drafter_of_another_target_is_refused(tmp_path):

@@ -293,14 +293,19 @@ class Target:
         return ByteTokenizer()
 
     def _identity(self) -> str:
-        """Stable identity for caches: the checkpoint's path with each weights file's name, size and content
-        digest (`_file_digest`), or the random spec."""
+        """Stable identity for caches and ground-truth keys: each weights file's name, size and content digest
+        (`_file_digest`) with the tokenizer's files, or the random spec. Not the folder's path: the same
+        checkpoint in another checkout (a GPU machine's copy of the repo, a moved models folder) is the same
+        target, and its pinned ground truth and caches must match there (two sessions' campaign cells were
+        unpaired when keys differed)."""
         if not self.cfg.path:  # a tokenizer folder of its own changes what every prompt's text encodes to
             tok = "" if self.cfg.tokenizer in ("auto", "bytes") else f":tokenizer={self.cfg.tokenizer}"
             return f"random:{self.cfg.random}{tok}"
-        files = sorted(Path(checkpoint_path(self.cfg)).glob("*.safetensors"))
+        folder = Path(checkpoint_path(self.cfg))
+        files = sorted(folder.glob("*.safetensors")) + [folder / n for n in TOKENIZER_FILES if (folder / n).is_file()]
         stamp = [(f.name, f.stat().st_size, _file_digest(f)) for f in files]
-        return f"path:{os.path.abspath(checkpoint_path(self.cfg))}:{stamp}"
+        tok = "" if self.cfg.tokenizer in ("auto",) else f":tokenizer={self.cfg.tokenizer}"
+        return f"checkpoint:{stamp}{tok}"
 
     @property
     def hidden_size(self) -> int:
@@ -411,6 +416,9 @@ def _mask_arg_names() -> tuple[str, ...]:
 
     from transformers.masking_utils import create_causal_mask
     return tuple(inspect.signature(create_causal_mask).parameters)
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt", "chat_template.jinja")
 
 
 def _file_digest(path: Path, limit: int = 1 << 20) -> str:

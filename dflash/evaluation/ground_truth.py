@@ -12,7 +12,7 @@ the ground truth is built and its tokens pinned.
 Cached on disk under `cache_dir/<key>.gt`, key = sha256 of (format version, target identity, layer ids,
 target dtype and device type, suite prompts, max_new_tokens, and the pin's digest when pinned): changing any
 of them misses, and a pinned ground truth never reads an unpinned one's file. A cache file is
-written atomically (`dflash.training.checkpoint.atomic_write`) and carries the sha256 of its payload; a file that
+written atomically (`dflash.atomic.save_checked`) and carries the sha256 of its payload; a file that
 cannot be read, fails its checksum, or does not match the expected shapes is rebuilt (with a warning),
 never trusted.
 """

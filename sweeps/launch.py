@@ -26,6 +26,11 @@ sweep definition (`sweep.yaml`), sampler / pruner / objective, storage, and — 
 `sweep.best_value`, `sweep.best_params`, `sweep.best_run_id`, `sweep.best_checkpoint` (a drafter folder
 for `python -m experiments.promote <sweep.best_run_dir>`). Each trial's training run is its child.
 
+Cut trials: at each launch, before the workers start, a FAIL trial that was stopped from outside (its worker
+gone, or a SIGTERM / SIGINT: a job's time limit) and whose run dir holds a checkpoint is continued: a new trial
+with the same params is enqueued (taken before anything is sampled; it counts against `n_trials`) and resumes
+that run dir and its MLflow child run. Counts show it once (`n_continued`), not as a failure.
+
 `main(argv)` returns a summary dict; exit status 0, 1 when a worker died (the study stays usable: its
 trial is marked FAIL), 2 on invalid input.
 """
@@ -241,7 +246,7 @@ def _worker_specs(args, sweep, base_overrides, storage, study_name, out_dir: Pat
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    from sweeps.objective import reconcile_children, update_parent
+    from sweeps.objective import continue_interrupted, reconcile_children, update_parent
     from sweeps.space import check_conflicts, load_sweep, merge_overrides
     from sweeps.storage import describe, reap_stale
     from sweeps.worker import Tickets, worker_main
@@ -275,9 +280,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         log.warning("tracking.enabled=false: no MLflow parent/child runs for this sweep")
 
     reaped = reap_stale(study, tracker)
+    continued = continue_interrupted(study, reaped)  # before any worker: the enqueued ones are taken first
     reconcile_children(study, tracker, parent_id)
     if reaped:
         print(f"[sweep {study_name}] marked stale trial(s) {reaped} FAIL (their worker is gone)", file=sys.stderr)
+    if continued:
+        print(f"[sweep {study_name}] continuing cut trial(s) from their checkpoints: "
+              + ", ".join(f"#{old} as #{new}" for old, new in continued.items()), file=sys.stderr)
     specs, gpus = _worker_specs(args, sweep, base_overrides, storage, study_name, out_dir, parent_id, tr, n_before,
                                 launch_no)
     print(f"[sweep {study_name}] storage {storage_desc} | {n_before} trials so far | +{args.n_trials} with "
@@ -302,7 +311,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             tracker.update_parent(parent_id, {"sweep.lost_workers": len(lost)} if lost else {}, {}, 0)
             tracker.end(parent_id, status)
     summary.update(study=study_name, storage=storage_desc, parent_run_id=parent_id, n_before=n_before,
-                   n_new=summary["n_trials"] - n_before, lost_workers=lost, out_dir=str(out_dir))
+                   n_new=summary["n_trials"] + summary["n_continued"] - n_before, lost_workers=lost,
+                   out_dir=str(out_dir), continued_now=continued)
     _print_summary(summary)
     return summary
 
@@ -357,7 +367,8 @@ def _print_summary(s: dict[str, Any]) -> None:
     c = s["states"]
     lines = [f"study {s['study']} ({s['storage']}): {s['n_trials']} trials (+{s['n_new']}): "
              f"{c.get('COMPLETE', 0)} complete, {c.get('PRUNED', 0)} pruned, {c.get('FAIL', 0)} failed, "
-             f"{c.get('RUNNING', 0)} running"]
+             f"{c.get('RUNNING', 0)} running"
+             + (f", {s['n_continued']} cut and continued (counted once)" if s.get("n_continued") else "")]
     b = s.get("best")
     if b:
         lines.append(f"best trial #{b['number']}: {b['value']:.6g} {json.dumps(b['params'], default=str)}")

@@ -18,6 +18,7 @@ import dataclasses
 import json
 import math
 import os
+import re
 import shlex
 import socket
 import sys
@@ -32,6 +33,13 @@ from sweeps.support import TAG_PRUNED_STEP, TAG_VALUE, EvalPruned, PruningEvalua
 from sweeps.space import SweepDef, merge_overrides, suggest
 
 ATTR_RUN_ID, ATTR_RUN_DIR, ATTR_CKPT, ATTR_ERROR = "mlflow.run_id", "sweep.run_dir", "sweep.checkpoint", "sweep.error"
+# A trial cut by a signal / job limit is continued by a new trial that resumes its run dir (`continue_interrupted`).
+# Optuna cannot add attrs to a finished trial, so the link lives on the continuation (`sweep.continues`).
+ATTR_INTERRUPTED = "sweep.interrupted"  # the trial stopped on SIGTERM / SIGINT / KeyboardInterrupt
+ATTR_RESUME_DIR = "sweep.resume_dir"  # a continuation: the run dir it resumes
+ATTR_CONTINUES = "sweep.continues"  # a continuation: the trial number it continues
+ATTR_RESUME_STEP = "sweep.resume_step"  # a continuation: the checkpoint step it started from
+STUDY_CONTINUED = "sweep.continued_as"  # the study's {old trial: continuing trial} map, for the dashboard
 
 
 @dataclass
@@ -85,10 +93,33 @@ def trial_description(ctx: TrialContext, number: int, overrides: list[str]) -> s
             f"```\n{cmd}\n```")
 
 
+def _child_run(trial, ctx: TrialContext, tracker: SweepTracker | None, cfg: RunConfig, run_dir: Path,
+               sampled: list[str], values: dict[str, Any], overrides: list[str]) -> str | None:
+    """The trial's MLflow child run: a continuation reopens the run it continues (the trainer's resume reopens
+    the same id), so the training curve stays one run; a new trial gets a new child."""
+    if tracker is None or not ctx.parent_run_id or not cfg.tracking.enabled:
+        return None
+    continues = trial.user_attrs.get(ATTR_CONTINUES)
+    run_id = trial.user_attrs.get(ATTR_RUN_ID) if continues is not None else None
+    if run_id:
+        tracker.retag_child(run_id, trial.number, {ATTR_CONTINUES: continues})
+        return run_id
+    from dflash.tracking.run_info import NOTE, SOURCE_NAME, SOURCE_TYPE
+    tags = {"sweep.name": ctx.sweep.name, "sweep.overrides": " ".join(sampled),
+            "optuna.params": json.dumps(values, default=str), SOURCE_NAME: "sweeps.launch",
+            SOURCE_TYPE: "LOCAL", NOTE: trial_description(ctx, trial.number, overrides)}
+    if continues is not None:
+        tags[ATTR_CONTINUES] = continues
+    run_id = tracker.create_child(ctx.parent_run_id, ctx.study_name, trial.number, run_name=run_dir.name, tags=tags)
+    if run_id:
+        trial.set_user_attr(ATTR_RUN_ID, run_id)
+    return run_id
+
+
 def run_trial(trial, ctx: TrialContext, tracker: SweepTracker | None) -> float:
     from dflash.app.run import run_label  # imported late: the launcher process never trains
 
-    sampled, values = suggest(trial, ctx.sweep)
+    sampled, values = suggest(trial, ctx.sweep)  # a continuation's params are enqueued: the same as before
     overrides = merge_overrides(ctx.base_overrides, sampled)
     for k, v in {**ctx.lease_attrs, "sweep.worker": ctx.worker,
                  "sweep.gpu": os.environ.get("CUDA_VISIBLE_DEVICES", ""),
@@ -96,19 +127,15 @@ def run_trial(trial, ctx: TrialContext, tracker: SweepTracker | None) -> float:
         trial.set_user_attr(k, v)
     try:
         cfg, ecfg = compose_trial_config(overrides)
-        run_dir = Path(ctx.out_dir).resolve() / f"trial_{trial.number:05d}-{run_label(cfg)}"
-        cfg = dataclasses.replace(cfg, run_dir=str(run_dir))
+        resume_dir = trial.user_attrs.get(ATTR_RESUME_DIR)
+        if resume_dir:  # same overrides, same folder: the trainer continues from its newest checkpoint
+            run_dir = Path(resume_dir)
+            cfg = dataclasses.replace(cfg, run_dir=str(run_dir), resume=str(run_dir))
+        else:
+            run_dir = Path(ctx.out_dir).resolve() / f"trial_{trial.number:05d}-{run_label(cfg)}"
+            cfg = dataclasses.replace(cfg, run_dir=str(run_dir))
         trial.set_user_attr(ATTR_RUN_DIR, str(run_dir))
-        run_id = None
-        if tracker is not None and ctx.parent_run_id and cfg.tracking.enabled:
-            from dflash.tracking.run_info import NOTE, SOURCE_NAME, SOURCE_TYPE
-            run_id = tracker.create_child(
-                ctx.parent_run_id, ctx.study_name, trial.number, run_name=run_dir.name,
-                tags={"sweep.name": ctx.sweep.name, "sweep.overrides": " ".join(sampled),
-                      "optuna.params": json.dumps(values, default=str), SOURCE_NAME: "sweeps.launch",
-                      SOURCE_TYPE: "LOCAL", NOTE: trial_description(ctx, trial.number, overrides)})
-            if run_id:
-                trial.set_user_attr(ATTR_RUN_ID, run_id)
+        run_id = _child_run(trial, ctx, tracker, cfg, run_dir, sampled, values, overrides)
         evaluator = PruningEvaluator(trial, ctx.sweep.objective.metric, run_dir,
                                      base=base_evaluator(ecfg, out_dir=RunDir(run_dir).eval_dir))
         from dflash.app.run import train  # imported late: the launcher process never trains
@@ -129,9 +156,66 @@ def run_trial(trial, ctx: TrialContext, tracker: SweepTracker | None) -> float:
     except BaseException as e:
         try:
             trial.set_user_attr(ATTR_ERROR, f"{type(e).__name__}: {e}"[:2000])
+            if isinstance(e, KeyboardInterrupt):  # the trainer's RunInterrupted (SIGTERM / SIGINT) is one
+                trial.set_user_attr(ATTR_INTERRUPTED, True)
         except Exception:  # noqa: BLE001
             pass
         raise
+
+
+# --------------------------------------------------------------------------- continuations
+
+
+def checkpoint_step(run_dir: str | None) -> int | None:
+    """The newest checkpoint's step in `<run_dir>/checkpoints` (`step_NNNNNNNN.pt`); None when there is none."""
+    if not run_dir:
+        return None
+    steps = [int(m[1]) for f in RunDir(run_dir).checkpoints.glob("step_*") if (m := re.match(r"step_(\d+)", f.name))]
+    return max(steps) if steps else None
+
+
+def continued_map(trials) -> dict[int, int]:
+    """{old trial number: the trial continuing it}, from the continuations' `sweep.continues`."""
+    return {int(t.user_attrs[ATTR_CONTINUES]): t.number for t in trials if ATTR_CONTINUES in t.user_attrs}
+
+
+def _was_cut(t, reaped) -> bool:
+    """A FAIL trial stopped from outside rather than by its own error: reaped now (its worker is gone), marked
+    interrupted by run_trial, or FAIL without an error attr (run_trial records every error it sees, so that
+    one was reaped earlier: its worker died)."""
+    ua = t.user_attrs
+    return t.number in reaped or bool(ua.get(ATTR_INTERRUPTED)) or ATTR_ERROR not in ua
+
+
+def continue_interrupted(study, reaped=()) -> dict[int, int]:
+    """Enqueue a continuation of every cut FAIL trial whose run dir holds a checkpoint and that no trial continues
+    yet: the same params, resuming that run dir (the samplers take enqueued trials first). A continuation that
+    itself was cut is continued again only when its checkpoint moved on (a trial that cannot progress stops).
+    Returns {old: new} for the trials enqueued now."""
+    from optuna.trial import TrialState
+    trials = study.get_trials(deepcopy=False)
+    done = continued_map(trials)
+    wanted: list[int] = []
+    for t in trials:
+        run_dir = t.user_attrs.get(ATTR_RUN_DIR)
+        step = checkpoint_step(run_dir)
+        if t.state != TrialState.FAIL or t.number in done or step is None or not _was_cut(t, reaped):
+            continue
+        if step <= int(t.user_attrs.get(ATTR_RESUME_STEP, -1)):
+            continue
+        attrs = {ATTR_RESUME_DIR: run_dir, ATTR_CONTINUES: t.number, ATTR_RESUME_STEP: step}
+        if t.user_attrs.get(ATTR_RUN_ID):
+            attrs[ATTR_RUN_ID] = t.user_attrs[ATTR_RUN_ID]
+        study.enqueue_trial(dict(t.params), user_attrs=attrs, skip_if_exists=False)
+        wanted.append(t.number)
+    if not wanted:
+        return {}
+    now = continued_map(study.get_trials(deepcopy=False))
+    made = {old: now[old] for old in wanted}
+    shown = dict(study.user_attrs.get(STUDY_CONTINUED) or {})
+    shown.update({str(old): new for old, new in made.items()})
+    study.set_user_attr(STUDY_CONTINUED, shown)
+    return made
 
 
 # --------------------------------------------------------------------------- bookkeeping
@@ -141,10 +225,13 @@ def study_summary(study) -> dict[str, Any]:
     from optuna.trial import TrialState
 
     trials = study.get_trials(deepcopy=False)
+    continued = continued_map(trials)  # a cut trial and its continuation are one trial: counted once, not a failure
     counts = {s.name: 0 for s in (TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL, TrialState.RUNNING)}
     for t in trials:
-        counts[t.state.name] = counts.get(t.state.name, 0) + 1
-    out: dict[str, Any] = {"n_trials": len(trials), "states": counts, "best": None}
+        if t.number not in continued:
+            counts[t.state.name] = counts.get(t.state.name, 0) + 1
+    out: dict[str, Any] = {"n_trials": len(trials) - len(continued), "n_continued": len(continued),
+                           "states": counts, "best": None}
     complete = [t for t in trials if t.state == TrialState.COMPLETE]
     if complete:
         b = study.best_trial
@@ -229,7 +316,8 @@ def parent_description(study_name: str, summary: dict[str, Any], metric: str, ex
     """The parent run's Description (markdown): the current best trial, a link to its run, the counts."""
     c, b = summary["states"], summary["best"]
     lines = [f"Sweep study `{study_name}`: {summary['n_trials']} trials, {c['COMPLETE']} complete, "
-             f"{c['PRUNED']} pruned, {c['FAIL']} failed, {c['RUNNING']} running."]
+             f"{c['PRUNED']} pruned, {c['FAIL']} failed, {c['RUNNING']} running"
+             + (f", {summary['n_continued']} cut and continued." if summary.get("n_continued") else ".")]
     if b is None:
         lines.append("No complete trial yet.")
     else:
@@ -261,7 +349,7 @@ def update_parent(study, tracker: SweepTracker | None, parent_id: str | None,
     n_done = c["COMPLETE"] + c["PRUNED"] + c["FAIL"]
     tags: dict[str, Any] = {"sweep.n_trials": summary["n_trials"], "sweep.n_complete": c["COMPLETE"],
                             "sweep.n_pruned": c["PRUNED"], "sweep.n_failed": c["FAIL"],
-                            "sweep.n_running": c["RUNNING"]}
+                            "sweep.n_running": c["RUNNING"], "sweep.n_continued": summary["n_continued"]}
     metrics: dict[str, float] = {"sweep/n_complete": c["COMPLETE"], "sweep/n_pruned": c["PRUNED"],
                                  "sweep/n_failed": c["FAIL"]}
     b = summary["best"]
@@ -293,10 +381,12 @@ def reconcile_children(study, tracker: SweepTracker | None, parent_id: str | Non
         return 0
     from sweeps.support import RUN_STATUS, TAG_STATE
     runs = {r.info.run_id: r for r in tracker.children(parent_id)}
+    trials = study.get_trials(deepcopy=False)
+    continued = continued_map(trials)  # their child run is their continuation's: its state is the one shown
     fixed = 0
-    for t in study.get_trials(deepcopy=False):
+    for t in trials:
         rid = t.user_attrs.get(ATTR_RUN_ID)
-        if not rid or rid not in runs or not t.state.is_finished():
+        if not rid or rid not in runs or not t.state.is_finished() or t.number in continued:
             continue
         r = runs[rid]
         want_status = RUN_STATUS[t.state.name]

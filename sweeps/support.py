@@ -220,6 +220,10 @@ class SweepTracker:
                           tags=t)
         return run.info.run_id if run is not None else None
 
+    def retag_child(self, run_id: str, trial_number: int, tags: Mapping[str, Any] | None = None) -> None:
+        """A child run taken over by a continuing trial: it now stands for that trial, RUNNING again."""
+        self._tags(run_id, {TAG_TRIAL: str(trial_number), TAG_STATE: "RUNNING", **(tags or {})})
+
     def finish_child(self, run_id: str, state: str, tags: Mapping[str, Any] | None = None) -> None:
         """Trial outcome on the child: `optuna.state`, extra tags, and the run status it implies
         (COMPLETE → FINISHED, PRUNED → KILLED, FAIL → FAILED) when it is not that already."""

@@ -1,0 +1,76 @@
+#!/usr/bin/env bash
+# One H200: an Optuna sweep (conf/sweep/<name>.yaml) in GPU jobs of under ten minutes, trials cut by the job's
+# limit continuing in the next job.
+#
+#   N=4 WORKERS=2 DEADLINE=300 bash benchmarks/gpu/sweep.sh [sweep] [run overrides ...]    (default sweep: loss_variants)
+#
+# 1. Continues the sweep store: sweeps_out/ as a warm machine kept it (trial run dirs WITH their checkpoints), else
+#    the committed one, if any: $STORE (default benchmarks/sweeps/sweeps_out.tar.xz: sweeps_out/ without weights).
+# 2. `python -m sweeps.launch <sweep> n_trials=$N workers=$WORKERS timeout=$DEADLINE out=sweeps_out` under
+#    `timeout $HARD`: no trial starts after DEADLINE seconds; at HARD the launch and its workers get SIGTERM, each
+#    trainer checkpoints at its next step boundary and the trial ends FAIL "interrupted". The next launch on the
+#    same store enqueues a continuation of every such trial (same params, resumed from its newest checkpoint,
+#    same MLflow run) before sampling anything new; it counts against that launch's n_trials.
+#    Checkpoints stay on the machine: only the next job on the SAME WARM machine can continue a cut trial. A fresh
+#    machine gets the committed store without checkpoints; its cut trials then stay FAIL (nothing to resume) and
+#    the sweep goes on with new trials. Run dirs are recorded as absolute paths: run from the same checkout path.
+# 3. $OUT/sweep.tar.xz: sweeps_out/ without weights, checkpoints or figures (commit it as $STORE), and
+#    $OUT/best_drafter.tgz: the best complete trial's final/ drafter; then the study summary.
+# Env: N (trials this job adds, default 4), WORKERS (default 2), DEADLINE (s, default 300), HARD (s, default
+# DEADLINE + 220), STUDY (default: the sweep's name), STORE, OUT (default gpu_out), PY (python).
+# The GPU machine lacks our stack's wheels: ship them in .whl/ as for benchmarks/gpu/campaign.sh.
+set -uo pipefail
+S=${1:-loss_variants}
+shift || true
+OUT=${OUT:-gpu_out}
+N=${N:-4}
+WORKERS=${WORKERS:-2}
+DEADLINE=${DEADLINE:-300}
+HARD=${HARD:-$((DEADLINE + 220))}
+STORE=${STORE:-benchmarks/sweeps/sweeps_out.tar.xz}
+STUDY=${STUDY:-$(basename "$S" .yaml)}
+PY=${PY:-python}
+mkdir -p "$OUT"
+if [ -d .whl ]; then  # the GPU machine has torch/transformers/triton but not our other dependencies
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+  export PYTHONPATH=/tmp/site:$PWD
+fi
+export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
+# a warm machine's sweeps_out/ holds the checkpoints the committed store lacks: it wins
+[ -d sweeps_out ] || { [ -f "$STORE" ] && tar xf "$STORE"; }
+echo "== sweep $S study $STUDY: +$N trials, $WORKERS worker(s), deadline ${DEADLINE}s, hard ${HARD}s, in $PWD" >&2
+t0=$(date +%s)
+# -k 60: a trainer that has not checkpointed and exited a minute after the SIGTERM is killed (its trial is then
+# reaped as "worker gone" and continued from its previous checkpoint)
+timeout -k 60 "$HARD" $PY -m sweeps.launch "$S" n_trials="$N" workers="$WORKERS" timeout="$DEADLINE" \
+    study="$STUDY" out=sweeps_out "tracking.tracking_uri=sqlite:///$PWD/sweeps_out/mlflow.db" "$@" \
+    > "$OUT/sweep.log" 2>&1
+rc=$?
+echo "== sweep exited $rc after $(( $(date +%s) - t0 )) s" >&2
+# xz, not gzip: the MLflow sqlite file packs to half the size, and the committed store rides in every GPU call's
+# 64 MiB working tree
+[ -d sweeps_out ] || { cat "$OUT/sweep.log" >&2; exit $rc; }  # the launch failed before it made a store
+XZ_OPT="-9 -T0" tar cJf "$OUT/sweep.tar.xz" --exclude='checkpoints' --exclude='final' --exclude='checkpoint' \
+    --exclude='*.pt' --exclude='*.safetensors' --exclude='*.png' --exclude='*.bin' --exclude='*.lock' sweeps_out
+# the study as the store holds it (the launch's own summary is lost when HARD cut it), and the best drafter
+$PY - "$STUDY" "$OUT" <<'EOF' || true
+import json, sys, tarfile
+from pathlib import Path
+import optuna
+from sweeps.objective import study_summary
+from sweeps.storage import make_storage
+optuna.logging.set_verbosity(optuna.logging.WARNING)
+study = optuna.load_study(study_name=sys.argv[1], storage=make_storage(f"sweeps_out/{sys.argv[1]}.journal"))
+s = study_summary(study)
+print(json.dumps({k: s[k] for k in ("n_trials", "n_continued", "states")}))
+b = s["best"]
+if b and b["run_dir"] and (Path(b["run_dir"]) / "final").is_dir():
+    with tarfile.open(f"{sys.argv[2]}/best_drafter.tgz", "w:gz") as tar:
+        tar.add(Path(b["run_dir"]) / "final", arcname=Path(b["run_dir"]).name)
+    print(f"best trial #{b['number']} {b['value']:.6g} {json.dumps(b['params'], default=str)} -> best_drafter.tgz")
+else:
+    print("no complete trial with its final/ drafter on this machine")
+EOF
+ls -la "$OUT" >&2
+grep -E "continuing cut|marked stale|trial [0-9]+ (COMPLETE|PRUNED|FAIL)|^study |Error" "$OUT/sweep.log" | tail -20 >&2
+exit $rc

@@ -17,7 +17,8 @@
 # 3. $OUT/sweep.tar.xz: sweeps_out/ without weights, checkpoints or figures (commit it as $STORE), and
 #    $OUT/best_drafter.tgz: the best complete trial's final/ drafter; then the study summary.
 # Env: N (trials this job adds, default 4), WORKERS (default 2), DEADLINE (s, default 300), HARD (s, default
-# DEADLINE + 220), STUDY (default: the sweep's name), STORE, OUT (default gpu_out), PY (python).
+# DEADLINE + 220), STUDY (default: the sweep's name), STORE, OUT (default gpu_out), PROMOTE (1: the best trial through
+# the gate), PROMOTE_ARGS, PY (python).
 # The GPU machine lacks our stack's wheels: ship them in .whl/ as for benchmarks/gpu/campaign.sh.
 set -uo pipefail
 S=${1:-loss_variants}
@@ -50,8 +51,6 @@ echo "== sweep exited $rc after $(( $(date +%s) - t0 )) s" >&2
 # xz, not gzip: the MLflow sqlite file packs to half the size, and the committed store rides in every GPU call's
 # 64 MiB working tree
 [ -d sweeps_out ] || { cat "$OUT/sweep.log" >&2; exit $rc; }  # the launch failed before it made a store
-XZ_OPT="-9 -T0" tar cJf "$OUT/sweep.tar.xz" --exclude='checkpoints' --exclude='final' --exclude='checkpoint' \
-    --exclude='*.pt' --exclude='*.safetensors' --exclude='*.png' --exclude='*.bin' --exclude='*.lock' sweeps_out
 # the study as the store holds it (the launch's own summary is lost when HARD cut it), and the best drafter
 $PY - "$STUDY" "$OUT" <<'EOF' || true
 import json, sys, tarfile
@@ -68,9 +67,18 @@ if b and b["run_dir"] and (Path(b["run_dir"]) / "final").is_dir():
     with tarfile.open(f"{sys.argv[2]}/best_drafter.tgz", "w:gz") as tar:
         tar.add(Path(b["run_dir"]) / "final", arcname=Path(b["run_dir"]).name)
     print(f"best trial #{b['number']} {b['value']:.6g} {json.dumps(b['params'], default=str)} -> best_drafter.tgz")
+    Path(f"{sys.argv[2]}/best_run_dir.txt").write_text(b["run_dir"])
 else:
     print("no complete trial with its final/ drafter on this machine")
 EOF
+# PROMOTE=1: the best trial through the promotion gate (docs/evaluation.md), its decision in the store's registry
+# before the store is packed; PROMOTE_ARGS e.g. "--dry-run" or "--margin 0.05"
+if [ -n "${PROMOTE:-}" ] && [ -f "$OUT/best_run_dir.txt" ]; then
+  $PY -m experiments.promote "$(cat "$OUT/best_run_dir.txt")" ${PROMOTE_ARGS:-} > "$OUT/promote.log" 2>&1
+  echo "== promote exited $? (0 promoted, 3 refused): $(tail -3 "$OUT/promote.log" | tr '\n' ' ')" >&2
+fi
+XZ_OPT="-9 -T0" tar cJf "$OUT/sweep.tar.xz" --exclude='checkpoints' --exclude='final' --exclude='checkpoint' \
+    --exclude='*.pt' --exclude='*.safetensors' --exclude='*.png' --exclude='*.bin' --exclude='*.lock' sweeps_out
 ls -la "$OUT" >&2
 grep -E "continuing cut|marked stale|trial [0-9]+ (COMPLETE|PRUNED|FAIL)|^study |Error" "$OUT/sweep.log" | tail -20 >&2
 exit $rc

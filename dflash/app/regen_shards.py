@@ -74,8 +74,8 @@ def run_regen(cfg, regen: RegenConfig) -> dict[str, float]:
         todo = [(r, b) for r, b in jobs if not writers[r].shard_path(b).is_file()]
         total = sum(_written_tokens(writers[r], b, prompt_len) for r, b in todo)
         log.info("regen rank %d/%d: %d of %d shards to write (%d already there), %d tokens, write_batch %d, "
-                 "shards under %s", dist.rank, dist.world, len(todo), len(jobs), len(jobs) - len(todo), total,
-                 writers[0].cfg.write_batch, writers[0].shard_path(0).parent)
+                 "decode %s, shards under %s", dist.rank, dist.world, len(todo), len(jobs), len(jobs) - len(todo),
+                 total, writers[0].cfg.write_batch, writers[0].decode, writers[0].shard_path(0).parent)
         bar = _progress(total, regen.progress and dist.is_main, dist.world)
         t0, written = time.perf_counter(), 0
         for r, b in todo:

@@ -13,9 +13,9 @@
 #    checkpoints, shards or figures (commit it as benchmarks/ablations/campaign_out.tar.xz), and $OUT/best_drafter.tgz:
 #    the best finished cell's final/ drafter (for the gate, export and eval on any machine).
 # Env: DEADLINE (s, default 400), HARD (s, default DEADLINE + 190), WORKERS (default: the campaign's), OUT (default gpu_out), PY (python).
-# The GPU machine lacks our stack's wheels (.whl, about 23 MiB); the working tree that travels with a call (44 MiB,
-# the reference target's weights and this store included) leaves room for part of them in one call: install the
-# rest in an earlier call on the same warm machine (pip --target /tmp/site keeps them there between calls).
+# The GPU machine lacks our stack's wheels (about 23 MiB); the working tree that travels with a call (44 MiB, the
+# reference target's weights and this store included) leaves room for part of them: carry .whl/ in a first short
+# call, then .whl2/ (the rest) with the job on the same warm machine. job_env.sh installs whichever is there.
 set -uo pipefail
 C=${1:-reference}
 shift || true
@@ -23,11 +23,7 @@ OUT=${OUT:-gpu_out}
 DEADLINE=${DEADLINE:-400}
 PY=${PY:-python}
 mkdir -p "$OUT"
-if [ -d .whl ]; then  # the GPU machine has torch/transformers/triton but not our other dependencies
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-  export PYTHONPATH=/tmp/site:$PWD
-fi
-export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
+source "$(dirname "$0")/job_env.sh"  # wheels, PYTHONPATH, the job environment
 [ -d campaign_out ] || { [ -f benchmarks/ablations/campaign_out.tar.xz ] && tar xf benchmarks/ablations/campaign_out.tar.xz; }
 WORK=()
 [ -n "${WORKERS:-}" ] && WORK=("workers=$WORKERS")

@@ -21,14 +21,7 @@ set -uo pipefail
 OUT=${OUT:-gpu_out}
 W=$OUT/conversations
 mkdir -p "$W" && W=$(cd "$W" && pwd)
-if [ -d .whl ]; then  # the GPU machine has torch/transformers/triton but not our other dependencies (datasets too)
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-  export PYTHONPATH=/tmp/site:$PWD
-else
-  export PYTHONPATH=$PWD
-fi
-export PYTHONUNBUFFERED=1
-export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
+source "$(dirname "$0")/job_env.sh"  # wheels (datasets among them), PYTHONPATH, the job environment
 PY=${PY:-python}
 $PY -c "import datasets" || { echo "error: Hugging Face datasets is not importable (add its wheels to .whl)"; exit 1; }
 T0=$SECONDS

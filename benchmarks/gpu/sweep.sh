@@ -32,11 +32,7 @@ STORE=${STORE:-benchmarks/sweeps/sweeps_out.tar.xz}
 STUDY=${STUDY:-$(basename "$S" .yaml)}
 PY=${PY:-python}
 mkdir -p "$OUT"
-if [ -d .whl ]; then  # the GPU machine has torch/transformers/triton but not our other dependencies
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-  export PYTHONPATH=/tmp/site:$PWD
-fi
-export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
+source "$(dirname "$0")/job_env.sh"  # wheels, PYTHONPATH, the job environment
 # a warm machine's sweeps_out/ holds the checkpoints the committed store lacks: it wins
 [ -d sweeps_out ] || { [ -f "$STORE" ] && tar xf "$STORE"; }
 echo "== sweep $S study $STUDY: +$N trials, $WORKERS worker(s), deadline ${DEADLINE}s, hard ${HARD}s, in $PWD" >&2

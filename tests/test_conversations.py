@@ -245,6 +245,9 @@ def test_training_on_conversations_logs_data_metrics_and_tags(chat_cfg, tmp_path
     last = [r for r in rows if "data/skipped" in r][-1]
     assert last["data/conversations"] == 200 and last["data/skipped"] >= 0 and "data/truncated" in last
     assert last["data/train_sequences"] + last["data/heldout_conversations"] >= 200
+    # the budget counts every token; data/trained_tokens the assistant tokens among them (the loss's)
+    tok = [r for r in rows if "data/trained_tokens" in r][-1]
+    assert 0 < tok["data/trained_tokens"] < tok["data/consumed_tokens"]
     tags = json.loads((res.run_dir / "tags.json").read_text())
     assert tags["data.responses"] == "dataset" and tags["data.kind"] == "conversations"
     assert tags["data.formats"] == "openai+sharegpt"
@@ -295,3 +298,32 @@ def test_chat_suites_are_cut_from_heldout_conversations_through_the_template(cha
         assert row["messages"][last - 1]["content"] in task.prompt and row["messages"][last]["content"] not in task.prompt
     assert coding.name == "coding10_chat" and len(coding.tasks) == 10
     assert all(t.prompt.startswith("<|im_start|>user\n") for t in coding.tasks)
+
+
+def test_trained_tokens_count_the_masks_and_survive_a_resume():
+    """data/trained_tokens: the tokens inside the loss masks (assistant turns), beside the consumed tokens the
+    budget counts; carried by a checkpoint; not logged for unmasked data (every token trains there)."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from dflash.training.batching import masked_tokens
+    from dflash.training.datastream import DataMeter
+    item = lambda mask: SimpleNamespace(tokens_T=torch.zeros(6, dtype=torch.long),
+                                        loss_mask_T=None if mask is None else torch.tensor(mask, dtype=torch.bool))
+    assert masked_tokens([item(None), item(None)]) is None
+    assert masked_tokens([item([0, 0, 1, 1, 1, 0]), item(None)]) == 3 + 6
+    data = SimpleNamespace(distinct_seen=lambda n: n, epochs=lambda n: 1.0, stats={}, writer=None)
+    plain = DataMeter(data, 0)
+    plain.add(12, 2, masked_tokens([item(None), item(None)]))
+    assert "data/trained_tokens" not in plain.read()
+    meter = DataMeter(data, 0)
+    meter.add(12, 2, masked_tokens([item([0, 1, 1, 0, 0, 0]), item([1, 1, 1, 1, 0, 0])]))
+    again = DataMeter(data, 0)
+    again.load_state_dict(meter.state_dict())
+    again.add(6, 1, masked_tokens([item([0, 0, 0, 0, 1, 1])]))
+    out = again.read()
+    assert (out["data/consumed_tokens"], out["data/trained_tokens"]) == (18.0, 8.0)
+    old = DataMeter(data, 0)
+    old.load_state_dict({"items": 2, "tokens": 12})  # a checkpoint from before the count
+    assert "data/trained_tokens" not in old.read()

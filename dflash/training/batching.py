@@ -40,6 +40,16 @@ def draw_anchors(length: int, block_size: int, num_anchors: int, gen: torch.Gene
     return perm.sort().values
 
 
+def masked_tokens(items) -> int | None:
+    """The items' tokens inside their loss masks (a conversation's assistant tokens; an item without a mask
+    counts whole), for `data/trained_tokens`; None when no item has a mask. The masks live on the host: no
+    device sync."""
+    if all(it.loss_mask_T is None for it in items):
+        return None
+    return sum(int(it.loss_mask_T.sum()) if it.loss_mask_T is not None else int(it.tokens_T.numel())
+               for it in items)
+
+
 def label_mask(loss_mask_T: torch.Tensor) -> torch.Tensor:
     """Label position p (the target's prediction of token p + 1) is trained iff token p + 1 is: [L] bool."""
     return torch.cat([loss_mask_T[1:].bool(), torch.zeros(1, dtype=torch.bool)])

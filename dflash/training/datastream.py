@@ -155,15 +155,20 @@ class DataMeter:
     def __init__(self, data: TrainingData, token_budget: int, dist_info: DistInfo = DistInfo()):
         self.data, self.token_budget, self.dist = data, token_budget, dist_info
         self.items = self.tokens = 0  # this rank's, since the run began (a checkpoint carries them)
+        # of those tokens, the ones a loss mask trains on (a conversation's assistant tokens); -1: no mask seen
+        self.trained = -1
         self.total_items = self.total_tokens = 0  # all ranks, as of the last read
 
-    def add(self, tokens: int, items: int) -> None:
+    def add(self, tokens: int, items: int, trained: int | None = None) -> None:
+        """`trained`: the step's tokens inside its loss masks (None: the data has none, every token trains)."""
         self.items += items
         self.tokens += tokens
+        if trained is not None:
+            self.trained = max(self.trained, 0) + trained
 
     def read(self) -> dict[str, float]:
         """All ranks' counts (one collective per log interval: every rank calls)."""
-        tot = sum_(torch.tensor([self.items, self.tokens], dtype=torch.float64), self.dist).tolist()
+        tot = sum_(torch.tensor([self.items, self.tokens, self.trained], dtype=torch.float64), self.dist).tolist()
         self.total_items, self.total_tokens = int(tot[0]), int(tot[1])
         d, items = self.data, self.total_items
         unique = d.distinct_seen(items)
@@ -171,6 +176,8 @@ class DataMeter:
         out = {"data/consumed_tokens": float(self.total_tokens), "data/consumed_sequences": float(items),
                "data/unique_sequences": float(unique), "data/epochs": epochs,
                "data/views_per_sequence": items / unique if unique else 0.0}
+        if self.trained >= 0:  # masked data: consumed tokens count the user and system turns too
+            out["data/trained_tokens"] = max(tot[2], 0.0)
         out.update(d.stats)
         if self.data.writer is not None:
             out.update(self.data.writer.stats())  # this rank's writer
@@ -181,7 +188,8 @@ class DataMeter:
         return self.token_budget > 0 and self.total_tokens >= self.token_budget
 
     def state_dict(self) -> dict:
-        return {"items": self.items, "tokens": self.tokens}
+        return {"items": self.items, "tokens": self.tokens, "trained": self.trained}
 
     def load_state_dict(self, state: dict) -> None:
         self.items, self.tokens = int(state.get("items", 0)), int(state.get("tokens", 0))
+        self.trained = int(state.get("trained", -1))  # checkpoints written before the count: none

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Callable
 import torch
 
 from dflash.errors import ConfigError
-from dflash.training.batching import DrafterBatch, make_batch
+from dflash.training.batching import DrafterBatch, make_batch, masked_tokens
 from dflash.training.buffer import BucketedBuffer
 from dflash.training.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from dflash.training.compiling import compile_drafter
@@ -276,7 +276,7 @@ class Trainer:
             with around_step(step), torch.profiler.record_function("dflash.train_step"):  # free unless profiled
                 tokens = self._step(items, acc)
             window.add(tokens, len(items))
-            self.data_meter.add(tokens, len(items))
+            self.data_meter.add(tokens, len(items), masked_tokens(items))
             done = self.final_step = step + 1  # steps trained so far (the composing layer reads it on a fault)
             last = done == c.trainer.max_steps
             if done % c.tracking.log_every == 0 or last:

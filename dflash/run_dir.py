@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
@@ -72,6 +73,13 @@ class RunDir:
     @property
     def eval_dir(self) -> Path:
         return self.root / EVAL_DIR
+
+    def newest_checkpoint_step(self) -> int | None:
+        """The highest step among `checkpoints/step_NNNNNNNN.pt` by name (not verified); None without one: where a
+        cut run resumes from, for the campaign's and the sweep's continuations."""
+        found = (re.fullmatch(r"step_(\d+)\.pt", f.name) for f in self.checkpoints.glob("step_*.pt"))
+        steps = [int(m[1]) for m in found if m]
+        return max(steps, default=None)
 
     def is_run(self) -> bool:
         """A training run's folder (config.yaml or metrics.jsonl there)."""

@@ -34,7 +34,6 @@ import dataclasses
 import json
 import logging
 import os
-import re
 import subprocess
 import sys
 import time
@@ -210,9 +209,9 @@ def tokens_at_resume(run_dir: Path) -> float:
     """Consumed tokens at the newest checkpoint a cut cell resumes from (0 for a new cell): the tokens this launch
     trains are the rest, and a launch's consumed tok/s counts only those (a resumed cell's whole budget over one
     launch's wall time overstated the rate)."""
-    steps = [int(m[1]) for f in (run_dir / "checkpoints").glob("step_*") if (m := re.match(r"step_(\d+)", f.name))] \
-        if (run_dir / "checkpoints").is_dir() else []
-    return (last_logged(run_dir, "data/consumed_tokens", max_step=max(steps)) or 0.0) if steps else 0.0
+    from dflash.run_dir import RunDir
+    step = RunDir(run_dir).newest_checkpoint_step()
+    return 0.0 if step is None else (last_logged(run_dir, "data/consumed_tokens", max_step=step) or 0.0)
 
 
 def cell_command(cell: Cell, run_dir: Path) -> list[str]:

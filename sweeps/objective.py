@@ -18,7 +18,6 @@ import dataclasses
 import json
 import math
 import os
-import re
 import shlex
 import socket
 import sys
@@ -168,10 +167,7 @@ def run_trial(trial, ctx: TrialContext, tracker: SweepTracker | None) -> float:
 
 def checkpoint_step(run_dir: str | None) -> int | None:
     """The newest checkpoint's step in `<run_dir>/checkpoints` (`step_NNNNNNNN.pt`); None when there is none."""
-    if not run_dir:
-        return None
-    steps = [int(m[1]) for f in RunDir(run_dir).checkpoints.glob("step_*") if (m := re.match(r"step_(\d+)", f.name))]
-    return max(steps) if steps else None
+    return RunDir(run_dir).newest_checkpoint_step() if run_dir else None
 
 
 def continued_map(trials) -> dict[int, int]:

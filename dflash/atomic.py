@@ -80,7 +80,10 @@ def disk_full_error(path: Path, exc: BaseException, existed: bool = True) -> Dis
                                        f"{left} ({type(exc).__name__}: {str(exc).strip()[:200]})", str(path))
 
 
-def atomic_write(path: str | os.PathLike, write: Callable[[str], None]) -> None:
+def atomic_write(path: str | os.PathLike, write: Callable[[str], None], exclusive: bool = False) -> bool:
+    """`write(tmp)` fills a temporary file beside `path`, which then takes its place whole or not at all.
+    `exclusive`: only if no file is there yet (False, the existing file left as it is, when one is): of several
+    processes racing to write the same file the first wins and the others can read what it wrote. True otherwise."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     existed = path.exists()
@@ -91,55 +94,45 @@ def atomic_write(path: str | os.PathLike, write: Callable[[str], None]) -> None:
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
         os.chmod(tmp, file_mode())
-        os.replace(tmp, path)
-    except BaseException as e:
-        full = disk_full_error(path, e, existed) if isinstance(e, Exception) else None  # before the temp goes
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        if full is not None:
-            raise full from e
-        raise
-
-
-def atomic_write_text(path: str | os.PathLike, text: str) -> None:
-    def write(tmp: str) -> None:
-        Path(tmp).write_text(text)
-    atomic_write(path, write)
-
-
-def atomic_create_text(path: str | os.PathLike, text: str) -> bool:
-    """`text` written to `path` whole, only if no file is there yet: True when this call made it, False when one
-    was already there (left as it is). Of several processes racing to write the same file, the first wins and
-    the others can read what it wrote (a hard link is atomic and, unlike `os.replace`, refuses an existing name)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, file_mode())
-        try:
-            os.link(tmp, path)
-            return True
-        except FileExistsError:
-            return False
-        except OSError as e:
-            if e.errno not in (errno.EPERM, errno.EOPNOTSUPP, errno.ENOTSUP):
-                raise
-        if path.exists():  # a filesystem without hard links: check, then replace (a narrow race, never a torn file)
-            return False
+        if exclusive:
+            return _publish_new(tmp, path)
         os.replace(tmp, path)
         return True
-    except Exception as e:
-        full = disk_full_error(path, e, False)
+    except BaseException as e:
+        full = disk_full_error(path, e, existed) if isinstance(e, Exception) else None  # before the temp goes
         if full is not None:
             raise full from e
         raise
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
+
+
+def _publish_new(tmp: str, path: Path) -> bool:
+    """`tmp` under the name `path` unless that name exists: a hard link is atomic and, unlike `os.replace`,
+    refuses an existing name."""
+    try:
+        os.link(tmp, path)
+        return True
+    except FileExistsError:
+        return False
+    except OSError as e:
+        if e.errno not in (errno.EPERM, errno.EOPNOTSUPP, errno.ENOTSUP):
+            raise
+    if path.exists():  # a filesystem without hard links: check, then replace (a narrow race, never a torn file)
+        return False
+    os.replace(tmp, path)
+    return True
+
+
+def atomic_write_text(path: str | os.PathLike, text: str) -> None:
+    atomic_write(path, lambda tmp: Path(tmp).write_text(text))
+
+
+def atomic_create_text(path: str | os.PathLike, text: str) -> bool:
+    """`text` written to `path` whole, only if no file is there yet: True when this call made it, False when one
+    was already there (left as it is)."""
+    return atomic_write(path, lambda tmp: Path(tmp).write_text(text), exclusive=True)
 
 
 def save_checked(path: str | os.PathLike, magic: bytes, fmt: int, key: str, obj: dict) -> None:

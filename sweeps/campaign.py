@@ -346,36 +346,65 @@ def shared_inputs(c: Campaign, extra: list[str], out: Path) -> dict[str, float]:
     return stats
 
 
+def pinned(result: dict) -> bool:
+    """Whether a cell ran on the campaign's pinned ground truth (`eval.truth_dir` among its overrides). Cells of
+    launches before pinning (sessions 12 and 13 of `reference_64m`) evaluated on tokens of their own machine, so
+    their τ does not pair, prompt for prompt, with cells evaluated on the pin."""
+    return any(split_override(a)[0].lstrip("+") == "eval.truth_dir" for a in result.get("overrides", [])
+               if "=" in a)
+
+
 def _run_stage(c: Campaign, cells: list[Cell], out: Path, done: dict[str, dict], deadline: float | None):
     """Finished results of `cells` (reused where an earlier cell, or an earlier one of `cells`, is the same run);
-    None for a cell not started because `deadline` (time.time()) had passed."""
+    None for a cell not started because `deadline` (time.time()) had passed.
+
+    A stage that trains new cells on the pinned ground truth needs its reference there too, so an earlier stage's
+    unpinned run (`pinned`) is not reused for it: that cell trains again under the pin (once, shared by every such
+    stage of `cells`, and reused by them in later launches). A stage with no pinned cell keeps reusing it."""
     keys = [config_key(cell.overrides) for cell in cells]
-    first = {k: i for i, k in reversed(list(enumerate(keys)))}  # each run once, labelled by its first cell
+    earlier = [cell_result(cell_dir(out, c, cell)) for cell in cells]  # a cell's own record from a past launch
+    own_pinned: dict[str, dict] = {}
+    for key, e in zip(keys, earlier):
+        if e is not None and pinned(e):
+            own_pinned.setdefault(key, e)
+    on_pin = {cell.stage for cell, key, e in zip(cells, keys, earlier) if e is None and key not in done}  # new cells
+    on_pin |= {cell.stage for cell, e in zip(cells, earlier) if e is not None and pinned(e)}
+
+    def source(i: int) -> dict | None:
+        """The record cell i reuses; None where it has its own or must run."""
+        if earlier[i] is not None:
+            return None
+        r = done.get(keys[i])
+        if cells[i].stage not in on_pin:
+            return r
+        return r if r is not None and pinned(r) else own_pinned.get(keys[i])
+
+    sources = [source(i) for i in range(len(cells))]
+    # each run once, labelled by its first cell
+    first = {k: i for i, k in reversed([(i, k) for i, k in enumerate(keys) if sources[i] is None])}
 
     def one(i: int) -> dict | None:
-        cell, key = cells[i], keys[i]
-        if key in done:  # the same run as an earlier cell: its result, labelled for this stage
-            return {**done[key], **cell.labels(), "reused_from": done[key]["cell"]}
-        earlier = cell_result(cell_dir(out, c, cell))
-        if earlier is not None:
-            return {**earlier, "earlier_launch": True}
+        if earlier[i] is not None:
+            return {**earlier[i], "earlier_launch": True}
         if deadline is not None and time.time() > deadline:
-            log.warning("cell %s not started: the campaign's deadline has passed (run again to continue)", cell.id)
+            log.warning("cell %s not started: the campaign's deadline has passed (run again to continue)",
+                        cells[i].id)
             return None
-        return run_cell(c, cell, out)
+        return run_cell(c, cells[i], out)
 
     runs = sorted(set(first.values()))
     with ThreadPoolExecutor(max_workers=c.workers) as pool:
         ran = dict(zip(runs, pool.map(one, runs)))
     results = []
     for i, key in enumerate(keys):
-        r = ran[first[key]]
-        if i != first[key] and r is not None and not r.get("failed"):
+        r = sources[i] if sources[i] is not None else ran[first[key]]
+        if (sources[i] is not None or i != first[key]) and r is not None and not r.get("failed"):
             r = {**r, **cells[i].labels(), "reused_from": r["cell"]}
         results.append(r)
     for key, r in zip(keys, results):
         if r is not None and "reused_from" not in r and not r.get("failed"):
-            done.setdefault(key, r)
+            if key not in done or (pinned(r) and not pinned(done[key])):
+                done[key] = r
     return results
 
 

@@ -115,6 +115,38 @@ def test_one_pool_runs_each_distinct_config_once(monkeypatch, tmp_path):
     assert results[1]["value"] == results[0]["value"]
 
 
+def test_a_stage_with_pinned_cells_trains_its_reference_again_under_the_pin(monkeypatch, tmp_path):
+    """The loss stage's winner ran before ground truth was pinned: a later stage's new cells evaluate on the pin,
+    so their reference (the same config) trains once more under it instead of being reused, and later launches
+    reuse that pinned run; a stage with no pinned cell (all finished earlier) keeps its unpinned reference."""
+    import sweeps.campaign as campaign
+    c = load_campaign("cpu_smoke", ["campaign.seeds=[0]", "campaign.workers=1"])
+    pin = ["eval.truth_dir=/pins"]
+    cells = {o: campaign.Cell(1, "noise", o, 0, [f"+noise={o}", *pin]) for o in ("none", "uniform")}
+    buffers = {o: campaign.Cell(2, "buffer", o, 0, [f"+buffer={o}", *pin]) for o in ("r10_20", "fifo")}
+    monkeypatch.setattr(campaign, "config_key", lambda ov: "ref" if {"+noise=none", "+buffer=r10_20"} & set(ov)
+                        else " ".join(ov))
+    old_ref = {"cell": "s0-loss-hard_ce-seed0", "value": 1.0, "overrides": ["+loss=hard_ce"]}  # no pin
+    earlier = {cells["uniform"].id: {**cells["uniform"].labels(), "value": 2.0, "overrides": ["+noise=uniform"]}}
+    ran = []
+
+    def fake_run(c_, cell, out):
+        ran.append(cell.id)
+        earlier[cell.id] = {**cell.labels(), "value": 3.0, "overrides": cell.overrides}
+        return earlier[cell.id]
+    monkeypatch.setattr(campaign, "run_cell", fake_run)
+    monkeypatch.setattr(campaign, "cell_result", lambda run_dir: earlier.get(Path(run_dir).name))
+    group = [cells["none"], cells["uniform"], buffers["r10_20"], buffers["fifo"]]
+    for launch in range(2):
+        results = campaign._run_stage(c, group, tmp_path, {"ref": old_ref}, None)
+        by = {r["cell"]: r for r in results}
+        assert by[cells["none"].id]["reused_from"] == old_ref["cell"]  # noise: nothing pinned, as it was
+        assert by[buffers["r10_20"].id]["value"] == 3.0  # the buffer stage's reference: the pinned run
+        assert "reused_from" not in by[buffers["r10_20"].id]  # its own run (launch 1: its own record)
+        assert sorted(ran) == sorted([buffers["r10_20"].id, buffers["fifo"].id])  # trained in launch 0 only
+    assert campaign.pinned({"overrides": ["+eval.truth_dir=/p"]}) and not campaign.pinned(old_ref)
+
+
 def test_every_cell_and_the_shared_inputs_pin_the_ground_truth_under_the_campaign(monkeypatch, tmp_path):
     """eval.truth_dir=<out>/<campaign>/truth for the shared-inputs step (which writes the pins first) and every cell,
     so launches on other machines evaluate on the same tokens; being the same for all cells, it leaves
@@ -131,7 +163,7 @@ def test_every_cell_and_the_shared_inputs_pin_the_ground_truth_under_the_campaig
     def fake_run(c_, cell, out_):
         ran.append(cell)
         return {**cell.labels(), "value": float(cell.option == "soft_kl"), "consumed_tokens": 1,
-                "run_dir": str(tmp_path / cell.id)}
+                "run_dir": str(tmp_path / cell.id), "overrides": cell.overrides}  # as run_cell records them
     monkeypatch.setattr(campaign, "run_cell", fake_run)
     summary = campaign.run_campaign(c, out, ["tracking.enabled=false"])
     assert made[0].eval.truth_dir == str(out / "cpu_smoke" / "truth")

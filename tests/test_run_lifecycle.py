@@ -138,6 +138,51 @@ def test_one_ctrl_c_during_the_final_eval_stops_it_killed(fast_cfg, tmp_path):
     assert (tmp_path / "run" / "final" / "config.json").is_file()  # the export before it stands
 
 
+# ------------------------------------------------------------------ a signal while the step waits for data
+def test_a_signal_while_waiting_for_data_stops_there(fast_cfg, tmp_path, monkeypatch):
+    """A writer in the loop can keep the next batch minutes away (a 27B target writes 64 rows in 87 s): a SIGTERM
+    then stops the run at once, at its newest checkpoint, instead of waiting for the data and a step after it."""
+    from dflash.training import pipeline
+    from dflash.training.interrupts import RunInterrupted
+    real, calls, slept = pipeline.ProducerPool.next_item, [], []
+
+    def stalls_after_step_4(self):
+        calls.append(1)
+        if len(calls) > 4 * 2:  # sequences_per_step=2: step 5's data never comes
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(30)
+            slept.append(1)
+        return real(self)
+    monkeypatch.setattr(pipeline.ProducerPool, "next_item", stalls_after_step_4)
+    t0 = time.perf_counter()
+    with pytest.raises(RunInterrupted) as e:
+        train(fast_cfg("trainer.max_steps=50", "trainer.sequences_per_step=2", "trainer.checkpoint_every=2"),
+              lambda *a, **k: {})
+    assert time.perf_counter() - t0 < 25 and not slept  # the grace (5 s), not the 30 s wait
+    assert "while waiting for data after step 4" in str(e.value) and e.value.checkpoint.name == "step_00000004.pt"
+    assert e.value.exit_code == 128 + signal.SIGTERM
+
+
+def test_a_signal_during_a_short_wait_for_data_still_stops_exactly_after_the_step(fast_cfg, monkeypatch):
+    """Data that comes within the grace: the stop is the usual one, at the step boundary with its checkpoint."""
+    from dflash.training import pipeline
+    from dflash.training.interrupts import RunInterrupted
+    real, calls = pipeline.ProducerPool.next_item, []
+
+    def short_wait_at_step_5(self):
+        calls.append(1)
+        if len(calls) == 4 * 2 + 1:
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(0.5)
+        return real(self)
+    monkeypatch.setattr(pipeline.ProducerPool, "next_item", short_wait_at_step_5)
+    with pytest.raises(RunInterrupted) as e:
+        train(fast_cfg("trainer.max_steps=50", "trainer.sequences_per_step=2", "trainer.checkpoint_every=100"),
+              lambda *a, **k: {})
+    assert "after step 5" in str(e.value) and "waiting" not in str(e.value)
+    assert e.value.checkpoint.name == "step_00000005.pt"
+
+
 # ------------------------------------------------------------------ a signal during setup
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
 def test_a_signal_during_setup_exits_cleanly_and_leaves_no_folder(tmp_path, sig):

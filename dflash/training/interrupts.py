@@ -48,6 +48,8 @@ class StopOnSignal:
         self._first_s = 0.0
         self._at_once: dict | None = None  # RunInterrupted's step / checkpoint / where, inside at_once()
         self._previous: dict[int, object] = {}
+        self._patient: dict | None = None  # inside patient(): its grace and RunInterrupted's fields
+        self._alarm_previous: object | None = None  # SIGALRM's handler while patient()'s alarm is armed
 
     @property
     def requested(self) -> bool:
@@ -63,6 +65,8 @@ class StopOnSignal:
         self.signum, self._first_s = signum, now
         if self._at_once is not None:
             raise RunInterrupted(signum, **self._at_once)
+        if self._patient is not None:
+            self._arm_alarm()
         log.warning("%s received: stopping after this step with a checkpoint (send it again to stop at once)",
                     signal.Signals(signum).name)
 
@@ -82,6 +86,40 @@ class StopOnSignal:
             self._at_once = saved
             if installed:
                 self.__exit__(None, None, None)
+
+    @contextmanager
+    def patient(self, grace_s: float, step: int | None = None, checkpoint=None, where: str = ""):
+        """Inside, the first signal is the usual request for a stop at the next step boundary, but if the main
+        thread is still inside `grace_s` seconds later (a wait that may last minutes: data a writer has not
+        written yet), RunInterrupted(signum, step, checkpoint, where) is raised there. A short wait thus still
+        ends in the exact checkpoint of the step boundary. Main thread and an active `with self:` only; else a
+        no-op."""
+        if threading.current_thread() is not threading.main_thread() or not self._previous:
+            yield self
+            return
+        self._patient = {"grace_s": grace_s, "step": step, "checkpoint": checkpoint, "where": where}
+        try:
+            yield self
+        finally:
+            self._patient = None
+            self._disarm_alarm()
+
+    def _arm_alarm(self) -> None:
+        fields = {k: v for k, v in self._patient.items() if k != "grace_s"}
+
+        def expired(_signum, _frame):
+            self._disarm_alarm()
+            raise RunInterrupted(self.signum, **fields)
+        self._alarm_previous = signal.signal(signal.SIGALRM, expired)
+        signal.setitimer(signal.ITIMER_REAL, max(float(self._patient["grace_s"]), 1e-3))
+        log.warning("%s received while waiting: stopping at once unless the wait ends within %.0f s",
+                    signal.Signals(self.signum).name, self._patient["grace_s"])
+
+    def _disarm_alarm(self) -> None:
+        if self._alarm_previous is not None:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, self._alarm_previous)
+            self._alarm_previous = None
 
     def __enter__(self) -> "StopOnSignal":
         if threading.current_thread() is threading.main_thread():

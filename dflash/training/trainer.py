@@ -38,6 +38,9 @@ if TYPE_CHECKING:  # annotations only
     from dflash.config import RunConfig
 
 log = logging.getLogger(__name__)
+# a signal while a step waits for its data: the seconds the data still has before the run stops there (below the
+# kill delay of `timeout -k` in the GPU job scripts, 10-15 s, so the stop is still a clean one)
+WAIT_GRACE_S = 5.0
 
 
 @dataclass
@@ -109,6 +112,7 @@ class Trainer:
         self.checkpoint_dir = Path(checkpoint_dir)
         self.resume_state = resume
         self.stop = stop or StopOnSignal()  # SIGTERM/SIGINT: checkpoint at the next step boundary
+        self.newest_checkpoint: Path | None = None  # where a stop while waiting for data resumes from
         self.saved_config = saved_config if saved_config is not None else dataclasses.asdict(cfg)
         self.target, self.drafter, self.loss_fn, self.noise = parts.target, parts.drafter, parts.loss_fn, parts.noise
         self.data, self.data_meter = parts.data, parts.data_meter
@@ -171,7 +175,9 @@ class Trainer:
         state = {"step": step, "drafter": self.drafter.state_dict(), "optimizer": self.opt.state_dict(),
                  "scheduler": self.sched.state_dict(), "ranks": ranks, "config": self.saved_config,
                  "target_fingerprint": self.target.fingerprint}
-        return save_checkpoint(self.checkpoint_dir, step, state, self.cfg.trainer.keep_checkpoints)
+        path = save_checkpoint(self.checkpoint_dir, step, state, self.cfg.trainer.keep_checkpoints)
+        self.newest_checkpoint = path
+        return path
 
     def latest_checkpoint(self) -> Path | None:
         return latest_checkpoint(self.checkpoint_dir) if self.checkpoint_dir.is_dir() else None
@@ -244,8 +250,8 @@ class Trainer:
             return metrics
         finally:
             producers.shutdown()
-            if self.data.writer is not None:
-                self.data.writer.close()  # batches still being written ahead finish their shards
+            if self.data.writer is not None:  # batches being written ahead finish their shards, unless stopping
+                self.data.writer.close(wait=not self.stop.requested)  # on a signal: then what is half-written is dropped
 
     def _stop_now(self, done: int, at_log: bool, saved: bool) -> None:
         """A SIGTERM/SIGINT seen at a step boundary: checkpoint this step and stop (every rank at the same step:
@@ -266,13 +272,14 @@ class Trainer:
         metrics: dict[str, float] = {}
         window = _Window(producers, self.buffer, self.dist)
         t_start, done = time.perf_counter(), self.start_step
+        self.newest_checkpoint = self.latest_checkpoint()  # then kept by _checkpoint (no file read a step)
         # milestones a resumed run already passed (this rank's restored count, times the ranks) are not re-run
         passed = self.data_meter.tokens * self.dist.world
         self.milestones_done = {m for m in c.trainer.eval_at_tokens if m <= passed}
         for step in range(self.start_step, c.trainer.max_steps):
             self.noise.advance(step)
-            with torch.profiler.record_function("dflash.next_items"):  # the inline producer's share: profiled runs
-                items = [producers.next_item() for _ in range(c.trainer.sequences_per_step)]
+            with torch.profiler.record_function("dflash.next_items"), self._waiting(done):  # profiled: the
+                items = [producers.next_item() for _ in range(c.trainer.sequences_per_step)]  # inline producer
             with around_step(step), torch.profiler.record_function("dflash.train_step"):  # free unless profiled
                 tokens = self._step(items, acc)
             window.add(tokens, len(items))
@@ -295,6 +302,17 @@ class Trainer:
             if last:
                 break
         return metrics
+
+    def _waiting(self, done: int):
+        """While the step waits for its data, a signal stops the run there unless the data comes within
+        WAIT_GRACE_S (then the step runs and the stop checkpoints exactly at its end): a writer in the loop can keep
+        the next batch minutes away (a 27B target writes 64 rows in 87 s). Nothing is half-trained then, and the
+        newest checkpoint is where it resumes. Under several ranks the stop stays at a log interval, where every
+        rank takes it together."""
+        if self.dist.enabled:
+            return nullcontext()
+        return self.stop.patient(WAIT_GRACE_S, done, self.newest_checkpoint,
+                                 f" while waiting for data after step {done}")
 
     def _eval_due(self, done: int) -> bool:
         """Every trainer.eval_every steps, and at the first log interval at or past each trainer.eval_at_tokens

@@ -144,7 +144,10 @@ def run_cli(main) -> None:
     import sys
     # Fewer, growable allocator segments: the drafter's variable-length steps otherwise fragment the cache.
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    # DFLASH_LOG_TIME=1 (the GPU job scripts' environment): every line timed, so a job's logs say where its
+    # seconds went (session 14 lost a call to cells that sat idle for minutes, their logs untimed)
+    stamp = "%(asctime)s " if os.environ.get("DFLASH_LOG_TIME") == "1" else ""
+    logging.basicConfig(level=logging.INFO, format=stamp + "%(levelname)s %(name)s: %(message)s")
     from dflash.atomic import DiskFullError
     from dflash.training.health import DeadDrafterError
     from dflash.training.interrupts import RunInterrupted

@@ -12,7 +12,12 @@
 # 3. The report (campaign_out/<campaign>/ABLATIONS.md), then $OUT/campaign.tar.xz: campaign_out/ without weights,
 #    checkpoints, shards or figures (commit it as benchmarks/ablations/campaign_out.tar.xz), and $OUT/best_drafter.tgz:
 #    the best finished cell's final/ drafter (for the gate, export and eval on any machine).
-# Env: DEADLINE (s, default 400), HARD (s, default DEADLINE + 190), WORKERS (default: the campaign's), OUT (default gpu_out), PY (python).
+# Env: DEADLINE (s, default 400), LIMIT (s, the device call's own limit, default 590), HARD (s, default
+# DEADLINE + 190, at most LIMIT - 60: the report and the packing after it take up to a minute, and a call cut in
+# them brings back an empty store, as session 14's last call did), WORKERS (default: the campaign's), OUT (default
+# gpu_out), PY (python).
+# On a fresh machine the shared inputs alone took 184-254 s (sessions 13, 14): a DEADLINE below that starts no
+# cell at all (session 14's second call). Give the first call of a session DEADLINE >= 300.
 # The GPU machine lacks our stack's wheels (about 23 MiB); the working tree that travels with a call (44 MiB, the
 # reference target's weights and this store included) leaves room for part of them: carry .whl/ in a first short
 # call, then .whl2/ (the rest) with the job on the same warm machine. job_env.sh installs whichever is there.
@@ -30,7 +35,13 @@ WORK=()
 echo "== campaign $C (deadline ${DEADLINE}s) in $PWD" >&2
 t0=$(date +%s)
 # HARD: the whole campaign's limit (cells still running then are lost; the packing below still happens)
-timeout "${HARD:-$((DEADLINE + 190))}" $PY -m sweeps.campaign "$C" "${WORK[@]}" deadline_s="$DEADLINE" out=campaign_out \
+LIMIT=${LIMIT:-590}
+HARD=${HARD:-$((DEADLINE + 190))}
+if (( HARD > LIMIT - 60 )); then
+  echo "HARD=$HARD leaves the report and the packing less than 60 s of LIMIT=$LIMIT: using $((LIMIT - 60))" >&2
+  HARD=$((LIMIT - 60))
+fi
+timeout -k 10 "$HARD" $PY -m sweeps.campaign "$C" "${WORK[@]}" deadline_s="$DEADLINE" out=campaign_out \
     "tracking.tracking_uri=sqlite:///$PWD/campaign_out/mlflow.db" "$@" > "$OUT/campaign.log" 2>&1
 rc=$?
 echo "== campaign exited $rc after $(( $(date +%s) - t0 )) s" >&2
@@ -39,7 +50,9 @@ for a in "$@"; do [[ $a == campaign.* ]] && EDITS+=("$a"); done
 $PY -m sweeps.campaign "$C" report out=campaign_out "${EDITS[@]}" > "$OUT/report.md" 2>&1 || tail -5 "$OUT/report.md" >&2
 # xz, not gzip: the store's sqlite file packs to half the size (6.4 against 13.6 MB in session 13), and every GPU
 # call carries the committed store inside its 64 MiB working tree beside the wheels
-XZ_OPT="-9 -T0" tar cJf "$OUT/campaign.tar.xz" --exclude='checkpoints' --exclude='final' --exclude='checkpoint' \
+# (16 MiB blocks: xz -9's default block is 192 MiB, so a 95 MB store packed on one core, 48 s; in blocks the
+# cores share it, 21 s on two, for 6.6 MB against 6.4)
+XZ_OPT="-9 -T0 --block-size=16MiB" tar cJf "$OUT/campaign.tar.xz" --exclude='checkpoints' --exclude='final' --exclude='checkpoint' \
     --exclude='*.pt' --exclude='*.safetensors' --exclude='*.png' --exclude='*.bin' --exclude='*.lock' campaign_out
 # the best finished cell's drafter of this job (the recipe's, for promotion / export / eval elsewhere): its final/ folder
 $PY - "$C" "$OUT" <<'EOF' || true
@@ -53,6 +66,10 @@ with tarfile.open(f"{sys.argv[2]}/best_drafter.tgz", "w:gz") as tar:
     tar.add(Path(best["run_dir"]) / "final", arcname=best["cell"])
 print("best cell", best["cell"], best["value"], file=sys.stderr)
 EOF
+# every cell log this job wrote to, its tail: what a cut or slow cell was doing (session 14's cells sat ~150 s
+# with the GPU idle before training and left no trace)
+find campaign_out -name '*.log' -newermt "@$t0" -print0 2>/dev/null | while IFS= read -r -d '' f; do
+  echo "== $f"; tail -n 40 "$f"; done > "$OUT/cell_logs.txt"
 ls -la "$OUT" >&2
 grep -E "cell .* exited|stage [0-9]+ \(|not started|Error|error" "$OUT/campaign.log" | tail -20 >&2
 exit $rc

@@ -42,12 +42,12 @@ TRAIN="$SHAPE +eval=off ${TRACKING:-} tracking.log_every=10 tracking.system_metr
 rm -rf "$W/ahead" "$W/loop" "$W/run_loop" "$W/run_ahead"
 
 echo "== 1/3 regen: $REGEN_BATCHES batches at auto write_batch (seq $SEQ)" >&2
-timeout $(cap 200 250) $PY -m experiments.regen $BIG $DATA data.online.shard_dir=$W/ahead regen.batches=$REGEN_BATCHES \
+timeout -k 15 $(cap 200 250) $PY -m experiments.regen $BIG $DATA data.online.shard_dir=$W/ahead regen.batches=$REGEN_BATCHES \
   regen.progress=false > $W/regen.log 2>&1
 echo "regen: rc $? at $((SECONDS - T0)) s: $(tail -1 $W/regen.log)"
 
 echo "== 2/3 training, the target writing its responses in the loop (${LOOP_S} s)" >&2
-timeout $(cap $((LOOP_S + 120)) 130) $PY -m experiments.run $BIG $DATA $TRAIN data.online.shard_dir=$W/loop \
+timeout -k 15 $(cap $((LOOP_S + 120)) 130) $PY -m experiments.run $BIG $DATA $TRAIN data.online.shard_dir=$W/loop \
   trainer.time_budget_s=$LOOP_S trainer.token_budget=200000000 run_dir=$W/run_loop \
   tracking.tracking_uri=sqlite:///$W/loop.db > $W/run_loop.log 2>&1
 echo "loop: rc $? at $((SECONDS - T0)) s"
@@ -63,7 +63,7 @@ print(max(int(get("data/regen_batches_per_rank") * get("data/write_batch") * reu
 EOF
 )
 echo "== 3/3 training on the shards regen wrote ahead (token budget ${BUDGET:-?}, <= ${AHEAD_S} s)" >&2
-timeout $(cap $((AHEAD_S + 120)) 5) $PY -m experiments.run $BIG $DATA $TRAIN data.online.shard_dir=$W/ahead \
+timeout -k 15 $(cap $((AHEAD_S + 120)) 5) $PY -m experiments.run $BIG $DATA $TRAIN data.online.shard_dir=$W/ahead \
   trainer.time_budget_s=$AHEAD_S trainer.token_budget=${BUDGET:-1} run_dir=$W/run_ahead \
   tracking.tracking_uri=sqlite:///$W/ahead.db > $W/run_ahead.log 2>&1
 echo "ahead: rc $? at $((SECONDS - T0)) s"

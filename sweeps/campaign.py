@@ -2,7 +2,8 @@
 several seeds, every run an MLflow run in one experiment, resumable.
 
     python -m sweeps.campaign <campaign name | path.yaml> [workers=N] [out=campaign_out] [deadline_s=S]
-                              [--check] [campaign.KEY=VALUE ...] [any run override ...]
+                              [only=[factor | factor/option, ...]] [--check] [campaign.KEY=VALUE ...]
+                              [any run override ...]
     python -m sweeps.campaign <campaign> report [out=...]     # tables from what the campaign wrote
 
 A campaign file (`conf/campaign/*.yaml`) names a base run config (`base`: overrides), a budget
@@ -19,14 +20,16 @@ subprocess with a fixed run folder `<out>/<campaign>/runs/<cell id>`:
 
 So re-running the same command after a cut (GPU jobs here end at ten minutes) continues where it stopped;
 `deadline_s=S` starts no cell later than S seconds after launch, so a job with a hard limit ends with whole
-cells. Stages that build only on factors already decided share one pool (`stage_groups`: the reference
+cells; `only=[buffer]` starts only those cells in this launch (a GPU session that can finish some cells but not
+all). Stages that build only on factors already decided share one pool (`stage_groups`: the reference
 campaign's noise and buffer stages both build on the loss, so they run as one wave). A cell whose composed
 config equals an earlier cell's (`+noise=none` on the best loss is the loss stage's
 run of that loss) is that cell: its result is reused, not trained again. `workers` cells run at once (several
 small runs share one GPU; the budget is in tokens, so that is fair). Before the first cell, the inputs every
 cell shares (prompt pool, online shards, eval ground truth) are made once (`dflash.app.write_ahead`). The ground
 truth's tokens are pinned in `<out>/<campaign>/truth` (`eval.truth_dir`, unless given): a later launch on another
-machine evaluates on the same tokens, so its cells pair with the earlier ones.
+machine evaluates on the same tokens, so its cells pair with the earlier ones. A stage whose new cells evaluate on
+the pin trains its reference again under it when that reference ran before pinning (`_run_stage`).
 """
 from __future__ import annotations
 
@@ -39,7 +42,7 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import yaml
 
@@ -354,9 +357,19 @@ def pinned(result: dict) -> bool:
                if "=" in a)
 
 
-def _run_stage(c: Campaign, cells: list[Cell], out: Path, done: dict[str, dict], deadline: float | None):
+def check_only(c: Campaign, only: Sequence[str]) -> None:
+    """`only=` names factors or factor/option pairs of the campaign (a typo would start nothing, silently)."""
+    known = {st.factor for st in c.stages} | {f"{st.factor}/{o}" for st in c.stages for o in st.options}
+    unknown = [o for o in only if o not in known]
+    if unknown:
+        raise ConfigError(f"only={list(only)}: {unknown} name no factor or factor/option of campaign {c.name} "
+                          f"(known: {sorted(known)})")
+
+
+def _run_stage(c: Campaign, cells: list[Cell], out: Path, done: dict[str, dict], deadline: float | None,
+               only: Sequence[str] = ()):
     """Finished results of `cells` (reused where an earlier cell, or an earlier one of `cells`, is the same run);
-    None for a cell not started because `deadline` (time.time()) had passed.
+    None for a cell not started because `deadline` (time.time()) had passed, or that `only` leaves out.
 
     A stage that trains new cells on the pinned ground truth needs its reference there too, so an earlier stage's
     unpinned run (`pinned`) is not reused for it: that cell trains again under the pin (once, shared by every such
@@ -383,9 +396,15 @@ def _run_stage(c: Campaign, cells: list[Cell], out: Path, done: dict[str, dict],
     # each run once, labelled by its first cell
     first = {k: i for i, k in reversed([(i, k) for i, k in enumerate(keys) if sources[i] is None])}
 
+    listed = {keys[i] for i, cell in enumerate(cells)
+              if not only or cell.factor in only or f"{cell.factor}/{cell.option}" in only}
+
     def one(i: int) -> dict | None:
         if earlier[i] is not None:
             return {**earlier[i], "earlier_launch": True}
+        if keys[i] not in listed:
+            log.warning("cell %s not started: not among only=%s (a later launch runs it)", cells[i].id, list(only))
+            return None
         if deadline is not None and time.time() > deadline:
             log.warning("cell %s not started: the campaign's deadline has passed (run again to continue)",
                         cells[i].id)
@@ -422,10 +441,13 @@ def stage_groups(c: Campaign) -> list[list[int]]:
     return groups
 
 
-def run_campaign(c: Campaign, out: Path, extra: list[str], deadline_s: float = 0.0) -> dict[str, Any]:
+def run_campaign(c: Campaign, out: Path, extra: list[str], deadline_s: float = 0.0,
+                 only: list[str] = ()) -> dict[str, Any]:
     """Every stage in order (a group of stages at once, `stage_groups`); `deadline_s` > 0: no cell starts later
-    than that many seconds from now (the cells left are the next launch's). `summary.json` is rewritten after
-    every group, so a cut campaign reports what it finished."""
+    than that many seconds from now (the cells left are the next launch's); `only` (CampaignArgs.only): the
+    cells that may start in this launch. `summary.json` is rewritten after every group, so a cut campaign
+    reports what it finished."""
+    check_only(c, only)
     t_start = time.time()
     deadline = t_start + deadline_s if deadline_s > 0 else None
     extra = with_truth_dir(c, out, extra)
@@ -444,7 +466,7 @@ def run_campaign(c: Campaign, out: Path, extra: list[str], deadline_s: float = 0
         for cell in (x for cells in per_stage for x in cells):
             cell.overrides += extra
         t0 = time.time()
-        results = _run_stage(c, [x for cells in per_stage for x in cells], out, done, deadline)
+        results = _run_stage(c, [x for cells in per_stage for x in cells], out, done, deadline, only)
         wall = time.time() - t0
         cut = False
         for i, cells in zip(group, per_stage):
@@ -480,6 +502,10 @@ def run_campaign(c: Campaign, out: Path, extra: list[str], deadline_s: float = 0
 class CampaignArgs:
     out: str = DEFAULT_OUT
     deadline_s: float = 0.0  # start no cell later than this many seconds after launch (0: no deadline)
+    # start only these cells in this launch: factors ("buffer") or factor/option ("data/views4_pool112"); the
+    # others wait for a later launch, as after the deadline (a run several cells share starts if one is listed).
+    # Empty: all. For a GPU session that can finish some cells but not all.
+    only: list[str] = dataclasses.field(default_factory=list)
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -493,22 +519,24 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     rest = [a for a in rest if a not in ("report", "--check")]
     edits = [a for a in rest if a.startswith("campaign.")]
     # this command's own keys go through the one override parser (dflash/overrides.py): typed, named
-    args = apply_overrides(CampaignArgs(), [a for a in rest if a.startswith(("out=", "deadline_s="))], "argument")
+    own = ("out=", "deadline_s=", "only=")
+    args = apply_overrides(CampaignArgs(), [a for a in rest if a.startswith(own)], "argument")
     out = Path(args.out)
     workers = [a for a in rest if a.startswith("workers=")]
     if workers:
         edits.append(f"campaign.workers={workers[-1].partition('=')[2]}")
-    extra = [a for a in rest if not a.startswith(("campaign.", "out=", "workers=", "deadline_s="))]
+    extra = [a for a in rest if not a.startswith(("campaign.", "workers=", *own))]
     c = load_campaign(ref, edits)
     if report:
         from sweeps.campaign_report import write_report
         return write_report(c, out)
     extra = with_truth_dir(c, out, extra)
+    check_only(c, args.only)
     validate_cells(c, extra)
     if check:
         print(f"campaign {c.name}: {sum(len(s.options) for s in c.stages) * len(c.seeds)} cells valid")
         return {}
-    return run_campaign(c, out, extra, args.deadline_s)
+    return run_campaign(c, out, extra, args.deadline_s, args.only)
 
 
 if __name__ == "__main__":

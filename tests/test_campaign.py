@@ -147,6 +147,25 @@ def test_a_stage_with_pinned_cells_trains_its_reference_again_under_the_pin(monk
     assert campaign.pinned({"overrides": ["+eval.truth_dir=/p"]}) and not campaign.pinned(old_ref)
 
 
+def test_only_starts_the_listed_cells_and_a_shared_run_if_one_of_its_cells_is_listed(monkeypatch, tmp_path):
+    import sweeps.campaign as campaign
+    c = load_campaign("cpu_smoke", ["campaign.seeds=[0]"])
+    ran = []
+    monkeypatch.setattr(campaign, "run_cell", lambda c_, cell, out: ran.append(cell.id) or
+                        {**cell.labels(), "value": 1.0, "overrides": cell.overrides})
+    monkeypatch.setattr(campaign, "config_key", lambda ov: "ref" if {"+noise=none", "+buffer=r10_20"} & set(ov)
+                        else " ".join(ov))
+    cells = [campaign.Cell(stage, factor, o, 0, [f"+{factor}={o}"])
+             for stage, factor, o in ((1, "noise", "none"), (1, "noise", "uniform"), (2, "buffer", "r10_20"),
+                                      (2, "buffer", "fifo"))]
+    results = campaign._run_stage(c, cells, tmp_path, {}, None, ["buffer"])
+    assert sorted(ran) == ["s1-noise-none-seed0", "s2-buffer-fifo-seed0"]  # r10_20's run is noise/none's
+    assert results[1] is None and results[2]["reused_from"] == "s1-noise-none-seed0"
+    with pytest.raises(ConfigError, match="buffr"):
+        campaign.check_only(c, ["buffr"])
+    campaign.check_only(c, ["noise", "loss/soft_kl"])
+
+
 def test_every_cell_and_the_shared_inputs_pin_the_ground_truth_under_the_campaign(monkeypatch, tmp_path):
     """eval.truth_dir=<out>/<campaign>/truth for the shared-inputs step (which writes the pins first) and every cell,
     so launches on other machines evaluate on the same tokens; being the same for all cells, it leaves

@@ -250,8 +250,8 @@ class Trainer:
             return metrics
         finally:
             producers.shutdown()
-            if self.data.writer is not None:  # batches being written ahead finish their shards, unless stopping
-                self.data.writer.close(wait=not self.stop.requested)  # on a signal: then what is half-written is dropped
+            if self.data.writer is not None:  # batches being written ahead finish their shards, unless the run
+                self.data.writer.close(wait=not self.stop.requested)  # stops on a signal: then they are dropped
 
     def _stop_now(self, done: int, at_log: bool, saved: bool) -> None:
         """A SIGTERM/SIGINT seen at a step boundary: checkpoint this step and stop (every rank at the same step:

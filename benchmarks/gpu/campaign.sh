@@ -18,7 +18,7 @@
 # gpu_out), PY (python).
 # On a fresh machine the shared inputs alone took 184-254 s (sessions 13, 14): a DEADLINE below that starts no
 # cell at all (session 14's second call). Give the first call of a session DEADLINE >= 300.
-# The GPU machine lacks our stack's wheels (about 23 MiB); the working tree that travels with a call (44 MiB, the
+# The GPU machine lacks our stack's wheels (about 22 MiB, see job_env.sh); the working tree that travels with a call (44 MiB, the
 # reference target's weights and this store included) leaves room for part of them: carry .whl/ in a first short
 # call, then .whl2/ (the rest) with the job on the same warm machine. job_env.sh installs whichever is there.
 set -uo pipefail

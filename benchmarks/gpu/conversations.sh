@@ -8,24 +8,35 @@
 # 2. ahead:  +trainer=gpu training on the shards stage 1 wrote (nothing written in the loop) → consumed tok/s;
 # 3. loop:   the same run with the target writing its responses in the loop (empty shards) → consumed tok/s;
 # then a short table: written tok/s, both consumed tok/s, and how many writing GPUs one training GPU needs.
-# Each stage is its own process under `timeout`; logs and sqlite MLflow stores under $OUT/conversations.
+# Each stage is its own process under `timeout`, working in WORK; logs, metrics and the table come back in
+# $OUT/conversations.
 # Env: SEQ (data.max_len, default 2048), PROMPT (data.pool.max_prompt_len, default 256), LOOP_S / AHEAD_S (time budgets, default 150 / 90 s), REGEN_BATCHES
-# (default 2), REUSE (data.online.reuse, default 2), BIG / SHAPE (the target + drafter, and the trainer's shape: e.g. tiny ones for a CPU dry run of this
+# (default 2), REUSE (data.online.reuse, default 2), AHEAD_REUSE (the views stage 2 reads of each written row, default
+# 16: the shards are not keyed by it, so one regen batch gives minutes of training at the same shapes, past the
+# compilation of the first steps), STAGES (default "regen ahead loop": a call that cannot hold all three runs some,
+# and a later call on the same warm machine the rest; WORK, default gpu_work/conversations, keeps them between
+# calls), LIMIT (s the script may take, default 530), BIG / SHAPE (the target + drafter, and the trainer's shape: e.g. tiny ones for a CPU dry run of this
 # script), TRACKING (e.g. +tracking=off: no MLflow, for a machine without its wheels), PY (python).
 # Wheels: with TRACKING=+tracking=off (metrics still land in each run's metrics.jsonl, which the table reads) the
 # machine needs only hydra-core, omegaconf, antlr4-python3-runtime, fla-core, flash-linear-attention, datasets, dill,
 # multiprocess and fsspec (about 3 MiB): a fresh machine takes them in the same call as the 44 MiB working tree.
 # Measured in session 13 (benchmarks/RESULTS.md): regen writes 64 rows of 2,048 tokens in about 87 s here, so the
-# in-loop stage needs LOOP_S well past 90 s to see more than its first written batch.
+# in-loop stage needs LOOP_S well past 90 s to see more than its first written batch. The budgets count from the
+# training loop's start, which includes compiling the first steps (the 27B target's fused ops and the drafter).
+# Two calls on one warm machine (session 14's plan):
+#     STAGES="regen ahead" AHEAD_S=150 bash benchmarks/gpu/conversations.sh
+#     STAGES=loop LOOP_S=360 bash benchmarks/gpu/conversations.sh      # prints the table of all three
 set -uo pipefail
 OUT=${OUT:-gpu_out}
-W=$OUT/conversations
-mkdir -p "$W" && W=$(cd "$W" && pwd)
+W=${WORK:-gpu_work/conversations}  # kept on a warm machine between calls; logs and metrics are copied to $OUT
+mkdir -p "$W" "$OUT/conversations" && W=$(cd "$W" && pwd)
+STAGES=${STAGES:-regen ahead loop}
+has() { [[ " $STAGES " == *" $1 "* ]]; }
 source "$(dirname "$0")/job_env.sh"  # wheels (datasets among them), PYTHONPATH, the job environment
 PY=${PY:-python}
 $PY -c "import datasets" || { echo "error: Hugging Face datasets is not importable (add its wheels to .whl)"; exit 1; }
 T0=$SECONDS
-left() { echo $(( 530 - (SECONDS - T0) )); }
+left() { echo $(( ${LIMIT:-530} - (SECONDS - T0) )); }
 cap() { local want=$1 reserve=$2; local l=$(( $(left) - reserve )); echo $(( l < want ? l : want )); }
 SEQ=${SEQ:-2048}
 LOOP_S=${LOOP_S:-150}
@@ -39,17 +50,23 @@ DATA="+data=conversations data.path=$PWD/benchmarks/data/conversations_sample.js
 SHAPE=${SHAPE:-"+trainer=gpu trainer.producer_batch=4 trainer.sequences_per_step=4 trainer.num_anchors=256"}
 TRAIN="$SHAPE +eval=off ${TRACKING:-} tracking.log_every=10 tracking.system_metrics=false trainer.max_steps=1000000 \
        trainer.checkpoint_every=1000000"
-rm -rf "$W/ahead" "$W/loop" "$W/run_loop" "$W/run_ahead"
+has regen && rm -rf "$W/ahead" "$W/regen.log"
+has ahead && rm -rf "$W/run_ahead" "$W/run_ahead.log"
+has loop && rm -rf "$W/loop" "$W/run_loop" "$W/run_loop.log"
 
+if has regen; then
 echo "== 1/3 regen: $REGEN_BATCHES batches at auto write_batch (seq $SEQ)" >&2
 timeout -k 15 $(cap 200 250) $PY -m experiments.regen $BIG $DATA data.online.shard_dir=$W/ahead regen.batches=$REGEN_BATCHES \
   regen.progress=false > $W/regen.log 2>&1
 echo "regen: rc $? at $((SECONDS - T0)) s: $(tail -1 $W/regen.log)"
+fi
 
 # the certain measurement first: a stall in the riskier in-loop stage (session 14) no longer costs it
-# read back no more than stage 1 wrote: its rows x views, less what the buffer (max_depth 20), one producer batch
-# (4) and the log interval the budget is checked at (10 steps x 4) hold past the budget, x the length
-BUDGET=$($PY - "$W" "$SEQ" "${REUSE:-2}" <<'EOF'
+if has ahead; then
+# read back no more than stage 1 wrote: its rows x AHEAD_REUSE views, less what the buffer (max_depth 20), one
+# producer batch (4) and the log interval the budget is checked at (10 steps x 4) hold past the budget, x the length
+AHEAD_REUSE=${AHEAD_REUSE:-16}
+BUDGET=$($PY - "$W" "$SEQ" "$AHEAD_REUSE" <<'EOF'
 import re, sys
 w, seq, reuse = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 text = open(f"{w}/regen.log").read()
@@ -59,18 +76,21 @@ EOF
 )
 echo "== 2/3 training on the shards regen wrote ahead (token budget ${BUDGET:-?}, <= ${AHEAD_S} s)" >&2
 timeout -k 15 $(cap $((AHEAD_S + 120)) 140) $PY -m experiments.run $BIG $DATA $TRAIN data.online.shard_dir=$W/ahead \
-  trainer.time_budget_s=$AHEAD_S trainer.token_budget=${BUDGET:-1} run_dir=$W/run_ahead \
+  data.online.reuse=$AHEAD_REUSE trainer.time_budget_s=$AHEAD_S trainer.token_budget=${BUDGET:-1} run_dir=$W/run_ahead \
   tracking.tracking_uri=sqlite:///$W/ahead.db > $W/run_ahead.log 2>&1
 echo "ahead: rc $? at $((SECONDS - T0)) s"
+fi
 
+if has loop; then
 echo "== 3/3 training, the target writing its responses in the loop (${LOOP_S} s)" >&2
 timeout -k 15 $(cap $((LOOP_S + 120)) 20) $PY -m experiments.run $BIG $DATA $TRAIN data.online.shard_dir=$W/loop \
   trainer.time_budget_s=$LOOP_S trainer.token_budget=200000000 run_dir=$W/run_loop \
   tracking.tracking_uri=sqlite:///$W/loop.db > $W/run_loop.log 2>&1
 echo "loop: rc $? at $((SECONDS - T0)) s"; grep -E "online data: wrote|step |error" $W/run_loop.log | tail -5
+fi
 
 
-$PY - "$W" "$SEQ" "${REUSE:-2}" <<'EOF'
+$PY - "$W" "$SEQ" "${REUSE:-2}" <<'EOF' | tee "$OUT/conversations/table.md"
 import json, re, statistics, sys
 w, seq, reuse = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 
@@ -113,3 +133,9 @@ if ahead and wtok == wtok and wtok > 0 and g.get("data/regen_written_shards"):
     print(f"\nwriting GPUs per training GPU (greedy, reuse {reuse}): {need:.2f} (training takes {rows_needed:,.1f} written "
           f"rows/s of {per_row:,.0f} written tokens each; one GPU writes {wtok / per_row:,.1f} rows/s)")
 EOF
+# what comes back: the logs and each run's metrics, config and tags (not the shards, the HF cache or checkpoints)
+for f in regen.log run_ahead.log run_loop.log; do [ -f "$W/$f" ] && cp "$W/$f" "$OUT/conversations/"; done
+for r in run_ahead run_loop; do
+  [ -d "$W/$r" ] && mkdir -p "$OUT/conversations/$r" && cp "$W/$r"/{metrics.jsonl,config.yaml,tags.json} "$OUT/conversations/$r/" 2>/dev/null
+done
+true

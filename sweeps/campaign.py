@@ -189,12 +189,16 @@ def stage_cells(c: Campaign, index: int, winners: dict[str, str]) -> list[Cell]:
             for opt in stage.options for seed in c.seeds]
 
 
+def sets_truth_dir(overrides: Sequence[str]) -> bool:
+    return any(split_override(a)[0].lstrip("+") == "eval.truth_dir" for a in overrides if "=" in a)
+
+
 def with_truth_dir(c: Campaign, out: Path, extra: list[str]) -> list[str]:
     """`extra` with `eval.truth_dir=<out>/<campaign>/truth` unless it sets eval.truth_dir itself: every cell and the
     shared-inputs step evaluate on the tokens pinned there. GPU greedy decoding differs across machines, and the
     folder travels with the committed campaign, so cells of later sessions pair with earlier ones. The same for
     every cell of a launch: `config_key` still tells identical cells apart only by what they train."""
-    if any(split_override(a)[0].lstrip("+") == "eval.truth_dir" for a in extra if "=" in a):
+    if sets_truth_dir(extra):
         return list(extra)
     return [*extra, f"eval.truth_dir={out / c.name / 'truth'}"]
 
@@ -218,7 +222,8 @@ def tokens_at_resume(run_dir: Path) -> float:
 
 
 def cell_command(cell: Cell, run_dir: Path) -> list[str]:
-    if (run_dir / "checkpoints").is_dir() and any((run_dir / "checkpoints").glob("step_*")):
+    from dflash.run_dir import RunDir
+    if RunDir(run_dir).newest_checkpoint_step() is not None:
         return [sys.executable, "-m", "experiments.run", f"resume={run_dir}"]
     return [sys.executable, "-m", "experiments.run", *cell.overrides, f"run_dir={run_dir}"]
 
@@ -353,8 +358,7 @@ def pinned(result: dict) -> bool:
     """Whether a cell ran on the campaign's pinned ground truth (`eval.truth_dir` among its overrides). Cells of
     launches before pinning (sessions 12 and 13 of `reference_64m`) evaluated on tokens of their own machine, so
     their τ does not pair, prompt for prompt, with cells evaluated on the pin."""
-    return any(split_override(a)[0].lstrip("+") == "eval.truth_dir" for a in result.get("overrides", [])
-               if "=" in a)
+    return sets_truth_dir(result.get("overrides", []))
 
 
 def check_only(c: Campaign, only: Sequence[str]) -> None:

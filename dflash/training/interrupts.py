@@ -48,7 +48,7 @@ class StopOnSignal:
         self._first_s = 0.0
         self._at_once: dict | None = None  # RunInterrupted's step / checkpoint / where, inside at_once()
         self._previous: dict[int, object] = {}
-        self._patient: dict | None = None  # inside patient(): its grace and RunInterrupted's fields
+        self._patient: tuple[float, dict] | None = None  # inside patient(): its grace, RunInterrupted's fields
         self._alarm_previous: object | None = None  # SIGALRM's handler while patient()'s alarm is armed
 
     @property
@@ -97,7 +97,7 @@ class StopOnSignal:
         if threading.current_thread() is not threading.main_thread() or not self._previous:
             yield self
             return
-        self._patient = {"grace_s": grace_s, "step": step, "checkpoint": checkpoint, "where": where}
+        self._patient = (grace_s, {"step": step, "checkpoint": checkpoint, "where": where})
         try:
             yield self
         finally:
@@ -105,15 +105,15 @@ class StopOnSignal:
             self._disarm_alarm()
 
     def _arm_alarm(self) -> None:
-        fields = {k: v for k, v in self._patient.items() if k != "grace_s"}
+        grace_s, fields = self._patient
 
         def expired(_signum, _frame):
             self._disarm_alarm()
             raise RunInterrupted(self.signum, **fields)
         self._alarm_previous = signal.signal(signal.SIGALRM, expired)
-        signal.setitimer(signal.ITIMER_REAL, max(float(self._patient["grace_s"]), 1e-3))
+        signal.setitimer(signal.ITIMER_REAL, max(float(grace_s), 1e-3))
         log.warning("%s received while waiting: stopping at once unless the wait ends within %.0f s",
-                    signal.Signals(self.signum).name, self._patient["grace_s"])
+                    signal.Signals(self.signum).name, grace_s)
 
     def _disarm_alarm(self) -> None:
         if self._alarm_previous is not None:

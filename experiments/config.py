@@ -148,6 +148,12 @@ def run_cli(main) -> None:
     # seconds went (session 14 lost a call to cells that sat idle for minutes, their logs untimed)
     stamp = "%(asctime)s " if os.environ.get("DFLASH_LOG_TIME") == "1" else ""
     logging.basicConfig(level=logging.INFO, format=stamp + "%(levelname)s %(name)s: %(message)s")
+    # `kill -USR1 <pid>` prints every thread's stack to stderr and the run goes on: where a run that logs nothing
+    # is (session 14's 27B run with its writer in the loop logged no step before its call ended, and nothing said why)
+    import faulthandler
+    import signal
+    if hasattr(signal, "SIGUSR1") and sys.__stderr__ is not None:
+        faulthandler.register(signal.SIGUSR1, file=sys.__stderr__, all_threads=True)  # fd 2, whatever wraps stderr
     from dflash.atomic import DiskFullError
     from dflash.training.health import DeadDrafterError
     from dflash.training.interrupts import RunInterrupted

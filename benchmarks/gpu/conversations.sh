@@ -54,6 +54,13 @@ has regen && rm -rf "$W/ahead" "$W/regen.log"
 has ahead && rm -rf "$W/run_ahead" "$W/run_ahead.log"
 has loop && rm -rf "$W/loop" "$W/run_loop" "$W/run_loop.log"
 
+# every thread's stack into a stage's log at these seconds from now, while the stage runs (SIGUSR1: experiments'
+# entry points dump and go on); the trace session 14's silent in-loop run lacked
+# (the watcher holds no stdout of the call's, and `undump` ends it with its stage)
+dump_at() { local pat=$1; shift; ( t0=$SECONDS; for t in "$@"; do sleep $(( t - (SECONDS - t0) > 0 ? t - (SECONDS - t0) : 0 ));
+  pkill -USR1 -f "$pat" && echo "stacks dumped at ${t} s ($pat)"; done ) >> "$W/dumps.txt" 2>&1 & DUMP_PID=$!; }
+undump() { pkill -P "$DUMP_PID" 2>/dev/null; kill "$DUMP_PID" 2>/dev/null; true; }
+
 if has regen; then
 echo "== 1/3 regen: $REGEN_BATCHES batches at auto write_batch (seq $SEQ)" >&2
 timeout -k 15 $(cap 200 250) $PY -m experiments.regen $BIG $DATA data.online.shard_dir=$W/ahead regen.batches=$REGEN_BATCHES \
@@ -75,18 +82,20 @@ print(max(int(get("data/regen_batches_per_rank") * get("data/write_batch") * reu
 EOF
 )
 echo "== 2/3 training on the shards regen wrote ahead (token budget ${BUDGET:-?}, <= ${AHEAD_S} s)" >&2
-timeout -k 15 $(cap $((AHEAD_S + 120)) 140) $PY -m experiments.run $BIG $DATA $TRAIN data.online.shard_dir=$W/ahead \
+T=$(cap $((AHEAD_S + 120)) 140); dump_at "^[^ ]*python[0-9.]* -m experiments.run .*run_dir=$W/run_ahead" $((T - 30))
+timeout -k 15 $T $PY -m experiments.run $BIG $DATA $TRAIN data.online.shard_dir=$W/ahead \
   data.online.reuse=$AHEAD_REUSE trainer.time_budget_s=$AHEAD_S trainer.token_budget=${BUDGET:-1} run_dir=$W/run_ahead \
   tracking.tracking_uri=sqlite:///$W/ahead.db > $W/run_ahead.log 2>&1
-echo "ahead: rc $? at $((SECONDS - T0)) s"
+echo "ahead: rc $? at $((SECONDS - T0)) s"; undump
 fi
 
 if has loop; then
 echo "== 3/3 training, the target writing its responses in the loop (${LOOP_S} s)" >&2
-timeout -k 15 $(cap $((LOOP_S + 120)) 20) $PY -m experiments.run $BIG $DATA $TRAIN data.online.shard_dir=$W/loop \
+T=$(cap $((LOOP_S + 120)) 20); dump_at "^[^ ]*python[0-9.]* -m experiments.run .*run_dir=$W/run_loop" 180 $((T - 30))
+timeout -k 15 $T $PY -m experiments.run $BIG $DATA $TRAIN data.online.shard_dir=$W/loop \
   trainer.time_budget_s=$LOOP_S trainer.token_budget=200000000 run_dir=$W/run_loop \
   tracking.tracking_uri=sqlite:///$W/loop.db > $W/run_loop.log 2>&1
-echo "loop: rc $? at $((SECONDS - T0)) s"; grep -E "online data: wrote|step |error" $W/run_loop.log | tail -5
+echo "loop: rc $? at $((SECONDS - T0)) s"; undump; grep -E "online data: wrote|step |error|Thread|File" $W/run_loop.log | tail -40
 fi
 
 
@@ -134,7 +143,7 @@ if ahead and wtok == wtok and wtok > 0 and g.get("data/regen_written_shards"):
           f"rows/s of {per_row:,.0f} written tokens each; one GPU writes {wtok / per_row:,.1f} rows/s)")
 EOF
 # what comes back: the logs and each run's metrics, config and tags (not the shards, the HF cache or checkpoints)
-for f in regen.log run_ahead.log run_loop.log; do [ -f "$W/$f" ] && cp "$W/$f" "$OUT/conversations/"; done
+for f in regen.log run_ahead.log run_loop.log dumps.txt; do [ -f "$W/$f" ] && cp "$W/$f" "$OUT/conversations/"; done
 for r in run_ahead run_loop; do
   [ -d "$W/$r" ] && mkdir -p "$OUT/conversations/$r" && cp "$W/$r"/{metrics.jsonl,config.yaml,tags.json} "$OUT/conversations/$r/" 2>/dev/null
 done

@@ -280,8 +280,14 @@ class Trainer:
             self.noise.advance(step)
             with torch.profiler.record_function("dflash.next_items"), self._waiting(done):  # profiled: the
                 items = [producers.next_item() for _ in range(c.trainer.sequences_per_step)]  # inline producer
+            if step == self.start_step:  # the first interval's log line can be minutes away (compilation)
+                log.info("first step %d: its data came %.1f s after the loop began", step + 1,
+                         time.perf_counter() - t_start)
             with around_step(step), torch.profiler.record_function("dflash.train_step"):  # free unless profiled
                 tokens = self._step(items, acc)
+            if step == self.start_step:
+                log.info("first step %d: launched %.1f s after the loop began (compiling included)", step + 1,
+                         time.perf_counter() - t_start)
             window.add(tokens, len(items))
             self.data_meter.add(tokens, len(items), masked_tokens(items))
             done = self.final_step = step + 1  # steps trained so far (the composing layer reads it on a fault)

@@ -20,12 +20,14 @@
 # Wheels: with TRACKING=+tracking=off (metrics still land in each run's metrics.jsonl, which the table reads) the
 # machine needs only hydra-core, omegaconf, antlr4-python3-runtime, fla-core, flash-linear-attention, datasets, dill,
 # multiprocess and fsspec (about 3 MiB): a fresh machine takes them in the same call as the 44 MiB working tree.
-# Measured in session 13 (benchmarks/RESULTS.md): regen writes 64 rows of 2,048 tokens in about 87 s here, so the
-# in-loop stage needs LOOP_S well past 90 s to see more than its first written batch. The budgets count from the
-# training loop's start, which includes compiling the first steps (the 27B target's fused ops and the drafter).
-# Two calls on one warm machine (session 14's plan):
-#     STAGES="regen ahead" AHEAD_S=150 bash benchmarks/gpu/conversations.sh
-#     STAGES=loop LOOP_S=360 bash benchmarks/gpu/conversations.sh      # prints the table of all three
+# Measured in session 15 (benchmarks/RESULTS.md): regen writes 64 rows of 2,048 tokens in about 88 s; a training
+# stage's first step comes about 65 s (ahead; a warm compile cache) to 256 s (in the loop, fresh machine: the first
+# batch, the first target forward's autotuning, 97 s of compilation) after its loop begins, and the budgets count
+# from there, so LOOP_S well past 270 s sees the in-loop writer beside training.
+# Session 15's calls (a stage on a fresh machine compiles again, about 97 s; the loop stage needs no regen):
+#     REGEN_BATCHES=1 STAGES=regen bash benchmarks/gpu/conversations.sh
+#     STAGES=ahead AHEAD_S=240 bash benchmarks/gpu/conversations.sh    # the same warm machine: it reads regen's shard
+#     STAGES=loop LOOP_S=300 bash benchmarks/gpu/conversations.sh      # the table (its regen row from a warm WORK)
 set -uo pipefail
 OUT=${OUT:-gpu_out}
 W=${WORK:-gpu_work/conversations}  # kept on a warm machine between calls; logs and metrics are copied to $OUT
@@ -83,7 +85,9 @@ EOF
 )
 echo "== 2/3 training on the shards regen wrote ahead (token budget ${BUDGET:-?}, <= ${AHEAD_S} s)" >&2
 T=$(cap $((AHEAD_S + 120)) 140); dump_at "^[^ ]*python[0-9.]* -m experiments.run .*run_dir=$W/run_ahead" $((T - 30))
-timeout -k 15 $T $PY -m experiments.run $BIG $DATA $TRAIN data.online.shard_dir=$W/ahead \
+# data.online.ahead=0: nothing written in the background. With its default 1, session 15's first try wrote batch 1
+# beside training (regen wrote batch 0 only): 435 consumed tok/s, a measure of neither stage
+timeout -k 15 $T $PY -m experiments.run $BIG $DATA $TRAIN data.online.shard_dir=$W/ahead data.online.ahead=0 \
   data.online.reuse=$AHEAD_REUSE trainer.time_budget_s=$AHEAD_S trainer.token_budget=${BUDGET:-1} run_dir=$W/run_ahead \
   tracking.tracking_uri=sqlite:///$W/ahead.db > $W/run_ahead.log 2>&1
 echo "ahead: rc $? at $((SECONDS - T0)) s"; undump
@@ -103,8 +107,11 @@ $PY - "$W" "$SEQ" "${REUSE:-2}" <<'EOF' | tee "$OUT/conversations/table.md"
 import json, re, statistics, sys
 w, seq, reuse = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 
-def regen():
-    text = open(f"{w}/regen.log").read()
+def regen():  # (a loop stage on a fresh machine has no regen log)
+    try:
+        text = open(f"{w}/regen.log").read()
+    except OSError:
+        return {}
     found = dict(re.findall(r"(\S+)=([\d.e+-]+)", text.splitlines()[-1])) if text.strip() else {}
     return {k: float(v) for k, v in found.items()}
 
@@ -122,6 +129,13 @@ def run(name):
             float("nan"), "written": last.get("data/written_batches", 0), "reads": last.get("data/shard_reads", 0),
             "write_tok_s": last.get("perf/write_tok_s", 0.0), "wait": med("perf/consumer_wait_frac")}
 
+def loop_writes():  # the in-loop writer's batches after its first (that one is written before training starts)
+    try:
+        text = open(f"{w}/run_loop.log").read()
+    except OSError:
+        return []
+    return [float(x) for x in re.findall(r"wrote batch [1-9]\d*, .*?\((\d+) written tok/s", text)]
+
 g, loop, ahead = regen(), run("run_loop"), run("run_ahead")
 wtok = g.get("perf/write_tok_s", float("nan"))
 print(f"\nconversations at the 27B shapes, seq {seq}, responses=target, auto write_batch "
@@ -133,12 +147,20 @@ for name, r in (("consumed, writing in the loop", loop), ("consumed, shards writ
     if r:
         print(f"| {name} | {r['median']:,.0f} (whole loop {r['whole']:,.0f}) | written batches {r['written']:.0f}, "
               f"shard reads {r['reads']:.0f}, consumer waits {r['wait']:.0%} |")
+beside = loop_writes()
+if beside:
+    print(f"| written in the loop, beside training | {statistics.median(beside):,.0f} | median of {len(beside)} batches "
+          f"after the first |")
 if ahead and wtok == wtok and wtok > 0 and g.get("data/regen_written_shards"):
     # a training sequence is one view of a written row (data.online.reuse views each); a row's written part is
     # what regen wrote per row
     per_row = g["data/written_tokens"] / (g["data/regen_written_shards"] * g["data/write_batch"])
     rows_needed = ahead["median"] / seq / reuse
     need = rows_needed / (wtok / per_row)
+    if beside and loop:  # can one GPU feed its own trainer by writing in the loop?
+        takes, writes = loop["median"] / seq / reuse, statistics.median(beside) / per_row
+        print(f"\none GPU writing in the loop: writes {writes:,.2f} rows/s beside training, which takes {takes:,.2f} "
+              f"rows/s while it runs: it feeds {writes / takes:.0%} of its own trainer")
     print(f"\nwriting GPUs per training GPU (greedy, reuse {reuse}): {need:.2f} (training takes {rows_needed:,.1f} written "
           f"rows/s of {per_row:,.0f} written tokens each; one GPU writes {wtok / per_row:,.1f} rows/s)")
 EOF

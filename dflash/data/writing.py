@@ -93,9 +93,10 @@ def check_write_batch(target, write_batch: int) -> None:
 # until CUDA's launch queue is full (about a hundred steps, seconds of work at 27B), and every device-wide sync
 # elsewhere in the process then waits for all of it: the trainer's first target forward autotunes FLA's chunked
 # kernels (Triton's benchmark synchronizes several times per config) while a writer in the loop keeps the queue
-# full. The suspected cause of session 14's 27B run with responses=target logging no step before its call ended,
-# beside a writer at 42 ms a step (benchmarks/RESULTS.md, session 15). A few steps keep the GPU fed: launching one
-# costs well under a millisecond of host time.
+# full. Bounded here on that reasoning, not on a measured stall: session 15's 27B runs with the bound wrote at the
+# same rate alone (1,439-1,445 written tok/s against 1,447-1,451 before) and trained beside a writer in the loop, but
+# no run without it was timed beside training (benchmarks/RESULTS.md, session 15). A few steps keep the GPU fed:
+# launching one costs well under a millisecond of host time.
 IN_FLIGHT_STEPS = 4
 
 

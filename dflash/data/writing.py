@@ -97,18 +97,18 @@ def check_write_batch(target, write_batch: int) -> None:
 # same rate alone (1,439-1,445 written tok/s against 1,447-1,451 before) and trained beside a writer in the loop, but
 # no run without it was timed beside training (benchmarks/RESULTS.md, session 15). A few steps keep the GPU fed:
 # launching one costs well under a millisecond of host time.
-IN_FLIGHT_STEPS = 4
+IN_FLIGHT_STEPS = 4  # 0: unbounded (benchmarks/gpu/decode_speed.py times both)
 
 
 class _InFlight:
     """Bounds the steps queued ahead on a GPU: `step()` after each step records an event and waits (GIL-free) for
-    the one IN_FLIGHT_STEPS back. Off the GPU it does nothing."""
+    the one IN_FLIGHT_STEPS back. Off the GPU, or with the bound 0, it does nothing."""
 
-    def __init__(self, device: torch.device, limit: int = IN_FLIGHT_STEPS):
-        self.cuda, self.limit, self.events = device.type == "cuda", limit, []
+    def __init__(self, device: torch.device):
+        self.cuda, self.limit, self.events = device.type == "cuda", IN_FLIGHT_STEPS, []
 
     def step(self) -> None:
-        if not self.cuda:
+        if not self.cuda or not self.limit:
             return
         ev = torch.cuda.Event()
         ev.record()  # on the current stream: the writer's own

@@ -3,9 +3,6 @@
     PYTHONPATH=$PWD python benchmarks/gpu/decode_speed.py [rows=4096] [seq_len=320] [modes=cache,graph]
         [corpus=stdlib] [repeats=2] [out=decode_speed.json]
 
-A mode may carry `@N`, the writer's bound on decode steps queued ahead (`dflash.data.writing.IN_FLIGHT_STEPS`,
-0 = unbounded): `modes=graph@0,graph@4` times the bound against none.
-
 Prompts are the first `rows` of the run's own prompt pool (`+trainer=gpu` data settings, `data.corpus.scope`
 = corpus), each continued to `seq_len` tokens as one written batch (`dflash.data.writing.write_continuations`).
 Per mode: a first write (kernels, autotuning, the graph's capture), then `repeats` timed writes; written tokens
@@ -22,7 +19,6 @@ import time
 
 import torch
 
-import dflash.data.writing as writing
 from dflash.data.writing import write_continuations
 from dflash.target.model import Target
 from dflash.training.datastream import build_training_data
@@ -36,15 +32,9 @@ def _sync(target) -> None:
 
 
 def timed_write(target, prompts, seq_len: int, mode: str) -> tuple[torch.Tensor, float]:
-    decode, _, bound = mode.partition("@")
-    saved = writing.IN_FLIGHT_STEPS
-    writing.IN_FLIGHT_STEPS = int(bound) if bound else saved
     _sync(target)
     t0 = time.perf_counter()
-    try:
-        out = write_continuations(target, prompts, seq_len, decode=decode)
-    finally:
-        writing.IN_FLIGHT_STEPS = saved
+    out = write_continuations(target, prompts, seq_len, decode=mode)
     _sync(target)
     return out, time.perf_counter() - t0
 

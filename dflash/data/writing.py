@@ -89,34 +89,6 @@ def check_write_batch(target, write_batch: int) -> None:
                          f"{CUDA_GRID_YZ_MAX // heads}")
 
 
-# Decode steps a writer may have queued on the GPU ahead of the one running. Unbounded, a writer's host loop runs
-# until CUDA's launch queue is full (about a hundred steps, seconds of work at 27B), and every device-wide sync
-# elsewhere in the process then waits for all of it: the trainer's first target forward autotunes FLA's chunked
-# kernels (Triton's benchmark synchronizes several times per config) while a writer in the loop keeps the queue
-# full. Bounded here on that reasoning, not on a measured stall: session 15's 27B runs with the bound wrote at the
-# same rate alone (1,439-1,445 written tok/s against 1,447-1,451 before) and trained beside a writer in the loop, but
-# no run without it was timed beside training (benchmarks/RESULTS.md, session 15). A few steps keep the GPU fed:
-# launching one costs well under a millisecond of host time.
-IN_FLIGHT_STEPS = 4  # 0: unbounded (benchmarks/gpu/decode_speed.py times both)
-
-
-class _InFlight:
-    """Bounds the steps queued ahead on a GPU: `step()` after each step records an event and waits (GIL-free) for
-    the one IN_FLIGHT_STEPS back. Off the GPU, or with the bound 0, it does nothing."""
-
-    def __init__(self, device: torch.device):
-        self.cuda, self.limit, self.events = device.type == "cuda", IN_FLIGHT_STEPS, []
-
-    def step(self) -> None:
-        if not self.cuda or not self.limit:
-            return
-        ev = torch.cuda.Event()
-        ev.record()  # on the current stream: the writer's own
-        self.events.append(ev)
-        if len(self.events) > self.limit:
-            self.events.pop(0).synchronize()
-
-
 def _choose(target, last_B1H: torch.Tensor, temperature: float, gen: torch.Generator | None) -> torch.Tensor:
     if temperature <= 0:  # the target's own greedy pick (its chunked LM head, as everywhere else)
         return target.labels_from_hidden(last_B1H, 0)[0][:, -1]
@@ -174,14 +146,12 @@ def _write_cached(target, seq, in_prompt_BT, p0: int, temperature, generator) ->
     cache, kw = new_hf_cache(decoder), cache_kwarg(decoder)
     pos = torch.arange(p0, device=seq.device)[None].expand(B, -1)
     h = decoder(input_ids=seq[:, :p0], position_ids=pos, use_cache=True, **{kw: cache}).last_hidden_state
-    queued = _InFlight(seq.device)
     for t in range(p0, seq_len):
         tok = torch.where(in_prompt_BT[:, t], seq[:, t], _choose(target, h[:, -1:], temperature, generator))
         seq[:, t] = tok
         if t + 1 < seq_len:
             pos = torch.full((B, 1), t, device=seq.device, dtype=torch.long)
             h = decoder(input_ids=tok[:, None], position_ids=pos, use_cache=True, **{kw: cache}).last_hidden_state
-        queued.step()
 
 
 def _write_static(target, seq, in_prompt_BT, p0: int, temperature, generator, graph: bool) -> None:
@@ -191,14 +161,12 @@ def _write_static(target, seq, in_prompt_BT, p0: int, temperature, generator, gr
         dec = static_decoder(target, B, seq_len, graph)
     # replays launch no Triton code; an eager step may (FLA's recurrence), so it takes the lock per step
     step_lock = target_lock(target) if dec.graph is None else contextlib.nullcontext()
-    queued = _InFlight(seq.device)
     with dec.lock:
         dec.reset()
         tok = seq[:, 0]
         for t in range(1, seq_len):
             with step_lock:
                 h = dec.step(tok)  # position t - 1
-            queued.step()
             if t < p0:  # every row still inside its prompt (and no draw: sampling consumes what the cache path does)
                 tok = seq[:, t]
                 continue

@@ -9,7 +9,13 @@
 # Env: RUN_S (this job's time budget, default 300 s), TOKENS (the run's token budget, which is also the plan the
 # memorization guard judges; default 220 M: 3.8 epochs of the GPU machine's 180,736-prompt installed pool), CORPUS
 # (data.corpus.scope, default installed), EXTRA (more overrides, first job only), PY (python).
+# Across sessions (benchmarks/gpu/carry.py): RETURN=<the device's $OUT> packs the run folder and its MLflow store
+# there in checked parts after the job; a later session stages those parts in CARRY_IN (default /tmp/carry), one
+# call per part, and the job that finds no run in OUT restores it from there and resumes it:
+#   RETURN=$OUT RUN_S=480 bash benchmarks/gpu/online_run.sh gpu_work/recipe
 set -euo pipefail
+RETURN=${RETURN:-}
+CARRY_IN=${CARRY_IN:-/tmp/carry}
 OUT=${1:-gpu_work/online_run}
 RUN_S=${RUN_S:-300}
 TOKENS=${TOKENS:-220000000}
@@ -19,6 +25,10 @@ EXTRA=${EXTRA:-}
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
 export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
+if [ ! -f "$OUT/run/config.yaml" ] && [ -f "$CARRY_IN/carry.manifest.json" ]; then
+  echo "== restoring the run carried in $CARRY_IN" >&2
+  $PY benchmarks/gpu/carry.py unpack "$CARRY_IN" "$OUT"
+fi
 if [ -f "$OUT/run/config.yaml" ]; then
   echo "== resuming $OUT/run for ${RUN_S} s" >&2
   $PY -m experiments.run resume="$OUT/run" trainer.time_budget_s=$RUN_S >> "$OUT/run.log" 2>&1 \
@@ -64,3 +74,6 @@ print(f"\nafter {total_s:.0f} s of training in {len(jobs)} job(s), step {last['s
       f"data/unique_sequences {last['data/unique_sequences']:,.0f}, data/consumed_tokens "
       f"{last['data/consumed_tokens']:,.0f} ({last['data/consumed_tokens'] / total_s:,.0f} tok/s over all jobs)")
 EOF
+if [ -n "$RETURN" ]; then  # after the table: a failed pack still leaves the job's figures printed
+  $PY benchmarks/gpu/carry.py pack "$RETURN/carry" "$OUT/run" "$OUT/mlflow.db"
+fi

@@ -8,7 +8,8 @@
 #
 # Env: RUN_S (this job's time budget, default 300 s), TOKENS (the run's token budget, which is also the plan the
 # memorization guard judges; default 220 M: 3.8 epochs of the GPU machine's 180,736-prompt installed pool), CORPUS
-# (data.corpus.scope, default installed), EXTRA (more overrides, first job only), PY (python).
+# (data.corpus.scope, default installed), BASE (the run's groups, default "+trainer=gpu drafter.num_layers=5
+# +eval=off"; e.g. "+recipe=best_reference" with TOKENS its budget), EXTRA (more overrides, first job only), PY.
 # Across sessions (benchmarks/gpu/carry.py): RETURN=<the device's $OUT> packs the run folder and its MLflow store
 # there in checked parts after the job; a later session stages those parts in CARRY_IN (default /tmp/carry), one
 # call per part, and the job that finds no run in OUT restores it from there and resumes it:
@@ -22,6 +23,7 @@ TOKENS=${TOKENS:-220000000}
 CORPUS=${CORPUS:-installed}
 PY=${PY:-python}
 EXTRA=${EXTRA:-}
+BASE=${BASE:-+trainer=gpu drafter.num_layers=5 +eval=off}  # what the run is (e.g. +recipe=best_reference)
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
 export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
@@ -35,7 +37,7 @@ if [ -f "$OUT/run/config.yaml" ]; then
     || { tail -30 "$OUT/run.log"; exit 1; }
 else
   echo "== new run in $OUT/run for ${RUN_S} s" >&2
-  $PY -m experiments.run +trainer=gpu drafter.num_layers=5 +eval=off run_dir="$OUT/run" \
+  $PY -m experiments.run $BASE run_dir="$OUT/run" \
     tracking.tracking_uri="sqlite:///$OUT/mlflow.db" tracking.log_every=10 tracking.system_metrics=false \
     trainer.max_steps=1000000 trainer.checkpoint_every=1000000 trainer.token_budget=$TOKENS \
     trainer.time_budget_s=$RUN_S data.corpus.scope=$CORPUS data.pool.cache_dir="$OUT/pool" \

@@ -13,7 +13,8 @@
 # Across sessions (benchmarks/gpu/carry.py): RETURN=<the device's $OUT> packs the run folder and its MLflow store
 # there in checked parts after the job; a later session stages those parts in CARRY_IN (default /tmp/carry), one
 # call per part, and the job that finds no run in OUT restores it from there and resumes it:
-#   RETURN=$OUT RUN_S=480 bash benchmarks/gpu/online_run.sh gpu_work/recipe
+#   RETURN=$OUT RUN_S=480 BASE=+recipe=best_reference TOKENS=<its budget> CORPUS=stdlib \
+#     EXTRA="eval.truth_dir=$PWD/gpu_work/recipe/truth" bash benchmarks/gpu/online_run.sh gpu_work/recipe
 set -euo pipefail
 RETURN=${RETURN:-}
 CARRY_IN=${CARRY_IN:-/tmp/carry}
@@ -77,5 +78,7 @@ print(f"\nafter {total_s:.0f} s of training in {len(jobs)} job(s), step {last['s
       f"{last['data/consumed_tokens']:,.0f} ({last['data/consumed_tokens'] / total_s:,.0f} tok/s over all jobs)")
 EOF
 if [ -n "$RETURN" ]; then  # after the table: a failed pack still leaves the job's figures printed
-  $PY benchmarks/gpu/carry.py pack "$RETURN/carry" "$OUT/run" "$OUT/mlflow.db"
+  # truth/: the eval's pinned ground truth when the run set eval.truth_dir=$OUT/truth (tokens only, small): the
+  # next machine then recomputes only the features, not the greedy decode (157 s on an H200 for the full suite)
+  $PY benchmarks/gpu/carry.py pack "$RETURN/carry" "$OUT/run" "$OUT/mlflow.db" $([ -d "$OUT/truth" ] && echo "$OUT/truth")
 fi

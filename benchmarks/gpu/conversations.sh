@@ -15,7 +15,9 @@
 # 16: the shards are not keyed by it, so one regen batch gives minutes of training at the same shapes, past the
 # compilation of the first steps), STAGES (default "regen ahead loop": a call that cannot hold all three runs some,
 # and a later call on the same warm machine the rest; WORK, default gpu_work/conversations, keeps them between
-# calls), LIMIT (s the script may take, default 530), BIG / SHAPE (the target + drafter, and the trainer's shape: e.g. tiny ones for a CPU dry run of this
+# calls), LOOP_RESUME (1: the loop stage resumes the in-loop run a call before left on this warm machine, and the
+# table reads its last job: the steady state past the first written batches takes longer than one call),
+# LIMIT (s the script may take, default 530), BIG / SHAPE (the target + drafter, and the trainer's shape: e.g. tiny ones for a CPU dry run of this
 # script), TRACKING (e.g. +tracking=off: no MLflow, for a machine without its wheels), PY (python).
 # Wheels: with TRACKING=+tracking=off (metrics still land in each run's metrics.jsonl, which the table reads) the
 # machine needs only hydra-core, omegaconf, antlr4-python3-runtime, fla-core, flash-linear-attention, datasets, dill,
@@ -54,7 +56,9 @@ TRAIN="$SHAPE +eval=off ${TRACKING:-} tracking.log_every=10 tracking.system_metr
        trainer.checkpoint_every=1000000"
 has regen && rm -rf "$W/ahead" "$W/regen.log"
 has ahead && rm -rf "$W/run_ahead" "$W/run_ahead.log"
-has loop && rm -rf "$W/loop" "$W/run_loop" "$W/run_loop.log"
+# LOOP_RESUME=1: a later call on the same warm machine resumes the in-loop run (its shards, checkpoint and log
+# kept), so its steady state past the first written batches can be seen over two calls
+has loop && [ "${LOOP_RESUME:-0}" != 1 ] && rm -rf "$W/loop" "$W/run_loop" "$W/run_loop.log"
 
 # every thread's stack into a stage's log at these seconds from now, while the stage runs (SIGUSR1: experiments'
 # entry points dump and go on); the trace session 14's silent in-loop run lacked
@@ -96,9 +100,13 @@ fi
 if has loop; then
 echo "== 3/3 training, the target writing its responses in the loop (${LOOP_S} s)" >&2
 T=$(cap $((LOOP_S + 120)) 20); dump_at "^[^ ]*python[0-9.]* -m experiments.run .*run_dir=$W/run_loop" 180 $((T - 30))
-timeout -k 15 $T $PY -m experiments.run $BIG $DATA $TRAIN data.online.shard_dir=$W/loop \
-  trainer.time_budget_s=$LOOP_S trainer.token_budget=200000000 run_dir=$W/run_loop \
-  tracking.tracking_uri=sqlite:///$W/loop.db > $W/run_loop.log 2>&1
+if [ -f "$W/run_loop/config.yaml" ]; then  # (LOOP_RESUME=1 and a run there)
+  timeout -k 15 $T $PY -m experiments.run resume=$W/run_loop trainer.time_budget_s=$LOOP_S >> $W/run_loop.log 2>&1
+else
+  timeout -k 15 $T $PY -m experiments.run $BIG $DATA $TRAIN data.online.shard_dir=$W/loop \
+    trainer.time_budget_s=$LOOP_S trainer.token_budget=200000000 run_dir=$W/run_loop \
+    tracking.tracking_uri=sqlite:///$W/loop.db > $W/run_loop.log 2>&1
+fi
 echo "loop: rc $? at $((SECONDS - T0)) s"; undump; grep -E "online data: wrote|step |error|Thread|File" $W/run_loop.log | tail -40
 fi
 
@@ -120,14 +128,22 @@ def run(name):
         rows = [json.loads(l) for l in open(f"{w}/{name}/metrics.jsonl")]
     except OSError:
         return {}
-    perf = [r for r in rows if "perf/consumed_tok_s" in r]
+    # the last job's rows (a resumed run holds one job per call; a job that ended logged its sys/loop_s)
+    ends = [-1] + [i for i, r in enumerate(rows) if "sys/loop_s" in r]
+    cut = any("perf/consumed_tok_s" in r for r in rows[ends[-1] + 1:])  # the last job was cut before its end
+    start = ends[-1] + 1 if cut else ends[-2] + 1 if len(ends) > 1 else 0
+    before = [r["data/consumed_tokens"] for r in rows[:start] if "data/consumed_tokens" in r]
+    job = rows[start:]
+    perf = [r for r in job if "perf/consumed_tok_s" in r]
     steady = perf[2:] or perf  # the first windows hold compilation
-    last = [r for r in rows if "data/consumed_tokens" in r][-1] if perf else {}
-    loop_s = next((r["sys/loop_s"] for r in rows if "sys/loop_s" in r), 0.0)
+    last = [r for r in job if "data/consumed_tokens" in r][-1] if perf else {}
+    loop_s = next((r["sys/loop_s"] for r in job if "sys/loop_s" in r), 0.0)
+    tokens = last.get("data/consumed_tokens", 0) - (before[-1] if before else 0)
     med = lambda k: statistics.median(r.get(k, 0.0) for r in steady) if steady else float("nan")
-    return {"median": med("perf/consumed_tok_s"), "whole": last.get("data/consumed_tokens", 0) / loop_s if loop_s else
-            float("nan"), "written": last.get("data/written_batches", 0), "reads": last.get("data/shard_reads", 0),
-            "write_tok_s": last.get("perf/write_tok_s", 0.0), "wait": med("perf/consumer_wait_frac")}
+    return {"median": med("perf/consumed_tok_s"), "whole": tokens / loop_s if loop_s else float("nan"),
+            "written": last.get("data/written_batches", 0), "reads": last.get("data/shard_reads", 0),
+            "write_tok_s": last.get("perf/write_tok_s", 0.0), "wait": med("perf/consumer_wait_frac"),
+            "jobs": len(ends) - 1 + cut}
 
 def loop_writes():  # the in-loop writer's batches after its first (that one is written before training starts)
     try:
@@ -145,7 +161,8 @@ print(f"| written (experiments.regen) | {wtok:,.0f} | {g.get('data/regen_written
       f"{g.get('sys/regen_s', 0):.0f} s |")
 for name, r in (("consumed, writing in the loop", loop), ("consumed, shards written ahead", ahead)):
     if r:
-        print(f"| {name} | {r['median']:,.0f} (whole loop {r['whole']:,.0f}) | written batches {r['written']:.0f}, "
+        job = f"job {r['jobs']} of the run: " if r["jobs"] > 1 else ""
+        print(f"| {name} | {r['median']:,.0f} (whole loop {r['whole']:,.0f}) | {job}written batches {r['written']:.0f}, "
               f"shard reads {r['reads']:.0f}, consumer waits {r['wait']:.0%} |")
 beside = loop_writes()
 if beside:

@@ -440,3 +440,17 @@ def test_reopened_run_keeps_the_description_that_made_it(store):
     again.close()
     tags = MlflowClient(store).get_run(first.run_id).data.tags
     assert tags[NOTE] == "python -m experiments.run +loss=soft_kl" and tags["other"] == "x"
+
+
+def test_split_jobs_by_each_jobs_loop_seconds():
+    """A resumed run's metrics.jsonl: one job per process, each ended by its sys/loop_s; what the end logs after the
+    loop stays with its job, and windows after the last end are a job cut short."""
+    from dflash.tracking.records import split_jobs
+    w = lambda step: {"step": step, "perf/consumed_tok_s": 1.0}
+    rows = [w(10), w(20), {"step": 20, "sys/loop_s": 5.0}, {"step": 20, "eval/tau_vanilla": 1.5},
+            w(30), {"step": 30, "sys/loop_s": 4.0}, w(40)]
+    jobs = split_jobs(rows)
+    assert [(len(recs), ended) for recs, ended in jobs] == [(4, True), (2, True), (1, False)]
+    assert jobs[0][0][-1] == {"step": 20, "eval/tau_vanilla": 1.5}
+    assert split_jobs(rows[:-1])[-1] == ([w(30), {"step": 30, "sys/loop_s": 4.0}], True)
+    assert split_jobs([]) == [] and split_jobs([{"step": 1}]) == [([{"step": 1}], False)]

@@ -32,6 +32,10 @@ import tarfile
 import tempfile
 from pathlib import Path
 
+ROOT = Path(__file__).resolve().parents[2]
+if str(ROOT) not in sys.path:  # run as a file on a machine where the checkout is not installed: dflash from here
+    sys.path.insert(0, str(ROOT))
+
 MANIFEST = "carry.manifest.json"
 PART_MIB = 15  # under the 16 MiB a returned file may have, and beside the 44 MiB tree in a 64 MiB carry
 MAX_FILES = 8  # files a call brings back under $OUT

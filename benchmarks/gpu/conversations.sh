@@ -112,7 +112,8 @@ fi
 
 
 $PY - "$W" "$SEQ" "${REUSE:-2}" <<'EOF' | tee "$OUT/conversations/table.md"
-import json, re, statistics, sys
+import re, statistics, sys
+from dflash.tracking.records import read_metric_records, split_jobs
 w, seq, reuse = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 
 def regen():  # (a loop stage on a fresh machine has no regen log)
@@ -124,16 +125,12 @@ def regen():  # (a loop stage on a fresh machine has no regen log)
     return {k: float(v) for k, v in found.items()}
 
 def run(name):
-    try:
-        rows = [json.loads(l) for l in open(f"{w}/{name}/metrics.jsonl")]
-    except OSError:
+    rows = read_metric_records(f"{w}/{name}")
+    if not rows:
         return {}
-    # the last job's rows (a resumed run holds one job per call; a job that ended logged its sys/loop_s)
-    ends = [-1] + [i for i, r in enumerate(rows) if "sys/loop_s" in r]
-    cut = any("perf/consumed_tok_s" in r for r in rows[ends[-1] + 1:])  # the last job was cut before its end
-    start = ends[-1] + 1 if cut else ends[-2] + 1 if len(ends) > 1 else 0
-    before = [r["data/consumed_tokens"] for r in rows[:start] if "data/consumed_tokens" in r]
-    job = rows[start:]
+    jobs = split_jobs(rows)  # the last job's rows (a resumed run holds one job per call)
+    job = jobs[-1][0]
+    before = [r["data/consumed_tokens"] for recs, _ in jobs[:-1] for r in recs if "data/consumed_tokens" in r]
     perf = [r for r in job if "perf/consumed_tok_s" in r]
     steady = perf[2:] or perf  # the first windows hold compilation
     last = [r for r in job if "data/consumed_tokens" in r][-1] if perf else {}
@@ -143,7 +140,7 @@ def run(name):
     return {"median": med("perf/consumed_tok_s"), "whole": tokens / loop_s if loop_s else float("nan"),
             "written": last.get("data/written_batches", 0), "reads": last.get("data/shard_reads", 0),
             "write_tok_s": last.get("perf/write_tok_s", 0.0), "wait": med("perf/consumer_wait_frac"),
-            "jobs": len(ends) - 1 + cut}
+            "jobs": len(jobs)}
 
 def loop_writes():  # the in-loop writer's batches after its first (that one is written before training starts)
     try:

@@ -46,17 +46,13 @@ else
 fi
 
 $PY - "$OUT" <<'EOF'
-import json, statistics, sys
+import statistics, sys
+from dflash.tracking.records import read_metric_records, split_jobs
 out = sys.argv[1]
-rows = [json.loads(l) for l in open(f"{out}/run/metrics.jsonl")]
-# a job ends with its sys/loop_s; the windows between two of them are one job's
-jobs, cur = [], []
-for r in rows:
-    if "perf/consumed_tok_s" in r:
-        cur.append(r)
-    if "sys/loop_s" in r:
-        jobs.append((cur, r["sys/loop_s"]))
-        cur = []
+rows = read_metric_records(f"{out}/run")
+# the jobs that ended (each logged its sys/loop_s): their step windows and loop seconds
+jobs = [([r for r in recs if "perf/consumed_tok_s" in r], next(r["sys/loop_s"] for r in recs if "sys/loop_s" in r))
+        for recs, ended in split_jobs(rows) if ended]
 print("\nonline data: +trainer=gpu defaults (online data), drafter.num_layers=5, one GPU\n")
 print("| job | steps | consumed tokens | loop s | whole job tok/s | median window tok/s | consumer waits | "
       "written batches | write tok/s |\n| --- | --- | --- | --- | --- | --- | --- | --- | --- |")

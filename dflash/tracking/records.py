@@ -34,6 +34,26 @@ def read_metric_records(run_dir: str | os.PathLike) -> list[dict[str, Any]]:
     return out
 
 
+def split_jobs(records: list[dict[str, Any]]) -> list[tuple[list[dict[str, Any]], bool]]:
+    """A run's metric records by job (a resumed run has one job per process): (records, ended). A job that ended
+    logged its `sys/loop_s`; records after the last such one that hold a step window (`perf/consumed_tok_s`) are a
+    job cut before its end, and records that hold none (what the end logs after its loop) belong to the job
+    before them."""
+    jobs: list[tuple[list[dict[str, Any]], bool]] = []
+    cur: list[dict[str, Any]] = []
+    for rec in records:
+        if jobs and not cur and "perf/consumed_tok_s" not in rec and "sys/loop_s" not in rec:
+            jobs[-1][0].append(rec)  # logged after the last job's loop, before the next job's first window
+            continue
+        cur.append(rec)
+        if "sys/loop_s" in rec:
+            jobs.append((cur, True))
+            cur = []
+    if cur:
+        jobs.append((cur, False))
+    return jobs
+
+
 def read_mlflow_record(run_dir: str | os.PathLike) -> dict:
     """`<run_dir>/mlflow_run.json` as a dict: {} when absent; an unreadable file warns and reads as absent."""
     f = Path(run_dir) / MLFLOW_FILE

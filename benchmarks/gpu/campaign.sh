@@ -12,10 +12,11 @@
 # 3. The report (campaign_out/<campaign>/ABLATIONS.md), then $OUT/campaign.tar.xz: campaign_out/ without weights,
 #    checkpoints, shards or figures (commit it as benchmarks/ablations/campaign_out.tar.xz), and $OUT/best_drafter.tgz:
 #    the best finished cell's final/ drafter (for the gate, export and eval on any machine).
-# Env: DEADLINE (s, default 400), LIMIT (s, the device call's own limit, default 590), HARD (s, default
-# DEADLINE + 190, at most LIMIT - 60: the report and the packing after it take up to a minute, and a call cut in
-# them brings back an empty store, as session 14's last call did), WORKERS (default: the campaign's), OUT (default
-# gpu_out), PY (python).
+# Env: DEADLINE (s, default 400), LIMIT (s, the device call's own limit, default 590), HARD (s, default and at most
+# LIMIT - 60: the report and the packing after it take up to a minute, and a call cut in them brings back an empty
+# store, as session 14's last call did), WORKERS (default: the campaign's), OUT (default gpu_out), PY (python).
+# HARD used to default to DEADLINE + 190: a resuming call with DEADLINE=30 then cut its cells at 220 s of a 590 s
+# call (session 16 lost 300 s of two cells' training so).
 # On a fresh machine the shared inputs alone took 184-254 s (sessions 13, 14): a DEADLINE below that starts no
 # cell at all (session 14's second call). Give the first call of a session DEADLINE >= 300.
 # The GPU machine lacks our stack's wheels (about 22 MiB, see job_env.sh); the working tree that travels with a call (44 MiB, the
@@ -36,7 +37,7 @@ echo "== campaign $C (deadline ${DEADLINE}s) in $PWD" >&2
 t0=$(date +%s)
 # HARD: the whole campaign's limit (cells still running then are lost; the packing below still happens)
 LIMIT=${LIMIT:-590}
-HARD=${HARD:-$((DEADLINE + 190))}
+HARD=${HARD:-$((LIMIT - 60))}
 if (( HARD > LIMIT - 60 )); then
   echo "HARD=$HARD leaves the report and the packing less than 60 s of LIMIT=$LIMIT: using $((LIMIT - 60))" >&2
   HARD=$((LIMIT - 60))

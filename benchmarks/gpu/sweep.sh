@@ -16,8 +16,9 @@
 #    the sweep goes on with new trials. Run dirs are recorded as absolute paths: run from the same checkout path.
 # 3. $OUT/sweep.tar.xz: sweeps_out/ without weights, checkpoints or figures (commit it as $STORE), and
 #    $OUT/best_drafter.tgz: the best complete trial's final/ drafter; then the study summary.
-# Env: N (trials this job adds, default 4), WORKERS (default 2), DEADLINE (s, default 300), HARD (s, default
-# DEADLINE + 220), STUDY (default: the sweep's name), STORE, OUT (default gpu_out), PROMOTE (1: the best trial through
+# Env: N (trials this job adds, default 4), WORKERS (default 2), DEADLINE (s, default 300), LIMIT (s, the device
+# call's own limit, default 590), HARD (s, default LIMIT - 60: the packing after it needs the rest; not DEADLINE +
+# 220, which cut a resuming job with a short DEADLINE long before its call's limit), STUDY (default: the sweep's name), STORE, OUT (default gpu_out), PROMOTE (1: the best trial through
 # the gate), PROMOTE_ARGS, PY (python).
 # The GPU machine lacks our stack's wheels: ship them in .whl/ as for benchmarks/gpu/campaign.sh.
 set -uo pipefail
@@ -27,7 +28,8 @@ OUT=${OUT:-gpu_out}
 N=${N:-4}
 WORKERS=${WORKERS:-2}
 DEADLINE=${DEADLINE:-300}
-HARD=${HARD:-$((DEADLINE + 220))}
+LIMIT=${LIMIT:-590}
+HARD=${HARD:-$((LIMIT - 60))}
 STORE=${STORE:-benchmarks/sweeps/sweeps_out.tar.xz}
 STUDY=${STUDY:-$(basename "$S" .yaml)}
 PY=${PY:-python}

@@ -289,6 +289,23 @@ def test_write_ahead_makes_the_shards_a_run_then_only_reads(fast_cfg, tmp_path):
     assert last["data/written_batches"] == 0 and last["data/shard_reads"] >= 3
 
 
+def test_write_ahead_pins_the_ground_truth_of_the_train_prompts_the_runs_evaluate(fast_cfg, tmp_path):
+    """The shared inputs hold eval/tau_train's ground truth too (the training prompts the runs' evaluators cut
+    from the pool): a run after them evaluates on pins that are all there already, and builds none."""
+    from dflash.app.write_ahead import write_ahead
+    truth = tmp_path / "truth"
+    cfg = fast_cfg(*_online(tmp_path), "eval.enabled=true", "eval.suite=coding10", "eval.extra_suites=[]",
+                   "eval.subset=2", "eval.max_new_tokens=6", "eval.tree_budgets=[2]", "eval.bootstrap=50",
+                   "eval.train_tasks=2", f"eval.cache_dir={tmp_path / 'eval'}", f"eval.truth_dir={truth}",
+                   "trainer.eval_every=3", run="ahead")
+    stats = write_ahead(cfg)
+    pins = sorted(truth.glob("*.json"))
+    assert stats["eval/write_ahead_suites"] == 2 and len(pins) == 2  # coding10 and the training prompts
+    res = train(cfg)
+    assert "eval/tau_train" in res.metrics
+    assert sorted(truth.glob("*.json")) == pins
+
+
 def test_a_write_batch_past_cudas_grid_limit_is_refused_naming_the_key():
     from types import SimpleNamespace
 

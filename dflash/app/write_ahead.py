@@ -9,8 +9,9 @@ generates the evaluation's ground truth at its end. `write_ahead(cfg, items)` ma
 - online data (`data.source=online` / `trainer.online_data`): the written batches that hold items
   0 … items−1, saved as shards under `data.online.shard_dir`, which every later run with the same data
   settings reads instead of writing;
-- the ground truth of every evaluation suite (`eval.suite` and `eval.extra_suites`, cached under
-  `eval.cache_dir`, its tokens pinned under `eval.truth_dir` when set), when `eval.enabled`.
+- the ground truth of every evaluation suite (`eval.suite` and `eval.extra_suites`, and with online data the
+  training prompts of `eval/tau_train`; cached under `eval.cache_dir`, its tokens pinned under `eval.truth_dir`
+  when set), when `eval.enabled`.
 
 It returns what it did and how fast (`data/write_ahead_batches`, `perf/write_tok_s`, seconds per part), so a
 campaign's summary records the engine's generation speed beside the runs that used it.
@@ -72,10 +73,17 @@ def write_ahead(cfg, items: int | None = None, more_cfgs=()) -> dict[str, float]
     if cfg.eval.enabled:
         t3 = time.perf_counter()
         ev = SuiteEvaluator(cfg.eval)
-        for suite in ev.suites:
+        suites = list(ev.suites)
+        if uses_online(cfg) and cfg.eval.train_tasks > 0:
+            # eval/tau_train's prompts (cut from the pool, as every run's evaluator cuts them): without this, the
+            # cells of a campaign each built the same ground truth at their first eval, at once (session 16: two
+            # cells, 55-75 s each, the GPU shared)
+            ev.use_train_sequences(data.examples())
+            suites += [s for s in [ev.train_suite(target.tokenizer)] if s is not None]
+        for suite in suites:
             ev.memo.get(target, suite)
         out["sys/write_ahead_ground_truth_s"] = time.perf_counter() - t3
-        out["eval/write_ahead_suites"] = len(ev.suites)
+        out["eval/write_ahead_suites"] = len(suites)
     del target
     if torch.cuda.is_available():
         torch.cuda.empty_cache()  # the runs that follow get the memory back

@@ -154,12 +154,18 @@ class SuiteEvaluator:
         self._train_sequences = list(sequences)
         self._train_suite = None
 
-    def _train_metrics(self, drafter, target, step: int, final: bool, tau_heldout: float) -> dict[str, float]:
+    def train_suite(self, tokenizer) -> Suite | None:
+        """The prompts of `eval/tau_train` (`eval.train_tasks` cut from the training sequences), or None without
+        any; `dflash.app.write_ahead` builds their ground truth once for the runs of a campaign."""
         if self._train_suite is None:
-            tasks = train_tasks(self._train_sequences, target.tokenizer, self.cfg.train_tasks)
-            if not tasks:
-                return {}
-            self._train_suite = Suite("train", tasks, self.suites[0].max_new_tokens)
+            tasks = train_tasks(self._train_sequences, tokenizer, self.cfg.train_tasks)
+            if tasks:
+                self._train_suite = Suite("train", tasks, self.suites[0].max_new_tokens)
+        return self._train_suite
+
+    def _train_metrics(self, drafter, target, step: int, final: bool, tau_heldout: float) -> dict[str, float]:
+        if self.train_suite(target.tokenizer) is None:
+            return {}
         rep = evaluate(drafter, target, self.cfg, truths=self.memo.get(target, self._train_suite),
                        suite=self._train_suite, real_decode=False)
         tau_train = rep.metrics["eval/tau_vanilla"]

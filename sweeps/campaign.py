@@ -21,7 +21,7 @@ subprocess with a fixed run folder `<out>/<campaign>/runs/<cell id>`:
 So re-running the same command after a cut (GPU jobs here end at ten minutes) continues where it stopped;
 `deadline_s=S` starts no cell later than S seconds after launch, so a job with a hard limit ends with whole
 cells; `only=[buffer]` starts only those cells in this launch (a GPU session that can finish some cells but not
-all). Stages that build only on factors already decided share one pool (`stage_groups`: the reference
+all), and their stage's reference where it must train again on the pinned ground truth (below). Stages that build only on factors already decided share one pool (`stage_groups`: the reference
 campaign's noise and buffer stages both build on the loss, so they run as one wave). A cell whose composed
 config equals an earlier cell's (`+noise=none` on the best loss is the loss stage's
 run of that loss) is that cell: its result is reused, not trained again. `workers` cells run at once (several
@@ -402,6 +402,8 @@ def _run_stage(c: Campaign, cells: list[Cell], out: Path, done: dict[str, dict],
 
     listed = {keys[i] for i, cell in enumerate(cells)
               if not only or cell.factor in only or f"{cell.factor}/{cell.option}" in only}
+    if only:
+        listed |= _references_to_pin(cells, keys, earlier, sources, listed)
 
     def one(i: int) -> dict | None:
         if earlier[i] is not None:
@@ -429,6 +431,25 @@ def _run_stage(c: Campaign, cells: list[Cell], out: Path, done: dict[str, dict],
             if key not in done or (pinned(r) and not pinned(done[key])):
                 done[key] = r
     return results
+
+
+def _references_to_pin(cells: list[Cell], keys: list[str], earlier: list, sources: list, listed: set[str]) -> set[str]:
+    """The runs `only=` must start besides the listed ones: a listed new cell's Δ pairs with its stage's reference
+    (the first option, same seed), and where that reference has no run on the pin yet (it ran before pinning, so
+    `source` gave it none) it trains with the listed cell. Without it, session 16's `only=[data/views4_pool112]`
+    trained a cell whose report table had nothing to pair with."""
+    first: dict[tuple[int, int], int] = {}
+    for i, cell in enumerate(cells):
+        first.setdefault((cell.stage, cell.seed), i)
+    need = set()
+    for i, cell in enumerate(cells):
+        ref = first[(cell.stage, cell.seed)]
+        if keys[i] in listed and earlier[i] is None and ref != i and earlier[ref] is None and sources[ref] is None:
+            need.add(keys[ref])
+            if keys[ref] not in listed:
+                log.info("cell %s starts with only=: the reference %s pairs with, on the pinned ground truth",
+                         cells[ref].id, cell.id)
+    return need
 
 
 def stage_groups(c: Campaign) -> list[list[int]]:
@@ -507,8 +528,8 @@ class CampaignArgs:
     out: str = DEFAULT_OUT
     deadline_s: float = 0.0  # start no cell later than this many seconds after launch (0: no deadline)
     # start only these cells in this launch: factors ("buffer") or factor/option ("data/views4_pool112"); the
-    # others wait for a later launch, as after the deadline (a run several cells share starts if one is listed).
-    # Empty: all. For a GPU session that can finish some cells but not all.
+    # others wait for a later launch, as after the deadline (a run several cells share starts if one is listed, and
+    # a listed cell's stage reference where it has no run on the pinned ground truth yet). Empty: all. For a GPU session that can finish some cells but not all.
     only: list[str] = dataclasses.field(default_factory=list)
 
 

@@ -147,6 +147,32 @@ def test_a_stage_with_pinned_cells_trains_its_reference_again_under_the_pin(monk
     assert campaign.pinned({"overrides": ["+eval.truth_dir=/p"]}) and not campaign.pinned(old_ref)
 
 
+def test_only_starts_a_listed_cells_reference_too_where_it_has_no_run_on_the_pin(monkeypatch, tmp_path):
+    """only=[buffer/fifo] on the pin: the stage's reference (r10_20, the same run as the loss stage's unpinned
+    winner) trains with it, so fifo's Δ has a pinned run to pair with; the other new cell does not start. Once the
+    reference has its pinned run, only=[buffer/proportional] starts that cell alone."""
+    import sweeps.campaign as campaign
+    c = load_campaign("cpu_smoke", ["campaign.seeds=[0]", "campaign.workers=1"])
+    pin = ["eval.truth_dir=/pins"]
+    cells = [campaign.Cell(2, "buffer", o, 0, [f"+buffer={o}", *pin]) for o in ("r10_20", "fifo", "proportional")]
+    monkeypatch.setattr(campaign, "config_key", lambda ov: "ref" if "+buffer=r10_20" in ov else " ".join(ov))
+    old_ref = {"cell": "s0-loss-hard_ce-seed0", "value": 1.0, "overrides": ["+loss=hard_ce"]}  # no pin
+    earlier, ran = {}, []
+
+    def fake_run(c_, cell, out):
+        ran.append(cell.id)
+        earlier[cell.id] = {**cell.labels(), "value": 3.0, "overrides": cell.overrides}
+        return earlier[cell.id]
+    monkeypatch.setattr(campaign, "run_cell", fake_run)
+    monkeypatch.setattr(campaign, "cell_result", lambda run_dir: earlier.get(Path(run_dir).name))
+    results = campaign._run_stage(c, cells, tmp_path, {"ref": old_ref}, None, ["buffer/fifo"])
+    assert sorted(ran) == ["s2-buffer-fifo-seed0", "s2-buffer-r10_20-seed0"] and results[2] is None
+    assert results[0]["value"] == 3.0 and "reused_from" not in results[0]  # the pinned reference run
+    ran.clear()
+    campaign._run_stage(c, cells, tmp_path, {"ref": old_ref}, None, ["buffer/proportional"])
+    assert ran == ["s2-buffer-proportional-seed0"]
+
+
 def test_only_starts_the_listed_cells_and_a_shared_run_if_one_of_its_cells_is_listed(monkeypatch, tmp_path):
     import sweeps.campaign as campaign
     c = load_campaign("cpu_smoke", ["campaign.seeds=[0]"])

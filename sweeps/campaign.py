@@ -49,6 +49,7 @@ import yaml
 from dflash.atomic import atomic_write_text
 from dflash.config import ConfigError
 from dflash.overrides import apply_overrides, split_override
+from sweeps.shared_inputs import make_shared_inputs, sets_truth_dir, with_truth_pin
 from sweeps.support import last_logged
 
 CAMPAIGN_DIR = Path(__file__).resolve().parent.parent / "conf" / "campaign"
@@ -189,18 +190,12 @@ def stage_cells(c: Campaign, index: int, winners: dict[str, str]) -> list[Cell]:
             for opt in stage.options for seed in c.seeds]
 
 
-def sets_truth_dir(overrides: Sequence[str]) -> bool:
-    return any(split_override(a)[0].lstrip("+") == "eval.truth_dir" for a in overrides if "=" in a)
-
-
 def with_truth_dir(c: Campaign, out: Path, extra: list[str]) -> list[str]:
-    """`extra` with `eval.truth_dir=<out>/<campaign>/truth` unless it sets eval.truth_dir itself: every cell and the
-    shared-inputs step evaluate on the tokens pinned there. GPU greedy decoding differs across machines, and the
-    folder travels with the committed campaign, so cells of later sessions pair with earlier ones. The same for
-    every cell of a launch: `config_key` still tells identical cells apart only by what they train."""
-    if sets_truth_dir(extra):
-        return list(extra)
-    return [*extra, f"eval.truth_dir={out / c.name / 'truth'}"]
+    """`extra` with `eval.truth_dir=<out>/<campaign>/truth` unless it sets eval.truth_dir itself
+    (`sweeps.shared_inputs.with_truth_pin`): every cell and the shared-inputs step evaluate on the tokens pinned
+    there. The same for every cell of a launch: `config_key` still tells identical cells apart only by what they
+    train."""
+    return with_truth_pin(extra, out / c.name / "truth")
 
 
 def cell_dir(out: Path, c: Campaign, cell: Cell) -> Path:
@@ -345,13 +340,9 @@ def config_key(overrides: list[str]) -> str:
 
 def shared_inputs(c: Campaign, extra: list[str], out: Path) -> dict[str, float]:
     """The prompt pool, the online shards every cell reads and the eval ground truth, made once before any
-    cell starts (`dflash.app.write_ahead`); recorded in `<out>/<campaign>/write_ahead.json`."""
-    from dflash.app.write_ahead import write_ahead
+    cell starts; recorded in `<out>/<campaign>/write_ahead.json`."""
     cfgs = every_option_config(c, extra)  # every option: the deepest buffer decides how far to write
-    stats = write_ahead(cfgs[0], more_cfgs=cfgs[1:])
-    atomic_write_text(out / c.name / "write_ahead.json", json.dumps(stats, indent=2))
-    log.info("shared inputs made in %.0f s: %s", stats["sys/write_ahead_s"], stats)
-    return stats
+    return make_shared_inputs(cfgs[0], cfgs[1:], out / c.name / "write_ahead.json")
 
 
 def pinned(result: dict) -> bool:

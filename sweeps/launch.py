@@ -26,6 +26,11 @@ sweep definition (`sweep.yaml`), sampler / pruner / objective, storage, and — 
 `sweep.best_value`, `sweep.best_params`, `sweep.best_run_id`, `sweep.best_checkpoint` (a drafter folder
 for `python -m experiments.promote <sweep.best_run_dir>`). Each trial's training run is its child.
 
+Shared inputs: every trial evaluates on the ground truth pinned in `<out>/<study>/truth` (`eval.truth_dir`, unless
+given), so trials of launches on other machines pair; with `workers` > 1 the launch first makes what the trials
+would each make at once (prompt pool, online shards, ground truth: `sweeps.shared_inputs`), recorded in
+`<out>/<study>/write_ahead.json`.
+
 Cut trials: at each launch, before the workers start, a FAIL trial that was stopped from outside (its worker
 gone, or a SIGTERM / SIGINT: a job's time limit) and whose run dir holds a checkpoint is continued: a new trial
 with the same params is enqueued (taken before anything is sampled; it counts against `n_trials`) and resumes
@@ -247,6 +252,7 @@ def _worker_specs(args, sweep, base_overrides, storage, study_name, out_dir: Pat
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     from sweeps.objective import continue_interrupted, reconcile_children, update_parent
+    from sweeps.shared_inputs import make_shared_inputs, with_truth_pin
     from sweeps.space import check_conflicts, load_sweep, merge_overrides
     from sweeps.storage import describe, reap_stale
     from sweeps.worker import Tickets, worker_main
@@ -260,6 +266,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         raise SweepError(f"study={study_name!r}: use letters, digits, '_', '-', '.'")
     out_root = Path(args.out).resolve()
     out_dir = out_root / study_name
+    base_overrides = with_truth_pin(base_overrides, out_dir / "truth")  # trials of every launch pair
     storage = args.storage or str(out_root / f"{study_name}.journal")
     storage_desc = describe(storage)
     base_cfg = validate(sweep, base_overrides, out_dir)
@@ -287,6 +294,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if continued:
         print(f"[sweep {study_name}] continuing cut trial(s) from their checkpoints: "
               + ", ".join(f"#{old} as #{new}" for old, new in continued.items()), file=sys.stderr)
+    if args.workers > 1 and args.n_trials > 0:  # one process makes what the trials starting together would each make
+        make_shared_inputs(base_cfg, record=out_dir / "write_ahead.json")
     specs, gpus = _worker_specs(args, sweep, base_overrides, storage, study_name, out_dir, parent_id, tr, n_before,
                                 launch_no)
     print(f"[sweep {study_name}] storage {storage_desc} | {n_before} trials so far | +{args.n_trials} with "

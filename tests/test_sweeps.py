@@ -237,6 +237,12 @@ def test_sweep_two_workers_pruning_resume_and_mlflow(tmp_path, eval_cache):
 
     first = main(_argv(tmp_path, eval_cache, "n_trials=4", "workers=2"))
     assert first["n_trials"] == 4 and first["lost_workers"] == []
+    # two workers: coding10's ground truth was made (and pinned under the study) once, before the trials; the
+    # training prompts' (eval/tau_train of stored data) by the trials
+    truth = tmp_path / "out" / "cpu_smoke" / "truth"
+    made = json.loads((tmp_path / "out" / "cpu_smoke" / "write_ahead.json").read_text())
+    pins = sorted(truth.glob("*.json"))
+    assert made["eval/write_ahead_suites"] == 1 and len(pins) == 2
     # same storage + study: resumes (in this process: workers=1 runs here, no spawn)
     second = main(_argv(tmp_path, eval_cache, "n_trials=2", "workers=1"))
     assert second["n_before"] == 4 and second["n_trials"] == 6
@@ -247,6 +253,10 @@ def test_sweep_two_workers_pruning_resume_and_mlflow(tmp_path, eval_cache):
                                   optuna.storages.journal.JournalFileBackend(str(tmp_path / "out" / "cpu_smoke.journal"))))
     trials = study.get_trials()
     assert len(trials) == 6
+    assert sorted(truth.glob("*.json")) == pins  # every trial evaluated on that pin
+    for t in trials:
+        assert yaml.safe_load(Path(t.user_attrs["sweep.run_dir"], "config.yaml").read_text())["eval"]["truth_dir"] \
+            == str(truth)
     by_state = {s: [t for t in trials if t.state == s] for s in (TrialState.COMPLETE, TrialState.PRUNED)}
     # cpu_smoke's seeded draws: lr=1e-5 for trials 1 and 2 -> loss stays > 5.5 -> pruned at the step-4 report
     assert sorted(t.number for t in by_state[TrialState.PRUNED]) == [1, 2]

@@ -468,9 +468,12 @@ def run_campaign(c: Campaign, out: Path, extra: list[str], deadline_s: float = 0
     deadline = t_start + deadline_s if deadline_s > 0 else None
     extra = with_truth_dir(c, out, extra)
     summary_f = out / c.name / "summary.json"
-    summary: dict[str, Any] = {"campaign": c.name, "winners": {}, "cells": [], "complete": False, "stages": []}
+    factors = [st.factor for st in c.stages]
+    summary: dict[str, Any] = {"campaign": c.name, "winners": {}, "cells": [], "complete": False, "stages": [],
+                               "stage_factors": factors}
     previous = json.loads(summary_f.read_text()) if summary_f.is_file() else {}
-    to_run = not previous.get("complete")
+    # complete for these stages: a stage added to the file since (or a summary that does not say) has cells to run
+    to_run = not (previous.get("complete") and previous.get("stage_factors") == factors)
     if to_run:  # refused before anything is written, the tracking store included
         summary["target_fingerprint"] = check_same_target(c, out, extra)
     prepare_store(c, extra)

@@ -215,6 +215,14 @@ def test_every_cell_and_the_shared_inputs_pin_the_ground_truth_under_the_campaig
     assert len(ran) == 3 and all(cell.overrides.count(pinned) == 1 for cell in ran)
     assert [x["option"] for x in summary["cells"] if x.get("reused_from")] == ["none"]  # +noise=none: that run
     assert campaign.with_truth_dir(c, out, ["+eval.truth_dir=/pins"]) == ["+eval.truth_dir=/pins"]  # the user's
+    # a stage added to the finished campaign's file: the shared inputs are made again (its cells may read other
+    # data) and only the new stage's cells train
+    monkeypatch.setattr(campaign, "cell_result", lambda run_dir: next(
+        ({**r, "earlier_launch": True} for r in summary["cells"] if r["cell"] == Path(run_dir).name), None))
+    c.stages.append(campaign.Stage("buffer", ["r10_20", "fifo"], ["loss"]))
+    made.clear(), ran.clear()
+    again = campaign.run_campaign(c, out, ["tracking.enabled=false"])
+    assert len(made) == 1 and again["complete"] and [cell.option for cell in ran] == ["fifo"]
 
 
 def test_cells_get_their_share_of_the_cores(monkeypatch):

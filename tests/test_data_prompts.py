@@ -155,3 +155,35 @@ def test_encode_many_gives_the_tokenizers_own_ids():
     texts = ["def f(x):\n    return x + 1\n", "  \u00e9t\u00e9 caf\u00e9 \u2192 ", "", "class A:\n\t\"\"\"Doc.\"\"\"\n" * 3]
     want = [list(ids) for ids in tok(texts, add_special_tokens=False)["input_ids"]]
     assert encode_many(tok, texts) == want and all(isinstance(i, int) for ids in want for i in ids)
+
+
+def test_body_cuts_against_a_plain_reference():
+    from dflash.data.prompts import body_cuts
+
+    def reference(body, cuts):  # every cut point by hand: i / (cuts + 1) of the body, rounded, kept if 1..body-1
+        out = []
+        for i in range(1, cuts + 1):
+            k = round(body * i / (cuts + 1))
+            if 1 <= k < body and k not in out:
+                out.append(k)
+        return sorted(out)
+    for body in range(0, 30):
+        for cuts in range(0, 6):
+            assert body_cuts(body, cuts) == reference(body, cuts), (body, cuts)
+    assert body_cuts(8, 3) == [2, 4, 6] and body_cuts(2, 3) == [1] and body_cuts(1, 3) == []
+
+
+def test_header_cuts_add_the_header_with_the_first_body_lines():
+    src = ('class Bag:\n    """A bag."""\n\n    def add(self, x):\n        """Add x."""\n        y = x + 1\n'
+           '        z = y * 2\n        w = z - 3\n        return w\n')
+    got = dict(header_prompts(src, prefix="m.", cuts=3))
+    base = dict(header_prompts(src, prefix="m."))
+    assert {n: p for n, p in got.items() if "@" not in n} == base  # the plain prompts, unchanged
+    assert got["m.Bag.add@1"] == 'def add(self, x):\n    """Add x."""\n    y = x + 1\n'
+    assert got["m.Bag.add@2"] == 'def add(self, x):\n    """Add x."""\n    y = x + 1\n    z = y * 2\n'
+    assert got["m.Bag.add@3"].endswith("    w = z - 3\n") and "m.Bag.add@4" not in got  # never the whole body
+    bag = [n for n in got if n.startswith("m.Bag@")]  # the class body: 7 lines after its docstring, the first blank
+    assert bag == ["m.Bag@2", "m.Bag@4", "m.Bag@5"]
+    assert [n for n, _ in header_prompts(src, cuts=1)] == ["Bag", "Bag@4", "Bag.add", "Bag.add@2"]
+    assert [n for n, _ in header_prompts("class A:\n    \"\"\"Doc.\"\"\"\n\n    x = 1\n", cuts=1)] == ["A"]  # blank only
+    assert list(got)[:2] == ["m.Bag", "m.Bag@2"]  # each definition's cuts follow its own prompt

@@ -74,6 +74,36 @@ def test_prompt_pool_holds_train_headers_with_docstrings_and_train_chunks(tmp_pa
     assert again.prompts == pool.prompts and again.kinds == pool.kinds and again.fingerprint == pool.fingerprint
 
 
+def test_header_cuts_add_header_body_prompts_counted_as_headers(tmp_path):
+    """data.pool.header_cuts: each train header prompt is followed by its cuts into the body (kind header_body);
+    they count as headers in headers_frac; a pool without cuts keeps the fingerprint it had before the key."""
+    import hashlib
+    import json
+    from dataclasses import asdict
+
+    from dflash.data.pool import FORMAT_VERSION, pool_fingerprint, validate_pool_config
+    _write_corpus(tmp_path / "src")
+    corpus = load_corpus(CorpusConfig(root=str(tmp_path / "src"), heldout_per_10k=4000))
+    plain = PoolConfig(headers_frac=0.5, max_prompt_len=200, chunk_min_len=8, chunk_max_len=24, cache_dir="")
+    cut = PoolConfig(**{**asdict(plain), "header_cuts": 2})
+    tok = ByteTokenizer()
+    p0, p2 = build_prompt_pool(corpus, tok, plain, "bytes"), build_prompt_pool(corpus, tok, cut, "bytes")
+    headers = [tok.decode(p) for p, k in zip(p0.prompts, p0.kinds) if k == "header"]
+    assert [tok.decode(p) for p, k in zip(p2.prompts, p2.kinds) if k == "header"] == headers
+    bodies = [tok.decode(p) for p, k in zip(p2.prompts, p2.kinds) if k == "header_body"]
+    # a class: 3 body lines after its docstring -> cuts after 1 (a blank line: left out) and 2 lines; a function:
+    # one body line -> no cut
+    assert sorted(bodies) == sorted(h + "\n    def method(self):\n" for h in headers if h.startswith("class"))
+    assert p2.kinds.count("chunk") == len(headers) + len(bodies)  # headers_frac 0.5 over both header kinds
+    assert p2.stats["header_body_prompts"] == len(bodies) and p2.fingerprint != p0.fingerprint
+    old = {k: v for k, v in asdict(plain).items() if k not in ("cache_dir", "header_cuts")}
+    assert pool_fingerprint("c", "t", plain) == hashlib.sha256(json.dumps(
+        {"format": FORMAT_VERSION, "corpus": "c", "tokenizer": "t", "cfg": old}, sort_keys=True).encode()).hexdigest()
+    for bad in (-1, 1.5, True):
+        with pytest.raises(ValueError, match="data.pool.header_cuts"):
+            validate_pool_config(PoolConfig(header_cuts=bad))
+
+
 @pytest.mark.parametrize("model_type", ["qwen3_5", "qwen3_next"])
 def test_written_sequences_are_the_targets_own_greedy_continuations(model_type):
     target = _tiny(model_type)

@@ -5,6 +5,9 @@ Two kinds, mixed by `data.pool.headers_frac`:
 - `header`: a function or class header with its docstring (`dflash.data.prompts.header_prompts`, found with
   `ast`), the shape of the eval suites' prompts, so the eval prompts are in the training distribution without
   being in the training data;
+- `header_body` (`header_cuts` > 0): the same header and docstring followed by the first lines of its body, cut at
+  `header_cuts` evenly spaced points (`dflash.data.prompts.body_cuts`): more eval-shaped prompts per definition,
+  each continued into a distinct sequence; they count as headers in `headers_frac`;
 - `chunk`: a plain chunk of a training file, starting at a line start drawn from a seeded generator, of
   `chunk_min_len..chunk_max_len` tokens.
 
@@ -33,7 +36,7 @@ log = logging.getLogger(__name__)
 
 FORMAT_VERSION = 1
 _MAGIC = b"DFLASH-POOL\n"
-KINDS = ("header", "chunk")
+KINDS = ("header", "header_body", "chunk")
 
 
 @dataclass
@@ -44,6 +47,9 @@ class PoolConfig:
     chunk_min_len: int = 16  # tokens of a plain file-chunk prompt, drawn uniformly in [min, max]
     chunk_max_len: int = 128
     seed: int = 0  # chunk positions and the selection when `size` is below what the corpus offers
+    # > 0: up to this many more prompts per header prompt, its body cut after evenly spaced lines (`header_body`):
+    # the stdlib train split has 5,148 header prompts, 4.6% of a 112,000-prompt pool (benchmarks/ABLATIONS.md)
+    header_cuts: int = 0
     cache_dir: str = ".cache/dflash/pool"  # empty: no disk cache
 
 
@@ -52,6 +58,8 @@ def validate_pool_config(cfg: PoolConfig) -> None:
         raise ValueError(f"data.pool.headers_frac must lie in [0, 1], got {cfg.headers_frac}")
     if cfg.headers_frac == 0.0 and cfg.size <= 0:
         raise ValueError("data.pool.size must be > 0 when data.pool.headers_frac is 0 (chunks only: how many?)")
+    if isinstance(cfg.header_cuts, bool) or not isinstance(cfg.header_cuts, int) or cfg.header_cuts < 0:
+        raise ValueError(f"data.pool.header_cuts must be an integer >= 0 (0: none), got {cfg.header_cuts!r}")
     if cfg.size < 0:
         raise ValueError(f"data.pool.size must be >= 0 (0: derived from the corpus), got {cfg.size}")
     if not 1 <= cfg.chunk_min_len <= cfg.chunk_max_len <= cfg.max_prompt_len:
@@ -62,7 +70,7 @@ def validate_pool_config(cfg: PoolConfig) -> None:
 @dataclass
 class PromptPool:
     prompts: list[list[int]]
-    kinds: list[str]  # "header" | "chunk", one per prompt
+    kinds: list[str]  # "header" | "header_body" | "chunk", one per prompt
     fingerprint: str
     corpus_fingerprint: str
     stats: dict = field(default_factory=dict)
@@ -84,14 +92,19 @@ def encode_many(tokenizer, texts: list[str]) -> list[list[int]]:
 
 
 def pool_fingerprint(corpus_fingerprint: str, tokenizer_identity: str, cfg: PoolConfig) -> str:
+    # header_cuts only when set: a pool without cuts keeps the fingerprint (and shards) it had before the key
+    skip = {"cache_dir"} | ({"header_cuts"} if not cfg.header_cuts else set())
     payload = {"format": FORMAT_VERSION, "corpus": corpus_fingerprint, "tokenizer": tokenizer_identity,
-               "cfg": {k: v for k, v in asdict(cfg).items() if k != "cache_dir"}}
+               "cfg": {k: v for k, v in asdict(cfg).items() if k not in skip}}
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
 
 
-def _header_prompts(corpus: Corpus, tokenizer, max_len: int) -> list[list[int]]:
-    texts = parallel_header_prompts([(doc.text, doc.path + ":") for doc in corpus.train])
-    return [ids for ids in encode_many(tokenizer, texts) if 0 < len(ids) <= max_len]
+def _header_prompts(corpus: Corpus, tokenizer, cfg: PoolConfig) -> tuple[list[list[int]], list[str]]:
+    """The header (and, with `header_cuts`, header_body) prompts of the train split and their kinds."""
+    named = parallel_header_prompts([(doc.text, doc.path + ":") for doc in corpus.train], cuts=cfg.header_cuts)
+    ids = encode_many(tokenizer, [p for _, p in named])
+    keep = [i for i, x in enumerate(ids) if 0 < len(x) <= cfg.max_prompt_len]
+    return [ids[i] for i in keep], ["header_body" if "@" in named[i][0] else "header" for i in keep]
 
 
 def _chunk_prompts(corpus: Corpus, tokenizer, n: int, cfg: PoolConfig) -> list[list[int]]:
@@ -117,21 +130,23 @@ def _chunk_prompts(corpus: Corpus, tokenizer, n: int, cfg: PoolConfig) -> list[l
     return out
 
 
-def _mix(headers: list[list[int]], cfg: PoolConfig, corpus: Corpus, tokenizer) -> tuple[list, list]:
+def _mix(headers: list[list[int]], kinds: list[str], cfg: PoolConfig, corpus: Corpus,
+         tokenizer) -> tuple[list, list]:
     rng = random.Random(cfg.seed * 1_000_003 + 5)
     f = cfg.headers_frac
     if cfg.size > 0:
         n_h = min(round(cfg.size * f), len(headers))
         n_c = cfg.size - n_h if f < 1.0 else 0
         if n_h < len(headers):
-            headers = [headers[i] for i in sorted(rng.sample(range(len(headers)), n_h))]
+            picked = sorted(rng.sample(range(len(headers)), n_h))
+            headers, kinds = [headers[i] for i in picked], [kinds[i] for i in picked]
     else:
         n_c = round(len(headers) * (1 - f) / f)
     if f > 0 and not headers:
         raise ValueError("data.pool: the train split has no function / class with a docstring of <= "
                          f"{cfg.max_prompt_len} tokens (headers_frac={f} asks for them)")
     chunks = _chunk_prompts(corpus, tokenizer, n_c, cfg) if n_c else []
-    return headers + chunks, ["header"] * len(headers) + ["chunk"] * len(chunks)
+    return headers + chunks, kinds + ["chunk"] * len(chunks)
 
 
 def build_prompt_pool(corpus: Corpus, tokenizer, cfg: PoolConfig, tokenizer_identity: str) -> PromptPool:
@@ -147,15 +162,17 @@ def build_prompt_pool(corpus: Corpus, tokenizer, cfg: PoolConfig, tokenizer_iden
             return PromptPool(prompts, list(data["kinds"]), key, corpus.fingerprint, dict(data["stats"]))
         except Exception as e:  # noqa: BLE001 - torn, corrupt or foreign: rebuild
             log.warning("prompt pool: cache file %s unusable (%s); rebuilding", path, e)
-    headers = _header_prompts(corpus, tokenizer, cfg.max_prompt_len)
-    prompts, kinds = _mix(headers, cfg, corpus, tokenizer)
+    headers, header_kinds = _header_prompts(corpus, tokenizer, cfg)
+    prompts, kinds = _mix(headers, header_kinds, cfg, corpus, tokenizer)
     stats = {"prompts": len(prompts), "header_prompts": kinds.count("header"),
+             "header_body_prompts": kinds.count("header_body"),
              "chunk_prompts": kinds.count("chunk"), "train_files": len(corpus.train),
              "mean_prompt_len": sum(map(len, prompts)) / max(len(prompts), 1)}
     if path is not None:
         flat = torch.tensor([t for p in prompts for t in p], dtype=torch.int64)
         save_checked(path, _MAGIC, FORMAT_VERSION, key, {"lengths": [len(p) for p in prompts], "tokens": flat,
                                                          "kinds": kinds, "stats": stats})
-    log.info("prompt pool: %d prompts (%d header + docstring, %d file chunks) from %d train files",
-             len(prompts), stats["header_prompts"], stats["chunk_prompts"], len(corpus.train))
+    log.info("prompt pool: %d prompts (%d header + docstring, %d more cut into their body, %d file chunks) from %d "
+             "train files", len(prompts), stats["header_prompts"], stats["header_body_prompts"],
+             stats["chunk_prompts"], len(corpus.train))
     return PromptPool(prompts, kinds, key, corpus.fingerprint, stats)

@@ -54,8 +54,18 @@ def _walk(tree: ast.AST, qual: str = "") -> Iterator[tuple[str, ast.AST]]:
             yield from _walk(node, qual)
 
 
-def header_prompts(source: str, prefix: str = "") -> Iterator[tuple[str, str]]:
-    """(name, prompt) for each function / class with a docstring in `source` (module docstring)."""
+def body_cuts(body_lines: int, cuts: int) -> list[int]:
+    """How many body lines each of `cuts` cut prompts keeps after the docstring: evenly spaced through the body,
+    at least one line, short of the whole body, no repeats (a 2-line body has room for one cut only)."""
+    ks = {round(body_lines * i / (cuts + 1)) for i in range(1, cuts + 1)}
+    return sorted(k for k in ks if 1 <= k < body_lines)
+
+
+def header_prompts(source: str, prefix: str = "", cuts: int = 0) -> Iterator[tuple[str, str]]:
+    """(name, prompt) for each function / class with a docstring in `source` (module docstring). `cuts` > 0: after
+    each such prompt, up to `cuts` more of the same definition, its header and docstring followed by the first k
+    lines of its body (`body_cuts`; a cut that adds only blank lines is left out), named `<name>@<k>`: eval-shaped
+    prompts at several points of one body, whose continuations are distinct sequences (data.pool.header_cuts)."""
     try:
         tree = ast.parse(source)
     except (SyntaxError, ValueError):  # ValueError: null bytes
@@ -71,19 +81,27 @@ def header_prompts(source: str, prefix: str = "") -> Iterator[tuple[str, str]]:
         seen[name] = seen.get(name, 0) + 1
         if seen[name] > 1:
             name = f"{name}-{seen[name]}"
-        yield name, _dedent(lines[start - 1:end], node.col_offset)
+        last = _dedent(lines[start - 1:end], node.col_offset)
+        yield name, last
+        for k in body_cuts(node.end_lineno - end, cuts) if cuts else ():
+            prompt = _dedent(lines[start - 1:end + k], node.col_offset)
+            if prompt != last:  # a cut that adds only blank lines is the prompt before it
+                yield f"{name}@{k}", prompt
+                last = prompt
 
 
-def headers_of_sources(items: list[tuple[str, str]]) -> list[str]:
-    """The header prompts of each (source, prefix), in order (a worker's share in `parallel_header_prompts`)."""
-    return [p for text, prefix in items for _, p in header_prompts(text, prefix)]
+def headers_of_sources(items: list[tuple[str, str]], cuts: int = 0) -> list[tuple[str, str]]:
+    """(name, prompt) of the header prompts of each (source, prefix), in order (a worker's share in
+    `parallel_header_prompts`)."""
+    return [x for text, prefix in items for x in header_prompts(text, prefix, cuts)]
 
 
 # Below this many files the pool of worker processes costs more than it saves (spawning one takes ~0.1 s).
 PARALLEL_MIN_FILES = 2000
 
 
-def parallel_header_prompts(items: list[tuple[str, str]], workers: int | None = None) -> list[str]:
+def parallel_header_prompts(items: list[tuple[str, str]], workers: int | None = None,
+                            cuts: int = 0) -> list[tuple[str, str]]:
     """`headers_of_sources(items)`, the files parsed by `workers` processes (default: the machine's cores) when
     there are many: `ast.parse` is most of building the installed corpus's pool (17 K files, minutes on one
     core). Same prompts, same order, as one process."""
@@ -92,14 +110,15 @@ def parallel_header_prompts(items: list[tuple[str, str]], workers: int | None = 
     from concurrent.futures import ProcessPoolExecutor
     from concurrent.futures.process import BrokenProcessPool
     from multiprocessing import get_context
+    from functools import partial
     workers = workers or os.cpu_count() or 1
     if workers < 2 or len(items) < PARALLEL_MIN_FILES:
-        return headers_of_sources(items)
+        return headers_of_sources(items, cuts)
     step = max(1, len(items) // (workers * 8))
     shares = [items[i:i + step] for i in range(0, len(items), step)]
     try:  # spawn, not fork: the caller may hold a CUDA context and producer threads
         with ProcessPoolExecutor(workers, mp_context=get_context("spawn")) as pool:
-            return [p for share in pool.map(headers_of_sources, shares) for p in share]
+            return [p for share in pool.map(partial(headers_of_sources, cuts=cuts), shares) for p in share]
     except (OSError, RuntimeError, BrokenProcessPool) as e:  # e.g. a __main__ that cannot be re-imported
         logging.getLogger(__name__).warning("prompt pool: parallel parsing failed (%s); parsing in this process", e)
-        return headers_of_sources(items)
+        return headers_of_sources(items, cuts)

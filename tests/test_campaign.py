@@ -115,6 +115,20 @@ def test_one_pool_runs_each_distinct_config_once(monkeypatch, tmp_path):
     assert results[1]["value"] == results[0]["value"]
 
 
+def _fake_cells_that_keep_their_records(monkeypatch, campaign, earlier: dict) -> list:
+    """run_cell records value 3.0 with the cell's overrides into `earlier`, where a later launch's cell_result finds
+    it by run folder name; returns the list of cell ids run."""
+    ran = []
+
+    def fake_run(c_, cell, out):
+        ran.append(cell.id)
+        earlier[cell.id] = {**cell.labels(), "value": 3.0, "overrides": cell.overrides}
+        return earlier[cell.id]
+    monkeypatch.setattr(campaign, "run_cell", fake_run)
+    monkeypatch.setattr(campaign, "cell_result", lambda run_dir: earlier.get(Path(run_dir).name))
+    return ran
+
+
 def test_a_stage_with_pinned_cells_trains_its_reference_again_under_the_pin(monkeypatch, tmp_path):
     """The loss stage's winner ran before ground truth was pinned: a later stage's new cells evaluate on the pin,
     so their reference (the same config) trains once more under it instead of being reused, and later launches
@@ -128,14 +142,7 @@ def test_a_stage_with_pinned_cells_trains_its_reference_again_under_the_pin(monk
                         else " ".join(ov))
     old_ref = {"cell": "s0-loss-hard_ce-seed0", "value": 1.0, "overrides": ["+loss=hard_ce"]}  # no pin
     earlier = {cells["uniform"].id: {**cells["uniform"].labels(), "value": 2.0, "overrides": ["+noise=uniform"]}}
-    ran = []
-
-    def fake_run(c_, cell, out):
-        ran.append(cell.id)
-        earlier[cell.id] = {**cell.labels(), "value": 3.0, "overrides": cell.overrides}
-        return earlier[cell.id]
-    monkeypatch.setattr(campaign, "run_cell", fake_run)
-    monkeypatch.setattr(campaign, "cell_result", lambda run_dir: earlier.get(Path(run_dir).name))
+    ran = _fake_cells_that_keep_their_records(monkeypatch, campaign, earlier)
     group = [cells["none"], cells["uniform"], buffers["r10_20"], buffers["fifo"]]
     for launch in range(2):
         results = campaign._run_stage(c, group, tmp_path, {"ref": old_ref}, None)
@@ -157,14 +164,7 @@ def test_only_starts_a_listed_cells_reference_too_where_it_has_no_run_on_the_pin
     cells = [campaign.Cell(2, "buffer", o, 0, [f"+buffer={o}", *pin]) for o in ("r10_20", "fifo", "proportional")]
     monkeypatch.setattr(campaign, "config_key", lambda ov: "ref" if "+buffer=r10_20" in ov else " ".join(ov))
     old_ref = {"cell": "s0-loss-hard_ce-seed0", "value": 1.0, "overrides": ["+loss=hard_ce"]}  # no pin
-    earlier, ran = {}, []
-
-    def fake_run(c_, cell, out):
-        ran.append(cell.id)
-        earlier[cell.id] = {**cell.labels(), "value": 3.0, "overrides": cell.overrides}
-        return earlier[cell.id]
-    monkeypatch.setattr(campaign, "run_cell", fake_run)
-    monkeypatch.setattr(campaign, "cell_result", lambda run_dir: earlier.get(Path(run_dir).name))
+    ran = _fake_cells_that_keep_their_records(monkeypatch, campaign, {})
     results = campaign._run_stage(c, cells, tmp_path, {"ref": old_ref}, None, ["buffer/fifo"])
     assert sorted(ran) == ["s2-buffer-fifo-seed0", "s2-buffer-r10_20-seed0"] and results[2] is None
     assert results[0]["value"] == 3.0 and "reused_from" not in results[0]  # the pinned reference run

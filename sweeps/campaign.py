@@ -21,8 +21,9 @@ subprocess with a fixed run folder `<out>/<campaign>/runs/<cell id>`:
 So re-running the same command after a cut (GPU jobs here end at ten minutes) continues where it stopped;
 `deadline_s=S` starts no cell later than S seconds after launch, so a job with a hard limit ends with whole
 cells; `only=[buffer]` starts only those cells in this launch (a GPU session that can finish some cells but not
-all), and their stage's reference where it must train again on the pinned ground truth (below). Stages that build only on factors already decided share one pool (`stage_groups`: the reference
-campaign's noise and buffer stages both build on the loss, so they run as one wave). A cell whose composed
+all), and their stage's reference where it must train again on the pinned ground truth (below). Stages that
+build only on factors already decided share one pool (`stage_groups`: the reference campaign's noise and buffer
+stages both build on the loss, so they run as one wave). A cell whose composed
 config equals an earlier cell's (`+noise=none` on the best loss is the loss stage's
 run of that loss) is that cell: its result is reused, not trained again. `workers` cells run at once (several
 small runs share one GPU; the budget is in tokens, so that is fair). Before the first cell, the inputs every
@@ -522,8 +523,8 @@ class CampaignArgs:
     out: str = DEFAULT_OUT
     deadline_s: float = 0.0  # start no cell later than this many seconds after launch (0: no deadline)
     # start only these cells in this launch: factors ("buffer") or factor/option ("data/views4_pool112"); the
-    # others wait for a later launch, as after the deadline (a run several cells share starts if one is listed, and
-    # a listed cell's stage reference where it has no run on the pinned ground truth yet). Empty: all. For a GPU session that can finish some cells but not all.
+    # others wait for a later launch, as after the deadline (a run several cells share starts if one is listed,
+    # and a listed cell's stage reference where it has no run on the pinned ground truth yet). Empty: all. For a GPU session that can finish some cells but not all.
     only: list[str] = dataclasses.field(default_factory=list)
 
 

@@ -185,5 +185,6 @@ def test_header_cuts_add_the_header_with_the_first_body_lines():
     bag = [n for n in got if n.startswith("m.Bag@")]  # the class body: 7 lines after its docstring, the first blank
     assert bag == ["m.Bag@2", "m.Bag@4", "m.Bag@5"]
     assert [n for n, _ in header_prompts(src, cuts=1)] == ["Bag", "Bag@4", "Bag.add", "Bag.add@2"]
-    assert [n for n, _ in header_prompts("class A:\n    \"\"\"Doc.\"\"\"\n\n    x = 1\n", cuts=1)] == ["A"]  # blank only
+    blank_only = 'class A:\n    """Doc."""\n\n    x = 1\n'  # its one cut would add only the blank line
+    assert [n for n, _ in header_prompts(blank_only, cuts=1)] == ["A"]
     assert list(got)[:2] == ["m.Bag", "m.Bag@2"]  # each definition's cuts follow its own prompt

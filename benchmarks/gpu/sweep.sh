@@ -18,8 +18,8 @@
 #    $OUT/best_drafter.tgz: the best complete trial's final/ drafter; then the study summary.
 # Env: N (trials this job adds, default 4), WORKERS (default 2), DEADLINE (s, default 300), LIMIT (s, the device
 # call's own limit, default 590), HARD (s, default LIMIT - 60: the packing after it needs the rest; not DEADLINE +
-# 220, which cut a resuming job with a short DEADLINE long before its call's limit), STUDY (default: the sweep's name), STORE, OUT (default gpu_out), PROMOTE (1: the best trial through
-# the gate), PROMOTE_ARGS, PY (python).
+# 220, which cut a resuming job with a short DEADLINE long before its call's limit), STUDY (default: the sweep's
+# name), STORE, OUT (default gpu_out), PROMOTE (1: the best trial through the gate), PROMOTE_ARGS, PY (python).
 # The GPU machine lacks our stack's wheels: ship them in .whl/ as for benchmarks/gpu/campaign.sh.
 set -uo pipefail
 S=${1:-loss_variants}

@@ -109,8 +109,8 @@ def parallel_header_prompts(items: list[tuple[str, str]], workers: int | None = 
     import os
     from concurrent.futures import ProcessPoolExecutor
     from concurrent.futures.process import BrokenProcessPool
-    from multiprocessing import get_context
     from functools import partial
+    from multiprocessing import get_context
     workers = workers or os.cpu_count() or 1
     if workers < 2 or len(items) < PARALLEL_MIN_FILES:
         return headers_of_sources(items, cuts)

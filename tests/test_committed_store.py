@@ -41,7 +41,7 @@ def test_relocate_artifacts_absolute_for_any_working_folder(tmp_path):
     with tarfile.open(STORE) as t:
         t.extractall(tmp_path, filter="data")
     db = tmp_path / "campaign_out" / "mlflow.db"
-    assert relocate_artifacts(db, relative=False) == 40  # two campaign experiments, 38 runs
+    assert relocate_artifacts(db, relative=False) == 44  # three campaign experiments, 41 runs
     c = MlflowClient(f"sqlite:///{db}")
     r = c.search_runs([c.get_experiment_by_name("dflash-ablation").experiment_id], max_results=1)[0]
     assert r.info.artifact_uri == (db.parent / "mlartifacts").as_uri() + f"/{r.info.run_id}/artifacts"

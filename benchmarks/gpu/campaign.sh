@@ -49,12 +49,7 @@ echo "== campaign exited $rc after $(( $(date +%s) - t0 )) s" >&2
 EDITS=()  # the campaign.KEY=VALUE edits of this job apply to its report too
 for a in "$@"; do [[ $a == campaign.* ]] && EDITS+=("$a"); done
 $PY -m sweeps.campaign "$C" report out=campaign_out "${EDITS[@]}" > "$OUT/report.md" 2>&1 || tail -5 "$OUT/report.md" >&2
-# xz, not gzip: the store's sqlite file packs to half the size (6.4 against 13.6 MB in session 13), and every GPU
-# call carries the committed store inside its 64 MiB working tree beside the wheels
-# (16 MiB blocks: xz -9's default block is 192 MiB, so a 95 MB store packed on one core, 48 s; in blocks the
-# cores share it, 21 s on two, for 6.6 MB against 6.4)
-XZ_OPT="-9 -T0 --block-size=16MiB" tar cJf "$OUT/campaign.tar.xz" --exclude='checkpoints' --exclude='final' --exclude='checkpoint' \
-    --exclude='*.pt' --exclude='*.safetensors' --exclude='*.png' --exclude='*.bin' --exclude='*.lock' campaign_out
+pack_store "$OUT/campaign.tar.xz" campaign_out/mlflow.db campaign_out  # job_env.sh
 # the best finished cell's drafter of this job (the recipe's, for promotion / export / eval elsewhere): its final/ folder
 $PY - "$C" "$OUT" <<'EOF' || true
 import json, sys, tarfile

@@ -75,8 +75,7 @@ if [ -n "${PROMOTE:-}" ] && [ -f "$OUT/best_run_dir.txt" ]; then
   $PY -m experiments.promote "$(cat "$OUT/best_run_dir.txt")" ${PROMOTE_ARGS:-} > "$OUT/promote.log" 2>&1
   echo "== promote exited $? (0 promoted, 3 refused): $(tail -3 "$OUT/promote.log" | tr '\n' ' ')" >&2
 fi
-XZ_OPT="-9 -T0" tar cJf "$OUT/sweep.tar.xz" --exclude='checkpoints' --exclude='final' --exclude='checkpoint' \
-    --exclude='*.pt' --exclude='*.safetensors' --exclude='*.png' --exclude='*.bin' --exclude='*.lock' sweeps_out
+pack_store "$OUT/sweep.tar.xz" sweeps_out/mlflow.db sweeps_out  # job_env.sh
 ls -la "$OUT" >&2
 grep -E "continuing cut|marked stale|trial [0-9]+ (COMPLETE|PRUNED|FAIL)|^study |Error" "$OUT/sweep.log" | tail -20 >&2
 exit $rc

@@ -339,10 +339,29 @@ def config_key(overrides: list[str]) -> str:
     return hashlib.sha256(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()
 
 
-def shared_inputs(c: Campaign, extra: list[str], out: Path) -> dict[str, float]:
+def configs_to_train(c: Campaign, extra: list[str], out: Path, previous: dict) -> list:
+    """The composed configs of the options a launch after `previous` (the last summary.json, {} if none) may still
+    train: stages it did not decide, on its winners (an undecided factor's first option stands in), less cells with
+    a record of their own and options a finished cell already trained (a reused run reads nothing). A stage added to
+    a finished campaign then makes the inputs of its new cells only, not the first stage's again (reference_recipe's
+    prompts stage: ~140 s of pool and shards on a fresh H200 that no new cell would read)."""
+    from experiments.config import compose_config
+    winners = previous.get("winners", {})
+    stand_in = {st.factor: winners.get(st.factor, st.options[0]) for st in c.stages}
+    trained = {config_key(r["overrides"]) for r in previous.get("cells", [])
+               if r.get("value") is not None and not r.get("failed") and r.get("overrides")}
+    todo = [cell for i, st in enumerate(c.stages) if st.factor not in winners
+            for cell in stage_cells(c, i, stand_in)[:: len(c.seeds)] if cell_result(cell_dir(out, c, cell)) is None]
+    return [compose_config([*cell.overrides, *extra]) for cell in todo
+            if not trained or config_key([*cell.overrides, *extra]) not in trained]
+
+
+def shared_inputs(c: Campaign, extra: list[str], out: Path, previous: dict | None = None) -> dict[str, float]:
     """The prompt pool, the online shards every cell reads and the eval ground truth, made once before any
-    cell starts; recorded in `<out>/<campaign>/write_ahead.json`."""
-    cfgs = every_option_config(c, extra)  # every option: the deepest buffer decides how far to write
+    cell starts, for the cells still to train (`configs_to_train`); recorded in `<out>/<campaign>/write_ahead.json`."""
+    cfgs = configs_to_train(c, extra, out, previous or {})  # the deepest buffer among them decides how far to write
+    if not cfgs:
+        return {"sys/write_ahead_s": 0.0}
     return make_shared_inputs(cfgs[0], cfgs[1:], out / c.name / "write_ahead.json")
 
 
@@ -479,7 +498,7 @@ def run_campaign(c: Campaign, out: Path, extra: list[str], deadline_s: float = 0
         summary["target_fingerprint"] = check_same_target(c, out, extra)
     prepare_store(c, extra)
     if to_run:
-        summary["write_ahead"] = shared_inputs(c, extra, out)
+        summary["write_ahead"] = shared_inputs(c, extra, out, previous)
     done: dict[str, dict] = {}
     for group in stage_groups(c):
         per_stage = [stage_cells(c, i, summary["winners"]) for i in group]

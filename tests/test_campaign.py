@@ -223,6 +223,7 @@ def test_every_cell_and_the_shared_inputs_pin_the_ground_truth_under_the_campaig
     made.clear(), ran.clear()
     again = campaign.run_campaign(c, out, ["tracking.enabled=false"])
     assert len(made) == 1 and again["complete"] and [cell.option for cell in ran] == ["fifo"]
+    assert made[0].buffer.name == "fifo"  # the inputs of the cell to train, not the first stage's again
 
 
 def test_cells_get_their_share_of_the_cores(monkeypatch):

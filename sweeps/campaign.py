@@ -296,13 +296,18 @@ def best_option(results: list[dict]) -> str:
     return max(by_opt, key=lambda o: sum(by_opt[o]) / len(by_opt[o]))
 
 
-def every_option_config(c: Campaign, extra: list[str]) -> list:
-    """The composed config of every option of every stage (one seed; each earlier factor's first option standing
-    in for the winner to come)."""
-    from experiments.config import compose_config
-    stand_in = {st.factor: st.options[0] for st in c.stages}
-    return [compose_config([*cell.overrides, *extra]) for i in range(len(c.stages))
+def _option_cells(c: Campaign, winners: dict[str, str]) -> list[Cell]:
+    """One cell (the first seed) of every option of every stage not in `winners`, built on those winners (an
+    undecided factor's first option standing in for the winner to come)."""
+    stand_in = {st.factor: winners.get(st.factor, st.options[0]) for st in c.stages}
+    return [cell for i, st in enumerate(c.stages) if st.factor not in winners
             for cell in stage_cells(c, i, stand_in)[:: len(c.seeds)]]
+
+
+def every_option_config(c: Campaign, extra: list[str]) -> list:
+    """The composed config of every option of every stage (`_option_cells` with no winner decided)."""
+    from experiments.config import compose_config
+    return [compose_config([*cell.overrides, *extra]) for cell in _option_cells(c, {})]
 
 
 def validate_cells(c: Campaign, extra: list[str]) -> None:
@@ -329,11 +334,15 @@ def prepare_store(c: Campaign, extra: list[str]) -> None:
 def config_key(overrides: list[str]) -> str:
     """What a cell trains, as a hash of its composed config (its run folder aside): two cells with the same key
     are the same run, e.g. `+noise=none` on the best loss and that loss's own cell of the loss stage."""
+    from experiments.config import compose_config
+    return _key_of(compose_config(overrides))
+
+
+def _key_of(cfg) -> str:
     import hashlib
 
     from dflash.config import to_dict
-    from experiments.config import compose_config
-    d = to_dict(compose_config(overrides))
+    d = to_dict(cfg)
     for k in ("run_dir", "resume"):
         d.pop(k, None)
     return hashlib.sha256(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()
@@ -346,14 +355,11 @@ def configs_to_train(c: Campaign, extra: list[str], out: Path, previous: dict) -
     a finished campaign then makes the inputs of its new cells only, not the first stage's again (reference_recipe's
     prompts stage: ~140 s of pool and shards on a fresh H200 that no new cell would read)."""
     from experiments.config import compose_config
-    winners = previous.get("winners", {})
-    stand_in = {st.factor: winners.get(st.factor, st.options[0]) for st in c.stages}
     trained = {config_key(r["overrides"]) for r in previous.get("cells", [])
                if r.get("value") is not None and not r.get("failed") and r.get("overrides")}
-    todo = [cell for i, st in enumerate(c.stages) if st.factor not in winners
-            for cell in stage_cells(c, i, stand_in)[:: len(c.seeds)] if cell_result(cell_dir(out, c, cell)) is None]
-    return [compose_config([*cell.overrides, *extra]) for cell in todo
-            if not trained or config_key([*cell.overrides, *extra]) not in trained]
+    todo = [compose_config([*cell.overrides, *extra]) for cell in _option_cells(c, previous.get("winners", {}))
+            if cell_result(cell_dir(out, c, cell)) is None]
+    return [cfg for cfg in todo if _key_of(cfg) not in trained]
 
 
 def shared_inputs(c: Campaign, extra: list[str], out: Path, previous: dict | None = None) -> dict[str, float]:

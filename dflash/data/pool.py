@@ -30,7 +30,7 @@ import torch
 
 from dflash.atomic import load_checked, save_checked
 from dflash.data.corpus import Corpus
-from dflash.data.prompts import parallel_header_prompts
+from dflash.data.prompts import CUT_MARK, parallel_header_prompts
 
 log = logging.getLogger(__name__)
 
@@ -104,7 +104,7 @@ def _header_prompts(corpus: Corpus, tokenizer, cfg: PoolConfig) -> tuple[list[li
     named = parallel_header_prompts([(doc.text, doc.path + ":") for doc in corpus.train], cuts=cfg.header_cuts)
     ids = encode_many(tokenizer, [p for _, p in named])
     keep = [i for i, x in enumerate(ids) if 0 < len(x) <= cfg.max_prompt_len]
-    return [ids[i] for i in keep], ["header_body" if "@" in named[i][0] else "header" for i in keep]
+    return [ids[i] for i in keep], ["header_body" if CUT_MARK in named[i][0] else "header" for i in keep]
 
 
 def _chunk_prompts(corpus: Corpus, tokenizer, n: int, cfg: PoolConfig) -> list[list[int]]:

@@ -14,6 +14,7 @@ import re
 from typing import Iterator
 
 _DEFS = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)
+CUT_MARK = "@"  # `<name>@<k>`: a cut prompt's name (`header_prompts(cuts=...)`); no plain name holds it
 _BAD_NAME_CHARS = re.compile(r"[^A-Za-z0-9_.\-]")
 
 
@@ -86,7 +87,7 @@ def header_prompts(source: str, prefix: str = "", cuts: int = 0) -> Iterator[tup
         for k in body_cuts(node.end_lineno - end, cuts) if cuts else ():
             prompt = _dedent(lines[start - 1:end + k], node.col_offset)
             if prompt != last:  # a cut that adds only blank lines is the prompt before it
-                yield f"{name}@{k}", prompt
+                yield f"{name}{CUT_MARK}{k}", prompt
                 last = prompt
 
 

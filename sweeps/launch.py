@@ -20,6 +20,9 @@
   sweep's `fixed` (an override of the same key replaces the fixed one, e.g. `+target=qwen3_6_27b
   target.path=/models/...`). Searched keys cannot be overridden.
 - `--check`: validate the sweep and compose every searched group option, then exit.
+- `<sweep> report [out=...] [study=...] [storage=...]`: print the study's trials as one markdown table (state,
+  params, budget, in-training evals, final τ with its CI, paired Δ against the best, DDTree, prompt lookup, wall
+  time) and the promotion gate's decisions, from the store (`sweeps/sweep_report.py`); trains nothing.
 
 MLflow: one parent run per study (experiment `tracking.experiment` of the composed config) holding the
 sweep definition (`sweep.yaml`), sampler / pruner / objective, storage, and — updated as trials finish —
@@ -257,7 +260,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     from sweeps.storage import describe, reap_stale
     from sweeps.worker import Tickets, worker_main
 
-    args = parse_args(list(sys.argv[1:] if argv is None else argv))
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[1:2] == ["report"]:
+        return report(parse_args(argv[:1] + argv[2:]))
+    args = parse_args(argv)
     sweep = load_sweep(args.sweep, args.sweep_overrides)
     check_conflicts(sweep, args.overrides)
     base_overrides = merge_overrides(sweep.fixed, args.overrides)
@@ -278,7 +284,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     study, n_before, launch_no = _open_study(sweep, study_name, storage, storage_desc)
     tracker, parent_id, tr = None, None, base_cfg.tracking
     if tr.enabled:
-        launch = {"argv": list(sys.argv[1:] if argv is None else argv), "host": socket.gethostname(),
+        launch = {"argv": argv, "host": socket.gethostname(),
                   "launch": launch_no, "n_trials": args.n_trials, "workers": args.workers,
                   "storage": storage_desc, "overrides": base_overrides}
         tracker, parent_id, tr = _parent_run(tr, study, sweep, study_name, storage_desc, out_dir, base_overrides,
@@ -324,6 +330,27 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                    out_dir=str(out_dir), continued_now=continued)
     _print_summary(summary)
     return summary
+
+
+def report(args: LaunchArgs) -> dict[str, Any]:
+    """`<sweep> report`: the study's trials as one markdown table (sweeps/sweep_report.py), printed."""
+    import optuna
+
+    from sweeps.space import load_sweep
+    from sweeps.storage import make_storage
+    from sweeps.sweep_report import render
+    sweep = load_sweep(args.sweep, args.sweep_overrides)
+    out_root = Path(args.out).resolve()
+    name = args.study or sweep.name
+    storage = args.storage or str(out_root / f"{name}.journal")
+    if "://" not in storage and not Path(storage).is_file():
+        raise SweepError(f"no study storage {storage} (out={args.out}, study={name}): run the sweep there first, or "
+                         f"extract its store (recipe_reference's: tar xf benchmarks/sweeps/sweeps_out.tar.xz)")
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    study = optuna.load_study(study_name=name, storage=make_storage(storage))
+    text = render(study, sweep, out_root)
+    print(text, end="", flush=True)
+    return {"report": text, "study": name}
 
 
 def _run_workers(specs, n_trials: int, study, tracker) -> list[str]:

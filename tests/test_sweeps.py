@@ -312,6 +312,11 @@ def test_sweep_two_workers_pruning_resume_and_mlflow(tmp_path, eval_cache):
     if git_sha() != "unknown":  # the code the sweep ran, as every trial carries it
         assert pt["mlflow.source.git.commit"] == git_sha(full=True) and pt["git_sha"] == git_sha()
 
+    # the study as one table, from the store (sweeps/sweep_report.py: its arithmetic in tests/test_sweep_report.py)
+    text = main(["cpu_smoke", "report", f"out={tmp_path / 'out'}"])["report"]
+    assert "6 trials, 4 complete" in text and text.count("| PRUNED |") == 2 and text.count("| COMPLETE |") == 4
+    assert "- no trial went through the promotion gate" in text
+
     # the notebooks' view of the study
     df = A.load_runs(f"sqlite:///{tmp_path / 'mlflow.db'}", "sweeps", study="cpu_smoke")
     assert len(df) == 6 and set(df.loc[df["trial_state"] == "PRUNED", "trial"]) == {1, 2}

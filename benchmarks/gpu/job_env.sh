@@ -2,8 +2,10 @@
 # The GPU machine has torch / transformers / triton but not our other dependencies: their wheels travel in .whl/
 # (and .whl2/, when the 64 MiB a call carries cannot hold the working tree and all of them at once: then an
 # earlier call on the same warm machine installs one folder, and /tmp/site keeps it for the next call).
-# Keep each folder a fixed set and carry both on every fresh machine: .whl = cryptography, sqlalchemy,
-# mlflow-skinny, pydantic-core (15 MiB); .whl2 = the rest, datasets included (7 MiB). Session 14 carried a trimmed
+# Keep each folder a fixed set and carry both on every fresh machine: .whl = cryptography, mlflow-skinny,
+# pydantic-core (11 MB); .whl2 = the rest, sqlalchemy and datasets included (12 MB). Session 17 moved sqlalchemy
+# over: with the committed sweep store the tracked tree is 51.0 MB, and it with the 15.9 MB .whl of before left
+# 0.2 MB of the 64 MiB (67.1 MB); now 4.6 MB / 3.8 MB are left beside .whl / .whl2. Session 14 carried a trimmed
 # .whl2 on the belief that the machine was still warm. It was a fresh one, and the call failed on a missing hydra.
 # A machine goes back after 30 s idle.
 for d in .whl .whl2; do
@@ -13,7 +15,11 @@ for d in .whl .whl2; do
   fi
 done
 if [ -d /tmp/site ]; then export PYTHONPATH=/tmp/site:$PWD; else export PYTHONPATH=$PWD; fi
-export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false DFLASH_LOG_TIME=1  # timed log lines
+# No TOKENIZERS_PARALLELISM=false: it kept the prompt pool's Rust tokenizer on one of 16 cores (a fresh H200 built
+# the recipe's 112,000-prompt pool in 47 s, session 17; with the tokenizer's threads the pool builds 1.3-1.5x as fast on
+# 2 cores: benchmarks/pool_build.py). A process forked after the threads ran gets the tokenizer's own fallback (one
+# thread, one warning); sweep workers are spawned.
+export PYTHONUNBUFFERED=1 DFLASH_LOG_TIME=1  # timed log lines
 export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
 
 # pack_store OUT.tar.xz DB FOLDER: FOLDER without weights, checkpoints, shards or figures, as OUT.tar.xz (commit it as

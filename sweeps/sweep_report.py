@@ -1,0 +1,183 @@
+"""`python -m sweeps.launch <sweep> report [out=sweeps_out] [study=...] [storage=...]`: a sweep's trials as one
+markdown table, from what the sweep wrote: the study's storage, the trials' run folders (`<out>/<study>/`) and the
+MLflow store (`<out>/mlflow.db` when the one the study recorded is not on this machine). A committed store
+(`benchmarks/sweeps/sweeps_out.tar.xz`) reprints on the CPU what the GPU measured.
+
+One row per trial as the study counts it: a trial cut by a job's limit and continued is one row under its last
+number (`6 ← 2`). Per row: its state (a cut trial nobody continued: the step it stopped at), the searched params,
+the steps and consumed tokens it trained, the objective at every in-training eval (its consumed-token milestones,
+`eval/subset/...`), the final τ with its 95% CI pooled over the prompts, the paired Δτ against the best trial
+(prompt for prompt on the same ground truth; an interval holding 0 is a tie), DDTree τ at the largest node budget,
+prompt lookup's τ on the same ground truth, and the wall seconds of its jobs. Under the table: the parent run, the
+ground truth, and every promotion-gate decision (`experiments.promote`) recorded on the study's runs.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from dflash.evaluation.pairing import NotPaired, ground_truth_of, metric_columns, paired_delta, per_task
+from dflash.evaluation.stats import pooled_ci
+from sweeps.campaign_report import _methods
+from sweeps.learning_curves import eval_curve, read_metrics
+from sweeps.objective import ATTR_ERROR, ATTR_RUN_DIR, ATTR_RUN_ID, TIE_LEVEL, continued_map
+
+PROMOTION_TAGS = ("dflash.promotion.decision", "dflash.promotion.reason", "dflash.promotion.version")
+
+
+def chains(trials) -> list[list]:
+    """Each trial with the trials continuing it, in order: [[2, 6], [8, 10, 13], [5]] (by trial number)."""
+    nxt = continued_map(trials)
+    by_number = {t.number: t for t in trials}
+    followers = set(nxt.values())
+    out = []
+    for t in sorted(trials, key=lambda t: t.number):
+        if t.number in followers:
+            continue
+        chain = [t]
+        while chain[-1].number in nxt:
+            chain.append(by_number[nxt[chain[-1].number]])
+        out.append(chain)
+    return out
+
+
+def run_folder(trial, out_dir: Path) -> Path | None:
+    """The trial's run folder: where it ran, else the folder of that name under `out_dir` (an extracted store)."""
+    recorded = trial.user_attrs.get(ATTR_RUN_DIR)
+    if not recorded:
+        return None
+    here = Path(recorded)
+    return here if here.is_dir() else out_dir / here.name
+
+
+def _table(folder: Path | None) -> dict | None:
+    f = folder / "eval" / "tasks.json" if folder else None
+    return json.loads(f.read_text()) if f is not None and f.is_file() else None
+
+
+def _state(chain) -> str:
+    last = chain[-1]
+    if last.state.name != "FAIL":
+        return last.state.name
+    err = str(last.user_attrs.get(ATTR_ERROR, ""))
+    if "after step" in err:  # RunInterrupted: "stopped by SIGTERM after step 2940; checkpoint ..."
+        return f"cut at step {err.split('after step', 1)[1].split(';')[0].strip()}"
+    return "FAIL" + (f" ({err[:60]})" if err else "")
+
+
+def _seconds(chain) -> float | None:
+    if any(t.datetime_start is None or t.datetime_complete is None for t in chain):
+        return None
+    return sum((t.datetime_complete - t.datetime_start).total_seconds() for t in chain)
+
+
+def _pooled(table: dict, sum_col: str, count_col: str) -> str:
+    try:
+        _, sums, counts = per_task(table, sum_col, count_col)
+    except NotPaired:
+        return ""
+    iv = pooled_ci(sums, counts, TIE_LEVEL)
+    return f"{iv.value:.3f} [{iv.low:.3f}, {iv.high:.3f}]"
+
+
+def trial_row(chain, out_dir: Path, objective: str, best_table: dict | None) -> dict[str, Any]:
+    """What the table shows of one trial (module doc), as strings and numbers."""
+    last = chain[-1]
+    folder = run_folder(last, out_dir)
+    rows = read_metrics(folder) if folder else []
+    curve = eval_curve([r for r in rows if objective not in r], objective)  # the final eval logs `objective`
+    steps = max((r["step"] for r in rows if "step" in r), default=0)
+    table = _table(folder)
+    row: dict[str, Any] = {"trial": " ← ".join(str(t.number) for t in reversed(chain)), "state": _state(chain),
+                           "params": dict(last.params), "steps": steps,
+                           "tokens": next((r["data/consumed_tokens"] for r in reversed(rows)
+                                           if "data/consumed_tokens" in r), None),
+                           "curve": curve,
+                           "value": last.value, "seconds": _seconds(chain), "run_id": last.user_attrs.get(ATTR_RUN_ID),
+                           "ground_truth": ground_truth_of(table) if table else None}
+    cols = metric_columns(objective)
+    if table is None or cols is None:
+        return row
+    row["ci"] = _pooled(table, cols.sum_col, cols.count_col)
+    methods = _methods(table)
+    trees = [m for m in methods if m[0].startswith("tree ")]
+    if trees:
+        row["tree"] = (trees[-1][0], _pooled(table, trees[-1][1], trees[-1][2]))
+    plookup = [m for m in methods if m[0] == "prompt-lookup"]
+    row["prompt_lookup"] = _pooled(table, plookup[0][1], plookup[0][2]) if plookup else ""
+    if best_table is not None and best_table is not table:
+        try:
+            d = paired_delta(table, best_table, (cols.sum_col, cols.count_col), (cols.sum_col, cols.count_col),
+                             TIE_LEVEL)
+            row["delta"] = f"{d.value:+.3f} [{d.low:+.3f}, {d.high:+.3f}]" + (" tie" if d.low <= 0 <= d.high else "")
+        except NotPaired as e:
+            row["delta"] = f"not paired ({e})"
+    return row
+
+
+def _promotions(trials, tracking_uri: str | None) -> list[str]:
+    """The gate's decisions on the study's runs (their `dflash.promotion.*` tags), one line each."""
+    if not tracking_uri:
+        return ["promotion: no MLflow store on this machine"]
+    from mlflow.tracking import MlflowClient
+    client = MlflowClient(tracking_uri)
+    lines = []
+    for t in sorted(trials, key=lambda t: t.number):
+        rid = t.user_attrs.get(ATTR_RUN_ID)
+        if not rid or any(c.number > t.number and c.user_attrs.get(ATTR_RUN_ID) == rid for c in trials):
+            continue  # a continued trial's run is its continuation's: listed once, under the last number
+        tags = client.get_run(rid).data.tags
+        decision, reason, version = (tags.get(k) for k in PROMOTION_TAGS)
+        if decision:
+            lines.append(f"- trial {t.number} (run `{rid}`): **{decision}** as version {version}: {reason}")
+    return lines or ["- no trial went through the promotion gate"]
+
+
+def _tracking_uri(study, out_root: Path) -> str | None:
+    recorded = study.user_attrs.get("mlflow.tracking_uri") or ""
+    if recorded.startswith("sqlite:///") and Path(recorded.removeprefix("sqlite:///")).is_file():
+        return recorded
+    local = out_root / "mlflow.db"
+    return f"sqlite:///{local}" if local.is_file() else (recorded or None)
+
+
+def _tokens(n: float) -> str:
+    return f"{n / 1e6:.1f} M" if n >= 1e6 else f"{n / 1e3:.0f} K" if n >= 1e3 else f"{n:.0f}"
+
+
+def _fmt_params(params: dict, keys: list[str]) -> list[str]:
+    return [f"{params[k]:.3g}" if isinstance(params.get(k), float) else str(params.get(k, "")) for k in keys]
+
+
+def render(study, sweep, out_root: Path) -> str:
+    """The report (module doc) of `study`, run from `sweep`'s definition, its folders under `out_root`."""
+    objective = sweep.objective.metric
+    out_dir = out_root / study.study_name
+    trials = study.get_trials(deepcopy=False)
+    groups = chains(trials)
+    complete = [c for c in groups if c[-1].state.name == "COMPLETE"]
+    best = max(complete, key=lambda c: c[-1].value * (1 if sweep.objective.direction == "maximize" else -1),
+               default=None)
+    best_table = _table(run_folder(best[-1], out_dir)) if best else None
+    rows = [trial_row(c, out_dir, objective, best_table) for c in groups]
+    keys = [p.key for p in sweep.space]
+    head = ["trial", "state", *[k.split(".")[-1] for k in keys], "steps", "consumed tokens", "in-training evals",
+            f"{objective} [95% CI]", "Δ vs best, paired", "DDTree", "prompt lookup", "wall s"]
+    lines = [f"# Sweep `{study.study_name}` ({sweep.name}): {len(groups)} trials, {len(complete)} complete",
+             "", f"Objective: {sweep.objective.direction} `{objective}`. Fixed: `{' '.join(sweep.fixed)}`.", "",
+             "| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
+    for c, r in zip(groups, rows):
+        curve = ", ".join(f"{_tokens(tok)}: {v:.3f}" for tok, v in r["curve"])
+        tree = f"{r['tree'][1]} ({r['tree'][0]})" if r.get("tree") else ""
+        delta = "best" if c is best else r.get("delta", "")
+        cells = [r["trial"], r["state"], *_fmt_params(r["params"], keys), f"{r['steps']:,}",
+                 f"{r['tokens']:,.0f}" if r["tokens"] else "", curve, r.get("ci", ""), delta, tree,
+                 r.get("prompt_lookup", ""), f"{r['seconds']:.0f}" if r["seconds"] is not None else ""]
+        lines.append("| " + " | ".join(cells) + " |")
+    truths = {r["ground_truth"] for r in rows if r["ground_truth"]}
+    lines += ["", f"Ground truth: {', '.join(f'`{g}`' for g in sorted(truths)) or 'no task tables'}"
+              + (" (differs between trials: the paired Δ is only within one)" if len(truths) > 1 else ""),
+              f"MLflow parent run: `{study.user_attrs.get('mlflow.parent_run_id', 'none')}`", "",
+              "Promotion gate:", *_promotions(trials, _tracking_uri(study, out_root))]
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,137 @@
+"""`python -m sweeps.launch <sweep> report`: a sweep's trials as one table, from the store alone
+(sweeps/sweep_report.py), against plain per-prompt arithmetic; the committed sweep store reprints what
+benchmarks/RESULTS.md quotes."""
+import json
+import random
+import tarfile
+from pathlib import Path
+
+import optuna
+import pytest
+from optuna.distributions import FloatDistribution
+from optuna.trial import TrialState, create_trial
+
+ROOT = Path(__file__).resolve().parent.parent
+STORE = ROOT / "benchmarks" / "sweeps" / "sweeps_out.tar.xz"
+optuna.logging.set_verbosity(optuna.logging.WARNING)
+
+SWEEP = """name: tiny_report
+fixed: [+target=tiny_random]
+space:
+  trainer.lr: {type: float, low: 1.0e-4, high: 1.0e-2, log: true}
+objective: {metric: eval/tau_vanilla, direction: maximize}
+sampler: {type: random, seed: 0}
+pruner: {type: none}
+"""
+
+
+def _run_folder(folder: Path, sums: list[int], steps: int, tree: list[int] | None = None) -> str:
+    """A trial's run folder: metrics.jsonl (consumed tokens every 10 steps, one in-training eval at step 20) and,
+    with `tree`, its final task table (20 rounds per prompt; prompt lookup 15 per prompt)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    rows = [{"step": s, "data/consumed_tokens": 1000.0 * s} for s in range(10, steps + 1, 10)]
+    rows.append({"step": 20, "eval/subset/tau_vanilla": 1.25})
+    if tree is not None:
+        rows.append({"step": steps, "eval/tau_vanilla": sum(sums) / (20 * len(sums))})
+        tasks = [{"task": f"p{i}", "rounds": 20, "tau_sum_vanilla": s, "rounds_tree_64": 10, "tau_sum_tree_64": t,
+                  "rounds_prompt_lookup": 15, "tau_sum_prompt_lookup": 30} for i, (s, t) in enumerate(zip(sums, tree))]
+        (folder / "eval").mkdir()
+        (folder / "eval" / "tasks.json").write_text(json.dumps({"tasks": tasks,
+                                                                "info": {"ground_truth_key": "gt-A"}}))
+    (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(folder)
+
+
+@pytest.fixture
+def store(tmp_path):
+    """A study as a GPU sweep leaves it: trial 0 cut at step 40 and continued as trial 2 (complete, the best, gated
+    and refused), trial 1 complete and worse, trial 3 cut and not continued; the run folders recorded under another
+    machine's path."""
+    from sweeps.objective import ATTR_CONTINUES, ATTR_ERROR, ATTR_RUN_DIR, ATTR_RUN_ID, STUDY_CONTINUED
+    from sweeps.storage import make_storage
+    from sweeps.support import SweepTracker
+    out = tmp_path / "sweeps_out"
+    folders = out / "tiny_report"
+    tracker = SweepTracker(f"sqlite:///{out / 'mlflow.db'}", "dflash")
+    parent = tracker.ensure_parent("tiny_report", None, {}, {})
+    rng = random.Random(1)
+    best = [rng.randint(40, 60) for _ in range(24)]
+    worse = [s - rng.randint(2, 8) for s in best]
+    lr = {"trainer.lr": FloatDistribution(1e-4, 1e-2, log=True)}
+    study = optuna.create_study(study_name="tiny_report", direction="maximize",
+                                storage=make_storage(str(out / "tiny_report.journal")))
+    run0 = tracker.create_child(parent, "tiny_report", 0, run_name="trial_00000")
+    elsewhere = "/gpu/machine/sweeps_out/tiny_report/"
+    cut = "RunInterrupted: stopped by SIGTERM after step 40; checkpoint /x/step_00000040.pt"
+    specs = [  # (state, value, attrs, folder contents)
+        (TrialState.FAIL, None, {ATTR_RUN_ID: run0, ATTR_ERROR: cut}, None),
+        (TrialState.COMPLETE, sum(worse) / 480,
+         {ATTR_RUN_ID: tracker.create_child(parent, "tiny_report", 1, run_name="trial_00001")},
+         (worse, 60, [w + 3 for w in worse])),
+        (TrialState.COMPLETE, sum(best) / 480, {ATTR_RUN_ID: run0, ATTR_CONTINUES: 0},
+         (best, 60, [b + 5 for b in best])),
+        (TrialState.FAIL, None, {ATTR_ERROR: cut.replace("40", "30")}, None),
+    ]
+    for i, (state, value, attrs, contents) in enumerate(specs):
+        name = "trial_00000" if i == 2 else f"trial_{i:05d}"  # a continuation resumes its trial's folder
+        if contents is not None:
+            _run_folder(folders / name, *contents)
+        elif not (folders / name).exists():
+            _run_folder(folders / name, [], 40 if i == 0 else 30)
+        study.add_trial(create_trial(state=state, value=value, params={"trainer.lr": 1e-3 * (i + 1)},
+                                     distributions=lr, user_attrs={**attrs, ATTR_RUN_DIR: elsewhere + name}))
+    study.set_user_attr(STUDY_CONTINUED, {"0": 2})
+    study.set_user_attr("mlflow.parent_run_id", parent)
+    study.set_user_attr("mlflow.tracking_uri", "sqlite:////gpu/machine/sweeps_out/mlflow.db")
+    from mlflow.tracking import MlflowClient
+    c = MlflowClient(f"sqlite:///{out / 'mlflow.db'}")
+    for k, v in {"decision": "refused", "reason": "does not beat prompt-lookup", "version": "1"}.items():
+        c.set_tag(run0, f"dflash.promotion.{k}", v)
+    (tmp_path / "tiny_report.yaml").write_text(SWEEP)
+    return tmp_path, out, best, worse, parent
+
+
+def test_report_rows_against_per_prompt_arithmetic(store):
+    from dflash.evaluation.stats import paired_delta_ci, pooled_ci
+    from sweeps.launch import main
+    tmp, out, best, worse, parent = store
+    text = main([str(tmp / "tiny_report.yaml"), "report", f"out={out}"])["report"]
+    rows = {line.split(" | ")[0].strip("| "): line.split(" | ") for line in text.splitlines()
+            if line.startswith("| ") and not line.startswith(("| trial", "| ---"))}
+    assert list(rows) == ["2 ← 0", "1", "3"]  # a continued trial is one row, under its last number
+    assert "4 trials" not in text and "3 trials, 2 complete" in text
+    b, w = rows["2 ← 0"], rows["1"]
+    iv = pooled_ci(best, [20] * len(best), 0.95)
+    assert b[1] == "COMPLETE" and b[2] == "0.003" and b[3] == "60" and b[4] == "60,000"
+    assert b[5] == "20 K: 1.250" and sum(best) / 480 == pytest.approx(iv.value)  # the in-training eval at 20 K
+    assert b[6] == f"{iv.value:.3f} [{iv.low:.3f}, {iv.high:.3f}]" and b[7] == "best"
+    d = paired_delta_ci(worse, [20] * len(worse), best, [20] * len(best), 0.95)
+    assert w[7].startswith(f"{d.value:+.3f} [{d.low:+.3f}, {d.high:+.3f}]") and d.high < 0  # 1 is worse
+    tree = pooled_ci([s + 5 for s in best], [10] * len(best), 0.95)
+    assert b[8] == f"{tree.value:.3f} [{tree.low:.3f}, {tree.high:.3f}] (tree 64 nodes)"
+    assert b[9].startswith("2.000 [2.000, 2.000]")  # prompt lookup: 30 over 15 rounds on every prompt
+    assert rows["3"][1] == "cut at step 30" and rows["3"][6] == ""
+    assert "Ground truth: `gt-A`" in text and f"MLflow parent run: `{parent}`" in text
+    assert "- trial 2 (run `" in text and "**refused** as version 1: does not beat prompt-lookup" in text
+    assert "trial 0 (run" not in text  # its run is trial 2's: listed once
+
+
+def test_report_names_a_missing_store(tmp_path):
+    from sweeps.launch import main
+    from sweeps.space import SweepError
+    with pytest.raises(SweepError, match=r"no study storage .*nowhere.*recipe_reference\.journal.*tar xf"):
+        main(["recipe_reference", "report", f"out={tmp_path / 'nowhere'}"])
+
+
+@pytest.mark.skipif(not STORE.is_file(), reason="no committed sweep store")
+def test_committed_sweep_store_reprints_the_results(tmp_path):
+    """The recipe sweep of session 17 as benchmarks/RESULTS.md quotes it, reprinted from the committed store."""
+    from sweeps.launch import main
+    with tarfile.open(STORE) as t:
+        t.extractall(tmp_path, filter="data")
+    text = main(["recipe_reference", "report", f"out={tmp_path / 'sweeps_out'}"])["report"]
+    best = next(line for line in text.splitlines() if line.startswith("| 6 ← 2 |"))
+    assert "| COMPLETE |" in best and "6.588 [6.042, 7.147] | best |" in best
+    assert "cut at step 2920" in text and "**refused** as version 1" in text
+    results = (ROOT / "benchmarks" / "RESULTS.md").read_text()
+    assert best in results  # the row RESULTS.md quotes is the store's

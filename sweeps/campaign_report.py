@@ -243,12 +243,15 @@ def render_report(c, summary: dict) -> str:
     first = c.stages[0].options[0]
     for i, stage in enumerate(c.stages):
         cells = [x for x in summary["cells"] if x["stage"] == i]
-        if not cells:
+        on = f" (on best {', '.join(f'{f}={winners.get(f)}' for f in stage.on_best)})" if stage.on_best else ""
+        lines += [f"## Stage {i}: {stage.factor}{on}", ""]
+        if not cells:  # a stage not started (or one the campaign file gained after a run): said, not left out
+            lines += [f"**Not run yet**: 0 of {len(stage.options) * len(c.seeds)} cells ({', '.join(stage.options)}; "
+                      f"`python -m sweeps.campaign {c.name} only=[{stage.factor}]`).", ""]
             continue
         baseline = None if i == 0 else (first, [x for x in summary["cells"] if x["stage"] == 0])
         suites = sorted({s for x in cells for s in _tables(Path(x["run_dir"]))})
-        on = f" (on best {', '.join(f'{f}={winners.get(f)}' for f in stage.on_best)})" if stage.on_best else ""
-        lines += [f"## Stage {i}: {stage.factor}{on}", "", _budget_line(cells), ""]
+        lines += [_budget_line(cells), ""]
         for suite in suites:
             lines += [f"### suite `{suite}`", "", *stage_table(cells, suite, stage.options[0], baseline), ""]
             deltas = delta_table(cells, suite, stage.options[0])

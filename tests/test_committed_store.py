@@ -61,3 +61,16 @@ def test_ablation_table_shows_the_pooled_interval(campaign_store):
     assert row.startswith("1.817 [1.735, 1.918]") and "(n=2" in row, row
     report = (ROOT / "benchmarks" / "ABLATIONS.md").read_text()
     assert "held-out τ 1.817 [1.735, 1.918]" in report  # the reference campaign's report on this store
+
+
+def test_report_names_the_stages_not_run_yet(campaign_store, capsys):
+    """reference_recipe's `prompts` stage (added after its first stage ran) and reference_64m's buffer stage have
+    no cells in the store: the report says so instead of ending after the last stage that ran."""
+    from sweeps.campaign import load_campaign
+    from sweeps.campaign_report import write_report
+    for name, stage, options in [("reference_recipe", "prompts", "headers, cuts8"), ("reference_64m", "buffer", "")]:
+        write_report(load_campaign(name), campaign_store)
+        text = (campaign_store / name / "ABLATIONS.md").read_text()
+        section = text.split(f": {stage}", 1)[1]
+        assert "**Not run yet**: 0 of" in section.split("##")[0] and options in section
+        assert f"`python -m sweeps.campaign {name} only=[{stage}]`" in section

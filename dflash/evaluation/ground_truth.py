@@ -22,6 +22,7 @@ import hashlib
 import json
 import logging
 import os
+import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -118,7 +119,7 @@ def truths_from_tokens(target, tasks: list[Task], prompts: list[list[int]], cont
     """The ground truth of known tokens: ONE `target.forward_features` over prompt + continuation per task for
     the features; `consistency` = how often that forward's argmax agrees with the continuation (`source`
     names where the tokens came from, for the warning)."""
-    out = []
+    out, t0, first_s = [], time.perf_counter(), 0.0
     for t, ids, cont in zip(tasks, prompts, continuations):
         full = torch.tensor(ids + list(cont), dtype=torch.long)
         batch = target.forward_features(full[None], 0)
@@ -129,6 +130,11 @@ def truths_from_tokens(target, tasks: list[Task], prompts: list[list[int]], cont
                         "%.1f%% of tokens (numerics of cached vs. full-sequence forward)", t.name, source, 100 * agree)
         out.append(TaskTruth(t.name, torch.tensor(ids, dtype=torch.long), torch.tensor(cont, dtype=torch.long),
                              batch.features_BTLH[0].detach().cpu().contiguous(), agree))
+        first_s = first_s or time.perf_counter() - t0  # timed through the .cpu() copies: no extra sync
+    # the first forward apart: a fresh H200 spent 73 s on the held-out suite's 128 (session 17), not yet known
+    # whether in the first (compilation, autotuning) or spread over every length
+    log.info("eval ground truth: %d one-shot forwards in %.1f s (the first %.1f s)", len(out),
+             time.perf_counter() - t0, first_s)
     return out
 
 

@@ -32,7 +32,7 @@ def _tables(run_dir: Path) -> dict[str, dict]:
     return out
 
 
-def _methods(table: dict) -> list[tuple[str, str, str]]:
+def task_methods(table: dict) -> list[tuple[str, str, str]]:
     """(label, τ-sum column, round-count column) of every method the table carries."""
     row = (table.get("tasks") or [{}])[0]
     out = [("vanilla", "tau_sum_vanilla", "rounds")]
@@ -98,7 +98,7 @@ def stage_table(cells: list[dict], suite: str, reference: str,
     if reference not in by_opt:
         return [f"_no {suite} task tables for the reference option {reference}_"]
     base = _by_option(baseline[1], suite).get(baseline[0], {}) if baseline else None
-    methods = _methods(by_opt[reference][min(by_opt[reference])])
+    methods = task_methods(by_opt[reference][min(by_opt[reference])])
     head = ["option", "n seeds", *[f"τ {m[0]}" for m in methods], "Δτ vanilla vs " + reference, "verdict"]
     if base is not None:
         head += [f"Δτ vanilla vs {baseline[0]}", "verdict"]
@@ -123,7 +123,7 @@ def delta_table(cells: list[dict], suite: str, reference: str) -> list[str]:
     by_opt = _by_option(cells, suite)
     if reference not in by_opt:
         return []
-    methods = [m for m in _methods(by_opt[reference][min(by_opt[reference])]) if m[0] != "prompt-lookup"]
+    methods = [m for m in task_methods(by_opt[reference][min(by_opt[reference])]) if m[0] != "prompt-lookup"]
     rows = ["| option | " + " | ".join(f"Δτ {m[0]} vs {reference}" for m in methods) + " |",
             "|---|" + "---|" * len(methods)]
     for opt, seeds in by_opt.items():

@@ -240,7 +240,7 @@ def study_summary(study) -> dict[str, Any]:
 TIE_LEVEL = 0.95  # the paired interval that calls two trials a tie
 
 
-def _trial_table(run_dir: str | None, metric: str) -> dict | None:
+def trial_table(run_dir: str | None, metric: str) -> dict | None:
     """A trial's per-prompt task table for `metric` from its run folder (`eval/tasks.json`, or
     `eval/<suite>/tasks.json` for an `eval/suite/<suite>/...` metric); None when absent."""
     from dflash.evaluation.pairing import metric_columns
@@ -261,7 +261,7 @@ def best_and_ties(study, best: dict[str, Any], metric: str, level: float = TIE_L
     from dflash.evaluation.pairing import NotPaired, metric_columns, paired_delta, per_task
     from dflash.evaluation.stats import pooled_ci
     out: dict[str, Any] = {"checked": False, "ci": None, "tied": [], "unpaired": []}
-    table = _trial_table(best.get("run_dir"), metric)
+    table = trial_table(best.get("run_dir"), metric)
     cols = metric_columns(metric)
     if table is None or cols is None:
         return out
@@ -274,7 +274,7 @@ def best_and_ties(study, best: dict[str, Any], metric: str, level: float = TIE_L
     for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)):
         if t.number == best["number"]:
             continue
-        other = _trial_table(t.user_attrs.get(ATTR_RUN_DIR), metric)
+        other = trial_table(t.user_attrs.get(ATTR_RUN_DIR), metric)
         try:
             if other is None:
                 raise NotPaired("no task table")

@@ -13,15 +13,14 @@ ground truth, and every promotion-gate decision (`experiments.promote`) recorded
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 from dflash.evaluation.pairing import NotPaired, ground_truth_of, metric_columns, paired_delta, per_task
 from dflash.evaluation.stats import pooled_ci
-from sweeps.campaign_report import _methods
+from sweeps.campaign_report import task_methods
 from sweeps.learning_curves import eval_curve, read_metrics
-from sweeps.objective import ATTR_ERROR, ATTR_RUN_DIR, ATTR_RUN_ID, TIE_LEVEL, continued_map
+from sweeps.objective import ATTR_ERROR, ATTR_RUN_DIR, ATTR_RUN_ID, TIE_LEVEL, continued_map, trial_table
 
 PROMOTION_TAGS = ("dflash.promotion.decision", "dflash.promotion.reason", "dflash.promotion.version")
 
@@ -51,11 +50,6 @@ def run_folder(trial, out_dir: Path) -> Path | None:
     return here if here.is_dir() else out_dir / here.name
 
 
-def _table(folder: Path | None) -> dict | None:
-    f = folder / "eval" / "tasks.json" if folder else None
-    return json.loads(f.read_text()) if f is not None and f.is_file() else None
-
-
 def _state(chain) -> str:
     last = chain[-1]
     if last.state.name != "FAIL":
@@ -82,13 +76,14 @@ def _pooled(table: dict, sum_col: str, count_col: str) -> str:
 
 
 def trial_row(chain, out_dir: Path, objective: str, best_table: dict | None) -> dict[str, Any]:
-    """What the table shows of one trial (module doc), as strings and numbers."""
+    """What the table shows of one trial (module doc), as strings and numbers; `best_table`: the best trial's task
+    table to pair with (None for the best trial itself)."""
     last = chain[-1]
     folder = run_folder(last, out_dir)
     rows = read_metrics(folder) if folder else []
     curve = eval_curve([r for r in rows if objective not in r], objective)  # the final eval logs `objective`
     steps = max((r["step"] for r in rows if "step" in r), default=0)
-    table = _table(folder)
+    table = trial_table(str(folder) if folder else None, objective)  # the objective suite's task table
     row: dict[str, Any] = {"trial": " ← ".join(str(t.number) for t in reversed(chain)), "state": _state(chain),
                            "params": dict(last.params), "steps": steps,
                            "tokens": next((r["data/consumed_tokens"] for r in reversed(rows)
@@ -100,13 +95,13 @@ def trial_row(chain, out_dir: Path, objective: str, best_table: dict | None) -> 
     if table is None or cols is None:
         return row
     row["ci"] = _pooled(table, cols.sum_col, cols.count_col)
-    methods = _methods(table)
+    methods = task_methods(table)
     trees = [m for m in methods if m[0].startswith("tree ")]
     if trees:
         row["tree"] = (trees[-1][0], _pooled(table, trees[-1][1], trees[-1][2]))
     plookup = [m for m in methods if m[0] == "prompt-lookup"]
     row["prompt_lookup"] = _pooled(table, plookup[0][1], plookup[0][2]) if plookup else ""
-    if best_table is not None and best_table is not table:
+    if best_table is not None:
         try:
             d = paired_delta(table, best_table, (cols.sum_col, cols.count_col), (cols.sum_col, cols.count_col),
                              TIE_LEVEL)
@@ -127,7 +122,12 @@ def _promotions(trials, tracking_uri: str | None) -> list[str]:
         rid = t.user_attrs.get(ATTR_RUN_ID)
         if not rid or any(c.number > t.number and c.user_attrs.get(ATTR_RUN_ID) == rid for c in trials):
             continue  # a continued trial's run is its continuation's: listed once, under the last number
-        tags = client.get_run(rid).data.tags
+        try:
+            tags = client.get_run(rid).data.tags
+        except Exception as e:  # noqa: BLE001 - a store without that run (copied in part): said, not fatal
+            lines.append(f"- trial {t.number} (run `{rid}`): not in the MLflow store {tracking_uri} "
+                         f"({type(e).__name__})")
+            continue
         decision, reason, version = (tags.get(k) for k in PROMOTION_TAGS)
         if decision:
             lines.append(f"- trial {t.number} (run `{rid}`): **{decision}** as version {version}: {reason}")
@@ -159,8 +159,9 @@ def render(study, sweep, out_root: Path) -> str:
     complete = [c for c in groups if c[-1].state.name == "COMPLETE"]
     best = max(complete, key=lambda c: c[-1].value * (1 if sweep.objective.direction == "maximize" else -1),
                default=None)
-    best_table = _table(run_folder(best[-1], out_dir)) if best else None
-    rows = [trial_row(c, out_dir, objective, best_table) for c in groups]
+    best_folder = run_folder(best[-1], out_dir) if best else None
+    best_table = trial_table(str(best_folder) if best_folder else None, objective)
+    rows = [trial_row(c, out_dir, objective, None if c is best else best_table) for c in groups]
     keys = [p.key for p in sweep.space]
     head = ["trial", "state", *[k.split(".")[-1] for k in keys], "steps", "consumed tokens", "in-training evals",
             f"{objective} [95% CI]", "Δ vs best, paired", "DDTree", "prompt lookup", "wall s"]

@@ -17,8 +17,8 @@ done
 if [ -d /tmp/site ]; then export PYTHONPATH=/tmp/site:$PWD; else export PYTHONPATH=$PWD; fi
 # No TOKENIZERS_PARALLELISM=false: it kept the prompt pool's Rust tokenizer on one of 16 cores (a fresh H200 built
 # the recipe's 112,000-prompt pool in 47 s, session 17; with the tokenizer's threads the pool builds 1.3-1.5x as fast on
-# 2 cores: benchmarks/pool_build.py). A process forked after the threads ran gets the tokenizer's own fallback (one
-# thread, one warning); sweep workers are spawned.
+# 2 cores: benchmarks/pool_build.py). Nothing forks after them: sweep workers and the header parser's pool are
+# spawned, campaign cells are new processes (a fork would get the tokenizer's own fallback: one thread, one warning).
 export PYTHONUNBUFFERED=1 DFLASH_LOG_TIME=1  # timed log lines
 export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
 

@@ -4,7 +4,8 @@ MLflow store (`<out>/mlflow.db` when the one the study recorded is not on this m
 (`benchmarks/sweeps/sweeps_out.tar.xz`) reprints on the CPU what the GPU measured.
 
 One row per trial as the study counts it: a trial cut by a job's limit and continued is one row under its last
-number (`6 ← 2`). Per row: its state (a cut trial nobody continued: the step it stopped at), the searched params,
+number (`6 ← 2`). Per row: its state (a cut trial: the step it stopped at, and the seconds its remaining steps take
+at its last logged rate — what the job continuing it must leave room for), the searched params,
 the steps and consumed tokens it trained, the objective at every in-training eval (its consumed-token milestones,
 `eval/subset/...`), the final τ with its 95% CI pooled over the prompts, the paired Δτ against the best trial
 (prompt for prompt on the same ground truth; an interval holding 0 is a tie), DDTree τ at the largest node budget,
@@ -60,6 +61,19 @@ def _state(chain) -> str:
     return "FAIL" + (f" ({err[:60]})" if err else "")
 
 
+def _to_go(folder: Path | None, rows: list[dict], steps: int, tokens: float | None) -> str:
+    """A cut trial's steps still to train and their seconds at its last logged rate (`perf/consumed_tok_s`, with the
+    GPU shared as it then was): what the job that continues it must leave room for."""
+    if folder is None or not tokens or not steps or not (folder / "config.yaml").is_file():
+        return ""
+    from dflash.run_dir import RunDir
+    max_steps = int(RunDir(folder).read_config().get("trainer", {}).get("max_steps", 0))
+    rate = next((r["perf/consumed_tok_s"] for r in reversed(rows) if r.get("perf/consumed_tok_s")), None)
+    if max_steps <= steps or not rate:
+        return ""
+    return f" of {max_steps:,} (~{(max_steps - steps) * tokens / steps / rate:.0f} s more at {rate / 1e3:.0f} K tok/s)"
+
+
 def _seconds(chain) -> float | None:
     if any(t.datetime_start is None or t.datetime_complete is None for t in chain):
         return None
@@ -84,11 +98,12 @@ def trial_row(chain, out_dir: Path, objective: str, best_table: dict | None) -> 
     curve = eval_curve([r for r in rows if objective not in r], objective)  # the final eval logs `objective`
     steps = max((r["step"] for r in rows if "step" in r), default=0)
     table = trial_table(str(folder) if folder else None, objective)  # the objective suite's task table
-    row: dict[str, Any] = {"trial": " ← ".join(str(t.number) for t in reversed(chain)), "state": _state(chain),
-                           "params": dict(last.params), "steps": steps,
-                           "tokens": next((r["data/consumed_tokens"] for r in reversed(rows)
-                                           if "data/consumed_tokens" in r), None),
-                           "curve": curve,
+    tokens = next((r["data/consumed_tokens"] for r in reversed(rows) if "data/consumed_tokens" in r), None)
+    state = _state(chain)
+    if state.startswith("cut") or state == "RUNNING":
+        state += _to_go(folder, rows, steps, tokens)
+    row: dict[str, Any] = {"trial": " ← ".join(str(t.number) for t in reversed(chain)), "state": state,
+                           "params": dict(last.params), "steps": steps, "tokens": tokens, "curve": curve,
                            "value": last.value, "seconds": _seconds(chain), "run_id": last.user_attrs.get(ATTR_RUN_ID),
                            "ground_truth": ground_truth_of(table) if table else None}
     cols = metric_columns(objective)

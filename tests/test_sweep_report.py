@@ -38,6 +38,9 @@ def _run_folder(folder: Path, sums: list[int], steps: int, tree: list[int] | Non
         (folder / "eval").mkdir()
         (folder / "eval" / "tasks.json").write_text(json.dumps({"tasks": tasks,
                                                                 "info": {"ground_truth_key": "gt-A"}}))
+    else:  # cut: its rate as logged, and the budget it was cut short of
+        rows.append({"step": steps, "perf/consumed_tok_s": 2000.0})
+        (folder / "config.yaml").write_text("trainer:\n  max_steps: 60\n")
     (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     return str(folder)
 
@@ -110,7 +113,8 @@ def test_report_rows_against_per_prompt_arithmetic(store):
     tree = pooled_ci([s + 5 for s in best], [10] * len(best), 0.95)
     assert b[8] == f"{tree.value:.3f} [{tree.low:.3f}, {tree.high:.3f}] (tree 64 nodes)"
     assert b[9].startswith("2.000 [2.000, 2.000]")  # prompt lookup: 30 over 15 rounds on every prompt
-    assert rows["3"][1] == "cut at step 30" and rows["3"][6] == ""
+    # 30 steps of 1,000 tokens to go at 2,000 tok/s: 15 s (what the job continuing it must leave room for)
+    assert rows["3"][1] == "cut at step 30 of 60 (~15 s more at 2 K tok/s)" and rows["3"][6] == ""
     assert "Ground truth: `gt-A`" in text and f"MLflow parent run: `{parent}`" in text
     assert "- trial 2 (run `" in text and "**refused** as version 1: does not beat prompt-lookup" in text
     assert "trial 0 (run" not in text  # its run is trial 2's: listed once
@@ -132,6 +136,7 @@ def test_committed_sweep_store_reprints_the_results(tmp_path):
     text = main(["recipe_reference", "report", f"out={tmp_path / 'sweeps_out'}"])["report"]
     best = next(line for line in text.splitlines() if line.startswith("| 6 ← 2 |"))
     assert "| COMPLETE |" in best and "6.588 [6.042, 7.147] | best |" in best
-    assert "cut at step 2920" in text and "**refused** as version 1" in text
+    assert "cut at step 2920 of 3,125 (~30 s more at 140 K tok/s)" in text and "**refused** as version 1" in text
     results = (ROOT / "benchmarks" / "RESULTS.md").read_text()
-    assert best in results  # the row RESULTS.md quotes is the store's
+    table = [line for line in text.splitlines() if line.startswith("| ")]
+    assert len(table) == 8 and all(line in results for line in table)  # RESULTS.md quotes the store's table

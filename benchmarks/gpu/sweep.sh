@@ -14,8 +14,9 @@
 #    Checkpoints stay on the machine: only the next job on the SAME WARM machine can continue a cut trial. A fresh
 #    machine gets the committed store without checkpoints; its cut trials then stay FAIL (nothing to resume) and
 #    the sweep goes on with new trials. Run dirs are recorded as absolute paths: run from the same checkout path.
-# 3. $OUT/sweep.tar.xz: sweeps_out/ without weights, checkpoints or figures (commit it as $STORE), and
-#    $OUT/best_drafter.tgz: the best complete trial's final/ drafter; then the study summary.
+# 3. $OUT/sweep.tar.xz: sweeps_out/ without weights, checkpoints or figures (commit it as $STORE),
+#    $OUT/best_drafter.tgz: the best complete trial's final/ drafter, and $OUT/report.md: the study as one table
+#    (`python -m sweeps.launch <sweep> report`; a cut trial's row gives the seconds it still needs).
 # Env: N (trials this job adds, default 4), WORKERS (default 2), DEADLINE (s, default 300), LIMIT (s, the device
 # call's own limit, default 590), HARD (s, default LIMIT - 60: the packing after it needs the rest; not DEADLINE +
 # 220, which cut a resuming job with a short DEADLINE long before its call's limit), STUDY (default: the sweep's
@@ -76,6 +77,9 @@ if [ -n "${PROMOTE:-}" ] && [ -f "$OUT/best_run_dir.txt" ]; then
   echo "== promote exited $? (0 promoted, 3 refused): $(tail -3 "$OUT/promote.log" | tr '\n' ' ')" >&2
 fi
 pack_store "$OUT/sweep.tar.xz" sweeps_out/mlflow.db sweeps_out  # job_env.sh
+# the study as one table: a cut trial's row says how many seconds its remaining steps take at its last rate (session
+# 17 cut two 8-layer trials ~30 s of training short of their end, and a fresh machine cannot continue them)
+$PY -m sweeps.launch "$S" report out=sweeps_out study="$STUDY" > "$OUT/report.md" 2>&1 && cat "$OUT/report.md" >&2
 ls -la "$OUT" >&2
 grep -E "continuing cut|marked stale|trial [0-9]+ (COMPLETE|PRUNED|FAIL)|^study |Error" "$OUT/sweep.log" | tail -20 >&2
 exit $rc

@@ -549,7 +549,8 @@ class CampaignArgs:
     deadline_s: float = 0.0  # start no cell later than this many seconds after launch (0: no deadline)
     # start only these cells in this launch: factors ("buffer") or factor/option ("data/views4_pool112"); the
     # others wait for a later launch, as after the deadline (a run several cells share starts if one is listed,
-    # and a listed cell's stage reference where it has no run on the pinned ground truth yet). Empty: all. For a GPU session that can finish some cells but not all.
+    # and a listed cell's stage reference where it has no run on the pinned ground truth yet). Empty: all. For a GPU
+    # session that can finish some cells but not all.
     only: list[str] = dataclasses.field(default_factory=list)
 
 

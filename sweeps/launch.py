@@ -253,6 +253,16 @@ def _worker_specs(args, sweep, base_overrides, storage, study_name, out_dir: Pat
     return specs, gpus
 
 
+def study_location(args: LaunchArgs, sweep) -> tuple[str, Path, str]:
+    """(study name, output root, storage) of a launch or report: the sweep's name unless `study=`, `out=` resolved,
+    the journal `<out>/<study>.journal` unless `storage=`."""
+    name = args.study or sweep.name
+    if not re.fullmatch(r"[A-Za-z0-9_.\-]+", name):
+        raise SweepError(f"study={name!r}: use letters, digits, '_', '-', '.'")
+    out_root = Path(args.out).resolve()
+    return name, out_root, args.storage or str(out_root / f"{name}.journal")
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     from sweeps.objective import continue_interrupted, reconcile_children, update_parent
     from sweeps.shared_inputs import make_shared_inputs, with_truth_pin
@@ -267,13 +277,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     sweep = load_sweep(args.sweep, args.sweep_overrides)
     check_conflicts(sweep, args.overrides)
     base_overrides = merge_overrides(sweep.fixed, args.overrides)
-    study_name = args.study or sweep.name
-    if not re.fullmatch(r"[A-Za-z0-9_.\-]+", study_name):
-        raise SweepError(f"study={study_name!r}: use letters, digits, '_', '-', '.'")
-    out_root = Path(args.out).resolve()
+    study_name, out_root, storage = study_location(args, sweep)
     out_dir = out_root / study_name
     base_overrides = with_truth_pin(base_overrides, out_dir / "truth")  # trials of every launch pair
-    storage = args.storage or str(out_root / f"{study_name}.journal")
     storage_desc = describe(storage)
     base_cfg = validate(sweep, base_overrides, out_dir)
     if args.check:
@@ -340,9 +346,7 @@ def report(args: LaunchArgs) -> dict[str, Any]:
     from sweeps.storage import make_storage
     from sweeps.sweep_report import render
     sweep = load_sweep(args.sweep, args.sweep_overrides)
-    out_root = Path(args.out).resolve()
-    name = args.study or sweep.name
-    storage = args.storage or str(out_root / f"{name}.journal")
+    name, out_root, storage = study_location(args, sweep)
     if "://" not in storage and not Path(storage).is_file():
         raise SweepError(f"no study storage {storage} (out={args.out}, study={name}): run the sweep there first, or "
                          f"extract its store (recipe_reference's: tar xf benchmarks/sweeps/sweeps_out.tar.xz)")

@@ -127,16 +127,17 @@ def trial_row(chain, out_dir: Path, objective: str, best_table: dict | None) -> 
 
 
 def _promotions(trials, tracking_uri: str | None) -> list[str]:
-    """The gate's decisions on the study's runs (their `dflash.promotion.*` tags), one line each."""
+    """The gate's decisions on the runs of `trials` (each chain's last: a continued trial's run is its
+    continuation's), from their `dflash.promotion.*` tags, one line each."""
     if not tracking_uri:
         return ["promotion: no MLflow store on this machine"]
     from mlflow.tracking import MlflowClient
     client = MlflowClient(tracking_uri)
     lines = []
-    for t in sorted(trials, key=lambda t: t.number):
+    for t in trials:
         rid = t.user_attrs.get(ATTR_RUN_ID)
-        if not rid or any(c.number > t.number and c.user_attrs.get(ATTR_RUN_ID) == rid for c in trials):
-            continue  # a continued trial's run is its continuation's: listed once, under the last number
+        if not rid:
+            continue
         try:
             tags = client.get_run(rid).data.tags
         except Exception as e:  # noqa: BLE001 - a store without that run (copied in part): said, not fatal
@@ -172,8 +173,8 @@ def render(study, sweep, out_root: Path) -> str:
     trials = study.get_trials(deepcopy=False)
     groups = chains(trials)
     complete = [c for c in groups if c[-1].state.name == "COMPLETE"]
-    best = max(complete, key=lambda c: c[-1].value * (1 if sweep.objective.direction == "maximize" else -1),
-               default=None)
+    best_number = study.best_trial.number if complete else None  # Optuna's best, by the study's own direction
+    best = next((c for c in complete if c[-1].number == best_number), None)
     best_folder = run_folder(best[-1], out_dir) if best else None
     best_table = trial_table(str(best_folder) if best_folder else None, objective)
     rows = [trial_row(c, out_dir, objective, None if c is best else best_table) for c in groups]
@@ -195,5 +196,5 @@ def render(study, sweep, out_root: Path) -> str:
     lines += ["", f"Ground truth: {', '.join(f'`{g}`' for g in sorted(truths)) or 'no task tables'}"
               + (" (differs between trials: the paired Δ is only within one)" if len(truths) > 1 else ""),
               f"MLflow parent run: `{study.user_attrs.get('mlflow.parent_run_id', 'none')}`", "",
-              "Promotion gate:", *_promotions(trials, _tracking_uri(study, out_root))]
+              "Promotion gate:", *_promotions([c[-1] for c in groups], _tracking_uri(study, out_root))]
     return "\n".join(lines) + "\n"

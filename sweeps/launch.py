@@ -45,6 +45,7 @@ trial is marked FAIL), 2 on invalid input.
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import json
 import logging
 import multiprocessing as mp
@@ -171,11 +172,13 @@ def _parent_params(sweep, storage_desc: str) -> dict[str, Any]:
     return p
 
 
-def _open_study(sweep, study_name: str, storage: str, storage_desc: str):
-    """The Optuna study (created or resumed), checked against the sweep's direction, with this launch counted;
-    returns (study, trials before this launch, launch number)."""
+def _open_study(sweep, study_name: str, storage: str, storage_desc: str, started: datetime.datetime):
+    """The Optuna study (created or resumed), checked against the sweep's direction, with this launch counted and
+    its start (naive local time, like Optuna's trial starts) recorded; returns (study, trials before this launch,
+    launch number)."""
     import optuna
 
+    from sweeps.objective import STUDY_LAUNCH_STARTS
     from sweeps.storage import make_storage
     study = optuna.create_study(study_name=study_name, storage=make_storage(storage),
                                 direction=sweep.objective.direction, load_if_exists=True)
@@ -192,6 +195,7 @@ def _open_study(sweep, study_name: str, storage: str, storage_desc: str):
     n_before = len(study.trials)
     launch_no = int(study.user_attrs.get("sweep.launches", 0)) + 1
     study.set_user_attr("sweep.launches", launch_no)
+    study.set_user_attr(STUDY_LAUNCH_STARTS, [*study.user_attrs.get(STUDY_LAUNCH_STARTS, []), started.isoformat()])
     study.set_user_attr("sweep.name", sweep.name)
     study.set_user_attr("sweep.digest", sweep.digest())
     study.set_user_attr("sweep.objective", sweep.objective.metric)
@@ -264,6 +268,7 @@ def study_location(args: LaunchArgs, sweep) -> tuple[str, Path, str]:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
+    started = datetime.datetime.now()  # the job's start, for the report's cost of a continuing job
     from sweeps.objective import continue_interrupted, reconcile_children, update_parent
     from sweeps.shared_inputs import make_shared_inputs, with_truth_pin
     from sweeps.space import check_conflicts, load_sweep, merge_overrides
@@ -287,7 +292,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
               f"{sweep.objective.direction} {sweep.objective.metric}; overrides {base_overrides})")
         return {"check": "ok", "sweep": sweep.name}
 
-    study, n_before, launch_no = _open_study(sweep, study_name, storage, storage_desc)
+    study, n_before, launch_no = _open_study(sweep, study_name, storage, storage_desc, started)
     tracker, parent_id, tr = None, None, base_cfg.tracking
     if tr.enabled:
         launch = {"argv": argv, "host": socket.gethostname(),

@@ -39,6 +39,9 @@ ATTR_RESUME_DIR = "sweep.resume_dir"  # a continuation: the run dir it resumes
 ATTR_CONTINUES = "sweep.continues"  # a continuation: the trial number it continues
 ATTR_RESUME_STEP = "sweep.resume_step"  # a continuation: the checkpoint step it started from
 STUDY_CONTINUED = "sweep.continued_as"  # the study's {old trial: continuing trial} map, for the dashboard
+# every launch's start, naive local time as Optuna's trial starts (ISO): the sweep report measures from it what a job
+# spends before its first trial starts (shared inputs, worker spawn)
+STUDY_LAUNCH_STARTS = "sweep.launch_starts"
 
 
 @dataclass

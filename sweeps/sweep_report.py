@@ -4,8 +4,10 @@ MLflow store (`<out>/mlflow.db` when the one the study recorded is not on this m
 (`benchmarks/sweeps/sweeps_out.tar.xz`) reprints on the CPU what the GPU measured.
 
 One row per trial as the study counts it: a trial cut by a job's limit and continued is one row under its last
-number (`6 ← 2`). Per row: its state (a cut trial: the step it stopped at, and the seconds its remaining steps take
-at its last logged rate — what the job continuing it must leave room for), the searched params,
+number (`6 ← 2`). Per row: its state (a cut trial: the step it stopped at, the seconds its remaining steps take
+at its last logged rate, and, where its checkpoint is on this machine, what the job continuing it needs in all with
+the costs this study measured for starting it and for the final eval: what that job must leave room for; without
+its checkpoint here it cannot continue, and the row says so), the searched params,
 the steps and consumed tokens it trained, the objective at every in-training eval (its consumed-token milestones,
 `eval/subset/...`), the final τ with its 95% CI pooled over the prompts, the paired Δτ against the best trial
 (prompt for prompt on the same ground truth; an interval holding 0 is a tie), DDTree τ at the largest node budget,
@@ -14,6 +16,8 @@ ground truth, and every promotion-gate decision (`experiments.promote`) recorded
 """
 from __future__ import annotations
 
+import datetime
+import statistics
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +25,8 @@ from dflash.evaluation.pairing import NotPaired, ground_truth_of, metric_columns
 from dflash.evaluation.stats import pooled_ci
 from sweeps.campaign_report import task_methods
 from sweeps.learning_curves import eval_curve, read_metrics
-from sweeps.objective import ATTR_ERROR, ATTR_RUN_DIR, ATTR_RUN_ID, TIE_LEVEL, continued_map, trial_table
+from sweeps.objective import (ATTR_CONTINUES, ATTR_ERROR, ATTR_RUN_DIR, ATTR_RUN_ID, STUDY_LAUNCH_STARTS, TIE_LEVEL,
+                              continued_map, trial_table)
 
 PROMOTION_TAGS = ("dflash.promotion.decision", "dflash.promotion.reason", "dflash.promotion.version")
 
@@ -61,17 +66,56 @@ def _state(chain) -> str:
     return "FAIL" + (f" ({err[:60]})" if err else "")
 
 
-def _to_go(folder: Path | None, rows: list[dict], steps: int, tokens: float | None) -> str:
-    """A cut trial's steps still to train and their seconds at its last logged rate (`perf/consumed_tok_s`, with the
-    GPU shared as it then was): what the job that continues it must leave room for."""
+def job_costs(study, out_dir: Path) -> dict[str, float | None]:
+    """What a job continuing a cut trial spends besides training, as this study measured it (medians; None where it
+    has nothing to measure): `launch`, from the job's start to its continuation's start (shared inputs, spawning
+    the workers; launches that recorded their start); `resume`, from a continuation's start to its first logged
+    step (the target, the checkpoint, the first steps); `final_eval`, a complete trial's `sys/final_eval_s`. Starts
+    are Optuna's naive local times: read them in the time zone the sweep ran in (the GPU machines run in UTC)."""
+    launches = sorted(datetime.datetime.fromisoformat(t) for t in study.user_attrs.get(STUDY_LAUNCH_STARTS, []))
+    launch, resume, final = [], [], []
+    for t in study.get_trials(deepcopy=False):
+        folder = run_folder(t, out_dir)
+        rows = read_metrics(folder) if folder else []
+        if t.state.name == "COMPLETE":
+            final += [r["sys/final_eval_s"] for r in rows if "sys/final_eval_s" in r]
+        if ATTR_CONTINUES not in t.user_attrs or t.datetime_start is None:
+            continue
+        before = [s for s in launches if s <= t.datetime_start]
+        if before:
+            launch.append((t.datetime_start - before[-1]).total_seconds())
+        start = t.datetime_start.timestamp()
+        first = next((r["time"] for r in rows if "train/loss" in r and r.get("time", 0) > start), None)
+        if first is not None:
+            resume.append(first - start)
+    return {k: statistics.median(v) if v else None for k, v in
+            (("launch", launch), ("resume", resume), ("final_eval", final))}
+
+
+def _to_go(folder: Path | None, rows: list[dict], steps: int, tokens: float | None, costs: dict) -> str:
+    """A cut trial's steps still to train (from its newest checkpoint) at its last logged rate
+    (`perf/consumed_tok_s`, with the GPU shared as it then was), and what the job continuing it needs in all with
+    the study's measured `costs` (`job_costs`): what that job must leave room for. Without its checkpoint on this
+    machine it cannot continue here, and says so."""
     if folder is None or not tokens or not steps or not (folder / "config.yaml").is_file():
         return ""
     from dflash.run_dir import RunDir
-    max_steps = int(RunDir(folder).read_config().get("trainer", {}).get("max_steps", 0))
+    run = RunDir(folder)
+    max_steps = int(run.read_config().get("trainer", {}).get("max_steps", 0))
     rate = next((r["perf/consumed_tok_s"] for r in reversed(rows) if r.get("perf/consumed_tok_s")), None)
+    ckpt = run.newest_checkpoint_step()
     if max_steps <= steps or not rate:
         return ""
-    return f" of {max_steps:,} (~{(max_steps - steps) * tokens / steps / rate:.0f} s more at {rate / 1e3:.0f} K tok/s)"
+    train_s = (max_steps - (ckpt or steps)) * tokens / steps / rate
+    training = f"~{train_s:.0f} s of training at {rate / 1e3:.0f} K tok/s"
+    if ckpt is None:
+        return f" of {max_steps:,} ({training}; no checkpoint on this machine: it cannot continue here)"
+    parts = [(costs.get("launch"), "to start it"), (costs.get("resume"), "to its first step"), (train_s, None),
+             (costs.get("final_eval"), "final eval")]
+    said = [training if label is None else f"~{s:.0f} s {label}" if s is not None else f"{label}: not measured"
+            for s, label in parts]
+    total = sum(s for s, _ in parts if s is not None)
+    return f" of {max_steps:,} (the next job needs ~{total:.0f} s: {', '.join(said)})"
 
 
 def _seconds(chain) -> float | None:
@@ -89,9 +133,9 @@ def _pooled(table: dict, sum_col: str, count_col: str) -> str:
     return f"{iv.value:.3f} [{iv.low:.3f}, {iv.high:.3f}]"
 
 
-def trial_row(chain, out_dir: Path, objective: str, best_table: dict | None) -> dict[str, Any]:
+def trial_row(chain, out_dir: Path, objective: str, best_table: dict | None, costs: dict) -> dict[str, Any]:
     """What the table shows of one trial (module doc), as strings and numbers; `best_table`: the best trial's task
-    table to pair with (None for the best trial itself)."""
+    table to pair with (None for the best trial itself); `costs`: `job_costs` for a cut trial's estimate."""
     last = chain[-1]
     folder = run_folder(last, out_dir)
     rows = read_metrics(folder) if folder else []
@@ -101,7 +145,7 @@ def trial_row(chain, out_dir: Path, objective: str, best_table: dict | None) -> 
     tokens = next((r["data/consumed_tokens"] for r in reversed(rows) if "data/consumed_tokens" in r), None)
     state = _state(chain)
     if state.startswith("cut") or state == "RUNNING":
-        state += _to_go(folder, rows, steps, tokens)
+        state += _to_go(folder, rows, steps, tokens, costs)
     row: dict[str, Any] = {"trial": " ← ".join(str(t.number) for t in reversed(chain)), "state": state,
                            "params": dict(last.params), "steps": steps, "tokens": tokens, "curve": curve,
                            "value": last.value, "seconds": _seconds(chain), "run_id": last.user_attrs.get(ATTR_RUN_ID),
@@ -177,7 +221,8 @@ def render(study, sweep, out_root: Path) -> str:
     best = next((c for c in complete if c[-1].number == best_number), None)
     best_folder = run_folder(best[-1], out_dir) if best else None
     best_table = trial_table(str(best_folder) if best_folder else None, objective)
-    rows = [trial_row(c, out_dir, objective, None if c is best else best_table) for c in groups]
+    costs = job_costs(study, out_dir)
+    rows = [trial_row(c, out_dir, objective, None if c is best else best_table, costs) for c in groups]
     keys = [p.key for p in sweep.space]
     head = ["trial", "state", *[k.split(".")[-1] for k in keys], "steps", "consumed tokens", "in-training evals",
             f"{objective} [95% CI]", "Δ vs best, paired", "DDTree", "prompt lookup", "wall s"]

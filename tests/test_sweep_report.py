@@ -1,6 +1,7 @@
 """`python -m sweeps.launch <sweep> report`: a sweep's trials as one table, from the store alone
 (sweeps/sweep_report.py), against plain per-prompt arithmetic; the committed sweep store reprints what
 benchmarks/RESULTS.md quotes."""
+import datetime
 import json
 import random
 import tarfile
@@ -25,14 +26,21 @@ pruner: {type: none}
 """
 
 
-def _run_folder(folder: Path, sums: list[int], steps: int, tree: list[int] | None = None) -> str:
+LAUNCH = datetime.datetime(2026, 12, 2, 17, 10, 38)  # the continuing job's start, naive local as Optuna's
+T0 = LAUNCH.timestamp() - 1000  # the first job's rows: a step a second, long before it
+
+
+def _run_folder(folder: Path, sums: list[int], steps: int, tree: list[int] | None = None,
+                final_eval_s: float = 8.0) -> str:
     """A trial's run folder: metrics.jsonl (consumed tokens every 10 steps, one in-training eval at step 20) and,
     with `tree`, its final task table (20 rounds per prompt; prompt lookup 15 per prompt)."""
     folder.mkdir(parents=True, exist_ok=True)
-    rows = [{"step": s, "data/consumed_tokens": 1000.0 * s} for s in range(10, steps + 1, 10)]
+    rows = [{"step": s, "time": T0 + s, "train/loss": 1.0, "data/consumed_tokens": 1000.0 * s}
+            for s in range(10, steps + 1, 10)]
     rows.append({"step": 20, "eval/subset/tau_vanilla": 1.25})
     if tree is not None:
         rows.append({"step": steps, "eval/tau_vanilla": sum(sums) / (20 * len(sums))})
+        rows.append({"step": steps, "sys/final_eval_s": final_eval_s})
         tasks = [{"task": f"p{i}", "rounds": 20, "tau_sum_vanilla": s, "rounds_tree_64": 10, "tau_sum_tree_64": t,
                   "rounds_prompt_lookup": 15, "tau_sum_prompt_lookup": 30} for i, (s, t) in enumerate(zip(sums, tree))]
         (folder / "eval").mkdir()
@@ -48,9 +56,10 @@ def _run_folder(folder: Path, sums: list[int], steps: int, tree: list[int] | Non
 @pytest.fixture
 def store(tmp_path):
     """A study as a GPU sweep leaves it: trial 0 cut at step 40 and continued as trial 2 (complete, the best, gated
-    and refused), trial 1 complete and worse, trial 3 cut and not continued; the run folders recorded under another
-    machine's path."""
-    from sweeps.objective import ATTR_CONTINUES, ATTR_ERROR, ATTR_RUN_DIR, ATTR_RUN_ID, STUDY_CONTINUED
+    and refused), trial 1 complete and worse, trial 3 cut and not continued, its checkpoint on this machine; the
+    launches' starts; the run folders recorded under another machine's path."""
+    from sweeps.objective import (ATTR_CONTINUES, ATTR_ERROR, ATTR_RUN_DIR, ATTR_RUN_ID, STUDY_CONTINUED,
+                                  STUDY_LAUNCH_STARTS)
     from sweeps.storage import make_storage
     from sweeps.support import SweepTracker
     out = tmp_path / "sweeps_out"
@@ -72,7 +81,7 @@ def store(tmp_path):
          {ATTR_RUN_ID: tracker.create_child(parent, "tiny_report", 1, run_name="trial_00001")},
          (worse, 60, [w + 3 for w in worse])),
         (TrialState.COMPLETE, sum(best) / 480, {ATTR_RUN_ID: run0, ATTR_CONTINUES: 0},
-         (best, 60, [b + 5 for b in best])),
+         (best, 60, [b + 5 for b in best], 10.0)),  # final evals of 8 s (trial 1) and 10 s: median 9 s
         (TrialState.FAIL, None, {ATTR_ERROR: cut.replace("40", "30")}, None),
     ]
     for i, (state, value, attrs, contents) in enumerate(specs):
@@ -81,8 +90,19 @@ def store(tmp_path):
             _run_folder(folders / name, *contents)
         elif not (folders / name).exists():
             _run_folder(folders / name, [], 40 if i == 0 else 30)
-        study.add_trial(create_trial(state=state, value=value, params={"trainer.lr": 1e-3 * (i + 1)},
-                                     distributions=lr, user_attrs={**attrs, ATTR_RUN_DIR: elsewhere + name}))
+        trial = create_trial(state=state, value=value, params={"trainer.lr": 1e-3 * (i + 1)}, distributions=lr,
+                             user_attrs={**attrs, ATTR_RUN_DIR: elsewhere + name})
+        if i == 2:  # the continuation: started 30 s into the second job, its first step logged 12 s later
+            trial.datetime_start = LAUNCH + datetime.timedelta(seconds=30)
+            metrics = folders / name / "metrics.jsonl"
+            rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+            for r in rows:  # steps 50 and 60 after the resume from step 40, a step a second
+                r["time"] = trial.datetime_start.timestamp() + 12 + r["step"] - 50 if r["step"] > 40 else T0 + r["step"]
+            metrics.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        study.add_trial(trial)
+    (folders / "trial_00003" / "checkpoints").mkdir()  # trial 3 can continue on this machine
+    (folders / "trial_00003" / "checkpoints" / "step_00000030.pt").write_bytes(b"")
+    study.set_user_attr(STUDY_LAUNCH_STARTS, [(LAUNCH - datetime.timedelta(hours=1)).isoformat(), LAUNCH.isoformat()])
     study.set_user_attr(STUDY_CONTINUED, {"0": 2})
     study.set_user_attr("mlflow.parent_run_id", parent)
     study.set_user_attr("mlflow.tracking_uri", "sqlite:////gpu/machine/sweeps_out/mlflow.db")
@@ -113,8 +133,10 @@ def test_report_rows_against_per_prompt_arithmetic(store):
     tree = pooled_ci([s + 5 for s in best], [10] * len(best), 0.95)
     assert b[8] == f"{tree.value:.3f} [{tree.low:.3f}, {tree.high:.3f}] (tree 64 nodes)"
     assert b[9].startswith("2.000 [2.000, 2.000]")  # prompt lookup: 30 over 15 rounds on every prompt
-    # 30 steps of 1,000 tokens to go at 2,000 tok/s: 15 s (what the job continuing it must leave room for)
-    assert rows["3"][1] == "cut at step 30 of 60 (~15 s more at 2 K tok/s)" and rows["3"][6] == ""
+    # 30 steps of 1,000 tokens to go at 2,000 tok/s: 15 s; and what trial 2 measured of continuing: 30 s from its
+    # job's start to its own, 12 s to its first step; the final evals 8 and 10 s: what the next job needs in all
+    assert rows["3"][1] == ("cut at step 30 of 60 (the next job needs ~66 s: ~30 s to start it, ~12 s to its first "
+                            "step, ~15 s of training at 2 K tok/s, ~9 s final eval)") and rows["3"][6] == ""
     assert "Ground truth: `gt-A`" in text and f"MLflow parent run: `{parent}`" in text
     assert "- trial 2 (run `" in text and "**refused** as version 1: does not beat prompt-lookup" in text
     assert "trial 0 (run" not in text  # its run is trial 2's: listed once
@@ -129,14 +151,15 @@ def test_report_names_a_missing_store(tmp_path):
 
 @pytest.mark.skipif(not STORE.is_file(), reason="no committed sweep store")
 def test_committed_sweep_store_reprints_the_results(tmp_path):
-    """The recipe sweep of session 17 as benchmarks/RESULTS.md quotes it, reprinted from the committed store."""
+    """The recipe sweep of sessions 17-18 as benchmarks/RESULTS.md quotes it, reprinted from the committed store."""
     from sweeps.launch import main
     with tarfile.open(STORE) as t:
         t.extractall(tmp_path, filter="data")
     text = main(["recipe_reference", "report", f"out={tmp_path / 'sweeps_out'}"])["report"]
     best = next(line for line in text.splitlines() if line.startswith("| 6 ← 2 |"))
     assert "| COMPLETE |" in best and "6.588 [6.042, 7.147] | best |" in best
-    assert "cut at step 2920 of 3,125 (~30 s more at 140 K tok/s)" in text and "**refused** as version 1" in text
+    assert ("cut at step 2920 of 3,125 (~30 s of training at 140 K tok/s; no checkpoint on this machine: it cannot "
+            "continue here)") in text and "**refused** as version 1" in text
     results = (ROOT / "benchmarks" / "RESULTS.md").read_text()
     table = [line for line in text.splitlines() if line.startswith("| ")]
-    assert len(table) == 8 and all(line in results for line in table)  # RESULTS.md quotes the store's table
+    assert len(table) == 14 and all(line in results for line in table)  # RESULTS.md quotes the store's table

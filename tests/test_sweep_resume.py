@@ -1,6 +1,7 @@
 """A sweep trial cut by a job's time limit (SIGTERM after a checkpoint, or its worker gone) continues in the next
 launch from its checkpoint: same params, same run dir and MLflow run, counted once. Trials that failed on their
 own, or left no checkpoint, are not continued (CPU, the cpu_smoke sweep)."""
+import datetime
 import json
 import math
 import os
@@ -104,6 +105,15 @@ def test_cut_trial_continues_from_its_checkpoint(tmp_path, sigterm_at, monkeypat
     parent = client.get_run(res["parent_run_id"]).data.tags
     assert parent["sweep.n_continued"] == "1" and parent["sweep.n_failed"] == "0"
     assert parent["sweep.best_trial"] == "1"
+
+    # what continuing cost, measured for the report (sweeps/sweep_report.py): each launch recorded its start; the
+    # continuation started after the second one's and logged its first step after its own start
+    from sweeps.sweep_report import job_costs
+    starts = [datetime.datetime.fromisoformat(t) for t in study.user_attrs["sweep.launch_starts"]]
+    assert len(starts) == 2 and starts[0] <= old.datetime_start <= starts[1] <= new.datetime_start
+    costs = job_costs(study, run_dir.parent)
+    assert costs["launch"] == pytest.approx((new.datetime_start - starts[1]).total_seconds())
+    assert 0 < costs["resume"] < (new.datetime_complete - new.datetime_start).total_seconds()
 
     # a third launch continues nothing again
     again = main(_argv(tmp_path, cache, "n_trials=0", "workers=1"))

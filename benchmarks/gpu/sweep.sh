@@ -3,6 +3,7 @@
 # limit continuing in the next job.
 #
 #   N=4 WORKERS=2 DEADLINE=300 bash benchmarks/gpu/sweep.sh [sweep] [run overrides ...]    (default sweep: loss_variants)
+#   TRUTH=campaign_out/reference_64m/truth N=4 WORKERS=4 DEADLINE=400 bash benchmarks/gpu/sweep.sh recipe_reference
 #
 # 1. Continues the sweep store: sweeps_out/ as a warm machine kept it (trial run dirs WITH their checkpoints), else
 #    the committed one, if any: $STORE (default benchmarks/sweeps/sweeps_out.tar.xz: sweeps_out/ without weights).
@@ -17,10 +18,15 @@
 # 3. $OUT/sweep.tar.xz: sweeps_out/ without weights, checkpoints or figures (commit it as $STORE),
 #    $OUT/best_drafter.tgz: the best complete trial's final/ drafter, and $OUT/report.md: the study as one table
 #    (`python -m sweeps.launch <sweep> report`; a cut trial's row gives the seconds it still needs).
+# 4. TRUTH=campaign_out/<name>/truth: the trials evaluate on that pinned ground truth (eval.truth_dir), extracted from
+#    the committed campaign store ($CAMPAIGN_STORE, default benchmarks/ablations/campaign_out.tar.xz) when this
+#    machine lacks it: they then pair prompt for prompt with that campaign's cells and with every launch before.
+#    (Session 18 left the extraction out of one call on a fresh machine: the launch built the truth again from the
+#    target, the same tokens, 71 s more.)
 # Env: N (trials this job adds, default 4), WORKERS (default 2), DEADLINE (s, default 300), LIMIT (s, the device
 # call's own limit, default 590), HARD (s, default LIMIT - 60: the packing after it needs the rest; not DEADLINE +
 # 220, which cut a resuming job with a short DEADLINE long before its call's limit), STUDY (default: the sweep's
-# name), STORE, OUT (default gpu_out), PROMOTE (1: the best trial through the gate), PROMOTE_ARGS, PY (python).
+# name), STORE, TRUTH, CAMPAIGN_STORE, OUT (default gpu_out), PROMOTE (1: the best trial through the gate), PROMOTE_ARGS, PY (python).
 # The GPU machine lacks our stack's wheels: ship them in .whl/ as for benchmarks/gpu/campaign.sh.
 set -uo pipefail
 S=${1:-loss_variants}
@@ -38,6 +44,10 @@ mkdir -p "$OUT"
 source "$(dirname "$0")/job_env.sh"  # wheels, PYTHONPATH, the job environment
 # a warm machine's sweeps_out/ holds the checkpoints the committed store lacks: it wins
 [ -d sweeps_out ] || { [ -f "$STORE" ] && tar xf "$STORE"; }
+if [ -n "${TRUTH:-}" ]; then
+  [ -d "$TRUTH" ] || tar xf "${CAMPAIGN_STORE:-benchmarks/ablations/campaign_out.tar.xz}" "$TRUTH" || exit 1
+  set -- "$@" "eval.truth_dir=$PWD/$TRUTH"
+fi
 echo "== sweep $S study $STUDY: +$N trials, $WORKERS worker(s), deadline ${DEADLINE}s, hard ${HARD}s, in $PWD" >&2
 t0=$(date +%s)
 # -k 60: a trainer that has not checkpointed and exited a minute after the SIGTERM is killed (its trial is then

@@ -307,6 +307,8 @@ def test_sweep_two_workers_pruning_resume_and_mlflow(tmp_path, eval_cache):
         name = runs[t.number].info.run_name
         assert name == Path(t.user_attrs["sweep.run_dir"]).name and name.startswith(f"trial_{t.number:05d}-")
         assert "python -m experiments.run" in runs[t.number].data.tags["mlflow.note.content"]
+        folder_tags = json.loads((Path(t.user_attrs["sweep.run_dir"]) / "tags.json").read_text())
+        assert folder_tags["mlflow.note.content"] == runs[t.number].data.tags["mlflow.note.content"]  # not the spawn
     assert f"/runs/{pt['sweep.best_run_id']}?workflowType=machine_learning)" in pt["mlflow.note.content"]
     from dflash.tracking.run_info import git_sha
     if git_sha() != "unknown":  # the code the sweep ran, as every trial carries it

@@ -442,6 +442,20 @@ def test_reopened_run_keeps_the_description_that_made_it(store):
     assert tags[NOTE] == "python -m experiments.run +loss=soft_kl" and tags["other"] == "x"
 
 
+def test_reopened_runs_folder_says_what_mlflow_shows(store, tmp_path):
+    """A run reopened by another process (a resume, a sweep worker taking a pre-made trial run) keeps its
+    Description in MLflow, and its folder's tags.json says the same, not the reopening process's command line."""
+    from dflash.tracking.run_info import NOTE
+    cfg = TrackingConfig(tracking_uri=store, experiment="t-note-folder", console=False, system_metrics=False)
+    first = build_loggers(cfg, tmp_path / "r", {}, {NOTE: "python -m experiments.run trainer.lr=1e-3"}, 10)
+    first.close()
+    again = build_loggers(cfg, tmp_path / "r", {}, {}, 10, run_id=first.run_id)  # NOTE: this process's command
+    again.close()
+    folder = json.loads((tmp_path / "r" / "tags.json").read_text())
+    assert folder[NOTE] == MlflowClient(store).get_run(first.run_id).data.tags[NOTE]
+    assert folder[NOTE] == "python -m experiments.run trainer.lr=1e-3"
+
+
 def test_split_jobs_by_each_jobs_loop_seconds():
     """A resumed run's metrics.jsonl: one job per process, each ended by its sys/loop_s; what the end logs after the
     loop stays with its job, and windows after the last end are a job cut short."""

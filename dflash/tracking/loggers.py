@@ -253,6 +253,9 @@ def build_loggers(
     if cfg.enabled:
         ml = MLflowLogger(cfg, params, all_tags, run_id=run_id)
         loggers.append(ml)
+        # the folder says what MLflow shows: a reopened run (resume, a sweep trial's pre-made child with the trial's
+        # command) keeps the Description it was made with, not this process's command line (a spawned worker's)
+        jsonl.set_tags(ml.kept_tags)
         if ml.run_id is not None:
             info = {
                 "tracking_uri": cfg.tracking_uri,

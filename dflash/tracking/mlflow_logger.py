@@ -73,6 +73,11 @@ class MLflowLogger(Logger):
         return self._run_id
 
     @property
+    def kept_tags(self) -> dict[str, str]:
+        """The write-once tags the reopened run already had, kept over this process's (`WRITE_ONCE_TAGS`)."""
+        return {k: v for k, v in self._existing_tags.items() if k in WRITE_ONCE_TAGS and v}
+
+    @property
     def healthy(self) -> bool:
         return self._healthy
 

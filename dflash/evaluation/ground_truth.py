@@ -131,8 +131,9 @@ def truths_from_tokens(target, tasks: list[Task], prompts: list[list[int]], cont
         out.append(TaskTruth(t.name, torch.tensor(ids, dtype=torch.long), torch.tensor(cont, dtype=torch.long),
                              batch.features_BTLH[0].detach().cpu().contiguous(), agree))
         first_s = first_s or time.perf_counter() - t0  # timed through the .cpu() copies: no extra sync
-    # the first forward apart: a fresh H200 spent 73 s on the held-out suite's 128 (session 17), not yet known
-    # whether in the first (compilation, autotuning) or spread over every length
+    # the first forward apart: a fresh H200 spent 73 s on the held-out suite's 128 (session 17); session 18 read
+    # 62.8 s, 49.3 s of it the first (the chunked kernels' first compile and autotune in this machine's life: the
+    # write-ahead before it decodes only), the other 127 in 13.5 s (RESULTS.md, session 18)
     log.info("eval ground truth: %d one-shot forwards in %.1f s (the first %.1f s)", len(out),
              time.perf_counter() - t0, first_s)
     return out

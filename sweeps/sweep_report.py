@@ -103,19 +103,21 @@ def _to_go(folder: Path | None, rows: list[dict], steps: int, tokens: float | No
     run = RunDir(folder)
     max_steps = int(run.read_config().get("trainer", {}).get("max_steps", 0))
     rate = next((r["perf/consumed_tok_s"] for r in reversed(rows) if r.get("perf/consumed_tok_s")), None)
-    ckpt = run.newest_checkpoint_step()
     if max_steps <= steps or not rate:
         return ""
+    ckpt = run.newest_checkpoint_step()
     train_s = (max_steps - (ckpt or steps)) * tokens / steps / rate
     training = f"~{train_s:.0f} s of training at {rate / 1e3:.0f} K tok/s"
     if ckpt is None:
         return f" of {max_steps:,} ({training}; no checkpoint on this machine: it cannot continue here)"
-    parts = [(costs.get("launch"), "to start it"), (costs.get("resume"), "to its first step"), (train_s, None),
-             (costs.get("final_eval"), "final eval")]
-    said = [training if label is None else f"~{s:.0f} s {label}" if s is not None else f"{label}: not measured"
-            for s, label in parts]
-    total = sum(s for s, _ in parts if s is not None)
-    return f" of {max_steps:,} (the next job needs ~{total:.0f} s: {', '.join(said)})"
+
+    def cost(key: str, label: str) -> tuple[float, str]:
+        s = costs.get(key)
+        return (0.0, f"{label}: not measured") if s is None else (s, f"~{s:.0f} s {label}")
+    parts = [cost("launch", "to start it"), cost("resume", "to its first step"), (train_s, training),
+             cost("final_eval", "final eval")]
+    total = sum(s for s, _ in parts)
+    return f" of {max_steps:,} (the next job needs ~{total:.0f} s: {', '.join(said for _, said in parts)})"
 
 
 def _seconds(chain) -> float | None:

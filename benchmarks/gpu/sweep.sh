@@ -17,7 +17,7 @@
 #    the sweep goes on with new trials. Run dirs are recorded as absolute paths: run from the same checkout path.
 # 3. $OUT/sweep.tar.xz: sweeps_out/ without weights, checkpoints or figures (commit it as $STORE),
 #    $OUT/best_drafter.tgz: the best complete trial's final/ drafter, and $OUT/report.md: the study as one table
-#    (`python -m sweeps.launch <sweep> report`; a cut trial's row gives the seconds it still needs).
+#    (`python -m sweeps.launch <sweep> report`; a cut trial's row gives the seconds the next job needs for it).
 # 4. TRUTH=campaign_out/<name>/truth: the trials evaluate on that pinned ground truth (eval.truth_dir), extracted from
 #    the committed campaign store ($CAMPAIGN_STORE, default benchmarks/ablations/campaign_out.tar.xz) when this
 #    machine lacks it: they then pair prompt for prompt with that campaign's cells and with every launch before.
@@ -87,8 +87,9 @@ if [ -n "${PROMOTE:-}" ] && [ -f "$OUT/best_run_dir.txt" ]; then
   echo "== promote exited $? (0 promoted, 3 refused): $(tail -3 "$OUT/promote.log" | tr '\n' ' ')" >&2
 fi
 pack_store "$OUT/sweep.tar.xz" sweeps_out/mlflow.db sweeps_out  # job_env.sh
-# the study as one table: a cut trial's row says how many seconds its remaining steps take at its last rate (session
-# 17 cut two 8-layer trials ~30 s of training short of their end, and a fresh machine cannot continue them)
+# the study as one table: a cut trial's row says how many seconds the next job needs for it, starting, training and
+# evaluating (sessions 17 and 18 cut 8-layer trials 7-30 s of training short of their end: a fresh machine cannot
+# continue them)
 $PY -m sweeps.launch "$S" report out=sweeps_out study="$STUDY" > "$OUT/report.md" 2>&1 && cat "$OUT/report.md" >&2
 ls -la "$OUT" >&2
 grep -E "continuing cut|marked stale|trial [0-9]+ (COMPLETE|PRUNED|FAIL)|^study |Error" "$OUT/sweep.log" | tail -20 >&2

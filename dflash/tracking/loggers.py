@@ -246,16 +246,16 @@ def build_loggers(
     all_tags.setdefault("dflash.run_dir", str(run_dir.resolve()))
     quiet_library_logs()
 
+    ml = MLflowLogger(cfg, params, all_tags, run_id=run_id) if cfg.enabled else None
+    if ml is not None:  # the folder says what MLflow shows: a reopened run (resume, a sweep trial's pre-made child
+        # with the trial's command) keeps the Description it was made with, not this process's command line
+        all_tags.update(ml.kept_tags)
     jsonl = JsonlLogger(run_dir)
     jsonl.log_params(params)
     jsonl.set_tags(all_tags)
     loggers: list[Logger] = [jsonl]
-    if cfg.enabled:
-        ml = MLflowLogger(cfg, params, all_tags, run_id=run_id)
+    if ml is not None:
         loggers.append(ml)
-        # the folder says what MLflow shows: a reopened run (resume, a sweep trial's pre-made child with the trial's
-        # command) keeps the Description it was made with, not this process's command line (a spawned worker's)
-        jsonl.set_tags(ml.kept_tags)
         if ml.run_id is not None:
             info = {
                 "tracking_uri": cfg.tracking_uri,
@@ -267,7 +267,7 @@ def build_loggers(
             write_mlflow_record(run_dir, info)
     if cfg.console:
         loggers.append(ConsoleLogger(total_steps))
-        print(start_banner(run_dir, loggers[1] if cfg.enabled else None), flush=True)
+        print(start_banner(run_dir, ml), flush=True)
     return MultiLogger(loggers)
 
 

@@ -74,3 +74,30 @@ def test_report_names_the_stages_not_run_yet(campaign_store, capsys):
         section = text.split(f": {stage}", 1)[1]
         assert "**Not run yet**: 0 of" in section.split("##")[0] and options in section
         assert f"`python -m sweeps.campaign {name} only=[{stage}]`" in section
+
+
+def test_a_relocated_store_keeps_new_runs_artifacts_beside_it(tmp_path, monkeypatch):
+    """A committed store (relative artifact locations) extracted and written to from another working folder: a new
+    run's artifacts land in the store's mlartifacts/, not in the working folder (where sessions 18-20's sweep trials
+    left their eval tables and checkpoints, outside the packed store)."""
+    from mlflow.tracking import MlflowClient
+
+    from dflash.tracking.run_info import get_or_create_experiment, relocate_artifacts
+    store = tmp_path / "store"
+    store.mkdir()
+    uri = f"sqlite:///{store / 'mlflow.db'}"
+    c = MlflowClient(uri)
+    eid = get_or_create_experiment(c, "dflash", uri)
+    c.set_terminated(c.create_run(eid).info.run_id)
+    assert relocate_artifacts(store / "mlflow.db") == 2  # packed: the experiment and its run
+    assert c.get_experiment(eid).artifact_location == "mlartifacts"
+    elsewhere = tmp_path / "repo_root"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    assert get_or_create_experiment(c, "dflash", uri) == eid
+    assert c.get_experiment(eid).artifact_location == (store / "mlartifacts").as_uri()
+    run_id = c.create_run(eid).info.run_id
+    (tmp_path / "tasks.json").write_text("{}")
+    c.log_artifact(run_id, str(tmp_path / "tasks.json"), "eval")
+    assert (store / "mlartifacts" / run_id / "artifacts" / "eval" / "tasks.json").is_file()
+    assert not (elsewhere / "mlartifacts").exists()

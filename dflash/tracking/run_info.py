@@ -222,6 +222,12 @@ def local_artifact_dir(artifact_uri: str | None, tracking_uri: str, run_id: str)
     return next((c for c in candidates if c.is_dir()), None)
 
 
+def _relative_location(location: str) -> bool:
+    """An artifact location MLflow would resolve against the working folder (no scheme, not absolute)."""
+    from urllib.parse import urlparse
+    return bool(location) and not urlparse(location).scheme and not Path(location).is_absolute()
+
+
 def relocate_artifacts(db: str | os.PathLike, relative: bool = True) -> int:
     """Point a sqlite store's artifact locations at the `mlartifacts/` folder beside the database file, so the
     store shows its artifacts wherever it is extracted: `relative=True` writes `mlartifacts/<run id>/artifacts`
@@ -263,6 +269,13 @@ def get_or_create_experiment(client, name: str, tracking_uri: str) -> str:
                 raise
     if getattr(exp, "lifecycle_stage", "active") == "deleted":
         client.restore_experiment(exp.experiment_id)
+    db = sqlite_db_path(tracking_uri)
+    if db is not None and _relative_location(getattr(exp, "artifact_location", "") or ""):
+        # A relocatable store (`relocate_artifacts`, a committed store extracted here): MLflow resolves its relative
+        # artifact location against this process's working folder, so a new run's artifacts (its eval tables, the
+        # checkpoint the promotion gate registers) would land outside the store and never travel with it. Sessions
+        # 18-20's sweep trials lost theirs that way (they went to the GPU machine's repo root): pin it beside the db.
+        relocate_artifacts(db, relative=False)
     have = dict(getattr(exp, "tags", {}) or {})
     for k, v in experiment_view_tags().items():
         if k not in have:  # an experiment made before these tags (or by hand): add them, never overwrite

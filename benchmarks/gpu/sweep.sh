@@ -16,7 +16,7 @@
 #    machine gets the committed store without checkpoints; its cut trials then stay FAIL (nothing to resume) and
 #    the sweep goes on with new trials. Run dirs are recorded as absolute paths: run from the same checkout path.
 # 3. $OUT/sweep.tar.xz: sweeps_out/ without weights, checkpoints or figures (commit it as $STORE),
-#    $OUT/best_drafter.tgz: the best complete trial's final/ drafter, and $OUT/report.md: the study as one table
+#    $OUT/best_drafter.tgz (in 15 MiB parts when larger): the best complete trial's final/ drafter, $OUT/report.md: the study as one table
 #    (`python -m sweeps.launch <sweep> report`; a cut trial's row gives the seconds the next job needs for it).
 # 4. TRUTH=campaign_out/<name>/truth: the trials evaluate on that pinned ground truth (eval.truth_dir), extracted from
 #    the committed campaign store ($CAMPAIGN_STORE, default benchmarks/ablations/campaign_out.tar.xz) when this
@@ -26,7 +26,7 @@
 # Env: N (trials this job adds, default 4), WORKERS (default 2), DEADLINE (s, default 300), LIMIT (s, the device
 # call's own limit, default 590), HARD (s, default LIMIT - 60: the packing after it needs the rest; not DEADLINE +
 # 220, which cut a resuming job with a short DEADLINE long before its call's limit), STUDY (default: the sweep's
-# name), STORE, TRUTH, CAMPAIGN_STORE, OUT (default gpu_out), PROMOTE (1: the best trial through the gate), PROMOTE_ARGS, PY (python).
+# name), STORE, TRUTH, CAMPAIGN_STORE, OUT (default gpu_out), PROMOTE (new / 1 / 0: the best trial through the gate, below), PROMOTE_ARGS, PY (python).
 # The GPU machine lacks our stack's wheels: ship them in .whl/ as for benchmarks/gpu/campaign.sh.
 set -uo pipefail
 S=${1:-loss_variants}
@@ -77,14 +77,29 @@ if b and b["run_dir"] and (Path(b["run_dir"]) / "final").is_dir():
         tar.add(Path(b["run_dir"]) / "final", arcname=Path(b["run_dir"]).name)
     print(f"best trial #{b['number']} {b['value']:.6g} {json.dumps(b['params'], default=str)} -> best_drafter.tgz")
     Path(f"{sys.argv[2]}/best_run_dir.txt").write_text(b["run_dir"])
+    from mlflow.tracking import MlflowClient
+    from dflash.serving.promotion import PREFIX
+    run_id = json.loads((Path(b["run_dir"]) / "mlflow_run.json").read_text())["run_id"]
+    tags = MlflowClient(f"sqlite:///{Path('sweeps_out/mlflow.db').resolve()}").get_run(run_id).data.tags
+    if PREFIX + "version" not in tags:  # not through the gate yet: PROMOTE=new (the default) gates it
+        Path(f"{sys.argv[2]}/best_ungated").touch()
 else:
     print("no complete trial with its final/ drafter on this machine")
 EOF
-# PROMOTE=1: the best trial through the promotion gate (docs/evaluation.md), its decision in the store's registry
-# before the store is packed; PROMOTE_ARGS e.g. "--dry-run" or "--margin 0.05"
-if [ -n "${PROMOTE:-}" ] && [ -f "$OUT/best_run_dir.txt" ]; then
+# The best trial through the promotion gate (docs/evaluation.md), its decision in the store's registry before the
+# store is packed: PROMOTE=new (default) when the best complete trial has not been through it yet, 1 always, 0 never;
+# PROMOTE_ARGS e.g. "--dry-run" or "--margin 0.05". The gate reads the MLflow store only (seconds, no GPU), and it
+# needs the trial's checkpoint on this machine: session 20 left it to a later call, the machine went back, and the
+# sweep's best (trial 30) could not be gated at all.
+if [ -f "$OUT/best_run_dir.txt" ] && { [ "${PROMOTE:-new}" = 1 ] || { [ "${PROMOTE:-new}" = new ] && [ -f "$OUT/best_ungated" ]; }; }; then
   $PY -m experiments.promote "$(cat "$OUT/best_run_dir.txt")" ${PROMOTE_ARGS:-} > "$OUT/promote.log" 2>&1
   echo "== promote exited $? (0 promoted, 3 refused): $(tail -3 "$OUT/promote.log" | tr '\n' ' ')" >&2
+fi
+rm -f "$OUT/best_ungated"
+# a call brings back at most 16 MiB a file: an 8-layer drafter packs to 39 MiB (session 20's was left behind), so
+# it comes back in parts; join them with `cat best_drafter.tgz.part* > best_drafter.tgz`
+if [ -f "$OUT/best_drafter.tgz" ] && [ "$(stat -c %s "$OUT/best_drafter.tgz")" -gt $((15 * 1024 * 1024)) ]; then
+  split -b 15M -d -a 1 "$OUT/best_drafter.tgz" "$OUT/best_drafter.tgz.part" && rm "$OUT/best_drafter.tgz"
 fi
 pack_store "$OUT/sweep.tar.xz" sweeps_out/mlflow.db sweeps_out  # job_env.sh
 # the study as one table: a cut trial's row says how many seconds the next job needs for it, starting, training and

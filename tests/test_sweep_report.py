@@ -151,15 +151,17 @@ def test_report_names_a_missing_store(tmp_path):
 
 @pytest.mark.skipif(not STORE.is_file(), reason="no committed sweep store")
 def test_committed_sweep_store_reprints_the_results(tmp_path):
-    """The recipe sweep of sessions 17-18 as benchmarks/RESULTS.md quotes it, reprinted from the committed store."""
+    """The recipe sweep of sessions 17-20 as benchmarks/RESULTS.md quotes it, reprinted from the committed store."""
     from sweeps.launch import main
     with tarfile.open(STORE) as t:
         t.extractall(tmp_path, filter="data")
     text = main(["recipe_reference", "report", f"out={tmp_path / 'sweeps_out'}"])["report"]
-    best = next(line for line in text.splitlines() if line.startswith("| 6 ← 2 |"))
-    assert "| COMPLETE |" in best and "6.588 [6.042, 7.147] | best |" in best
+    best = next(line for line in text.splitlines() if line.startswith("| 30 ← 26 |"))
+    assert "| COMPLETE |" in best and "7.209 [6.600, 7.837] | best |" in best
+    before = next(line for line in text.splitlines() if line.startswith("| 6 ← 2 |"))  # session 17's best, paired
+    assert "6.588 [6.042, 7.147] | -0.621 [-0.902, -0.373] |" in before
     assert ("cut at step 2920 of 3,125 (~30 s of training at 140 K tok/s; no checkpoint on this machine: it cannot "
             "continue here)") in text and "**refused** as version 1" in text
     results = (ROOT / "benchmarks" / "RESULTS.md").read_text()
     table = [line for line in text.splitlines() if line.startswith("| ")]
-    assert len(table) == 14 and all(line in results for line in table)  # RESULTS.md quotes the store's table
+    assert len(table) == 22 and all(line in results for line in table)  # RESULTS.md quotes the store's table

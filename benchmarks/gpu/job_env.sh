@@ -3,10 +3,11 @@
 # (and .whl2/, when the 64 MiB a call carries cannot hold the working tree and all of them at once: then an
 # earlier call on the same warm machine installs one folder, and /tmp/site keeps it for the next call).
 # Keep each folder a fixed set and carry both on every fresh machine: .whl = cryptography, mlflow-skinny,
-# pydantic-core (11 MB); .whl2 = the rest, sqlalchemy and datasets included (12 MB). Session 17 moved sqlalchemy
+# pydantic-core (11.1 MB); .whl2 = the rest, sqlalchemy included (11.3 MB). Session 17 moved sqlalchemy
 # over: with the committed sweep store the tracked tree is 51.0 MB, and it with the 15.9 MB .whl of before left
-# 0.2 MB of the 64 MiB (67.1 MB); then 4.6 MB / 3.8 MB were left beside .whl / .whl2, and with session 18's
-# 4.0 MB sweep store (the tree 52.6 MB) 3.4 MB / 2.2 MB are. Session 14 carried a trimmed
+# 0.2 MB of the 64 MiB (67.1 MB); then 4.6 MB / 3.8 MB were left beside .whl / .whl2, with session 18's 4.0 MB
+# sweep store (the tree 52.6 MB) 3.4 MB / 2.2 MB, and with session 20's 6.4 MB one (the tree 55.0 MB) 1.0 MB / 0.9 MB:
+# the store grows about 1 MB a call, so a longer sweep needs a third folder or a store that leaves the tree. Session 14 carried a trimmed
 # .whl2 on the belief that the machine was still warm. It was a fresh one, and the call failed on a missing hydra.
 # A machine goes back after 30 s idle.
 for d in .whl .whl2; do
@@ -18,8 +19,12 @@ done
 if [ -d /tmp/site ]; then export PYTHONPATH=/tmp/site:$PWD; else export PYTHONPATH=$PWD; fi
 # said at once, not as a ModuleNotFoundError deep in a launch (session 18's second call: issued more than 30 s after
 # the first returned, it met a fresh machine, with neither /tmp/site's first folder nor the sweep's checkpoints)
-missing=$(python3 -c 'import importlib.util as u; print(*[m for m in ("mlflow", "optuna", "hydra", "sqlalchemy", "datasets") if u.find_spec(m) is None])')
+missing=$(python3 -c 'import importlib.util as u; print(*[m for m in ("mlflow", "optuna", "hydra", "sqlalchemy") if u.find_spec(m) is None])')
 [ -z "$missing" ] || echo "job_env: this machine lacks $missing: carry the other wheel folder in the next call at once (a machine goes back 30 s after a call, with /tmp/site and every checkpoint)" >&2
+# datasets serves data.source=conversations only, and shared/tools/gpu-wheels.sh does not fetch it (sessions 19-20's
+# sweeps ran without it): said apart, so it is not read as a missing wheel folder
+python3 -c 'import importlib.util as u; exit(u.find_spec("datasets") is None)' \
+  || echo "job_env: no datasets on this machine: data.source=conversations will not load (other jobs do not need it)" >&2
 # No TOKENIZERS_PARALLELISM=false: it kept the prompt pool's Rust tokenizer on one of 16 cores (a fresh H200 built
 # the recipe's 112,000-prompt pool in 47 s, session 17; with the tokenizer's threads the pool builds 1.3-1.5x as fast on
 # 2 cores: benchmarks/pool_build.py). Nothing forks after them: sweep workers and the header parser's pool are

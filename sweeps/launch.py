@@ -268,7 +268,9 @@ def study_location(args: LaunchArgs, sweep) -> tuple[str, Path, str]:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    started = datetime.datetime.now()  # the job's start, for the report's cost of a continuing job
+    # the job's start, for the report's cost of a continuing job; with this machine's UTC offset, so a report read
+    # in another time zone can place Optuna's naive local trial starts (sweeps/sweep_report.py, job_costs)
+    started = datetime.datetime.now().astimezone()
     from sweeps.objective import continue_interrupted, reconcile_children, update_parent
     from sweeps.shared_inputs import make_shared_inputs, with_truth_pin
     from sweeps.space import check_conflicts, load_sweep, merge_overrides

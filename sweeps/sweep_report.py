@@ -70,9 +70,11 @@ def job_costs(study, out_dir: Path) -> dict[str, float | None]:
     """What a job continuing a cut trial spends besides training, as this study measured it (medians; None where it
     has nothing to measure): `launch`, from the job's start to its continuation's start (shared inputs, spawning
     the workers; launches that recorded their start); `resume`, from a continuation's start to its first logged
-    step (the target, the checkpoint, the first steps); `final_eval`, a complete trial's `sys/final_eval_s`. Starts
-    are Optuna's naive local times: read them in the time zone the sweep ran in (the GPU machines run in UTC)."""
-    launches = sorted(datetime.datetime.fromisoformat(t) for t in study.user_attrs.get(STUDY_LAUNCH_STARTS, []))
+    step (the target, the checkpoint, the first steps); `final_eval`, a complete trial's `sys/final_eval_s`. A
+    trial's start is Optuna's naive local time on the machine that ran it: it is placed with the UTC offset its launch
+    recorded (launches before that record are read in this machine's time zone)."""
+    launches = sorted((s.replace(tzinfo=None), s.tzinfo) for s in map(
+        datetime.datetime.fromisoformat, study.user_attrs.get(STUDY_LAUNCH_STARTS, [])))  # (local wall time, offset)
     launch, resume, final = [], [], []
     for t in study.get_trials(deepcopy=False):
         folder = run_folder(t, out_dir)
@@ -81,10 +83,10 @@ def job_costs(study, out_dir: Path) -> dict[str, float | None]:
             final += [r["sys/final_eval_s"] for r in rows if "sys/final_eval_s" in r]
         if ATTR_CONTINUES not in t.user_attrs or t.datetime_start is None:
             continue
-        before = [s for s in launches if s <= t.datetime_start]
+        before = [(wall, tz) for wall, tz in launches if wall <= t.datetime_start]
         if before:
-            launch.append((t.datetime_start - before[-1]).total_seconds())
-        start = t.datetime_start.timestamp()
+            launch.append((t.datetime_start - before[-1][0]).total_seconds())
+        start = t.datetime_start.replace(tzinfo=before[-1][1] if before else None).timestamp()
         first = next((r["time"] for r in rows if "train/loss" in r and r.get("time", 0) > start), None)
         if first is not None:
             resume.append(first - start)

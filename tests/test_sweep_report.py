@@ -165,3 +165,27 @@ def test_committed_sweep_store_reprints_the_results(tmp_path):
     results = (ROOT / "benchmarks" / "RESULTS.md").read_text()
     table = [line for line in text.splitlines() if line.startswith("| ")]
     assert len(table) == 22 and all(line in results for line in table)  # RESULTS.md quotes the store's table
+
+
+def test_job_costs_place_trial_starts_with_the_launch_machines_offset(tmp_path):
+    """Optuna's trial starts are naive local times of the machine that ran the sweep; the launch records its UTC
+    offset, so a report read in another time zone (here +05:00 against this machine's) measures the same seconds."""
+    from sweeps.objective import ATTR_CONTINUES, ATTR_RUN_DIR, STUDY_LAUNCH_STARTS
+    from sweeps.sweep_report import job_costs
+    tz = datetime.timezone(datetime.timedelta(hours=5))
+    if datetime.datetime.now().astimezone().utcoffset() == tz.utcoffset(None):
+        tz = datetime.timezone(datetime.timedelta(hours=-7))  # always a zone other than this machine's
+    launch = LAUNCH.replace(tzinfo=tz)
+    folder = tmp_path / "trial_00002"
+    folder.mkdir()
+    first_step = launch.timestamp() + 30 + 12  # the continuation starts 30 s into the job, steps 12 s later
+    (folder / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "time": first_step + s - 41,
+                                                              "train/loss": 1.0}) + "\n" for s in (41, 42)))
+    study = optuna.create_study(direction="maximize")
+    study.set_user_attr(STUDY_LAUNCH_STARTS, [launch.isoformat()])
+    trial = create_trial(state=TrialState.COMPLETE, value=1.0, params={}, distributions={},
+                         user_attrs={ATTR_CONTINUES: 0, ATTR_RUN_DIR: str(folder)})
+    trial.datetime_start = LAUNCH + datetime.timedelta(seconds=30)  # naive: the launch machine's wall time
+    study.add_trial(trial)
+    costs = job_costs(study, tmp_path)
+    assert costs["launch"] == pytest.approx(30) and costs["resume"] == pytest.approx(12)

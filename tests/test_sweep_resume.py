@@ -110,6 +110,8 @@ def test_cut_trial_continues_from_its_checkpoint(tmp_path, sigterm_at, monkeypat
     # continuation started after the second one's and logged its first step after its own start
     from sweeps.sweep_report import job_costs
     starts = [datetime.datetime.fromisoformat(t) for t in study.user_attrs["sweep.launch_starts"]]
+    assert all(s.utcoffset() is not None for s in starts)  # the launch machine's offset, recorded
+    starts = [s.replace(tzinfo=None) for s in starts]  # its local wall time, as Optuna's trial starts are
     assert len(starts) == 2 and starts[0] <= old.datetime_start <= starts[1] <= new.datetime_start
     costs = job_costs(study, run_dir.parent)
     assert costs["launch"] == pytest.approx((new.datetime_start - starts[1]).total_seconds())

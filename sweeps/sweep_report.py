@@ -73,8 +73,8 @@ def job_costs(study, out_dir: Path) -> dict[str, float | None]:
     step (the target, the checkpoint, the first steps); `final_eval`, a complete trial's `sys/final_eval_s`. A
     trial's start is Optuna's naive local time on the machine that ran it: it is placed with the UTC offset its launch
     recorded (launches before that record are read in this machine's time zone)."""
-    launches = sorted((s.replace(tzinfo=None), s.tzinfo) for s in map(
-        datetime.datetime.fromisoformat, study.user_attrs.get(STUDY_LAUNCH_STARTS, [])))  # (local wall time, offset)
+    launches = sorted(((s.replace(tzinfo=None), s.tzinfo) for s in map(  # (local wall time, offset), by wall time
+        datetime.datetime.fromisoformat, study.user_attrs.get(STUDY_LAUNCH_STARTS, []))), key=lambda w: w[0])
     launch, resume, final = [], [], []
     for t in study.get_trials(deepcopy=False):
         folder = run_folder(t, out_dir)

@@ -80,7 +80,7 @@ if b and b["run_dir"] and (Path(b["run_dir"]) / "final").is_dir():
     from mlflow.tracking import MlflowClient
     from dflash.serving.promotion import PREFIX
     run_id = json.loads((Path(b["run_dir"]) / "mlflow_run.json").read_text())["run_id"]
-    tags = MlflowClient(f"sqlite:///{Path('sweeps_out/mlflow.db').resolve()}").get_run(run_id).data.tags
+    tags = MlflowClient(study.user_attrs["mlflow.tracking_uri"]).get_run(run_id).data.tags  # the launch's store
     if PREFIX + "version" not in tags:  # not through the gate yet: PROMOTE=new (the default) gates it
         Path(f"{sys.argv[2]}/best_ungated").touch()
 else:

@@ -9,12 +9,14 @@
 #    inputs first (prompt pool, online shards, eval ground truth), then the cells, WORKERS at a time on the one
 #    GPU; no cell starts after DEADLINE seconds from the launch (the shared inputs count: 170-220 s when nothing is
 #    cached), so the job ends with whole cells.
-# 3. The report (campaign_out/<campaign>/ABLATIONS.md), then $OUT/campaign.tar.xz: campaign_out/ without weights,
-#    checkpoints, shards or figures (commit it as benchmarks/ablations/campaign_out.tar.xz), and $OUT/best_drafter.tgz:
-#    the best finished cell's final/ drafter (for the gate, export and eval on any machine).
+# 3. The report (campaign_out/<campaign>/ABLATIONS.md); $OUT/best_drafter.tgz: the best cell finished in this job,
+#    its final/ drafter (for export and eval on any machine; in parts over 15 MiB), that cell through the promotion
+#    gate (PROMOTE, as in sweep.sh); then $OUT/campaign.tar.xz: campaign_out/ without weights, checkpoints, shards
+#    or figures (commit it as benchmarks/ablations/campaign_out.tar.xz).
 # Env: DEADLINE (s, default 400), LIMIT (s, the device call's own limit, default 590), HARD (s, default and at most
 # LIMIT - 60: the report and the packing after it take up to a minute, and a call cut in them brings back an empty
-# store, as session 14's last call did), WORKERS (default: the campaign's), OUT (default gpu_out), PY (python).
+# store, as session 14's last call did), WORKERS (default: the campaign's), OUT (default gpu_out), PROMOTE (new / 1 / 0,
+# job_env.sh's gate_and_split), PROMOTE_ARGS, PY (python).
 # HARD used to default to DEADLINE + 190: a resuming call with DEADLINE=30 then cut its cells at 220 s of a 590 s
 # call (session 16 lost 300 s of two cells' training so).
 # On a fresh machine the shared inputs alone took 184-254 s (sessions 13, 14): a DEADLINE below that starts no
@@ -49,19 +51,29 @@ echo "== campaign exited $rc after $(( $(date +%s) - t0 )) s" >&2
 EDITS=()  # the campaign.KEY=VALUE edits of this job apply to its report too
 for a in "$@"; do [[ $a == campaign.* ]] && EDITS+=("$a"); done
 $PY -m sweeps.campaign "$C" report out=campaign_out "${EDITS[@]}" > "$OUT/report.md" 2>&1 || tail -5 "$OUT/report.md" >&2
-pack_store "$OUT/campaign.tar.xz" campaign_out/mlflow.db campaign_out  # job_env.sh
 # the best finished cell's drafter of this job (the recipe's, for promotion / export / eval elsewhere): its final/ folder
 $PY - "$C" "$OUT" <<'EOF' || true
 import json, sys, tarfile
 from pathlib import Path
+from mlflow.tracking import MlflowClient
+from dflash.serving.promotion import PREFIX
+from dflash.tracking.records import read_mlflow_record
 s = json.loads(Path(f"campaign_out/{sys.argv[1]}/summary.json").read_text())
 done = [c for c in s["cells"] if c.get("value") is not None and not c.get("reused_from")
         and (Path(c["run_dir"]) / "final").is_dir()]  # cells of earlier jobs came back without weights
+if not done:
+    sys.exit("no finished cell with its final/ drafter on this machine")
 best = max(done, key=lambda c: c["value"])
 with tarfile.open(f"{sys.argv[2]}/best_drafter.tgz", "w:gz") as tar:
     tar.add(Path(best["run_dir"]) / "final", arcname=best["cell"])
 print("best cell", best["cell"], best["value"], file=sys.stderr)
+Path(f"{sys.argv[2]}/best_run_dir.txt").write_text(best["run_dir"])
+rec = read_mlflow_record(best["run_dir"])
+if rec and PREFIX + "version" not in MlflowClient(rec["tracking_uri"]).get_run(rec["run_id"]).data.tags:
+    Path(f"{sys.argv[2]}/best_ungated").touch()  # not through the gate yet: PROMOTE=new (the default) gates it
 EOF
+gate_and_split "$OUT"  # job_env.sh: the best cell through the gate (PROMOTE), a large drafter in parts
+pack_store "$OUT/campaign.tar.xz" campaign_out/mlflow.db campaign_out  # job_env.sh
 # every cell log this job wrote to, its tail: what a cut or slow cell was doing (session 14's cells sat ~150 s
 # with the GPU idle before training and left no trace)
 find campaign_out -name '*.log' -newermt "@$t0" -print0 2>/dev/null | while IFS= read -r -d '' f; do

@@ -53,3 +53,22 @@ pack_store() {
   [ -f "$db.keep" ] && mv "$db.keep" "$db"
   return $rc
 }
+
+# gate_and_split OUT: the job's best run (OUT/best_run_dir.txt, written by the job) through the promotion gate
+# (docs/evaluation.md), its decision in the store's registry before the store is packed: PROMOTE=new (default) when
+# the job marked it OUT/best_ungated (no gate decision yet), 1 always, 0 never; PROMOTE_ARGS e.g. "--dry-run" or
+# "--margin 0.05". The gate reads the MLflow store only (seconds, no GPU), and it needs the run's checkpoint on this
+# machine: session 20 left it to a later call, the machine went back, and the sweep's best (trial 30) could not be
+# gated at all. Then OUT/best_drafter.tgz in parts when a call could not bring it back whole (16 MiB a file): an
+# 8-layer drafter packs to 39 MiB; join them with `cat best_drafter.tgz.part* > best_drafter.tgz`.
+gate_and_split() {
+  local out=$1
+  if [ -f "$out/best_run_dir.txt" ] && { [ "${PROMOTE:-new}" = 1 ] || { [ "${PROMOTE:-new}" = new ] && [ -f "$out/best_ungated" ]; }; }; then
+    ${PY:-python} -m experiments.promote "$(cat "$out/best_run_dir.txt")" ${PROMOTE_ARGS:-} > "$out/promote.log" 2>&1
+    echo "== promote exited $? (0 promoted, 3 refused): $(tail -3 "$out/promote.log" | tr '\n' ' ')" >&2
+  fi
+  rm -f "$out/best_ungated"
+  if [ -f "$out/best_drafter.tgz" ] && [ "$(stat -c %s "$out/best_drafter.tgz")" -gt $((15 * 1024 * 1024)) ]; then
+    split -b 15M -d -a 1 "$out/best_drafter.tgz" "$out/best_drafter.tgz.part" && rm "$out/best_drafter.tgz"
+  fi
+}

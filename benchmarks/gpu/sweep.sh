@@ -86,21 +86,7 @@ if b and b["run_dir"] and (Path(b["run_dir"]) / "final").is_dir():
 else:
     print("no complete trial with its final/ drafter on this machine")
 EOF
-# The best trial through the promotion gate (docs/evaluation.md), its decision in the store's registry before the
-# store is packed: PROMOTE=new (default) when the best complete trial has not been through it yet, 1 always, 0 never;
-# PROMOTE_ARGS e.g. "--dry-run" or "--margin 0.05". The gate reads the MLflow store only (seconds, no GPU), and it
-# needs the trial's checkpoint on this machine: session 20 left it to a later call, the machine went back, and the
-# sweep's best (trial 30) could not be gated at all.
-if [ -f "$OUT/best_run_dir.txt" ] && { [ "${PROMOTE:-new}" = 1 ] || { [ "${PROMOTE:-new}" = new ] && [ -f "$OUT/best_ungated" ]; }; }; then
-  $PY -m experiments.promote "$(cat "$OUT/best_run_dir.txt")" ${PROMOTE_ARGS:-} > "$OUT/promote.log" 2>&1
-  echo "== promote exited $? (0 promoted, 3 refused): $(tail -3 "$OUT/promote.log" | tr '\n' ' ')" >&2
-fi
-rm -f "$OUT/best_ungated"
-# a call brings back at most 16 MiB a file: an 8-layer drafter packs to 39 MiB (session 20's was left behind), so
-# it comes back in parts; join them with `cat best_drafter.tgz.part* > best_drafter.tgz`
-if [ -f "$OUT/best_drafter.tgz" ] && [ "$(stat -c %s "$OUT/best_drafter.tgz")" -gt $((15 * 1024 * 1024)) ]; then
-  split -b 15M -d -a 1 "$OUT/best_drafter.tgz" "$OUT/best_drafter.tgz.part" && rm "$OUT/best_drafter.tgz"
-fi
+gate_and_split "$OUT"  # job_env.sh: the best trial through the gate (PROMOTE), a large drafter in parts
 pack_store "$OUT/sweep.tar.xz" sweeps_out/mlflow.db sweeps_out  # job_env.sh
 # the study as one table: a cut trial's row says how many seconds the next job needs for it, starting, training and
 # evaluating (sessions 17 and 18 cut 8-layer trials 7-30 s of training short of their end: a fresh machine cannot

@@ -354,11 +354,11 @@ def test_report_pairs_each_option_with_the_reference_seed_for_seed(tmp_path):
 
 
 def test_the_best_recipe_is_the_campaigns_best_cell():
-    """`+recipe=best_reference` trains exactly what the reference_recipe campaign's winning cell (5 layers) trained
-    (benchmarks/ABLATIONS.md, "The recipe")."""
+    """`+recipe=best_reference` trains exactly what the reference_recipe campaign's winning cell (layers8_sweep30:
+    8 layers with the recipe sweep's best LR and streak settings) trained (benchmarks/ABLATIONS.md, "The recipe")."""
     from sweeps.campaign import config_key
     c = load_campaign("reference_recipe")
-    cell = next(x for x in stage_cells(c, 0, {}) if x.option == "layers5" and x.seed == 0)
+    cell = next(x for x in stage_cells(c, 0, {}) if x.option == "layers8_sweep30" and x.seed == 0)
     drop = ("tracking.experiment=",)
     assert config_key(["+recipe=best_reference", "seed=0"]) == config_key(
         [o for o in cell.overrides if not o.startswith(drop)])

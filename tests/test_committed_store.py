@@ -41,11 +41,14 @@ def test_relocate_artifacts_absolute_for_any_working_folder(tmp_path):
     with tarfile.open(STORE) as t:
         t.extractall(tmp_path, filter="data")
     db = tmp_path / "campaign_out" / "mlflow.db"
-    assert relocate_artifacts(db, relative=False) == 44  # three campaign experiments, 41 runs
+    # three campaign experiments, 42 runs, 3 registered model versions (the gate's: session 21's champion among them)
+    assert relocate_artifacts(db, relative=False) == 48
     c = MlflowClient(f"sqlite:///{db}")
     r = c.search_runs([c.get_experiment_by_name("dflash-ablation").experiment_id], max_results=1)[0]
     assert r.info.artifact_uri == (db.parent / "mlartifacts").as_uri() + f"/{r.info.run_id}/artifacts"
     assert {a.path for a in c.list_artifacts(r.info.run_id)} >= {"eval"}
+    champion = c.get_model_version_by_alias("dflash-drafter", "champion")  # the run's checkpoint in this copy
+    assert champion.source == (db.parent / "mlartifacts").as_uri() + f"/{champion.run_id}/artifacts/checkpoint"
 
 
 def test_ablation_table_shows_the_pooled_interval(campaign_store):
@@ -64,16 +67,19 @@ def test_ablation_table_shows_the_pooled_interval(campaign_store):
 
 
 def test_report_names_the_stages_not_run_yet(campaign_store, capsys):
-    """reference_recipe's `prompts` stage (added after its first stage ran) and reference_64m's buffer stage have
-    no cells in the store: the report says so instead of ending after the last stage that ran."""
+    """reference_64m's buffer stage has no cells in the store, and reference_recipe's `prompts` stage (added after
+    its first stage ran) only the winner's own cell: the report names what is left and the command that runs it
+    instead of ending after the last stage that ran."""
     from sweeps.campaign import load_campaign
     from sweeps.campaign_report import write_report
-    for name, stage, options in [("reference_recipe", "prompts", "headers, cuts8"), ("reference_64m", "buffer", "")]:
+    for name, stage, said in [("reference_recipe", "prompts", "**Stage incomplete**: 1 of 2 cells"),
+                              ("reference_64m", "buffer", "**Not run yet**: 0 of")]:
         write_report(load_campaign(name), campaign_store)
         text = (campaign_store / name / "ABLATIONS.md").read_text()
-        section = text.split(f": {stage}", 1)[1]
-        assert "**Not run yet**: 0 of" in section.split("##")[0] and options in section
+        section = text.split(f": {stage}", 1)[1].split("\n## ")[0]
+        assert said in section
         assert f"`python -m sweeps.campaign {name} only=[{stage}]`" in section
+    assert "Not run yet: cuts8 (" in (campaign_store / "reference_recipe" / "ABLATIONS.md").read_text()
 
 
 def test_a_relocated_store_keeps_new_runs_artifacts_beside_it(tmp_path, monkeypatch):

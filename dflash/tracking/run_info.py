@@ -232,7 +232,8 @@ def relocate_artifacts(db: str | os.PathLike, relative: bool = True) -> int:
     """Point a sqlite store's artifact locations at the `mlartifacts/` folder beside the database file, so the
     store shows its artifacts wherever it is extracted: `relative=True` writes `mlartifacts/<run id>/artifacts`
     (resolved from the folder `mlflow ui` starts in: run it beside `mlflow.db`), `relative=False` the absolute
-    path of this copy. Returns the number of rows changed."""
+    path of this copy. Registered model versions follow their run (the gate registers a run's `checkpoint`
+    artifact: its source named the GPU machine's folder). Returns the number of rows changed."""
     import sqlite3
     db = Path(db).resolve()
     base = "mlartifacts" if relative else (db.parent / "mlartifacts").as_uri()
@@ -247,9 +248,26 @@ def relocate_artifacts(db: str | os.PathLike, relative: bool = True) -> int:
             if uri and "mlartifacts" in uri:
                 n += con.execute("UPDATE runs SET artifact_uri=? WHERE run_uuid=?",
                                  (f"{base}/{rid}/artifacts", rid)).rowcount
+        n += _relocate_model_versions(con, base)
         con.commit()
     finally:
         con.close()
+    return n
+
+
+def _relocate_model_versions(con, base: str) -> int:
+    """model_versions.source / storage_location under a run's `mlartifacts/<run id>/artifacts/` moved to `base`."""
+    if not con.execute("SELECT name FROM sqlite_master WHERE type='table' AND name='model_versions'").fetchone():
+        return 0  # a store that never registered a model (older MLflow schemas have no registry tables)
+    n = 0
+    rows = con.execute("SELECT rowid, run_id, source, storage_location FROM model_versions").fetchall()
+    for rowid, rid, source, storage in rows:
+        marker = f"mlartifacts/{rid}/artifacts"
+        if rid and marker in f"{source} {storage}":
+            moved = [f"{base}/{rid}/artifacts" + u.split(marker, 1)[1] if u and marker in u else u
+                     for u in (source, storage)]
+            n += con.execute("UPDATE model_versions SET source=?, storage_location=? WHERE rowid=?",
+                             (*moved, rowid)).rowcount
     return n
 
 

@@ -1,26 +1,9 @@
 # Sourced by the GPU job scripts (campaign.sh, sweep.sh, conversations.sh): the environment every job runs with.
-# The GPU machine has torch / transformers / triton but not our other dependencies: their wheels travel in .whl/
-# (and .whl2/, when the 64 MiB a call carries cannot hold the working tree and all of them at once: then an
-# earlier call on the same warm machine installs one folder, and /tmp/site keeps it for the next call).
-# Keep each folder a fixed set and carry both on every fresh machine: .whl = cryptography, mlflow-skinny,
-# pydantic-core (11.1 MB); .whl2 = the rest, sqlalchemy included (11.3 MB). Session 17 moved sqlalchemy
-# over: with the committed sweep store the tracked tree is 51.0 MB, and it with the 15.9 MB .whl of before left
-# 0.2 MB of the 64 MiB (67.1 MB); then 4.6 MB / 3.8 MB were left beside .whl / .whl2, with session 18's 4.0 MB
-# sweep store (the tree 52.6 MB) 3.4 MB / 2.2 MB, and with session 20's 6.4 MB one (the tree 55.0 MB) 1.0 MB / 0.9 MB:
-# the store grows about 1 MB a call, so a longer sweep needs a third folder or a store that leaves the tree. Session 14 carried a trimmed
-# .whl2 on the belief that the machine was still warm. It was a fresh one, and the call failed on a missing hydra.
-# A machine goes back after 30 s idle.
-for d in .whl .whl2; do
-  if compgen -G "$d/*.whl" > /dev/null; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$d"/*.whl \
-      || exit 1
-  fi
-done
-if [ -d /tmp/site ]; then export PYTHONPATH=/tmp/site:$PWD; else export PYTHONPATH=$PWD; fi
+source "$(dirname "${BASH_SOURCE[0]}")/wheels.sh"  # the wheel folders into /tmp/site, PYTHONPATH
 # said at once, not as a ModuleNotFoundError deep in a launch (session 18's second call: issued more than 30 s after
 # the first returned, it met a fresh machine, with neither /tmp/site's first folder nor the sweep's checkpoints)
-missing=$(python3 -c 'import importlib.util as u; print(*[m for m in ("mlflow", "optuna", "hydra", "sqlalchemy") if u.find_spec(m) is None])')
-[ -z "$missing" ] || echo "job_env: this machine lacks $missing: carry the other wheel folder in the next call at once (a machine goes back 30 s after a call, with /tmp/site and every checkpoint)" >&2
+missing=$(python3 -c 'import importlib.util as u; print(*[m for m in ("mlflow", "optuna", "hydra", "sqlalchemy", "pydantic_core", "fla") if u.find_spec(m) is None])')
+[ -z "$missing" ] || echo "job_env: this machine lacks $missing: carry the next wheel folder in the next call at once (a machine goes back 30 s after a call, with /tmp/site and every checkpoint)" >&2
 # datasets serves data.source=conversations only, and shared/tools/gpu-wheels.sh does not fetch it (sessions 19-20's
 # sweeps ran without it): said apart, so it is not read as a missing wheel folder
 python3 -c 'import importlib.util as u; exit(u.find_spec("datasets") is None)' \

@@ -20,12 +20,7 @@ set -uo pipefail
 OUT=${OUT:-gpu_out}
 W=$OUT/production
 mkdir -p "$W" && W=$(cd "$W" && pwd)  # absolute: $OUT may be either
-if [ -d .whl ]; then  # the GPU machine has torch/transformers/triton but not our other dependencies
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-  export PYTHONPATH=/tmp/site:$PWD
-else
-  export PYTHONPATH=$PWD
-fi
+source "$(dirname "$0")/wheels.sh" || exit 1  # our dependencies beside the machine's torch / transformers / triton
 export PYTHONUNBUFFERED=1
 T0=$SECONDS
 left() { echo $(( 530 - (SECONDS - T0) )); }

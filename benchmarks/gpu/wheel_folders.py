@@ -1,0 +1,89 @@
+"""Spread the GPU machine's missing wheels over the folders a device call carries, and say the room left.
+
+    bash ../shared/tools/gpu-wheels.sh /tmp/wheels && python benchmarks/gpu/wheel_folders.py /tmp/wheels
+    python benchmarks/gpu/wheel_folders.py --check          # the room left beside the folders there now
+
+A call carries the working tree (tracked files and untracked ones git does not ignore) and the paths it names, 64 MiB
+in all. The tree holds the reference target's weights (36.9 MB) and the committed campaign and sweep stores, which
+grow with every GPU session; the wheels (about 22 MB) do not fit beside it at once. So they travel in folders
+(`.whl`, `.whl2`, `.whl3`), one per call on the same warm machine: `job_env.sh` installs whichever folder a call
+carries into `/tmp/site`, which lasts until the machine goes back. Session 21's campaign store (9.5 MB) left 0.2 /
+0.05 MB beside session 17's two folders of 11.1 / 11.3 MB: three folders of about 7.5 MB leave about 4 MB.
+
+The split is balanced by size (largest wheel first, into the lightest folder), deterministic for a given set.
+"""
+from __future__ import annotations
+
+import argparse
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+CARRY_LIMIT = 64 * 1024 * 1024  # bytes a device call carries: the working tree and the carried paths together
+FOLDERS = (".whl", ".whl2", ".whl3")
+
+
+def balance(sizes: dict[str, int], n: int) -> list[list[str]]:
+    """Names into n groups of near-equal total size: each name, largest first, to the group lightest so far."""
+    groups: list[list[str]] = [[] for _ in range(n)]
+    totals = [0] * n
+    for name in sorted(sizes, key=lambda k: (-sizes[k], k)):
+        i = totals.index(min(totals))
+        groups[i].append(name)
+        totals[i] += sizes[name]
+    return groups
+
+
+def tree_bytes(repo: Path) -> int:
+    """Bytes of the working tree a call carries: tracked files and untracked files git does not ignore."""
+    out = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=repo,
+                         check=True, capture_output=True).stdout
+    return sum((repo / f).stat().st_size for f in out.decode().split("\0") if f and (repo / f).is_file())
+
+
+def folder_bytes(d: Path) -> int:
+    return sum(f.stat().st_size for f in d.glob("*.whl"))
+
+
+def report(repo: Path) -> int:
+    """Print each folder's size and the room left beside it; 1 when a folder does not fit, else 0."""
+    tree = tree_bytes(repo)
+    print(f"working tree {tree / 1e6:.2f} MB of {CARRY_LIMIT / 1e6:.2f} MB")
+    worst = 0
+    for name in FOLDERS:
+        d = repo / name
+        if d.is_dir():
+            size = folder_bytes(d)
+            room = CARRY_LIMIT - tree - size
+            worst = min(worst, room)
+            print(f"{name}: {size / 1e6:.2f} MB, {room / 1e6:+.2f} MB left beside the tree")
+    return 1 if worst < 0 else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("source", nargs="?", type=Path, help="a folder of wheels (gpu-wheels.sh's output) to spread")
+    ap.add_argument("--check", action="store_true", help="only report the folders there now")
+    ap.add_argument("--repo", type=Path, default=Path(__file__).resolve().parents[2])
+    args = ap.parse_args(argv)
+    if not args.check:
+        if args.source is None or not args.source.is_dir():
+            ap.error(f"source: expected a folder of .whl files, got {args.source}")
+        wheels = {f.name: f.stat().st_size for f in args.source.glob("*.whl")}
+        if not wheels:
+            ap.error(f"source: no .whl files in {args.source}")
+        for name, group in zip(FOLDERS, balance(wheels, len(FOLDERS))):
+            d = args.repo / name
+            tmp = d.with_name(d.name + ".new")
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir()
+            for w in group:
+                shutil.copy2(args.source / w, tmp / w)
+            shutil.rmtree(d, ignore_errors=True)
+            tmp.rename(d)
+    return report(args.repo)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

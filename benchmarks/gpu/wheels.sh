@@ -1,0 +1,18 @@
+# Sourced by job_env.sh and production.sh: the wheel folders a call carries, installed into /tmp/site.
+# The GPU machine has torch / transformers / triton but not our other dependencies: their wheels (about 22 MB) travel
+# in .whl/, .whl2/ and .whl3/, one folder per call on the same warm machine, because the 64 MiB a call carries
+# cannot hold the working tree and all of them at once: each call installs the folder it carries into /tmp/site,
+# which lasts until the machine goes back (30 s after a call). Make the folders with
+# `python benchmarks/gpu/wheel_folders.py <gpu-wheels.sh's folder>` (balanced, about 7.5 MB each); `--check` prints
+# the room left beside each. History: two folders of 11.1 / 11.3 MB (sessions 17-21) left 0.2 / 0.05 MB once session
+# 21's campaign store (9.5 MB) was committed (the tree 55.8 MB); three leave 3.9 MB. The stores grow about 1 MB a GPU
+# session. Session 14 carried a trimmed folder on the belief that the machine was still warm. It was a fresh one,
+# and the call failed on a missing hydra: carry the folders in three calls on every fresh machine, the job with the
+# last.
+for d in .whl .whl2 .whl3; do
+  if compgen -G "$d/*.whl" > /dev/null; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$d"/*.whl \
+      || exit 1
+  fi
+done
+if [ -d /tmp/site ]; then export PYTHONPATH=/tmp/site:$PWD; else export PYTHONPATH=$PWD; fi

@@ -1,0 +1,69 @@
+"""benchmarks/gpu/wheel_folders.py: the GPU machine's wheels spread over the folders a device call carries."""
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+from itertools import product
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "benchmarks" / "gpu" / "wheel_folders.py"
+
+
+@pytest.fixture(scope="module")
+def wf():
+    spec = importlib.util.spec_from_file_location("wheel_folders", SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _best_max(sizes: dict[str, int], n: int) -> int:
+    """The smallest possible heaviest group, by trying every assignment (the plain reference)."""
+    names = list(sizes)
+    best = sum(sizes.values())
+    for assign in product(range(n), repeat=len(names)):
+        totals = [0] * n
+        for name, g in zip(names, assign):
+            totals[g] += sizes[name]
+        best = min(best, max(totals))
+    return best
+
+
+def test_balance_keeps_every_wheel_once_and_near_the_best_split(wf):
+    # session 21's wheel sizes, rounded to kB, and a few small ones
+    sizes = {"cryptography": 4753, "sqlalchemy": 4748, "mlflow_skinny": 4111, "pydantic_core": 2265,
+             "databricks_sdk": 1250, "fla_core": 1085, "pydantic": 495, "optuna": 443, "fla": 404}
+    groups = wf.balance(sizes, 3)
+    assert sorted(n for g in groups for n in g) == sorted(sizes)
+    heaviest = max(sum(sizes[n] for n in g) for g in groups)
+    assert heaviest <= 4 / 3 * _best_max(sizes, 3)  # largest-first greedy's bound (Graham)
+    assert heaviest < sum(sizes.values()) / 2  # what two folders cannot do
+    assert wf.balance(dict(reversed(sizes.items())), 3) == groups  # the same set gives the same folders
+
+
+def test_the_script_spreads_a_folder_and_reports_the_room(tmp_path):
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    subprocess.run(["git", "init", "-q"], cwd=repo, check=True)
+    (repo / ".gitignore").write_text("/.whl*/\n")
+    (repo / "tracked.bin").write_bytes(b"x" * 1000)
+    src = tmp_path / "wheels"
+    src.mkdir()
+    for i, size in enumerate([500, 400, 300, 200, 100]):
+        (src / f"pkg{i}-1.0-py3-none-any.whl").write_bytes(b"w" * size)
+    out = subprocess.run([sys.executable, str(SCRIPT), str(src), "--repo", str(repo)], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    folders = [repo / d for d in (".whl", ".whl2", ".whl3")]
+    assert sorted(f.name for d in folders for f in d.glob("*.whl")) == sorted(f.name for f in src.glob("*.whl"))
+    assert "working tree 0.00 MB" in out.stdout  # 1 kB tracked, the ignored folders not counted
+    assert out.stdout.count("left beside the tree") == 3
+
+
+def test_the_script_names_a_bad_source(tmp_path):
+    out = subprocess.run([sys.executable, str(SCRIPT), str(tmp_path / "nowhere"), "--repo", str(tmp_path)],
+                         capture_output=True, text=True)
+    assert out.returncode == 2 and "source: expected a folder of .whl files" in out.stderr

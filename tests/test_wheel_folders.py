@@ -4,6 +4,7 @@ from __future__ import annotations
 import importlib.util
 import subprocess
 import sys
+import zipfile
 from itertools import product
 from pathlib import Path
 
@@ -45,6 +46,21 @@ def test_balance_keeps_every_wheel_once_and_near_the_best_split(wf):
     assert wf.balance(dict(reversed(sizes.items())), 3) == groups  # the same set gives the same folders
 
 
+def test_wheels_of_one_top_level_folder_stay_together(wf):
+    """`pip install --target --upgrade` replaces a top-level folder already there: session 21's first three-folder
+    machine lost opentelemetry-sdk to a later call's opentelemetry-api, and mlflow did not import."""
+    tops = {"otel_api.whl": {"opentelemetry"}, "otel_sdk.whl": {"opentelemetry"}, "otel_proto.whl": {"opentelemetry"},
+            "fla_core.whl": {"fla"}, "fla.whl": {"fla"}, "omegaconf.whl": {"omegaconf", "pydevd_plugins"},
+            "plugin.whl": {"pydevd_plugins"}, "mlflow.whl": {"mlflow"}, "a.whl": {"a"}, "b.whl": {"b"}}
+    assert wf.install_groups(tops) == [["a.whl"], ["b.whl"], ["fla.whl", "fla_core.whl"], ["mlflow.whl"],
+                                       ["omegaconf.whl", "plugin.whl"], ["otel_api.whl", "otel_proto.whl", "otel_sdk.whl"]]
+    sizes = {w: 100 for w in tops}
+    folders = wf.spread(sizes, tops, 3)
+    assert sorted(w for f in folders for w in f) == sorted(tops)
+    for group in wf.install_groups(tops):
+        assert sum(set(group) <= set(f) for f in folders) == 1
+
+
 def test_the_script_spreads_a_folder_and_reports_the_room(tmp_path):
     repo = tmp_path / "repo"
     repo.mkdir()
@@ -54,7 +70,9 @@ def test_the_script_spreads_a_folder_and_reports_the_room(tmp_path):
     src = tmp_path / "wheels"
     src.mkdir()
     for i, size in enumerate([500, 400, 300, 200, 100]):
-        (src / f"pkg{i}-1.0-py3-none-any.whl").write_bytes(b"w" * size)
+        with zipfile.ZipFile(src / f"pkg{i}-1.0-py3-none-any.whl", "w") as z:
+            z.writestr(f"pkg{i}/__init__.py", "w" * size)
+            z.writestr(f"pkg{i}-1.0.dist-info/METADATA", "")
     out = subprocess.run([sys.executable, str(SCRIPT), str(src), "--repo", str(repo)], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     folders = [repo / d for d in (".whl", ".whl2", ".whl3")]

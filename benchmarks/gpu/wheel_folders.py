@@ -10,7 +10,11 @@ grow with every GPU session; the wheels (about 22 MB) do not fit beside it at on
 carries into `/tmp/site`, which lasts until the machine goes back. Session 21's campaign store (9.5 MB) left 0.2 /
 0.05 MB beside session 17's two folders of 11.1 / 11.3 MB: three folders of about 7.5 MB leave about 4 MB.
 
-The split is balanced by size (largest wheel first, into the lightest folder), deterministic for a given set.
+The split is balanced by size (largest first, into the lightest folder), deterministic for a given set, and it
+keeps wheels that install into one top-level folder together (the opentelemetry-* namespace, fla-core with
+flash-linear-attention): `pip install --target --upgrade` replaces a top-level folder that is already there, so a
+later call's opentelemetry-api removed the opentelemetry-sdk an earlier call had put in /tmp/site, and mlflow did
+not import (session 21's first three-folder machine).
 """
 from __future__ import annotations
 
@@ -18,6 +22,7 @@ import argparse
 import shutil
 import subprocess
 import sys
+import zipfile
 from pathlib import Path
 
 CARRY_LIMIT = 64 * 1024 * 1024  # bytes a device call carries: the working tree and the carried paths together
@@ -33,6 +38,33 @@ def balance(sizes: dict[str, int], n: int) -> list[list[str]]:
         groups[i].append(name)
         totals[i] += sizes[name]
     return groups
+
+
+def top_level(wheel: Path) -> set[str]:
+    """The top-level names a wheel installs (packages, modules), its metadata folders left out."""
+    with zipfile.ZipFile(wheel) as z:
+        names = {n.split("/", 1)[0] for n in z.namelist()}
+    return {n for n in names if not n.endswith((".dist-info", ".data"))}
+
+
+def install_groups(tops: dict[str, set[str]]) -> list[list[str]]:
+    """Wheels joined where they install into a shared top-level name (transitively), each group sorted."""
+    groups: list[tuple[set[str], list[str]]] = []
+    for wheel in sorted(tops):
+        names, members = set(tops[wheel]), [wheel]
+        for g in [g for g in groups if g[0] & names]:
+            groups.remove(g)
+            names |= g[0]
+            members += g[1]
+        groups.append((names, sorted(members)))
+    return sorted(members for _, members in groups)
+
+
+def spread(wheels: dict[str, int], tops: dict[str, set[str]], n: int) -> list[list[str]]:
+    """Wheels into n folders of near-equal size, each install group whole."""
+    groups = {"+".join(g): g for g in install_groups(tops)}
+    packed = balance({k: sum(wheels[w] for w in g) for k, g in groups.items()}, n)
+    return [sorted(w for k in folder for w in groups[k]) for folder in packed]
 
 
 def tree_bytes(repo: Path) -> int:
@@ -70,10 +102,12 @@ def main(argv: list[str] | None = None) -> int:
     if not args.check:
         if args.source is None or not args.source.is_dir():
             ap.error(f"source: expected a folder of .whl files, got {args.source}")
-        wheels = {f.name: f.stat().st_size for f in args.source.glob("*.whl")}
-        if not wheels:
+        files = sorted(args.source.glob("*.whl"))
+        if not files:
             ap.error(f"source: no .whl files in {args.source}")
-        for name, group in zip(FOLDERS, balance(wheels, len(FOLDERS))):
+        wheels = {f.name: f.stat().st_size for f in files}
+        tops = {f.name: top_level(f) for f in files}
+        for name, group in zip(FOLDERS, spread(wheels, tops, len(FOLDERS))):
             d = args.repo / name
             tmp = d.with_name(d.name + ".new")
             shutil.rmtree(tmp, ignore_errors=True)

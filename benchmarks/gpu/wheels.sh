@@ -4,7 +4,9 @@
 # cannot hold the working tree and all of them at once: each call installs the folder it carries into /tmp/site,
 # which lasts until the machine goes back (30 s after a call). Make the folders with
 # `python benchmarks/gpu/wheel_folders.py <gpu-wheels.sh's folder>` (balanced, about 7.5 MB each); `--check` prints
-# the room left beside each. History: two folders of 11.1 / 11.3 MB (sessions 17-21) left 0.2 / 0.05 MB once session
+# the room left beside each; it keeps wheels that share a top-level folder (opentelemetry-*) in one folder, because
+# pip's --target --upgrade replaces such a folder wholesale (session 21: mlflow lost opentelemetry.sdk so). Checked on
+# a fresh H200 in session 21: after the three calls mlflow, optuna, hydra, sqlalchemy, fla and pydantic_core import. History: two folders of 11.1 / 11.3 MB (sessions 17-21) left 0.2 / 0.05 MB once session
 # 21's campaign store (9.5 MB) was committed (the tree 55.8 MB); three leave 3.9 MB. The stores grow about 1 MB a GPU
 # session. Session 14 carried a trimmed folder on the belief that the machine was still warm. It was a fresh one,
 # and the call failed on a missing hydra: carry the folders in three calls on every fresh machine, the job with the

@@ -23,12 +23,13 @@ from typing import Any
 
 from dflash.evaluation.pairing import NotPaired, ground_truth_of, metric_columns, paired_delta, per_task
 from dflash.evaluation.stats import pooled_ci
+from dflash.serving.promotion import DECISION_TAG, REASON_TAG, VERSION_TAG
 from sweeps.campaign_report import task_methods
 from sweeps.learning_curves import eval_curve, read_metrics
 from sweeps.objective import (ATTR_CONTINUES, ATTR_ERROR, ATTR_RUN_DIR, ATTR_RUN_ID, STUDY_LAUNCH_STARTS, TIE_LEVEL,
                               continued_map, trial_table)
 
-PROMOTION_TAGS = ("dflash.promotion.decision", "dflash.promotion.reason", "dflash.promotion.version")
+PROMOTION_TAGS = (DECISION_TAG, REASON_TAG, VERSION_TAG)  # dflash/serving/promotion.py's names
 
 
 def chains(trials) -> list[list]:

@@ -61,6 +61,7 @@ DECISION_TAG = "dflash.promotion.decision"
 REASON_TAG = "dflash.promotion.reason"
 RECORD_TAG = "dflash.promotion.record"  # a version's whole decision record, JSON (`decision_record`)
 PREFIX = "dflash.promotion."
+VERSION_TAG = PREFIX + "version"  # on the run: the model version the gate made of it
 TARGET_FP = "dflash.target_fingerprint"  # run and version tag: the target the drafter was trained for
 PROMOTED, REFUSED = "promoted", "refused"
 _TAG_VALUE_LIMIT = 5000  # reasons and run tags: keeps the UI readable
@@ -449,7 +450,7 @@ def _run_decision_tags(d: Decision, version: str | None = None, model: str | Non
     """What the gate adds to the run: its decision and reason, and the version it made (the record is on it)."""
     tags = {DECISION_TAG: PROMOTED if d.promoted else REFUSED, REASON_TAG: truncate(d.reason, _TAG_VALUE_LIMIT)}
     if version is not None:
-        tags.update({PREFIX + "version": version, PREFIX + "model": model or ""})
+        tags.update({VERSION_TAG: version, PREFIX + "model": model or ""})
     return tags
 
 
@@ -564,4 +565,4 @@ def auto_promote(run_id: str | None, cfg: PromoteConfig, tracking_uri: str | Non
 
 
 __all__ = ["PromoteConfig", "Decision", "PromotionError", "promote", "auto_promote", "registry_lock",
-           "check_store", "DECISION_TAG", "REASON_TAG"]
+           "check_store", "DECISION_TAG", "REASON_TAG", "VERSION_TAG"]

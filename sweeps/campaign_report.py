@@ -268,8 +268,9 @@ def render_report(c, summary: dict) -> str:
                       f"interval above excludes 0).{tie}", ""]
         else:
             from sweeps.campaign import best_option
-            ran = {x["option"] for x in cells}
-            left = ", ".join(o for o in stage.options if o not in ran) or "a seed of each option"
+            ran = {(x["option"], int(x["seed"])) for x in cells}
+            left = ", ".join(o if len(c.seeds) == 1 else f"{o} (seed {s})"
+                             for o in stage.options for s in c.seeds if (o, s) not in ran)
             lines += [f"**Stage incomplete**: {len(cells)} of {len(stage.options) * len(c.seeds)} cells; highest "
                       f"mean objective so far: {best_option(cells)} (not a winner until every option has run). "
                       f"Not run yet: {left} (`python -m sweeps.campaign {c.name} only=[{stage.factor}]`).", ""]

@@ -1,4 +1,4 @@
-# Sourced by job_env.sh and production.sh: the wheel folders a call carries, installed into /tmp/site.
+# Sourced by job_env.sh, production.sh and ../h200_campaign.sh: the wheel folders a call carries, installed into /tmp/site.
 # The GPU machine has torch / transformers / triton but not our other dependencies: their wheels (about 22 MB) travel
 # in .whl/, .whl2/ and .whl3/, one folder per call on the same warm machine, because the 64 MiB a call carries
 # cannot hold the working tree and all of them at once: each call installs the folder it carries into /tmp/site,

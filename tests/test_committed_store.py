@@ -107,3 +107,27 @@ def test_a_relocated_store_keeps_new_runs_artifacts_beside_it(tmp_path, monkeypa
     c.log_artifact(run_id, str(tmp_path / "tasks.json"), "eval")
     assert (store / "mlartifacts" / run_id / "artifacts" / "eval" / "tasks.json").is_file()
     assert not (elsewhere / "mlartifacts").exists()
+
+
+def test_the_recipe_quotes_the_stores_figures(campaign_store):
+    """The figures `+recipe=best_reference` and ABLATIONS.md quote are the committed store's: its winning cell's
+    held-out τ with its interval, and the gate's decision on that cell's run (@champion)."""
+    import json
+
+    from mlflow.tracking import MlflowClient
+    from sweeps.campaign import load_campaign
+    from sweeps.campaign_report import write_report
+    summary = json.loads((campaign_store / "reference_recipe" / "summary.json").read_text())
+    cell = next(c for c in summary["cells"] if c["cell"] == "s0-depth-layers8_sweep30-seed0")
+    write_report(load_campaign("reference_recipe"), campaign_store)
+    report = (campaign_store / "reference_recipe" / "ABLATIONS.md").read_text()
+    row = next(r for r in report.split("### suite `heldout`", 1)[1].splitlines() if r.startswith("| layers8_sweep30 |"))
+    tau = row.split(" | ")[2]  # "8.169 [7.590, 8.761]"
+    assert tau.startswith(f"{cell['value']:.3f} [")
+    recipe = (ROOT / "conf" / "recipe" / "best_reference.yaml").read_text()
+    ablations = (ROOT / "benchmarks" / "ABLATIONS.md").read_text()
+    assert f"Held-out τ vanilla {tau}" in recipe and f"held-out τ **{tau}**" in ablations
+    champion = MlflowClient(f"sqlite:///{campaign_store / 'mlflow.db'}").get_model_version_by_alias(
+        "dflash-drafter", "champion")
+    assert champion.run_id == json.loads((Path(cell["run_dir"].replace("campaign_out", str(campaign_store), 1))
+                                          / "mlflow_run.json").read_text())["run_id"]

@@ -129,5 +129,4 @@ def test_the_recipe_quotes_the_stores_figures(campaign_store):
     assert f"Held-out τ vanilla {tau}" in recipe and f"held-out τ **{tau}**" in ablations
     champion = MlflowClient(f"sqlite:///{campaign_store / 'mlflow.db'}").get_model_version_by_alias(
         "dflash-drafter", "champion")
-    assert champion.run_id == json.loads((Path(cell["run_dir"].replace("campaign_out", str(campaign_store), 1))
-                                          / "mlflow_run.json").read_text())["run_id"]
+    assert champion.run_id == json.loads((campaign_store.parent / cell["run_dir"] / "mlflow_run.json").read_text())["run_id"]

@@ -55,9 +55,6 @@ $PY -m sweeps.campaign "$C" report out=campaign_out "${EDITS[@]}" > "$OUT/report
 $PY - "$C" "$OUT" <<'EOF' || true
 import json, sys, tarfile
 from pathlib import Path
-from mlflow.tracking import MlflowClient
-from dflash.serving.promotion import VERSION_TAG
-from dflash.tracking.records import read_mlflow_record
 s = json.loads(Path(f"campaign_out/{sys.argv[1]}/summary.json").read_text())
 done = [c for c in s["cells"] if c.get("value") is not None and not c.get("reused_from")
         and (Path(c["run_dir"]) / "final").is_dir()]  # cells of earlier jobs came back without weights
@@ -68,9 +65,6 @@ with tarfile.open(f"{sys.argv[2]}/best_drafter.tgz", "w:gz") as tar:
     tar.add(Path(best["run_dir"]) / "final", arcname=best["cell"])
 print("best cell", best["cell"], best["value"], file=sys.stderr)
 Path(f"{sys.argv[2]}/best_run_dir.txt").write_text(best["run_dir"])
-rec = read_mlflow_record(best["run_dir"])
-if rec and VERSION_TAG not in MlflowClient(rec["tracking_uri"]).get_run(rec["run_id"]).data.tags:
-    Path(f"{sys.argv[2]}/best_ungated").touch()  # not through the gate yet: PROMOTE=new (the default) gates it
 EOF
 gate_and_split "$OUT"  # job_env.sh: the best cell through the gate (PROMOTE), a large drafter in parts
 pack_store "$OUT/campaign.tar.xz" campaign_out/mlflow.db campaign_out  # job_env.sh

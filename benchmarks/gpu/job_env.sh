@@ -37,20 +37,33 @@ pack_store() {
   return $rc
 }
 
+# needs_gate RUN_DIR: whether the run is tracked and has no gate decision yet (no model version made of it), read in
+# the run's own store (its mlflow_run.json): what PROMOTE=new gates
+needs_gate() {
+  ${PY:-python} - "$1" <<'EOF'
+import sys
+from mlflow.tracking import MlflowClient
+from dflash.serving.promotion import VERSION_TAG
+from dflash.tracking.records import read_mlflow_record
+rec = read_mlflow_record(sys.argv[1])
+sys.exit(0 if rec and VERSION_TAG not in MlflowClient(rec["tracking_uri"]).get_run(rec["run_id"]).data.tags else 1)
+EOF
+}
+
 # gate_and_split OUT: the job's best run (OUT/best_run_dir.txt, written by the job) through the promotion gate
 # (docs/evaluation.md), its decision in the store's registry before the store is packed: PROMOTE=new (default) when
-# the job marked it OUT/best_ungated (no gate decision yet), 1 always, 0 never; PROMOTE_ARGS e.g. "--dry-run" or
-# "--margin 0.05". The gate reads the MLflow store only (seconds, no GPU), and it needs the run's checkpoint on this
-# machine: session 20 left it to a later call, the machine went back, and the sweep's best (trial 30) could not be
-# gated at all. Then OUT/best_drafter.tgz in parts when a call could not bring it back whole (16 MiB a file): an
-# 8-layer drafter packs to 39 MiB; join them with `cat best_drafter.tgz.part* > best_drafter.tgz`.
+# it has no gate decision yet (needs_gate), 1 always, 0 never; PROMOTE_ARGS e.g. "--dry-run" or "--margin 0.05".
+# The gate reads the MLflow store only (seconds, no GPU), and it needs the run's checkpoint on this machine: session
+# 20 left it to a later call, the machine went back, and the sweep's best (trial 30) could not be gated at all. Then
+# OUT/best_drafter.tgz in parts when a call could not bring it back whole (16 MiB a file): an 8-layer drafter packs
+# to 39 MiB; join them with `cat best_drafter.tgz.part* > best_drafter.tgz`.
 gate_and_split() {
-  local out=$1
-  if [ -f "$out/best_run_dir.txt" ] && { [ "${PROMOTE:-new}" = 1 ] || { [ "${PROMOTE:-new}" = new ] && [ -f "$out/best_ungated" ]; }; }; then
-    ${PY:-python} -m experiments.promote "$(cat "$out/best_run_dir.txt")" ${PROMOTE_ARGS:-} > "$out/promote.log" 2>&1
+  local out=$1 run=""
+  [ -f "$out/best_run_dir.txt" ] && run=$(cat "$out/best_run_dir.txt")
+  if [ -n "$run" ] && { [ "${PROMOTE:-new}" = 1 ] || { [ "${PROMOTE:-new}" = new ] && needs_gate "$run"; }; }; then
+    ${PY:-python} -m experiments.promote "$run" ${PROMOTE_ARGS:-} > "$out/promote.log" 2>&1
     echo "== promote exited $? (0 promoted, 3 refused): $(tail -3 "$out/promote.log" | tr '\n' ' ')" >&2
   fi
-  rm -f "$out/best_ungated"
   if [ -f "$out/best_drafter.tgz" ] && [ "$(stat -c %s "$out/best_drafter.tgz")" -gt $((15 * 1024 * 1024)) ]; then
     split -b 15M -d -a 1 "$out/best_drafter.tgz" "$out/best_drafter.tgz.part" && rm "$out/best_drafter.tgz"
   fi

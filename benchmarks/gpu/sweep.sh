@@ -77,12 +77,6 @@ if b and b["run_dir"] and (Path(b["run_dir"]) / "final").is_dir():
         tar.add(Path(b["run_dir"]) / "final", arcname=Path(b["run_dir"]).name)
     print(f"best trial #{b['number']} {b['value']:.6g} {json.dumps(b['params'], default=str)} -> best_drafter.tgz")
     Path(f"{sys.argv[2]}/best_run_dir.txt").write_text(b["run_dir"])
-    from mlflow.tracking import MlflowClient
-    from dflash.serving.promotion import VERSION_TAG
-    run_id = json.loads((Path(b["run_dir"]) / "mlflow_run.json").read_text())["run_id"]
-    tags = MlflowClient(study.user_attrs["mlflow.tracking_uri"]).get_run(run_id).data.tags  # the launch's store
-    if VERSION_TAG not in tags:  # not through the gate yet: PROMOTE=new (the default) gates it
-        Path(f"{sys.argv[2]}/best_ungated").touch()
 else:
     print("no complete trial with its final/ drafter on this machine")
 EOF

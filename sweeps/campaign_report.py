@@ -90,6 +90,15 @@ def _delta(seeds: dict[int, dict], ref: dict[int, dict], sum_col: str = "tau_sum
     return _fmt(delta), _verdict(delta)
 
 
+def _reused_lines(cells: list[dict]) -> list[str]:
+    """A line naming the options of a stage whose run is an earlier cell's (its composed config is that cell's)."""
+    reused = sorted({(x["option"], x["reused_from"]) for x in cells if x.get("reused_from")})
+    if not reused:
+        return []
+    return [", ".join(f"`{o}` is `{src}`'s run" for o, src in reused)
+            + " (the same composed config: reused, not trained again).", ""]
+
+
 def stage_table(cells: list[dict], suite: str, reference: str,
                 baseline: tuple[str, list[dict]] | None = None) -> list[str]:
     """Markdown rows for one stage and suite; each option's seeds paired with the reference's seeds, and, when
@@ -257,7 +266,11 @@ def render_report(c, summary: dict) -> str:
             deltas = delta_table(cells, suite, stage.options[0])
             if len(deltas) > 2:
                 lines += ["Paired Δτ per drafting method:", "", *deltas, ""]
-        lines += curve_section([x for x in cells if "reused_from" not in x], c.objective, stage.factor)
+        # every option of the stage, its reference too where that is an earlier stage's run (reused, not trained
+        # again): left out, the rank agreement ranked the other options only (sessions 12-21's noise and buffer
+        # tables had no `none` / `r10_20` row)
+        lines += curve_section(cells, c.objective, stage.factor)
+        lines += _reused_lines(cells)
         # a stage given more options after its winner was called (the campaign file grew) is open again
         complete = len({x["option"] for x in cells}) >= len(stage.options)
         if stage.factor in winners and complete:

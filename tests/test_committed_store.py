@@ -41,8 +41,9 @@ def test_relocate_artifacts_absolute_for_any_working_folder(tmp_path):
     with tarfile.open(STORE) as t:
         t.extractall(tmp_path, filter="data")
     db = tmp_path / "campaign_out" / "mlflow.db"
-    # three campaign experiments, 42 runs, 3 registered model versions (the gate's: session 21's champion among them)
-    assert relocate_artifacts(db, relative=False) == 48
+    # three campaign experiments, 47 runs, 4 registered model versions (the gate's: session 21's champion among them,
+    # session 22's refused buffer cell)
+    assert relocate_artifacts(db, relative=False) == 54
     c = MlflowClient(f"sqlite:///{db}")
     r = c.search_runs([c.get_experiment_by_name("dflash-ablation").experiment_id], max_results=1)[0]
     assert r.info.artifact_uri == (db.parent / "mlartifacts").as_uri() + f"/{r.info.run_id}/artifacts"
@@ -67,19 +68,33 @@ def test_ablation_table_shows_the_pooled_interval(campaign_store):
 
 
 def test_report_names_the_stages_not_run_yet(campaign_store, capsys):
-    """reference_64m's buffer stage has no cells in the store, and reference_recipe's `prompts` stage (added after
-    its first stage ran) only the winner's own cell: the report names what is left and the command that runs it
-    instead of ending after the last stage that ran."""
+    """reference_recipe's `prompts` stage (added after its first stage ran) has only the winner's own cell: the
+    report names what is left and the command that runs it instead of ending after the last stage that ran."""
     from sweeps.campaign import load_campaign
     from sweeps.campaign_report import write_report
-    for name, stage, said in [("reference_recipe", "prompts", "**Stage incomplete**: 1 of 2 cells"),
-                              ("reference_64m", "buffer", "**Not run yet**: 0 of")]:
-        write_report(load_campaign(name), campaign_store)
-        text = (campaign_store / name / "ABLATIONS.md").read_text()
-        section = text.split(f": {stage}", 1)[1].split("\n## ")[0]
-        assert said in section
-        assert f"`python -m sweeps.campaign {name} only=[{stage}]`" in section
-    assert "Not run yet: cuts8 (" in (campaign_store / "reference_recipe" / "ABLATIONS.md").read_text()
+    write_report(load_campaign("reference_recipe"), campaign_store)
+    text = (campaign_store / "reference_recipe" / "ABLATIONS.md").read_text()
+    section = text.split(": prompts", 1)[1].split("\n## ")[0]
+    assert "**Stage incomplete**: 1 of 2 cells" in section
+    assert "Not run yet: cuts8 (`python -m sweeps.campaign reference_recipe only=[prompts]`)" in section
+
+
+def test_a_reused_reference_is_in_its_stages_learning_curve(campaign_store):
+    """reference_64m's buffer stage (session 22) reuses the data stage's views4 run as its r10_20 reference (the same
+    composed config) and the noise stage the loss stage's streak run as `none`: both are rows of their stage's
+    learning curve, so the rank agreement ranks every option, and the report says whose run they are."""
+    from sweeps.campaign import load_campaign
+    from sweeps.campaign_report import write_report
+    write_report(load_campaign("reference_64m", ["campaign.seeds=[0]"]), campaign_store)
+    text = (campaign_store / "reference_64m" / "ABLATIONS.md").read_text()
+    assert "**Not run yet**" not in text and "Stage incomplete" not in text
+    stages = {s.split("\n", 1)[0].split(" (")[0]: s for s in text.split("\n## Stage ")[1:]}
+    for stage, reference, run in [("1: noise", "none", "s0-loss-streak-seed0"),
+                                  ("3: buffer", "r10_20", "s2-data-views4-seed0")]:
+        curve = stages[stage].split("#### Learning curve", 1)[1].split("Rank agreement", 1)[0]
+        assert f"\n| {reference} | 1 | " in curve, curve
+        assert f"`{reference}` is `{run}`'s run" in stages[stage]
+    assert "| r10_20 | 1 | 4.227 [3.864, 4.627] |" in stages["3: buffer"]  # the pinned reference, held-out
 
 
 def test_a_relocated_store_keeps_new_runs_artifacts_beside_it(tmp_path, monkeypatch):

@@ -73,12 +73,34 @@ def test_the_script_spreads_a_folder_and_reports_the_room(tmp_path):
         with zipfile.ZipFile(src / f"pkg{i}-1.0-py3-none-any.whl", "w") as z:
             z.writestr(f"pkg{i}/__init__.py", "w" * size)
             z.writestr(f"pkg{i}-1.0.dist-info/METADATA", "")
-    out = subprocess.run([sys.executable, str(SCRIPT), str(src), "--repo", str(repo)], capture_output=True, text=True)
+    (repo / ".whl5").mkdir()  # a folder of an earlier, larger split
+    out = subprocess.run([sys.executable, str(SCRIPT), str(src), "--repo", str(repo), "--folders", "3"],
+                         capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     folders = [repo / d for d in (".whl", ".whl2", ".whl3")]
     assert sorted(f.name for d in folders for f in d.glob("*.whl")) == sorted(f.name for f in src.glob("*.whl"))
+    assert not (repo / ".whl5").exists()  # gone: a call carrying it would install wheels twice
     assert "working tree 0.00 MB" in out.stdout  # 1 kB tracked, the ignored folders not counted
     assert out.stdout.count("left beside the tree") == 3
+    # by default the fewest folders that fit: here one holds everything
+    out = subprocess.run([sys.executable, str(SCRIPT), str(src), "--repo", str(repo)], capture_output=True, text=True)
+    assert out.returncode == 0 and out.stdout.count("left beside the tree") == 1, out.stdout + out.stderr
+    assert [d.name for d in sorted(repo.glob(".whl*"))] == [".whl"]
+
+
+def test_fewest_folders_that_leave_the_room(wf):
+    """Session 22: three folders of 7.5 MB left 1.7 MB beside an 11.7 MB store; the default is the fewest folders
+    whose heaviest fits the room, install groups whole."""
+    sizes = {"a.whl": 500, "b.whl": 400, "c.whl": 300, "d.whl": 200, "e.whl": 100}
+    tops = {w: {w[0]} for w in sizes}
+    assert len(wf.fewest_folders(sizes, tops, 1500)) == 1
+    assert len(wf.fewest_folders(sizes, tops, 800)) == 2  # largest first: 500+200+100 / 400+300
+    assert len(wf.fewest_folders(sizes, tops, 799)) == 3
+    folders = wf.fewest_folders(sizes, tops, 500)
+    assert len(folders) == 3 and max(sum(sizes[w] for w in f) for f in folders) <= 500
+    with pytest.raises(ValueError, match=r"a.whl.*do not fit"):
+        wf.fewest_folders(sizes, tops, 450)
+    assert wf.folder_names(4) == [".whl", ".whl2", ".whl3", ".whl4"]
 
 
 def test_the_script_names_a_bad_source(tmp_path):

@@ -27,7 +27,7 @@
 # call's own limit, default 590), HARD (s, default LIMIT - 60: the packing after it needs the rest; not DEADLINE +
 # 220, which cut a resuming job with a short DEADLINE long before its call's limit), STUDY (default: the sweep's
 # name), STORE, TRUTH, CAMPAIGN_STORE, OUT (default gpu_out), PROMOTE (new / 1 / 0: the best trial through the gate, below), PROMOTE_ARGS, PY (python).
-# The GPU machine lacks our stack's wheels: ship them in .whl/, .whl2/, .whl3/ as for benchmarks/gpu/campaign.sh.
+# The GPU machine lacks our stack's wheels: ship them in .whl/, .whl2/, ... (wheel_folders.py) as for benchmarks/gpu/campaign.sh.
 set -uo pipefail
 S=${1:-loss_variants}
 shift || true

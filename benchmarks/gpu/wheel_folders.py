@@ -1,14 +1,17 @@
 """Spread the GPU machine's missing wheels over the folders a device call carries, and say the room left.
 
     bash ../shared/tools/gpu-wheels.sh /tmp/wheels && python benchmarks/gpu/wheel_folders.py /tmp/wheels
+    python benchmarks/gpu/wheel_folders.py /tmp/wheels --folders 4   # a set number of folders
     python benchmarks/gpu/wheel_folders.py --check          # the room left beside the folders there now
 
 A call carries the working tree (tracked files and untracked ones git does not ignore) and the paths it names, 64 MiB
 in all. The tree holds the reference target's weights (36.9 MB) and the committed campaign and sweep stores, which
 grow with every GPU session; the wheels (about 22 MB) do not fit beside it at once. So they travel in folders
-(`.whl`, `.whl2`, `.whl3`), one per call on the same warm machine: `job_env.sh` installs whichever folder a call
-carries into `/tmp/site`, which lasts until the machine goes back. Session 21's campaign store (9.5 MB) left 0.2 /
-0.05 MB beside session 17's two folders of 11.1 / 11.3 MB: three folders of about 7.5 MB leave about 4 MB.
+(`.whl`, `.whl2`, ... `.whlN`), one per call on the same warm machine: `wheels.sh` installs whichever folder a call
+carries into `/tmp/site`, which lasts until the machine goes back. By default the script makes the fewest folders
+that each leave `MARGIN` beside the tree, for the stores' growth. History: session 21's campaign store (9.5 MB)
+left 0.2 / 0.05 MB beside session 17's two folders of 11.1 / 11.3 MB; three of about 7.5 MB left 3.9 MB, and
+session 22's store (11.7 MB, 2.2 MB more for five runs) left 1.7 MB.
 
 The split is balanced by size (largest first, into the lightest folder), deterministic for a given set, and it
 keeps wheels that install into one top-level folder together (the opentelemetry-* namespace, fla-core with
@@ -26,7 +29,20 @@ import zipfile
 from pathlib import Path
 
 CARRY_LIMIT = 64 * 1024 * 1024  # bytes a device call carries: the working tree and the carried paths together
-FOLDERS = (".whl", ".whl2", ".whl3")
+# room each folder leaves beside the tree: session 22's five campaign runs grew the store 2.2 MB, and a folder that
+# does not fit fails the call before anything runs
+MARGIN = 3_000_000
+
+
+def folder_names(n: int) -> list[str]:
+    """The names of n wheel folders, in the order the calls carry them (`wheels.sh` installs any of them)."""
+    return [".whl"] + [f".whl{i}" for i in range(2, n + 1)]
+
+
+def present(repo: Path) -> list[str]:
+    """The wheel folders there now, in carrying order."""
+    found = [d.name for d in repo.glob(".whl*") if d.is_dir() and (d.name == ".whl" or d.name[4:].isdigit())]
+    return sorted(found, key=lambda name: int(name[4:] or 1))
 
 
 def balance(sizes: dict[str, int], n: int) -> list[list[str]]:
@@ -67,6 +83,19 @@ def spread(wheels: dict[str, int], tops: dict[str, set[str]], n: int) -> list[li
     return [sorted(w for k in folder for w in groups[k]) for folder in packed]
 
 
+def fewest_folders(wheels: dict[str, int], tops: dict[str, set[str]], room: int) -> list[list[str]]:
+    """The fewest folders (`spread`) whose heaviest fits in `room` bytes; an error naming the wheels when even one
+    install group per folder does not fit."""
+    n_groups = len(install_groups(tops))
+    for n in range(1, n_groups + 1):
+        folders = spread(wheels, tops, n)
+        if max(sum(wheels[w] for w in f) for f in folders) <= room:
+            return folders
+    heaviest = max(install_groups(tops), key=lambda g: sum(wheels[w] for w in g))
+    raise ValueError(f"wheels {heaviest} ({sum(wheels[w] for w in heaviest) / 1e6:.2f} MB) do not fit in the "
+                     f"{room / 1e6:.2f} MB a call has beside the working tree and MARGIN")
+
+
 def tree_bytes(repo: Path) -> int:
     """Bytes of the working tree a call carries: tracked files and untracked files git does not ignore."""
     out = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=repo,
@@ -83,7 +112,7 @@ def report(repo: Path) -> int:
     tree = tree_bytes(repo)
     print(f"working tree {tree / 1e6:.2f} MB of {CARRY_LIMIT / 1e6:.2f} MB")
     worst = 0
-    for name in FOLDERS:
+    for name in present(repo):
         d = repo / name
         if d.is_dir():
             size = folder_bytes(d)
@@ -93,11 +122,29 @@ def report(repo: Path) -> int:
     return 1 if worst < 0 else 0
 
 
+def write_folders(repo: Path, source: Path, groups: list[list[str]]) -> None:
+    """Each group of wheels into its folder (made aside, then moved in); folders of an earlier, larger split go."""
+    names = folder_names(len(groups))
+    for name, group in zip(names, groups):
+        d = repo / name
+        tmp = d.with_name(d.name + ".new")
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+        for w in group:
+            shutil.copy2(source / w, tmp / w)
+        shutil.rmtree(d, ignore_errors=True)
+        tmp.rename(d)
+    for stale in set(present(repo)) - set(names):
+        shutil.rmtree(repo / stale)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("source", nargs="?", type=Path, help="a folder of wheels (gpu-wheels.sh's output) to spread")
     ap.add_argument("--check", action="store_true", help="only report the folders there now")
     ap.add_argument("--repo", type=Path, default=Path(__file__).resolve().parents[2])
+    ap.add_argument("--folders", type=int, default=None,
+                    help="how many folders (default: the fewest that each leave MARGIN beside the tree)")
     args = ap.parse_args(argv)
     if not args.check:
         if args.source is None or not args.source.is_dir():
@@ -105,17 +152,18 @@ def main(argv: list[str] | None = None) -> int:
         files = sorted(args.source.glob("*.whl"))
         if not files:
             ap.error(f"source: no .whl files in {args.source}")
+        if args.folders is not None and args.folders < 1:
+            ap.error(f"--folders: expected at least 1, got {args.folders}")
         wheels = {f.name: f.stat().st_size for f in files}
         tops = {f.name: top_level(f) for f in files}
-        for name, group in zip(FOLDERS, spread(wheels, tops, len(FOLDERS))):
-            d = args.repo / name
-            tmp = d.with_name(d.name + ".new")
-            shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir()
-            for w in group:
-                shutil.copy2(args.source / w, tmp / w)
-            shutil.rmtree(d, ignore_errors=True)
-            tmp.rename(d)
+        if args.folders is None:
+            try:
+                groups = fewest_folders(wheels, tops, CARRY_LIMIT - tree_bytes(args.repo) - MARGIN)
+            except ValueError as e:
+                ap.error(str(e))
+        else:
+            groups = spread(wheels, tops, args.folders)
+        write_folders(args.repo, args.source, groups)
     return report(args.repo)
 
 

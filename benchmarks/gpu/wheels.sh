@@ -13,6 +13,7 @@
 # belief that the machine was still warm. It was a fresh one, and the call failed on a missing hydra: carry every
 # folder, one per call, on every fresh machine, the job with the last.
 for d in .whl .whl[0-9]*; do  # the folders wheel_folders.py made, whichever this call carries
+  [[ $d =~ ^\.whl[0-9]*$ ]] || continue  # not its half-written .whl2.new
   if compgen -G "$d/*.whl" > /dev/null; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$d"/*.whl \
       || exit 1

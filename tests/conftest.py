@@ -47,7 +47,9 @@ def fast_cfg(tmp_path):
 
 @pytest.fixture(scope="session")
 def reference_target():
-    """The shipped reference target on the CPU, loaded once for the whole session (read-only use)."""
+    """The library's default `TargetConfig()` on the CPU: a tiny random hybrid qwen3_5 (not the shipped reference
+    target, which runs compose: `target.path=builtin:reference_target`), built once for the whole session
+    (read-only use)."""
     import warnings
 
     from dflash.target.model import Target, TargetConfig

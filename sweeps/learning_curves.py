@@ -144,6 +144,8 @@ def curve_section(cells: Sequence[dict], objective: str, factor: str) -> list[st
     for o in sorted(curves, key=lambda o: -curves[o][final]):
         lines.append(f"| {o} | {n_seeds[o]} | " + " | ".join(f"{curves[o][b]:.3f}" for b in budgets) + " |")
     rows = agreement_rows(curves)
+    if not rows:  # one option so far (a stage whose other cells have not run): nothing to rank
+        return lines + ["", "One option so far: no rank agreement yet.", ""]
     lines += ["", "Rank agreement with the final budget's order (Kendall's τ-b over the options; winner = highest "
               "mean, loser = lowest):", "", "| ordering by | Kendall τ-b | winner | loser | agrees |", "|---|---|---|---|---|"]
     for r in rows:

@@ -59,3 +59,12 @@ def test_curves_average_seeds_and_rank_agreement_finds_the_reversal(tmp_path):
     assert smallest_agreeing_budget(list(by.values())) == "64 M"
     text = "\n".join(curve_section(cells, "eval/tau_vanilla", "loss"))
     assert "| b | 1 | 1.500 | 2.900 | 4.000 |" in text and "**64 M**" in text
+
+
+def test_one_option_has_its_curve_and_no_rank_table(tmp_path):
+    """A stage with one option so far (reference_recipe's prompts stage before cuts8 ran) prints its curve, not an
+    empty rank table ending in 'smallest budget: none'."""
+    text = "\n".join(curve_section([_cell(tmp_path, "a", 0, (2.0, 3.0, 3.5))], "eval/tau_vanilla", "prompts"))
+    assert "| a | 1 | 2.000 | 3.000 | 3.500 |" in text
+    assert "One option so far: no rank agreement yet." in text
+    assert "Kendall" not in text and "Smallest budget" not in text

@@ -267,8 +267,8 @@ def render_report(c, summary: dict) -> str:
             if len(deltas) > 2:
                 lines += ["Paired Δτ per drafting method:", "", *deltas, ""]
         # every option of the stage, its reference too where that is an earlier stage's run (reused, not trained
-        # again): left out, the rank agreement ranked the other options only (sessions 12-21's noise and buffer
-        # tables had no `none` / `r10_20` row)
+        # again): left out, the rank agreement ranked the other options only (the noise stage's table had no `none`
+        # row until session 22)
         lines += curve_section(cells, c.objective, stage.factor)
         lines += _reused_lines(cells)
         # a stage given more options after its winner was called (the campaign file grew) is open again

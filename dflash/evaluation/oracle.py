@@ -28,7 +28,8 @@ class OracleDrafter(nn.Module):
 
     def __init__(self, tokens: list[int], vocab_size: int, block_size: int, device: str | torch.device = "cpu"):
         super().__init__()
-        self.anchor = nn.Parameter(torch.zeros(1, device=device), requires_grad=False)  # the loop reads its device
+        # no weights to learn: one parameter, because the decoding loop reads a drafter's device off its parameters
+        self.device_probe = nn.Parameter(torch.zeros(1, device=device), requires_grad=False)
         self.register_buffer("tokens", torch.tensor(tokens, device=device), persistent=False)
         self.vocab_size, self.block_size = vocab_size, block_size
 

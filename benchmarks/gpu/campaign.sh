@@ -21,9 +21,9 @@
 # call (session 16 lost 300 s of two cells' training so).
 # On a fresh machine the shared inputs alone took 184-254 s (sessions 13, 14): a DEADLINE below that starts no
 # cell at all (session 14's second call). Give the first call of a session DEADLINE >= 300.
-# The GPU machine lacks our stack's wheels (about 22 MB, see wheels.sh); the working tree that travels with a call (58 MB,
-# the reference target's weights and the stores included) leaves room for a quarter of them: carry .whl/, .whl2/ and
-# .whl3/ in three short calls, then .whl4/ with the job, on the same warm machine (wheel_folders.py makes them).
+# The GPU machine lacks our stack's wheels (about 22 MB, see wheels.sh); the working tree that travels with a call (54.4 MB,
+# the reference target's weights and the stores included) leaves room for a third of them: carry .whl/ and .whl2/ in
+# two short calls, then .whl3/ with the job, on the same warm machine (wheel_folders.py makes the folders).
 set -uo pipefail
 C=${1:-reference}
 shift || true

@@ -255,6 +255,20 @@ def relocate_artifacts(db: str | os.PathLike, relative: bool = True) -> int:
     return n
 
 
+def compact_store(db: str | os.PathLike) -> int:
+    """VACUUM a sqlite store before it is packed: the pages freed by MLflow's updates keep stale bytes that pack
+    poorly (session 22's campaign store, 126 MB: xz -9 packed it to 9.08 MB as it was, 6.88 MB vacuumed). Returns
+    the bytes saved on disk."""
+    import sqlite3
+    before = Path(db).stat().st_size
+    con = sqlite3.connect(db)
+    try:
+        con.execute("VACUUM")
+    finally:
+        con.close()
+    return before - Path(db).stat().st_size
+
+
 def _relocate_model_versions(con, base: str) -> int:
     """model_versions.source / storage_location under a run's `mlartifacts/<run id>/artifacts/` moved to `base`."""
     if not con.execute("SELECT name FROM sqlite_master WHERE type='table' AND name='model_versions'").fetchone():

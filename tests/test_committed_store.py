@@ -151,7 +151,7 @@ def test_the_recipe_quotes_the_stores_figures(campaign_store):
                                         (ROOT / "benchmarks" / "sweeps" / "sweeps_out.tar.xz", "sweeps_out/mlflow.db")])
 def test_the_committed_stores_are_vacuumed(tmp_path, archive, db):
     """Every GPU call carries both stores inside its 64 MiB: packed as the call packed them they were 24% larger
-    (session 22: 11.7 and 6.4 MB against 9.4 and 5.1 vacuumed), which left no room for a third wheel folder."""
+    (session 22: 11.7 and 6.4 MB against 9.4 and 5.1 vacuumed), which left 1.7 MB beside the wheel folders."""
     from dflash.tracking.run_info import compact_store
     with tarfile.open(archive) as t:
         t.extract(t.getmember(db), tmp_path, filter="data")

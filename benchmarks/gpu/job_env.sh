@@ -17,7 +17,7 @@ export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:Tr
 
 # pack_store OUT.tar.xz DB FOLDER: FOLDER without weights, checkpoints, shards or figures, as OUT.tar.xz (commit it as
 # the committed store), its sqlite store DB recording artifact locations relative to itself in the archive, and
-# vacuumed (compact_store: 24% smaller packed, session 22)
+# vacuumed (compact_store: the sqlite file packs 24% smaller, session 22)
 # (docs/tracking.md: `mlflow ui` beside mlflow.db shows them wherever it is extracted; tests/test_committed_store.py
 # checks the committed campaign store). The machine's own DB keeps its absolute ones, for later runs of a warm
 # machine: relocated, packed, restored. xz, not gzip: the sqlite file packs to half the size (6.4 against 13.6 MB in

@@ -16,6 +16,7 @@ bfloat16's block verify may round a near-tie differently from a one-token forwar
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import warnings
@@ -24,35 +25,12 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from dflash.devices import resolve_device  # noqa: E402
 from dflash.evaluation.ground_truth import load_or_build_ground_truth  # noqa: E402
-from dflash.evaluation.oracle import OracleDrafter  # noqa: E402
+from dflash.evaluation.oracle import oracle_ceiling  # noqa: E402
 from dflash.evaluation.prompts import load_suite  # noqa: E402
-from dflash.evaluation.speculative import greedy_decode, speculative_decode  # noqa: E402
 from dflash.target.model import Target  # noqa: E402
 from experiments.config import compose_config  # noqa: E402
-
-
-def ceiling(target, truths, block_size: int, tokens: int, repeats: int) -> dict:
-    """Both loops over every prompt `repeats` times after one untimed pass of each on the first prompt."""
-    def oracle(tr):
-        return OracleDrafter(tr.tokens.tolist(), target.vocab_size, block_size, target.device)
-
-    speculative_decode(oracle(truths[0]), target, truths[0].prompt_ids, tokens)  # warm-up, untimed
-    greedy_decode(target, truths[0].prompt_ids, tokens)
-    spec_s = greedy_s = 0.0
-    taus, same, fwd_spec, fwd_greedy = [], 0, 0, 0
-    for _ in range(repeats):
-        for tr in truths:
-            s = speculative_decode(oracle(tr), target, tr.prompt_ids, tokens)
-            g = greedy_decode(target, tr.prompt_ids, tokens)
-            spec_s, greedy_s = spec_s + s.seconds, greedy_s + g.seconds
-            taus += s.taus
-            same += s.tokens == g.tokens
-            fwd_spec, fwd_greedy = fwd_spec + s.target_forwards, fwd_greedy + g.target_forwards
-    n = tokens * len(truths) * repeats
-    return {"tau": sum(taus) / len(taus), "speculative_tok_s": n / spec_s, "greedy_tok_s": n / greedy_s,
-            "speed_up": greedy_s / spec_s, "identical": same, "runs": len(truths) * repeats,
-            "target_forwards_speculative": fwd_spec, "target_forwards_greedy": fwd_greedy}
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -65,7 +43,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--json", type=Path, default=None, help="also write the figures here")
     args = ap.parse_args(argv)
     cfg = compose_config(args.overrides)
-    device = cfg.target.device if cfg.target.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    device = resolve_device(cfg.target.device).type
     dtypes = args.dtypes.split(",") if args.dtypes else (["float32", "bfloat16"] if device == "cuda" else ["float32"])
     tasks = load_suite(cfg.eval.suite)[:args.tasks]
     out = {"device": device, "suite": cfg.eval.suite, "tasks": len(tasks), "tokens": args.tokens,
@@ -73,9 +51,9 @@ def main(argv: list[str] | None = None) -> dict:
     for dtype in dtypes:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # the slow-path kernel warning is printed as `kernels` below
-            target = Target(cfg.target.__class__(**{**vars(cfg.target), "device": device, "dtype": dtype}))
+            target = Target(dataclasses.replace(cfg.target, device=device, dtype=dtype))
         truths, _ = load_or_build_ground_truth(target, tasks, args.tokens, None)
-        out["dtypes"][dtype] = {**ceiling(target, truths, cfg.drafter.block_size, args.tokens, args.repeats),
+        out["dtypes"][dtype] = {**oracle_ceiling(target, truths, cfg.drafter.block_size, args.tokens, args.repeats),
                                 "kernels": dict(getattr(target, "kernels", {}) or {})}
         del target
         if device == "cuda":

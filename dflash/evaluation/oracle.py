@@ -46,3 +46,32 @@ class OracleDrafter(nn.Module):
 
     def logits(self, hidden_BK: torch.Tensor) -> torch.Tensor:
         return nn.functional.one_hot(hidden_BK, self.vocab_size).float()
+
+
+def oracle_ceiling(target, truths, block_size: int, max_new_tokens: int, repeats: int = 1) -> dict:
+    """Speculative decoding with the oracle against greedy decoding over every prompt of `truths` (the target's
+    own ground truth), `repeats` times, after one untimed pass of each loop on the first prompt (kernels,
+    autotuning). τ, tokens per second of each loop and their ratio, target forwards per loop, how many runs came
+    out token for token identical, and each run's τ per round (`taus`)."""
+    from dflash.evaluation.speculative import greedy_decode, speculative_decode
+
+    def oracle(tr):
+        return OracleDrafter(tr.tokens.tolist(), target.vocab_size, block_size, target.device)
+
+    speculative_decode(oracle(truths[0]), target, truths[0].prompt_ids, max_new_tokens)  # warm-up, untimed
+    greedy_decode(target, truths[0].prompt_ids, max_new_tokens)
+    spec_s = greedy_s = 0.0
+    taus, same, fwd_spec, fwd_greedy = [], 0, 0, 0
+    for _ in range(repeats):
+        for tr in truths:
+            s = speculative_decode(oracle(tr), target, tr.prompt_ids, max_new_tokens)
+            g = greedy_decode(target, tr.prompt_ids, max_new_tokens)
+            spec_s, greedy_s = spec_s + s.seconds, greedy_s + g.seconds
+            taus.append(s.taus)
+            same += s.tokens == g.tokens
+            fwd_spec, fwd_greedy = fwd_spec + s.target_forwards, fwd_greedy + g.target_forwards
+    n = max_new_tokens * len(truths) * repeats
+    rounds = [t for run in taus for t in run]
+    return {"tau": sum(rounds) / len(rounds), "speculative_tok_s": n / spec_s, "greedy_tok_s": n / greedy_s,
+            "speed_up": greedy_s / spec_s, "identical": same, "runs": len(truths) * repeats,
+            "target_forwards_speculative": fwd_spec, "target_forwards_greedy": fwd_greedy, "taus": taus}

@@ -10,8 +10,10 @@ with the overrides: by default the shipped reference target, `coding10`, block 1
 dtype: the ground truth (the target's greedy continuations), one untimed pass of both loops on the first prompt
 (kernels, autotuning), then `repeats` timed passes over every prompt. Prints per dtype τ, tokens per second of
 each loop, their ratio (the ceiling a real drafter's speed-up stays under: no drafter cost, every draft accepted),
-target forwards per loop, and how many prompts came out token for token identical (float32 must be all of them;
-bfloat16's block verify may round a near-tie differently from a one-token forward).
+target forwards per loop, how many prompts came out token for token identical (float32 must be all of them;
+bfloat16's block verify may round a near-tie differently from a one-token forward), and for how many prompts the
+oracle follows the loop's own tokens off the greedy ones (`dflash.evaluation.oracle.loop_tokens`: else one such
+near-tie turns every later round into a one-token round and the "ceiling" measures a drafter that is wrong).
 """
 from __future__ import annotations
 
@@ -60,12 +62,13 @@ def main(argv: list[str] | None = None) -> dict:
             torch.cuda.empty_cache()
     print(f"decoding-loop ceiling on {device}: {out['target']}, {out['suite']} × {len(tasks)} prompts × "
           f"{args.tokens} tokens, block {out['block_size']}, {args.repeats} timed passes")
-    print("| dtype | τ | speculative tok/s | greedy tok/s | speed-up | target forwards (spec / greedy) | identical |")
-    print("|---|---|---|---|---|---|---|")
+    print("| dtype | τ | speculative tok/s | greedy tok/s | speed-up | target forwards (spec / greedy) | identical | "
+          "oracle off greedy |")
+    print("|---|---|---|---|---|---|---|---|")
     for dtype, r in out["dtypes"].items():
         print(f"| {dtype} | {r['tau']:.2f} | {r['speculative_tok_s']:,.0f} | {r['greedy_tok_s']:,.0f} | "
               f"**{r['speed_up']:.2f}×** | {r['target_forwards_speculative']} / {r['target_forwards_greedy']} | "
-              f"{r['identical']}/{r['runs']} |")
+              f"{r['identical']}/{r['runs']} | {r['resynced']}/{out['tasks']} |")
     for dtype, r in out["dtypes"].items():
         print(f"{dtype} kernels: {r['kernels']}")
     if args.json:

@@ -3,6 +3,7 @@
 (benchmarks/decode_ceiling.py)."""
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 from pathlib import Path
@@ -10,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from dflash.evaluation.ground_truth import build_ground_truth
-from dflash.evaluation.oracle import OracleDrafter
+from dflash.evaluation.oracle import OracleDrafter, loop_tokens, oracle_ceiling
 from dflash.evaluation.prompts import Task
 from dflash.evaluation.speculative import greedy_decode, speculative_decode
 
@@ -33,6 +34,28 @@ def test_the_oracle_accepts_every_block_and_writes_the_greedy_tokens(reference_t
         assert s.target_forwards == 1 + len(s.taus) + (s.taus[-1] < block_size)
 
 
+def test_the_oracle_follows_the_loop_off_a_wrong_truth(reference_target):
+    """bfloat16's block verify can pick another token than greedy decoding at a near-tie; from there the greedy
+    tokens continue another prefix. Stood in for on CPU by a truth with one token changed: the loop diverges there,
+    and `loop_tokens` makes the oracle propose what the loop commits, so the timed pass accepts every block."""
+    B = 8
+    good = build_ground_truth(reference_target, TASKS, N)
+    bad = []
+    for tr in good:
+        c = tr.continuation.clone()
+        c[5] = (c[5] + 1) % reference_target.vocab_size
+        bad.append(dataclasses.replace(tr, continuation=c))
+    wrong = speculative_decode(OracleDrafter(bad[0].tokens.tolist(), reference_target.vocab_size, B),
+                               reference_target, bad[0].prompt_ids, N)
+    assert any(t < B for t in wrong.taus[:-1])  # the stand-in diverges as bfloat16 did
+    tokens, diverged = loop_tokens(reference_target, bad[0], B, N)
+    assert diverged == 1 and tokens == good[0].tokens.tolist()  # float32: the loop's own tokens are greedy's
+    assert loop_tokens(reference_target, good[0], B, N) == (good[0].tokens.tolist(), 0)
+    r = oracle_ceiling(reference_target, bad, B, N)
+    assert r["resynced"] == len(bad) and r["identical"] == r["runs"] == len(bad)
+    assert all(all(t == B for t in taus[:-1]) for taus in r["taus"])
+
+
 def test_the_ceiling_benchmark_prints_both_loops_side_by_side(tmp_path, capsys):
     spec = importlib.util.spec_from_file_location("decode_ceiling", ROOT / "benchmarks" / "decode_ceiling.py")
     bench = importlib.util.module_from_spec(spec)
@@ -46,4 +69,5 @@ def test_the_ceiling_benchmark_prints_both_loops_side_by_side(tmp_path, capsys):
     assert r["speed_up"] == pytest.approx(r["speculative_tok_s"] / r["greedy_tok_s"])
     printed = capsys.readouterr().out
     assert "| float32 | " in printed and f"**{r['speed_up']:.2f}×**" in printed
+    assert r["resynced"] == 0 and printed.rstrip().count("| 0/2 |") == 1  # float32's oracle is greedy's tokens
     assert json.loads((tmp_path / "c.json").read_text())["dtypes"]["float32"]["identical"] == 2

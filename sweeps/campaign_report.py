@@ -271,8 +271,11 @@ def render_report(c, summary: dict) -> str:
         # row until session 22)
         lines += curve_section(cells, c.objective, stage.factor)
         lines += _reused_lines(cells)
-        # a stage given more options after its winner was called (the campaign file grew) is open again
-        complete = len({x["option"] for x in cells}) >= len(stage.options)
+        # a stage given more options or seeds after its winner was called (the campaign file grew, or the report
+        # reads it with more seeds than it ran) is open again: reference_64m's report without `campaign.seeds=[0]`
+        # called its stages done with seed 1 of none of them run
+        ran = {(x["option"], int(x["seed"])) for x in cells}
+        complete = all((o, s) in ran for o in stage.options for s in c.seeds)
         if stage.factor in winners and complete:
             tied = ((summary.get("calls") or {}).get(stage.factor) or {}).get("tied") or []
             tie = (f" **Tied with it: {', '.join(tied)}** (their paired Δ interval against it contains 0): no "
@@ -281,7 +284,6 @@ def render_report(c, summary: dict) -> str:
                       f"interval above excludes 0).{tie}", ""]
         else:
             from sweeps.campaign import best_option
-            ran = {(x["option"], int(x["seed"])) for x in cells}
             left = ", ".join(o if len(c.seeds) == 1 else f"{o} (seed {s})"
                              for o in stage.options for s in c.seeds if (o, s) not in ran)
             lines += [f"**Stage incomplete**: {len(cells)} of {len(stage.options) * len(c.seeds)} cells; highest "

@@ -41,9 +41,9 @@ def test_relocate_artifacts_absolute_for_any_working_folder(tmp_path):
     with tarfile.open(STORE) as t:
         t.extractall(tmp_path, filter="data")
     db = tmp_path / "campaign_out" / "mlflow.db"
-    # three campaign experiments, 47 runs, 4 registered model versions (the gate's: session 21's champion among them,
-    # session 22's refused buffer cell)
-    assert relocate_artifacts(db, relative=False) == 54
+    # three campaign experiments, 48 runs, 5 registered model versions (the gate's: session 21's champion among them,
+    # session 22's refused buffer cell, session 23's refused cuts8 cell)
+    assert relocate_artifacts(db, relative=False) == 56
     c = MlflowClient(f"sqlite:///{db}")
     r = c.search_runs([c.get_experiment_by_name("dflash-ablation").experiment_id], max_results=1)[0]
     assert r.info.artifact_uri == (db.parent / "mlartifacts").as_uri() + f"/{r.info.run_id}/artifacts"
@@ -67,16 +67,23 @@ def test_ablation_table_shows_the_pooled_interval(campaign_store):
     assert "held-out τ 1.817 [1.735, 1.918]" in report  # the reference campaign's report on this store
 
 
-def test_report_names_the_stages_not_run_yet(campaign_store, capsys):
-    """reference_recipe's `prompts` stage (added after its first stage ran) has only the winner's own cell: the
-    report names what is left and the command that runs it instead of ending after the last stage that ran."""
+def test_report_names_the_cells_not_run_yet(campaign_store):
+    """reference_64m runs seeds [0, 1] and has run seed 0 (`campaign.seeds=[0]`): read with both seeds, every stage
+    is incomplete and names its seed-1 cells and the command, instead of calling a winner on half its cells."""
     from sweeps.campaign import load_campaign
     from sweeps.campaign_report import write_report
-    write_report(load_campaign("reference_recipe"), campaign_store)
-    text = (campaign_store / "reference_recipe" / "ABLATIONS.md").read_text()
-    section = text.split(": prompts", 1)[1].split("\n## ")[0]
-    assert "**Stage incomplete**: 1 of 2 cells" in section
-    assert "Not run yet: cuts8 (`python -m sweeps.campaign reference_recipe only=[prompts]`)" in section
+    c = load_campaign("reference_64m")
+    assert c.seeds == [0, 1]
+    write_report(c, campaign_store)
+    text = (campaign_store / "reference_64m" / "ABLATIONS.md").read_text()
+    stages = {s.split("\n", 1)[0].split(" (")[0]: s for s in text.split("\n## Stage ")[1:]}
+    loss = stages["0: loss"]
+    assert "**Stage incomplete**: 6 of 12 cells" in loss and "Highest mean objective: **" not in loss
+    assert "dpace (seed 1)" in loss and "`python -m sweeps.campaign reference_64m only=[loss]`" in loss
+    assert "**Stage incomplete**: 5 of 10 cells" in stages["3: buffer"]
+    # read with the seed it ran, the same store calls every stage: nothing left
+    write_report(load_campaign("reference_64m", ["campaign.seeds=[0]"]), campaign_store)
+    assert "incomplete" not in (campaign_store / "reference_64m" / "ABLATIONS.md").read_text()
 
 
 def test_a_reused_reference_is_in_its_stages_learning_curve(campaign_store):

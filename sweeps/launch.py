@@ -1,7 +1,7 @@
 """Launch (or resume) an Optuna sweep whose trials are short dflash training runs tracked in MLflow.
 
     python -m sweeps.launch <sweep name | path.yaml> [n_trials=8] [workers=2] [storage=...] [study=...]
-                            [out=sweeps_out] [timeout=SECONDS] [gpus=0,1,...] [sweep.KEY=VALUE ...]
+                            [out=sweeps_out] [timeout=SECONDS] [gpus=0,1,...] [rerun=[N,...]] [sweep.KEY=VALUE ...]
                             [any Hydra override of the run config ...] [--check]
 
 - `<sweep>`: a file in conf/sweep/ (loss_variants, noise_schedule, buffer_settings, cpu_smoke) or a path.
@@ -14,6 +14,10 @@
 - `study`: default the sweep's `name`.
 - `out`: where trial run dirs (`<out>/<study>/trial_00012-<loss>-<noise>-<buffer>-s<seed>`), worker logs and
   the default journal go (look at a study with `optuna-dashboard <out>/<study>.journal`).
+- `rerun=[N, ...]`: train trials N, ... again from scratch with their params, before anything new is sampled (each
+  counts against `n_trials`): for a trial whose drafter is gone (a GPU machine goes back with its run folders) when
+  the promotion gate needs one. The rerun is a trial of its own, tagged `sweep.rerun_of` = N; the GPU job gates it
+  when the best trial's own drafter is not on the machine (`sweeps.objective.gate_trial`).
 - `sweep.KEY=VALUE`: edit the sweep definition for this launch (`sweep.sampler.seed=3`,
   `sweep.pruner.type=none`, `sweep.objective.metric=eval/tau_tree_64`).
 - everything else `key=value` / `+group=option`: Hydra overrides of the run config, applied after the
@@ -63,7 +67,7 @@ from dflash.overrides import apply_overrides, split_override
 from sweeps.space import SweepError
 
 DEFAULT_OUT = "sweeps_out"
-LAUNCH_KEYS = {"n_trials", "workers", "storage", "study", "out", "timeout", "gpus"}
+LAUNCH_KEYS = {"n_trials", "workers", "storage", "study", "out", "timeout", "gpus", "rerun"}
 
 log = logging.getLogger("sweeps.launch")
 
@@ -78,6 +82,7 @@ class LaunchArgs:
     out: str = DEFAULT_OUT
     timeout: float | None = None
     gpus: list[str] | None = None
+    rerun: list[int] = dataclasses.field(default_factory=list)
     sweep_overrides: list[str] = dataclasses.field(default_factory=list)
     overrides: list[str] = dataclasses.field(default_factory=list)
     check: bool = False
@@ -118,6 +123,9 @@ def parse_args(argv: list[str]) -> LaunchArgs:
         raise SweepError(f"n_trials must be >= 0, got {a.n_trials}")
     if a.workers < 1:
         raise SweepError(f"workers must be >= 1, got {a.workers}")
+    if len(a.rerun) > a.n_trials:
+        raise SweepError(f"rerun={a.rerun}: {len(a.rerun)} trial(s) to train again, more than n_trials={a.n_trials} "
+                         f"(a rerun is one of the launch's trials)")
     return a
 
 
@@ -271,7 +279,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     # the job's start, for the report's cost of a continuing job; with this machine's UTC offset, so a report read
     # in another time zone can place Optuna's naive local trial starts (sweeps/sweep_report.py, job_costs)
     started = datetime.datetime.now().astimezone()
-    from sweeps.objective import continue_interrupted, reconcile_children, update_parent
+    from sweeps.objective import continue_interrupted, enqueue_reruns, reconcile_children, update_parent
     from sweeps.shared_inputs import make_shared_inputs, with_truth_pin
     from sweeps.space import check_conflicts, load_sweep, merge_overrides
     from sweeps.storage import describe, reap_stale
@@ -307,12 +315,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     reaped = reap_stale(study, tracker)
     continued = continue_interrupted(study, reaped)  # before any worker: the enqueued ones are taken first
+    reruns = enqueue_reruns(study, args.rerun)
     reconcile_children(study, tracker, parent_id)
     if reaped:
         print(f"[sweep {study_name}] marked stale trial(s) {reaped} FAIL (their worker is gone)", file=sys.stderr)
     if continued:
         print(f"[sweep {study_name}] continuing cut trial(s) from their checkpoints: "
               + ", ".join(f"#{old} as #{new}" for old, new in continued.items()), file=sys.stderr)
+    if reruns:
+        print(f"[sweep {study_name}] training again from scratch: "
+              + ", ".join(f"#{old} as #{new}" for old, new in reruns.items()), file=sys.stderr)
     if args.workers > 1 and args.n_trials > 0:  # one process makes what the trials starting together would each make
         make_shared_inputs(base_cfg, record=out_dir / "write_ahead.json")
     specs, gpus = _worker_specs(args, sweep, base_overrides, storage, study_name, out_dir, parent_id, tr, n_before,

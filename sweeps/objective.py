@@ -29,7 +29,7 @@ from dflash.config import ConfigError, RunConfig
 from dflash.run_dir import RunDir
 from dflash.tracking.run_info import ML_WORKFLOW
 from sweeps.support import TAG_PRUNED_STEP, TAG_VALUE, EvalPruned, PruningEvaluator, SweepTracker
-from sweeps.space import SweepDef, merge_overrides, suggest
+from sweeps.space import SweepDef, SweepError, merge_overrides, suggest
 
 ATTR_RUN_ID, ATTR_RUN_DIR, ATTR_CKPT, ATTR_ERROR = "mlflow.run_id", "sweep.run_dir", "sweep.checkpoint", "sweep.error"
 # A trial cut by a signal / job limit is continued by a new trial that resumes its run dir (`continue_interrupted`).
@@ -38,6 +38,9 @@ ATTR_INTERRUPTED = "sweep.interrupted"  # the trial stopped on SIGTERM / SIGINT 
 ATTR_RESUME_DIR = "sweep.resume_dir"  # a continuation: the run dir it resumes
 ATTR_CONTINUES = "sweep.continues"  # a continuation: the trial number it continues
 ATTR_RESUME_STEP = "sweep.resume_step"  # a continuation: the checkpoint step it started from
+# A trial trained again from scratch with another trial's params (`rerun=N`): the number it repeats. What the gate
+# reads when the best trial's own drafter went with the machine that trained it (the recipe sweep's trial 30)
+ATTR_RERUN_OF = "sweep.rerun_of"
 STUDY_CONTINUED = "sweep.continued_as"  # the study's {old trial: continuing trial} map, for the dashboard
 # every launch's start, naive local time as Optuna's trial starts (ISO): the sweep report measures from it what a job
 # spends before its first trial starts (shared inputs, worker spawn)
@@ -112,6 +115,8 @@ def _child_run(trial, ctx: TrialContext, tracker: SweepTracker | None, cfg: RunC
             SOURCE_TYPE: "LOCAL", NOTE: trial_description(ctx, trial.number, overrides)}
     if continues is not None:
         tags[ATTR_CONTINUES] = continues
+    if ATTR_RERUN_OF in trial.user_attrs:
+        tags[ATTR_RERUN_OF] = trial.user_attrs[ATTR_RERUN_OF]
     run_id = tracker.create_child(ctx.parent_run_id, ctx.study_name, trial.number, run_name=run_dir.name, tags=tags)
     if run_id:
         trial.set_user_attr(ATTR_RUN_ID, run_id)
@@ -215,6 +220,65 @@ def continue_interrupted(study, reaped=()) -> dict[int, int]:
     shown.update({str(old): new for old, new in made.items()})
     study.set_user_attr(STUDY_CONTINUED, shown)
     return made
+
+
+def enqueue_reruns(study, numbers: list[int]) -> dict[int, int]:
+    """Enqueue each of `numbers` again with its params, from scratch (a new run dir and MLflow child; the samplers
+    take enqueued trials first, so they count against the launch's `n_trials`). For a trial whose drafter is not on
+    this machine: a fresh machine gets the committed store without weights, and only a checkpointed cut trial can
+    continue. Returns {old: new}; a number the study lacks, or one without params, is an error naming the ones
+    that can be."""
+    trials = {t.number: t for t in study.get_trials(deepcopy=False)}
+    known = sorted(n for n, t in trials.items() if t.params)
+    bad = [n for n in numbers if n not in known]
+    if bad:
+        raise SweepError(f"rerun: trial(s) {bad} of study {study.study_name!r} have no params to train again "
+                         f"(trials with params: {known})")
+    made: dict[int, int] = {}
+    for n in numbers:
+        study.enqueue_trial(dict(trials[n].params), user_attrs={ATTR_RERUN_OF: n}, skip_if_exists=False)
+        mine = [t for t in study.get_trials(deepcopy=False) if t.user_attrs.get(ATTR_RERUN_OF) == n]
+        made[n] = max(t.number for t in mine)
+    return made
+
+
+def chain_origin(trials) -> dict[int, int]:
+    """{trial number: the first trial of its chain}: a continuation belongs to the trial it continues."""
+    back = {new: old for old, new in continued_map(trials).items()}
+    out = {}
+    for t in trials:
+        n = t.number
+        while n in back:
+            n = back[n]
+        out[t.number] = n
+    return out
+
+
+def gate_trial(study) -> dict[str, Any] | None:
+    """The complete trial whose drafter the promotion gate reads on this machine: the best trial when its `final/`
+    is here, else the best complete rerun of it (`rerun=N`, or a continuation of one) whose `final/` is: the best
+    settings trained again, its own value beside the best's. None when neither is here (the caller says so)."""
+    from optuna.trial import TrialState
+    trials = study.get_trials(deepcopy=False)
+    complete = [t for t in trials if t.state == TrialState.COMPLETE]
+    if not complete:
+        return None
+    best = study.best_trial
+    origin = chain_origin(trials)
+    by_number = {t.number: t for t in trials}
+
+    def has_drafter(t) -> bool:
+        run_dir = t.user_attrs.get(ATTR_RUN_DIR)
+        return bool(run_dir) and (Path(run_dir) / "final").is_dir()
+
+    reruns = [t for t in complete if by_number[origin[t.number]].user_attrs.get(ATTR_RERUN_OF) == best.number
+              and has_drafter(t)]
+    sign = 1 if study.direction.name == "MAXIMIZE" else -1
+    pick = best if has_drafter(best) else max(reruns, key=lambda t: sign * t.value, default=None)
+    if pick is None:
+        return None
+    return {"number": pick.number, "value": pick.value, "params": dict(pick.params),
+            "run_dir": pick.user_attrs.get(ATTR_RUN_DIR), "best": best.number, "best_value": best.value}
 
 
 # --------------------------------------------------------------------------- bookkeeping

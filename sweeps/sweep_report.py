@@ -4,7 +4,8 @@ MLflow store (`<out>/mlflow.db` when the one the study recorded is not on this m
 (`benchmarks/sweeps/sweeps_out.tar.xz`) reprints on the CPU what the GPU measured.
 
 One row per trial as the study counts it: a trial cut by a job's limit and continued is one row under its last
-number (`6 ← 2`). Per row: its state (a cut trial: the step it stopped at, the seconds its remaining steps take
+number (`6 ← 2`); a trial trained again from scratch with another's params (`rerun=N`) says so (`33 (rerun of
+30)`). Per row: its state (a cut trial: the step it stopped at, the seconds its remaining steps take
 at its last logged rate, and, where its checkpoint is on this machine, what the job continuing it needs in all with
 the costs this study measured for starting it and for the final eval: what that job must leave room for; without
 its checkpoint here it cannot continue, and the row says so), the searched params,
@@ -26,8 +27,8 @@ from dflash.evaluation.stats import pooled_ci
 from dflash.serving.promotion import DECISION_TAG, REASON_TAG, VERSION_TAG
 from sweeps.campaign_report import task_methods
 from sweeps.learning_curves import eval_curve, read_metrics
-from sweeps.objective import (ATTR_CONTINUES, ATTR_ERROR, ATTR_RUN_DIR, ATTR_RUN_ID, STUDY_LAUNCH_STARTS, TIE_LEVEL,
-                              continued_map, trial_table)
+from sweeps.objective import (ATTR_CONTINUES, ATTR_ERROR, ATTR_RERUN_OF, ATTR_RUN_DIR, ATTR_RUN_ID,
+                              STUDY_LAUNCH_STARTS, TIE_LEVEL, continued_map, trial_table)
 
 PROMOTION_TAGS = (DECISION_TAG, REASON_TAG, VERSION_TAG)  # dflash/serving/promotion.py's names
 
@@ -151,7 +152,9 @@ def trial_row(chain, out_dir: Path, objective: str, best_table: dict | None, cos
     state = _state(chain)
     if state.startswith("cut") or state == "RUNNING":
         state += _to_go(folder, rows, steps, tokens, costs)
-    row: dict[str, Any] = {"trial": " ← ".join(str(t.number) for t in reversed(chain)), "state": state,
+    again = chain[0].user_attrs.get(ATTR_RERUN_OF)  # trained again from scratch with that trial's params
+    label = " ← ".join(str(t.number) for t in reversed(chain)) + (f" (rerun of {again})" if again is not None else "")
+    row: dict[str, Any] = {"trial": label, "state": state,
                            "params": dict(last.params), "steps": steps, "tokens": tokens, "curve": curve,
                            "value": last.value, "seconds": _seconds(chain), "run_id": last.user_attrs.get(ATTR_RUN_ID),
                            "ground_truth": ground_truth_of(table) if table else None}

@@ -4,6 +4,8 @@
 #
 #   N=4 WORKERS=2 DEADLINE=300 bash benchmarks/gpu/sweep.sh [sweep] [run overrides ...]    (default sweep: loss_variants)
 #   TRUTH=campaign_out/reference_64m/truth N=4 WORKERS=4 DEADLINE=400 bash benchmarks/gpu/sweep.sh recipe_reference
+#   TRUTH=campaign_out/reference_64m/truth N=1 WORKERS=1 bash benchmarks/gpu/sweep.sh recipe_reference 'rerun=[30]'
+#     (the best trial trained again from scratch, when its drafter went with an earlier machine: the gate reads it)
 #
 # 1. Continues the sweep store: sweeps_out/ as a warm machine kept it (trial run dirs WITH their checkpoints), else
 #    the committed one, if any: $STORE (default benchmarks/sweeps/sweeps_out.tar.xz: sweeps_out/ without weights).
@@ -65,20 +67,21 @@ $PY - "$STUDY" "$OUT" <<'EOF' || true
 import json, sys, tarfile
 from pathlib import Path
 import optuna
-from sweeps.objective import study_summary
+from sweeps.objective import gate_trial, study_summary
 from sweeps.storage import make_storage
 optuna.logging.set_verbosity(optuna.logging.WARNING)
 study = optuna.load_study(study_name=sys.argv[1], storage=make_storage(f"sweeps_out/{sys.argv[1]}.journal"))
 s = study_summary(study)
 print(json.dumps({k: s[k] for k in ("n_trials", "n_continued", "states")}))
-b = s["best"]
-if b and b["run_dir"] and (Path(b["run_dir"]) / "final").is_dir():
+b = gate_trial(study)  # the best trial, or a rerun of it (rerun=N) when the best's own drafter is not here
+if b:
     with tarfile.open(f"{sys.argv[2]}/best_drafter.tgz", "w:gz") as tar:
         tar.add(Path(b["run_dir"]) / "final", arcname=Path(b["run_dir"]).name)
-    print(f"best trial #{b['number']} {b['value']:.6g} {json.dumps(b['params'], default=str)} -> best_drafter.tgz")
+    again = "" if b["number"] == b["best"] else f" (a rerun of the best, #{b['best']} {b['best_value']:.6g})"
+    print(f"best trial #{b['number']} {b['value']:.6g}{again} {json.dumps(b['params'], default=str)} -> best_drafter.tgz")
     Path(f"{sys.argv[2]}/best_run_dir.txt").write_text(b["run_dir"])
 else:
-    print("no complete trial with its final/ drafter on this machine")
+    print("no complete trial with its final/ drafter on this machine (the best's own, or a rerun of it: rerun=N)")
 EOF
 gate_and_split "$OUT"  # job_env.sh: the best trial through the gate (PROMOTE), a large drafter in parts
 pack_store "$OUT/sweep.tar.xz" sweeps_out/mlflow.db sweeps_out  # job_env.sh

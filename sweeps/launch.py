@@ -368,7 +368,8 @@ def report(args: LaunchArgs) -> dict[str, Any]:
     name, out_root, storage = study_location(args, sweep)
     if "://" not in storage and not Path(storage).is_file():
         raise SweepError(f"no study storage {storage} (out={args.out}, study={name}): run the sweep there first, or "
-                         f"extract its store (recipe_reference's: tar xf benchmarks/sweeps/sweeps_out.tar.xz)")
+                         f"unpack its store (recipe_reference's: python -m dflash.tracking.packed_store unpack "
+                         f"benchmarks/sweeps/sweeps_out.tar.xz)")
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     study = optuna.load_study(study_name=name, storage=make_storage(storage))
     text = render(study, sweep, out_root)

@@ -166,10 +166,9 @@ def _legends_outside(fig: dict) -> None:
 
 @pytest.fixture(scope="module")
 def committed_store(tmp_path_factory):
-    import tarfile
+    from dflash.tracking.packed_store import unpack
     d = tmp_path_factory.mktemp("committed")
-    with tarfile.open(ROOT / "benchmarks" / "ablations" / "campaign_out.tar.xz") as t:
-        t.extractall(d, filter="data")
+    unpack(ROOT / "benchmarks" / "ablations" / "campaign_out.tar.xz", d)
     return f"sqlite:///{d / 'campaign_out' / 'mlflow.db'}"
 
 

@@ -4,7 +4,6 @@ benchmarks/RESULTS.md quotes."""
 import datetime
 import json
 import random
-import tarfile
 from pathlib import Path
 
 import optuna
@@ -145,16 +144,16 @@ def test_report_rows_against_per_prompt_arithmetic(store):
 def test_report_names_a_missing_store(tmp_path):
     from sweeps.launch import main
     from sweeps.space import SweepError
-    with pytest.raises(SweepError, match=r"no study storage .*nowhere.*recipe_reference\.journal.*tar xf"):
+    with pytest.raises(SweepError, match=r"no study storage .*nowhere.*recipe_reference\.journal.*packed_store unpack"):
         main(["recipe_reference", "report", f"out={tmp_path / 'nowhere'}"])
 
 
 @pytest.mark.skipif(not STORE.is_file(), reason="no committed sweep store")
 def test_committed_sweep_store_reprints_the_results(tmp_path):
     """The recipe sweep of sessions 17-20 as benchmarks/RESULTS.md quotes it, reprinted from the committed store."""
+    from dflash.tracking.packed_store import unpack
     from sweeps.launch import main
-    with tarfile.open(STORE) as t:
-        t.extractall(tmp_path, filter="data")
+    unpack(STORE, tmp_path)
     text = main(["recipe_reference", "report", f"out={tmp_path / 'sweeps_out'}"])["report"]
     best = next(line for line in text.splitlines() if line.startswith("| 30 ← 26 |"))
     assert "| COMPLETE |" in best and "7.209 [6.600, 7.837] | best |" in best

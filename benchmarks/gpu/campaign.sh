@@ -21,9 +21,9 @@
 # call (session 16 lost 300 s of two cells' training so).
 # On a fresh machine the shared inputs alone took 184-254 s (sessions 13, 14): a DEADLINE below that starts no
 # cell at all (session 14's second call). Give the first call of a session DEADLINE >= 300.
-# The GPU machine lacks our stack's wheels (about 22 MB, see wheels.sh); the working tree that travels with a call (54.4 MB,
-# the reference target's weights and the stores included) leaves room for a third of them: carry .whl/ and .whl2/ in
-# two short calls, then .whl3/ with the job, on the same warm machine (wheel_folders.py makes the folders).
+# The GPU machine lacks our stack's wheels (about 22 MB, see wheels.sh); the working tree that travels with a call (48.1 MB,
+# the reference target's weights and the stores included, session 23) leaves room for half of them: carry .whl/ in a
+# short call, then .whl2/ with the job, on the same warm machine (wheel_folders.py makes the folders).
 set -uo pipefail
 C=${1:-reference}
 shift || true
@@ -32,7 +32,8 @@ DEADLINE=${DEADLINE:-400}
 PY=${PY:-python}
 mkdir -p "$OUT"
 source "$(dirname "$0")/job_env.sh"  # wheels, PYTHONPATH, the job environment
-[ -d campaign_out ] || { [ -f benchmarks/ablations/campaign_out.tar.xz ] && tar xf benchmarks/ablations/campaign_out.tar.xz; }
+# the committed store, its database rebuilt from the SQL dump it is packed as (dflash.tracking.packed_store)
+[ -d campaign_out ] || { [ -f benchmarks/ablations/campaign_out.tar.xz ] && $PY -m dflash.tracking.packed_store unpack benchmarks/ablations/campaign_out.tar.xz; }
 WORK=()
 [ -n "${WORKERS:-}" ] && WORK=("workers=$WORKERS")
 echo "== campaign $C (deadline ${DEADLINE}s) in $PWD" >&2

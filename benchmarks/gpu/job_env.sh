@@ -16,26 +16,29 @@ export PYTHONUNBUFFERED=1 DFLASH_LOG_TIME=1  # timed log lines
 export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
 
 # pack_store OUT.tar.xz DB FOLDER: FOLDER without weights, checkpoints, shards or figures, as OUT.tar.xz (commit it as
-# the committed store), its sqlite store DB recording artifact locations relative to itself in the archive, and
-# vacuumed (compact_store: the sqlite file packs 24% smaller, session 22)
-# (docs/tracking.md: `mlflow ui` beside mlflow.db shows them wherever it is extracted; tests/test_committed_store.py
-# checks the committed campaign store). The machine's own DB keeps its absolute ones, for later runs of a warm
-# machine: relocated, packed, restored. xz, not gzip: the sqlite file packs to half the size (6.4 against 13.6 MB in
-# session 13), and every GPU call carries the committed store inside its 64 MiB working tree beside the wheels;
-# 16 MiB blocks: xz -9's default block is 192 MiB, so a 95 MB store packed on one core, 48 s; in blocks the cores
-# share it, 21 s on two, for 6.6 MB against 6.4.
+# the committed store), its sqlite store DB as SQL text (`<DB without .db>.sql`, dflash.tracking.packed_store: the
+# campaign store's database packs to 3.0 MB as a dump against 7.3 MB vacuumed, session 23), made from a copy whose
+# artifact locations are relative to itself (docs/tracking.md: unpacked anywhere, `mlflow ui` beside mlflow.db shows
+# them; `python -m dflash.tracking.packed_store unpack OUT.tar.xz` rebuilds the database). The machine's own DB is
+# not touched: it keeps its absolute locations for later runs of a warm machine. xz, not gzip (half the size, session
+# 13), and every GPU call carries the committed stores inside its 64 MiB working tree beside the wheels; 16 MiB
+# blocks: xz -9's default block is 192 MiB, so a 95 MB store packed on one core, 48 s; in blocks the cores share it,
+# 21 s on two, for 6.6 MB against 6.4.
 pack_store() {
-  local out=$1 db=$2 folder=$3 rc
+  local out=$1 db=$2 folder=$3 rc sql=""
   if [ -f "$db" ]; then  # no store when tracking was off: the folder alone
-    cp "$db" "$db.keep" || return 1
-    ${PY:-python} -c "import sys; from dflash.tracking.run_info import compact_store as c, relocate_artifacts as r
-r(sys.argv[1]); c(sys.argv[1])" "$db"
+    sql="${db%.db}.sql"
+    cp "$db" "$db.pack" || return 1
+    ${PY:-python} -c "import sys; from dflash.tracking.run_info import relocate_artifacts as r
+from dflash.tracking.packed_store import dump_store as d
+r(sys.argv[1]); d(sys.argv[1], sys.argv[2])" "$db.pack" "$sql" || { rm -f "$db.pack" "$sql"; return 1; }
+    rm -f "$db.pack"
   fi
   XZ_OPT="-9 -T0 --block-size=16MiB" tar cJf "$out" --exclude='checkpoints' --exclude='final' --exclude='checkpoint' \
     --exclude='*.pt' --exclude='*.safetensors' --exclude='*.png' --exclude='*.bin' --exclude='*.lock' \
-    --exclude='*.keep' "$folder"
+    --exclude='*.pack' --exclude='*.partial' --exclude="$(basename "$db")" "$folder"
   rc=$?
-  [ -f "$db.keep" ] && mv "$db.keep" "$db"
+  [ -n "$sql" ] && rm -f "$sql"
   return $rc
 }
 

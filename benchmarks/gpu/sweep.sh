@@ -45,7 +45,8 @@ PY=${PY:-python}
 mkdir -p "$OUT"
 source "$(dirname "$0")/job_env.sh"  # wheels, PYTHONPATH, the job environment
 # a warm machine's sweeps_out/ holds the checkpoints the committed store lacks: it wins
-[ -d sweeps_out ] || { [ -f "$STORE" ] && tar xf "$STORE"; }
+# (its database rebuilt from the SQL dump it is packed as: dflash.tracking.packed_store)
+[ -d sweeps_out ] || { [ -f "$STORE" ] && $PY -m dflash.tracking.packed_store unpack "$STORE"; }
 if [ -n "${TRUTH:-}" ]; then
   [ -d "$TRUTH" ] || tar xf "${CAMPAIGN_STORE:-benchmarks/ablations/campaign_out.tar.xz}" "$TRUTH" || exit 1
   set -- "$@" "eval.truth_dir=$PWD/$TRUTH"

@@ -12,7 +12,8 @@ carries into `/tmp/site`, which lasts until the machine goes back. By default th
 that each leave `MARGIN` beside the tree, for the stores' growth. History: session 21's campaign store (9.5 MB)
 left 0.2 / 0.05 MB beside session 17's two folders of 11.1 / 11.3 MB; three of about 7.5 MB left 3.9 MB, then
 1.7 MB beside session 22's store as the call packed it (11.7 MB, 2.2 MB more for five runs), and 5.2 MB once both
-stores were vacuumed (9.4 and 5.1 MB; `dflash.tracking.run_info.compact_store`, which `pack_store` now runs).
+stores were vacuumed (9.4 and 5.1 MB); then two of 11.2 MB left 7.8 MB once both stores held their databases as SQL
+text (5.5 and 2.7 MB, session 23; `dflash.tracking.packed_store`).
 
 The split is balanced by size (largest first, into the lightest folder), deterministic for a given set, and it
 keeps wheels that install into one top-level folder together (the opentelemetry-* namespace, fla-core with

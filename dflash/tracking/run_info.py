@@ -18,7 +18,6 @@ import subprocess
 import sys
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
@@ -253,21 +252,6 @@ def relocate_artifacts(db: str | os.PathLike, relative: bool = True) -> int:
     finally:
         con.close()
     return n
-
-
-def compact_store(db: str | os.PathLike) -> int:
-    """VACUUM a sqlite store before it is packed. Runs that log at once interleave their inserts, which leaves the
-    metric tables' B-tree pages part-filled (session 22's campaign store had no free pages, yet VACUUM rewrote its
-    126 MB file 9.9 MB smaller, and xz -9 packed it to 6.88 MB against 9.08 MB as it was). Returns the bytes saved
-    on disk."""
-    import sqlite3
-    before = Path(db).stat().st_size
-    con = sqlite3.connect(db)
-    try:
-        con.execute("VACUUM")
-    finally:
-        con.close()
-    return before - Path(db).stat().st_size
 
 
 def _relocate_model_versions(con, base: str) -> int:

@@ -279,7 +279,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     # the job's start, for the report's cost of a continuing job; with this machine's UTC offset, so a report read
     # in another time zone can place Optuna's naive local trial starts (sweeps/sweep_report.py, job_costs)
     started = datetime.datetime.now().astimezone()
-    from sweeps.objective import continue_interrupted, enqueue_reruns, reconcile_children, update_parent
+    from sweeps.objective import (continue_interrupted, enqueue_reruns, reconcile_children, rerun_params,
+                                  update_parent)
     from sweeps.shared_inputs import make_shared_inputs, with_truth_pin
     from sweeps.space import check_conflicts, load_sweep, merge_overrides
     from sweeps.storage import describe, reap_stale
@@ -303,6 +304,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         return {"check": "ok", "sweep": sweep.name}
 
     study, n_before, launch_no = _open_study(sweep, study_name, storage, storage_desc, started)
+    again = rerun_params(study, args.rerun)  # a bad rerun number stops the launch before its parent run exists
     tracker, parent_id, tr = None, None, base_cfg.tracking
     if tr.enabled:
         launch = {"argv": argv, "host": socket.gethostname(),
@@ -315,7 +317,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     reaped = reap_stale(study, tracker)
     continued = continue_interrupted(study, reaped)  # before any worker: the enqueued ones are taken first
-    reruns = enqueue_reruns(study, args.rerun)
+    reruns = enqueue_reruns(study, again)
     reconcile_children(study, tracker, parent_id)
     if reaped:
         print(f"[sweep {study_name}] marked stale trial(s) {reaped} FAIL (their worker is gone)", file=sys.stderr)

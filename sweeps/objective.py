@@ -222,23 +222,27 @@ def continue_interrupted(study, reaped=()) -> dict[int, int]:
     return made
 
 
-def enqueue_reruns(study, numbers: list[int]) -> dict[int, int]:
-    """Enqueue each of `numbers` again with its params, from scratch (a new run dir and MLflow child; the samplers
-    take enqueued trials first, so they count against the launch's `n_trials`). For a trial whose drafter is not on
-    this machine: a fresh machine gets the committed store without weights, and only a checkpointed cut trial can
-    continue. Returns {old: new}; a number the study lacks, or one without params, is an error naming the ones
-    that can be."""
+def rerun_params(study, numbers: list[int]) -> dict[int, dict[str, Any]]:
+    """{N: trial N's params} for `rerun=[N, ...]`, checked before the launch does anything: a number the study
+    lacks, or one without params, is an error naming the ones that can be trained again."""
     trials = {t.number: t for t in study.get_trials(deepcopy=False)}
     known = sorted(n for n, t in trials.items() if t.params)
     bad = [n for n in numbers if n not in known]
     if bad:
         raise SweepError(f"rerun: trial(s) {bad} of study {study.study_name!r} have no params to train again "
                          f"(trials with params: {known})")
+    return {n: dict(trials[n].params) for n in numbers}
+
+
+def enqueue_reruns(study, params: dict[int, dict[str, Any]]) -> dict[int, int]:
+    """Enqueue each trial of `params` (`rerun_params`) again with its params, from scratch (a new run dir and MLflow
+    child; the samplers take enqueued trials first, so they count against the launch's `n_trials`). For a trial
+    whose drafter is not on this machine: a fresh machine gets the committed store without weights, and only a
+    checkpointed cut trial can continue. Returns {old: new}."""
     made: dict[int, int] = {}
-    for n in numbers:
-        study.enqueue_trial(dict(trials[n].params), user_attrs={ATTR_RERUN_OF: n}, skip_if_exists=False)
-        mine = [t for t in study.get_trials(deepcopy=False) if t.user_attrs.get(ATTR_RERUN_OF) == n]
-        made[n] = max(t.number for t in mine)
+    for n, values in params.items():
+        study.enqueue_trial(values, user_attrs={ATTR_RERUN_OF: n}, skip_if_exists=False)
+        made[n] = max(t.number for t in study.get_trials(deepcopy=False) if t.user_attrs.get(ATTR_RERUN_OF) == n)
     return made
 
 

@@ -40,6 +40,9 @@ def test_a_rerun_trains_the_trial_again_and_the_gate_reads_it(tmp_path):
     with pytest.raises(SweepError, match=r"rerun: trial\(s\) \[7\] .* \(trials with params: \[0\]\)"):
         main(_argv(tmp_path, "n_trials=1", "rerun=[7]"))
     assert len(_study(tmp_path).get_trials()) == 1  # refused before anything was enqueued or trained
+    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    exp = client.get_experiment_by_name("sweeps").experiment_id
+    assert len(client.search_runs([exp])) == 2  # the first launch's parent and trial: no parent left RUNNING
 
     main(_argv(tmp_path, "n_trials=1", "rerun=[0]"))
     study = _study(tmp_path)
@@ -52,7 +55,7 @@ def test_a_rerun_trains_the_trial_again_and_the_gate_reads_it(tmp_path):
     assert again.value == pytest.approx(first.value, abs=1e-9)
     g = gate_trial(study)
     assert g["number"] == 1 and g["run_dir"] == str(again_dir) and g["best"] == study.best_trial.number
-    tags = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}").get_run(again.user_attrs["mlflow.run_id"]).data.tags
+    tags = client.get_run(again.user_attrs["mlflow.run_id"]).data.tags
     assert tags["sweep.rerun_of"] == "0"
     report = render(study, load_sweep("cpu_smoke"), tmp_path / "out")
     assert "| 1 (rerun of 0) | COMPLETE |" in report

@@ -16,7 +16,7 @@
 # Env: DEADLINE (s, default 400), LIMIT (s, the device call's own limit, default 590), HARD (s, default and at most
 # LIMIT - 60: the report and the packing after it take up to a minute, and a call cut in them brings back an empty
 # store, as session 14's last call did), WORKERS (default: the campaign's), OUT (default gpu_out), PROMOTE (new / 1 / 0,
-# job_env.sh's gate_and_split), PROMOTE_ARGS, PY (python).
+# job_env.sh's gate_and_split), PROMOTE_ARGS, DRAFTER (0: not brought back, gated only), PY (python).
 # HARD used to default to DEADLINE + 190: a resuming call with DEADLINE=30 then cut its cells at 220 s of a 590 s
 # call (session 16 lost 300 s of two cells' training so).
 # On a fresh machine the shared inputs alone took 184-254 s (sessions 13, 14): a DEADLINE below that starts no

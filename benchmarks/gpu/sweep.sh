@@ -28,7 +28,8 @@
 # Env: N (trials this job adds, default 4), WORKERS (default 2), DEADLINE (s, default 300), LIMIT (s, the device
 # call's own limit, default 590), HARD (s, default LIMIT - 60: the packing after it needs the rest; not DEADLINE +
 # 220, which cut a resuming job with a short DEADLINE long before its call's limit), STUDY (default: the sweep's
-# name), STORE, TRUTH, CAMPAIGN_STORE, OUT (default gpu_out), PROMOTE (new / 1 / 0: the best trial through the gate, below), PROMOTE_ARGS, PY (python).
+# name), STORE, TRUTH, CAMPAIGN_STORE, OUT (default gpu_out), PROMOTE (new / 1 / 0: the best trial through the gate, below), PROMOTE_ARGS, DRAFTER (0: the best drafter is
+# gated and not brought back: a call brings back 8 files, and an 8-layer drafter takes 3), PY (python).
 # The GPU machine lacks our stack's wheels: ship them in .whl/, .whl2/, ... (wheel_folders.py) as for benchmarks/gpu/campaign.sh.
 set -uo pipefail
 S=${1:-loss_variants}

@@ -70,7 +70,7 @@ gate_and_split() {
     echo "== promote exited $? (0 promoted, 3 refused): $(tail -3 "$out/promote.log" | tr '\n' ' ')" >&2
   fi
   # DRAFTER=0: the drafter stays on the machine (the gate above has read it). A call brings back 8 files: an 8-layer
-  # drafter's three parts left session 23's report.md out, and the sweep job's archive is last of its 9 by name
+  # drafter's three parts left session 23's report.md out, and make the sweep job's 8 of 8, its archive last by name
   if [ "${DRAFTER:-1}" = 0 ]; then rm -f "$out/best_drafter.tgz"; fi
   if [ -f "$out/best_drafter.tgz" ] && [ "$(stat -c %s "$out/best_drafter.tgz")" -gt $((15 * 1024 * 1024)) ]; then
     split -b 15M -d -a 1 "$out/best_drafter.tgz" "$out/best_drafter.tgz.part" && rm "$out/best_drafter.tgz"

@@ -183,6 +183,22 @@ def continued_map(trials) -> dict[int, int]:
     return {int(t.user_attrs[ATTR_CONTINUES]): t.number for t in trials if ATTR_CONTINUES in t.user_attrs}
 
 
+def chains(trials) -> list[list]:
+    """Each trial with the trials continuing it, in order: [[2, 6], [8, 10, 13], [5]] (by trial number)."""
+    nxt = continued_map(trials)
+    by_number = {t.number: t for t in trials}
+    followers = set(nxt.values())
+    out = []
+    for t in sorted(trials, key=lambda t: t.number):
+        if t.number in followers:
+            continue
+        chain = [t]
+        while chain[-1].number in nxt:
+            chain.append(by_number[nxt[chain[-1].number]])
+        out.append(chain)
+    return out
+
+
 def _was_cut(t, reaped) -> bool:
     """A FAIL trial stopped from outside rather than by its own error: reaped now (its worker is gone), marked
     interrupted by run_trial, or FAIL without an error attr (run_trial records every error it sees, so that
@@ -246,37 +262,22 @@ def enqueue_reruns(study, params: dict[int, dict[str, Any]]) -> dict[int, int]:
     return made
 
 
-def chain_origin(trials) -> dict[int, int]:
-    """{trial number: the first trial of its chain}: a continuation belongs to the trial it continues."""
-    back = {new: old for old, new in continued_map(trials).items()}
-    out = {}
-    for t in trials:
-        n = t.number
-        while n in back:
-            n = back[n]
-        out[t.number] = n
-    return out
-
-
 def gate_trial(study) -> dict[str, Any] | None:
     """The complete trial whose drafter the promotion gate reads on this machine: the best trial when its `final/`
     is here, else the best complete rerun of it (`rerun=N`, or a continuation of one) whose `final/` is: the best
     settings trained again, its own value beside the best's. None when neither is here (the caller says so)."""
     from optuna.trial import TrialState
     trials = study.get_trials(deepcopy=False)
-    complete = [t for t in trials if t.state == TrialState.COMPLETE]
-    if not complete:
+    if not any(t.state == TrialState.COMPLETE for t in trials):
         return None
     best = study.best_trial
-    origin = chain_origin(trials)
-    by_number = {t.number: t for t in trials}
 
     def has_drafter(t) -> bool:
         run_dir = t.user_attrs.get(ATTR_RUN_DIR)
-        return bool(run_dir) and (Path(run_dir) / "final").is_dir()
+        return bool(run_dir) and RunDir(run_dir).has_final()
 
-    reruns = [t for t in complete if by_number[origin[t.number]].user_attrs.get(ATTR_RERUN_OF) == best.number
-              and has_drafter(t)]
+    reruns = [c[-1] for c in chains(trials) if c[0].user_attrs.get(ATTR_RERUN_OF) == best.number
+              and c[-1].state == TrialState.COMPLETE and has_drafter(c[-1])]
     sign = 1 if study.direction.name == "MAXIMIZE" else -1
     pick = best if has_drafter(best) else max(reruns, key=lambda t: sign * t.value, default=None)
     if pick is None:

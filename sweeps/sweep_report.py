@@ -28,25 +28,9 @@ from dflash.serving.promotion import DECISION_TAG, REASON_TAG, VERSION_TAG
 from sweeps.campaign_report import task_methods
 from sweeps.learning_curves import eval_curve, read_metrics
 from sweeps.objective import (ATTR_CONTINUES, ATTR_ERROR, ATTR_RERUN_OF, ATTR_RUN_DIR, ATTR_RUN_ID,
-                              STUDY_LAUNCH_STARTS, TIE_LEVEL, continued_map, trial_table)
+                              STUDY_LAUNCH_STARTS, TIE_LEVEL, chains, trial_table)
 
 PROMOTION_TAGS = (DECISION_TAG, REASON_TAG, VERSION_TAG)  # dflash/serving/promotion.py's names
-
-
-def chains(trials) -> list[list]:
-    """Each trial with the trials continuing it, in order: [[2, 6], [8, 10, 13], [5]] (by trial number)."""
-    nxt = continued_map(trials)
-    by_number = {t.number: t for t in trials}
-    followers = set(nxt.values())
-    out = []
-    for t in sorted(trials, key=lambda t: t.number):
-        if t.number in followers:
-            continue
-        chain = [t]
-        while chain[-1].number in nxt:
-            chain.append(by_number[nxt[chain[-1].number]])
-        out.append(chain)
-    return out
 
 
 def run_folder(trial, out_dir: Path) -> Path | None:

@@ -292,12 +292,43 @@ def render_report(c, summary: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def with_recorded_cells(c, out: Path, summary: dict) -> dict:
+    """The summary's cells of the campaign's seeds (`c.seeds`, edits included), with every finished cell of its
+    grid that has its own record on disk (`cell.json`) and is not in the summary; a stage's winner and call made
+    again from its cells wherever every (option, seed) of it is there.
+
+    `summary.json` holds the cells of its last launch only: a launch with `campaign.seeds=[1]` writes seed 1's,
+    and cells copied in from another store (session 24: `dflash.tracking.copy_runs`) are in no summary until the
+    next launch. The records on disk are what ran; a winner called on one seed is called again on both."""
+    from sweeps.campaign import best_option, cell_dir, cell_result, stage_cells
+    cells = [x for x in summary["cells"] if int(x["seed"]) in c.seeds]
+    listed = {x["cell"] for x in cells}
+    grid_winners = dict(summary.get("winners") or {})  # what later stages' runs were built on
+    winners, calls = {}, dict(summary.get("calls") or {})
+    for i, stage in enumerate(c.stages):
+        if any(f not in grid_winners for f in stage.on_best):
+            break  # its cells' names depend on a winner not called yet
+        for cell in stage_cells(c, i, grid_winners):
+            record = None if cell.id in listed else cell_result(cell_dir(out, c, cell))
+            if record is not None:
+                cells.append({**record, "earlier_launch": True})
+                listed.add(cell.id)
+        mine = [x for x in cells if x["stage"] == i and not x.get("failed")]
+        if {(x["option"], int(x["seed"])) for x in mine} >= {(o, s) for o in stage.options for s in c.seeds}:
+            winners[stage.factor] = best_option(mine)
+            calls[stage.factor] = stage_call(mine, c.objective, winners[stage.factor])
+            grid_winners[stage.factor] = winners[stage.factor]
+        elif stage.factor in grid_winners:
+            winners[stage.factor] = grid_winners[stage.factor]  # the launch's call; the report marks it incomplete
+    return {**summary, "cells": cells, "winners": winners, "calls": calls}
+
+
 def write_report(c, out: Path, dest: Path | None = None) -> dict[str, Any]:
     """Render `<out>/<campaign>/ABLATIONS.md` (and `dest` when given) from the campaign's summary."""
     summary_f = out / c.name / "summary.json"
     if not summary_f.is_file():
         raise FileNotFoundError(f"{summary_f}: the campaign has not finished a stage yet (run it first)")
-    summary = json.loads(summary_f.read_text())
+    summary = with_recorded_cells(c, out, json.loads(summary_f.read_text()))
     for x in summary["cells"]:  # folders as they lie under `out` now (the campaign may have run elsewhere)
         here = out / c.name / "runs" / x.get("reused_from", x["cell"])
         if here.is_dir():

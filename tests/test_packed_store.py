@@ -113,3 +113,41 @@ def test_an_archive_with_the_database_itself_unpacks_as_it_is(tmp_path):
         t.add(tmp_path / "src" / "sweeps_out", arcname="sweeps_out")
     assert unpack(tmp_path / "old.tar.xz", tmp_path / "dst") == []
     _same_store(f"sqlite:///{tmp_path / 'dst' / 'sweeps_out' / 'mlflow.db'}", s["runs"])
+
+
+def _use_store(work: Path, archive: Path) -> str:
+    """job_env.sh's use_store in `work`, as campaign.sh calls it: what it said."""
+    env = {**os.environ, "PY": shutil.which("python") or "python"}
+    script = f"source {ROOT / 'benchmarks/gpu/job_env.sh'} 2>/dev/null; use_store campaign_out {archive}"
+    return subprocess.run(["bash", "-c", script], cwd=work, env=env, check=True, capture_output=True,
+                          text=True).stderr
+
+
+def test_use_store_continues_the_committed_store_where_only_a_truth_folder_is(tmp_path):
+    """Session 24: sweep.sh's TRUTH= had extracted campaign_out/<name>/truth, and the campaign job after it took that
+    folder for the store and ran its cells in a new, empty one. A folder without its database is not a store: the
+    committed one is unpacked into it; a warm machine's store (its database there) is kept; no archive, a new one."""
+    packed = tmp_path / "packed"
+    s = _store(packed / "campaign_out")
+    env = {**os.environ, "PY": shutil.which("python") or "python"}
+    subprocess.run(["bash", "-c", f"source {ROOT / 'benchmarks/gpu/job_env.sh'} 2>/dev/null; "
+                    "pack_store store.tar.xz campaign_out/mlflow.db campaign_out"], cwd=packed, env=env, check=True)
+    archive = packed / "store.tar.xz"
+
+    machine = tmp_path / "machine"
+    truth = machine / "campaign_out" / "reference_64m" / "truth"
+    truth.mkdir(parents=True)
+    (truth / "gt.json").write_text("{}")
+    said = _use_store(machine, archive)
+    assert f"{archive}, unpacked" in said
+    db = machine / "campaign_out" / "mlflow.db"
+    _same_store(f"sqlite:///{db}", s["runs"])  # every committed run, beside the truth folder
+    assert (truth / "gt.json").read_text() == "{}"
+
+    kept = db.read_bytes()
+    assert "as this machine kept it" in _use_store(machine, archive) and db.read_bytes() == kept
+
+    fresh = tmp_path / "fresh"
+    fresh.mkdir()
+    assert "none committed" in _use_store(fresh, tmp_path / "absent.tar.xz")
+    assert not (fresh / "campaign_out").exists()

@@ -3,8 +3,9 @@
 #
 #   DEADLINE=400 bash benchmarks/gpu/campaign.sh [campaign] [run overrides ...]      (default campaign: reference)
 #
-# 1. Continues the committed campaign, if any: benchmarks/ablations/campaign_out.tar.xz (campaign_out/ without
-#    weights) is unpacked, so finished cells are skipped and the MLflow store goes on growing.
+# 1. Continues campaign_out/ as a warm machine kept it (with its checkpoints: cut cells resume), else the committed
+#    campaign, if any: benchmarks/ablations/campaign_out.tar.xz (campaign_out/ without weights) is unpacked, so
+#    finished cells are skipped and the MLflow store goes on growing (job_env.sh's use_store says which, first).
 # 2. `python -m sweeps.campaign <campaign> workers=$WORKERS deadline_s=$DEADLINE out=campaign_out`: the shared
 #    inputs first (prompt pool, online shards, eval ground truth), then the cells, WORKERS at a time on the one
 #    GPU; no cell starts after DEADLINE seconds from the launch (the shared inputs count: 170-220 s when nothing is
@@ -32,8 +33,8 @@ DEADLINE=${DEADLINE:-400}
 PY=${PY:-python}
 mkdir -p "$OUT"
 source "$(dirname "$0")/job_env.sh"  # wheels, PYTHONPATH, the job environment
-# the committed store, its database rebuilt from the SQL dump it is packed as (dflash.tracking.packed_store)
-[ -d campaign_out ] || { [ -f benchmarks/ablations/campaign_out.tar.xz ] && $PY -m dflash.tracking.packed_store unpack benchmarks/ablations/campaign_out.tar.xz; }
+# the warm machine's store, else the committed one (job_env.sh: a folder without its database is not a store)
+use_store campaign_out benchmarks/ablations/campaign_out.tar.xz || exit 1
 WORK=()
 [ -n "${WORKERS:-}" ] && WORK=("workers=$WORKERS")
 echo "== campaign $C (deadline ${DEADLINE}s) in $PWD" >&2

@@ -42,6 +42,24 @@ r(sys.argv[1]); d(sys.argv[1], sys.argv[2])" "$db.pack" "$sql" || { rm -f "$db.p
   return $rc
 }
 
+# use_store DIR ARCHIVE: the store a job continues, said in its log. DIR as this warm machine kept it when DIR holds
+# its MLflow database (its run folders still hold their checkpoints); else ARCHIVE (the committed store) unpacked
+# into it, the database rebuilt from its SQL dump; else a new store. The folder alone does not say a store is there:
+# sweep.sh's TRUTH= extracts campaign_out/<name>/truth from the committed campaign store, and session 24's campaign
+# job, next on the same machine, took that folder for the store, skipped the committed one and ran the loss stage's
+# seed-1 cells in a new, empty store (its MLflow log: "Creating initial MLflow database tables").
+use_store() {
+  local dir=$1 archive=$2
+  if [ -f "$dir/mlflow.db" ]; then
+    echo "== store: $dir as this machine kept it" >&2
+  elif [ -f "$archive" ]; then
+    echo "== store: $archive, unpacked into $dir" >&2
+    ${PY:-python} -m dflash.tracking.packed_store unpack "$archive" >&2 || return 1
+  else
+    echo "== store: none committed ($archive): a new one in $dir" >&2
+  fi
+}
+
 # needs_gate RUN_DIR: whether the run is tracked and has no gate decision yet (no model version made of it), read in
 # the run's own store (its mlflow_run.json): what PROMOTE=new gates
 needs_gate() {

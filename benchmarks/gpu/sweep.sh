@@ -45,9 +45,8 @@ STUDY=${STUDY:-$(basename "$S" .yaml)}
 PY=${PY:-python}
 mkdir -p "$OUT"
 source "$(dirname "$0")/job_env.sh"  # wheels, PYTHONPATH, the job environment
-# a warm machine's sweeps_out/ holds the checkpoints the committed store lacks: it wins
-# (its database rebuilt from the SQL dump it is packed as: dflash.tracking.packed_store)
-[ -d sweeps_out ] || { [ -f "$STORE" ] && $PY -m dflash.tracking.packed_store unpack "$STORE"; }
+# a warm machine's sweeps_out/ holds the checkpoints the committed store lacks: it wins (job_env.sh's use_store)
+use_store sweeps_out "$STORE" || exit 1
 if [ -n "${TRUTH:-}" ]; then
   [ -d "$TRUTH" ] || tar xf "${CAMPAIGN_STORE:-benchmarks/ablations/campaign_out.tar.xz}" "$TRUTH" || exit 1
   set -- "$@" "eval.truth_dir=$PWD/$TRUTH"

@@ -4,8 +4,10 @@ One table per stage (factor) and suite: τ vanilla and DDTree τ per node budget
 stage's seeds with its bootstrap CI over (seed, prompt) pairs, prompt-lookup's τ on the same ground truth, and
 the paired Δτ against the stage's reference option (its first one: hard_ce for the loss stage, the winner
 carried in for later stages) — each option's run paired with the reference's run of the same seed, prompt
-for prompt. A comparison is a *win* only when its Δ interval excludes 0; otherwise it is a tie bounded by
-that interval. Budget, consumed tokens and epochs of data seen are printed with every table.
+for prompt. A comparison is a *win* only when its Δ interval excludes 0 and no seed's own Δ has the other sign;
+otherwise it is a tie bounded by that interval (the interval resamples prompts, not training seeds, and a seed
+moves a 64 M-token run by up to 0.52 τ: benchmarks/ABLATIONS.md, session 24). Budget, consumed tokens and epochs of
+data seen are printed with every table.
 """
 from __future__ import annotations
 
@@ -87,7 +89,23 @@ def _delta(seeds: dict[int, dict], ref: dict[int, dict], sum_col: str = "tau_sum
                                 *_stacked([ref[s] for s in common], sum_col, count_col), level=CI_LEVEL)
     except NotPaired as e:
         return "not paired", str(e)
-    return _fmt(delta), _verdict(delta)
+    verdict = _verdict(delta)
+    if verdict in ("better", "worse") and len(common) > 1:
+        verdict = _seeds_disagree(seeds, ref, common, delta.value, sum_col, count_col) or verdict
+    return _fmt(delta), verdict
+
+
+def _seeds_disagree(seeds: dict[int, dict], ref: dict[int, dict], common: list[int], pooled: float,
+                    sum_col: str, count_col: str) -> str | None:
+    """A tie when a seed's own Δ has the other sign than the pooled one: the prompt-bootstrap interval holds the
+    seeds fixed, and a training seed moves a 64 M-token run by up to 0.52 τ (benchmarks/ABLATIONS.md, session 24:
+    streak led dpace by +0.336 at seed 0 and trailed it by −0.126 at seed 1), so a difference one seed reverses is
+    not a result."""
+    per_seed = {s: paired_delta_ci(*_stacked([seeds[s]], sum_col, count_col), *_stacked([ref[s]], sum_col, count_col),
+                                   n_boot=0).value for s in common}
+    if all(d * pooled > 0 for d in per_seed.values()):
+        return None
+    return "tie (the seeds disagree: " + ", ".join(f"seed {s} {d:+.3f}" for s, d in per_seed.items()) + ")"
 
 
 def _reused_lines(cells: list[dict]) -> list[str]:
@@ -141,7 +159,8 @@ def delta_table(cells: list[dict], suite: str, reference: str) -> list[str]:
         cols = []
         for _, sc, cc in methods:
             d, v = _delta(seeds, by_opt[reference], sc, cc)
-            cols.append(d if d == "not paired" else f"{d} {'**' + v + '**' if v in ('better', 'worse') else 'tie'}")
+            word = "tie, the seeds disagree" if "seeds disagree" in v else "tie"
+            cols.append(d if d == "not paired" else f"{d} {'**' + v + '**' if v in ('better', 'worse') else word}")
         rows.append("| " + " | ".join([opt, *cols]) + " |")
     return rows
 
@@ -246,7 +265,8 @@ def render_report(c, summary: dict) -> str:
              f"Command: `python -m sweeps.campaign {c.name}` (then `… {c.name} report`). Budget: "
              f"{c.budget_tokens:,} consumed training tokens per run, seeds {c.seeds}, objective `{c.objective}`. "
              f"τ: pooled over seeds with its {CI_LEVEL:.0%} bootstrap CI over (seed, prompt) pairs; Δτ paired "
-             f"with the reference option's run of the same seed; a tie is a Δ interval containing 0.", ""]
+             f"with the reference option's run of the same seed; a tie is a Δ interval containing 0, or a Δ that one "
+             f"seed's own run reverses.", ""]
     winners = summary.get("winners", {})
     lines += [_target_line(summary["cells"]), *_speed_lines(summary)]
     first = c.stages[0].options[0]

@@ -353,6 +353,31 @@ def test_report_pairs_each_option_with_the_reference_seed_for_seed(tmp_path):
     assert deltas["soft_kl"].count("**better**") == 2 and "not paired" in deltas["lk"]  # vanilla and tree 16
 
 
+def test_a_difference_one_seed_reverses_is_a_tie(tmp_path):
+    """Session 24: streak led dpace by +0.336 at seed 0 and trailed it by −0.126 at seed 1. Pooled over the seeds a
+    difference can still exclude 0 (here +0.9 and −0.1 on every prompt: +0.4 [+0.15, +0.65]); it is a
+    tie when a seed's own Δ has the other sign, and a win when every seed agrees."""
+    from sweeps.campaign_report import delta_table, stage_call, stage_table
+    ref = [20, 30, 25, 40, 22, 31, 27, 36]
+    tables = {("dpace", 0): ref, ("dpace", 1): ref,
+              ("streak", 0): [s + 9 for s in ref], ("streak", 1): [s - 1 for s in ref],   # +0.9, then −0.1 τ
+              ("hard_ce", 0): [s + 3 for s in ref], ("hard_ce", 1): [s + 1 for s in ref]}  # +0.3, +0.1 τ
+    cells = []
+    for (opt, seed), sums in tables.items():
+        d = tmp_path / f"{opt}{seed}" / "eval"
+        d.mkdir(parents=True)
+        (d / "tasks.json").write_text(json.dumps(_table("gt", sums, [10] * 8, [15] * 8)))
+        cells.append({"option": opt, "seed": seed, "run_dir": str(d.parent), "stage": 0, "value": sum(sums) / 80})
+    by = {r.split("|")[1].strip(): r for r in stage_table(cells, "heldout", "dpace")[2:]}
+    assert "0.400 [0.150, 0.650]" in by["streak"]  # the pooled interval alone would call it better
+    assert "tie (the seeds disagree: seed 0 +0.900, seed 1 -0.100)" in by["streak"]
+    assert "0.200 [0.150, 0.250] | better |" in by["hard_ce"]
+    deltas = {r.split("|")[1].strip(): r for r in delta_table(cells, "heldout", "dpace")[2:]}
+    assert "tie, the seeds disagree" in deltas["streak"] and "**better**" in deltas["hard_ce"]
+    call = stage_call(cells, "eval/tau_vanilla", "streak")  # the highest mean: seed 1 reverses it against both
+    assert call["tied"] == ["dpace", "hard_ce"], call
+
+
 def test_the_best_recipe_is_the_campaigns_best_cell():
     """`+recipe=best_reference` trains exactly what the reference_recipe campaign's winning cell (layers8_sweep30:
     8 layers with the recipe sweep's best LR and streak settings) trained (benchmarks/ABLATIONS.md, "The recipe")."""

@@ -181,7 +181,8 @@ def _objective_suite(cells: list[dict], objective: str) -> str | None:
 def stage_call(cells: list[dict], objective: str, best: str) -> dict[str, Any]:
     """The stage's verdict beside its highest-mean option `best` (which later stages build on): the options tied
     with it, whose paired Δ of the objective against it (seed for seed, prompt for prompt) has an interval
-    containing 0. `checked` is False where the task tables cannot say (then `tied` is empty)."""
+    containing 0 or is reversed by one seed's own run (`_delta`). `checked` is False where the task tables cannot
+    say (then `tied` is empty)."""
     from dflash.evaluation.pairing import metric_columns
     cols = metric_columns(objective)
     suite = _objective_suite(cells, objective)
@@ -201,7 +202,7 @@ def describe_calls(summary: dict) -> dict[str, str]:
     for factor, best in (summary.get("winners") or {}).items():
         call = calls.get(factor) or {}
         if call.get("tied"):
-            out[factor] = (f"tie: {best} ~ {', '.join(call['tied'])} (paired Δ intervals contain 0; later stages "
+            out[factor] = (f"tie: {best} ~ {', '.join(call['tied'])} (paired Δ intervals contain 0, or a seed reverses the Δ; later stages "
                            f"built on {best}, the highest mean)")
         else:
             out[factor] = best if call.get("checked") else f"{best} (highest mean; ties not checked)"

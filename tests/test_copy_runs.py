@@ -95,3 +95,19 @@ def test_refusals_leave_the_destination_as_it_was(tmp_path):
     assert not (tmp_path / "committed" / "mlartifacts" / src["cut"]).exists()
     assert main([str(src["db"]), str(dst["db"]), src["cut"]]) == 2
     assert main([str(tmp_path / "absent.db"), str(dst["db"])]) == 2
+
+
+def test_artifacts_kept_elsewhere_are_refused(tmp_path):
+    """A destination experiment whose artifact location is not the mlartifacts/ beside its database: the rows would
+    point where the copied artifacts are not."""
+    import sqlite3
+    src, dst = _source(tmp_path / "wrong"), _destination(tmp_path / "committed")
+    con = sqlite3.connect(dst["db"])
+    con.execute("UPDATE experiments SET artifact_location='/somewhere/else/mlartifacts' WHERE experiment_id=?",
+                (dst["eid"],))
+    con.commit()
+    con.close()
+    before = dst["db"].read_bytes()
+    with pytest.raises(CopyError, match="keeps artifacts at '/somewhere/else/mlartifacts'"):
+        copy_runs(src["db"], dst["db"], [src["done"]])
+    assert dst["db"].read_bytes() == before and not (tmp_path / "committed" / "mlartifacts" / src["done"]).exists()

@@ -106,15 +106,20 @@ def _experiment_ids(src: sqlite3.Connection, dst: sqlite3.Connection, runs: list
     return mapping
 
 
-def _artifact_base(dst: sqlite3.Connection, eid: int) -> str:
-    loc = dst.execute("SELECT artifact_location FROM experiments WHERE experiment_id=?", (eid,)).fetchone()[0]
-    if not loc or not loc.rstrip("/").endswith("mlartifacts"):
-        raise CopyError(f"destination experiment {eid} keeps artifacts at {loc!r}, not in an mlartifacts/ folder "
-                        f"beside its database: copy artifacts there by hand")
-    return loc.rstrip("/")
+def _artifact_base(dst: sqlite3.Connection, eid: int, folder: Path) -> str:
+    """The destination experiment's artifact location, which must be `folder` (the `mlartifacts/` beside its
+    database, where the artifacts are copied): relative as a committed store keeps it, or that folder's path."""
+    loc = (dst.execute("SELECT artifact_location FROM experiments WHERE experiment_id=?", (eid,)).fetchone()[0]
+           or "").rstrip("/")
+    path = loc.removeprefix("file://")
+    if loc != "mlartifacts" and (not path.startswith("/") or Path(path).resolve() != folder.resolve()):
+        raise CopyError(f"destination experiment {eid} keeps artifacts at {loc!r}, not in {folder} beside its "
+                        f"database: copy artifacts there by hand")
+    return loc
 
 
-def _copy_rows(src: sqlite3.Connection, dst: sqlite3.Connection, runs: list[str], eids: dict[int, int]) -> None:
+def _copy_rows(src: sqlite3.Connection, dst: sqlite3.Connection, runs: list[str], eids: dict[int, int],
+               folder: Path) -> None:
     marks = ",".join("?" * len(runs))
     for table, col in RUN_TABLES.items():
         cols = [c for c in _columns(src, table) if c in _columns(dst, table)]
@@ -124,7 +129,7 @@ def _copy_rows(src: sqlite3.Connection, dst: sqlite3.Connection, runs: list[str]
             rows = [list(r) for r in rows]
             for r in rows:
                 r[e] = eids[r[e]]
-                r[a] = f"{_artifact_base(dst, r[e])}/{r[rid]}/artifacts"
+                r[a] = f"{_artifact_base(dst, r[e], folder)}/{r[rid]}/artifacts"
         dst.executemany(f"INSERT INTO {table} ({','.join(cols)}) VALUES ({','.join('?' * len(cols))})", rows)
 
 
@@ -144,7 +149,7 @@ def copy_runs(src_db: str | os.PathLike, dst_db: str | os.PathLike, run_ids: lis
         runs = _select_runs(src, list(run_ids or []), finished)
         if runs:
             _check_copyable(src, dst, runs)
-            _copy_rows(src, dst, runs, _experiment_ids(src, dst, runs))
+            _copy_rows(src, dst, runs, _experiment_ids(src, dst, runs), dst_db.parent / "mlartifacts")
         for rid in runs:
             if _copy_artifacts(src_db.parent / "mlartifacts" / rid, dst_db.parent / "mlartifacts" / rid):
                 made.append(dst_db.parent / "mlartifacts" / rid)

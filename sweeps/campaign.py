@@ -208,6 +208,39 @@ def cell_result(run_dir: Path) -> dict | None:
     return json.loads(f.read_text()) if f.is_file() else None
 
 
+def record_matches(record: dict, cell: Cell) -> bool:
+    """Whether a finished cell's record (`cell.json`) is a run of `cell` as the campaign composes it now: each of the
+    cell's own overrides (the base, the winners it builds on, its option, seed and budget) is among the record's. A
+    record that names no overrides cannot say, and one reused from another cell's run (`reused_from`: the same
+    composed config, under that cell's overrides) was matched by its composed config: both count as the cell's."""
+    if "overrides" not in record or record.get("reused_from"):
+        return True
+    have = set(record["overrides"])
+    return all(o in have for o in cell.overrides)
+
+
+def stale_records(c: Campaign, out: Path, cells: list[Cell]) -> list[str]:
+    """The folders of `cells` that hold a finished run of other overrides than the cell needs now, each with the
+    overrides it lacks; logged as a warning.
+
+    A cell's folder is named by its stage, option and seed, not by the winners it builds on: when a later launch
+    calls an earlier stage's winner differently (seed 1 put dpace ahead of seed 0's streak at 64 M, session 24; a
+    resumed near-tie can flip on the CPU smoke campaign), the later stage's finished cells were trained on the old
+    winner, and the campaign reuses them by their folder. Said, not refused: the launch goes on, and moving such a
+    folder away makes the next launch train the cell on the new winner."""
+    stale = []
+    for cell in cells:
+        record = cell_result(cell_dir(out, c, cell))
+        if record is not None and not record_matches(record, cell):
+            missing = [o for o in cell.overrides if o not in set(record["overrides"])]
+            stale.append(f"{cell_dir(out, c, cell)} (needs {', '.join(missing)})")
+    if stale:
+        log.warning("campaign %s: these folders hold finished runs of other overrides than their cells need now "
+                    "(an earlier stage's winner or the campaign file changed since they ran), reused as they are: "
+                    "%s. Move them away to train the cells as they are now", c.name, "; ".join(stale))
+    return stale
+
+
 def tokens_at_resume(run_dir: Path) -> float:
     """Consumed tokens at the newest checkpoint a cut cell resumes from (0 for a new cell): the tokens this launch
     trains are the rest, and a launch's consumed tok/s counts only those (a resumed cell's whole budget over one
@@ -508,6 +541,7 @@ def run_campaign(c: Campaign, out: Path, extra: list[str], deadline_s: float = 0
     done: dict[str, dict] = {}
     for group in stage_groups(c):
         per_stage = [stage_cells(c, i, summary["winners"]) for i in group]
+        stale_records(c, out, [x for cells in per_stage for x in cells])
         for cell in (x for cells in per_stage for x in cells):
             cell.overrides += extra
         t0 = time.time()

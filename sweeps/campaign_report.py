@@ -321,7 +321,7 @@ def with_recorded_cells(c, out: Path, summary: dict) -> dict:
     `summary.json` holds the cells of its last launch only: a launch with `campaign.seeds=[1]` writes seed 1's,
     and cells copied in from another store (session 24: `dflash.tracking.copy_runs`) are in no summary until the
     next launch. The records on disk are what ran; a winner called on one seed is called again on both."""
-    from sweeps.campaign import best_option, cell_dir, cell_result, stage_cells
+    from sweeps.campaign import best_option, cell_dir, cell_result, record_matches, stage_cells
     cells = [x for x in summary["cells"] if int(x["seed"]) in c.seeds]
     listed = {x["cell"] for x in cells}
     grid_winners = dict(summary.get("winners") or {})  # what later stages' runs were built on
@@ -331,7 +331,7 @@ def with_recorded_cells(c, out: Path, summary: dict) -> dict:
             break  # its cells' names depend on a winner not called yet
         for cell in stage_cells(c, i, grid_winners):
             record = None if cell.id in listed else cell_result(cell_dir(out, c, cell))
-            if record is not None:
+            if record is not None and record_matches(record, cell):  # not a run on another winner
                 cells.append({**record, "earlier_launch": True})
                 listed.add(cell.id)
         mine = [x for x in cells if x["stage"] == i and not x.get("failed")]

@@ -387,3 +387,27 @@ def test_the_best_recipe_is_the_campaigns_best_cell():
     drop = ("tracking.experiment=",)
     assert config_key(["+recipe=best_reference", "seed=0"]) == config_key(
         [o for o in cell.overrides if not o.startswith(drop)])
+
+
+def test_a_cell_run_on_another_winner_is_named(tmp_path, caplog):
+    """A cell's folder is named by stage, option and seed only. When an earlier stage's winner changes (seed 1 put
+    dpace ahead of seed 0's streak at 64 M), a noise cell trained on streak is not one on dpace: the campaign names
+    the folder and the overrides it lacks, and the report does not take that record for the cell."""
+    from sweeps.campaign import load_campaign, record_matches, stage_cells, stale_records
+    c = load_campaign("reference_64m")
+    on_streak = stage_cells(c, 1, {"loss": "streak"})[0]
+    on_dpace = stage_cells(c, 1, {"loss": "dpace"})[0]
+    assert on_streak.id == on_dpace.id  # the same folder
+    folder = tmp_path / "reference_64m" / "runs" / on_streak.id
+    folder.mkdir(parents=True)
+    record = {**on_streak.labels(), "overrides": [*on_streak.overrides, "eval.truth_dir=/x"], "value": 4.2}
+    (folder / "cell.json").write_text(json.dumps(record))
+    assert record_matches(record, on_streak) and not record_matches(record, on_dpace)
+    assert stale_records(c, tmp_path, [on_streak]) == []  # the winner it was trained on: its own record
+    assert stale_records(c, tmp_path, [on_dpace]) == [f"{folder} (needs +loss=dpace)"]
+    assert f"{folder} (needs +loss=dpace)" in caplog.text and "Move them away" in caplog.text
+    from sweeps.campaign_report import with_recorded_cells
+    summary = {"cells": [], "winners": {"loss": "dpace"}}
+    assert with_recorded_cells(c, tmp_path, summary)["cells"] == []
+    summary["winners"]["loss"] = "streak"
+    assert [x["cell"] for x in with_recorded_cells(c, tmp_path, summary)["cells"]] == [on_streak.id]

@@ -202,8 +202,8 @@ def describe_calls(summary: dict) -> dict[str, str]:
     for factor, best in (summary.get("winners") or {}).items():
         call = calls.get(factor) or {}
         if call.get("tied"):
-            out[factor] = (f"tie: {best} ~ {', '.join(call['tied'])} (paired Δ intervals contain 0, or a seed reverses the Δ; later stages "
-                           f"built on {best}, the highest mean)")
+            out[factor] = (f"tie: {best} ~ {', '.join(call['tied'])} (paired Δ intervals contain 0, or a seed "
+                           f"reverses the Δ; later stages built on {best}, the highest mean)")
         else:
             out[factor] = best if call.get("checked") else f"{best} (highest mean; ties not checked)"
     return out

@@ -111,8 +111,7 @@ def _artifact_base(dst: sqlite3.Connection, eid: int, folder: Path) -> str:
     database, where the artifacts are copied): relative as a committed store keeps it, or that folder's path."""
     loc = (dst.execute("SELECT artifact_location FROM experiments WHERE experiment_id=?", (eid,)).fetchone()[0]
            or "").rstrip("/")
-    path = loc.removeprefix("file://")
-    if loc != "mlartifacts" and (not path.startswith("/") or Path(path).resolve() != folder.resolve()):
+    if loc not in ("mlartifacts", folder.resolve().as_uri(), str(folder.resolve())):  # relocate_artifacts' forms
         raise CopyError(f"destination experiment {eid} keeps artifacts at {loc!r}, not in {folder} beside its "
                         f"database: copy artifacts there by hand")
     return loc

@@ -24,6 +24,8 @@ import sys
 import tarfile
 from pathlib import Path
 
+from dflash.atomic import atomic_write
+
 DUMP_SUFFIX = ".sql"
 
 
@@ -32,15 +34,16 @@ def dump_store(db: str | os.PathLike, sql: str | os.PathLike) -> int:
     db, sql = Path(db), Path(sql)
     if not db.is_file():
         raise FileNotFoundError(f"{db}: no sqlite store to dump")
-    tmp = sql.with_name(sql.name + ".partial")
     con = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
-    try:
-        with tmp.open("w", encoding="utf-8") as f:
+
+    def write(tmp: str) -> None:
+        with open(tmp, "w", encoding="utf-8") as f:
             for statement in con.iterdump():
                 f.write(statement + "\n")
+    try:
+        atomic_write(sql, write)
     finally:
         con.close()
-    os.replace(tmp, sql)
     return sql.stat().st_size
 
 
@@ -50,18 +53,17 @@ def restore_store(sql: str | os.PathLike, db: str | os.PathLike) -> Path:
     sql, db = Path(sql), Path(db)
     if db.exists():
         raise FileExistsError(f"{db}: a store is already there; move it away to rebuild it from {sql}")
-    tmp = db.with_name(db.name + ".partial")
-    tmp.unlink(missing_ok=True)
-    con = sqlite3.connect(tmp)
-    try:
-        con.executescript(sql.read_text(encoding="utf-8"))
-        con.commit()
-    except sqlite3.Error as e:
-        con.close()
-        tmp.unlink(missing_ok=True)
-        raise ValueError(f"{sql}: not a complete SQL dump of a store ({e})") from e
-    con.close()
-    os.replace(tmp, db)
+
+    def build(tmp: str) -> None:
+        con = sqlite3.connect(tmp)
+        try:
+            con.executescript(sql.read_text(encoding="utf-8"))
+            con.commit()
+        except sqlite3.Error as e:
+            raise ValueError(f"{sql}: not a complete SQL dump of a store ({e})") from e
+        finally:
+            con.close()
+    atomic_write(db, build)
     return db
 
 

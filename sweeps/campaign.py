@@ -40,10 +40,11 @@ import logging
 import os
 import subprocess
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import yaml
 
@@ -421,28 +422,33 @@ def check_only(c: Campaign, only: Sequence[str]) -> None:
 
 
 def _run_stage(c: Campaign, cells: list[Cell], out: Path, done: dict[str, dict], deadline: float | None,
-               only: Sequence[str] = ()):
+               only: Sequence[str] = (), before_run: Callable[[], None] = lambda: None):
     """Finished results of `cells` (reused where an earlier cell, or an earlier one of `cells`, is the same run);
     None for a cell not started because `deadline` (time.time()) had passed, or that `only` leaves out.
+    `before_run` is called before each cell that starts (run_campaign's shared inputs, made once).
 
-    A stage that trains new cells on the pinned ground truth needs its reference there too, so an earlier stage's
-    unpinned run (`pinned`) is not reused for it: that cell trains again under the pin (once, shared by every such
-    stage of `cells`, and reused by them in later launches). A stage with no pinned cell keeps reusing it."""
+    A stage's seed that trains new cells on the pinned ground truth needs its reference there too, so an earlier
+    stage's unpinned run (`pinned`) is not reused for it: that cell trains again under the pin (once, shared by
+    every such stage of `cells`, and reused by them in later launches). A stage's seed with no pinned cell keeps
+    reusing it. By (stage, seed), not by stage: a Δ pairs an option's run with the reference's run of the same
+    seed, and seed 1's new noise cells on the pin (session 25) had put seed 0's `none` on a pinned run, which
+    left seed 0's noise cells, trained before the pin, "not paired: different ground truth"."""
     keys = [config_key(cell.overrides) for cell in cells]
     earlier = [cell_result(cell_dir(out, c, cell)) for cell in cells]  # a cell's own record from a past launch
     own_pinned: dict[str, dict] = {}
     for key, e in zip(keys, earlier):
         if e is not None and pinned(e):
             own_pinned.setdefault(key, e)
-    on_pin = {cell.stage for cell, key, e in zip(cells, keys, earlier) if e is None and key not in done}  # new cells
-    on_pin |= {cell.stage for cell, e in zip(cells, earlier) if e is not None and pinned(e)}
+    on_pin = {(cell.stage, cell.seed) for cell, key, e in zip(cells, keys, earlier)
+              if e is None and key not in done}  # new cells
+    on_pin |= {(cell.stage, cell.seed) for cell, e in zip(cells, earlier) if e is not None and pinned(e)}
 
     def source(i: int) -> dict | None:
         """The record cell i reuses; None where it has its own or must run."""
         if earlier[i] is not None:
             return None
         r = done.get(keys[i])
-        if cells[i].stage not in on_pin:
+        if (cells[i].stage, cells[i].seed) not in on_pin:
             return r
         return r if r is not None and pinned(r) else own_pinned.get(keys[i])
 
@@ -465,6 +471,7 @@ def _run_stage(c: Campaign, cells: list[Cell], out: Path, done: dict[str, dict],
             log.warning("cell %s not started: the campaign's deadline has passed (run again to continue)",
                         cells[i].id)
             return None
+        before_run()
         return run_cell(c, cells[i], out)
 
     runs = sorted(set(first.values()))
@@ -536,8 +543,15 @@ def run_campaign(c: Campaign, out: Path, extra: list[str], deadline_s: float = 0
     if to_run:  # refused before anything is written, the tracking store included
         summary["target_fingerprint"] = check_same_target(c, out, extra)
     prepare_store(c, extra)
-    if to_run:
-        summary["write_ahead"] = shared_inputs(c, extra, out, previous)
+    made = threading.Lock()
+
+    def inputs_once() -> None:
+        """The shared inputs before the first cell that starts (workers wait for them): none at all in a launch
+        that starts no cell, e.g. one that only rewrites the summary from the cells' records (session 25 did so on
+        a CPU after the per-seed pin fix: the online shards are not in the committed store)."""
+        with made:
+            if "write_ahead" not in summary:
+                summary["write_ahead"] = shared_inputs(c, extra, out, previous)
     done: dict[str, dict] = {}
     for group in stage_groups(c):
         per_stage = [stage_cells(c, i, summary["winners"]) for i in group]
@@ -545,7 +559,8 @@ def run_campaign(c: Campaign, out: Path, extra: list[str], deadline_s: float = 0
         for cell in (x for cells in per_stage for x in cells):
             cell.overrides += extra
         t0 = time.time()
-        results = _run_stage(c, [x for cells in per_stage for x in cells], out, done, deadline, only)
+        results = _run_stage(c, [x for cells in per_stage for x in cells], out, done, deadline, only,
+                             inputs_once if to_run else lambda: None)
         wall = time.time() - t0
         cut = False
         for i, cells in zip(group, per_stage):

@@ -109,11 +109,12 @@ def _seeds_disagree(seeds: dict[int, dict], ref: dict[int, dict], common: list[i
 
 
 def _reused_lines(cells: list[dict]) -> list[str]:
-    """A line naming the options of a stage whose run is an earlier cell's (its composed config is that cell's)."""
-    reused = sorted({(x["option"], x["reused_from"]) for x in cells if x.get("reused_from")})
+    """A line naming the options of a stage whose run is an earlier cell's (its composed config is that cell's),
+    seed by seed: the seeds of one option may reuse different stages' runs (the pin decides it per seed)."""
+    reused = sorted({(x["option"], int(x["seed"]), x["reused_from"]) for x in cells if x.get("reused_from")})
     if not reused:
         return []
-    return [", ".join(f"`{o}` is `{src}`'s run" for o, src in reused)
+    return [", ".join(f"`{o}` (seed {seed}) is `{src}`'s run" for o, seed, src in reused)
             + " (the same composed config: reused, not trained again).", ""]
 
 
@@ -313,6 +314,14 @@ def render_report(c, summary: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _found_here(out: Path, c, cell: dict) -> dict:
+    """The cell with its run folder as it lies under `out` now: the campaign may have run elsewhere, and its
+    recorded folder is relative to that launch's working folder (a stage's call pairs the runs' task tables there:
+    read before this, session 25's report of an unpacked store called the loss stage without its ties)."""
+    here = out / c.name / "runs" / cell.get("reused_from", cell["cell"])
+    return {**cell, "run_dir": str(here)} if here.is_dir() else cell
+
+
 def with_recorded_cells(c, out: Path, summary: dict) -> dict:
     """The summary's cells of the campaign's seeds (`c.seeds`, edits included), with every finished cell of its
     grid that has its own record on disk (`cell.json`) and is not in the summary; a stage's winner and call made
@@ -322,26 +331,30 @@ def with_recorded_cells(c, out: Path, summary: dict) -> dict:
     and cells copied in from another store (session 24: `dflash.tracking.copy_runs`) are in no summary until the
     next launch. The records on disk are what ran; a winner called on one seed is called again on both."""
     from sweeps.campaign import best_option, cell_dir, cell_result, record_matches, stage_cells
-    cells = [x for x in summary["cells"] if int(x["seed"]) in c.seeds]
+    cells = [_found_here(out, c, x) for x in summary["cells"] if int(x["seed"]) in c.seeds]
     listed = {x["cell"] for x in cells}
     grid_winners = dict(summary.get("winners") or {})  # what later stages' runs were built on
     winners, calls = {}, dict(summary.get("calls") or {})
+    complete = True  # every stage called on every seed of the campaign (the launch's flag was for its own seeds)
     for i, stage in enumerate(c.stages):
         if any(f not in grid_winners for f in stage.on_best):
+            complete = False
             break  # its cells' names depend on a winner not called yet
         for cell in stage_cells(c, i, grid_winners):
             record = None if cell.id in listed else cell_result(cell_dir(out, c, cell))
             if record is not None and record_matches(record, cell):  # not a run on another winner
-                cells.append({**record, "earlier_launch": True})
+                cells.append(_found_here(out, c, {**record, "earlier_launch": True}))
                 listed.add(cell.id)
         mine = [x for x in cells if x["stage"] == i and not x.get("failed")]
         if {(x["option"], int(x["seed"])) for x in mine} >= {(o, s) for o in stage.options for s in c.seeds}:
             winners[stage.factor] = best_option(mine)
             calls[stage.factor] = stage_call(mine, c.objective, winners[stage.factor])
             grid_winners[stage.factor] = winners[stage.factor]
-        elif stage.factor in grid_winners:
-            winners[stage.factor] = grid_winners[stage.factor]  # the launch's call; the report marks it incomplete
-    return {**summary, "cells": cells, "winners": winners, "calls": calls}
+        else:
+            complete = False
+            if stage.factor in grid_winners:
+                winners[stage.factor] = grid_winners[stage.factor]  # the launch's call; the report marks it incomplete
+    return {**summary, "cells": cells, "winners": winners, "calls": calls, "complete": complete}
 
 
 def write_report(c, out: Path, dest: Path | None = None) -> dict[str, Any]:
@@ -350,10 +363,6 @@ def write_report(c, out: Path, dest: Path | None = None) -> dict[str, Any]:
     if not summary_f.is_file():
         raise FileNotFoundError(f"{summary_f}: the campaign has not finished a stage yet (run it first)")
     summary = with_recorded_cells(c, out, json.loads(summary_f.read_text()))
-    for x in summary["cells"]:  # folders as they lie under `out` now (the campaign may have run elsewhere)
-        here = out / c.name / "runs" / x.get("reused_from", x["cell"])
-        if here.is_dir():
-            x["run_dir"] = str(here)
     for i, stage in enumerate(c.stages):  # a summary written before the calls were recorded
         if stage.factor in summary["winners"] and stage.factor not in summary.setdefault("calls", {}):
             summary["calls"][stage.factor] = stage_call([x for x in summary["cells"] if x["stage"] == i],

@@ -154,6 +154,32 @@ def test_a_stage_with_pinned_cells_trains_its_reference_again_under_the_pin(monk
     assert campaign.pinned({"overrides": ["+eval.truth_dir=/p"]}) and not campaign.pinned(old_ref)
 
 
+def test_the_pin_is_decided_per_seed_so_an_unpinned_seed_keeps_its_unpinned_reference(monkeypatch, tmp_path):
+    """Seed 0's noise cells all ran before the pin, seed 1's are new (on the pin): seed 0's `none` stays the loss
+    stage's unpinned run, the one its options pair with, and seed 1's is the pinned run of seed 1. Deciding by
+    stage alone had put seed 0's `none` on a pinned run (session 25), and seed 0's Δs became "not paired"."""
+    import sweeps.campaign as campaign
+    c = load_campaign("cpu_smoke", ["campaign.seeds=[0,1]", "campaign.workers=1"])
+    pin = ["eval.truth_dir=/pins"]
+    cells = [campaign.Cell(1, "noise", o, s, [f"+noise={o}", f"seed={s}", *pin])
+             for s in (0, 1) for o in ("none", "uniform")]
+    monkeypatch.setattr(campaign, "config_key", lambda ov: (f"ref{ov[1]}" if "+noise=none" in ov else " ".join(ov)))
+    old_ref0 = {"cell": "s0-loss-streak-seed0", "value": 1.0, "overrides": ["+loss=streak"]}  # before the pin
+    pinned_twin0 = {"cell": "s2-data-views4-seed0", "value": 1.5, "overrides": ["+data=views4", *pin]}
+    ref1 = {"cell": "s0-loss-streak-seed1", "value": 2.5, "overrides": ["+loss=streak", *pin]}
+    earlier = {cells[1].id: {**cells[1].labels(), "value": 2.0, "overrides": ["+noise=uniform", "seed=0"]}}  # unpinned
+    ran = _fake_cells_that_keep_their_records(monkeypatch, campaign, earlier)
+    done = {"ref" + "seed=0": old_ref0, "ref" + "seed=1": ref1}
+    # the pinned twin of seed 0's reference is a record of this group (a later stage's own cell, the same config)
+    twin = campaign.Cell(2, "data", "views4", 0, ["+noise=none", "seed=0", *pin])
+    earlier[twin.id] = {**twin.labels(), **pinned_twin0}
+    results = campaign._run_stage(c, [*cells, twin], tmp_path, done, None)
+    by = {r["cell"]: r for r in results}
+    assert by[cells[0].id]["reused_from"] == "s0-loss-streak-seed0"  # seed 0: nothing new, nothing pinned
+    assert by[cells[2].id]["reused_from"] == "s0-loss-streak-seed1"  # seed 1: new cells, a pinned reference
+    assert ran == [cells[3].id]
+
+
 def test_only_starts_a_listed_cells_reference_too_where_it_has_no_run_on_the_pin(monkeypatch, tmp_path):
     """only=[buffer/fifo] on the pin: the stage's reference (r10_20, the same run as the loss stage's unpinned
     winner) trains with it, so fifo's Δ has a pinned run to pair with; the other new cell does not start. Once the
@@ -206,12 +232,13 @@ def test_every_cell_and_the_shared_inputs_pin_the_ground_truth_under_the_campaig
                         lambda cfg, more_cfgs=(): made.append(cfg) or {"sys/write_ahead_s": 0.0})
 
     def fake_run(c_, cell, out_):
+        assert len(made) == 1  # the shared inputs, once, before the first cell that starts
         ran.append(cell)
         return {**cell.labels(), "value": float(cell.option == "soft_kl"), "consumed_tokens": 1,
                 "run_dir": str(tmp_path / cell.id), "overrides": cell.overrides}  # as run_cell records them
     monkeypatch.setattr(campaign, "run_cell", fake_run)
     summary = campaign.run_campaign(c, out, ["tracking.enabled=false"])
-    assert made[0].eval.truth_dir == str(out / "cpu_smoke" / "truth")
+    assert made[0].eval.truth_dir == str(out / "cpu_smoke" / "truth") and len(made) == 1
     assert len(ran) == 3 and all(cell.overrides.count(pinned) == 1 for cell in ran)
     assert [x["option"] for x in summary["cells"] if x.get("reused_from")] == ["none"]  # +noise=none: that run
     assert campaign.with_truth_dir(c, out, ["+eval.truth_dir=/pins"]) == ["+eval.truth_dir=/pins"]  # the user's
@@ -301,13 +328,15 @@ def _check_report_from_mlflow(tmp_path, summary):
 
 
 def test_a_deadline_starts_no_cell_after_it_and_leaves_an_incomplete_summary(tmp_path):
+    """A launch that starts no cell makes no shared inputs either (they are made before the first cell that
+    starts): it only writes the summary from what is on disk."""
     out = tmp_path / "out"
     summary = main(["cpu_smoke", f"out={out}", "campaign.seeds=[0]", "deadline_s=0.000001",
                     f"tracking.tracking_uri=sqlite:///{tmp_path / 'mlflow.db'}"])
     assert summary["complete"] is False and summary["cells"] == [] and summary["winners"] == {}
     assert not (out / "cpu_smoke" / "runs").exists() or not any((out / "cpu_smoke" / "runs").iterdir())
     assert json.loads((out / "cpu_smoke" / "summary.json").read_text())["complete"] is False
-    assert (out / "cpu_smoke" / "write_ahead.json").is_file()  # the shared inputs were made first
+    assert not (out / "cpu_smoke" / "write_ahead.json").exists()  # nothing to make them for
 
 
 def test_a_campaign_of_another_target_is_refused_before_any_work(tmp_path):

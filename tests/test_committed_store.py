@@ -42,10 +42,10 @@ def test_relocate_artifacts_absolute_for_any_working_folder(tmp_path):
     from dflash.tracking.run_info import relocate_artifacts
     unpack(STORE, tmp_path)
     db = tmp_path / "campaign_out" / "mlflow.db"
-    # three campaign experiments, 51 runs (session 24's three loss cells of seed 1 copied in: dflash.tracking.copy_runs),
-    # 5 registered model versions (the gate's: session 21's champion among them, session 22's refused buffer cell,
-    # session 23's refused cuts8 cell)
-    assert relocate_artifacts(db, relative=False) == 59
+    # three campaign experiments, 54 runs (session 24's three loss cells of seed 1 copied in: dflash.tracking.copy_runs;
+    # session 25's last three), 6 registered model versions (the gate's: session 21's champion among them, session
+    # 22's refused buffer cell, session 23's refused cuts8 cell, session 25's refused soft_kl_streak cell of seed 1)
+    assert relocate_artifacts(db, relative=False) == 63
     c = MlflowClient(f"sqlite:///{db}")
     r = c.search_runs([c.get_experiment_by_name("dflash-ablation").experiment_id], max_results=1)[0]
     assert r.info.artifact_uri == (db.parent / "mlartifacts").as_uri() + f"/{r.info.run_id}/artifacts"
@@ -70,8 +70,9 @@ def test_ablation_table_shows_the_pooled_interval(campaign_store):
 
 
 def test_report_names_the_cells_not_run_yet(campaign_store):
-    """reference_64m runs seeds [0, 1] and has run seed 0 (`campaign.seeds=[0]`): read with both seeds, every stage
-    is incomplete and names its seed-1 cells and the command, instead of calling a winner on half its cells."""
+    """reference_64m runs seeds [0, 1]; every stage has run seed 0 and the loss stage seed 1 too: read with both
+    seeds, the loss stage is called on both and every later stage is incomplete and names its seed-1 cells and the
+    command, instead of calling a winner on half its cells."""
     from sweeps.campaign import load_campaign
     from sweeps.campaign_report import write_report
     c = load_campaign("reference_64m")
@@ -80,15 +81,20 @@ def test_report_names_the_cells_not_run_yet(campaign_store):
     text = (campaign_store / "reference_64m" / "ABLATIONS.md").read_text()
     stages = {s.split("\n", 1)[0].split(" (")[0]: s for s in text.split("\n## Stage ")[1:]}
     loss = stages["0: loss"]
-    # seed 1 of dpace, hard_ce and streak ran in session 24 (copied in from the store they ran in): their records
-    assert "**Stage incomplete**: 9 of 12 cells" in loss and "Highest mean objective: **" not in loss
-    left = loss.split("Not run yet: ", 1)[1]
-    assert "lk (seed 1)" in left and "dpace (seed 1)" not in left
-    assert "`python -m sweeps.campaign reference_64m only=[loss]`" in loss
-    assert "**Stage incomplete**: 5 of 10 cells" in stages["3: buffer"]
+    # seed 1 of dpace, hard_ce and streak ran in session 24 (copied in from the store they ran in), the rest in 25
+    assert "Stage incomplete" not in loss and "; 12 runs" in loss
+    assert "Highest mean objective: **streak** (a winner only where its Δ interval above excludes 0). **Tied with " \
+           "it: dpace, soft_kl_streak**" in loss  # session 24's +0.090 [−0.016, +0.193] over dpace, now every loss
+    noise = stages["1: noise"]
+    assert "**Stage incomplete**: 5 of 8 cells" in noise  # seed 1's none is the loss stage's streak run of seed 1
+    assert "Not run yet: uniform (seed 1), gaussian (seed 1), cosine (seed 1)" in noise
+    assert "`python -m sweeps.campaign reference_64m only=[noise]`" in noise
+    assert "**Stage incomplete**: 6 of 10 cells" in stages["3: buffer"]
+    assert "**The campaign is not complete**" in text
     # read with the seed it ran, the same store calls every stage: nothing left
     write_report(load_campaign("reference_64m", ["campaign.seeds=[0]"]), campaign_store)
-    assert "incomplete" not in (campaign_store / "reference_64m" / "ABLATIONS.md").read_text()
+    text = (campaign_store / "reference_64m" / "ABLATIONS.md").read_text()
+    assert "incomplete" not in text and "not complete" not in text
 
 
 def test_a_summary_of_one_seed_does_not_hide_the_other(campaign_store):
@@ -128,7 +134,7 @@ def test_a_reused_reference_is_in_its_stages_learning_curve(campaign_store):
                                   ("3: buffer", "r10_20", "s2-data-views4-seed0")]:
         curve = stages[stage].split("#### Learning curve", 1)[1].split("Rank agreement", 1)[0]
         assert f"\n| {reference} | 1 | " in curve, curve
-        assert f"`{reference}` is `{run}`'s run" in stages[stage]
+        assert f"`{reference}` (seed 0) is `{run}`'s run" in stages[stage]
     assert "| r10_20 | 1 | 4.227 [3.864, 4.627] |" in stages["3: buffer"]  # the pinned reference, held-out
 
 

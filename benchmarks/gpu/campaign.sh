@@ -7,9 +7,10 @@
 #    campaign, if any: benchmarks/ablations/campaign_out.tar.xz (campaign_out/ without weights) is unpacked, so
 #    finished cells are skipped and the MLflow store goes on growing (job_env.sh's use_store says which, first).
 # 2. `python -m sweeps.campaign <campaign> workers=$WORKERS deadline_s=$DEADLINE out=campaign_out`: the shared
-#    inputs first (prompt pool, online shards, eval ground truth), then the cells, WORKERS at a time on the one
-#    GPU; no cell starts after DEADLINE seconds from the launch (the shared inputs count: 170-220 s when nothing is
-#    cached), so the job ends with whole cells.
+#    inputs before the first cell that starts (prompt pool, online shards, eval ground truth; none in a launch that
+#    starts no cell), then the cells, WORKERS at a time on the one GPU; no cell starts after DEADLINE seconds from
+#    the launch (the shared inputs count for the later waves: 170-220 s when nothing is cached), so the job ends
+#    with whole cells.
 # 3. The report (campaign_out/<campaign>/ABLATIONS.md); $OUT/best_drafter.tgz: the best cell finished in this job,
 #    its final/ drafter (for export and eval on any machine; in parts over 15 MiB), that cell through the promotion
 #    gate (PROMOTE, as in sweep.sh); then $OUT/campaign.tar.xz: campaign_out/ without weights, checkpoints, shards
@@ -20,8 +21,10 @@
 # job_env.sh's gate_and_split), PROMOTE_ARGS, DRAFTER (0: not brought back, gated only), PY (python).
 # HARD used to default to DEADLINE + 190: a resuming call with DEADLINE=30 then cut its cells at 220 s of a 590 s
 # call (session 16 lost 300 s of two cells' training so).
-# On a fresh machine the shared inputs alone took 184-254 s (sessions 13, 14): a DEADLINE below that starts no
-# cell at all (session 14's second call). Give the first call of a session DEADLINE >= 300.
+# On a fresh machine the shared inputs alone took 184-254 s (sessions 13, 14): a DEADLINE below that started no
+# cell at all (session 14's second call) while the inputs were made before the deadline's check. Since session 25
+# the first wave passes the check and then waits for the inputs; later waves still count them, so give the first
+# call of a session DEADLINE >= 300 where more cells than WORKERS are to run.
 # The GPU machine lacks our stack's wheels (about 22 MB, see wheels.sh); the working tree that travels with a call (48.1 MB,
 # the reference target's weights and the stores included, session 23) leaves room for half of them: carry .whl/ in a
 # short call, then .whl2/ with the job, on the same warm machine (wheel_folders.py makes the folders).

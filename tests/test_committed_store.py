@@ -196,3 +196,18 @@ def test_the_committed_stores_hold_their_database_as_sql(archive, dump):
     with tarfile.open(archive) as t:
         names = t.getnames()
     assert dump in names and dump.replace(".sql", ".db") not in names
+
+
+def test_ablations_quotes_the_stores_two_seed_loss_stage(campaign_store):
+    """benchmarks/ABLATIONS.md's loss stage on both seeds (sessions 24-25) is the committed store's report, table for
+    table: its held-out τ rows, the stage's call (streak, tied with dpace and soft_kl_streak) and the learning curve."""
+    from sweeps.campaign import load_campaign
+    from sweeps.campaign_report import write_report
+    write_report(load_campaign("reference_64m"), campaign_store)
+    stage = (campaign_store / "reference_64m" / "ABLATIONS.md").read_text().split("\n## Stage 0: loss\n", 1)[1]
+    stage = stage.split("\n## Stage ", 1)[0]
+    quoted = (ROOT / "benchmarks" / "ABLATIONS.md").read_text().split("\n### Stage 0: loss, seeds 0 and 1\n", 1)[1]
+    quoted = quoted.split("\n## ", 1)[0]
+    rows = [r for r in stage.splitlines() if r.startswith("| ") or r.startswith("Highest mean objective")]
+    assert len(rows) >= 40 and all(r in quoted.splitlines() for r in rows)
+    assert "| streak | 2 | 3.938 [3.709, 4.192] |" in stage

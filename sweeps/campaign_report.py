@@ -399,11 +399,25 @@ def _as_run_folder(art: Path, dest: Path) -> Path:
     return dest
 
 
+def _mlflow_cell(c, cell, run, tracking_uri: str, work_dir: Path) -> dict[str, Any]:
+    """A cell's record from its own MLflow run, as `summary.json` holds it (its eval task tables copied under
+    `work_dir`); `pinned`: it evaluated on the campaign's pinned ground truth (`eval.truth_dir` among its params)."""
+    folder = _as_run_folder(_artifacts_dir(run, tracking_uri), Path(work_dir) / cell.id)
+    m = run.data.metrics
+    return {**cell.labels(), "run_dir": str(folder), "value": m.get(c.objective), "run_id": run.info.run_id,
+            "consumed_tokens": m.get("data/consumed_tokens"), "epochs": m.get("data/epochs"),
+            "target_fingerprint": run.data.tags.get("dflash.target_fingerprint"),
+            "pinned": bool(run.data.params.get("eval.truth_dir"))}
+
+
 def summary_from_mlflow(c, tracking_uri: str, work_dir: Path) -> dict[str, Any]:
     """A summary like `summary.json`, rebuilt from the campaign's MLflow experiment alone: its finished runs
     (named by cell id), their eval task tables (artifacts, copied under `work_dir`), the winners recomputed with
     the campaign's rule, and each cell that had no run of its own (the same config as an earlier cell,
-    `sweeps.campaign.config_key`) pointed at that cell's run."""
+    `sweeps.campaign.config_key`) pointed at that cell's run: the earliest one on the pinned ground truth where the
+    stage's runs of that seed are pinned, as the campaign chose it (`sweeps.campaign._run_stage`). Before, it was the
+    earliest run: the buffer stage's seed-0 reference became the loss stage's run from before the pin, and the
+    notebook showed the buffer stage "not paired" (session 25)."""
     from mlflow.tracking import MlflowClient
 
     from sweeps.campaign import best_option, config_key, stage_cells
@@ -418,24 +432,26 @@ def summary_from_mlflow(c, tracking_uri: str, work_dir: Path) -> dict[str, Any]:
             runs[r.info.run_name] = r  # a cell run again later: its newest run
     summary: dict[str, Any] = {"campaign": c.name, "winners": {}, "cells": [], "complete": True}
     earlier: dict[str, dict] = {}
+    earlier_pinned: dict[str, dict] = {}
     for i, stage in enumerate(c.stages):
+        grid = stage_cells(c, i, summary["winners"])
+        own = {cell.id: _mlflow_cell(c, cell, runs[cell.id], tracking_uri, work_dir) for cell in grid
+               if cell.id in runs}
+        for cell in grid:
+            if cell.id in own:
+                earlier.setdefault(config_key(cell.overrides), own[cell.id])
+                if own[cell.id]["pinned"]:
+                    earlier_pinned.setdefault(config_key(cell.overrides), own[cell.id])
+        on_pin = {cell.seed for cell in grid if cell.id in own and own[cell.id]["pinned"]}
         cells = []
-        for cell in stage_cells(c, i, summary["winners"]):
-            key = config_key(cell.overrides)
-            r = runs.get(cell.id)
-            if r is None and key in earlier:
-                cells.append({**earlier[key], **cell.labels(), "reused_from": earlier[key]["cell"]})
-                continue
-            if r is None:
+        for cell in grid:
+            src = (earlier_pinned if cell.seed in on_pin else earlier).get(config_key(cell.overrides))
+            if cell.id in own:
+                cells.append(own[cell.id])
+            elif src is not None:
+                cells.append({**src, **cell.labels(), "reused_from": src["cell"]})
+            else:
                 summary["complete"] = False
-                continue
-            folder = _as_run_folder(_artifacts_dir(r, tracking_uri), Path(work_dir) / cell.id)
-            m = r.data.metrics
-            got = {**cell.labels(), "run_dir": str(folder), "value": m.get(c.objective), "run_id": r.info.run_id,
-                   "consumed_tokens": m.get("data/consumed_tokens"), "epochs": m.get("data/epochs"),
-                   "target_fingerprint": r.data.tags.get("dflash.target_fingerprint")}
-            earlier.setdefault(key, got)
-            cells.append(got)
         summary["cells"] += cells
         if len(cells) < len(stage.options) * len(c.seeds):
             summary["complete"] = False

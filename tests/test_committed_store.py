@@ -211,3 +211,18 @@ def test_ablations_quotes_the_stores_two_seed_loss_stage(campaign_store):
     rows = [r for r in stage.splitlines() if r.startswith("| ") or r.startswith("Highest mean objective")]
     assert len(rows) >= 40 and all(r in quoted.splitlines() for r in rows)
     assert "| streak | 2 | 3.938 [3.709, 4.192] |" in stage
+
+
+def test_the_notebooks_summary_pairs_the_buffer_stage_on_the_pin(campaign_store, tmp_path):
+    """The ablation notebook's summary from the MLflow store alone (`summary_from_mlflow`) takes a reused reference as
+    the campaign did: the buffer stage's seed-0 cells ran on the pin, so their `r10_20` is the data stage's pinned
+    `views4` run, not the loss stage's run from before the pin (which left every buffer Δ "not paired"); the noise
+    stage's seed-0 cells ran before the pin and keep the loss stage's run."""
+    from sweeps.campaign import load_campaign
+    from sweeps.campaign_report import render_report, summary_from_mlflow
+    c = load_campaign("reference_64m", ["campaign.seeds=[0]"])
+    summary = summary_from_mlflow(c, f"sqlite:///{campaign_store / 'mlflow.db'}", tmp_path / "nb")
+    reused = {x["cell"]: x["reused_from"] for x in summary["cells"] if x.get("reused_from")}
+    assert reused == {"s1-noise-none-seed0": "s0-loss-streak-seed0", "s3-buffer-r10_20-seed0": "s2-data-views4-seed0"}
+    buffer = render_report(c, summary).split("## Stage 3: buffer", 1)[1]
+    assert "| fifo | -0.021 [-0.053, 0.010] tie |" in buffer  # ABLATIONS.md's fifo − r10_20, held-out

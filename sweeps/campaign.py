@@ -209,15 +209,20 @@ def cell_result(run_dir: Path) -> dict | None:
     return json.loads(f.read_text()) if f.is_file() else None
 
 
-def record_matches(record: dict, cell: Cell) -> bool:
-    """Whether a finished cell's record (`cell.json`) is a run of `cell` as the campaign composes it now: each of the
-    cell's own overrides (the base, the winners it builds on, its option, seed and budget) is among the record's. A
-    record that names no overrides cannot say, and one reused from another cell's run (`reused_from`: the same
-    composed config, under that cell's overrides) was matched by its composed config: both count as the cell's."""
+def _lacking_overrides(record: dict, cell: Cell) -> list[str]:
+    """The overrides of `cell` as the campaign composes it now (the base, the winners it builds on, its option, seed
+    and budget) that a finished cell's record (`cell.json`) lacks. None lacking for a record that names no
+    overrides (it cannot say) or one reused from another cell's run (`reused_from`: the same composed config, under
+    that cell's overrides, matched by its composed config)."""
     if "overrides" not in record or record.get("reused_from"):
-        return True
+        return []
     have = set(record["overrides"])
-    return all(o in have for o in cell.overrides)
+    return [o for o in cell.overrides if o not in have]
+
+
+def record_matches(record: dict, cell: Cell) -> bool:
+    """Whether a finished cell's record is a run of `cell` as the campaign composes it now."""
+    return not _lacking_overrides(record, cell)
 
 
 def stale_records(c: Campaign, out: Path, cells: list[Cell]) -> list[str]:
@@ -232,8 +237,8 @@ def stale_records(c: Campaign, out: Path, cells: list[Cell]) -> list[str]:
     stale = []
     for cell in cells:
         record = cell_result(cell_dir(out, c, cell))
-        if record is not None and not record_matches(record, cell):
-            missing = [o for o in cell.overrides if o not in set(record["overrides"])]
+        missing = _lacking_overrides(record, cell) if record is not None else []
+        if missing:
             stale.append(f"{cell_dir(out, c, cell)} (needs {', '.join(missing)})")
     if stale:
         log.warning("campaign %s: these folders hold finished runs of other overrides than their cells need now "
@@ -550,7 +555,7 @@ def run_campaign(c: Campaign, out: Path, extra: list[str], deadline_s: float = 0
         that starts no cell, e.g. one that only rewrites the summary from the cells' records (session 25 did so on
         a CPU after the per-seed pin fix: the online shards are not in the committed store)."""
         with made:
-            if "write_ahead" not in summary:
+            if to_run and "write_ahead" not in summary:
                 summary["write_ahead"] = shared_inputs(c, extra, out, previous)
     done: dict[str, dict] = {}
     for group in stage_groups(c):
@@ -559,8 +564,7 @@ def run_campaign(c: Campaign, out: Path, extra: list[str], deadline_s: float = 0
         for cell in (x for cells in per_stage for x in cells):
             cell.overrides += extra
         t0 = time.time()
-        results = _run_stage(c, [x for cells in per_stage for x in cells], out, done, deadline, only,
-                             inputs_once if to_run else lambda: None)
+        results = _run_stage(c, [x for cells in per_stage for x in cells], out, done, deadline, only, inputs_once)
         wall = time.time() - t0
         cut = False
         for i, cells in zip(group, per_stage):

@@ -435,23 +435,21 @@ def summary_from_mlflow(c, tracking_uri: str, work_dir: Path) -> dict[str, Any]:
     earlier_pinned: dict[str, dict] = {}
     for i, stage in enumerate(c.stages):
         grid = stage_cells(c, i, summary["winners"])
+        keys = {cell.id: config_key(cell.overrides) for cell in grid}
         own = {cell.id: _mlflow_cell(c, cell, runs[cell.id], tracking_uri, work_dir) for cell in grid
                if cell.id in runs}
-        for cell in grid:
-            if cell.id in own:
-                earlier.setdefault(config_key(cell.overrides), own[cell.id])
-                if own[cell.id]["pinned"]:
-                    earlier_pinned.setdefault(config_key(cell.overrides), own[cell.id])
-        on_pin = {cell.seed for cell in grid if cell.id in own and own[cell.id]["pinned"]}
+        for cid, got in own.items():
+            earlier.setdefault(keys[cid], got)
+            if got["pinned"]:
+                earlier_pinned.setdefault(keys[cid], got)
+        on_pin = {got["seed"] for got in own.values() if got["pinned"]}
         cells = []
         for cell in grid:
-            src = (earlier_pinned if cell.seed in on_pin else earlier).get(config_key(cell.overrides))
-            if cell.id in own:
-                cells.append(own[cell.id])
-            elif src is not None:
-                cells.append({**src, **cell.labels(), "reused_from": src["cell"]})
-            else:
+            src = own.get(cell.id) or (earlier_pinned if cell.seed in on_pin else earlier).get(keys[cell.id])
+            if src is None:
                 summary["complete"] = False
+            else:
+                cells.append(src if cell.id in own else {**src, **cell.labels(), "reused_from": src["cell"]})
         summary["cells"] += cells
         if len(cells) < len(stage.options) * len(c.seeds):
             summary["complete"] = False

@@ -31,7 +31,7 @@ def test_a_term_to_the_script_still_gets_pytests_summary(tmp_path):
                          cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     log = out / "gpu_tests.log"
     t0 = time.time()
-    while not (log.is_file() and "test_made_up.py ." in log.read_text()):  # the fast test has passed
+    while not (log.is_file() and "test_a_fast_one PASSED" in log.read_text()):  # the fast test has passed
         assert time.time() - t0 < 60 and p.poll() is None, log.read_text() if log.is_file() else "no log"
         time.sleep(0.2)
     time.sleep(0.5)  # into the slow one
@@ -42,3 +42,6 @@ def test_a_term_to_the_script_still_gets_pytests_summary(tmp_path):
     assert "1 passed" in text and "KeyboardInterrupt" in text, text
     assert (out / "gpu_tests.xml").is_file()
     assert "== pytest -m gpu exited 2" in printed and p.returncode == 2
+    # the tests it did not reach, by node id, ready for the next call (the one cut in the middle among them)
+    assert (out / "gpu_tests_not_run.txt").read_text() == "test_made_up.py::test_a_slow_one\n"
+    assert "== not reached (1)" in printed and "gpu_tests.sh 'test_made_up.py::test_a_slow_one'" in printed

@@ -150,3 +150,51 @@ def test_fla_short_conv_keeps_cpu_tensors_on_the_torch_code(monkeypatch):
     ref = inspect.unwrap(mod.causal_conv1d_fn)
     assert torch.equal(mod.causal_conv1d_fn(x, w, None, activation="silu"), ref(x, w, None, activation="silu"))
     Target(TargetConfig(random=SMALL, device="cpu")).forward_features(torch.randint(0, 256, (1, 40)))  # no crash
+
+
+def _func_module(func):
+    """A function as the `kernels` package's hub-kernel decorator leaves it (transformers 5.25 with `kernels`
+    installed): an nn.Module instance whose forward calls the function it closes over."""
+    class Func(torch.nn.Module):
+        def forward(self, *args, **kwargs):
+            return func(*args, **kwargs)
+    return Func()
+
+
+def test_a_hub_kernel_func_module_is_seen_through():
+    """transformers 5.25 binds every Gated-DeltaNet function as such a module: the kernel report and the torch
+    reference look through it (before, every CPU target failed: `Func() is not a Python function`)."""
+    from dflash.target import kernels
+
+    def torch_code(x):
+        return x + 1
+    torch_code.__module__ = "transformers.models.qwen3_5.modeling_qwen3_5"
+
+    def fla_kernel(x):
+        return x + 2
+    fla_kernel.__module__ = "fla.ops.gated_delta_rule.chunk"
+
+    def with_fallback(implementation):  # transformers' use_kernel_func_from_hub_with_fallback, reduced
+        @functools.wraps(torch_code)
+        def wrapped(*args, **kwargs):
+            return implementation(*args, **kwargs)
+        return wrapped
+    fast, slow = _func_module(with_fallback(fla_kernel)), _func_module(with_fallback(torch_code))
+    assert kernels._implementation(fast) == "fla.ops.gated_delta_rule.chunk" and kernels._is_fast(fast)
+    assert kernels._implementation(slow).startswith("transformers") and not kernels._is_fast(slow)
+    assert kernels._reference(fast) is torch_code and kernels._reference(slow) is torch_code
+    routed = kernels._by_device(fast, kernels._reference(fast))  # a CPU target's binding of the fast one
+    assert kernels._reference(routed) is torch_code and routed(torch.zeros(1)).item() == 1.0
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_5", "qwen3_next"])
+def test_every_bound_gdn_function_has_transformers_torch_code_behind_it(model_type):
+    """Whatever this transformers binds (a function, a wrapper with fallback, a hub-kernel module) and whatever
+    an earlier target's preflight rebound, the torch reference a CPU target and `torch_gdn_path` use is
+    transformers' own function of the modelling module."""
+    from dflash.target.kernels import GDN_FUNCS, _reference, modeling_module
+    mod = modeling_module(model_type)
+    for name in GDN_FUNCS:
+        if hasattr(mod, name):
+            ref = _reference(getattr(mod, name))
+            assert inspect.isfunction(ref) and ref.__module__ == mod.__name__, (name, ref)

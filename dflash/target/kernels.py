@@ -30,9 +30,30 @@ def modeling_module(model_type: str):
     return importlib.import_module(f"transformers.models.{name}.modeling_{name}") if name else None
 
 
+def _plain(fn):
+    """The function behind a hub-kernel `Func` module. With the `kernels` package installed (a dependency of
+    transformers since 5.2x; 5.25 on the CPU machine, 2026-12-03), `use_kernel_forward_from_hub` turns each decorated
+    function into an `nn.Module` instance whose `forward` calls the function it closes over (`func`): no
+    `__wrapped__`, not a Python function, so `inspect` saw nothing behind it (every CPU target failed in
+    `getclosurevars`). Anything else comes back as it is."""
+    if isinstance(fn, torch.nn.Module):
+        cells = inspect.getclosurevars(type(fn).forward).nonlocals
+        return cells.get("func", fn)
+    return fn
+
+
+def _reference(fn):
+    """transformers' pure-torch code behind a bound Gated-DeltaNet function: its `__wrapped__` chain, through any
+    `Func` module on the way (a wrapper of ours may wrap one)."""
+    while (inner := inspect.unwrap(_plain(fn))) is not fn:
+        fn = inner
+    return fn
+
+
 def _implementation(fn) -> str:
     """Module that really runs behind a transformers kernel-with-fallback wrapper."""
-    impl = inspect.getclosurevars(fn).nonlocals.get("implementation", fn) if callable(fn) else fn
+    fn = _plain(fn)
+    impl = inspect.getclosurevars(fn).nonlocals.get("implementation", fn) if inspect.isfunction(fn) else fn
     return getattr(impl, "__module__", "?") or "?"
 
 
@@ -60,7 +81,7 @@ def use_fla_short_conv(model_type: str) -> bool:
     if not _implementation(current).startswith("transformers"):
         return False  # causal-conv1d itself is active
 
-    reference = inspect.unwrap(current)
+    reference = _reference(current)
 
     def causal_conv1d_fn(x, weight, bias=None, activation=None, **kwargs):
         if not x.is_cuda:  # bound process-wide: a CPU target of the same process keeps the torch code
@@ -112,7 +133,7 @@ def force_torch_gdn(model_type: str) -> None:
     for name in GDN_FUNCS if mod else ():
         fn = getattr(mod, name, None)
         if fn is not None and _is_fast(fn):
-            setattr(mod, name, inspect.unwrap(fn))
+            setattr(mod, name, _reference(fn))
 
 
 def _by_device(fast, reference):
@@ -137,7 +158,7 @@ def route_cpu_to_torch(model_type: str) -> None:
         if fn is None or getattr(fn, "_dflash_fast", None):
             continue
         if _is_fast(fn):
-            setattr(mod, name, _by_device(fn, inspect.unwrap(fn)))
+            setattr(mod, name, _by_device(fn, _reference(fn)))
 
 
 @contextmanager

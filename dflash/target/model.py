@@ -359,7 +359,10 @@ class Target:
         shape_only = torch.empty(*input_ids_BT.shape, 0, dtype=self.dtype, device=input_ids_BT.device)
         kw = {"config": self.decoder.config, "attention_mask": None, "position_ids": None,
               ("inputs_embeds" if "inputs_embeds" in params else "input_embeds"): shape_only}
-        kw.update({name: None for name in ("cache", "past_key_values") if name in params})
+        # the cache's one name: transformers 5.25 renamed past_key_values to cache and warns when both are given
+        cache_arg = next((name for name in ("cache", "past_key_values") if name in params), None)
+        if cache_arg:
+            kw[cache_arg] = None
         if "cache_position" in params:
             kw["cache_position"] = torch.arange(input_ids_BT.shape[1], device=input_ids_BT.device)
         try:

@@ -32,7 +32,7 @@ def modeling_module(model_type: str):
 
 def _plain(fn):
     """The function behind a hub-kernel `Func` module. With the `kernels` package installed (a dependency of
-    transformers since 5.2x; 5.25 on the CPU machine, 2026-12-03), `use_kernel_forward_from_hub` turns each decorated
+    transformers since 5.25, which pip resolved on the CPU machine on 2026-12-03; 5.17-5.24 do not require it), `use_kernel_forward_from_hub` turns each decorated
     function into an `nn.Module` instance whose `forward` calls the function it closes over (`func`): no
     `__wrapped__`, not a Python function, so `inspect` saw nothing behind it (every CPU target failed in
     `getclosurevars`). Anything else comes back as it is."""

@@ -8,7 +8,8 @@ several seeds, every run an MLflow run in one experiment, resumable.
 
 A campaign file (`conf/campaign/*.yaml`) names a base run config (`base`: overrides), a budget
 (`budget_tokens`: consumed — trained-on — tokens per run, so runs sharing one GPU stay comparable; wall time
-would favour whichever run got the GPU more often), the seeds, the objective metric, and stages. A stage varies
+would favour whichever run got the GPU more often; an option whose overrides set `trainer.token_budget` and
+`trainer.max_steps` trains at its own, and the report's budget line per stage says what each run consumed), the seeds, the objective metric, and stages. A stage varies
 one config group (`factor`) over `options` (or, with `options` a mapping of name -> [overrides], whatever those
 overrides set, e.g. how many views of how many distinct sequences); `on_best` names earlier factors whose winner it
 builds on (the option with the highest mean objective over seeds). Each cell (stage, option, seed) is one `experiments.run`
@@ -187,8 +188,10 @@ def stage_cells(c: Campaign, index: int, winners: dict[str, str]) -> list[Cell]:
     fixed = [o for f in stage.on_best for o in by_factor[f].overrides(winners[f])]
     budget = [f"trainer.token_budget={c.budget_tokens}", f"trainer.max_steps={c.max_steps}",
               f"tracking.experiment={c.experiment}"]
+    # the option last: one that names its own budget (reference_recipe's `budget` stage: what 30 H200-minutes
+    # allow, against the campaign's 131 M) trains at it; every other option trains at the campaign's
     return [Cell(index, stage.factor, opt, seed,
-                 [*c.base, *fixed, *stage.overrides(opt), f"seed={seed}", *budget])
+                 [*c.base, *fixed, f"seed={seed}", *budget, *stage.overrides(opt)])
             for opt in stage.options for seed in c.seeds]
 
 

@@ -58,9 +58,10 @@ def test_a_stage_of_named_override_sets(tmp_path):
     c = load_campaign(str(f), ["campaign.seeds=[0]"])
     data = stage_cells(c, 2, {"loss": "soft_kl"})
     assert [x.option for x in data] == ["views1", "views4"]
-    assert data[1].overrides[-7:-4] == ["+loss=soft_kl", "data.online.reuse=4", "data.max_epochs=4"]
+    assert data[1].overrides[-2:] == ["data.online.reuse=4", "data.max_epochs=4"]  # the option last
+    assert data[1].overrides[-7] == "+loss=soft_kl"  # the winner it builds on, before the seed and the budget
     assert not any(o.startswith("+data=") for x in data for o in x.overrides)
-    assert data[0].overrides == [o for o in stage_cells(c, 0, {})[1].overrides]  # views1 = the soft_kl cell
+    assert sorted(data[0].overrides) == sorted(stage_cells(c, 0, {})[1].overrides)  # views1 = the soft_kl cell
     buf = stage_cells(c, 3, {"loss": "soft_kl", "data": "views4"})
     assert all("data.online.reuse=4" in x.overrides and f"+buffer={x.option}" in x.overrides for x in buf)
     assert stage_groups(c) == [[0], [1, 2], [3]]
@@ -416,6 +417,25 @@ def test_the_best_recipe_is_the_campaigns_best_cell():
     drop = ("tracking.experiment=",)
     assert config_key(["+recipe=best_reference", "seed=0"]) == config_key(
         [o for o in cell.overrides if not o.startswith(drop)])
+
+
+def test_an_option_may_train_at_its_own_budget():
+    """reference_recipe's `budget` stage: t131 is the 131 M winner itself (the same composed config: reused, not
+    trained again), t262 sets its own budget, which wins over the campaign's (the option's overrides come last)."""
+    from sweeps.campaign import config_key
+    from experiments.config import compose_config
+    c = load_campaign("reference_recipe")
+    winners = {"depth": "layers8_sweep30", "prompts": "headers"}
+    t131, t262 = (x for x in stage_cells(c, 2, winners) if x.seed == 0)
+    best = next(x for x in stage_cells(c, 0, {}) if x.option == "layers8_sweep30" and x.seed == 0)
+    assert config_key(t131.overrides) == config_key(best.overrides)
+    cfg = compose_config(t262.overrides)
+    assert (cfg.trainer.token_budget, cfg.trainer.max_steps) == (262_144_000, 12_800)
+    assert cfg.trainer.token_budget == 2 * c.budget_tokens and cfg.drafter.num_layers == 8
+    assert cfg.trainer.eval_at_tokens == [16_000_000, 64_000_000, 131_072_000]
+    # 4 views of as many distinct sequences as the budget reads: inside data.max_epochs, within the pool
+    reads = cfg.trainer.token_budget // cfg.data.max_len
+    assert reads / cfg.data.online.reuse <= cfg.data.pool.size and cfg.data.online.reuse <= cfg.data.max_epochs
 
 
 def test_a_cell_run_on_another_winner_is_named(tmp_path, caplog):

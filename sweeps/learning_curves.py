@@ -4,8 +4,10 @@ Every cell of a campaign with `trainer.eval_at_tokens` evaluates its objective a
 during training and in full at its end. From each cell's `metrics.jsonl` (the run folder's own record):
 
 - the curve: the objective at each milestone (the first log interval at or past it), per option averaged over
-  seeds;
-- the rank agreement of each budget's ordering of the options with the final budget's: Kendall's τ-b (1: the same
+  seeds; where a stage's options train at different budgets (reference_recipe's `budget` stage: 131 M against
+  262 M tokens), the milestones they share and each option's `final` (its last evaluation, at its own budget);
+- the rank agreement of each budget's ordering of the options with the final budget's (`final` where the budgets
+  differ: the largest shared milestone is then mid-schedule for the longer run): Kendall's τ-b (1: the same
   order, −1: reversed), and whether the winner (highest mean) and the loser (lowest mean) are the same;
 - the same agreement for the training-time predictors read at the end of training: `train/tau_rounds` (rounds
   simulated on training sequences, pooled over the last `TRAIN_WINDOW` log intervals) and `train/anchor_streak`.
@@ -21,6 +23,7 @@ from pathlib import Path
 from typing import Sequence
 
 TRAIN_WINDOW = 50  # log intervals at the end of training pooled for the train/ predictors
+FINAL = "final"  # an option's last evaluation, at its own budget (a column only where the stage's budgets differ)
 
 
 def read_metrics(run_dir: Path) -> list[dict]:
@@ -85,7 +88,10 @@ def option_curves(cells: Sequence[dict], objective: str) -> dict[str, dict[str, 
         rows = read_metrics(Path(cell["run_dir"]))
         if not rows:
             continue
-        point = {f"{round(t / 1e6):g} M": v for t, v in eval_curve(rows, objective)}
+        curve = eval_curve(rows, objective)
+        point = {f"{round(t / 1e6):g} M": v for t, v in curve}
+        if curve:  # the run's last evaluation and its consumed tokens: where its own budget ended
+            point.update({FINAL: curve[-1][1], "final_tokens": curve[-1][0]})
         point.update(train_predictors(rows))
         per.setdefault(cell["option"], []).append(point)
     out = {}
@@ -96,18 +102,26 @@ def option_curves(cells: Sequence[dict], objective: str) -> dict[str, dict[str, 
 
 
 def _budgets(curves: dict[str, dict[str, float]]) -> list[str]:
+    """The milestones every option reached, then `final` where the options' budgets differ, then the train/
+    predictors."""
     keys = set.intersection(*(set(v) for v in curves.values())) if curves else set()
     evals = sorted((k for k in keys if k.endswith(" M")), key=lambda k: float(k[:-2]))
-    return evals + [k for k in ("train/tau_rounds", "train/anchor_streak") if k in keys]
+    mixed = FINAL in keys and len({round(v["final_tokens"]) for v in curves.values()}) > 1
+    return evals + [FINAL] * mixed + [k for k in ("train/tau_rounds", "train/anchor_streak") if k in keys]
+
+
+def _reference(budgets: Sequence[str]) -> str | None:
+    """The budget whose order the others are compared with: `final` where budgets differ, else the largest."""
+    evals = [b for b in budgets if b.endswith(" M") or b == FINAL]
+    return evals[-1] if evals else None
 
 
 def agreement_rows(curves: dict[str, dict[str, float]]) -> list[dict]:
     """Per budget: Kendall's τ-b with the final budget's order, and whether winner / loser agree."""
     budgets = _budgets(curves)
-    evals = [b for b in budgets if b.endswith(" M")]
-    if len(curves) < 2 or not evals:
+    final, opts = _reference(budgets), sorted(curves)
+    if len(curves) < 2 or final is None:
         return []
-    final, opts = evals[-1], sorted(curves)
     ref = [curves[o][final] for o in opts]
     best, worst = max(opts, key=lambda o: curves[o][final]), min(opts, key=lambda o: curves[o][final])
     rows = []
@@ -140,7 +154,7 @@ def curve_section(cells: Sequence[dict], objective: str, factor: str) -> list[st
     n_seeds = {o: sum(1 for c in cells if c["option"] == o) for o in curves}
     lines = [f"#### Learning curve of `{objective}` (mean over seeds) and the train/ predictors at the end", "",
              f"| {factor} | seeds | " + " | ".join(budgets) + " |", "|---|---|" + "---|" * len(budgets)]
-    final = [b for b in budgets if b.endswith(" M")][-1]
+    final = _reference(budgets)
     for o in sorted(curves, key=lambda o: -curves[o][final]):
         lines.append(f"| {o} | {n_seeds[o]} | " + " | ".join(f"{curves[o][b]:.3f}" for b in budgets) + " |")
     rows = agreement_rows(curves)
@@ -152,6 +166,10 @@ def curve_section(cells: Sequence[dict], objective: str, factor: str) -> list[st
         agree = "yes" if r["winner_agrees"] and r["loser_agrees"] else (
             "winner only" if r["winner_agrees"] else "loser only" if r["loser_agrees"] else "no")
         lines.append(f"| {r['budget']} | {r['kendall_tau_b']:+.2f} | {r['winner']} | {r['loser']} | {agree} |")
+    if FINAL in budgets:  # a shared milestone is no short run of the longer option: no smallest budget to read
+        return lines + ["", "The options trained at different budgets: `final` is each one's last evaluation, and a "
+                        "shared milestone is mid-schedule for the longer run (its LR has not decayed there), so no "
+                        "smallest agreeing budget is read from this stage.", ""]
     small = smallest_agreeing_budget(rows)
     lines += ["", f"Smallest budget whose winner and loser agree with the final one: **{small or 'none'}** "
               f"(the means; a difference inside the paired interval of the final table is a tie).", ""]

@@ -43,9 +43,10 @@ def test_relocate_artifacts_absolute_for_any_working_folder(tmp_path):
     unpack(STORE, tmp_path)
     db = tmp_path / "campaign_out" / "mlflow.db"
     # three campaign experiments, 54 runs (session 24's three loss cells of seed 1 copied in: dflash.tracking.copy_runs;
-    # session 25's last three), 6 registered model versions (the gate's: session 21's champion among them, session
-    # 22's refused buffer cell, session 23's refused cuts8 cell, session 25's refused soft_kl_streak cell of seed 1)
-    assert relocate_artifacts(db, relative=False) == 63
+    # session 25's last three; session 27's t262), 7 registered model versions (the gate's: session 21's champion v3
+    # among them, session 22's refused buffer cell, session 23's refused cuts8 cell, session 25's refused
+    # soft_kl_streak cell of seed 1, session 27's t262, the champion now)
+    assert relocate_artifacts(db, relative=False) == 65
     c = MlflowClient(f"sqlite:///{db}")
     r = c.search_runs([c.get_experiment_by_name("dflash-ablation").experiment_id], max_results=1)[0]
     assert r.info.artifact_uri == (db.parent / "mlartifacts").as_uri() + f"/{r.info.run_id}/artifacts"
@@ -174,11 +175,12 @@ def test_the_recipe_quotes_the_stores_figures(campaign_store):
     from sweeps.campaign import load_campaign
     from sweeps.campaign_report import write_report
     summary = json.loads((campaign_store / "reference_recipe" / "summary.json").read_text())
-    cell = next(c for c in summary["cells"] if c["cell"] == "s0-depth-layers8_sweep30-seed0")
+    cell = next(c for c in summary["cells"] if c["cell"] == "s2-budget-t262-seed0")
     write_report(load_campaign("reference_recipe"), campaign_store)
     report = (campaign_store / "reference_recipe" / "ABLATIONS.md").read_text()
-    row = next(r for r in report.split("### suite `heldout`", 1)[1].splitlines() if r.startswith("| layers8_sweep30 |"))
-    tau = row.split(" | ")[2]  # "8.169 [7.590, 8.761]"
+    budget = report.split("## Stage 2: budget", 1)[1]
+    row = next(r for r in budget.split("### suite `heldout`", 1)[1].splitlines() if r.startswith("| t262 |"))
+    tau = row.split(" | ")[2]  # "8.543 [8.003, 9.081]"
     assert tau.startswith(f"{cell['value']:.3f} [")
     recipe = (ROOT / "conf" / "recipe" / "best_reference.yaml").read_text()
     ablations = (ROOT / "benchmarks" / "ABLATIONS.md").read_text()

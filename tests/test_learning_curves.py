@@ -68,3 +68,29 @@ def test_one_option_has_its_curve_and_no_rank_table(tmp_path):
     assert "| a | 1 | 2.000 | 3.000 | 3.500 |" in text
     assert "One option so far: no rank agreement yet." in text
     assert "Kendall" not in text and "Smallest budget" not in text
+
+
+def test_options_of_different_budgets_rank_against_each_ones_final(tmp_path):
+    """reference_recipe's budget stage: t131 ends at 131 M; t262 passes 131 M mid-schedule (behind there) and ends
+    ahead at 262 M. The largest shared milestone is not the final order: each option's last evaluation is."""
+    def cell(option, points):
+        d = tmp_path / option
+        d.mkdir()
+        rows = []
+        for step, (tokens, tau) in enumerate(points, 1):
+            rows += [{"step": step, "data/consumed_tokens": tokens}, {"step": step, "eval/tau_vanilla": tau}]
+        (d / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+        return {"option": option, "seed": 0, "run_dir": str(d)}
+    cells = [cell("t131", [(16e6, 3.3), (64e6, 7.1), (131e6, 8.2)]),
+             cell("t262", [(16e6, 3.4), (64e6, 7.0), (131e6, 7.7), (262e6, 8.5)])]
+    curves = option_curves(cells, "eval/tau_vanilla")
+    by = {r["budget"]: r for r in agreement_rows(curves)}
+    assert list(by) == ["16 M", "64 M", "131 M", "final"]  # no 262 M column: t131 never reached it
+    assert by["final"]["winner"] == "t262" and by["131 M"]["kendall_tau_b"] == -1.0
+    assert by["16 M"]["winner_agrees"] and smallest_agreeing_budget(list(by.values())) is None
+    text = "\n".join(curve_section(cells, "eval/tau_vanilla", "budget"))
+    assert "| t262 | 1 | 3.400 | 7.000 | 7.700 | 8.500 |" in text.splitlines()[4]  # ordered by the final column
+    assert "trained at different budgets" in text and "Smallest budget" not in text
+    # equal budgets: no `final` column, the largest milestone is the final (the reports committed before)
+    same = option_curves(cells[:1] + [cell("other", [(16e6, 3.0), (64e6, 6.0), (131e6, 8.0)])], "eval/tau_vanilla")
+    assert "final" not in [r["budget"] for r in agreement_rows(same)]

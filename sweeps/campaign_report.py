@@ -78,20 +78,26 @@ def _by_option(cells: list[dict], suite: str) -> dict[str, dict[int, dict]]:
 def _delta(seeds: dict[int, dict], ref: dict[int, dict], sum_col: str = "tau_sum_vanilla",
            count_col: str = "rounds") -> tuple[str, str]:
     """(Δτ with its CI, verdict) of one option's runs against `ref`'s, seed for seed, prompt for prompt
-    (vanilla τ by default; any method's τ-sum and round-count columns)."""
+    (vanilla τ by default; any method's τ-sum and round-count columns). Only the seeds whose two runs share their
+    ground truth pair; where another seed's do not, the Δ says which seeds it is of (`views2` at seed 0 ran before
+    the pin, seed 1 on it, session 29: the stage had read "not paired" although seed 1 pairs)."""
     common = sorted(set(seeds) & set(ref))
     if not common:
         return "not paired", "no common seed"
+    same = [s for s in common if ground_truth_of(seeds[s]) == ground_truth_of(ref[s])]
+    if not same:
+        return "not paired", "different ground truth"
     try:
-        if any(ground_truth_of(seeds[s]) != ground_truth_of(ref[s]) for s in common):
-            raise NotPaired("different ground truth")
-        delta = paired_delta_ci(*_stacked([seeds[s] for s in common], sum_col, count_col),
-                                *_stacked([ref[s] for s in common], sum_col, count_col), level=CI_LEVEL)
+        delta = paired_delta_ci(*_stacked([seeds[s] for s in same], sum_col, count_col),
+                                *_stacked([ref[s] for s in same], sum_col, count_col), level=CI_LEVEL)
     except NotPaired as e:
         return "not paired", str(e)
     verdict = _verdict(delta)
-    if verdict in ("better", "worse") and len(common) > 1:
-        verdict = _seeds_disagree(seeds, ref, common, delta.value, sum_col, count_col) or verdict
+    if verdict in ("better", "worse") and len(same) > 1:
+        verdict = _seeds_disagree(seeds, ref, same, delta.value, sum_col, count_col) or verdict
+    if len(same) < len(common):
+        others = ", ".join(str(s) for s in common if s not in same)
+        return f"{_fmt(delta)} (seed {', '.join(map(str, same))} alone; seed {others}: other ground truth)", verdict
     return _fmt(delta), verdict
 
 

@@ -364,7 +364,10 @@ def test_report_pairs_each_option_with_the_reference_seed_for_seed(tmp_path):
               ("hard_ce", 1): _table("gt", [22, 28, 26, 38], [10] * 4, [15] * 4),
               ("soft_kl", 0): _table("gt", [30, 40, 35, 50], [10] * 4, [15] * 4),  # +1.0 τ on every prompt
               ("soft_kl", 1): _table("gt", [32, 38, 36, 48], [10] * 4, [15] * 4),
-              ("lk", 0): _table("other", [20, 30, 25, 40], [10] * 4, [15] * 4)}  # another ground truth
+              ("lk", 0): _table("other", [20, 30, 25, 40], [10] * 4, [15] * 4),  # another ground truth
+              # seed 0 before the pin, seed 1 on it (views2, session 29): seed 1 pairs, and the Δ says so
+              ("streak", 0): _table("other", [30, 40, 35, 50], [10] * 4, [15] * 4),
+              ("streak", 1): _table("gt", [27, 33, 31, 43], [10] * 4, [15] * 4)}  # +0.5 τ on every prompt
     for (opt, seed), t in tables.items():
         d = tmp_path / f"{opt}{seed}" / "eval"
         d.mkdir(parents=True)
@@ -375,12 +378,14 @@ def test_report_pairs_each_option_with_the_reference_seed_for_seed(tmp_path):
     assert "reference" in by["hard_ce"] and "0.000 [0.000, 0.000]" in by["hard_ce"]
     assert "better" in by["soft_kl"] and "1.000 [1.000, 1.000]" in by["soft_kl"]
     assert "not paired" in by["lk"]
+    assert "0.500 [0.500, 0.500] (seed 1 alone; seed 0: other ground truth) | better" in by["streak"]
     assert "τ prompt-lookup" in rows[0] and "τ tree 16 nodes" in rows[0]
     from sweeps.campaign_report import delta_table
     deltas = {r.split("|")[1].strip(): r for r in delta_table(cells, "heldout", "hard_ce")[2:]}
-    assert set(deltas) == {"soft_kl", "lk"} and "Δτ tree 16 nodes vs hard_ce" in delta_table(cells, "heldout",
+    assert set(deltas) == {"soft_kl", "lk", "streak"} and "Δτ tree 16 nodes vs hard_ce" in delta_table(cells, "heldout",
                                                                                              "hard_ce")[0]
     assert deltas["soft_kl"].count("**better**") == 2 and "not paired" in deltas["lk"]  # vanilla and tree 16
+    assert deltas["streak"].count("(seed 1 alone; seed 0: other ground truth) **better**") == 2
 
 
 def test_a_difference_one_seed_reverses_is_a_tie(tmp_path):

@@ -96,8 +96,8 @@ def _delta(seeds: dict[int, dict], ref: dict[int, dict], sum_col: str = "tau_sum
     if verdict in ("better", "worse") and len(same) > 1:
         verdict = _seeds_disagree(seeds, ref, same, delta.value, sum_col, count_col) or verdict
     if len(same) < len(common):
-        others = ", ".join(str(s) for s in common if s not in same)
-        return f"{_fmt(delta)} (seed {', '.join(map(str, same))} alone; seed {others}: other ground truth)", verdict
+        paired, others = (", ".join(map(str, xs)) for xs in (same, [s for s in common if s not in same]))
+        return f"{_fmt(delta)} (seed {paired} alone; seed {others}: other ground truth)", verdict
     return _fmt(delta), verdict
 
 

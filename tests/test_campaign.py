@@ -381,9 +381,9 @@ def test_report_pairs_each_option_with_the_reference_seed_for_seed(tmp_path):
     assert "0.500 [0.500, 0.500] (seed 1 alone; seed 0: other ground truth) | better" in by["streak"]
     assert "τ prompt-lookup" in rows[0] and "τ tree 16 nodes" in rows[0]
     from sweeps.campaign_report import delta_table
-    deltas = {r.split("|")[1].strip(): r for r in delta_table(cells, "heldout", "hard_ce")[2:]}
-    assert set(deltas) == {"soft_kl", "lk", "streak"} and "Δτ tree 16 nodes vs hard_ce" in delta_table(cells, "heldout",
-                                                                                             "hard_ce")[0]
+    table = delta_table(cells, "heldout", "hard_ce")
+    deltas = {r.split("|")[1].strip(): r for r in table[2:]}
+    assert set(deltas) == {"soft_kl", "lk", "streak"} and "Δτ tree 16 nodes vs hard_ce" in table[0]
     assert deltas["soft_kl"].count("**better**") == 2 and "not paired" in deltas["lk"]  # vanilla and tree 16
     assert deltas["streak"].count("(seed 1 alone; seed 0: other ground truth) **better**") == 2
 

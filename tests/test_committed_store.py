@@ -43,9 +43,9 @@ def test_relocate_artifacts_absolute_for_any_working_folder(tmp_path):
     unpack(STORE, tmp_path)
     db = tmp_path / "campaign_out" / "mlflow.db"
     # three campaign experiments, 57 runs (session 24's three loss cells of seed 1 copied in: dflash.tracking.copy_runs;
-    # session 25's last three; session 27's t262; session 29's three data cells of seed 1), 7 registered model versions (the gate's: session 21's champion v3
-    # among them, session 22's refused buffer cell, session 23's refused cuts8 cell, session 25's refused
-    # soft_kl_streak cell of seed 1, session 27's t262, the champion now)
+    # session 25's last three; session 27's t262; session 29's three data cells of seed 1), 7 registered model
+    # versions (the gate's: session 21's champion v3 among them, session 22's refused buffer cell, session 23's
+    # refused cuts8 cell, session 25's refused soft_kl_streak cell of seed 1, session 27's t262, the champion now)
     assert relocate_artifacts(db, relative=False) == 68
     c = MlflowClient(f"sqlite:///{db}")
     r = c.search_runs([c.get_experiment_by_name("dflash-ablation").experiment_id], max_results=1)[0]

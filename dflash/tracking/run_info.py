@@ -316,7 +316,8 @@ KEY_METRICS_VIEW = "dflash-key-metrics"
 KEY_METRIC_COLUMNS = ("eval/tau_vanilla", "eval/tau_vanilla_ci_low", "eval/tau_vanilla_ci_high",
                       "eval/tau_prompt_lookup", "eval/tau_tree_64", "eval/subset/tau_vanilla", "train/tau_rounds",
                       "data/consumed_tokens", "perf/consumed_tok_s")
-KEY_TAG_COLUMNS = ("loss", "noise", "buffer")
+# a campaign's report labels its cell runs with stage and option (sweeps.results_summary.label_cell_runs)
+KEY_TAG_COLUMNS = ("stage", "option", "loss", "noise", "buffer")
 
 
 def _column(kind: str, name: str) -> str:

@@ -172,7 +172,8 @@ def stage_table(cells: list[dict], suite: str, reference: str,
             cols[0] += f" {BELOW_PL}"
             flagged = True
         # the reference against itself is no comparison: a dash, not a "0.000 [0.000, 0.000]"
-        cols += ["—", "reference"] if opt == reference else list(_delta(seeds, {s: by_opt[reference][s] for s in shared}))
+        ref = {s: by_opt[reference][s] for s in shared}
+        cols += ["—", "reference"] if opt == reference else list(_delta(seeds, ref))
         if base is not None:
             cols += ["—", "baseline"] if seeds == base else list(_delta(seeds, base))
         rows.append("| " + " | ".join([opt, str(len(shared)), *cols]) + " |")
@@ -302,9 +303,10 @@ def _target_line(cells: list[dict]) -> str:
         f"`{fp}` ({n} runs)" for fp, n in fps.items()) + "."
 
 
-def render_report(c, summary: dict, with_summary: bool = True) -> str:
+def render_report(c, summary: dict, with_summary: bool = True, figures: dict[int, str] | None = None) -> str:
     """The campaign's markdown (module doc) from a summary: `summary.json`, or `summary_from_mlflow`; its results
-    summary (`sweeps.results_summary`) first unless `with_summary` is False (a page that shows it elsewhere)."""
+    summary (`sweeps.results_summary`) first unless `with_summary` is False (a page that shows it elsewhere);
+    `figures`: {stage index: image path relative to the report}, shown after the stage's call."""
     lines = [f"# Ablation campaign `{c.name}`", "", c.description, "",
              f"Command: `python -m sweeps.campaign {c.name}` (then `… {c.name} report`). Budget: "
              f"{c.budget_tokens:,} consumed training tokens per run, seeds {c.seeds}, objective `{c.objective}`. "
@@ -312,7 +314,8 @@ def render_report(c, summary: dict, with_summary: bool = True) -> str:
              f"with the reference option's run of the same seed; a tie is a Δ interval containing 0, or a Δ that one "
              f"seed's own run reverses.", ""]
     from sweeps.results_summary import render_summary
-    lines += [*(render_summary(c, summary, level=2) if with_summary else []), _target_line(summary["cells"]), *_speed_lines(summary)]
+    lines += [*(render_summary(c, summary, level=2) if with_summary else []), _target_line(summary["cells"]),
+              *_speed_lines(summary)]
     winners = summary.get("winners", {})
     objective_suite = _objective_suite(summary["cells"], c.objective)
     first = c.stages[0].options[0]
@@ -325,9 +328,12 @@ def render_report(c, summary: dict, with_summary: bool = True) -> str:
                       f"`python -m sweeps.campaign {c.name} only=[{stage.factor}]`).", ""]
             continue
         lines += [_stage_verdict(c, summary, i, cells), "", _budget_line(cells), ""]
+        if figures and i in figures:
+            lines += [f"![stage {i}: {stage.factor}]({figures[i]})", ""]
         baseline = None if i == 0 else (first, [x for x in summary["cells"] if x["stage"] == 0])
         # the objective's suite first: it is what the verdict is called on; the others after it
-        suites = sorted({s for x in cells for s in _tables(Path(x["run_dir"]))}, key=lambda s: (s != objective_suite, s))
+        suites = sorted({s for x in cells for s in _tables(Path(x["run_dir"]))},
+                        key=lambda s: (s != objective_suite, s))
         for suite in suites:
             lines += [f"### suite `{suite}`", "", *stage_table(cells, suite, stage.options[0], baseline), ""]
             deltas = delta_table(cells, suite, stage.options[0])
@@ -424,8 +430,10 @@ def write_report(c, out: Path, dest: Path | None = None) -> dict[str, Any]:
     """Render `<out>/<campaign>/ABLATIONS.md` (and `dest` when given) from the campaign's summary; its results
     summary also to `<out>/<campaign>/SUMMARY.md` and onto the campaign's summary run in `<out>/mlflow.db`."""
     from sweeps.results_summary import log_summary, render_summary
+    from sweeps.stage_figures import save_stage_figures
     summary = load_summary(c, out)
-    text = render_report(c, summary)
+    figures = {i: f"figures/{name}" for i, name in save_stage_figures(c, summary, out / c.name / "figures").items()}
+    text = render_report(c, summary, figures=figures)
     atomic_write_text(out / c.name / "ABLATIONS.md", text)
     short = "\n".join(render_summary(c, summary, level=1))
     atomic_write_text(out / c.name / "SUMMARY.md", short)

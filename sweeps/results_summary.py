@@ -5,7 +5,8 @@
 
 rewrites the generated blocks of each named campaign in the markdown file from the store under `out`: its summary
 (between `<!-- results-summary:NAME -->` and `<!-- /results-summary:NAME -->`, added at the top when absent) and,
-where the file has one, its report without the summary (`<!-- report:NAME -->` … `<!-- /report:NAME -->`). The campaign report (`python -m sweeps.campaign NAME report`) opens with the same lines, writes them to
+where the file has one, its report without the summary (`<!-- report:NAME -->` … `<!-- /report:NAME -->`). The
+campaign report (`python -m sweeps.campaign NAME report`) opens with the same lines, writes them to
 `<out>/<NAME>/SUMMARY.md` and logs them on the campaign's summary run in its MLflow experiment (`log_summary`).
 
 Every figure is the report's own: τ of the objective pooled over the seeds every option of the stage has, its 95%
@@ -86,7 +87,8 @@ def stage_answer(c, summary: dict, i: int) -> dict[str, Any]:
 
 
 def recipe_answer(c, summary: dict, answers: list[dict]) -> dict[str, Any] | None:
-    """The last called stage's winner (its cell: the winners it was built on, `on_best`, and its option) against prompt lookup on its own prompts
+    """The last called stage's winner (its cell: the winners it was built on, `on_best`, and its option) against
+    prompt lookup on its own prompts
     and against the campaign's first cell (stage 0's first option: the default it started from), paired."""
     called = [a for a in answers if "winner" in a]
     if not called:
@@ -95,7 +97,8 @@ def recipe_answer(c, summary: dict, answers: list[dict]) -> dict[str, Any] | Non
     cols = metric_columns(c.objective)
     tables = list(last["tables"].values())
     out = {"stage": last["factor"], "winner": last["winner"], "tau": last["tau"], "seeds": last["seeds"],
-           "below_pl": last["below_pl"], "chain": [*((f, (summary.get("winners") or {}).get(f)) for f in c.stages[last["index"]].on_best),
+           "below_pl": last["below_pl"],
+           "chain": [*((f, (summary.get("winners") or {}).get(f)) for f in c.stages[last["index"]].on_best),
                      (last["factor"], last["winner"])],
            "open": not last["complete"]}
     if PL_COLUMNS[0] in (tables[0].get("tasks") or [{}])[0]:

@@ -277,3 +277,20 @@ def test_the_notebooks_summary_pairs_the_buffer_stage_on_the_pin(campaign_store,
     assert reused == {"s1-noise-none-seed0": "s0-loss-streak-seed0", "s3-buffer-r10_20-seed0": "s2-data-views4-seed0"}
     buffer = render_report(c, summary).split("## Stage 3: buffer", 1)[1]
     assert "| fifo | -0.021 [-0.053, 0.010] tie |" in buffer  # ABLATIONS.md's fifo − r10_20, held-out
+
+
+def test_each_stage_figure_shows_the_reports_numbers(campaign_store, tmp_path):
+    """The loss stage's figure, from the report's summary and from the notebook's alike: one curve per run ending at
+    its final τ, prompt lookup's band, and each option's paired Δ against the winner with the report's tie call."""
+    from sweeps.campaign import load_campaign
+    from sweeps.campaign_report import load_summary, summary_from_mlflow
+    from sweeps.stage_figures import stage_figure_data
+    c = load_campaign("reference_64m")
+    d = stage_figure_data(c, load_summary(c, campaign_store), 0)
+    assert d.winner == "streak" and len(d.curves) == 12
+    assert all(pts[-1][0] == 64_000_000 and len(pts) == 3 for pts in d.curves.values())  # 4 M, 16 M, final
+    deltas = {opt: (round(v, 3), tie) for opt, v, _, _, tie in d.deltas}
+    assert deltas["dpace"] == (-0.09, True) and deltas["soft_kl_streak"][1] and not deltas["lk"][1]
+    assert round(d.prompt_lookup[0], 3) == 6.16
+    nb = stage_figure_data(c, summary_from_mlflow(c, f"sqlite:///{campaign_store / 'mlflow.db'}", tmp_path), 0)
+    assert nb.deltas == d.deltas and nb.prompt_lookup == d.prompt_lookup

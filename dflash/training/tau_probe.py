@@ -4,7 +4,7 @@ Why not the loss's streak (`train/anchor_streak`): it is the mean accepted-draft
 anchors. Decoding does not visit positions uniformly: a round that accepts s tokens jumps s + 1 positions, so
 rounds skip quickly over easy stretches and linger where drafting is hard. On the reference target a 5-layer
 drafter read `train/streak` 9.07 while its evaluated τ on its own training text was 3.9; on coding10 the mean of
-(s + 1) over every position was 8.58, the round simulation 4.56 (benchmarks/RESULTS.md, session 12). A uniform
+(s + 1) over every position was 8.58, the round simulation 4.56 (benchmarks/RESULTS.md, 2026-12-01). A uniform
 mean over anchors over-weights the long streaks.
 
 The probe runs the evaluation's simulator on training sequences (`docs/DESIGN.md`, "Evaluation"): for each probed

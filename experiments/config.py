@@ -144,6 +144,9 @@ def run_cli(main) -> None:
     import sys
     # Fewer, growable allocator segments: the drafter's variable-length steps otherwise fragment the cache.
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    # compile and autotune caches under ~/.cache/dflash: a repeated run's first step in seconds (dflash/devices.py)
+    from dflash.devices import persist_compile_caches
+    persist_compile_caches()
     # DFLASH_LOG_TIME=1 (the GPU job scripts' environment): every line timed, so a job's logs say where its
     # seconds went (cells once sat idle for minutes and their untimed logs did not say so)
     stamp = "%(asctime)s " if os.environ.get("DFLASH_LOG_TIME") == "1" else ""

@@ -218,6 +218,11 @@ def _objective_suite(cells: list[dict], objective: str) -> str | None:
         if f.is_file():
             t = json.loads(f.read_text())
             return str((t.get("info") or {}).get("suite_label") or "eval")
+        # runs that name their evaluation's setting keep the objective suite's table in eval/<setting>/
+        for f in sorted((Path(c["run_dir"]) / "eval").glob("*/tasks.json")):
+            info = json.loads(f.read_text()).get("info") or {}
+            if info.get("setting") == f.parent.name:
+                return str(info.get("suite_label") or "eval")
     return None
 
 

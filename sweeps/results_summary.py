@@ -74,7 +74,8 @@ def stage_answer(c, summary: dict, i: int) -> dict[str, Any]:
         tied = summary["calls"][stage.factor].get("tied") or []
     else:
         tied = stage_call(use, c.objective, winner)["tied"]
-    means = {o: sum(float(x["value"]) for x in use if x["option"] == o) / len(shared) for o in stage.options}
+    value = lambda x: float(x["value"]) if x.get("value") is not None else float("-inf")  # noqa: E731
+    means = {o: sum(value(x) for x in use if x["option"] == o) / len(shared) for o in stage.options}
     won = {s: by_opt[winner][s] for s in shared}
     out.update(winner=winner, tied=tied, tau=pooled(list(won.values()), cols.sum_col, cols.count_col),
                below_pl=below_prompt_lookup(list(won.values())), tables=won)

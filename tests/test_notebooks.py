@@ -105,7 +105,8 @@ def test_analysis_table_on_store(store):
     if not has_eval:
         pytest.skip("dflash.evaluation unavailable")
     table = A.ablation_table(runs, by=["loss"])
-    assert table.loc["hard_ce", ("eval/tau_vanilla", "n")] == 2
+    objective = A.tau_metrics(runs)[0]  # the name the evaluation wrote (dflash.evaluation.protocol)
+    assert table.loc["hard_ce", (objective, "n")] == 2
     assert table.loc["hard_ce", ("runs", "seeds")] == "0,1"
     pos = A.position_acceptance(runs)
     assert list(pos.columns) == list(range(1, 8))  # block_size 8 -> positions 1..7

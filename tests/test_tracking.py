@@ -107,6 +107,7 @@ def test_per_prompt_metrics_stay_out_of_mlflow(store, tmp_path):
     loggers = build_loggers(cfg, tmp_path, params={}, tags=None, total_steps=None)
     metrics = {"eval/tau_vanilla": 3.0, "eval/task/p1/tau_vanilla": 2.0, "eval/task/p1/tau_tree_16": 2.5,
                "eval/suite/coding10/tau_vanilla": 4.0, "eval/suite/coding10/task/q/tau_vanilla": 5.0,
+               "eval/t1/task/p1/tau_vanilla": 2.0, "eval/suite/coding10/t0/task/q/tau_tree_16": 5.0,
                "eval/tasks_mean": 1.0}
     loggers.log(metrics, 10)
     run_id = next(lg.run_id for lg in loggers.loggers if isinstance(lg, MLflowLogger))

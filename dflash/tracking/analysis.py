@@ -32,15 +32,19 @@ from typing import Any, Iterable, Sequence
 
 import pandas as pd
 
+from dflash.evaluation.protocol import LEGACY_OBJECTIVE, OBJECTIVE
 from dflash.evaluation.stats import Interval
 
-TAU_METRICS = ["eval/tau_vanilla", "eval/tau_tree_16", "eval/tau_tree_64", "eval/tau_tree_256"]  # tree: nodes
+# the τ columns of stores written before evaluation named its setting (greedy, fixed-length ground truth)
+TAU_METRICS = [LEGACY_OBJECTIVE, "eval/tau_tree_16", "eval/tau_tree_64", "eval/tau_tree_256"]  # tree: nodes
+_SETTING_TREE_RE = re.compile(r"^eval/(?P<label>t[^/]+)/tau_tree_(?P<b>\d+)$")
 _SUITE_RE = re.compile(r"^eval/suite/(?P<suite>[^/]+)/tau_vanilla$")
 GROUP_COLS = ["loss", "noise", "buffer"]
 # Curves whose scale does not depend on the loss: comparable between runs of different losses
 # (train/loss of soft_kl is T²-scaled KL, 11-34 where CE reads ~5.5).
 # τ during training is the eval subset's (`eval/subset/...`); the full suite's `eval/tau_vanilla` is one final value.
-CURVE_KEYS = ["train/acc", "train/anchor_streak", "train/tau_rounds", "train/ce", "eval/subset/tau_vanilla"]
+CURVE_KEYS = ["train/acc", "train/anchor_streak", "train/tau_rounds", "train/ce", "eval/subset/tau_served",
+              "eval/subset/tau_vanilla"]
 BASELINE_METRIC = "eval/tau_prompt_lookup"  # τ of prompt-lookup decoding on the same ground truth
 CI_SUFFIXES = ("_ci_low", "_ci_high")
 CI_LEVEL = 0.95  # the rows' pooled intervals (the campaign report's level)
@@ -262,13 +266,24 @@ def comparable_groups(runs: pd.DataFrame, by: Sequence[str] = GROUP_COLS, pool: 
     return keys
 
 
-def ablation_table(runs: pd.DataFrame, by: Sequence[str] = GROUP_COLS, metrics: Sequence[str] = TAU_METRICS,
+def tau_metrics(runs: pd.DataFrame) -> list[str]:
+    """The τ columns to show, read from the names the evaluation wrote (`dflash.evaluation.protocol`): the
+    objective `eval/tau_served` and each setting's tree budgets (`eval/<setting>/tau_tree_<b>`) where the runs
+    logged them; else the legacy names (`TAU_METRICS`) of older stores."""
+    cols = [c for c in runs.columns if isinstance(c, str)]
+    if OBJECTIVE not in cols:
+        return list(TAU_METRICS)
+    trees = sorted((m["label"], int(m["b"]), c) for c in cols if (m := _SETTING_TREE_RE.match(c)))
+    return [OBJECTIVE, *(c for _, _, c in trees)]
+
+
+def ablation_table(runs: pd.DataFrame, by: Sequence[str] = GROUP_COLS, metrics: Sequence[str] | None = None,
                    finished_only: bool = True, pool: Sequence[str] = ()) -> pd.DataFrame:
     """One row per set of comparable runs (module doc, `comparable_groups`): index `by` (+ `other`),
     columns (metric, mean|std|n|pooled|ci_low|ci_high) (pooled τ and its CI: `_pooled_interval`), (budget, steps|tokens), (runs, seeds), and
     (BASELINE_METRIC, mean) when logged. `pool`: keys allowed to vary inside a row."""
     df = runs[runs["status"] == "FINISHED"] if finished_only and "status" in runs else runs
-    metrics = [m for m in metrics if m in df.columns]
+    metrics = [m for m in (tau_metrics(runs) if metrics is None else metrics) if m in df.columns]
     if df.empty or not metrics:
         return pd.DataFrame()
     by = list(by)
@@ -455,11 +470,21 @@ def metric_keys(tracking_uri: str, run_id: str) -> list[str]:
     return sorted(client(tracking_uri).get_run(run_id).data.metrics)
 
 
-def position_acceptance(runs: pd.DataFrame, prefix: str = "eval/acc_pos") -> pd.DataFrame:
-    """Per-position acceptance (final value) -> frame indexed by run_id, columns 1..K (block position).
+def eval_position_prefix(runs: pd.DataFrame) -> str:
+    """Where the final evaluation's per-position acceptance is: `eval/acc_pos` (stores before evaluation named its
+    setting), else the first setting's `eval/<setting>/acc_pos` the runs logged (`dflash.evaluation.protocol`)."""
+    found = sorted({m["prefix"] for c in runs.columns if (m := _POS_RE.match(str(c)))
+                    and re.match(r"^eval/(t[^/]+/)?acc_pos$", m["prefix"])})
+    return "eval/acc_pos" if "eval/acc_pos" in found or not found else found[0]
+
+
+def position_acceptance(runs: pd.DataFrame, prefix: str | None = None) -> pd.DataFrame:
+    """Per-position acceptance (final value) -> frame indexed by run_id, columns 1..K (block position); `prefix`
+    default: the final evaluation's (`eval_position_prefix`).
 
     Positions that no round reached are not logged (there is no acceptance to log): they read NaN, and the
     columns run to the block size (`p.drafter.block_size`) so those gaps show."""
+    prefix = eval_position_prefix(runs) if prefix is None else prefix
     cols = {int(m.group("k")): c for c in runs.columns if (m := _POS_RE.match(str(c))) and m.group("prefix") == prefix}
     if not cols:
         return pd.DataFrame(index=runs["run_id"] if "run_id" in runs else None)
@@ -496,7 +521,7 @@ def sweep_parent(tracking_uri: str, study: str, experiment: str | None = "dflash
 
 
 def summary_frame(info: dict[str, Any], keys: Sequence[str] = ("train/acc", "train/anchor_streak", "train/ce",
-                                                               "train/loss", *TAU_METRICS, BASELINE_METRIC)
+                                                               "train/loss", OBJECTIVE, *TAU_METRICS, BASELINE_METRIC)
                   ) -> pd.DataFrame:
     """Final values of the headline metrics of one run (`run_info(...)`), each τ with the evaluation's
     confidence interval (`ci_low`, `ci_high`; empty where none was logged)."""

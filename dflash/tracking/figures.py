@@ -221,9 +221,11 @@ def _row_label(names: Sequence[str | None], key: Any, sep: str = " / ", other_se
 def plot_tau_table(table: pd.DataFrame, metrics: Sequence[str] | None = None, title: str = "τ by group"):
     """Grouped bars rising from τ = 1 (no drafter), error bars from the evaluation's CI (else the spread
     over seeds), prompt-lookup's τ as a black tick per row when logged; the y-axis fits the data.
-    `metrics`: default `analysis.TAU_METRICS`."""
-    from dflash.tracking.analysis import BASELINE_METRIC, TAU_METRICS
-    metrics = TAU_METRICS if metrics is None else metrics
+    `metrics`: default the table's τ columns."""
+    from dflash.tracking.analysis import BASELINE_METRIC
+    if metrics is None:  # the table's own τ columns (`analysis.tau_metrics` chose them)
+        metrics = [m for m in dict.fromkeys(table.columns.get_level_values(0))
+                   if isinstance(m, str) and m.startswith("eval/") and m != BASELINE_METRIC]
     labels = [_row_label(table.index.names, i, sep="\n") for i in table.index]  # one factor a line: no overlap
     extra = max([lab.count("\n") for lab in labels] or [0])
     fig, axes = _fig(w=max(6.0, 1.6 * max(len(table), 1) + 2), h=4.0 + 0.18 * extra)

@@ -147,7 +147,7 @@ def make_launcher(cfg: LauncherConfig, folder: Path):
 
 
 # -- inside a job ---------------------------------------------------------------------------------------------
-_children: list[subprocess.Popen] = []  # the training processes this job process runs now
+_children: list = []  # the training processes this job process runs now (subprocess.Popen or multiprocessing.Process)
 
 
 def call(cmd: list[str], gpu: str | None, **popen) -> int:
@@ -157,9 +157,14 @@ def call(cmd: list[str], gpu: str | None, **popen) -> int:
     if gpu is not None:
         env["CUDA_VISIBLE_DEVICES"] = gpu
     proc = subprocess.Popen(cmd, env=env, **popen)
+    return watched(proc, proc.wait)
+
+
+def watched(proc, wait: Callable[[], Any]) -> Any:
+    """`wait()` for `proc` (a Popen or a started multiprocessing.Process) with it known to `stop_children`."""
     _children.append(proc)
     try:
-        return proc.wait()
+        return wait()
     except BaseException:
         stop_children()
         raise
@@ -168,14 +173,23 @@ def call(cmd: list[str], gpu: str | None, **popen) -> int:
 
 
 def stop_children(timeout_s: float = 600) -> None:
+    """SIGTERM to every training process of this job (the trainer saves its checkpoint and exits), then wait."""
     for proc in list(_children):
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
+        if isinstance(proc, subprocess.Popen):
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        elif proc.is_alive():
+            proc.terminate()  # multiprocessing: SIGTERM too
     for proc in list(_children):
-        try:
-            proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        if isinstance(proc, subprocess.Popen):
+            try:
+                proc.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+        else:
+            proc.join(timeout_s)
+            if proc.is_alive():
+                proc.kill()
 
 
 try:
@@ -196,6 +210,8 @@ class Requeueable(_Checkpointable):
         return self.task(None)
 
     def checkpoint(self, *args: Any, **kwargs: Any):
+        """The task's `requeued()` when it has one (what is left of it: a sweep worker's remaining trials)."""
         import submitit
         stop_children()
-        return submitit.helpers.DelayedSubmission(Requeueable(self.task))
+        task = self.task.requeued() if hasattr(self.task, "requeued") else self.task
+        return submitit.helpers.DelayedSubmission(Requeueable(task))

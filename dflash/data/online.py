@@ -118,6 +118,10 @@ class OnlineWriter:
         # what the engine did, for data/ and perf/ metrics
         self.written_batches = self.shard_reads = self.written_tokens = 0
         self.write_s = 0.0
+        # an inference server that writes the responses instead of this process's target
+        # (`dflash.data.responders.ServerResponder`; `python -m experiments.regen backend=openai`); the shards are
+        # the same, keyed alike, since the server serves this target with the same sampling settings
+        self.responder = None
 
     @property
     def size(self) -> int:
@@ -265,13 +269,20 @@ class OnlineWriter:
         return tokens
 
     def _write(self, b: int) -> torch.Tensor:
-        prompts = [self.pool.prompts[self.prompt_index(g)] for g in self.batch_keys(b)]
-        gen = None
-        if self.cfg.temperature > 0:
-            gen = torch.Generator(device=self.target.device)
-            gen.manual_seed(((self.cfg.stream_seed * 1_000_003 + self.world) * 1_000_033 + self.rank) * 7_919 + b)
+        with self._lock:  # prompt_index's order cache; a server-backed regen writes several batches at once
+            prompts = [self.pool.prompts[self.prompt_index(g)] for g in self.batch_keys(b)]
+        seed = ((self.cfg.stream_seed * 1_000_003 + self.world) * 1_000_033 + self.rank) * 7_919 + b
         t0 = time.perf_counter()
-        tokens = write_continuations(self.target, prompts, self.seq_len, self.cfg.temperature, gen, self.decode)
+        if self.responder is not None:
+            rows = self.responder.continue_prompts([list(map(int, p)) for p in prompts],
+                                                   [self.seq_len - len(p) for p in prompts], self.cfg.temperature, seed)
+            tokens = torch.tensor([[*map(int, p), *r] for p, r in zip(prompts, rows)], dtype=torch.long)
+        else:
+            gen = None
+            if self.cfg.temperature > 0:
+                gen = torch.Generator(device=self.target.device)
+                gen.manual_seed(seed)
+            tokens = write_continuations(self.target, prompts, self.seq_len, self.cfg.temperature, gen, self.decode)
         dt = time.perf_counter() - t0
         written = sum(self.seq_len - len(p) for p in prompts)
         self.write_s += dt

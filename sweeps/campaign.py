@@ -5,6 +5,7 @@ several seeds, every run an MLflow run in one experiment, resumable.
                               [only=[factor | factor/option, ...]] [--check] [campaign.KEY=VALUE ...]
                               [any run override ...]
     python -m sweeps.campaign <campaign> report [out=...]     # tables from what the campaign wrote
+    python -m sweeps.campaign <campaign> launcher=slurm [launcher.KEY=VALUE ...]   # cells as Slurm jobs
 
 A campaign file (`conf/campaign/*.yaml`) names a base run config (`base`: overrides), a budget
 (`budget_tokens`: consumed — trained-on — tokens per run, so runs sharing one GPU stay comparable; wall time
@@ -27,7 +28,9 @@ build only on factors already decided share one pool (`stage_groups`: the refere
 stages both build on the loss, so they run as one wave). A cell whose composed
 config equals an earlier cell's (`+noise=none` on the best loss is the loss stage's
 run of that loss) is that cell: its result is reused, not trained again. `workers` cells run at once (several
-small runs share one GPU; the budget is in tokens, so that is fair). Before the first cell, the inputs every
+small runs share one GPU; the budget is in tokens, so that is fair), through the launcher (`sweeps/launcher.py`:
+one GPU each on this machine while there are GPUs enough, or with `launcher=slurm` one Slurm job each, requeued
+and resumed from its checkpoint when preempted). Before the first cell, the inputs every
 cell shares (prompt pool, online shards, eval ground truth) are made once (`dflash.app.write_ahead`). The ground
 truth's tokens are pinned in `<out>/<campaign>/truth` (`eval.truth_dir`, unless given): a later launch on another
 machine evaluates on the same tokens, so its cells pair with the earlier ones. A stage whose new cells evaluate on

@@ -95,3 +95,19 @@ def test_regen_through_transformers_serve_writes_shards_that_train(served_target
     same = sum(int((mine[k] == server[k]).sum()) for k in mine) / sum(t.numel() for t in mine.values())
     print(f"tokens equal to the built-in writer's: {same:.3f}")
     assert same > 0.5  # the prompts at least; retokenizing the server's text may shift a few tokens
+
+
+def test_a_bad_server_setting_is_named_before_any_work():
+    from dflash.app.regen_shards import regen_config_from, validate_regen
+    from dflash.data.responders import ServerConfig, ServerResponder
+    from dflash.errors import ConfigError
+    from experiments.config import compose_config
+    from tests.test_conversations import CHAT_FAST
+    cfg = compose_config([*CHAT_FAST, f"data.path={SAMPLE}", "data.conversations.responses=target"])
+    for args, msg in ((["backend=vllm"], "backend='vllm'"), (["backend=openai"], "url=''"),
+                      (["backend=openai", "url=http://h:1/v1", "server.engine=tgi"], "server.engine"),
+                      (["backend=openai", "url=http://h:1/v1", "server.concurrency=0"], "concurrency")):
+        with pytest.raises(ConfigError, match=msg):
+            validate_regen(cfg, regen_config_from(args)[0])
+    with pytest.raises(ConfigError, match="no OpenAI-compatible server answers"):
+        ServerResponder(ServerConfig(url=f"http://127.0.0.1:{_free_port()}/v1", retries=0), None)

@@ -69,7 +69,11 @@ class ServerResponder:
         # the bound on requests in flight, shared by every caller (a regen writing several shards at once)
         self._pool = ThreadPoolExecutor(max_workers=cfg.concurrency, thread_name_prefix="dflash-responder")
         self.requests = self.retried = 0
-        models = self._request("GET", "/models")["data"]
+        try:
+            models = self._request("GET", "/models")["data"]
+        except ServerError as e:  # before any shard is written: the url is wrong or the server is not up
+            from dflash.errors import ConfigError
+            raise ConfigError(f"url={cfg.url!r}: no OpenAI-compatible server answers there ({e})") from e
         if not models:
             raise ServerError(f"{self.base}/models lists no model")
         chosen = next((m for m in models if m["id"] == cfg.model), None) if cfg.model else models[0]

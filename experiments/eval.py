@@ -47,6 +47,7 @@ from dflash.config import ConfigError, RunConfig, from_dict
 from dflash.overrides import apply_overrides
 from dflash.evaluation import validate_eval_config
 from dflash.evaluation.evaluator import evaluate_suites, merged_metrics, summary_table
+from dflash.evaluation.protocol import table_places
 from dflash.evaluation.pairing import NotPaired, paired_delta
 from dflash.target.model import Target
 from dflash.devices import resolve_device
@@ -210,14 +211,10 @@ def main(argv: list[str] | None = None) -> dict:
     try:
         reports = evaluate_suites(drafter, target, ecfg)
         metrics = merged_metrics(reports)
-        seen: set[str] = set()
-        for i, report in enumerate(reports):
+        for i, (report, (prefix, folder)) in enumerate(zip(reports, table_places(reports))):
             print(report.console_table(), flush=True)
-            name, label = report.info["suite_label"], report.info["setting"]
-            first = label not in seen  # a setting's first report is its objective suite
-            seen.add(label)
-            report.log_artifacts(loggers, f"eval/{label}" if first else f"eval/suite/{name}/{label}")
-            saved = report.save(out / "report" / label if first else out / "report" / "suite" / name / label)
+            report.log_artifacts(loggers, prefix)
+            saved = report.save(out / "report" / folder)
             paths = saved if i == 0 else paths
         print(summary_table(metrics, ecfg.ci_level), flush=True)
         if other_drafter is not None:

@@ -196,6 +196,11 @@ def _open_study(sweep, study_name: str, storage: str, storage_desc: str, started
     if study.direction.name.lower() != sweep.objective.direction:
         raise SweepError(f"study {study_name!r} in {storage_desc} is {study.direction.name.lower()}; the sweep "
                          f"says objective.direction={sweep.objective.direction}")
+    ran_for = study.user_attrs.get("sweep.objective")
+    if ran_for and ran_for != sweep.objective.metric and study.trials:
+        raise SweepError(f"study {study_name!r} in {storage_desc} ran with objective {ran_for}; the sweep now says "
+                         f"{sweep.objective.metric}: one study's values cannot mix two metrics (eval/tau_vanilla is "
+                         f"the old greedy protocol); start a new study (sweep.name=..., or another storage)")
     old_digest = study.user_attrs.get("sweep.digest")
     if old_digest and old_digest != sweep.digest():
         log.warning("study %s was started with a different sweep definition (%s, now %s); resuming anyway",

@@ -62,7 +62,7 @@ class PruningEvaluator:
     """`evaluator(drafter, target, step, final, logger=None)` for `dflash.app.run.train`.
 
     Calls `base` (the real evaluator, may be None), then — for intermediate calls only — reports the
-    objective `metric`'s subset figure (`subset_key`: `eval/subset/tau_vanilla` for `eval/tau_vanilla`) at `step` to `trial` and raises `EvalPruned` when `trial.should_prune()`. The
+    objective `metric`'s subset figure (`subset_key`: `eval/subset/tau_served` for `eval/tau_served`) at `step` to `trial` and raises `EvalPruned` when `trial.should_prune()`. The
     final call's value is the trial's result (the caller reads it from the run's metrics)."""
 
     def __init__(self, trial: Any, metric: str, run_dir: str | os.PathLike,

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 from torch import nn
 
+from dflash.safe_load import MANIFEST
 from dflash.drafter.model import DFlashDrafter, DrafterConfig
 from dflash.app.export import export_drafter
 from dflash.serving.export import load_drafter, read_serving_config, save_drafter, write_serving_folder
@@ -74,7 +75,7 @@ def test_export_then_import_gives_identical_logits(tmp_path):
     inputs = _inputs()
     for a, b in zip(_outputs(d, *inputs), _outputs(back, *inputs)):
         assert torch.equal(a, b)
-    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
+    assert sorted(p.name for p in out.iterdir()) == [MANIFEST, "config.json", "model.safetensors"]
 
 
 def test_export_bfloat16(tmp_path):
@@ -167,6 +168,7 @@ def test_export_refuses_to_replace_a_foreign_folder(tmp_path):
 # ------------------------------------------------------------------------------- import errors
 def test_load_errors_name_the_file(tmp_path):
     out = write_serving_folder(_drafter(), tmp_path / "f", dtype=torch.float32, vocab_size=V)
+    (out / MANIFEST).unlink()  # as a published folder: no manifest, so its structure is what is checked
     cfg_file = out / "config.json"
     good = json.loads(cfg_file.read_text())
 
@@ -361,7 +363,7 @@ def test_export_writes_what_the_engines_read(tmp_path):
     assert cfg["layer_types"] == WINDOWED and cfg["sliding_window"] == 6 and cfg["use_sliding_window"] is True
     assert cfg["rope_theta"] == 1e7 and cfg["rope_parameters"] == {"rope_type": "default", "rope_theta": 1e7}
     assert cfg["auto_map"] == {"AutoModel": "modeling_dflash.DFlashDraftModel"} and cfg["vocab_size"] == V
-    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors", MODELING_FILE]
+    assert sorted(p.name for p in out.iterdir()) == [MANIFEST, "config.json", "model.safetensors", MODELING_FILE]
     src = (Path(__file__).parents[1] / "dflash" / "serving" / MODELING_FILE).read_text()
     assert (out / MODELING_FILE).read_text() == src and "import dflash" not in src and "from dflash" not in src
     back = _with_head(load_drafter(out, target=FACTS), d)  # reads it all back
@@ -417,6 +419,7 @@ def test_read_target_facts_of_the_reference_target():
 
 def test_load_refuses_fields_that_disagree(tmp_path):
     out = write_serving_folder(_windowed(), tmp_path / "f", dtype=torch.float32, target=FACTS)
+    (out / MANIFEST).unlink()  # as a published folder: its fields are what is checked
     cfg_file = out / "config.json"
     good = json.loads(cfg_file.read_text())
 

@@ -3,27 +3,25 @@ from __future__ import annotations
 
 import torch
 
-from dflash.errors import ConfigError
-
 
 def check_device(key: str, name: str) -> None:
-    """ConfigError naming `key` unless `name` is auto, cpu, or a CUDA device this machine has (a run that asks
+    """ValueError (the config check's ConfigError) naming `key` unless `name` is auto, cpu, or a CUDA device this machine has (a run that asks
     for a GPU it lacks fails here, not deep in torch)."""
     if name == "auto":
         return
     try:
         dev = torch.device(name)
     except (RuntimeError, TypeError):
-        raise ConfigError(f"{key}={name!r}: not a device; expected auto, cpu, cuda or cuda:N") from None
+        raise ValueError(f"{key}={name!r}: not a device; expected auto, cpu, cuda or cuda:N") from None
     if dev.type == "cpu":
         return
     if dev.type != "cuda":
-        raise ConfigError(f"{key}={name}: expected auto, cpu, cuda or cuda:N")
+        raise ValueError(f"{key}={name}: expected auto, cpu, cuda or cuda:N")
     if not torch.cuda.is_available():
-        raise ConfigError(f"{key}={name}: this machine has no CUDA GPU that torch can use; use {key}=auto "
+        raise ValueError(f"{key}={name}: this machine has no CUDA GPU that torch can use; use {key}=auto "
                           f"(a GPU when there is one) or {key}=cpu")
     if dev.index is not None and dev.index >= torch.cuda.device_count():
-        raise ConfigError(f"{key}={name}: this machine has {torch.cuda.device_count()} CUDA GPU(s) "
+        raise ValueError(f"{key}={name}: this machine has {torch.cuda.device_count()} CUDA GPU(s) "
                           f"(cuda:0..cuda:{torch.cuda.device_count() - 1})")
 
 

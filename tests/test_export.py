@@ -455,10 +455,17 @@ def test_load_refuses_fields_that_disagree(tmp_path):
 
 
 # ---------------------------- the Transformers path: AutoModel + trust_remote_code, in an interpreter without dflash
-_FRESH = r'''
+# Which sys.path entries are the repository's own source: its root and folders under it, but not an environment's
+# packages (a venv made inside the clone, `python -m venv .venv`, holds torch and transformers there)
+REPO_SOURCE = r'''
+def repo_source(p, repo):
+    inside = p in ("", ".") or p == repo or p.startswith(repo.rstrip("/") + "/")
+    return inside and "site-packages" not in p and "dist-packages" not in p
+'''
+_FRESH = REPO_SOURCE + r'''
 import sys, importlib.abc
 repo = sys.argv[1]
-sys.path[:] = [p for p in sys.path if p not in ("", ".") and not p.startswith(repo)]
+sys.path[:] = [p for p in sys.path if not repo_source(p, repo)]
 
 class NoDflash(importlib.abc.MetaPathFinder):
     def find_spec(self, name, path=None, target=None):
@@ -522,7 +529,9 @@ def test_automodel_trust_remote_code_in_a_fresh_interpreter_matches_ours(tmp_pat
                        timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
     theirs = torch.load(tmp_path / "theirs.pt")
-    assert not any(s.startswith(repo) for s in theirs["sys_path"])
+    scope: dict = {}
+    exec(REPO_SOURCE, scope)
+    assert not any(scope["repo_source"](s, repo) for s in theirs["sys_path"])
     torch.testing.assert_close(theirs["logits"].float(), ours, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(theirs["logits_cached"].float(), ours, rtol=1e-5, atol=1e-5)
 

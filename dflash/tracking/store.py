@@ -164,8 +164,15 @@ def check_tracking_uri(uri: str, lock_timeout: float = STORE_LOCK_TIMEOUT_S) -> 
     from dflash.tracking.run_info import sqlite_db_path
     check_scheme(uri)
     db = sqlite_db_path(uri)
-    if db is not None:
+    if db is None:
+        return
+    try:
         prepare_sqlite(uri, db, lock_timeout)
+    except TimeoutError:
+        raise
+    except OSError as e:  # a folder that cannot hold it: read-only, not a folder, no space
+        raise StoreError(f"{db}: the store cannot be made or opened there ({type(e).__name__}: "
+                         f"{e.strerror or e})") from e
 
 
 def open_client(uri: str, registry: bool = False) -> Any:

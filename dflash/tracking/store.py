@@ -35,12 +35,13 @@ class StoreError(ValueError):
 def check_scheme(uri: str) -> None:
     """StoreError naming `uri` when MLflow has no store for its scheme (e.g. `bogus://x`)."""
     from mlflow.tracking._tracking_service.utils import _tracking_store_registry as registry
-    from urllib.parse import urlsplit
-    scheme = urlsplit(uri).scheme
-    known = sorted(k for k in registry._registry if k)
-    if scheme not in registry._registry and not (len(scheme) == 1 and os.name == "nt"):
-        raise StoreError(f"{uri!r} is not a tracking store MLflow can use (scheme {scheme!r}; expected one of "
-                         f"{', '.join(known)}, e.g. sqlite:///mlflow.db)")
+    try:
+        registry.get_store_builder(uri)
+    except Exception:  # noqa: BLE001 - MLflow's "unsupported URI" exception (its class moved between versions)
+        from urllib.parse import urlsplit
+        known = ", ".join(sorted(k for k in getattr(registry, "_registry", {}) if k))
+        raise StoreError(f"{uri!r} is not a tracking store MLflow can use (scheme {urlsplit(uri).scheme!r}; "
+                         f"expected one of {known}, e.g. sqlite:///mlflow.db)") from None
 
 
 @contextlib.contextmanager

@@ -141,20 +141,39 @@ def detect_gpus() -> list[str]:
 
 
 CPU_STEPS_OK = 200  # the quick start's CPU run (minutes); a sweep's trials beyond this want a GPU
+CPU_EVAL_PROMPTS_OK = 16  # prompts of a trial's final evaluation, beyond which it wants a GPU
+
+
+def eval_suites_size(e) -> list[tuple[str, int, int]]:
+    """(suite, prompts, new tokens per prompt) of a trial's final evaluation, read without building it (a
+    generated suite's size is its config's; a file that cannot be read counts 0: the run names it later)."""
+    from dflash.evaluation.prompts import load_suite
+    out = []
+    for name in [e.suite, *e.extra_suites]:
+        if name == "heldout":
+            out.append((name, e.heldout.num_prompts, e.heldout.max_new_tokens))
+            continue
+        try:
+            out.append((name, len(load_suite(name)), e.max_new_tokens))
+        except (OSError, ValueError):
+            out.append((name, 0, e.max_new_tokens))
+    return out
 
 
 def warn_cpu_budget(args, sweep, cfg) -> bool:
-    """Before a sweep whose trials would take hours on this machine's CPU: one warning with its budget and eval
-    size, and the CPU example to run instead. True when it warned."""
+    """Before a sweep whose trials would take hours on this machine's CPU: one warning with its budget and its
+    evaluation's size, and the CPU example to run instead. True when it warned."""
     from dflash.devices import resolve_device
     if detect_gpus() or resolve_device(cfg.trainer.device).type != "cpu" or args.n_trials < 1:
         return False
     t, e = cfg.trainer, cfg.eval
-    if t.max_steps <= CPU_STEPS_OK and not (e.enabled and e.subset > 16):
+    suites = eval_suites_size(e) if e.enabled else []
+    if t.max_steps <= CPU_STEPS_OK and sum(n for _, n, _ in suites) <= CPU_EVAL_PROMPTS_OK:
         return False
     budget = f"{t.max_steps:,} steps of {t.sequences_per_step} sequences" + (
         f" (token budget {t.token_budget:,})" if t.token_budget else "")
-    evals = f"eval.suite={e.suite} on {e.subset or 'all'} prompts + {list(e.extra_suites)}" if e.enabled else "no eval"
+    evals = ("an evaluation on " + " + ".join(f"{name} ({n} prompts x {k} tokens)" for name, n, k in suites)
+             if suites else "no evaluation")
     print(f"[sweep {sweep.name}] WARNING: no GPU here, so {args.n_trials} trial(s) of {budget} each, with {evals}, "
           f"run on the CPU: expect hours per trial. The sweep is meant for a GPU; to check the machinery on a CPU "
           f"in minutes: python -m sweeps.launch cpu_smoke n_trials=2 workers=1", file=sys.stderr, flush=True)

@@ -327,7 +327,8 @@ def test_a_gpu_sweep_on_a_cpu_says_so_before_it_starts(tmp_path, monkeypatch, ca
     cfg = launch.validate(sweep, merge_overrides(sweep.fixed, args.overrides), tmp_path)
     assert launch.warn_cpu_budget(args, sweep, cfg)
     err = capsys.readouterr().err
-    assert "3,125 steps" in err and "eval.suite=heldout on 128 prompts" in err and "sweeps.launch cpu_smoke" in err
+    assert "3,125 steps" in err and "heldout (128 prompts x 256 tokens) + coding10 (10 prompts" in err
+    assert "sweeps.launch cpu_smoke" in err
     smoke = load_sweep("cpu_smoke")
     small = launch.validate(smoke, merge_overrides(smoke.fixed, ["trainer.device=cpu"]), tmp_path)
     assert not launch.warn_cpu_budget(launch.parse_args(["cpu_smoke", "n_trials=2"]), smoke, small)

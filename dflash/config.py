@@ -174,7 +174,7 @@ def validate(cfg: RunConfig) -> None:
                               f"{cfg.drafter.block_size}: no anchor would fit")
         if cfg.tracking.log_every < 1:
             raise ConfigError("tracking.log_every must be >= 1")
-        if cfg.resume and not RunDir(cfg.resume).checkpoints.is_dir():
+        if cfg.resume and not (RunDir(cfg.resume).checkpoints.is_dir() or RunDir(cfg.resume).config_file.is_file()):
             raise ConfigError(f"resume={cfg.resume!r}: no {CHECKPOINT_DIR}/ folder there")
         validate_buffer_config(cfg.buffer)
         validate_data_config(cfg.data)

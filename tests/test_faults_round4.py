@@ -298,6 +298,21 @@ def test_a_stop_before_the_first_step_leaves_no_run(tmp_path):
     assert [r.info.status for r in runs] == ["KILLED"]
 
 
+@pytest.mark.slow
+def test_a_folder_stopped_before_its_first_checkpoint_resumes_from_step_0(tmp_path):
+    """What a kill -9 during setup leaves (config.yaml, nothing else): `resume=` trains it from step 0."""
+    from dflash.app.run import train
+    from dflash.config import to_dict
+    from dflash.run_dir import RunDir
+    from experiments.config import resume_config
+    folder = RunDir(tmp_path / "cut").create()
+    folder.write_config(to_dict(_compose(tmp_path, run="cut")))
+    res = train(resume_config(str(folder.root), []))
+    steps = [r["step"] for r in map(json.loads, (folder.root / "metrics.jsonl").read_text().splitlines())
+             if "train/loss" in r]
+    assert steps == list(range(1, 7)) and res.checkpoint == folder.final and folder.newest_checkpoint_step() == 6
+
+
 # ------------------------------------------------------------------ row 6: sweeps on a CPU, a failed sweep
 def test_a_failed_sweep_closes_its_parent_run_failed(tmp_path, monkeypatch):
     from mlflow.tracking import MlflowClient

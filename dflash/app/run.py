@@ -194,7 +194,10 @@ class TrainingRun:
             self.evaluator.use_train_sequences(parts.data.examples())
         if hasattr(self.evaluator, "add_suites"):  # the data's own distribution (a chat dataset's held-out split)
             self.evaluator.add_suites(parts.data.eval_suites, parts.data.eval_note)
-        self.trainer = Trainer(self.ran, parts, RunDir(self.run_dir).checkpoints, resume=self.resume_state,
+        rs = self.resume_state
+        from_zero = broadcast_object(rs is not None and rs.checkpoint is None if main else None, self.dist)
+        trained = dataclasses.replace(self.ran, resume="") if from_zero else self.ran  # no checkpoint yet: step 0
+        self.trainer = Trainer(trained, parts, RunDir(self.run_dir).checkpoints, resume=None if from_zero else rs,
                                dist=self.dist, stop=self.stop, saved_config=to_dict(cfg))
         if main:  # only now, with the resume state applied, does the run folder change
             RunDir(self.run_dir).write_config(to_dict(cfg))

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dflash.errors import ConfigError  # noqa: F401  (defined below every layer; importable from here as before)
+from dflash.devices import check_device
 from dflash.training.buffer import BufferConfig, validate_buffer_config
 from dflash.data.sources import DataConfig, validate_data_config, validate_online_data
 from dflash.run_dir import CHECKPOINT_DIR, RunDir
@@ -173,7 +174,7 @@ def validate(cfg: RunConfig) -> None:
                               f"{cfg.drafter.block_size}: no anchor would fit")
         if cfg.tracking.log_every < 1:
             raise ConfigError("tracking.log_every must be >= 1")
-        if cfg.resume and not RunDir(cfg.resume).checkpoints.is_dir():
+        if cfg.resume and not (RunDir(cfg.resume).checkpoints.is_dir() or RunDir(cfg.resume).config_file.is_file()):
             raise ConfigError(f"resume={cfg.resume!r}: no {CHECKPOINT_DIR}/ folder there")
         validate_buffer_config(cfg.buffer)
         validate_data_config(cfg.data)
@@ -182,6 +183,9 @@ def validate(cfg: RunConfig) -> None:
         build_noise(cfg.noise, cfg.trainer.max_steps)
         validate_target_config(cfg.target)
         validate_eval_config(cfg.eval)
+        for key, name in (("trainer.device", cfg.trainer.device), ("target.device", cfg.target.device),
+                          ("eval.device", cfg.eval.device)):
+            check_device(key, name)
     except ConfigError:
         raise
     except (ValueError, FileNotFoundError) as e:

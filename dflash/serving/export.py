@@ -33,7 +33,7 @@ from safetensors.torch import save_file
 
 from dflash.atomic import atomic_write, atomic_write_text, dir_mode
 from dflash.drafter.model import LAYER_TYPES, DFlashDrafter, DrafterConfig
-from dflash.safe_load import load_tensors
+from dflash.safe_load import MANIFEST, load_tensors, verify_manifest, write_manifest
 
 MODELING_FILE = "modeling_dflash.py"  # written into every complete folder; its source sits beside this module
 AUTO_MAP = {"AutoModel": "modeling_dflash.DFlashDraftModel"}
@@ -163,9 +163,12 @@ def save_drafter(drafter: DFlashDrafter, out_dir: str | os.PathLike, dtype: torc
                  extra: dict | None = None, vocab_size: int | None = None,
                  target: TargetFacts | None = None) -> Path:
     """Writes config.json + model.safetensors (+ modeling_dflash.py when the target is known) atomically (each
-    file replaced whole). `vocab_size` defaults to the target's, else the attached LM head's (0 when none)."""
+    file replaced whole), then their checksum manifest (`dflash.safe_load.MANIFEST`, which loading verifies; an
+    old one goes first, so a stop midway leaves no manifest that disagrees). `vocab_size` defaults to the
+    target's, else the attached LM head's (0 when none)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    (out / MANIFEST).unlink(missing_ok=True)
     if target is not None:
         check_against_target(drafter, target, f"drafter for {out}")
     dtype = dtype or next(drafter.parameters()).dtype
@@ -180,6 +183,7 @@ def save_drafter(drafter: DFlashDrafter, out_dir: str | os.PathLike, dtype: torc
     if target is not None:
         atomic_write_text(out / MODELING_FILE, modeling_source())
     atomic_write_text(out / "config.json", json.dumps(cfg, indent=2))
+    write_manifest(out)
     return out
 
 
@@ -356,6 +360,7 @@ def load_drafter(folder: str | os.PathLike, device: str | torch.device = "cpu",
     """Loads a serving-format folder (ours or a published DFlash drafter). Errors name the file and
     what was expected there; with `target`, also a folder that does not fit that target."""
     folder = Path(folder)
+    verify_manifest(folder)  # ours: every file as exported; a published folder: its structure is checked below
     cfg = read_serving_config(folder)
     if target is not None:
         check_folder_against_target(cfg, target, folder / "config.json")

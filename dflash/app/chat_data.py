@@ -2,7 +2,8 @@
 
 `build_conversation_data` gives a `TrainingData` whose items carry a loss mask (only assistant tokens are
 trained on) and the eval suites of the user's own distribution: `chat_heldout` (the held-out split's first
-`data.conversations.eval_prompts` conversations, cut before their last assistant turn, `eval_tokens` tokens each)
+`data.conversations.eval_prompts` conversations with a held-out turn, each cut before its first held-out turn,
+`eval_tokens` tokens each)
 and `coding10_chat` (the coding10 prompts as user messages through the target's chat template).
 
 - `responses=dataset`: the tokenized TRAIN split, memory-mapped; the run is tagged `data.responses=dataset` and
@@ -49,12 +50,11 @@ def chat_suites(cs: ConversationSet, tokenizer, cfg) -> list[Suite]:
     d, c = cfg.data, cfg.data.conversations
     tokenizer = prepare_tokenizer(tokenizer, d.chat)
     tasks = []
-    for row in cs.heldout:
+    for row in cs.heldout:  # each conversation's first held-out turn: its prompt, never trained on
         if len(tasks) >= c.eval_prompts:
             break
-        turns = [i for i, m in enumerate(row["messages"]) if m["role"] == "assistant"]
-        if turns:
-            tasks.append(Task(f"chat{len(tasks):04d}", render_prompt(tokenizer, row["messages"][:turns[-1]], d.chat)))
+        i = row["heldout_turns"][0]
+        tasks.append(Task(f"chat{len(tasks):04d}", render_prompt(tokenizer, row["messages"][:i], d.chat, row["tools"])))
     suites = [Suite("chat_heldout", tasks, c.eval_tokens)] if tasks else []
     if not tasks and c.eval_prompts:
         log.warning("data.conversations: the held-out split has no conversation with an assistant turn; no "

@@ -139,14 +139,14 @@ def _check_tools(text: str, messages: list[dict], tools) -> None:
     for t in tools or []:
         name = (t.get("function") or t).get("name", "")
         if name and name not in text:
-            raise TemplateError(f"the template does not render tools (the schema of {name!r} is missing from the "
-                                f"rendering); use a template that renders tools (e.g. data.chat.template=qwen3)")
+            raise TemplateError(f"it does not render tools (the schema of {name!r} is missing from the rendering); "
+                                f"use a template that renders tools (e.g. data.chat.template=qwen3)")
     for m in messages:
         for c in m.get("tool_calls") or []:
             name = c["function"]["name"]
             if name not in text:
-                raise TemplateError(f"the template does not render tool calls (the call to {name!r} is missing from "
-                                    f"the rendering); use a template that renders tool_calls (e.g. "
+                raise TemplateError(f"it does not render tool calls (the call to {name!r} is missing from the "
+                                    f"rendering); use a template that renders tool_calls (e.g. "
                                     f"data.chat.template=qwen3)")
 
 

@@ -166,3 +166,52 @@ def test_empty_and_blank_files_say_so(tmp_path):
         (tmp_path / name).write_text(text)
         with pytest.raises(ConversationInputError, match=rf"{name}: the file is empty"):
             read_conversations(str(tmp_path / name), str(tmp_path / "hf"))
+
+
+@pytest.mark.slow
+def test_chat_heldout_is_the_objective_of_a_sweep_and_the_gate(tmp_path):
+    """eval.suite=chat_heldout: two sweep trials rank on the user's held-out prompts (eval/tau_vanilla from them),
+    and the promotion gate judges the best trial by that figure."""
+    import mlflow
+    import yaml
+
+    from dflash.serving.promotion import PromoteConfig, promote
+    from sweeps.launch import main
+    from tests.test_conversations import CHAT_FAST
+    fixed = [o for o in CHAT_FAST if o not in ("+eval=off", "trainer.max_steps=6")] + [
+        f"data.path={SAMPLE}", f"data.conversations.cache_dir={tmp_path / 'hf'}", "trainer.max_steps=3",
+        "eval.suite=chat_heldout", "eval.extra_suites=[]", "eval.max_new_tokens=8", "eval.tree_budgets=[2]",
+        "eval.bootstrap=20", "eval.train_tasks=0", "data.conversations.eval_prompts=3",
+        "data.conversations.eval_tokens=8", "data.conversations.coding10_chat=false"]
+    sweep = tmp_path / "chat_sweep.yaml"
+    sweep.write_text(yaml.safe_dump({
+        "name": "chat_sweep", "description": "chat_heldout as the objective", "fixed": fixed,
+        "space": {"trainer.lr": {"type": "choice", "choices": [1.0e-4, 1.0e-3]}},
+        "objective": {"metric": "eval/tau_vanilla", "direction": "maximize"},
+        "sampler": {"type": "random", "seed": 0}, "pruner": {"type": "none"}}))
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    out = main([str(sweep), f"out={tmp_path / 'out'}", f"tracking.tracking_uri={uri}", "tracking.experiment=chat",
+                f"eval.cache_dir={tmp_path / 'eval'}", "n_trials=2", "workers=1"])
+    assert out["n_trials"] == 2
+    client = mlflow.MlflowClient(uri)
+    exp = client.get_experiment_by_name("chat")
+    runs = [r for r in client.search_runs([exp.experiment_id], f"tags.`mlflow.parentRunId` = '{out['parent_run_id']}'")]
+    assert len(runs) == 2
+    for r in runs:  # the objective is the held-out chat prompts: 3 tasks, the suite named in the run
+        m = r.data.metrics
+        assert m["eval/num_tasks"] == 3 and "eval/tau_vanilla" in m and "eval/suite/coding10/tau_vanilla" not in m
+    best = max(runs, key=lambda r: r.data.metrics["eval/tau_vanilla"])
+    decision = promote(best.info.run_id, PromoteConfig(), uri, dry_run=True)
+    assert decision.candidate_value == pytest.approx(best.data.metrics["eval/tau_vanilla"])
+    assert "not evaluated" not in decision.reason
+
+
+def test_chat_heldout_needs_conversation_data_with_a_heldout_split(chat_cfg):
+    from dflash.config import ConfigError, validate
+    from experiments.config import compose_config
+    with pytest.raises(ConfigError, match="eval.suite=chat_heldout: built by data.source=conversations"):
+        validate(compose_config(["+target=tiny_random", "eval.suite=chat_heldout"]))
+    with pytest.raises(ConfigError, match="heldout_per_10k"):
+        validate(chat_cfg(f"data.path={SAMPLE}", "eval.suite=chat_heldout", "data.conversations.heldout_per_10k=0",
+                          "eval.enabled=true"))
+    validate(chat_cfg(f"data.path={SAMPLE}", "eval.suite=chat_heldout", "eval.enabled=true"))

@@ -144,6 +144,10 @@ def test_the_sample_and_tool_records_train_with_qwen3s_shipped_template(chat_cfg
             assert text.endswith("<|im_end|>") and text.count("<|im_end|>") == 1 or b == len(ids) == 256, text
             spans += 1
     assert spans >= last["data/train_sequences"]
+    import mlflow
+    run_id = json.loads((res.run_dir / "tags.json").read_text()).get("mlflow.runId") or res.run_id
+    names = [a.path for a in mlflow.MlflowClient(cfg.tracking.tracking_uri).list_artifacts(run_id, "data")]
+    assert names == ["data/conversations.md"]  # the run's data report, as experiments.data inspect prints it
 
 
 def test_prompts_are_cut_from_the_middle_keeping_the_system_prompt(tok):
@@ -215,3 +219,22 @@ def test_chat_heldout_needs_conversation_data_with_a_heldout_split(chat_cfg):
         validate(chat_cfg(f"data.path={SAMPLE}", "eval.suite=chat_heldout", "data.conversations.heldout_per_10k=0",
                           "eval.enabled=true"))
     validate(chat_cfg(f"data.path={SAMPLE}", "eval.suite=chat_heldout", "eval.enabled=true"))
+
+
+def test_inspect_shows_a_tool_calling_record_with_its_trained_tokens_marked(tmp_path, capsys):
+    from experiments.data import main
+    path = _write_jsonl(tmp_path / "c.jsonl", [WEATHER, SHAREGPT])
+    text = main(["inspect", f"data.path={path}", "data.chat.template=qwen3", "n=2", f"out={tmp_path / 'r.md'}",
+                 f"data.conversations.cache_dir={tmp_path / 'hf'}", "data.conversations.heldout_per_10k=0",
+                 "data.max_len=1024"])
+    assert (tmp_path / "r.md").read_text() == text and text in capsys.readouterr().out
+    call = '⟦<think>\nI should look it up.\n</think>\n\n<tool_call>\n{"name": "get_weather", "arguments": ' \
+           '{"city": "Paris"}}\n</tool_call><|im_end|>⟧'
+    assert call in text and "<|im_start|>assistant\n" + call in text
+    assert "⟦" not in text.split("### row 0")[1].split(call)[0]  # system, user and tool turns: unmarked
+    for figure in ("| formats | {\"openai\": 1, \"sharegpt\": 1} |", "| tool_call_share | 0.500 |",
+                   "| reasoning_share | 0.333 |", "| train_rows | 5 |", "| trained_token_share |"):
+        assert figure in text, figure
+    with pytest.raises(SystemExit):
+        from experiments.config import run_cli
+        run_cli(lambda: main(["inspect", "data.path=/no/such.jsonl"]))

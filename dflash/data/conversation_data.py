@@ -41,7 +41,7 @@ from dflash.data.conversations import read_conversations
 from dflash.registry import Registry
 
 log = logging.getLogger(__name__)
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
 
 
 @dataclass
@@ -59,8 +59,18 @@ class ConversationsConfig:
 
 
 # data.conversations.overflow -> (ids, mask, max_len) -> windows of at most max_len tokens
+def _truncate(ids: list[int], mask: list[int], n: int) -> list[tuple[list[int], list[int]]]:
+    """The first n tokens; when the trained tokens lie past them (a late assistant turn's own row), the window
+    that starts a quarter of n before the first of them (the turn and the context just before it)."""
+    trained = [i for i, m in enumerate(mask) if m]
+    if len(ids) <= n or not trained or trained[-1] < n:
+        return [(ids[:n], mask[:n])]
+    start = min(len(ids) - n, max(0, trained[0] - n // 4))
+    return [(ids[start:start + n], mask[start:start + n])]
+
+
 OVERFLOW: Registry = Registry("data.conversations.overflow", {
-    "truncate": lambda ids, mask, n: [(ids[:n], mask[:n])],
+    "truncate": _truncate,
     "split": lambda ids, mask, n: [(ids[i:i + n], mask[i:i + n]) for i in range(0, len(ids), n)],
 })
 RESPONSES = Registry("data.conversations.responses", {"dataset": "dataset", "target": "target"})
@@ -122,16 +132,14 @@ def _tokenize(batch: dict, *, tokenizer, chat: ChatConfig, max_len: int, min_len
         except TemplateError as e:
             row([], [], False, f"template_error: {e}", source)
             continue
-        kept = 0
         for ids, mask in rows:  # one row, or one per trained assistant turn (dflash.data.chat.render)
-            cut = 0
+            kept = 0
             for piece_ids, piece_mask in OVERFLOW[overflow](ids, mask, max_len):
                 if len(piece_ids) >= min_len and anchorable(piece_mask):
-                    row(piece_ids, piece_mask, len(ids) > max_len and cut == 0, "ok", source)
-                    cut += 1
-            kept += cut
-        if not kept:
-            row([], [], False, "no_trainable_tokens", source)
+                    row(piece_ids, piece_mask, len(ids) > max_len and kept == 0, "ok", source)
+                    kept += 1
+            if not kept:  # counted per row: a conversation's other turns may still train
+                row([], [], False, "no_trainable_tokens", source)
     return out
 
 

@@ -44,9 +44,11 @@ def _next_tokens(target, last_hidden_BTH: torch.Tensor) -> torch.Tensor:
 
 @torch.no_grad()
 def greedy_generate(target, prompt_ids_BP: torch.Tensor, max_new_tokens: int,
-                    use_cache: bool = True) -> torch.Tensor:
+                    use_cache: bool = True, stop_id: int | None = None) -> torch.Tensor:
     """The target's greedy continuation of each row of an equal-length prompt batch: LongTensor [B, N]
-    on the CPU. Never stops early (an end-of-text token is just another token)."""
+    on the CPU. Without `stop_id` it never stops early (an end-of-text token is just another token); with it,
+    generation ends once every row has written `stop_id` (N may then be < max_new_tokens; what a row writes
+    after its own stop token is not meaningful)."""
     ids = torch.as_tensor(prompt_ids_BP, dtype=torch.long)
     if ids.dim() == 1:
         ids = ids[None]
@@ -71,12 +73,61 @@ def greedy_generate(target, prompt_ids_BP: torch.Tensor, max_new_tokens: int,
     h = decoder(input_ids=ids, position_ids=pos, use_cache=True, **{kw: cache}).last_hidden_state
     tok = _next_tokens(target, h)
     out_tokens.append(tok)
+    done = tok == stop_id if stop_id is not None else None
     for i in range(max_new_tokens - 1):
+        if done is not None and bool(done.all()):  # a host sync per token: offline writing only
+            break
         pos = torch.full((B, 1), P + i, device=dev, dtype=torch.long)
         h = decoder(input_ids=tok[:, None], position_ids=pos, use_cache=True, **{kw: cache}).last_hidden_state
         tok = _next_tokens(target, h)
         out_tokens.append(tok)
+        if done is not None:
+            done |= tok == stop_id
     return torch.stack(out_tokens, 1).cpu()
+
+
+# -- conversations, turn by turn ----------------------------------------------------------------------------
+def until_end(tokens: list[int], end_id: int | None) -> list[int]:
+    """A response up to and including its first end-of-turn token (the whole of it when there is none)."""
+    return tokens[:tokens.index(end_id) + 1] if end_id is not None and end_id in tokens else tokens
+
+
+def target_responder(target, end_id: int | None, max_new_tokens: int, batch_size: int = 16):
+    """`respond(prompts) -> responses` (token lists) of the target: greedy, each response ending at its first
+    end-of-turn token. Prompts of equal length are written together (no padding: greedy decoding is exact)."""
+    def respond(prompts: list[list[int]]) -> list[list[int]]:
+        out: list[list[int] | None] = [None] * len(prompts)
+        order = sorted(range(len(prompts)), key=lambda i: (len(prompts[i]), i))
+        i = 0
+        while i < len(order):
+            batch = [order[i]]
+            while i + len(batch) < len(order) and len(batch) < batch_size and \
+                    len(prompts[order[i + len(batch)]]) == len(prompts[order[i]]):
+                batch.append(order[i + len(batch)])
+            i += len(batch)
+            gen = greedy_generate(target, torch.tensor([prompts[j] for j in batch]), max_new_tokens, stop_id=end_id)
+            for r, j in enumerate(batch):
+                out[j] = until_end(gen[r].tolist(), end_id)
+        return out  # type: ignore[return-value]
+    return respond
+
+
+def regenerate_turns(conversations: list[list[dict]], respond, prompt_ids, response_text) -> list[list[dict]]:
+    """Every conversation's trained assistant turns rewritten, in rounds: round k writes the k-th trained turn of
+    every conversation that has one, all of them in one `respond` call (the one step that produces responses: the
+    target here, an inference server elsewhere). A turn's prompt (`prompt_ids(conversation index, messages before
+    it)`) holds the
+    responses of the earlier rounds, so each later turn is prompted with the target's own earlier answers; user
+    turns, tool results and untrained turns stay as the dataset has them. `response_text(tokens)`: the turn's
+    content (the end-of-turn token dropped; reasoning and calls as the model wrote them, in the text)."""
+    convs = [[dict(m) for m in c] for c in conversations]
+    turns = [[i for i, m in enumerate(c) if m["role"] == "assistant" and m.get("train", True)] for c in convs]
+    for k in range(max((len(t) for t in turns), default=0)):
+        todo = [(c, t[k]) for c, t in enumerate(turns) if k < len(t)]
+        responses = respond([prompt_ids(c, convs[c][:i]) for c, i in todo])
+        for (c, i), tokens in zip(todo, responses):
+            convs[c][i] = {**convs[c][i], "content": response_text(tokens), "reasoning": "", "tool_calls": ""}
+    return convs
 
 
 # -- fingerprint and cache file ---------------------------------------------------------------------

@@ -172,7 +172,7 @@ def _count_skips(normalized, stats: dict) -> None:
 
 
 SKIP_REASONS = {"image_parts": "content with image parts: a text drafter cannot train on it",
-                "no_assistant_turn": "no assistant turn", "no_trained_turn": "every assistant turn has weight 0",
+                "non_text_parts": "content with audio or file parts", "no_assistant_turn": "no assistant turn", "no_trained_turn": "every assistant turn has weight 0",
                 "empty_assistant_turn": "an assistant turn with no content, reasoning or tool call"}
 
 

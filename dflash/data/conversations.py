@@ -104,6 +104,8 @@ def _content(raw, field: str, *, empty_ok: bool = False) -> tuple[str, str]:
         if any(isinstance(p, dict) and (p.get("type") in ("image", "image_url", "input_image", "video")
                                         or p.get("image_url") or p.get("image")) for p in raw):
             raise Skip("image_parts")
+        if any(isinstance(p, dict) and p.get("type", "text") != "text" for p in raw):
+            raise Skip("non_text_parts")  # audio, files: nothing a text drafter trains on
         parts = [p.get("text") for p in raw if isinstance(p, dict) and p.get("type", "text") == "text"]
         if all(isinstance(t, str) for t in parts) and parts:
             return "".join(parts), ""

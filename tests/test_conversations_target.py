@@ -127,7 +127,8 @@ def test_turns_are_regenerated_in_rounds_each_prompted_with_the_earlier_answers(
     assert [len(r) for r in calls] == [2, 1]  # round 1: both conversations' first turns; round 2: the third turn
     assert [m["content"] for m in out[0] if m["role"] == "assistant"] == ["round1:2", "a2", "round2:6"]
     assert out[1][1]["content"] == "round1:1"
-    assert seen[0][1] == ["S", "u1", "round1:2", "u2", "a2", "u3"]  # the target's own earlier answer, then the dataset's
+    # the target's own earlier answer, then the dataset's (untrained) turn
+    assert seen[0][1] == ["S", "u1", "round1:2", "u2", "a2", "u3"]
     assert convs[0][2]["content"] == "a1"  # the input is left alone
 
 

@@ -24,7 +24,6 @@ import logging
 import os
 from collections import Counter
 from dataclasses import asdict, dataclass
-from pathlib import Path
 
 import torch
 
@@ -172,7 +171,8 @@ def _count_skips(normalized, stats: dict) -> None:
 
 
 SKIP_REASONS = {"image_parts": "content with image parts: a text drafter cannot train on it",
-                "non_text_parts": "content with audio or file parts", "no_assistant_turn": "no assistant turn", "no_trained_turn": "every assistant turn has weight 0",
+                "non_text_parts": "content with audio or file parts", "no_assistant_turn": "no assistant turn",
+                "no_trained_turn": "every assistant turn has weight 0",
                 "empty_assistant_turn": "an assistant turn with no content, reasoning or tool call"}
 
 
@@ -257,7 +257,8 @@ def spread(seq, count: int) -> list:
 
 
 # -- responses=target: one prompt per assistant turn --------------------------------------------------------
-def prompt_tokens(tokenizer, messages: list[dict], chat: ChatConfig, tools: str, max_len: int) -> tuple[list[int], bool]:
+def prompt_tokens(tokenizer, messages: list[dict], chat: ChatConfig, tools: str,
+                  max_len: int) -> tuple[list[int], bool]:
     """Assistant turn len(messages)'s prompt as tokens (with the generation prompt), at most `max_len`, and
     whether it was cut. A long history is cut from the middle, not the start: the system prompt (and the tool
     schemas the template puts there) stays, the oldest turns after it go, whole, from a user turn on (a template

@@ -60,11 +60,13 @@ def statistics(cs) -> dict:
            "heldout_prompts": int(cs.stats.get("data/heldout_prompts", 0))}
     out["skipped"].update({k: v for k, v in skips.items() if k not in out["skipped"]})
     if cs.train is not None:
-        lengths = sorted(cs.train["length"])
-        trained = sum(sum(m) for m in cs.train["loss_mask"])
+        lengths = sorted(cs.train["length"])  # one int a row: all of them
+        sample = cs.train.select(range(min(len(cs.train), STAT_RECORDS)))  # the masks: the first rows'
+        trained = sum(sum(m) for m in sample["loss_mask"])
         out.update({"train_rows": len(lengths), "row_tokens_mean": _share(sum(lengths), len(lengths)),
                     "row_tokens_p50": lengths[len(lengths) // 2], "row_tokens_p95": lengths[int(len(lengths) * .95)],
-                    "row_tokens_max": lengths[-1], "trained_token_share": _share(trained, sum(lengths))})
+                    "row_tokens_max": lengths[-1],
+                    "trained_token_share": _share(trained, sum(sample["length"]))})
     return out
 
 

@@ -147,7 +147,7 @@ def test_the_target_responder_ends_each_turn_at_its_end_token():
     assert until_end([1, 2, 3], 9) == [1, 2, 3] and until_end([1, 9, 3, 9], 9) == [1, 9]
 
 
-def test_regen_turns_writes_a_conversation_file_a_run_reads(chat_cfg, tmp_path):
+def test_regen_turns_writes_a_conversation_file_a_run_reads(chat_cfg, tmp_path, monkeypatch):
     from dflash.data.conversations import read_conversations
     from experiments.regen import main as regen
     src = [{"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
@@ -157,13 +157,35 @@ def test_regen_turns_writes_a_conversation_file_a_run_reads(chat_cfg, tmp_path):
                               {"from": "human", "value": "Q2"}, {"from": "gpt", "value": "A2"}]}]
     path = tmp_path / "c.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in src))
+    import dflash.data.regen as regen_lib
     out = tmp_path / "regen" / "turns.jsonl"
-    stats = regen(["+target=tiny_random_chat", "+data=conversations", f"data.path={path}", *TARGET,
-                   f"data.conversations.cache_dir={tmp_path / 'hf'}", "data.conversations.heldout_per_10k=0",
-                   "target.random.hidden_size=64", "target.random.num_layers=4", "target.random.intermediate_size=128",
-                   "target.random.head_dim=16", "target.random.linear_head_dim=16", "target.layer_ids=[0,1,2]",
-                   f"regen.turns_out={out}", "regen.turn_tokens=6"])
+    args = ["+target=tiny_random_chat", "+data=conversations", f"data.path={path}", *TARGET,
+            f"data.conversations.cache_dir={tmp_path / 'hf'}", "data.conversations.heldout_per_10k=0",
+            "target.random.hidden_size=64", "target.random.num_layers=4", "target.random.intermediate_size=128",
+            "target.random.head_dim=16", "target.random.linear_head_dim=16", "target.layer_ids=[0,1,2]",
+            "regen.turn_tokens=6"]
+    real, calls = regen_lib.target_responder, []
+
+    def dies_in_round_2(*a, **k):  # a regen killed during its second round ...
+        inner = real(*a, **k)
+        return lambda prompts: (_ for _ in ()).throw(KeyboardInterrupt()) if calls.append(1) or len(calls) > 1 \
+            else inner(prompts)
+    monkeypatch.setattr(regen_lib, "target_responder", dies_in_round_2)
+    with pytest.raises(KeyboardInterrupt):
+        regen([*args, f"regen.turns_out={out}"])
+    assert not out.exists() and (out.parent / ".turns.jsonl.rounds").is_file()
+    asked = []
+
+    def counted(*a, **k):
+        inner = real(*a, **k)
+        return lambda prompts: asked.extend(prompts) or inner(prompts)
+    monkeypatch.setattr(regen_lib, "target_responder", counted)
+    stats = regen([*args, f"regen.turns_out={out}"])  # ... resumes after its first round
+    assert len(asked) == 1 and not (out.parent / ".turns.jsonl.rounds").exists()  # round 2's one turn only
     assert stats["data/regen_conversations"] == 2 and stats["data/regen_turns"] == 3
+    fresh = tmp_path / "fresh" / "turns.jsonl"
+    regen([*args, f"regen.turns_out={fresh}"])
+    assert out.read_text() == fresh.read_text()
     ds, _ = read_conversations(str(out), str(tmp_path / "hf2"))
     rows = list(ds)
     assert [m["content"] for m in rows[0]["messages"] if m["role"] != "assistant"] == ["Be brief.", "Hi", "Bye"]

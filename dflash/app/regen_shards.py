@@ -12,6 +12,7 @@ is skipped without being read: a killed regen resumes where it was, and a finish
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import logging
 import math
@@ -84,6 +85,27 @@ def _openai_record(messages: list[dict], tools: str) -> dict:
     return {"messages": out, **({"tools": json.loads(tools)} if tools else {})}
 
 
+TURNS_VERSION = 1  # what regen.turns_out writes (its rounds file is read back only at the same version)
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def _read_rounds(path: Path, key: str) -> tuple[int, list] | None:
+    """(rounds done, conversations) of an earlier regen of the same data and settings, or None."""
+    try:
+        saved = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    if saved.get("key") != key:
+        return None
+    log.info("regen: resuming after round %d (%s)", saved["rounds"], path)
+    return int(saved["rounds"]), saved["conversations"]
+
+
 def run_regen_turns(cfg, regen: RegenConfig) -> dict[str, float]:
     """`regen.turns_out`: the dataset's conversations with their trained assistant turns rewritten by the
     target, turn by turn (`dflash.data.regen.regenerate_turns`), written atomically as OpenAI JSONL."""
@@ -99,17 +121,24 @@ def run_regen_turns(cfg, regen: RegenConfig) -> dict[str, float]:
     kept = cs.everything.filter(lambda s: not s, input_columns="skip")
     tok, chat, n = target.tokenizer, cfg.data.chat, cfg.data.pool.max_prompt_len
     tools, end_id = kept["tools"], end_of_turn_id(target.tokenizer)
-    respond = target_responder(target, end_id, regen.turn_tokens or cfg.data.max_len)
+    max_new = regen.turn_tokens or cfg.data.max_len
+    respond = target_responder(target, end_id, max_new)
+    out = Path(regen.turns_out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    # a killed regen resumes after its last finished round, when nothing that decides the answers changed
+    key = hashlib.sha256(json.dumps([cs.fingerprint, str(target.identity), str(target.dtype), max_new, n, end_id,
+                                     TURNS_VERSION]).encode()).hexdigest()
+    partial = out.with_name(f".{out.name}.rounds")
+    start = _read_rounds(partial, key)
     t0 = time.perf_counter()
     written = regenerate_turns(kept["messages"], respond,
                                lambda c, msgs: prompt_tokens(tok, msgs, chat, tools[c], n)[0],
-                               lambda ids: tok.decode(ids[:-1] if ids and ids[-1] == end_id else ids))
-    out = Path(regen.turns_out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.tmp")
-    tmp.write_text("".join(json.dumps(_openai_record(m, t), ensure_ascii=False) + "\n"
-                           for m, t in zip(written, tools)), encoding="utf-8")
-    os.replace(tmp, out)
+                               lambda ids: tok.decode(ids[:-1] if ids and ids[-1] == end_id else ids),
+                               start=start, on_round=lambda k, convs: _write_atomic(
+                                   partial, json.dumps({"key": key, "rounds": k, "conversations": convs})))
+    _write_atomic(out, "".join(json.dumps(_openai_record(m, t), ensure_ascii=False) + "\n"
+                               for m, t in zip(written, tools)))
+    partial.unlink(missing_ok=True)
     turns = sum(m["role"] == "assistant" and m["train"] for c in written for m in c)
     log.info("regen: %d conversations, %d assistant turns rewritten turn by turn, in %s", len(written), turns, out)
     return {"data/regen_conversations": float(len(written)), "data/regen_turns": float(turns),

@@ -112,21 +112,29 @@ def target_responder(target, end_id: int | None, max_new_tokens: int, batch_size
     return respond
 
 
-def regenerate_turns(conversations: list[list[dict]], respond, prompt_ids, response_text) -> list[list[dict]]:
+def regenerate_turns(conversations: list[list[dict]], respond, prompt_ids, response_text,
+                     start: tuple[int, list[list[dict]]] | None = None, on_round=None) -> list[list[dict]]:
     """Every conversation's trained assistant turns rewritten, in rounds: round k writes the k-th trained turn of
     every conversation that has one, all of them in one `respond` call (the one step that produces responses: the
     target here, an inference server elsewhere). A turn's prompt (`prompt_ids(conversation index, messages before
     it)`) holds the
     responses of the earlier rounds, so each later turn is prompted with the target's own earlier answers; user
     turns, tool results and untrained turns stay as the dataset has them. `response_text(tokens)`: the turn's
-    content (the end-of-turn token dropped; reasoning and calls as the model wrote them, in the text)."""
+    content (the end-of-turn token dropped; reasoning and calls as the model wrote them, in the text).
+    `start` = (rounds done, the conversations after them) resumes; `on_round(rounds done, conversations)` is
+    called after each round (to save them)."""
     convs = [[dict(m) for m in c] for c in conversations]
     turns = [[i for i, m in enumerate(c) if m["role"] == "assistant" and m.get("train", True)] for c in convs]
-    for k in range(max((len(t) for t in turns), default=0)):
+    first = 0
+    if start is not None:
+        first, convs = start[0], [[dict(m) for m in c] for c in start[1]]
+    for k in range(first, max((len(t) for t in turns), default=0)):
         todo = [(c, t[k]) for c, t in enumerate(turns) if k < len(t)]
         responses = respond([prompt_ids(c, convs[c][:i]) for c, i in todo])
         for (c, i), tokens in zip(todo, responses):
             convs[c][i] = {**convs[c][i], "content": response_text(tokens), "reasoning": "", "tool_calls": ""}
+        if on_round is not None:
+            on_round(k + 1, convs)
     return convs
 
 

@@ -191,7 +191,7 @@ def test_chat_heldout_is_the_objective_of_a_sweep_and_the_gate(tmp_path):
     sweep.write_text(yaml.safe_dump({
         "name": "chat_sweep", "description": "chat_heldout as the objective", "fixed": fixed,
         "space": {"trainer.lr": {"type": "choice", "choices": [1.0e-4, 1.0e-3]}},
-        "objective": {"metric": "eval/tau_vanilla", "direction": "maximize"},
+        "objective": {"metric": "eval/tau_served", "direction": "maximize"},
         "sampler": {"type": "random", "seed": 0}, "pruner": {"type": "none"}}))
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     out = main([str(sweep), f"out={tmp_path / 'out'}", f"tracking.tracking_uri={uri}", "tracking.experiment=chat",
@@ -201,12 +201,14 @@ def test_chat_heldout_is_the_objective_of_a_sweep_and_the_gate(tmp_path):
     exp = client.get_experiment_by_name("chat")
     runs = [r for r in client.search_runs([exp.experiment_id], f"tags.`mlflow.parentRunId` = '{out['parent_run_id']}'")]
     assert len(runs) == 2
-    for r in runs:  # the objective is the held-out chat prompts: 3 tasks, the suite named in the run
+    for r in runs:  # the objective is the held-out chat prompts: 3 tasks (eval/<setting>/...), no coding10
         m = r.data.metrics
-        assert m["eval/num_tasks"] == 3 and "eval/tau_vanilla" in m and "eval/suite/coding10/tau_vanilla" not in m
-    best = max(runs, key=lambda r: r.data.metrics["eval/tau_vanilla"])
-    decision = promote(best.info.run_id, PromoteConfig(), uri, dry_run=True)
-    assert decision.candidate_value == pytest.approx(best.data.metrics["eval/tau_vanilla"])
+        tasks = [v for k, v in m.items() if k.count("/") == 2 and k.endswith("/num_tasks")]
+        assert tasks and set(tasks) == {3} and "eval/tau_served" in m
+        assert not any("coding10" in k for k in m)
+    best = max(runs, key=lambda r: r.data.metrics["eval/tau_served"])
+    decision = promote(best.info.run_id, PromoteConfig(metric="eval/tau_served"), uri, dry_run=True)
+    assert decision.candidate_value == pytest.approx(best.data.metrics["eval/tau_served"])
     assert "not evaluated" not in decision.reason
 
 

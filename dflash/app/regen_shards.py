@@ -122,12 +122,14 @@ def run_regen_turns(cfg, regen: RegenConfig) -> dict[str, float]:
     tok, chat, n = target.tokenizer, cfg.data.chat, cfg.data.pool.max_prompt_len
     tools, end_id = kept["tools"], end_of_turn_id(target.tokenizer)
     max_new = regen.turn_tokens or cfg.data.max_len
-    respond = target_responder(target, end_id, max_new)
+    online = cfg.data.online
+    respond = target_responder(target, end_id, max_new, online.write_batch or 16, online.temperature,
+                               online.stream_seed, online.decode)
     out = Path(regen.turns_out)
     out.parent.mkdir(parents=True, exist_ok=True)
     # a killed regen resumes after its last finished round, when nothing that decides the answers changed
     key = hashlib.sha256(json.dumps([cs.fingerprint, str(target.identity), str(target.dtype), max_new, n, end_id,
-                                     TURNS_VERSION]).encode()).hexdigest()
+                                     online.temperature, online.stream_seed, TURNS_VERSION]).encode()).hexdigest()
     partial = out.with_name(f".{out.name}.rounds")
     start = _read_rounds(partial, key)
     t0 = time.perf_counter()

@@ -44,11 +44,9 @@ def _next_tokens(target, last_hidden_BTH: torch.Tensor) -> torch.Tensor:
 
 @torch.no_grad()
 def greedy_generate(target, prompt_ids_BP: torch.Tensor, max_new_tokens: int,
-                    use_cache: bool = True, stop_id: int | None = None) -> torch.Tensor:
+                    use_cache: bool = True) -> torch.Tensor:
     """The target's greedy continuation of each row of an equal-length prompt batch: LongTensor [B, N]
-    on the CPU. Without `stop_id` it never stops early (an end-of-text token is just another token); with it,
-    generation ends once every row has written `stop_id` (N may then be < max_new_tokens; what a row writes
-    after its own stop token is not meaningful)."""
+    on the CPU. Never stops early (an end-of-text token is just another token)."""
     ids = torch.as_tensor(prompt_ids_BP, dtype=torch.long)
     if ids.dim() == 1:
         ids = ids[None]
@@ -73,16 +71,11 @@ def greedy_generate(target, prompt_ids_BP: torch.Tensor, max_new_tokens: int,
     h = decoder(input_ids=ids, position_ids=pos, use_cache=True, **{kw: cache}).last_hidden_state
     tok = _next_tokens(target, h)
     out_tokens.append(tok)
-    done = tok == stop_id if stop_id is not None else None
     for i in range(max_new_tokens - 1):
-        if done is not None and bool(done.all()):  # a host sync per token: offline writing only
-            break
         pos = torch.full((B, 1), P + i, device=dev, dtype=torch.long)
         h = decoder(input_ids=tok[:, None], position_ids=pos, use_cache=True, **{kw: cache}).last_hidden_state
         tok = _next_tokens(target, h)
         out_tokens.append(tok)
-        if done is not None:
-            done |= tok == stop_id
     return torch.stack(out_tokens, 1).cpu()
 
 
@@ -92,22 +85,27 @@ def until_end(tokens: list[int], end_id: int | None) -> list[int]:
     return tokens[:tokens.index(end_id) + 1] if end_id is not None and end_id in tokens else tokens
 
 
-def target_responder(target, end_id: int | None, max_new_tokens: int, batch_size: int = 16):
-    """`respond(prompts) -> responses` (token lists) of the target: greedy, each response ending at its first
-    end-of-turn token. Prompts of equal length are written together (no padding: greedy decoding is exact)."""
+def target_responder(target, end_id: int | None, max_new_tokens: int, batch_size: int = 16,
+                     temperature: float = 0.0, seed: int = 0, decode: str = "auto"):
+    """`respond(prompts) -> responses` (token lists) of the target, each ending at its first end-of-turn token
+    (at most `max_new_tokens`): greedy, or sampled at `temperature` (seeded by `seed` and the batch's prompts). Prompts of any
+    lengths are written together, `batch_size` at a time (`dflash.data.writing.write_continuations`: no
+    padding, each row sees exactly its own tokens)."""
+    from dflash.data.writing import write_continuations
+
     def respond(prompts: list[list[int]]) -> list[list[int]]:
         out: list[list[int] | None] = [None] * len(prompts)
         order = sorted(range(len(prompts)), key=lambda i: (len(prompts[i]), i))
-        i = 0
-        while i < len(order):
-            batch = [order[i]]
-            while i + len(batch) < len(order) and len(batch) < batch_size and \
-                    len(prompts[order[i + len(batch)]]) == len(prompts[order[i]]):
-                batch.append(order[i + len(batch)])
-            i += len(batch)
-            gen = greedy_generate(target, torch.tensor([prompts[j] for j in batch]), max_new_tokens, stop_id=end_id)
+        for b in range(0, len(order), batch_size):
+            batch = order[b:b + batch_size]
+            # seeded by the prompts themselves: a resumed regen draws what the first one would have
+            gen = torch.Generator().manual_seed(hash((seed, *(tuple(prompts[j]) for j in batch))) & 0x7FFFFFFF) \
+                if temperature > 0 else None
+            rows = write_continuations(target, [prompts[j] for j in batch],
+                                       max(len(prompts[j]) for j in batch) + max_new_tokens, temperature, gen, decode)
             for r, j in enumerate(batch):
-                out[j] = until_end(gen[r].tolist(), end_id)
+                p = len(prompts[j])
+                out[j] = until_end(rows[r, p:p + max_new_tokens].tolist(), end_id)
         return out  # type: ignore[return-value]
     return respond
 

@@ -186,10 +186,23 @@ def validate(cfg: RunConfig) -> None:
         for key, name in (("trainer.device", cfg.trainer.device), ("target.device", cfg.target.device),
                           ("eval.device", cfg.eval.device)):
             check_device(key, name)
+        _data_suites(cfg)
     except ConfigError:
         raise
     except (ValueError, FileNotFoundError) as e:
         raise ConfigError(str(e)) from e
+
+
+def _data_suites(cfg: RunConfig) -> None:
+    """eval.suite / extra_suites naming a suite the data builds (chat_heldout): only data that builds it."""
+    from dflash.evaluation.prompts import DATA_SUITES
+    for s in [cfg.eval.suite, *cfg.eval.extra_suites] if cfg.eval.enabled else []:
+        if s in DATA_SUITES and cfg.data.source != "conversations":
+            raise ConfigError(f"eval.suite={s}: built by {DATA_SUITES[s]}, but data.source={cfg.data.source}")
+        if s == "chat_heldout" and (cfg.data.conversations.heldout_per_10k == 0
+                                    or cfg.data.conversations.eval_prompts == 0):
+            raise ConfigError("eval.suite=chat_heldout needs a held-out split: data.conversations.heldout_per_10k "
+                              "and eval_prompts must be > 0")
 
 
 def to_dict(cfg: RunConfig) -> dict:

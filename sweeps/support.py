@@ -76,6 +76,11 @@ class PruningEvaluator:
         if hasattr(self.base, "use_train_sequences"):
             self.base.use_train_sequences(sequences)
 
+    def add_suites(self, suites, note: str = "") -> None:
+        """Forwarded to the real evaluator (the data's own suites: a chat dataset's chat_heldout)."""
+        if hasattr(self.base, "add_suites"):
+            self.base.add_suites(suites, note)
+
     def __call__(self, drafter, target, step: int, final: bool, logger=None) -> dict[str, float]:
         out: dict[str, float] = {}
         if self.base is not None:

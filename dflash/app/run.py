@@ -190,6 +190,7 @@ class TrainingRun:
         self.target_facts = facts_of_target(self.target)  # the drafter's RoPE base for 0; the serving folder's facts
         self.ran, self.requested = resolve_auto(cfg, self.target, device, self.target_facts.rope_theta)
         parts, self.data_tags = build_parts(self.ran, self.target, device, self.dist)
+        self.data_report = parts.data.report
         if hasattr(self.evaluator, "use_train_sequences"):  # eval/tau_train: the generalization gap
             self.evaluator.use_train_sequences(parts.data.examples())
         if hasattr(self.evaluator, "add_suites"):  # the data's own distribution (a chat dataset's held-out split)
@@ -259,6 +260,8 @@ class TrainingRun:
                                       "dflash.target_fingerprint": self.target.fingerprint})
                     loggers.set_tags(self.data_tags)
                     loggers.log_artifact(str(RunDir(self.run_dir).config_file))
+                    if self.data_report:  # what the data trains on, for a person to read (experiments.data inspect)
+                        loggers.log_text(self.data_report, "data/conversations.md")
                     hooks = RunHooks(self, loggers, final)
                 result.metrics = t.run(hooks, around_step)
             result.checkpoint = hooks.final_dir

@@ -73,6 +73,10 @@ def write_ahead(cfg, items: int | None = None, more_cfgs=()) -> dict[str, float]
     if cfg.eval.enabled:
         t3 = time.perf_counter()
         ev = SuiteEvaluator(cfg.eval)
+        if cfg.data.source == "conversations":  # the data's own suites (chat_heldout), objective or extra
+            if not uses_online(cfg):
+                data = build_run_data(cfg, target, DistInfo())
+            ev.add_suites(data.eval_suites, data.eval_note)
         suites = list(ev.suites)
         if uses_online(cfg) and cfg.eval.train_tasks > 0:
             # eval/tau_train's prompts (cut from the pool, as every run's evaluator cuts them): without this, the

@@ -58,6 +58,13 @@ class CandidateSelector(nn.Module):
         """The block's path: K positions after each row's anchor. temperature 0: greedy (each position's best
         candidate); > 0: sampled from q_t = softmax(s_t / T). `logits` are the unary logits (float32)."""
         unary_SKk, cand_SKk = logits_SKV.float().topk(self.top_k, dim=-1)
+        return self.walk_candidates(hidden_SKH, unary_SKk, cand_SKk, anchor_S, temperature, generator)
+
+    @torch.no_grad()
+    def walk_candidates(self, hidden_SKH: torch.Tensor, unary_SKk: torch.Tensor, cand_SKk: torch.Tensor,
+                        anchor_S: torch.Tensor, temperature: float = 0.0,
+                        generator: torch.Generator | None = None) -> SelectorWalk:
+        """`walk` over given candidates and their unary scores (the training metrics' self-conditioned path)."""
         prev_S = anchor_S.long()
         tokens, scores = [], []
         for t in range(cand_SKk.shape[-2]):

@@ -136,8 +136,8 @@ def test_run_trains_a_dflash2_drafter_on_the_cpu(tmp_path):
     selector's metrics and writes a DFlash2DraftModel folder that loads back."""
     run = tmp_path / "run"
     cmd = [sys.executable, "-m", "experiments.run", "+drafter=dflash2", "trainer.max_steps=20", "+target=tiny_random",
-           "drafter.num_layers=1", "drafter.intermediate_size=128", "trainer.num_anchors=4", "data.max_len=128",
-           "tracking.log_every=10", "eval.enabled=false", "tracking=off", f"run_dir={run}",
+           "drafter.num_layers=1", "drafter.layer_types=[sliding_attention]", "drafter.intermediate_size=128", "trainer.num_anchors=4", "data.max_len=128",
+           "tracking.log_every=10", "eval.enabled=false", "+tracking=off", f"run_dir={run}",
            "trainer.tau_probe.sequences=0"]
     out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]

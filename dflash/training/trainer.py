@@ -31,6 +31,7 @@ from dflash.training.distributed import (DistInfo, broadcast_object, gather_obje
 from dflash.training.health import check_alive
 from dflash.training.hooks import LoopHooks, TrainParts
 from dflash.training.interrupts import RunInterrupted, StopOnSignal
+from dflash.training.optim import build_optimizer
 from dflash.training.pipeline import PRODUCER_MODES, Item, ProducerPool
 from dflash.training.tau_probe import probe_tau
 
@@ -131,9 +132,8 @@ class Trainer:
         if cfg.trainer.compile:
             self.train_model = compile_drafter(self.train_model, cfg.trainer.compile_mode)
         self.producers_inline = self._inline_producer()
-        self.opt = torch.optim.AdamW(self.drafter.parameters(), lr=cfg.trainer.lr,
-                                     weight_decay=cfg.trainer.weight_decay, betas=(0.9, 0.95),
-                                     fused=self.device.type == "cuda")
+        t = cfg.trainer  # adamw, or muon for the 2-D weights + AdamW for the rest (dflash/training/optim.py)
+        self.opt = build_optimizer(t.optimizer, self.drafter, t.lr, t.weight_decay, t.muon_lr_scale, self.device)
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lr_lambda(cfg))
         self.buffer = BucketedBuffer(cfg.buffer, seed=cfg.seed)
         self.start_step, next_item, replay = self._restore()
@@ -202,7 +202,7 @@ class Trainer:
 
     def step(self, batch: DrafterBatch) -> StepOutput:
         """One optimizer step on `batch`: drafter forward (bf16 autocast per trainer.autocast), the loss with
-        its own LM-head statistics, backward, gradient clipping, AdamW and the LR schedule. Returns device
+        its own LM-head statistics, backward, gradient clipping, the optimizer (trainer.optimizer) and the LR schedule. Returns device
         tensors only (no host sync). The phases are profiler ranges (`dflash.drafter_forward`, `dflash.loss`,
         `dflash.backward`, `dflash.optimizer`: the bench's sync trace names sites by them), free unless a
         profiler runs."""

@@ -473,6 +473,14 @@ class DFlashDrafter(nn.Module):
         return out.tokens if isinstance(out, SelectorWalk) else out
 
 
+def greedy_draft(drafter, hidden_SKH: torch.Tensor, anchor_S: torch.Tensor) -> torch.Tensor:
+    """The greedy draft [..., K] of any drafter with `logits` (tests' oracles too): the argmax per position, or a
+    DFlash 2 drafter's selector walk."""
+    if getattr(drafter, "selector", None) is not None:
+        return drafter.draft_tokens(hidden_SKH, anchor_S)
+    return drafter.logits(hidden_SKH).argmax(-1)
+
+
 def build_drafter(cfg: DrafterConfig, hidden_size: int, num_target_layers: int, mask_token_id: int,
                   target_layer_ids: list[int], vocab_size: int | None = None) -> DFlashDrafter:
     return DFlashDrafter(cfg, hidden_size, num_target_layers, mask_token_id, target_layer_ids, vocab_size)

@@ -28,6 +28,12 @@ class SelectorWalk(NamedTuple):
     def q(self, temperature: float = 1.0) -> torch.Tensor:
         return torch.softmax(self.scores.float() / temperature, dim=-1)
 
+    def dense_q(self, vocab_size: int, temperature: float = 1.0) -> torch.Tensor:
+        """q over the whole vocabulary [..., K, V]: the candidates' softmax, 0 elsewhere (what rejection sampling
+        compares with the target's p; the residual max(p − q, 0) then covers every token outside the top-k)."""
+        out = torch.zeros(*self.scores.shape[:-1], vocab_size, device=self.scores.device)
+        return out.scatter_(-1, self.candidates, self.q(temperature))
+
 
 class CandidateSelector(nn.Module):
     def __init__(self, hidden: int, vocab_size: int, rank: int, top_k: int, init_std: float = 0.02):

@@ -27,6 +27,7 @@ from typing import Callable, Sequence
 
 import torch
 
+from dflash.drafter.model import greedy_draft
 from dflash.evaluation.ground_truth import TaskTruth
 from dflash.evaluation.speculative import drafter_autocast
 from dflash.evaluation.tree import tree_round
@@ -60,6 +61,10 @@ class DrafterProposer:
                 d.extend_context(cache, feats[None, cache.length:p], cache.length)
             anchor = truth.tokens[p:p + 1].to(self.device)
             hidden = d.draft_hidden(cache, anchor)
+        if getattr(d, "selector", None) is not None:  # DFlash 2: the selector walk's greedy path (no trees)
+            walk = d.draft(hidden, anchor)
+            q, order = walk.q()[0].sort(dim=-1, descending=True)
+            return Proposal(walk.tokens[0].tolist(), q.log().tolist(), walk.candidates[0].gather(-1, order).tolist())
         return d.logits(hidden)[0]
 
 
@@ -145,7 +150,10 @@ class BatchedDrafterProposer:
             with drafter_autocast(d, self.autocast):
                 hidden_1nKH = d(feats_TLH[None, :last], chunk_n[None], tokens_T[chunk_n][None])
             logits_nKV = d.logits(hidden_1nKH[0])  # outside autocast, float32 (as DrafterProposer)
-            packed.append(packed_topk(logits_nKV.flatten(0, 1), self.k).cpu())  # one transfer per chunk
+            top = packed_topk(logits_nKV.flatten(0, 1), self.k)
+            if getattr(d, "selector", None) is not None:  # DFlash 2: the draft is the selector walk's greedy path
+                top[:, 0] = greedy_draft(d, hidden_1nKH[0], tokens_T[chunk_n]).flatten().float()
+            packed.append(top.cpu())  # one transfer per chunk
         K = d.block_size - 1
         return tuple(x.reshape(len(anchors), K, *x.shape[1:]) for x in unpack_topk(torch.cat(packed)))
 

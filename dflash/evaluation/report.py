@@ -286,7 +286,11 @@ def evaluate(drafter, target, cfg: EvalConfig, tasks: Sequence[Task] | None = No
     if not truths:
         raise ValueError("evaluate: no tasks")
     info["ground_truth_key"] = ground_truth_key(target, truths)
-    budgets = [int(b) for b in cfg.tree_budgets]
+    # DDTree is DFlash 1 only: a DFlash 2 draft is the selector's walk, and no tree over selector paths is defined
+    dflash2 = getattr(drafter, "selector", None) is not None
+    budgets = [] if dflash2 else [int(b) for b in cfg.tree_budgets]
+    if dflash2 and cfg.tree_budgets:
+        info["ddtree"] = "not run: DDTree is DFlash 1 only (a DFlash 2 draft is its selector walk)"
     was_training = drafter.training
     drafter.eval()
     try:

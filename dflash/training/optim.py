@@ -55,8 +55,13 @@ class CombinedOptimizer(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
+        """Every part's step, between this optimizer's own step hooks (the bench's phase timer uses them)."""
+        for hook in list(self._optimizer_step_pre_hooks.values()):
+            hook(self, (), {})
         for opt in self.parts.values():
             opt.step()
+        for hook in list(self._optimizer_step_post_hooks.values()):
+            hook(self, (), {})
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for opt in self.parts.values():

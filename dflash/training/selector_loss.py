@@ -21,7 +21,7 @@ from torch import Tensor
 
 from dflash.training.lm_head_loss import IGNORE_INDEX
 
-TOPK_LOGITS_BYTES = 1 << 28  # float32 logits per no-grad top-k chunk (256 MiB)
+TOPK_LOGITS_BYTES = 1 << 30  # float32 logits per no-grad top-k chunk (1 GiB, as the block loss's chunks)
 
 
 @torch.no_grad()

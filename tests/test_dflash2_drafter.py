@@ -157,3 +157,20 @@ def test_logits_are_scaled_then_soft_capped():
     h = torch.randn(2, 32, dtype=torch.float64)
     raw = h @ d.lm_head_VH.T
     torch.testing.assert_close(d.logits(h), (3.0 * torch.tanh(0.5 * raw / 3.0)).float())
+
+
+def test_path_probs_are_the_sampled_walks_q_along_its_own_path():
+    d = _dflash2()
+    with torch.no_grad():
+        for p in (d.selector.predecessor_codebook, d.selector.successor_codebook, d.selector.hidden_projection):
+            p.normal_()
+    hidden = torch.randn(3, 5, 32, dtype=torch.float64)
+    anchors = torch.tensor([3, 7, 11])
+    walk = d.draft(hidden, anchors, temperature=0.8, generator=torch.Generator().manual_seed(0))
+    got = d.selector.path_probs(hidden, d.logits(hidden), anchors, walk.tokens, temperature=0.8)
+    want = walk.q(0.8).gather(-1, (walk.candidates == walk.tokens[..., None]).int().argmax(-1, keepdim=True))[..., 0]
+    torch.testing.assert_close(got, want)
+    off = walk.tokens.clone()
+    outside = ~torch.isin(torch.arange(50), walk.candidates[:, 0].flatten())
+    off[:, 0] = int(outside.int().argmax())  # a token none of the rows has among its first candidates
+    assert (d.selector.path_probs(hidden, d.logits(hidden), anchors, off, 0.8)[:, 0] == 0).all()

@@ -67,6 +67,19 @@ class CandidateSelector(nn.Module):
         return self.walk_candidates(hidden_SKH, unary_SKk, cand_SKk, anchor_S, temperature, generator)
 
     @torch.no_grad()
+    def path_probs(self, hidden_SKH: torch.Tensor, logits_SKV: torch.Tensor, anchor_S: torch.Tensor,
+                   path_SK: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+        """q_t(y_t | y_{t-1}) [..., K] for a given path y (the anchor before y_1): the probability the sampled walk
+        gives each path token when the path so far is its own draft (0 for a token outside the top-k). What the
+        simulated sampled evaluation needs: along a path the target sampled, a draft that followed it to t − 1
+        proposes y_t with exactly this probability."""
+        unary_SKk, cand_SKk = logits_SKV.float().topk(self.top_k, dim=-1)
+        prev_SK = torch.cat([anchor_S.long()[..., None], path_SK[..., :-1].long()], dim=-1)
+        scores = unary_SKk + self.pair_scores(hidden_SKH, prev_SK, cand_SKk).float()
+        q_SKk = torch.softmax(scores / temperature, dim=-1)
+        return torch.where(cand_SKk == path_SK[..., None], q_SKk, 0.0).sum(-1)
+
+    @torch.no_grad()
     def walk_candidates(self, hidden_SKH: torch.Tensor, unary_SKk: torch.Tensor, cand_SKk: torch.Tensor,
                         anchor_S: torch.Tensor, temperature: float = 0.0,
                         generator: torch.Generator | None = None) -> SelectorWalk:

@@ -144,12 +144,15 @@ def run_cli(main) -> None:
     import sys
     # Fewer, growable allocator segments: the drafter's variable-length steps otherwise fragment the cache.
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    # compile and autotune caches under ~/.cache/dflash: a repeated run's first step in seconds (dflash/devices.py)
+    from dflash.devices import persist_compile_caches
+    persist_compile_caches()
     # DFLASH_LOG_TIME=1 (the GPU job scripts' environment): every line timed, so a job's logs say where its
-    # seconds went (session 14 lost a call to cells that sat idle for minutes, their logs untimed)
+    # seconds went (cells once sat idle for minutes and their untimed logs did not say so)
     stamp = "%(asctime)s " if os.environ.get("DFLASH_LOG_TIME") == "1" else ""
     logging.basicConfig(level=logging.INFO, format=stamp + "%(levelname)s %(name)s: %(message)s")
     # `kill -USR1 <pid>` prints every thread's stack to stderr and the run goes on: where a run that logs nothing
-    # is (session 14's 27B run with its writer in the loop logged no step before its call ended, and nothing said why)
+    # is (a 27B run with its writer in the loop once logged no step before it was stopped, and nothing said why)
     import faulthandler
     import signal
     if hasattr(signal, "SIGUSR1") and sys.__stderr__ is not None:

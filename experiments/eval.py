@@ -4,8 +4,9 @@ run dir, a serving folder or a checkpoint.pt; B may also be `champion` (any `@al
 
 With B: both drafters run on the SAME ground truth (A's config: target, suites, lengths), and each suite
 gets the paired Δτ = τ_A − τ_B with its `eval.ci_level` bootstrap interval over prompts (vanilla and per
-tree budget), printed, logged as `eval/compare/delta_<metric>[_ci_low|_ci_high]` (and per suite
-`eval/suite/<name>/compare/...`) and written to `compare.json` / `compare.md`. B can be a published drafter
+tree budget; trees at T = 0 only), printed, logged as `eval/<setting>/compare/delta_<metric>[_ci_low|_ci_high]`
+(and per suite `eval/suite/<name>/<setting>/compare/...`; setting `t1`, `t0`: docs/evaluation.md) and written to
+`compare.json` / `compare.md`. B can be a published drafter
 (a serving folder `dflash.serving.export.load_drafter` reads): that is the published baseline. Prompt lookup
 (the zero-cost baseline) stands beside τ in every table, with or without B.
 
@@ -209,11 +210,14 @@ def main(argv: list[str] | None = None) -> dict:
     try:
         reports = evaluate_suites(drafter, target, ecfg)
         metrics = merged_metrics(reports)
+        seen: set[str] = set()
         for i, report in enumerate(reports):
             print(report.console_table(), flush=True)
-            name = report.info["suite_label"]
-            report.log_artifacts(loggers, "eval" if i == 0 else f"eval/suite/{name}")
-            saved = report.save(out / "report" if i == 0 else out / "report" / "suite" / name)
+            name, label = report.info["suite_label"], report.info["setting"]
+            first = label not in seen  # a setting's first report is its objective suite
+            seen.add(label)
+            report.log_artifacts(loggers, f"eval/{label}" if first else f"eval/suite/{name}/{label}")
+            saved = report.save(out / "report" / label if first else out / "report" / "suite" / name / label)
             paths = saved if i == 0 else paths
         print(summary_table(metrics, ecfg.ci_level), flush=True)
         if other_drafter is not None:
@@ -260,10 +264,12 @@ def _load_other(other: str, overrides: list[str], cfg: RunConfig, ml: dict, dev)
 
 def _compare(reports_a, reports_b, ecfg, label_a: str, label_b: str, out: Path, loggers) -> dict[str, float]:
     """Paired Δτ = A − B per suite and method; printed, logged as eval/compare/..., saved as compare.*"""
-    metrics, rows = {}, []
-    for i, (ra, rb) in enumerate(zip(reports_a, reports_b)):
-        ta, tb, suite = ra.to_dict(), rb.to_dict(), ra.info["suite_label"]
-        row = {"suite": suite, "prompts": len(ra.table), "tau_a": ra.metrics["eval/tau_vanilla"],
+    metrics, rows, seen = {}, [], set()
+    for ra, rb in zip(reports_a, reports_b):
+        ta, tb, suite, label = ra.to_dict(), rb.to_dict(), ra.info["suite_label"], ra.info["setting"]
+        first = label not in seen
+        seen.add(label)
+        row = {"suite": suite, "setting": label, "prompts": len(ra.table), "tau_a": ra.metrics["eval/tau_vanilla"],
                "tau_b": rb.metrics["eval/tau_vanilla"], "tau_prompt_lookup": ra.stats.get("eval/tau_prompt_lookup")}
         methods = [("tau_vanilla", ("tau_sum_vanilla", "rounds"))]
         methods += [(f"tau_tree_{b}", (f"tau_sum_tree_{b}", f"rounds_tree_{b}")) for b in ra.budgets]
@@ -273,7 +279,7 @@ def _compare(reports_a, reports_b, ecfg, label_a: str, label_b: str, out: Path, 
             except NotPaired as e:  # cannot happen with one target and one config; say so if it does
                 raise ConfigError(f"suite {suite}: {e}") from e
             row[key] = [d.value, d.low, d.high]
-            for pre in (["eval/compare/"] if i == 0 else []) + [f"eval/suite/{suite}/compare/"]:
+            for pre in ([f"eval/{label}/compare/"] if first else []) + [f"eval/suite/{suite}/{label}/compare/"]:
                 metrics.update({f"{pre}delta_{key}": d.value, f"{pre}delta_{key}_ci_low": d.low,
                                 f"{pre}delta_{key}_ci_high": d.high})
         rows.append(row)
@@ -291,15 +297,15 @@ def _compare(reports_a, reports_b, ecfg, label_a: str, label_b: str, out: Path, 
 def _compare_table(rows: list[dict], budgets: list[int], level: float, a: str, b: str) -> str:
     def ci(v):
         return f"{v[0]:+.3f} [{v[1]:+.3f}, {v[2]:+.3f}]"
-    head = ["suite", "prompts", "τ A", "τ B", "τ prompt-lookup", "Δ vanilla"]
+    head = ["suite", "setting", "tasks", "τ A", "τ B", "τ prompt-lookup", "Δ vanilla"]
     head += [f"Δ tree-{x} nodes" for x in budgets]
     lines = [f"paired Δτ = A − B, {100 * level:g}% bootstrap CI over prompts, same ground truth "
              f"(A = {a}, B = {b})", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         pl = r["tau_prompt_lookup"]
-        cells = [r["suite"], str(r["prompts"]), f"{r['tau_a']:.3f}", f"{r['tau_b']:.3f}",
+        cells = [r["suite"], r["setting"], str(r["prompts"]), f"{r['tau_a']:.3f}", f"{r['tau_b']:.3f}",
                  "-" if pl is None else f"{pl:.3f}", ci(r["tau_vanilla"])]
-        cells += [ci(r[f"tau_tree_{x}"]) for x in budgets]
+        cells += [ci(r[f"tau_tree_{x}"]) if f"tau_tree_{x}" in r else "- (T=0 only)" for x in budgets]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

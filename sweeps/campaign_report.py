@@ -6,7 +6,7 @@ the paired Δτ against the stage's reference option (its first one: hard_ce for
 carried in for later stages) — each option's run paired with the reference's run of the same seed, prompt
 for prompt. A comparison is a *win* only when its Δ interval excludes 0 and no seed's own Δ has the other sign;
 otherwise it is a tie bounded by that interval (the interval resamples prompts, not training seeds, and a seed
-moves a 64 M-token run by up to 0.52 τ: benchmarks/ABLATIONS.md, session 24). Budget, consumed tokens and epochs of
+moves a 64 M-token run by up to 0.52 τ: benchmarks/ABLATIONS.md). Budget, consumed tokens and epochs of
 data seen are printed with every table.
 """
 from __future__ import annotations
@@ -80,7 +80,7 @@ def _delta(seeds: dict[int, dict], ref: dict[int, dict], sum_col: str = "tau_sum
     """(Δτ with its CI, verdict) of one option's runs against `ref`'s, seed for seed, prompt for prompt
     (vanilla τ by default; any method's τ-sum and round-count columns). Only the seeds whose two runs share their
     ground truth pair; where another seed's do not, the Δ says which seeds it is of (`views2` at seed 0 ran before
-    the pin, seed 1 on it, session 29: the stage had read "not paired" although seed 1 pairs)."""
+    the pin, seed 1 on it: the stage had read "not paired" although seed 1 pairs)."""
     common = sorted(set(seeds) & set(ref))
     if not common:
         return "not paired", "no common seed"
@@ -104,7 +104,7 @@ def _delta(seeds: dict[int, dict], ref: dict[int, dict], sum_col: str = "tau_sum
 def _seeds_disagree(seeds: dict[int, dict], ref: dict[int, dict], common: list[int], pooled: float,
                     sum_col: str, count_col: str) -> str | None:
     """A tie when a seed's own Δ has the other sign than the pooled one: the prompt-bootstrap interval holds the
-    seeds fixed, and a training seed moves a 64 M-token run by up to 0.52 τ (benchmarks/ABLATIONS.md, session 24:
+    seeds fixed, and a training seed moves a 64 M-token run by up to 0.52 τ (benchmarks/ABLATIONS.md:
     streak led dpace by +0.336 at seed 0 and trailed it by −0.126 at seed 1), so a difference one seed reverses is
     not a result."""
     per_seed = {s: paired_delta_ci(*_stacked([seeds[s]], sum_col, count_col), *_stacked([ref[s]], sum_col, count_col),
@@ -296,7 +296,7 @@ def render_report(c, summary: dict) -> str:
                 lines += ["Paired Δτ per drafting method:", "", *deltas, ""]
         # every option of the stage, its reference too where that is an earlier stage's run (reused, not trained
         # again): left out, the rank agreement ranked the other options only (the noise stage's table had no `none`
-        # row until session 22)
+        # row)
         lines += curve_section(cells, c.objective, stage.factor)
         lines += _reused_lines(cells)
         # a stage given more options or seeds after its winner was called (the campaign file grew, or the report
@@ -323,7 +323,7 @@ def render_report(c, summary: dict) -> str:
 def _found_here(out: Path, c, cell: dict) -> dict:
     """The cell with its run folder as it lies under `out` now: the campaign may have run elsewhere, and its
     recorded folder is relative to that launch's working folder (a stage's call pairs the runs' task tables there:
-    read before this, session 25's report of an unpacked store called the loss stage without its ties)."""
+    read before this, the report of an unpacked store called the loss stage without its ties)."""
     here = out / c.name / "runs" / cell.get("reused_from", cell["cell"])
     return {**cell, "run_dir": str(here)} if here.is_dir() else cell
 
@@ -334,7 +334,7 @@ def with_recorded_cells(c, out: Path, summary: dict) -> dict:
     again from its cells wherever every (option, seed) of it is there.
 
     `summary.json` holds the cells of its last launch only: a launch with `campaign.seeds=[1]` writes seed 1's,
-    and cells copied in from another store (session 24: `dflash.tracking.copy_runs`) are in no summary until the
+    and cells copied in from another store (`dflash.tracking.copy_runs`) are in no summary until the
     next launch. The records on disk are what ran; a winner called on one seed is called again on both."""
     from sweeps.campaign import best_option, cell_dir, cell_result, record_matches, stage_cells
     cells = [_found_here(out, c, x) for x in summary["cells"] if int(x["seed"]) in c.seeds]
@@ -423,7 +423,7 @@ def summary_from_mlflow(c, tracking_uri: str, work_dir: Path) -> dict[str, Any]:
     `sweeps.campaign.config_key`) pointed at that cell's run: the earliest one on the pinned ground truth where the
     stage's runs of that seed are pinned, as the campaign chose it (`sweeps.campaign._run_stage`). Before, it was the
     earliest run: the buffer stage's seed-0 reference became the loss stage's run from before the pin, and the
-    notebook showed the buffer stage "not paired" (session 25)."""
+    notebook showed the buffer stage "not paired"."""
     from mlflow.tracking import MlflowClient
 
     from sweeps.campaign import best_option, config_key, stage_cells

@@ -232,7 +232,7 @@ def test_drafter_step_bench_runs_the_trainers_step_and_times_its_phases(fast_cfg
 
 
 def test_pipeline_windows_hold_whole_producer_periods():
-    """A window that cuts the producer's period holds a varying number of target forwards (session 8's 24.6%
+    """A window that cuts the producer's period holds a varying number of target forwards (a 24.6%
     spread at producer_batch 4 and windows of 10 steps): windows are rounded up to whole periods."""
     from dflash.bench.config import BenchConfig
     from dflash.bench.pipeline import Schedule

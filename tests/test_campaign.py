@@ -158,7 +158,7 @@ def test_a_stage_with_pinned_cells_trains_its_reference_again_under_the_pin(monk
 def test_the_pin_is_decided_per_seed_so_an_unpinned_seed_keeps_its_unpinned_reference(monkeypatch, tmp_path):
     """Seed 0's noise cells all ran before the pin, seed 1's are new (on the pin): seed 0's `none` stays the loss
     stage's unpinned run, the one its options pair with, and seed 1's is the pinned run of seed 1. Deciding by
-    stage alone had put seed 0's `none` on a pinned run (session 25), and seed 0's Δs became "not paired"."""
+    stage alone had put seed 0's `none` on a pinned run, and seed 0's Δs became "not paired"."""
     import sweeps.campaign as campaign
     c = load_campaign("cpu_smoke", ["campaign.seeds=[0,1]", "campaign.workers=1"])
     pin = ["eval.truth_dir=/pins"]
@@ -365,7 +365,7 @@ def test_report_pairs_each_option_with_the_reference_seed_for_seed(tmp_path):
               ("soft_kl", 0): _table("gt", [30, 40, 35, 50], [10] * 4, [15] * 4),  # +1.0 τ on every prompt
               ("soft_kl", 1): _table("gt", [32, 38, 36, 48], [10] * 4, [15] * 4),
               ("lk", 0): _table("other", [20, 30, 25, 40], [10] * 4, [15] * 4),  # another ground truth
-              # seed 0 before the pin, seed 1 on it (views2, session 29): seed 1 pairs, and the Δ says so
+              # seed 0 before the pin, seed 1 on it (as views2 ran): seed 1 pairs, and the Δ says so
               ("streak", 0): _table("other", [30, 40, 35, 50], [10] * 4, [15] * 4),
               ("streak", 1): _table("gt", [27, 33, 31, 43], [10] * 4, [15] * 4)}  # +0.5 τ on every prompt
     for (opt, seed), t in tables.items():
@@ -389,7 +389,7 @@ def test_report_pairs_each_option_with_the_reference_seed_for_seed(tmp_path):
 
 
 def test_a_difference_one_seed_reverses_is_a_tie(tmp_path):
-    """Session 24: streak led dpace by +0.336 at seed 0 and trailed it by −0.126 at seed 1. Pooled over the seeds a
+    """At 64 M: streak led dpace by +0.336 at seed 0 and trailed it by −0.126 at seed 1. Pooled over the seeds a
     difference can still exclude 0 (here +0.9 and −0.1 on every prompt: +0.4 [+0.15, +0.65]); it is a
     tie when a seed's own Δ has the other sign, and a win when every seed agrees."""
     from sweeps.campaign_report import delta_table, stage_call, stage_table

@@ -42,10 +42,9 @@ def test_relocate_artifacts_absolute_for_any_working_folder(tmp_path):
     from dflash.tracking.run_info import relocate_artifacts
     unpack(STORE, tmp_path)
     db = tmp_path / "campaign_out" / "mlflow.db"
-    # three campaign experiments, 57 runs (session 24's three loss cells of seed 1 copied in: dflash.tracking.copy_runs;
-    # session 25's last three; session 27's t262; session 29's three data cells of seed 1), 7 registered model
-    # versions (the gate's: session 21's champion v3 among them, session 22's refused buffer cell, session 23's
-    # refused cuts8 cell, session 25's refused soft_kl_streak cell of seed 1, session 27's t262, the champion now)
+    # three campaign experiments, 57 runs (three loss cells of seed 1 copied in: dflash.tracking.copy_runs), 7
+    # registered model versions (the gate's: the 8-layer champion v3 among them, a refused buffer cell, the refused
+    # cuts8 cell, the refused soft_kl_streak cell of seed 1, t262, the champion now)
     assert relocate_artifacts(db, relative=False) == 68
     c = MlflowClient(f"sqlite:///{db}")
     r = c.search_runs([c.get_experiment_by_name("dflash-ablation").experiment_id], max_results=1)[0]
@@ -82,10 +81,10 @@ def test_report_names_the_cells_not_run_yet(campaign_store):
     text = (campaign_store / "reference_64m" / "ABLATIONS.md").read_text()
     stages = {s.split("\n", 1)[0].split(" (")[0]: s for s in text.split("\n## Stage ")[1:]}
     loss = stages["0: loss"]
-    # seed 1 of dpace, hard_ce and streak ran in session 24 (copied in from the store they ran in), the rest in 25
+    # seed 1 of dpace, hard_ce and streak were copied in from the store they ran in
     assert "Stage incomplete" not in loss and "; 12 runs" in loss
     assert "Highest mean objective: **streak** (a winner only where its Δ interval above excludes 0). **Tied with " \
-           "it: dpace, soft_kl_streak**" in loss  # session 24's +0.090 [−0.016, +0.193] over dpace, now every loss
+           "it: dpace, soft_kl_streak**" in loss  # +0.090 [−0.016, +0.193] over dpace
     noise = stages["1: noise"]
     assert "**Stage incomplete**: 5 of 8 cells" in noise  # seed 1's none is the loss stage's streak run of seed 1
     assert "Not run yet: uniform (seed 1), gaussian (seed 1), cosine (seed 1)" in noise
@@ -122,7 +121,7 @@ def test_a_summary_of_one_seed_does_not_hide_the_other(campaign_store):
 
 
 def test_a_reused_reference_is_in_its_stages_learning_curve(campaign_store):
-    """reference_64m's buffer stage (session 22) reuses the data stage's views4 run as its r10_20 reference (the same
+    """reference_64m's buffer stage reuses the data stage's views4 run as its r10_20 reference (the same
     composed config) and the noise stage the loss stage's streak run as `none`: both are rows of their stage's
     learning curve, so the rank agreement ranks every option, and the report says whose run they are."""
     from sweeps.campaign import load_campaign
@@ -141,7 +140,7 @@ def test_a_reused_reference_is_in_its_stages_learning_curve(campaign_store):
 
 def test_a_relocated_store_keeps_new_runs_artifacts_beside_it(tmp_path, monkeypatch):
     """A committed store (relative artifact locations) extracted and written to from another working folder: a new
-    run's artifacts land in the store's mlartifacts/, not in the working folder (where sessions 18-20's sweep trials
+    run's artifacts land in the store's mlartifacts/, not in the working folder (where the recipe sweep's first trials
     left their eval tables and checkpoints, outside the packed store)."""
     from mlflow.tracking import MlflowClient
 
@@ -194,14 +193,14 @@ def test_the_recipe_quotes_the_stores_figures(campaign_store):
                                           (ROOT / "benchmarks" / "sweeps" / "sweeps_out.tar.xz", "sweeps_out/mlflow.sql")])
 def test_the_committed_stores_hold_their_database_as_sql(archive, dump):
     """Every GPU call carries both stores inside its 64 MiB: as SQL dumps they pack to less than half their vacuumed
-    databases (session 23: the campaign store 3.0 MB against 7.3 MB), room for the seeds still to run."""
+    databases (the campaign store of 2026-12-03: 3.0 MB against 7.3 MB), room for the seeds still to run."""
     with tarfile.open(archive) as t:
         names = t.getnames()
     assert dump in names and dump.replace(".sql", ".db") not in names
 
 
 def test_ablations_quotes_the_stores_two_seed_loss_stage(campaign_store):
-    """benchmarks/ABLATIONS.md's loss stage on both seeds (sessions 24-25) is the committed store's report, table for
+    """benchmarks/ABLATIONS.md's loss stage on both seeds is the committed store's report, table for
     table: its held-out τ rows, the stage's call (streak, tied with dpace and soft_kl_streak) and the learning curve."""
     from sweeps.campaign import load_campaign
     from sweeps.campaign_report import write_report

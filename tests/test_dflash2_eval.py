@@ -85,3 +85,76 @@ def test_dflash2_decoding_is_lossless_and_matches_the_simulation(reference_targe
     rep = evaluate(d, t, EvalConfig(tree_budgets=[4, 16]), truths=truths)  # DDTree: DFlash 1 only, said so
     assert rep.budgets == [] and "DFlash 1 only" in rep.info["ddtree"]
     assert rep.metrics["eval/tau_vanilla"] == pytest.approx(sum(spec.taus) / len(spec.taus))
+
+
+# ------------------------------------------------------------------ sampled (T > 0): the walk's q, exact rejection
+from tests.test_eval_sampling import ALPHA, _exact_law, _pvalue, tiny_target  # noqa: E402,F401 (fixture)
+
+
+def _sampled_truth(d):
+    from dflash.target.sampling import Sampling
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, V - 1, (30,), generator=g)
+    truth = TaskTruth("s", ids[:6], ids[6:], torch.randn(30, L, HIDDEN, generator=g))
+    return truth, Sampling(0.9, 1.0, 0)
+
+
+def test_sampled_proposals_carry_the_walks_q_along_the_path_in_both_proposers():
+    d = _drafter()
+    truth, s = _sampled_truth(d)
+    batched, seq = BatchedDrafterProposer(d, sampling=s), DrafterProposer(d, sampling=s)
+    for p in range(6, 29):
+        a, b = batched(truth, p), seq(truth, p)
+        assert a.path_q is not None and torch.allclose(torch.tensor(a.path_q), torch.tensor(b.path_q), atol=1e-5)
+        with torch.no_grad():  # the reference: q of each path token after the path's previous token
+            cache = d.new_cache()
+            d.extend_context(cache, truth.features[None, :p], 0)
+            hidden = d.draft_hidden(cache, truth.tokens[p:p + 1])
+        path = truth.tokens[p + 1:p + BS]
+        want = []
+        for k, y in enumerate(path.tolist()):
+            prev = int(truth.tokens[p + k])
+            unary, cand = d.logits(hidden)[0, k].topk(d.cfg.selector_top_k)
+            scores = unary + d.selector.pair_scores(hidden[0, k], torch.tensor(prev), cand)
+            q = torch.softmax(scores / 0.9, -1)
+            want.append(float(q[cand == y].sum()))
+        want += [0.0] * (BS - 1 - len(want))  # past the path's end
+        assert torch.allclose(torch.tensor(b.path_q), torch.tensor(want), atol=1e-5), p
+
+
+def _dflash2_on(target, bs=4):
+    torch.manual_seed(0)
+    cfg = DrafterConfig(num_layers=1, head_dim=16, intermediate_size=64, block_size=bs, architecture="dflash2",
+                        selector_rank=8, selector_top_k=3, layer_types=["sliding_attention"], sliding_window=64,
+                        sliding_causal=False)
+    d = build_drafter(cfg, target.hidden_size, target.info.num_layers, target.mask_token_id, target.layer_ids,
+                      target.info.vocab_size)
+    d.attach_target_head(target.embed_weight(), target.lm_head_weight())
+    return _strong_selector(d).eval()
+
+
+def test_dflash2_speculative_sampling_is_lossless_on_a_tiny_target(tiny_target):
+    """The real loop with the selector's sampled walk as the draft and its q in the rejection rule: the first 3
+    committed tokens against the target's exact law at T=1, top_k=2, over 250 seeds (~25 s)."""
+    from dflash.evaluation.sampled_decode import sampled_speculative_decode
+    from dflash.target.sampling import Sampling
+    s, prompt, n = Sampling(1.0, 1.0, 2), [5, 17, 33, 2, 9], 3
+    law = _exact_law(tiny_target, prompt, s, n)
+    d = _dflash2_on(tiny_target)
+    with torch.no_grad():  # pair scores of order 1: q spread over the candidates, not one of them
+        for p in (d.selector.predecessor_codebook, d.selector.successor_codebook, d.selector.hidden_projection):
+            p.normal_(std=0.5)
+    # unary logits that leave exactly three candidates: the two tokens the target samples at the first drafted
+    # position and one it never samples; drafts are accepted, rejected for a residual draw, and rejected outright
+    second = sorted({seq[1] for seq in law})
+    row = torch.full((tiny_target.vocab_size,), -1e4)
+    row[second + [200]] = 0.0
+    d.logits = lambda hidden: row.expand(*hidden.shape[:-1], row.numel()).clone()
+    counts, taus = dict.fromkeys(law, 0), []
+    for seed in range(250):
+        r = sampled_speculative_decode(d, tiny_target, prompt, n, s, torch.Generator().manual_seed(seed))
+        counts[tuple(r.tokens)] += 1
+        taus += r.taus
+    keys = sorted(law)
+    assert _pvalue([counts[k] for k in keys], [law[k] for k in keys]) > ALPHA
+    assert 1 < sum(taus) / len(taus) < n  # drafts were both accepted and rejected: both paths were seen

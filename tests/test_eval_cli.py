@@ -64,8 +64,9 @@ def _tracked_run(workdir, name):
 def test_run_dir_logs_a_linked_eval_run(workdir):
     store, run_dir, train = _tracked_run(workdir, "run")
     metrics = eval_cli.main([str(run_dir), *_eval_overrides(workdir)])
-    assert {"eval/tau_vanilla", "eval/tau_tree_2", "eval/tau_tree_4", "eval/acc_pos01"} <= set(metrics)
-    assert "eval/task/sq/tau_vanilla" in metrics and metrics["eval/num_tasks"] == 2
+    assert {"eval/t0/tau_vanilla", "eval/t0/tau_tree_2", "eval/t0/tau_tree_4", "eval/t0/acc_pos01",
+            "eval/tau_served"} <= set(metrics)
+    assert "eval/t0/task/sq/tau_vanilla" in metrics and metrics["eval/t0/num_tasks"] == 2
 
     client = MlflowClient(store)
     exp = client.get_experiment_by_name("evalcli")
@@ -74,15 +75,15 @@ def test_run_dir_logs_a_linked_eval_run(workdir):
     assert len(evals) == 1
     ev = evals[0]
     assert ev.data.tags["dflash.evaluated_run"] == train.run_id and ev.info.status == "FINISHED"
-    assert ev.data.metrics["eval/tau_vanilla"] == pytest.approx(metrics["eval/tau_vanilla"])
+    assert ev.data.metrics["eval/tau_served"] == pytest.approx(metrics["eval/tau_served"])
     assert ev.data.params["eval.max_new_tokens"] == "6"
-    arts = {a.path for a in client.list_artifacts(ev.info.run_id, "eval")}
-    assert arts == {"eval/tasks.json", "eval/tasks.md", "eval/acceptance_per_position.png"}
+    arts = {a.path for a in client.list_artifacts(ev.info.run_id, "eval/t0")}
+    assert arts == {"eval/t0/tasks.json", "eval/t0/tasks.md", "eval/t0/acceptance_per_position.png"}
     trained = client.get_run(train.run_id)
     assert trained.info.status == "FINISHED" and trained.data.tags["dflash.last_eval_run"] == ev.info.run_id
     assert not any(k.startswith("eval/") for k in trained.data.metrics)  # the training run is left as it was
     outs = list((run_dir / "eval").iterdir())
-    assert len(outs) == 1 and (outs[0] / "report" / "tasks.md").is_file()
+    assert len(outs) == 1 and (outs[0] / "report" / "t0" / "tasks.md").is_file()
     assert json.loads((outs[0] / "mlflow_run.json").read_text())["run_id"] == ev.info.run_id
     assert json.loads((run_dir / "mlflow_run.json").read_text())["run_id"] == train.run_id  # untouched
 
@@ -94,11 +95,11 @@ def test_into_run_makes_the_training_run_carry_the_eval(workdir):
     client = MlflowClient(store)
     trained = client.get_run(train_id)
     assert trained.info.status == "FINISHED"
-    assert trained.data.metrics["eval/tau_vanilla"] == pytest.approx(metrics["eval/tau_vanilla"])
-    hist = client.get_metric_history(train_id, "eval/tau_vanilla")
+    assert trained.data.metrics["eval/tau_served"] == pytest.approx(metrics["eval/tau_served"])
+    hist = client.get_metric_history(train_id, "eval/tau_served")
     assert [h.step for h in hist] == [RunConfig().trainer.max_steps]
-    arts = {a.path for a in client.list_artifacts(train_id, "eval")}
-    assert "eval/tasks.json" in arts and "eval/acceptance_per_position.png" in arts
+    arts = {a.path for a in client.list_artifacts(train_id, "eval/t0")}
+    assert "eval/t0/tasks.json" in arts and "eval/t0/acceptance_per_position.png" in arts
 
 
 def test_bare_serving_folder_takes_the_target_from_overrides(workdir):
@@ -107,8 +108,8 @@ def test_bare_serving_folder_takes_the_target_from_overrides(workdir):
     out = workdir / "out"
     metrics = eval_cli.main([str(folder), "+target=tiny_random", "tracking.enabled=false", "target.device=cpu",
                              *_eval_overrides(workdir), "eval.real_decode=true", f"--out={out}"])
-    assert metrics["eval/real/lossless"] == 1.0 and metrics["eval/real/tau_matches_sim"] == 1.0
-    assert (out / "report" / "tasks.json").is_file() and (out / "metrics.jsonl").is_file()
+    assert metrics["eval/t0/real/lossless"] == 1.0 and metrics["eval/t0/real/tau_matches_sim"] == 1.0
+    assert (out / "report" / "t0" / "tasks.json").is_file() and (out / "metrics.jsonl").is_file()
     with pytest.raises(eval_cli.ConfigError, match="--into-run"):
         eval_cli.main([str(folder), "tracking.enabled=false", "--into-run"])
 
@@ -126,8 +127,8 @@ def test_run_without_final_uses_its_latest_checkpoint(workdir):
     save_checkpoint(run_dir / "checkpoints", 7, {"step": 7, "drafter": d.state_dict(), "config": to_dict(cfg)})
     metrics = eval_cli.main([str(run_dir), *_eval_overrides(workdir)])
     # block size 3: positions 1..2, each logged only when some round reached it (position 1 always is)
-    assert "eval/acc_pos01" in metrics
-    assert set(k for k in metrics if k.startswith("eval/acc_pos")) <= {"eval/acc_pos01", "eval/acc_pos02"}
+    assert "eval/t0/acc_pos01" in metrics
+    assert set(k for k in metrics if k.startswith("eval/t0/acc_pos")) <= {"eval/t0/acc_pos01", "eval/t0/acc_pos02"}
     lines = (next((run_dir / "eval").iterdir()) / "metrics.jsonl").read_text().splitlines()
     assert json.loads(lines[-1])["step"] == 7
 

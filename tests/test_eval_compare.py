@@ -52,28 +52,39 @@ def test_heldout_suite_comes_from_heldout_files_and_is_cached(tmp_path):
 
 
 def test_evaluator_extra_suites_and_train_gap(reference_target, tmp_path, caplog):
+    """At a sampled setting (T=1, 2 samples a prompt) with greedy beside it: every name says its setting, the
+    objective is eval/tau_served, trees are T=0 only, and the CIs count prompts, not samples."""
+    from dflash.target.sampling import SamplingConfig
     target = reference_target
     cfg = EvalConfig(max_new_tokens=6, tree_budgets=[2], subset=1, cache_dir=str(tmp_path / "gt"),
-                     extra_suites=["heldout"], heldout=SMALL, train_tasks=2, bootstrap=200)
+                     extra_suites=["heldout"], heldout=SMALL, train_tasks=2, bootstrap=200,
+                     sampling=SamplingConfig(1.0, 1.0, 0), samples=2)
     ev = SuiteEvaluator(cfg, tasks=[Task("a", "def a(x):\n"), Task("b", "class B:\n")])
     ev.use_train_sequences([torch.tensor(target.tokenizer.encode("import os\n\ndef f(x):\n    return x\n"))] * 3)
     d = _drafter(target.cfg, 0)
     d.attach_target_head(target.embed_weight(), target.lm_head_weight())
-    m = ev(d, target, 1, False)  # in training: the subset, under its own names
-    assert m["eval/subset/num_tasks"] == 1 and not any(k.startswith("eval/suite/") for k in m)
-    assert m["eval/subset/tau_train_gap"] == pytest.approx(m["eval/subset/tau_train"] - m["eval/subset/tau_vanilla"])
-    for k in ("eval/subset/tau_vanilla_ci_low", "eval/subset/tau_prompt_lookup", "eval/subset/tau_over_prompt_lookup",
-              "eval/subset/tree_nodes_2"):
+    m = ev(d, target, 1, False)  # in training: the subset at the served setting, under its own names
+    assert m["eval/subset/t1/num_prompts"] == 1 and m["eval/subset/t1/num_tasks"] == 2
+    assert not any(k.startswith(("eval/suite/", "eval/subset/t0/")) for k in m)
+    assert m["eval/subset/tau_served"] == m["eval/subset/t1/tau_vanilla"]
+    assert m["eval/subset/t1/tau_train_gap"] == pytest.approx(m["eval/subset/t1/tau_train"]
+                                                              - m["eval/subset/tau_served"])
+    for k in ("eval/subset/t1/tau_vanilla_ci_low", "eval/subset/t1/tau_prompt_lookup",
+              "eval/subset/t1/tau_over_prompt_lookup", "eval/subset/t1/gt_in_repeat16"):
         assert k in m
+    assert "eval/subset/t1/tree_nodes_2" not in m  # trees: T=0 only
     m = ev(d, target, 2, True)
-    assert m["eval/num_tasks"] == 2 and m["eval/suite/heldout/num_tasks"] == 3
-    assert m["eval/suite/coding10/tau_vanilla"] == m["eval/tau_vanilla"]
-    lo, hi = m["eval/suite/heldout/tau_vanilla_ci_low"], m["eval/suite/heldout/tau_vanilla_ci_high"]
-    assert lo <= m["eval/suite/heldout/tau_vanilla"] <= hi
+    assert m["eval/t1/num_prompts"] == 2 and m["eval/suite/heldout/t1/num_prompts"] == 3
+    assert m["eval/suite/heldout/t1/num_tasks"] == 6 and m["eval/suite/heldout/t0/num_tasks"] == 3
+    assert m["eval/suite/coding10/t1/tau_vanilla"] == m["eval/t1/tau_vanilla"] == m["eval/tau_served"]
+    assert "eval/t0/tree_nodes_2" in m and "eval/t1/tree_nodes_2" not in m
+    assert m["eval/served_temperature"] == 1.0 and "eval/tau_vanilla" not in m
+    lo, hi = m["eval/suite/heldout/t1/tau_vanilla_ci_low"], m["eval/suite/heldout/t1/tau_vanilla_ci_high"]
+    assert lo <= m["eval/suite/heldout/t1/tau_vanilla"] <= hi
     # the gap warning: in-training held-out τ falls while the train τ holds
-    ev._history = [(0, m["eval/tau_train"], m["eval/tau_vanilla"] + 1.0)]
+    ev._history = [(0, m["eval/t1/tau_train"], m["eval/tau_served"] + 1.0)]
     with caplog.at_level(logging.WARNING, logger="dflash.evaluation.evaluator"):
-        ev._warn_on_gap(3, m["eval/tau_train"], m["eval/tau_vanilla"])
+        ev._warn_on_gap(3, m["eval/t1/tau_train"], m["eval/tau_served"])
     assert "generalization gap grows" in caplog.text
 
 
@@ -87,12 +98,12 @@ def test_compare_two_drafters_on_one_ground_truth(tmp_path):
               f"eval.suite={tmp_path / 'suite.json'}", "eval.max_new_tokens=8", "eval.tree_budgets=[2]",
               "eval.bootstrap=300", f"eval.cache_dir={tmp_path / 'gt'}"]
     same = eval_cli.main([str(tmp_path / "a"), str(tmp_path / "a"), *common, f"--out={tmp_path / 'o1'}"])
-    assert same["eval/compare/delta_tau_vanilla"] == 0.0
-    assert same["eval/compare/delta_tau_vanilla_ci_low"] == same["eval/compare/delta_tau_vanilla_ci_high"] == 0.0
+    assert same["eval/t0/compare/delta_tau_vanilla"] == 0.0
+    assert same["eval/t0/compare/delta_tau_vanilla_ci_low"] == same["eval/t0/compare/delta_tau_vanilla_ci_high"] == 0.0
     other = eval_cli.main([str(tmp_path / "a"), str(tmp_path / "b"), *common, f"--out={tmp_path / 'o2'}"])
-    assert other["eval/compare/delta_tau_vanilla_ci_low"] <= other["eval/compare/delta_tau_vanilla"] \
-        <= other["eval/compare/delta_tau_vanilla_ci_high"]
-    assert "eval/suite/suite/compare/delta_tau_tree_2" in other
+    assert other["eval/t0/compare/delta_tau_vanilla_ci_low"] <= other["eval/t0/compare/delta_tau_vanilla"] \
+        <= other["eval/t0/compare/delta_tau_vanilla_ci_high"]
+    assert "eval/suite/suite/t0/compare/delta_tau_tree_2" in other
     saved = json.loads((tmp_path / "o2" / "report" / "compare.json").read_text())
     assert saved["suites"][0]["prompts"] == 4
     assert "Δ tree-2 nodes" in (tmp_path / "o2" / "report" / "compare.md").read_text()

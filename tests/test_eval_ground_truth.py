@@ -38,9 +38,9 @@ def builds(monkeypatch):
     calls = []
     real = gt.build_ground_truth
 
-    def counting(target, tasks, n):
+    def counting(target, tasks, n, *spec):
         calls.append((target.identity, tuple(target.layer_ids), tuple(t.prompt for t in tasks), n))
-        return real(target, tasks, n)
+        return real(target, tasks, n, *spec)
 
     monkeypatch.setattr(gt, "build_ground_truth", counting)
     return calls

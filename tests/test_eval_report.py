@@ -68,7 +68,8 @@ def test_evaluate_metric_keys_and_table(target, drafter, cfg):
     want = {"eval/tau_vanilla", "eval/tau_tree_2", "eval/tau_tree_4", "eval/num_tasks", "eval/rounds",
             "eval/gt_consistency", "eval/gt_copy_rate", "eval/seconds", "eval/real/tau", "eval/real/lossless",
             "eval/real/tau_matches_sim", "eval/real/match_frac", "eval/real/tok_s", "eval/real/greedy_tok_s",
-            "eval/real/speedup"}
+            "eval/real/speedup", "eval/num_prompts", "eval/gt_repeat4", "eval/gt_in_repeat16", "eval/gt_cycle_share",
+            "eval/gt_mean_tokens"}
     want |= {f"eval/acc_pos{k:02d}" for k in range(1, BS) if rep.reached_pos[k - 1]}  # reached positions only
     want |= {f"eval/task/{t.name}/{s}" for t in TASKS for s in ("tau_vanilla", "tau_tree_2", "tau_tree_4")}
     assert set(m) == want
@@ -111,22 +112,26 @@ def test_make_evaluator_subset_then_final_with_artifacts(target, drafter, cfg, t
     lg = FakeLogger()
     m = ev(drafter, target, 10, False, lg)
     assert drafter.training
-    # the subset has its own names: one metric name never carries two prompt sets
-    assert m["eval/subset/num_tasks"] == cfg.subset and not lg.calls  # cheap: no artifacts
-    assert all(k.startswith("eval/subset/") for k in m) and "eval/subset/tau_vanilla" in m
-    assert "eval/subset/task/three/tau_vanilla" not in m and "eval/subset/real/tau" not in m
+    # the subset has its own names: one metric name never carries two prompt sets; every name says its setting
+    # (a random target recommends greedy: t0 is the served setting, so no second setting beside it)
+    assert m["eval/subset/t0/num_tasks"] == cfg.subset and not lg.calls  # cheap: no artifacts
+    assert all(k.startswith("eval/subset/") for k in m) and "eval/subset/t0/tau_vanilla" in m
+    assert m["eval/subset/tau_served"] == m["eval/subset/t0/tau_vanilla"]
+    assert "eval/subset/t0/task/three/tau_vanilla" not in m and "eval/subset/t0/real/tau" not in m
     m = ev(drafter, target, 20, True, lg)
     assert drafter.training
-    assert m["eval/num_tasks"] == 3 and "eval/task/three/tau_vanilla" in m
+    assert m["eval/t0/num_tasks"] == 3 and "eval/t0/task/three/tau_vanilla" in m
+    assert m["eval/tau_served"] == m["eval/t0/tau_vanilla"] and m["eval/served_temperature"] == 0.0
+    assert "eval/tau_vanilla" not in m  # the legacy name (greedy, fixed length) is never written again
     assert not any(k.startswith("eval/subset/") for k in m)
     names = {c[2]: c[0] for c in lg.calls}
-    assert names == {"eval/tasks.json": "log_dict", "eval/tasks.md": "log_text",
-                     "eval/acceptance_per_position.png": "log_figure"}
+    assert names == {"eval/t0/tasks.json": "log_dict", "eval/t0/tasks.md": "log_text",
+                     "eval/t0/acceptance_per_position.png": "log_figure"}
     table = next(c[1] for c in lg.calls if c[0] == "log_dict")
     assert [r["task"] for r in table["tasks"]] == ["one", "two", "three"]
-    assert (tmp_path / "eval" / "acceptance_per_position.png").read_bytes().startswith(b"\x89PNG")
+    assert (tmp_path / "eval" / "t0" / "acceptance_per_position.png").read_bytes().startswith(b"\x89PNG")
     # the trainer's current 4-argument call works too (no logger: no artifacts)
-    assert ev(drafter, target, 30, False)["eval/subset/num_tasks"] == cfg.subset
+    assert ev(drafter, target, 30, False)["eval/subset/t0/num_tasks"] == cfg.subset
     assert make_evaluator(EvalConfig(enabled=False)) is None
 
 

@@ -16,6 +16,7 @@ import contextlib
 import torch
 
 from dflash.target.cache import cache_kwarg, new_hf_cache
+from dflash.target.sampling import GREEDY, Sampling, draw, warp
 from dflash.target.model import target_lock
 
 # graph: static states, each token one CUDA-graph replay (dflash.target.static_decode; eager off the GPU);
@@ -31,8 +32,8 @@ CUDA_GRID_YZ_MAX = 65_535
 
 
 # auto write_batch: rows per written batch, at most this many. A decode step's cost grows far slower than its rows:
-# transformers' cached step was host-bound at 1,024 rows (~3,600 small ops, RESULTS.md session 8), and at 4,096
-# rows on an H200 a step takes 11.5 ms (cache) or 9.1 ms (graph), GPU time (benchmarks/gpu/decode_speed.py, session 9).
+# transformers' cached step was host-bound at 1,024 rows (~3,600 small ops, RESULTS.md, 2026-12-01), and at 4,096
+# rows on an H200 a step takes 11.5 ms (cache) or 9.1 ms (graph), GPU time (benchmarks/gpu/decode_speed.py, 2026-12-01).
 AUTO_WRITE_ROWS = 4096
 AUTO_WRITE_MEMORY_FRAC = 0.5  # of the GPU memory free when the writer starts, for the batch's caches
 CPU_WRITE_ROWS = 1024  # the CPU's auto (the default before auto; not measured there)
@@ -89,12 +90,18 @@ def check_write_batch(target, write_batch: int) -> None:
                          f"{CUDA_GRID_YZ_MAX // heads}")
 
 
-def _choose(target, last_B1H: torch.Tensor, temperature: float, gen: torch.Generator | None) -> torch.Tensor:
-    if temperature <= 0:  # the target's own greedy pick (its chunked LM head, as everywhere else)
+def _choose(target, last_B1H: torch.Tensor, sampling, gen: torch.Generator | None) -> torch.Tensor:
+    """The next token of every row: the target's greedy pick, or a draw from `sampling`'s warped distribution
+    (`dflash.target.sampling.warp`: temperature, top_k, top_p). `sampling`: a `Sampling`, or a bare temperature
+    (0: greedy; > 0: softmax(logits / T), no top_k / top_p)."""
+    s = sampling if isinstance(sampling, Sampling) else Sampling(float(sampling)) if sampling > 0 else GREEDY
+    if s.greedy:  # the target's own greedy pick (its chunked LM head, as everywhere else)
         return target.labels_from_hidden(last_B1H, 0)[0][:, -1]
-    logits = (last_B1H[:, -1] @ target.lm_head_weight().T).float() / temperature
-    u = torch.rand(logits.shape, generator=gen, device=logits.device).clamp_(1e-20, 1.0)
-    return (logits - torch.log(-torch.log(u))).argmax(-1)  # Gumbel-max: a sample of softmax(logits / T)
+    logits = (last_B1H[:, -1] @ target.lm_head_weight().T).float()
+    if s.top_p >= 1.0 and s.top_k <= 0:
+        u = torch.rand(logits.shape, generator=gen, device=logits.device).clamp_(1e-20, 1.0)
+        return (logits / s.temperature - torch.log(-torch.log(u))).argmax(-1)  # Gumbel-max: softmax(logits / T)
+    return draw(warp(logits, s), gen)
 
 
 def resolve_decode(target, mode: str) -> str:
@@ -110,13 +117,14 @@ def resolve_decode(target, mode: str) -> str:
 
 
 @torch.no_grad()
-def write_continuations(target, prompts: list[list[int]], seq_len: int, temperature: float = 0.0,
+def write_continuations(target, prompts: list[list[int]], seq_len: int, temperature: "float | Sampling" = 0.0,
                         generator: torch.Generator | None = None, decode: str = "auto") -> torch.Tensor:
     """Each prompt continued by the target to exactly `seq_len` tokens: LongTensor [B, seq_len] on the CPU.
 
     Every row is fed one token per step at the same position; a row still inside its prompt is fed its own
-    prompt token, so it sees exactly the tokens it would alone. Never stops early (an end-of-text token is
-    just another token). `decode` (DECODE_MODES): the static decoder from position 0, or transformers' cache
+    prompt token, so it sees exactly the tokens it would alone. `temperature`: a `Sampling` setting or a bare
+    temperature (0: greedy). Never stops early (an end-of-text token is just another token: readers cut each row
+    at its end, `ends_at_stop`). `decode` (DECODE_MODES): the static decoder from position 0, or transformers' cache
     (one prefill of the shortest prompt's length, then cached steps). Takes the target's lock itself."""
     lens = [len(p) for p in prompts]
     if not prompts or min(lens) < 1 or max(lens) >= seq_len:
@@ -172,3 +180,13 @@ def _write_static(target, seq, in_prompt_BT, p0: int, temperature, generator, gr
                 continue
             tok = torch.where(in_prompt_BT[:, t], seq[:, t], _choose(target, h, temperature, generator))
             seq[:, t] = tok
+
+
+def ends_at_stop(tokens: list[int], start: int, stop_ids) -> int:
+    """The length of `tokens` up to and including the first stop token at or after `start` (the continuation's
+    natural end: EOS / end of turn); len(tokens) when none."""
+    stops = set(int(t) for t in stop_ids)
+    for i in range(start, len(tokens)):
+        if int(tokens[i]) in stops:
+            return i + 1
+    return len(tokens)

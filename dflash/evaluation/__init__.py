@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 from dflash.evaluation.heldout import HeldoutSuiteConfig, validate_heldout
 from dflash.evaluation.prompt_lookup import PromptLookupConfig, validate_prompt_lookup
+from dflash.target.sampling import SamplingConfig, validate_sampling_config
 
 
 @dataclass
@@ -51,6 +52,16 @@ class EvalConfig:
     # task's positions in a few training forwards; "sequential", one cached drafter call per round and task (as
     # the real decoding loop drafts; the reference, and what eval/real/tau_matches_sim is exact against).
     proposer: str = "batched"
+    # τ as it is served (docs/evaluation.md, "τ at temperature"): the setting the objective's rounds are verified
+    # at with exact speculative sampling; -1 fields: the target's generation_config.json (the shipped reference
+    # target: T=1). Its figures are eval/<setting>/... (e.g. eval/t1/tau_vanilla), the objective eval/tau_served.
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    samples: int = 2  # sampled continuations per prompt at T > 0 (CIs resample prompts, pooling their samples)
+    seed: int = 0  # the sampled ground truth's and the acceptance coins' seed (paired runs share them)
+    greedy_beside: bool = True  # also evaluate at T = 0 (eval/t0/...) when the served setting samples
+    # ground truth that ends: after the target's EOS / end-of-turn tokens (capped at max_new_tokens); false: the
+    # legacy fixed-length ground truth (greedy only; what stores before sampling measured, eval/tau_vanilla)
+    stop_at_eos: bool = True
 
 
 def validate_eval_config(cfg: EvalConfig) -> None:
@@ -73,6 +84,10 @@ def validate_eval_config(cfg: EvalConfig) -> None:
     if cfg.train_tasks < 0:
         raise ValueError(f"eval.train_tasks must be >= 0, got {cfg.train_tasks}")
     validate_heldout(cfg.heldout)
+    validate_sampling_config(cfg.sampling, "eval.sampling")
+    if not isinstance(cfg.samples, int) or isinstance(cfg.samples, bool) or cfg.samples < 1:
+        raise ValueError(f"eval.samples must be an integer >= 1 (sampled continuations per prompt), "
+                         f"got {cfg.samples!r}")
     from dflash.evaluation.acceptance import DRAFTER_PROPOSERS
     DRAFTER_PROPOSERS.check(cfg.proposer)
     validate_prompt_lookup(cfg.prompt_lookup)

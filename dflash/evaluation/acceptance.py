@@ -22,6 +22,7 @@ proposals (up to float rounding: tested at 1e-4 in fp32). Tests also use an orac
 """
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
@@ -32,6 +33,7 @@ from dflash.evaluation.ground_truth import TaskTruth
 from dflash.evaluation.speculative import drafter_autocast
 from dflash.evaluation.tree import tree_round
 from dflash.registry import Registry
+from dflash.target.sampling import GREEDY, Sampling, warp
 
 Proposer = Callable[[TaskTruth, int], "torch.Tensor | Proposal"]
 
@@ -40,10 +42,11 @@ class DrafterProposer:
     """Runs the drafter on the ground truth's target features; one drafter KV cache per task, extended
     or cropped to the round's committed length (extend_context crops, then appends)."""
 
-    def __init__(self, drafter, autocast: bool | None = None):
+    def __init__(self, drafter, autocast: bool | None = None, sampling: Sampling = GREEDY):
         self.drafter = drafter
         self.device = next(drafter.parameters()).device
         self.autocast = autocast
+        self.sampling = sampling  # DFlash 2 at T > 0: its proposals carry the walk's q of the path's tokens
         self._caches: dict[str, object] = {}
         self._feats: dict[str, torch.Tensor] = {}
 
@@ -64,7 +67,14 @@ class DrafterProposer:
         if getattr(d, "selector", None) is not None:  # DFlash 2: the selector walk's greedy path (no trees)
             walk = d.draft(hidden, anchor)
             q, order = walk.q()[0].sort(dim=-1, descending=True)
-            return Proposal(walk.tokens[0].tolist(), q.log().tolist(), walk.candidates[0].gather(-1, order).tolist())
+            path_q = None
+            if not self.sampling.greedy:
+                K = d.block_size - 1
+                pos = torch.arange(p + 1, p + 1 + K, device=self.device)[None]
+                path_q = selector_path_probs(d, hidden, d.logits(hidden), pos[:, 0] - 1,  # the anchor's position
+                                             pos, truth.tokens.to(self.device), self.sampling)[0].tolist()
+            return Proposal(walk.tokens[0].tolist(), q.log().tolist(), walk.candidates[0].gather(-1, order).tolist(),
+                            path_q)
         return d.logits(hidden)[0]
 
 
@@ -73,6 +83,9 @@ class Proposal:
     tokens: list[int]  # argmax per block position 1..bs-1
     topk_logp: list[list[float]]  # [bs-1][k], descending
     topk_idx: list[list[int]]
+    # at a sampled setting: q_k(y_k), the proposal's warped probability of the ground-truth path's token at each
+    # position (0.0 past the path's end); None: a point mass on `tokens` (prompt lookup, greedy drafts)
+    path_q: list[float] | None = None
 
 
 def proposal_width(budgets: Sequence[int]) -> int:
@@ -98,9 +111,9 @@ def unpack_topk(packed_RX: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, to
     return packed_RX[..., 0].long(), packed_RX[..., 1:1 + k], packed_RX[..., 1 + k:].long()
 
 
-def reduce_logits(logits_KV: torch.Tensor, k: int) -> Proposal:
+def reduce_logits(logits_KV: torch.Tensor, k: int, path_q: list[float] | None = None) -> Proposal:
     arg_K, logp_Kk, idx_Kk = unpack_topk(packed_topk(logits_KV, k).cpu())  # one transfer
-    return Proposal(arg_K.tolist(), logp_Kk.tolist(), idx_Kk.tolist())
+    return Proposal(arg_K.tolist(), logp_Kk.tolist(), idx_Kk.tolist(), path_q)
 
 
 class BatchedDrafterProposer:
@@ -114,7 +127,8 @@ class BatchedDrafterProposer:
     the `Proposal` for p is built when a round asks for it. One task is held at a time: `simulate_task`
     asks for one task's positions (vanilla pass, then each tree budget) before the next task's."""
 
-    def __init__(self, drafter, autocast: bool | None = None, k: int = 1, anchor_chunk: int = 64):
+    def __init__(self, drafter, autocast: bool | None = None, k: int = 1, anchor_chunk: int = 64,
+                 sampling: Sampling = GREEDY):
         if anchor_chunk < 1:
             raise ValueError(f"anchor_chunk must be >= 1, got {anchor_chunk}")
         self.drafter = drafter
@@ -122,8 +136,9 @@ class BatchedDrafterProposer:
         self.autocast = autocast
         self.k = int(k)
         self.anchor_chunk = int(anchor_chunk)
+        self.sampling = sampling  # at T > 0 each proposal also carries q_k of the path's tokens (`Proposal.path_q`)
         self._truth: TaskTruth | None = None
-        self._table: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        self._table: tuple[torch.Tensor, ...] | None = None
 
     def __call__(self, truth: TaskTruth, p: int) -> Proposal:
         i = p - truth.prompt_len
@@ -132,18 +147,21 @@ class BatchedDrafterProposer:
                              f"{truth.prompt_len}..{truth.prompt_len + truth.n_new - 2}")
         if truth is not self._truth:
             self._table, self._truth = self.propose_all(truth), truth
-        arg_NK, logp_NKk, idx_NKk = self._table
-        return Proposal(arg_NK[i].tolist(), logp_NKk[i].tolist(), idx_NKk[i].tolist())
+        arg_NK, logp_NKk, idx_NKk = self._table[:3]
+        q = self._table[3][i].tolist() if len(self._table) > 3 else None
+        return Proposal(arg_NK[i].tolist(), logp_NKk[i].tolist(), idx_NKk[i].tolist(), q)
 
     @torch.no_grad()
-    def propose_all(self, truth: TaskTruth) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def propose_all(self, truth: TaskTruth) -> tuple[torch.Tensor, ...]:
         """(argmax [N−1, bs−1], top-k log-probs [N−1, bs−1, k], top-k ids [N−1, bs−1, k]) on the CPU, row i
-        for the round starting at prompt_len + i."""
+        for the round starting at prompt_len + i; at a sampled setting also q of the path's tokens [N−1, bs−1]."""
         d, P = self.drafter, truth.prompt_len
         feats_TLH = truth.features.to(self.device)
         tokens_T = truth.tokens.to(self.device)
         anchors = torch.arange(P, P + truth.n_new - 1)
-        packed = []
+        K = d.block_size - 1
+        offsets_K = torch.arange(1, K + 1, device=self.device)
+        packed, path_q = [], []
         for chunk in anchors.split(self.anchor_chunk):
             last = int(chunk[-1])  # its block sees the context before it: the chunk needs features < last
             chunk_n = chunk.to(self.device)
@@ -151,11 +169,39 @@ class BatchedDrafterProposer:
                 hidden_1nKH = d(feats_TLH[None, :last], chunk_n[None], tokens_T[chunk_n][None])
             logits_nKV = d.logits(hidden_1nKH[0])  # outside autocast, float32 (as DrafterProposer)
             top = packed_topk(logits_nKV.flatten(0, 1), self.k)
-            if getattr(d, "selector", None) is not None:  # DFlash 2: the draft is the selector walk's greedy path
+            selector = getattr(d, "selector", None)
+            if selector is not None:  # DFlash 2: the draft is the selector walk's greedy path
                 top[:, 0] = greedy_draft(d, hidden_1nKH[0], tokens_T[chunk_n]).flatten().float()
             packed.append(top.cpu())  # one transfer per chunk
-        K = d.block_size - 1
-        return tuple(x.reshape(len(anchors), K, *x.shape[1:]) for x in unpack_topk(torch.cat(packed)))
+            if not self.sampling.greedy:
+                pos_nK = chunk_n[:, None] + offsets_K
+                path_q.append((selector_path_probs(d, hidden_1nKH[0], logits_nKV, chunk_n, pos_nK, tokens_T,
+                                                   self.sampling) if selector is not None else
+                               path_token_probs(logits_nKV, pos_nK, tokens_T, self.sampling)).cpu())
+        table = tuple(x.reshape(len(anchors), K, *x.shape[1:]) for x in unpack_topk(torch.cat(packed)))
+        return table + (torch.cat(path_q),) if path_q else table
+
+
+def path_token_probs(logits_nKV: torch.Tensor, pos_nK: torch.Tensor, tokens_T: torch.Tensor,
+                     sampling: Sampling) -> torch.Tensor:
+    """q[n, k]: the warped probability `logits_nKV[n, k]` gives the path token at position pos_nK[n, k] (0 past
+    the path's end)."""
+    T = tokens_T.numel()
+    inside = pos_nK < T
+    want = tokens_T[pos_nK.clamp(max=T - 1)]
+    q = warp(logits_nKV, sampling).gather(-1, want[..., None])[..., 0]
+    return torch.where(inside, q, torch.zeros_like(q))
+
+
+def selector_path_probs(drafter, hidden_nKH: torch.Tensor, logits_nKV: torch.Tensor, anchors_n: torch.Tensor,
+                        pos_nK: torch.Tensor, tokens_T: torch.Tensor, sampling: Sampling) -> torch.Tensor:
+    """DFlash 2's q[n, k] of the path token at pos_nK[n, k] (`anchors_n`: the blocks' anchor positions): the sampled selector walk's probability of it after
+    the path's previous token (`CandidateSelector.path_probs`, q = softmax(scores / T) over the k candidates;
+    top_p / top_k warp the target's p only); 0 past the path's end."""
+    T = tokens_T.numel()
+    path = tokens_T[pos_nK.clamp(max=T - 1)]
+    q = drafter.selector.path_probs(hidden_nKH, logits_nKV, tokens_T[anchors_n], path, sampling.temperature)
+    return torch.where(pos_nK < T, q, torch.zeros_like(q))
 
 
 @dataclass
@@ -168,6 +214,7 @@ class TaskResult:
     nodes_tree: dict[int, int] = field(default_factory=dict)  # tree nodes verified, summed over rounds
     reached: list[int] = field(default_factory=list)  # per block position k = 1..bs-1
     accepted: list[int] = field(default_factory=list)
+    group: str = ""  # the prompt it continues (sampled truths: several tasks a prompt; CIs resample prompts)
 
     @staticmethod
     def mean(xs: Sequence[int]) -> float:
@@ -191,11 +238,22 @@ def _matched(draft: Sequence[int], truth: Sequence[int]) -> int:
 
 
 def simulate_task(truth: TaskTruth, proposer: Proposer, block_size: int,
-                  budgets: Sequence[int] = ()) -> TaskResult:
+                  budgets: Sequence[int] = (), sampling: Sampling = GREEDY, seed: int = 0) -> TaskResult:
+    """Vanilla rounds (and tree rounds per budget) on `truth`. At a sampled setting (`sampling`, with the truth's
+    `path_p`) a drafted position is accepted by a coin of probability min(1, q(y)/p(y)) for the path's token y
+    (`rejection` module doc: the real loop's law), seeded by (`seed`, task name); a point-mass proposal (prompt
+    lookup) is accepted when its token is y, as at T = 0. Trees are verified greedily only: no budgets at T > 0."""
     P, N, K = truth.prompt_len, truth.n_new, block_size - 1
     tokens = truth.tokens.tolist()
     kmax = proposal_width(budgets)
     memo: dict[int, Proposal] = {}
+    sampled = not sampling.greedy
+    if sampled and truth.path_p is None:
+        raise ValueError(f"{truth.name}: a sampled evaluation needs the ground truth's path probabilities")
+    if sampled and budgets:
+        raise ValueError("tree budgets are verified greedily only: simulate them at T = 0")
+    path_p = truth.path_p.tolist() if sampled else []
+    coins = random.Random(f"{seed}:{truth.name}")
 
     def propose(p: int) -> Proposal:
         if p not in memo:
@@ -203,18 +261,36 @@ def simulate_task(truth: TaskTruth, proposer: Proposer, block_size: int,
             got = len(out.tokens) if isinstance(out, Proposal) else out.shape[0]
             if got != K:
                 raise ValueError(f"proposer returned {got} positions, expected block_size-1={K}")
-            memo[p] = out if isinstance(out, Proposal) else reduce_logits(out, kmax)
+            if isinstance(out, Proposal):
+                memo[p] = out
+            else:
+                q = None
+                if sampled:
+                    pos = torch.arange(p + 1, p + 1 + K, device=out.device)
+                    q = path_token_probs(out, pos, truth.tokens.to(out.device), sampling).tolist()
+                memo[p] = reduce_logits(out, kmax, q)
         return memo[p]
 
     def target_after(p: int) -> list[int]:
         avail = N - 1 - (p - P)
         return tokens[p + 1:p + 1 + min(K, avail)]
 
-    res = TaskResult(truth.name, P, N, reached=[0] * K, accepted=[0] * K)
+    def accepted(prop: Proposal, p: int, want: list[int]) -> int:
+        if not sampled or prop.path_q is None:
+            return _matched(prop.tokens, want)
+        m = 0
+        for k in range(len(want)):
+            py = path_p[p + 1 + k - P]
+            if not coins.random() < min(1.0, prop.path_q[k] / py if py > 0 else 1.0):
+                break
+            m += 1
+        return m
+
+    res = TaskResult(truth.name, P, N, reached=[0] * K, accepted=[0] * K, group=truth.group)
     p = P
     while p - P < N - 1:
         prop, want = propose(p), target_after(p)
-        m = _matched(prop.tokens, want)
+        m = accepted(prop, p, want)
         for k in range(min(m + 1, len(want))):  # positions reached: all before matched
             res.reached[k] += 1
             res.accepted[k] += int(k < m)
@@ -234,8 +310,8 @@ def simulate_task(truth: TaskTruth, proposer: Proposer, block_size: int,
 
 
 def simulate(truths: Sequence[TaskTruth], proposer: Proposer, block_size: int,
-             budgets: Sequence[int] = ()) -> list[TaskResult]:
-    return [simulate_task(t, proposer, block_size, budgets) for t in truths]
+             budgets: Sequence[int] = (), sampling: Sampling = GREEDY, seed: int = 0) -> list[TaskResult]:
+    return [simulate_task(t, proposer, block_size, budgets, sampling, seed) for t in truths]
 
 
 def oracle_proposer(block_size: int, vocab_size: int) -> Proposer:
@@ -266,6 +342,7 @@ def wrong_proposer(block_size: int, vocab_size: int) -> Proposer:
 # eval.proposer: how the drafter's proposals are computed for the simulated rounds. Each entry builds a
 # proposer from (drafter, k), k = `proposal_width(budgets)`.
 DRAFTER_PROPOSERS: Registry[Callable[..., Proposer]] = Registry("eval.proposer", {
-    "batched": lambda drafter, k: BatchedDrafterProposer(drafter, k=k),
-    "sequential": lambda drafter, k: DrafterProposer(drafter),  # logits: simulate_task reduces them to k
+    "batched": lambda drafter, k, sampling=GREEDY: BatchedDrafterProposer(drafter, k=k, sampling=sampling),
+    # logits: simulate_task reduces them to k (and to the path's q at a sampled setting)
+    "sequential": lambda drafter, k, sampling=GREEDY: DrafterProposer(drafter, sampling=sampling),
 })

@@ -1,23 +1,24 @@
 """The trainer's evaluator and the multi-suite evaluation (docs/evaluation.md).
 
 `evaluate_suites(drafter, target, cfg)`: the objective suite (`eval.suite`) and every `eval.extra_suites`
-entry, each on its own cached ground truth at its own continuation length; metrics = the objective's
-figures under `eval/...` (what sweeps and the promotion gate read) plus every suite's summary under
-`eval/suite/<name>/...`.
+entry, each on its own cached ground truth at its own continuation length, at each setting of
+`protocol.truth_specs` (the served one, `eval.sampling`; greedy beside it); metrics = each setting's objective
+figures under `eval/<label>/...`, every suite's summary under `eval/suite/<name>/<label>/...`, and the objective
+`eval/tau_served` (what sweeps and the promotion gate read; `protocol` module doc).
 
 `make_evaluator(cfg)` -> `SuiteEvaluator`, called by the trainer as
 `evaluator(drafter, target, step, final, logger=None) -> {eval/...: float}`:
-- `final=False`: the first `eval.subset` prompts of the objective suite (simulated only, no artifacts), logged
-  under `eval/subset/...` (`subset_key`): a subset figure never shares a name, a chart line or the pruner's and
-  the sweep's reading with the full suite's `eval/...`;
-- `final=True`: every suite in full (real decoding if `eval.real_decode`), console tables printed,
-  artifacts logged (`eval/...` for the objective, `eval/suite/<name>/...` for the others) and written to
-  `out_dir` (`<out_dir>/` and `<out_dir>/<name>/`).
+- `final=False`: the first `eval.subset` prompts of the objective suite at the served setting (simulated only, no
+  artifacts), logged under `eval/subset/...` (`subset_key`): a subset figure never shares a name, a chart line
+  or the pruner's and the sweep's reading with the full suite's `eval/...`;
+- `final=True`: every suite in full at every setting (real decoding if `eval.real_decode`), console tables
+  printed, artifacts logged (`eval/<label>/...` for the objective, `eval/suite/<name>/<label>/...` for the
+  others) and written to `out_dir` (`<out_dir>/<label>/` and `<out_dir>/<name>/<label>/`).
 - The generalization gap: after `use_train_sequences(seqs)` (the trainer calls it with its training
   sequences), both kinds of call also simulate `eval.train_tasks` prompts cut from sequences the run trains
-  on (prompt = the first half of the sequence, at most 128 tokens; continuation = the target's greedy one at
-  the objective's length): `eval/tau_train` and `eval/tau_train_gap` = `eval/tau_train − eval/tau_vanilla`.
-  When the gap grows while `eval/tau_vanilla` falls between two in-training evals, a warning is logged.
+  on (prompt = the first half of the sequence, at most 128 tokens; continuation = the target's at the served
+  setting): `eval/<label>/tau_train` and `eval/<label>/tau_train_gap` = that − `eval/tau_served`. When the gap
+  grows while `eval/tau_served` falls between two in-training evals, a warning is logged.
 """
 from __future__ import annotations
 
@@ -27,7 +28,8 @@ from pathlib import Path
 from typing import Sequence
 
 from dflash.evaluation import EvalConfig
-from dflash.evaluation.ground_truth import TaskTruth, cache_key, load_or_build_ground_truth
+from dflash.evaluation.ground_truth import TaskTruth, TruthSpec, cache_key, load_or_build_ground_truth
+from dflash.evaluation.protocol import labelled, objective_metrics, truth_specs
 from dflash.evaluation.prompts import Suite, Task, resolve_suite, suite_label
 from dflash.evaluation.report import EvalReport, evaluate
 
@@ -38,8 +40,9 @@ SUBSET_PREFIX = "eval/subset/"
 
 
 def subset_key(metric: str) -> str:
-    """The name an `eval/...` metric has in the in-training subset evaluation (`eval/tau_vanilla` ->
-    `eval/subset/tau_vanilla`); other metrics (`train/loss`) keep their name."""
+    """The name an `eval/...` metric has in the in-training subset evaluation (`eval/tau_served` ->
+    `eval/subset/tau_served`, `eval/t1/tau_vanilla` -> `eval/subset/t1/tau_vanilla`); other metrics
+    (`train/loss`) keep their name."""
     if not metric.startswith("eval/") or metric.startswith(SUBSET_PREFIX):
         return metric
     return SUBSET_PREFIX + metric[len("eval/"):]
@@ -53,45 +56,60 @@ def config_suites(cfg: EvalConfig, tasks: Sequence[Task] | None = None) -> list[
 
 
 class TruthMemo:
-    """Ground truth per (target, suite, length), built or loaded from the disk cache once per process (its tokens
-    pinned under `truth_dir` when set: `eval.truth_dir`)."""
+    """Ground truth per (target, suite, length, protocol), built or loaded from the disk cache once per process (its
+    tokens pinned under `truth_dir` when set: `eval.truth_dir`)."""
 
     def __init__(self, cache_dir: str, truth_dir: str = ""):
         self.cache_dir = cache_dir
         self.truth_dir = truth_dir
         self._memo: dict[str, list[TaskTruth]] = {}
 
-    def get(self, target, suite: Suite) -> list[TaskTruth]:
-        key = cache_key(target, suite.tasks, suite.max_new_tokens)
+    def get(self, target, suite: Suite, spec: TruthSpec = TruthSpec()) -> list[TaskTruth]:
+        key = cache_key(target, suite.tasks, suite.max_new_tokens, "", spec)
         if key not in self._memo:
             self._memo[key], _ = load_or_build_ground_truth(target, suite.tasks, suite.max_new_tokens,
-                                                            self.cache_dir, self.truth_dir, suite.name)
+                                                            self.cache_dir, self.truth_dir, suite.name, spec)
         return self._memo[key]
 
 
 def evaluate_suites(drafter, target, cfg: EvalConfig, suites: Sequence[Suite] | None = None,
                     memo: TruthMemo | None = None, real_decode: bool | None = None) -> list[EvalReport]:
-    """One report per suite, the objective first; `merged_metrics(reports)` flattens them."""
+    """One report per (setting, suite): the served setting's suites first (its objective first), then greedy's
+    when beside it (`protocol.truth_specs`); `merged_metrics(reports)` flattens them under each setting's label."""
     suites = list(suites) if suites is not None else config_suites(cfg)
     memo = memo or TruthMemo(cfg.cache_dir, cfg.truth_dir)
-    return [evaluate(drafter, target, cfg, truths=memo.get(target, s), suite=s,
-                     real_decode=real_decode if i == 0 else False) for i, s in enumerate(suites)]
+    return [evaluate(drafter, target, cfg, truths=memo.get(target, s, spec), suite=s, spec=spec,
+                     real_decode=real_decode if i == 0 and j == 0 else False)
+            for j, spec in enumerate(truth_specs(cfg, target)) for i, s in enumerate(suites)]
 
 
 def merged_metrics(reports: Sequence[EvalReport]) -> dict[str, float]:
-    out = dict(reports[0].all_metrics())
+    """Every report's figures under its setting's label (`protocol.labelled`): the first suite of each setting
+    as `eval/<label>/...`, every suite's summary as `eval/suite/<name>/<label>/...`; then the objective
+    (`eval/tau_served`), from the first report (the served setting's objective suite)."""
+    out: dict[str, float] = {}
+    seen: set[str] = set()
     for r in reports:
-        out.update(r.suite_metrics())
+        label = r.info.get("setting", "t0")
+        if label not in seen:  # a setting's first report is its objective suite
+            seen.add(label)
+            out.update(labelled(r.all_metrics(), label))
+        out.update(labelled(r.suite_metrics(), label))
+    first = reports[0]
+    out.update(objective_metrics(out, first.sampling))
     return out
 
 
 def summary_table(metrics: dict[str, float], level: float = 0.95) -> str:
-    """One markdown row per suite (`eval/suite/<name>/...`): τ vanilla and prompt lookup's with their
-    intervals, the paired Δ, and every tree budget's τ with its verify cost (nodes per round)."""
+    """One markdown row per suite and setting (`eval/suite/<name>/<label>/...`): τ vanilla and prompt lookup's
+    with their intervals, the paired Δ, the ground truth's degeneracy, and at T = 0 every tree budget's τ with
+    its verify cost (nodes per round). The served setting's rows come first."""
     import math
     import re
-    suites = sorted({m[1] for k in metrics if (m := re.match(r"^eval/suite/([^/]+)/tau_vanilla$", k))})
-    budgets = sorted({int(m[1]) for k in metrics if (m := re.match(r"^eval/tau_tree_(\d+)$", k))})
+    rows = [(m[1], m[2]) for k in metrics if (m := re.match(r"^eval/suite/([^/]+)/([^/]+)/tau_vanilla$", k))]
+    served = _served_label(metrics)
+    rows.sort(key=lambda r: (r[1] != served, r[1], r[0]))
+    budgets = sorted({int(m[1]) for k in metrics if (m := re.match(r"^eval/t0/tau_tree_(\d+)$", k))})
 
     def ci(pre: str, key: str, sign: str = "") -> str:
         v = metrics.get(pre + key, math.nan)
@@ -100,20 +118,37 @@ def summary_table(metrics: dict[str, float], level: float = 0.95) -> str:
             return "-"
         return f"{v:{sign}.3f}" + ("" if math.isnan(lo) else f" [{lo:{sign}.3f}, {hi:{sign}.3f}]")
     pct = f"{100 * level:g}%"
-    head = ["suite", "prompts", f"τ vanilla [{pct} CI]", "τ prompt-lookup", "Δ vs prompt-lookup", "ratio"]
-    head += [f"τ tree-{b} nodes (nodes/round)" for b in budgets]
+    head = ["suite", "setting", "prompts", f"τ vanilla [{pct} CI]", "τ prompt-lookup", "Δ vs prompt-lookup", "ratio",
+            "GT 4-gram rep.", "GT in rep. 16-gram", "GT cycles", "human in rep. 16-gram", "human τ prompt-lookup"]
+    head += [f"τ tree-{b} nodes (nodes/round; T=0 only)" for b in budgets]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for s in suites:
-        pre = f"eval/suite/{s}/"
-        cells = [s, f"{metrics.get(pre + 'num_tasks', math.nan):.0f}", ci(pre, "tau_vanilla"),
-                 ci(pre, "tau_prompt_lookup"), ci(pre, "delta_prompt_lookup", "+"),
-                 f"{metrics.get(pre + 'tau_over_prompt_lookup', math.nan):.3f}"]
-        cells += [f"{ci(pre, f'tau_tree_{b}')} ({metrics.get(f'{pre}tree_nodes_{b}', math.nan):.1f})" for b in budgets]
+    f3 = lambda v: "-" if math.isnan(v) else f"{v:.3f}"  # noqa: E731
+    for s, label in rows:
+        pre = f"eval/suite/{s}/{label}/"
+        g = lambda k: metrics.get(pre + k, math.nan)  # noqa: E731
+        cells = [s, label + (" (served)" if label == served else ""), f"{g('num_prompts'):.0f}",
+                 ci(pre, "tau_vanilla"), ci(pre, "tau_prompt_lookup"), ci(pre, "delta_prompt_lookup", "+"),
+                 f3(g("tau_over_prompt_lookup")), f3(g("gt_repeat4")), f3(g("gt_in_repeat16")),
+                 f3(g("gt_cycle_share")), f3(g("human_in_repeat16")), f3(g("human_tau_prompt_lookup"))]
+        cells += [f"{ci(pre, f'tau_tree_{b}')} ({g(f'tree_nodes_{b}'):.1f})" if label == "t0" else "-"
+                  for b in budgets]
         lines.append("| " + " | ".join(cells) + " |")
-    if "eval/tau_train" in metrics:
-        lines.append(f"\neval/tau_train {metrics['eval/tau_train']:.3f} (gap to the objective's τ "
-                     f"{metrics['eval/tau_train_gap']:+.3f})")
+    if f"eval/{served}/tau_train" in metrics:
+        lines.append(f"\neval/{served}/tau_train {metrics[f'eval/{served}/tau_train']:.3f} (gap to the objective's τ "
+                     f"{metrics[f'eval/{served}/tau_train_gap']:+.3f})")
+    if "eval/tau_served" in metrics:
+        lines.append(f"\nobjective eval/tau_served = τ at {served} on the objective suite: "
+                     f"{ci('eval/', 'tau_served')}")
     return "\n".join(lines)
+
+
+def _served_label(metrics: dict[str, float]) -> str:
+    from dflash.target.sampling import Sampling
+    t = metrics.get("eval/served_temperature")
+    if t is None:
+        return "t0"
+    return Sampling(t, metrics.get("eval/served_top_p", 1.0), int(metrics.get("eval/served_top_k", 0))).label \
+        if t > 0 else "t0"
 
 
 def train_tasks(sequences: Sequence, tokenizer, count: int) -> list[Task]:
@@ -139,7 +174,7 @@ class SuiteEvaluator:
         self.memo = TruthMemo(cfg.cache_dir, cfg.truth_dir)
         self._train_sequences: Sequence = ()
         self._train_suite: Suite | None = None
-        self._history: list[tuple[int, float, float]] = []  # (step, tau_train, tau_vanilla), in-training evals
+        self._history: list[tuple[int, float, float]] = []  # (step, tau_train, tau_served), in-training evals
         self.note = ""  # printed under the final summary table (e.g. where the training responses came from)
 
     def add_suites(self, suites: Sequence[Suite], note: str = "") -> None:
@@ -150,26 +185,31 @@ class SuiteEvaluator:
         self.note = note
 
     def use_train_sequences(self, sequences: Sequence) -> None:
-        """The trainer's hook: sequences the run trains on, for `eval/tau_train`."""
+        """The trainer's hook: sequences the run trains on, for `eval/<served>/tau_train`."""
         self._train_sequences = list(sequences)
         self._train_suite = None
 
     def train_suite(self, tokenizer) -> Suite | None:
-        """The prompts of `eval/tau_train` (`eval.train_tasks` cut from the training sequences), or None without
-        any; `dflash.app.write_ahead` builds their ground truth once for the runs of a campaign."""
+        """The prompts of `eval/<served>/tau_train` (`eval.train_tasks` cut from the training sequences), or None
+        without any; `dflash.app.write_ahead` builds their ground truth once for the runs of a campaign."""
         if self._train_suite is None:
             tasks = train_tasks(self._train_sequences, tokenizer, self.cfg.train_tasks)
             if tasks:
                 self._train_suite = Suite("train", tasks, self.suites[0].max_new_tokens)
         return self._train_suite
 
+    def served_spec(self, target) -> TruthSpec:
+        return truth_specs(self.cfg, target)[0]
+
     def _train_metrics(self, drafter, target, step: int, final: bool, tau_heldout: float) -> dict[str, float]:
         if self.train_suite(target.tokenizer) is None:
             return {}
-        rep = evaluate(drafter, target, self.cfg, truths=self.memo.get(target, self._train_suite),
-                       suite=self._train_suite, real_decode=False)
+        spec = self.served_spec(target)
+        rep = evaluate(drafter, target, self.cfg, truths=self.memo.get(target, self._train_suite, spec),
+                       suite=self._train_suite, real_decode=False, spec=spec)
         tau_train = rep.metrics["eval/tau_vanilla"]
-        out = {"eval/tau_train": tau_train, "eval/tau_train_gap": tau_train - tau_heldout}
+        label = spec.sampling.label
+        out = {f"eval/{label}/tau_train": tau_train, f"eval/{label}/tau_train_gap": tau_train - tau_heldout}
         if not final:
             self._warn_on_gap(step, tau_train, tau_heldout)
         return out
@@ -179,7 +219,7 @@ class SuiteEvaluator:
             s0, tr0, ho0 = self._history[-1]
             if tau_heldout < ho0 and tau_train - tau_heldout > tr0 - ho0:
                 log.warning("eval: the generalization gap grows while held-out τ falls (step %d → %d: "
-                            "eval/tau_vanilla %.3f → %.3f, eval/tau_train − eval/tau_vanilla %.3f → %.3f); "
+                            "eval/tau_served %.3f → %.3f, τ on training prompts − eval/tau_served %.3f → %.3f); "
                             "the drafter may be memorizing its training sequences", s0, step, ho0,
                             tau_heldout, tr0 - ho0, tau_train - tau_heldout)
         self._history.append((step, tau_train, tau_heldout))
@@ -187,22 +227,27 @@ class SuiteEvaluator:
     def __call__(self, drafter, target, step: int, final: bool, logger=None) -> dict[str, float]:
         cfg = self.cfg
         if not final:
-            obj = self.suites[0]
-            rep = evaluate(drafter, target, cfg, truths=self.memo.get(target, obj), suite=obj,
-                           limit=cfg.subset, real_decode=False)
-            metrics = rep.all_metrics()
+            obj, spec = self.suites[0], self.served_spec(target)
+            rep = evaluate(drafter, target, cfg, truths=self.memo.get(target, obj, spec), suite=obj,
+                           limit=cfg.subset, real_decode=False, spec=spec)
+            metrics = labelled(rep.all_metrics(), spec.sampling.label)
+            metrics.update(objective_metrics(metrics, spec.sampling))
         else:
             reports = evaluate_suites(drafter, target, cfg, self.suites, self.memo, cfg.real_decode)
             metrics = merged_metrics(reports)
-            for i, rep in enumerate(reports):
+            seen: set[str] = set()
+            for rep in reports:
+                label = rep.info["setting"]
                 print(f"eval at step {step} ({len(rep.table)} tasks):\n{rep.console_table()}", flush=True)
-                prefix = "eval" if i == 0 else f"eval/suite/{rep.info['suite_label']}"
+                first = label not in seen
+                seen.add(label)
+                prefix = f"eval/{label}" if first else f"eval/suite/{rep.info['suite_label']}/{label}"
                 if logger is not None:
                     rep.log_artifacts(logger, prefix)
                 if self.out_dir:
-                    rep.save(self.out_dir if i == 0 else self.out_dir / rep.info["suite_label"])
+                    rep.save(self.out_dir / label if first else self.out_dir / rep.info["suite_label"] / label)
         if self._train_sequences and cfg.train_tasks > 0:
-            metrics.update(self._train_metrics(drafter, target, step, final, metrics["eval/tau_vanilla"]))
+            metrics.update(self._train_metrics(drafter, target, step, final, metrics["eval/tau_served"]))
         if not final:
             metrics = {subset_key(k): v for k, v in metrics.items()}
         if final:

@@ -49,7 +49,10 @@ from dflash.evaluation import EvalConfig
 from dflash.evaluation.acceptance import DRAFTER_PROPOSERS, Proposer, TaskResult, proposal_width, simulate
 from dflash.evaluation.prompt_lookup import PromptLookupProposer, copy_rate
 from dflash.evaluation.stats import paired_delta_ci, pooled_ci
-from dflash.evaluation.ground_truth import TaskTruth, load_or_build_ground_truth
+from dflash.data.degeneracy import summarize
+from dflash.evaluation.ground_truth import TaskTruth, TruthSpec, load_or_build_ground_truth
+from dflash.evaluation.sampled_decode import sampled_speculative_decode
+from dflash.target.sampling import Sampling
 from dflash.evaluation.prompts import Suite, Task, resolve_suite, suite_label
 from dflash.evaluation.speculative import greedy_decode, speculative_decode
 
@@ -68,6 +71,12 @@ class EvalReport:
     results: list[TaskResult] = field(default_factory=list, repr=False)
     stats: dict[str, float] = field(default_factory=dict)  # CIs, tree verify cost, prompt-lookup baseline
     baseline: list[TaskResult] = field(default_factory=list, repr=False)  # prompt lookup's rounds
+
+    @property
+    def sampling(self) -> Sampling:
+        """The setting the rounds were verified at (greedy for reports made before sampled evaluation)."""
+        d = self.info.get("sampling_setting")
+        return Sampling(**d) if d else Sampling()
 
     def all_metrics(self) -> dict[str, float]:
         return {**self.metrics, **self.stats}
@@ -131,7 +140,9 @@ class EvalReport:
     def headline(self) -> str:
         """One line: the suite, τ with its interval, and beside it prompt lookup's and the paired Δ."""
         st, lvl = self.stats, self.info.get("ci_level", 0.95)
-        out = (f"suite {self.info.get('suite_label', self.info.get('suite', ''))}: "
+        out = (f"suite {self.info.get('suite_label', self.info.get('suite', ''))} "
+               f"[{self.info.get('setting', 't0')}: {self.info.get('sampling', 'greedy (T=0)')}, ends "
+               f"{self.info.get('ends', 'fixed length (legacy)')}]: "
                f"τ vanilla {self.metrics.get('eval/tau_vanilla', math.nan):.3f}")
         if "eval/tau_vanilla_ci_low" in st and not math.isnan(st["eval/tau_vanilla_ci_low"]):
             out += f" ({100 * lvl:.0f}% CI {st['eval/tau_vanilla_ci_low']:.3f}–{st['eval/tau_vanilla_ci_high']:.3f})"
@@ -143,7 +154,18 @@ class EvalReport:
                         f"{st['eval/delta_prompt_lookup_ci_high']:+.3f}]")
         if not math.isnan(self.metrics.get("eval/gt_copy_rate", math.nan)):
             out += f"; the ground truth repeats {100 * self.metrics['eval/gt_copy_rate']:.0f}% of its 8-grams"
-        return out + f"; {len(self.table)} prompts × {self.info.get('max_new_tokens', '?')} tokens"
+        if "eval/gt_in_repeat16" in self.metrics:
+            m = self.metrics
+            out += (f"; degeneracy: 4-gram repeats {m['eval/gt_repeat4']:.2f}, tokens in repeated 16-grams "
+                    f"{m['eval/gt_in_repeat16']:.2f}, {100 * m['eval/gt_cycle_share']:.0f}% end in a cycle")
+            if "eval/human_in_repeat16" in m:
+                out += (f" (human continuation: {m['eval/human_repeat4']:.2f}, {m['eval/human_in_repeat16']:.2f}, "
+                        f"{100 * m['eval/human_cycle_share']:.0f}%, prompt-lookup τ {m['eval/human_tau_prompt_lookup']:.3f})")
+        if not self.budgets and self.info.get("setting", "t0") != "t0":
+            out += "; trees: T=0 only (verified greedily)"
+        per = self.info.get("samples_per_prompt", 1)
+        return out + (f"; {len(self.table) // max(per, 1)} prompts × {per} samples × ≤ "
+                      f"{self.info.get('max_new_tokens', '?')} tokens")
 
     def to_markdown(self) -> str:
         cols = self._columns()
@@ -260,14 +282,18 @@ def _real_decode(drafter, target, truths: Sequence[TaskTruth], results: Sequence
 def evaluate(drafter, target, cfg: EvalConfig, tasks: Sequence[Task] | None = None, *,
              truths: Sequence[TaskTruth] | None = None, limit: int | None = None,
              proposer: Proposer | None = None, real_decode: bool | None = None,
-             suite: Suite | None = None) -> EvalReport:
+             suite: Suite | None = None, spec: TruthSpec | None = None) -> EvalReport:
     """Ground truth (cached) → simulated vanilla / DDTree rounds (and prompt lookup's) → metrics, stats,
     per-task table.
 
     `suite`: the suite to run (default `cfg.suite`, resolved; `tasks` replaces its tasks); `truths`:
     precomputed ground truth (skips the cache); `limit`: only the first `limit` tasks; `proposer`: replaces
-    the drafter's (`eval.proposer`; tests); `real_decode`: default `cfg.real_decode`. The drafter is put in eval
-    mode and restored to its previous mode."""
+    the drafter's (`eval.proposer`; tests); `real_decode`: default `cfg.real_decode`; `spec`: how the ground truth
+    is written, its sampling setting the one the rounds are verified at (default: the legacy greedy protocol;
+    `protocol.truth_spec` builds the configured ones). `limit` counts prompts (a sampled ground truth has
+    several tasks a prompt). The drafter is put in eval mode and restored to its previous mode."""
+    spec = spec or TruthSpec()
+    sampling = spec.sampling
     t0 = time.perf_counter()
     if suite is None:
         suite = Suite(suite_label(cfg.suite), list(tasks), int(cfg.max_new_tokens)) if tasks is not None \
@@ -277,18 +303,23 @@ def evaluate(drafter, target, cfg: EvalConfig, tasks: Sequence[Task] | None = No
     info: dict[str, Any] = {"suite": cfg.suite if suite.name == suite_label(cfg.suite) else suite.name,
                             "suite_label": suite.name, "max_new_tokens": suite.max_new_tokens,
                             "target": str(getattr(target, "identity", "")), "ci_level": cfg.ci_level,
-                            "bootstrap": cfg.bootstrap}
+                            "bootstrap": cfg.bootstrap, "setting": sampling.label, "sampling": sampling.describe(),
+                            "sampling_setting": sampling.as_dict(),
+                            "ends": "at a stop token" if spec.stop_ids else "fixed length (legacy)",
+                            "samples_per_prompt": spec.per_prompt}
     if truths is None:
         truths, hit = load_or_build_ground_truth(target, suite.tasks, suite.max_new_tokens, cfg.cache_dir,
-                                                 cfg.truth_dir, suite.name)
+                                                 cfg.truth_dir, suite.name, spec)
         info.update(cache_hit=hit)
-    truths = list(truths)[:limit] if limit else list(truths)
+    truths = list(truths)[:limit * spec.per_prompt] if limit else list(truths)
     if not truths:
         raise ValueError("evaluate: no tasks")
     info["ground_truth_key"] = ground_truth_key(target, truths)
-    # DDTree is DFlash 1 only: a DFlash 2 draft is the selector's walk, and no tree over selector paths is defined
+    # DDTree's tree is verified greedily (the deepest node matching the target's tokens); no lossless rule for a
+    # tree at T > 0 is implemented, so trees are reported at T = 0 only (docs/evaluation.md). And DDTree is DFlash 1
+    # only: a DFlash 2 draft is its selector's walk, and no tree over selector paths is defined
     dflash2 = getattr(drafter, "selector", None) is not None
-    budgets = [] if dflash2 else [int(b) for b in cfg.tree_budgets]
+    budgets = [int(b) for b in cfg.tree_budgets] if sampling.greedy and not dflash2 else []
     if dflash2 and cfg.tree_budgets:
         info["ddtree"] = "not run: DDTree is DFlash 1 only (a DFlash 2 draft is its selector walk)"
     was_training = drafter.training
@@ -296,18 +327,23 @@ def evaluate(drafter, target, cfg: EvalConfig, tasks: Sequence[Task] | None = No
     try:
         check_compatible(drafter, target)
         bs = drafter.block_size
-        proposer = proposer or DRAFTER_PROPOSERS.build(cfg.proposer, drafter, proposal_width(budgets))
-        results = simulate(truths, proposer, bs, budgets)
+        proposer = proposer or DRAFTER_PROPOSERS.build(cfg.proposer, drafter, proposal_width(budgets), sampling)
+        results = simulate(truths, proposer, bs, budgets, sampling, cfg.seed)
         baseline = simulate(truths, PromptLookupProposer(bs, cfg.prompt_lookup.min_n, cfg.prompt_lookup.max_n),
-                            bs) if cfg.prompt_lookup.enabled else []
+                            bs, (), sampling, cfg.seed) if cfg.prompt_lookup.enabled else []
         table = [_row(tr, r, budgets, base) for tr, r, base in
                  zip(truths, results, baseline or [None] * len(results))]
         metrics = _metrics(results, budgets, bs)
         metrics["eval/gt_consistency"] = sum(t.consistency for t in truths) / len(truths)
         rates = [r for r in (row["gt_copy_rate"] for row in table) if not math.isnan(r)]
         metrics["eval/gt_copy_rate"] = sum(rates) / len(rates) if rates else math.nan
+        metrics.update(degeneracy_metrics("eval/gt_", [t.continuation.tolist() for t in truths]))
+        metrics["eval/gt_mean_tokens"] = sum(t.n_new for t in truths) / len(truths)
         if cfg.real_decode if real_decode is None else real_decode:
-            metrics.update(_real_decode(drafter, target, truths, results, table))
+            if sampling.greedy:
+                metrics.update(_real_decode(drafter, target, truths, results, table))
+            else:
+                metrics.update(_real_sampled(drafter, target, truths, results, spec, suite.max_new_tokens, cfg))
     finally:
         drafter.train(was_training)
     stats = _stats(results, baseline, budgets, cfg)
@@ -315,6 +351,34 @@ def evaluate(drafter, target, cfg: EvalConfig, tasks: Sequence[Task] | None = No
     acc, reached = _position_acceptance(results, bs)
     info["block_size"] = bs
     return EvalReport(metrics, table, acc, reached, bs, budgets, info, results, stats, baseline)
+
+
+def degeneracy_metrics(prefix: str, continuations) -> dict[str, float]:
+    """`dflash.data.degeneracy.summarize` under `prefix`: repeat4, in_repeat16, cycle_share."""
+    d = summarize(continuations)
+    return {f"{prefix}repeat4": d["repeat4"], f"{prefix}in_repeat16": d["in_repeat16"],
+            f"{prefix}cycle_share": d["cycle_share"]}
+
+
+def _real_sampled(drafter, target, truths: Sequence[TaskTruth], results: Sequence[TaskResult], spec: TruthSpec,
+                  max_new_tokens: int, cfg: EvalConfig) -> dict[str, float]:
+    """The real loop at the sampled setting (`sampled_decode`), one seeded run per truth: its τ with the CI over
+    prompts, beside the simulated τ (the two have the same law; `eval/real/tau_in_sim_ci` says whether the real
+    τ lies inside the simulated τ's interval)."""
+    by_group: dict[str, list[int]] = {}
+    for i, truth in enumerate(truths):
+        gen = torch.Generator(device=target.device).manual_seed(int(cfg.seed) * 1_000_003 + 7_919 * i + 1)
+        r = sampled_speculative_decode(drafter, target, truth.prompt_ids, max_new_tokens, spec.sampling, gen,
+                                       spec.stop_ids)
+        by_group.setdefault(truth.group, []).extend(r.taus)
+    sums = [sum(v) for v in by_group.values()]
+    counts = [len(v) for v in by_group.values()]
+    ci = pooled_ci(sums, counts, cfg.ci_level, cfg.bootstrap)
+    s_sim, n_sim = _sums(results)
+    sim_ci = pooled_ci(s_sim, n_sim, cfg.ci_level, cfg.bootstrap)
+    tau = sum(sums) / max(sum(counts), 1)
+    return {"eval/real/tau": tau, "eval/real/tau_ci_low": ci.low, "eval/real/tau_ci_high": ci.high,
+            "eval/real/tau_in_sim_ci": float(sim_ci.low <= tau <= sim_ci.high)}
 
 
 def ground_truth_key(target, truths: Sequence[TaskTruth]) -> str:
@@ -343,8 +407,15 @@ def _row(tr: TaskTruth, r: TaskResult, budgets: Sequence[int], base: TaskResult 
 
 
 def _sums(results: Sequence[TaskResult], budget: int | None = None) -> tuple[list[int], list[int]]:
-    taus = [r.taus_vanilla if budget is None else r.taus_tree[budget] for r in results]
-    return [sum(t) for t in taus], [len(t) for t in taus]
+    """(τ sums, rounds) per prompt: a sampled ground truth's tasks of one prompt are pooled, so the bootstrap
+    resamples prompts (the unit the CI is over), not samples of one prompt."""
+    sums: dict[str, list[int]] = {}
+    for r in results:
+        taus = r.taus_vanilla if budget is None else r.taus_tree[budget]
+        acc = sums.setdefault(r.group or r.name, [0, 0])
+        acc[0] += sum(taus)
+        acc[1] += len(taus)
+    return [v[0] for v in sums.values()], [v[1] for v in sums.values()]
 
 
 def _stats(results: Sequence[TaskResult], baseline: Sequence[TaskResult], budgets: Sequence[int],
@@ -396,6 +467,7 @@ def _metrics(results: Sequence[TaskResult], budgets: Sequence[int], bs: int) -> 
         for b in budgets:
             m[f"eval/task/{r.name}/tau_tree_{b}"] = r.tau_tree(b)
     m["eval/num_tasks"] = float(len(results))
+    m["eval/num_prompts"] = float(len({r.group or r.name for r in results}))
     m["eval/rounds"] = float(len(pooled))
     return m
 

@@ -71,6 +71,19 @@ class TargetSession:
     def forward(self, ids_T: torch.Tensor, features: bool | None = None):
         """Feeds tokens at positions length..length+T-1. Returns (features [1,T,L,H] or None,
         greedy labels [T]: label i is the target's token for position length+i+1)."""
+        feats, last = self._advance(ids_T, features)
+        with self._lock:
+            labels, _, _ = self.target.labels_from_hidden(last, 0)
+        return feats, labels[0]
+
+    @torch.no_grad()
+    def forward_logits(self, ids_T: torch.Tensor, features: bool | None = None):
+        """As `forward`, with the target's logits [T, V] (float32) instead of its greedy labels: row i is the
+        distribution of the token at position length+i+1 (the sampled loop warps them)."""
+        feats, last = self._advance(ids_T, features)
+        return feats, (last[0] @ self.target.lm_head_weight().T).float()
+
+    def _advance(self, ids_T: torch.Tensor, features: bool | None):
         want_feats = self.need_features if features is None else features
         ids = ids_T.to(self.device).view(1, -1)
         T = ids.shape[1]
@@ -81,10 +94,9 @@ class TargetSession:
             feats = None
             if want_feats:
                 feats = torch.stack([out.hidden_states[i + 1] for i in self.target.layer_ids], dim=2)
-            labels, _, _ = self.target.labels_from_hidden(out.last_hidden_state, 0)
         self.forwards += 1
         self.length += T
-        return feats, labels[0]
+        return feats, out.last_hidden_state
 
     # -- rollback --------------------------------------------------------------------------------
     def _linear_layers(self):

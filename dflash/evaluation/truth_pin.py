@@ -1,14 +1,15 @@
-"""Pinned ground-truth tokens (`eval.truth_dir`, docs/evaluation.md): a suite's greedy continuations written once
+"""Pinned ground-truth tokens (`eval.truth_dir`, docs/evaluation.md): a suite's continuations written once
 to a small JSON file, then used by every later evaluation with the same pin folder.
 
 Why: GPU greedy decoding is not bit-reproducible across machines and processes (autotuned kernels differ), so
-two sessions that each regenerate the ground truth get a few different continuations, a different
-`ground_truth_key`, and evaluations that no longer pair. A campaign that spans sessions commits its pins and
+two machines that each regenerate the ground truth get a few different continuations, a different
+`ground_truth_key`, and evaluations that no longer pair. A campaign that spans machines commits its pins and
 evaluates every cell on the same tokens; only the target features are recomputed (one forward per prompt).
 
 A pin file is `<truth_dir>/<key[:24]>.json`, key = sha256 of what decides the ground truth apart from numerics:
-pin format, target identity, task names with their prompt tokens, and max_new_tokens (not the feature layers:
-a pin holds tokens only). It records, per task, its name, the sha256 of its prompt tokens and its continuation,
+pin format, target identity, task names with their prompt tokens, max_new_tokens, and the protocol the tokens were
+written under (sampling setting, samples, seed, stop tokens; absent for the legacy greedy fixed-length pins, whose
+keys are unchanged), not the feature layers: a pin holds tokens only. It records, per task, its name, the sha256 of its prompt tokens and its continuation,
 and a sha256 over the task list, so a hand edit or a torn file is caught. A pin that cannot be read, fails its
 checksum or disagrees with the suite is an error naming the file, never silently replaced: its tokens are
 what the user asked the evaluation to run on.
@@ -54,10 +55,21 @@ class PinnedSuite:
     prompts: tuple[tuple[int, ...], ...]  # each task's prompt tokens
     max_new_tokens: int
     vocab_size: int = 0  # pinned tokens must lie below it (0: unchecked); not part of the key
+    # how the tokens were written (`ground_truth.TruthSpec.key()`: sampling setting, samples, seed, stop tokens);
+    # None = the legacy greedy fixed-length protocol, whose pins keep their old keys (and are never read for
+    # any other protocol: the key differs)
+    protocol: dict | None = None
+
+    @property
+    def ends(self) -> bool:
+        """Continuations end at a stop token: any length 1..max_new_tokens."""
+        return bool(self.protocol and self.protocol.get("stop_ids"))
 
     def key(self) -> str:
         payload = {"format": PIN_FORMAT, "target": self.target, "max_new_tokens": int(self.max_new_tokens),
                    "prompts": [[n, prompt_sha(p)] for n, p in zip(self.names, self.prompts)]}
+        if self.protocol is not None:
+            payload["protocol"] = self.protocol
         return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
 
     def path(self, truth_dir: str | Path) -> Path:
@@ -71,6 +83,8 @@ class PinnedSuite:
                  for n, p, c in zip(self.names, self.prompts, continuations)]
         head = {"kind": _KIND, "format": PIN_FORMAT, "target": self.target, "suite": suite,
                 "max_new_tokens": int(self.max_new_tokens), "sha256": tasks_digest(tasks)}
+        if self.protocol is not None:
+            head["protocol"] = self.protocol
         text = json.dumps(head, indent=1)[:-2] + ',\n "tasks": [\n  ' \
             + ",\n  ".join(json.dumps(t) for t in tasks) + "\n ]\n}\n"
         if not atomic_create_text(path, text):
@@ -99,6 +113,9 @@ class PinnedSuite:
     def _match(self, data: dict[str, Any], tasks: list[dict], bad) -> None:
         if data.get("target") != self.target:
             raise bad(f"pinned for target {str(data.get('target'))[:120]!r}, not {self.target[:120]!r}")
+        if data.get("protocol") != self.protocol:
+            raise bad(f"written under protocol {data.get('protocol')!r} (None: greedy, fixed length), the "
+                      f"evaluation asks for {self.protocol!r}")
         if data.get("max_new_tokens") != self.max_new_tokens:
             raise bad(f"max_new_tokens {data.get('max_new_tokens')!r}, the suite has {self.max_new_tokens}")
         names = [t.get("name") for t in tasks]
@@ -109,7 +126,8 @@ class PinnedSuite:
             if t.get("prompt_sha256") != prompt_sha(ids):
                 raise bad(f"task {t['name']!r}: its prompt tokens differ from the suite's")
             cont = t.get("continuation")
-            if not isinstance(cont, list) or len(cont) != self.max_new_tokens:
+            if not isinstance(cont, list) or not (len(cont) == self.max_new_tokens
+                                                  or (self.ends and 1 <= len(cont) <= self.max_new_tokens)):
                 raise bad(f"task {t['name']!r}: continuation of {len(cont) if isinstance(cont, list) else cont!r} "
                           f"tokens, expected {self.max_new_tokens}")
             top = self.vocab_size or float("inf")

@@ -296,7 +296,7 @@ class Target:
         """Stable identity for caches and ground-truth keys: each weights file's name, size and content digest
         (`_file_digest`) with the tokenizer's files, or the random spec. Not the folder's path: the same
         checkpoint in another checkout (a GPU machine's copy of the repo, a moved models folder) is the same
-        target, and its pinned ground truth and caches must match there (two sessions' campaign cells were
+        target, and its pinned ground truth and caches must match there (campaign cells of two machines were
         unpaired when keys differed)."""
         if not self.cfg.path:  # a tokenizer folder of its own changes what every prompt's text encodes to
             tok = "" if self.cfg.tokenizer in ("auto", "bytes") else f":tokenizer={self.cfg.tokenizer}"

@@ -33,7 +33,7 @@ from dflash.training.hooks import LoopHooks, TrainParts
 from dflash.training.interrupts import RunInterrupted, StopOnSignal
 from dflash.training.optim import build_optimizer
 from dflash.training.pipeline import PRODUCER_MODES, Item, ProducerPool
-from dflash.training.tau_probe import probe_tau
+from dflash.training.tau_probe import probe_due, probe_tau
 
 if TYPE_CHECKING:  # annotations only
     from dflash.config import RunConfig
@@ -282,6 +282,7 @@ class Trainer:
         metrics: dict[str, float] = {}
         window = _Window(producers, self.buffer, self.dist)
         t_start, done = time.perf_counter(), self.start_step
+        last_probed = self.start_step
         self.newest_checkpoint = self.latest_checkpoint()  # then kept by _checkpoint (no file read a step)
         # milestones a resumed run already passed (this rank's restored count, times the ranks) are not re-run
         passed = self.data_meter.tokens * self.dist.world
@@ -304,7 +305,9 @@ class Trainer:
             last = done == c.trainer.max_steps
             if done % c.tracking.log_every == 0 or last:
                 metrics = self._read_metrics(acc, window, done)
-                metrics.update(probe_tau(self.drafter, items, c.trainer.tau_probe, self._autocast()))
+                if probe_due(c.trainer.tau_probe, done, last_probed, last):  # off most intervals: its cost is on
+                    metrics.update(probe_tau(self.drafter, items, c.trainer.tau_probe, self._autocast()))
+                    last_probed = done  # the critical path (tau_probe.py)
                 hooks.on_log(self, metrics, done)
                 check_alive(metrics, int(self.drafter.lm_head_VH.shape[0]), done)
                 last = last or self._out_of_time(t_start) or self.data_meter.over_budget()

@@ -1,0 +1,78 @@
+"""Which ground truths an evaluation runs on, and what its metrics are called (docs/evaluation.md, "τ at
+temperature").
+
+An evaluation verifies its rounds at one or two settings, each a `TruthSpec`:
+- the served setting (`eval.sampling`, default the target's generation_config.json): the objective;
+- with `eval.greedy_beside` and a served setting that samples, greedy (T = 0) beside it.
+Both end at the target's stop tokens (`stop_ids`: EOS / end of turn) unless `eval.stop_at_eos` is off.
+
+Metric names say the setting: `eval/<label>/...` (label `t1`, `t0`, `t0.7_p0.95_k20`: `Sampling.label`), a
+suite's `eval/suite/<name>/<label>/...`, the in-training subset's `eval/subset/<label>/...`. The objective (what
+the promotion gate, sweeps and campaign reports read) is `eval/tau_served` with its CI (`_ci_low`/`_ci_high`),
+the served setting's τ on the objective suite, and `eval/served_temperature` / `_top_p` / `_top_k` say which
+setting that was. One name never carries two meanings: `eval/tau_vanilla`, the name stores made before this
+protocol carry, is never written again, and readers treat it as the legacy greedy fixed-length protocol
+(`LEGACY_OBJECTIVE`).
+"""
+from __future__ import annotations
+
+from dflash.evaluation.ground_truth import TruthSpec
+from dflash.target.sampling import Sampling, resolve_sampling, target_folder
+
+OBJECTIVE = "eval/tau_served"
+LEGACY_OBJECTIVE = "eval/tau_vanilla"  # stores before sampled evaluation: greedy, fixed-length ground truth
+LEGACY_NOTE = "eval/tau_vanilla: the old protocol (greedy, fixed-length ground truth that loops)"
+
+
+def stop_ids(target) -> tuple[int, ...]:
+    """The target's end tokens: its config's and generation config's eos_token_id(s), and the tokenizer's."""
+    ids: set[int] = set()
+    for src in (getattr(getattr(target, "model", None), "config", None),
+                getattr(getattr(target, "model", None), "generation_config", None),
+                getattr(target, "tokenizer", None)):
+        v = getattr(src, "eos_token_id", None)
+        for x in (v if isinstance(v, (list, tuple)) else [v]):
+            if isinstance(x, int) and not isinstance(x, bool) and x >= 0:
+                ids.add(x)
+    vocab = int(getattr(target, "vocab_size", 0) or 0)
+    return tuple(sorted(i for i in ids if not vocab or i < vocab))
+
+
+def served_sampling(cfg, target) -> Sampling:
+    return resolve_sampling(cfg.sampling, target_folder(target))
+
+
+def truth_specs(cfg, target) -> list[TruthSpec]:
+    """[served, greedy beside it (when asked and the served setting samples)]."""
+    stops = stop_ids(target) if cfg.stop_at_eos else ()
+    served = served_sampling(cfg, target)
+    specs = [TruthSpec(served, cfg.samples, cfg.seed, stops)]
+    if cfg.greedy_beside and not served.greedy:
+        specs.append(TruthSpec(Sampling(), 1, cfg.seed, stops))
+    return specs
+
+
+def labelled(metrics: dict[str, float], label: str) -> dict[str, float]:
+    """`eval/X` → `eval/<label>/X` (and `eval/suite/<name>/X` → `eval/suite/<name>/<label>/X`)."""
+    out = {}
+    for k, v in metrics.items():
+        if k.startswith("eval/suite/"):
+            name, _, rest = k[len("eval/suite/"):].partition("/")
+            out[f"eval/suite/{name}/{label}/{rest}"] = v
+        elif k.startswith("eval/"):
+            out[f"eval/{label}/{k[5:]}"] = v
+        else:
+            out[k] = v
+    return out
+
+
+def objective_metrics(metrics: dict[str, float], served: Sampling) -> dict[str, float]:
+    """`eval/tau_served` (+ CI) from the served setting's objective τ, and the setting it was measured at."""
+    pre = f"eval/{served.label}/"
+    out = {f"{OBJECTIVE}{suffix}": metrics[f"{pre}tau_vanilla{suffix}"] for suffix in ("", "_ci_low", "_ci_high")
+           if f"{pre}tau_vanilla{suffix}" in metrics}
+    if f"{pre}tau_prompt_lookup" in metrics:
+        out["eval/tau_served_prompt_lookup"] = metrics[f"{pre}tau_prompt_lookup"]
+    out.update({"eval/served_temperature": served.temperature, "eval/served_top_p": served.top_p,
+                "eval/served_top_k": float(served.top_k)})
+    return out

@@ -1,0 +1,101 @@
+"""Real decoding at a sampling setting (docs/evaluation.md, "τ at temperature"): the target's own sampling, and
+draft → verify → commit with exact speculative sampling (`dflash.evaluation.rejection.accept_round`). A DFlash 2
+drafter drafts by its selector walk and its q is the walk's softmax over the k candidates (docs/dflash2.md).
+
+Both stop after a stop token (EOS / end of turn; the stop token is kept) or at `max_new_tokens`. At T = 0 the
+speculative loop is the greedy one of `speculative.speculative_decode` (point masses everywhere) and reproduces
+`speculative.greedy_decode` token for token in float32.
+
+τ per round = accepted + 1, clipped as the simulated evaluation clips its last round: the continuation's end
+(a stop token or the length cap) bounds how many drafts a round can accept, so the simulated τ on a sampled path
+(`acceptance.simulate_task`) and this loop's τ have the same law (`rejection` module doc; tested within the CI).
+"""
+from __future__ import annotations
+
+import time
+from typing import Sequence
+
+import torch
+
+from dflash.evaluation.rejection import accept_round
+from dflash.evaluation.speculative import DecodeResult, TargetSession, _sync, drafter_autocast
+from dflash.target.sampling import Sampling, draw, warp
+
+
+def _first_stop(tokens: Sequence[int], stop_ids: frozenset[int]) -> int | None:
+    return next((i for i, t in enumerate(tokens) if t in stop_ids), None)
+
+
+@torch.no_grad()
+def sample_decode(target, prompt_ids, max_new_tokens: int, sampling: Sampling,
+                  generator: torch.Generator | None, stop_ids: Sequence[int] = ()) -> DecodeResult:
+    """The target's own continuation at `sampling`: prefill, then one token per forward, drawn from `generator`."""
+    stops = frozenset(int(t) for t in stop_ids)
+    sess = TargetSession(target, need_features=False)
+    _sync(target.device)
+    t0 = time.perf_counter()
+    _, logits = sess.forward_logits(torch.as_tensor(prompt_ids, dtype=torch.long), features=False)
+    out: list[int] = []
+    while True:
+        tok = draw(warp(logits[-1], sampling), generator).view(1)
+        out.append(int(tok.item()))
+        if out[-1] in stops or len(out) >= max_new_tokens:
+            break
+        _, logits = sess.forward_logits(tok, features=False)
+    _sync(target.device)
+    return DecodeResult(out, time.perf_counter() - t0, sess.forwards)
+
+
+@torch.no_grad()
+def sampled_speculative_decode(drafter, target, prompt_ids, max_new_tokens: int, sampling: Sampling,
+                               generator: torch.Generator | None, stop_ids: Sequence[int] = (),
+                               autocast: bool | None = None) -> DecodeResult:
+    """Draft (each of the bs−1 positions drawn from the drafter's q_k, warped by `sampling`; its argmax when
+    greedy) → verify (one target forward over anchor + drafts, warped into p) → `accept_round` → commit. The
+    drafter's context features are the verify forward's hidden states of the committed tokens."""
+    stops = frozenset(int(t) for t in stop_ids)
+    prompt = torch.as_tensor(prompt_ids, dtype=torch.long)
+    P, bs = prompt.numel(), drafter.block_size
+    dev = next(drafter.parameters()).device
+    sess = TargetSession(target, need_features=True)
+    _sync(target.device)
+    t0 = time.perf_counter()
+    feats, logits = sess.forward_logits(prompt)
+    anchor = draw(warp(logits[-1], sampling), generator).view(1)
+    out = [int(anchor.item())]
+    limit = 1 if out[0] in stops else int(max_new_tokens)  # the continuation's end: a stop token or the cap
+    dcache = drafter.new_cache()
+    with drafter_autocast(drafter, autocast):
+        drafter.extend_context(dcache, feats.to(dev), 0)
+    taus: list[int] = []
+    p = P  # the anchor's position
+    while len(out) < limit:
+        with drafter_autocast(drafter, autocast):
+            hidden = drafter.draft_hidden(dcache, anchor.to(dev))
+        if getattr(drafter, "selector", None) is not None:  # DFlash 2: the selector walk, q over its candidates
+            walk = drafter.draft(hidden, anchor.to(dev), 0.0 if sampling.greedy else sampling.temperature, generator)
+            draft = walk.tokens[0].to(target.device)
+            q_KV = None if sampling.greedy else walk.dense_q(int(drafter.lm_head_VH.shape[0]),
+                                                             sampling.temperature)[0].to(target.device)
+        else:
+            q_KV = warp(drafter.logits(hidden)[0], sampling).to(target.device)
+            draft = q_KV.argmax(-1) if sampling.greedy else draw(q_KV, generator)
+        block = torch.cat([anchor.to(target.device), draft])
+        snap = sess.snapshot()
+        feats, logits = sess.forward_logits(block)
+        m, tok = accept_round(warp(logits, sampling), draft, None if sampling.greedy else q_KV, generator)
+        drafted = draft.tolist()
+        j = _first_stop(drafted[:m] + [tok], stops)
+        if j is not None:
+            limit = min(limit, len(out) + j + 1)
+        a = min(m, limit - len(out))  # drafts the round may keep before the continuation's end
+        nxt = drafted[a] if a < m else tok
+        sess.commit(snap, block, a + 1)
+        with drafter_autocast(drafter, autocast):
+            drafter.extend_context(dcache, feats[:, :a + 1].to(dev), p)
+        out += drafted[:a] + [nxt]
+        anchor = torch.tensor([nxt], dtype=torch.long)
+        taus.append(a + 1)
+        p += a + 1
+    _sync(target.device)
+    return DecodeResult(out[:limit], time.perf_counter() - t0, sess.forwards, taus)

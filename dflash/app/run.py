@@ -49,6 +49,7 @@ from dflash.training.distributed import shutdown as shutdown_distributed
 from dflash.training.hooks import LoopHooks, TrainParts
 from dflash.training.interrupts import StopOnSignal
 from dflash.training.losses import build_loss
+from dflash.training.selector_loss import with_selector
 from dflash.training.noise import build_noise
 from dflash.training.trainer import Trainer
 
@@ -84,6 +85,10 @@ def resolve_run(cfg: RunConfig) -> RunConfig:
 def check_run(cfg: RunConfig) -> None:
     """`validate` plus the checks across groups that need no weights (ConfigError naming the key)."""
     validate(cfg)
+    if cfg.drafter.is_dflash2 and cfg.drafter.final_logit_softcapping > 0:
+        raise ConfigError(f"drafter.final_logit_softcapping={cfg.drafter.final_logit_softcapping}: training needs 0 "
+                          f"(the block losses' fused LM-head path computes uncapped logits); a cap is served "
+                          f"and evaluated, not trained")
     if build_loss(cfg.loss).needs_soft and cfg.target.soft_top_k <= 0:
         raise ConfigError(f"loss.name={cfg.loss.name} needs soft labels: target.soft_top_k must be > 0, "
                           f"got {cfg.target.soft_top_k}")
@@ -121,7 +126,7 @@ def tracked_params(cfg: RunConfig, loss_fn, noise) -> dict[str, str]:
     keys (each variant lists its own `config_keys`), the random-target spec of a checkpoint target, the data
     settings its source never reads (`inactive_data_keys`), and the settings of a switched-off evaluation or
     promotion (only their `enabled` stays)."""
-    active = {"loss": type(loss_fn).config_keys, "noise": type(noise).config_keys}
+    active = {"loss": loss_fn.config_keys, "noise": type(noise).config_keys}
     active.update({group: ("enabled",) for group in ("eval", "promote") if not getattr(cfg, group).enabled})
     drop = (["target.random"] if cfg.target.path else []) + inactive_data_keys(cfg.data, cfg.trainer.online_data)
     return run_params(to_dict(cfg), active, drop=drop)
@@ -139,9 +144,10 @@ def build_parts(cfg: RunConfig, target: Target, device: torch.device, dist: Dist
     the data's tags (the memorization guard warns here, before any work, when planned past data.max_epochs)."""
     loss_fn = build_loss(cfg.loss)
     drafter = build_drafter(cfg.drafter, target.hidden_size, target.info.num_layers, target.mask_token_id,
-                            target.layer_ids)
+                            target.layer_ids, target.info.vocab_size)
     drafter = drafter.to(device=device, dtype=getattr(torch, cfg.trainer.dtype))
     drafter.attach_target_head(target.embed_weight(), target.lm_head_weight())
+    loss_fn = with_selector(loss_fn, drafter, cfg.loss.selector_alpha)  # DFlash 2: + α × the selector's CE
     data = build_run_data(cfg, target, dist)  # stored sequences, the online stream or a chat dataset
     tags = epoch_guard(cfg, data, dist.world)
     meter = DataMeter(data, cfg.trainer.token_budget, dist)

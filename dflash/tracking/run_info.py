@@ -317,7 +317,8 @@ KEY_METRIC_COLUMNS = ("eval/tau_served", "eval/tau_served_ci_low", "eval/tau_ser
                       "eval/tau_served_prompt_lookup", "eval/t0/tau_vanilla", "eval/t0/tau_tree_64",
                       "eval/subset/tau_served", "train/tau_rounds",
                       "data/consumed_tokens", "perf/consumed_tok_s")
-KEY_TAG_COLUMNS = ("loss", "noise", "buffer")
+# a campaign's report labels its cell runs with stage and option (sweeps.results_summary.label_cell_runs)
+KEY_TAG_COLUMNS = ("stage", "option", "loss", "noise", "buffer")
 
 
 def _column(kind: str, name: str) -> str:

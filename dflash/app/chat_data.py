@@ -98,9 +98,9 @@ def build_conversation_data(cfg, target, dist_info) -> TrainingData:
 
     def masks(claims):
         return [response_mask(writer.sequence(g), len(prompts[writer.prompt_of(g)]), end_id) for g, _, _ in claims]
-    unique = 0 if d.online.temperature > 0 else len(writer.pool)
+    unique = 0 if not writer.sampling.greedy else len(writer.pool)
     note = (f"training responses: written by the target in this run (data.conversations.responses=target, "
-            f"temperature {d.online.temperature:g})")
+            f"{writer.sampling.describe()})")
     return TrainingData("conversations_online", None, writer, unique, float(d.online_seq_len()), writer.fingerprint,
                         cs.fingerprint, d.online.stream_seed, writer.cfg.reuse, mask_source=masks,
                         stats={**cs.stats, **stats}, tags=tags, eval_suites=suites, eval_note=note,

@@ -112,7 +112,9 @@ def run_regen_turns(cfg, regen: RegenConfig) -> dict[str, float]:
     from dflash.app.chat_data import load_set
     from dflash.config import validate
     from dflash.data.conversation_data import end_of_turn_id, prompt_tokens
+    from dflash.data.online import resolve_online_config
     from dflash.data.regen import regenerate_turns, target_responder
+    from dflash.target.sampling import Sampling
     from dflash.target.model import Target
     validate(cfg)
     validate_regen(cfg, regen)
@@ -122,14 +124,16 @@ def run_regen_turns(cfg, regen: RegenConfig) -> dict[str, float]:
     tok, chat, n = target.tokenizer, cfg.data.chat, cfg.data.pool.max_prompt_len
     tools, end_id = kept["tools"], end_of_turn_id(target.tokenizer)
     max_new = regen.turn_tokens or cfg.data.max_len
-    online = cfg.data.online
-    respond = target_responder(target, end_id, max_new, online.write_batch or 16, online.temperature,
+    # the data's sampling setting made what runs (-1 fields: the target's generation_config.json)
+    online = resolve_online_config(cfg.data.online, target, cfg.data.max_len)
+    sampling = Sampling(online.sampling.temperature, online.sampling.top_p, online.sampling.top_k)
+    respond = target_responder(target, end_id, max_new, online.write_batch or 16, sampling,
                                online.stream_seed, online.decode)
     out = Path(regen.turns_out)
     out.parent.mkdir(parents=True, exist_ok=True)
     # a killed regen resumes after its last finished round, when nothing that decides the answers changed
     key = hashlib.sha256(json.dumps([cs.fingerprint, str(target.identity), str(target.dtype), max_new, n, end_id,
-                                     online.temperature, online.stream_seed, TURNS_VERSION]).encode()).hexdigest()
+                                     sampling.label, online.stream_seed, TURNS_VERSION]).encode()).hexdigest()
     partial = out.with_name(f".{out.name}.rounds")
     start = _read_rounds(partial, key)
     t0 = time.perf_counter()

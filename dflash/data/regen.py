@@ -27,6 +27,8 @@ from typing import Sequence
 
 import torch
 
+from dflash.target.sampling import Sampling
+
 from dflash.atomic import load_checked, save_checked
 from dflash.target.cache import cache_kwarg, new_hf_cache
 
@@ -86,12 +88,14 @@ def until_end(tokens: list[int], end_id: int | None) -> list[int]:
 
 
 def target_responder(target, end_id: int | None, max_new_tokens: int, batch_size: int = 16,
-                     temperature: float = 0.0, seed: int = 0, decode: str = "auto"):
+                     sampling: "float | Sampling" = 0.0, seed: int = 0, decode: str = "auto"):
     """`respond(prompts) -> responses` (token lists) of the target, each ending at its first end-of-turn token
-    (at most `max_new_tokens`): greedy, or sampled at `temperature` (seeded by `seed` and the batch's prompts). Prompts of any
+    (at most `max_new_tokens`): greedy, or sampled at `sampling` (a `Sampling` or a bare temperature; seeded by
+    `seed` and the batch's prompts). Prompts of any
     lengths are written together, `batch_size` at a time (`dflash.data.writing.write_continuations`: no
     padding, each row sees exactly its own tokens)."""
     from dflash.data.writing import write_continuations
+    sampled = not sampling.greedy if isinstance(sampling, Sampling) else sampling > 0
 
     def respond(prompts: list[list[int]]) -> list[list[int]]:
         out: list[list[int] | None] = [None] * len(prompts)
@@ -100,9 +104,9 @@ def target_responder(target, end_id: int | None, max_new_tokens: int, batch_size
             batch = order[b:b + batch_size]
             # seeded by the prompts themselves: a resumed regen draws what the first one would have
             gen = torch.Generator().manual_seed(hash((seed, *(tuple(prompts[j]) for j in batch))) & 0x7FFFFFFF) \
-                if temperature > 0 else None
+                if sampled else None
             rows = write_continuations(target, [prompts[j] for j in batch],
-                                       max(len(prompts[j]) for j in batch) + max_new_tokens, temperature, gen, decode)
+                                       max(len(prompts[j]) for j in batch) + max_new_tokens, sampling, gen, decode)
             for r, j in enumerate(batch):
                 p = len(prompts[j])
                 out[j] = until_end(rows[r, p:p + max_new_tokens].tolist(), end_id)

@@ -12,8 +12,8 @@ figures under `eval/<label>/...`, every suite's summary under `eval/suite/<name>
   artifacts), logged under `eval/subset/...` (`subset_key`): a subset figure never shares a name, a chart line
   or the pruner's and the sweep's reading with the full suite's `eval/...`;
 - `final=True`: every suite in full at every setting (real decoding if `eval.real_decode`), console tables
-  printed, artifacts logged (`eval/<label>/...` for the objective, `eval/suite/<name>/<label>/...` for the
-  others) and written to `out_dir` (`<out_dir>/<label>/` and `<out_dir>/<name>/<label>/`).
+  printed, artifacts logged and written to `out_dir` where `protocol.table_places` puts them (the served
+  setting's under `eval/served/...`, greedy's beside it under `eval/t0/...`).
 - The generalization gap: after `use_train_sequences(seqs)` (the trainer calls it with its training
   sequences), both kinds of call also simulate `eval.train_tasks` prompts cut from sequences the run trains
   on (prompt = the first half of the sequence, at most 128 tokens; continuation = the target's at the served
@@ -29,7 +29,7 @@ from typing import Sequence
 
 from dflash.evaluation import EvalConfig
 from dflash.evaluation.ground_truth import TaskTruth, TruthSpec, cache_key, load_or_build_ground_truth
-from dflash.evaluation.protocol import labelled, objective_metrics, truth_specs
+from dflash.evaluation.protocol import labelled, objective_metrics, served_label, table_places, truth_specs
 from dflash.evaluation.prompts import DATA_SUITES, Suite, Task, resolve_suite, suite_label
 from dflash.evaluation.report import EvalReport, evaluate
 
@@ -107,7 +107,7 @@ def summary_table(metrics: dict[str, float], level: float = 0.95) -> str:
     import math
     import re
     rows = [(m[1], m[2]) for k in metrics if (m := re.match(r"^eval/suite/([^/]+)/([^/]+)/tau_vanilla$", k))]
-    served = _served_label(metrics)
+    served = served_label(metrics)
     rows.sort(key=lambda r: (r[1] != served, r[1], r[0]))
     budgets = sorted({int(m[1]) for k in metrics if (m := re.match(r"^eval/t0/tau_tree_(\d+)$", k))})
 
@@ -140,15 +140,6 @@ def summary_table(metrics: dict[str, float], level: float = 0.95) -> str:
         lines.append(f"\nobjective eval/tau_served = τ at {served} on the objective suite: "
                      f"{ci('eval/', 'tau_served')}")
     return "\n".join(lines)
-
-
-def _served_label(metrics: dict[str, float]) -> str:
-    from dflash.target.sampling import Sampling
-    t = metrics.get("eval/served_temperature")
-    if t is None:
-        return "t0"
-    return Sampling(t, metrics.get("eval/served_top_p", 1.0), int(metrics.get("eval/served_top_k", 0))).label \
-        if t > 0 else "t0"
 
 
 def train_tasks(sequences: Sequence, tokenizer, count: int) -> list[Task]:
@@ -242,17 +233,12 @@ class SuiteEvaluator:
         else:
             reports = evaluate_suites(drafter, target, cfg, self.suites, self.memo, cfg.real_decode)
             metrics = merged_metrics(reports)
-            seen: set[str] = set()
-            for rep in reports:
-                label = rep.info["setting"]
+            for rep, (prefix, folder) in zip(reports, table_places(reports)):
                 print(f"eval at step {step} ({len(rep.table)} tasks):\n{rep.console_table()}", flush=True)
-                first = label not in seen
-                seen.add(label)
-                prefix = f"eval/{label}" if first else f"eval/suite/{rep.info['suite_label']}/{label}"
                 if logger is not None:
                     rep.log_artifacts(logger, prefix)
                 if self.out_dir:
-                    rep.save(self.out_dir / label if first else self.out_dir / rep.info["suite_label"] / label)
+                    rep.save(self.out_dir / folder)
         if self._train_sequences and cfg.train_tasks > 0:
             metrics.update(self._train_metrics(drafter, target, step, final, metrics["eval/tau_served"]))
         if not final:

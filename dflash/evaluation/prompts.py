@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 from typing import Any, Callable
@@ -20,6 +20,9 @@ from typing import Any, Callable
 class Task:
     name: str
     prompt: str
+    # what followed the prompt in its source file (suites cut from files: the held-out suite); "" = unknown. The
+    # evaluation measures its degeneracy and prompt lookup's τ on it beside the target's ground truth.
+    reference: str = field(default="", compare=False)
 
 
 _NAME = re.compile(r"^[A-Za-z0-9_.\-]+$")
@@ -61,7 +64,8 @@ def parse_suite(data, where: str = "suite") -> list[Task]:
         if not prompt.strip():
             raise ValueError(f"{where}: task {name!r} has an empty prompt")
         seen.add(name)
-        tasks.append(Task(name, prompt))
+        ref = item.get("reference", "")
+        tasks.append(Task(name, prompt, ref if isinstance(ref, str) else ""))
     return tasks
 
 

@@ -149,7 +149,8 @@ def parse_campaign(raw: Any, where: str) -> Campaign:
         v = getattr(c, key)
         if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
             raise ConfigError(f"{where}: {key}={v!r}; expected a positive integer")
-    if not c.seeds or len(set(c.seeds)) != len(c.seeds):
+    if not isinstance(c.seeds, list) or not all(isinstance(s, int) and not isinstance(s, bool) for s in c.seeds) \
+            or not c.seeds or len(set(c.seeds)) != len(c.seeds):
         raise ConfigError(f"{where}: seeds={c.seeds!r}; expected a non-empty list of distinct integers")
     return c
 
@@ -390,11 +391,10 @@ def prepare_store(c: Campaign, extra: list[str]) -> None:
     tracking = compose_config([*stage_cells(c, 0, {})[0].overrides, *extra]).tracking
     if not tracking.enabled:
         return
-    from mlflow.tracking import MlflowClient
-
     from dflash.tracking.run_info import absolute_sqlite_uri, get_or_create_experiment
+    from dflash.tracking.store import open_client
     uri = absolute_sqlite_uri(tracking.tracking_uri)
-    get_or_create_experiment(MlflowClient(uri), c.experiment, uri)
+    get_or_create_experiment(open_client(uri), c.experiment, uri)  # bounded: a dead server is one line in seconds
 
 
 def config_key(overrides: list[str]) -> str:

@@ -211,3 +211,28 @@ def test_stop_tokens_end_the_continuation(tiny_target):
     assert s.tokens == g[:first + 1]
     assert sample_decode(tiny_target, [5, 17, 33], 20, GREEDY, None, stop_ids=[stop]).tokens == g[:first + 1]
     assert list(itertools.accumulate(s.taus))[-1] >= first
+
+
+def test_simulated_tau_at_t1_agrees_with_the_real_loop(tiny_target):
+    """The evaluator's τ at T=1 (rounds simulated on sampled paths with the rule's acceptance coins) against the
+    real draft → verify → commit loop's measured τ on the same prompts (independent seeds): the real τ lies inside
+    the simulated τ's 95% CI over prompts (`eval/real/tau_in_sim_ci`), and their intervals overlap."""
+    from dflash.evaluation import EvalConfig
+    from dflash.evaluation.ground_truth import TruthSpec
+    from dflash.evaluation.prompts import Task
+    from dflash.evaluation.protocol import stop_ids
+    from dflash.evaluation.report import evaluate
+    s = Sampling(1.0, 1.0, 0)
+    cfg = EvalConfig(max_new_tokens=16, tree_budgets=[], samples=4, cache_dir="", bootstrap=500, real_decode=True,
+                     sampling=SamplingConfig(1.0, 1.0, 0))
+    tasks = [Task(f"p{i}", text) for i, text in enumerate(["def f(x):", "import os\n", "class A:\n  ", "# sum\n",
+                                                             "for i in", "x = [1, 2"])]
+    rep = evaluate(_drafter(tiny_target, bs=4, seed=5), tiny_target, cfg, tasks,
+                   spec=TruthSpec(s, 4, 0, stop_ids(tiny_target)))
+    m, st = rep.metrics, rep.stats
+    assert 1.2 < m["eval/tau_vanilla"] < 3.5  # drafts are accepted and rejected: the comparison has content
+    assert m["eval/real/tau_in_sim_ci"] == 1.0, (m["eval/real/tau"], st["eval/tau_vanilla_ci_low"],
+                                                 st["eval/tau_vanilla_ci_high"])
+    assert m["eval/real/tau_ci_low"] <= st["eval/tau_vanilla_ci_high"]
+    assert st["eval/tau_vanilla_ci_low"] <= m["eval/real/tau_ci_high"]
+    assert m["eval/num_prompts"] == 6 and m["eval/num_tasks"] == 24

@@ -41,8 +41,6 @@ class ServerConfig:
     retries: int = 5  # per request, with exponential backoff
     timeout_s: float = 600.0  # per request
     api_key: str = ""  # sent as a bearer token when set
-    top_p: float = 1.0
-    top_k: int = 0  # 0: off
 
 
 def validate_server(cfg: ServerConfig) -> None:
@@ -108,29 +106,33 @@ class ServerResponder:
             delay = min(delay * 2, 30.0)
         raise AssertionError("unreachable")
 
-    def _complete(self, text: str, n: int, temperature: float, seed: int) -> tuple[str, str]:
+    def _complete(self, text: str, n: int, temperature: float, seed: int, top_p: float = 1.0,
+                  top_k: int = 0) -> tuple[str, str]:
         """One completion of at most (and where the engine allows, exactly) n tokens: (text, finish_reason)."""
         body = {"model": self.model, "prompt": text, "max_tokens": n, "temperature": float(temperature),
                 "seed": int(seed) % (2 ** 31)}
-        if temperature > 0 and self.cfg.top_p < 1.0:
-            body["top_p"] = self.cfg.top_p
+        sampled = temperature > 0
+        if sampled and top_p < 1.0:
+            body["top_p"] = float(top_p)
+        top = {"top_k": int(top_k)} if sampled and top_k else {}
         if self.engine == "transformers":
-            body["generation_config"] = json.dumps({"min_new_tokens": n, "max_new_tokens": n,
-                                                    **({"top_k": self.cfg.top_k} if self.cfg.top_k else {})})
+            body["generation_config"] = json.dumps({"min_new_tokens": n, "max_new_tokens": n, **top})
         else:  # vLLM and SGLang sampling params
-            body.update(min_tokens=n, ignore_eos=True, **({"top_k": self.cfg.top_k} if self.cfg.top_k else {}))
+            body.update(min_tokens=n, ignore_eos=True, **top)
         self.requests += 1
         choice = self._request("POST", "/completions", body)["choices"][0]
         return choice.get("text") or "", choice.get("finish_reason") or ""
 
     # -- the one call -------------------------------------------------------------------------------------------
-    def continue_one(self, prompt: Sequence[int], n_new: int, temperature: float = 0.0, seed: int = 0) -> list[int]:
-        """Exactly `n_new` continuation tokens of `prompt` (token ids of the target's tokenizer)."""
+    def continue_one(self, prompt: Sequence[int], n_new: int, temperature: float = 0.0, seed: int = 0,
+                     top_p: float = 1.0, top_k: int = 0) -> list[int]:
+        """Exactly `n_new` continuation tokens of `prompt` (token ids of the target's tokenizer), greedy at
+        temperature 0, else sampled at the target's settings."""
         tok = self.tokenizer
         text = tok.decode(list(prompt), skip_special_tokens=False)
         out: list[int] = []
         for step in range(8):  # a short answer is continued from where it stopped
-            piece, _ = self._complete(text, n_new - len(out), temperature, seed + 7919 * step)
+            piece, _ = self._complete(text, n_new - len(out), temperature, seed + 7919 * step, top_p, top_k)
             ids = tok.encode(piece, add_special_tokens=False)
             if not ids:  # the server wrote nothing more: its end-of-text token stands for the rest, once
                 ids = [tok.eos_token_id] if tok.eos_token_id is not None else []
@@ -143,9 +145,9 @@ class ServerResponder:
                           f"requests")
 
     def continue_prompts(self, prompts: Sequence[Sequence[int]], n_new: Sequence[int], temperature: float = 0.0,
-                         seed: int = 0) -> list[list[int]]:
+                         seed: int = 0, top_p: float = 1.0, top_k: int = 0) -> list[list[int]]:
         """`continue_one` for every prompt, all at once (bounded by `concurrency`), in input order."""
-        futures = [self._pool.submit(self.continue_one, p, int(n), temperature, seed * 1_000_003 + i)
+        futures = [self._pool.submit(self.continue_one, p, int(n), temperature, seed * 1_000_003 + i, top_p, top_k)
                    for i, (p, n) in enumerate(zip(prompts, n_new))]
         return [f.result() for f in futures]
 

@@ -144,24 +144,32 @@ def run_cli(main) -> None:
     import sys
     # Fewer, growable allocator segments: the drafter's variable-length steps otherwise fragment the cache.
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    # compile and autotune caches under ~/.cache/dflash: a repeated run's first step in seconds (dflash/devices.py)
+    from dflash.devices import persist_compile_caches
+    persist_compile_caches()
     # DFLASH_LOG_TIME=1 (the GPU job scripts' environment): every line timed, so a job's logs say where its
-    # seconds went (session 14 lost a call to cells that sat idle for minutes, their logs untimed)
+    # seconds went (cells once sat idle for minutes and their untimed logs did not say so)
     stamp = "%(asctime)s " if os.environ.get("DFLASH_LOG_TIME") == "1" else ""
     logging.basicConfig(level=logging.INFO, format=stamp + "%(levelname)s %(name)s: %(message)s")
     # `kill -USR1 <pid>` prints every thread's stack to stderr and the run goes on: where a run that logs nothing
-    # is (session 14's 27B run with its writer in the loop logged no step before its call ended, and nothing said why)
+    # is (a 27B run with its writer in the loop once logged no step before it was stopped, and nothing said why)
     import faulthandler
     import signal
     if hasattr(signal, "SIGUSR1") and sys.__stderr__ is not None:
         faulthandler.register(signal.SIGUSR1, file=sys.__stderr__, all_threads=True)  # fd 2, whatever wraps stderr
     from dflash.atomic import DiskFullError
+    from dflash.safe_load import UnsafeFileError
+    from dflash.tracking.store import StoreError
     from dflash.training.health import DeadDrafterError
     from dflash.training.interrupts import RunInterrupted
     try:
         main()
-    except ConfigError as e:
+    except (ConfigError, UnsafeFileError, StoreError) as e:  # bad input: a value, a damaged file, a store
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
+    except ConnectionError as e:  # a tracking server a command needs, dead or silent (bounded: seconds)
+        print(f"error: the tracking store does not answer: {e}", file=sys.stderr)
+        sys.exit(1)
     except RunInterrupted as e:  # the trainer checkpointed and closed its run KILLED
         print(f"{e}", file=sys.stderr)
         sys.exit(e.exit_code)

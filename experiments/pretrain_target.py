@@ -49,8 +49,8 @@ def build_config(argv: list[str]) -> PretrainConfig:
     # training until finalize_reserve_s before the end, then the final eval, the save and the continuations)
     # corpus: every installed package's Python (the CPU default of the library is the standard library alone);
     # probes: held-out files outside the corpus, scored on the shipped weights
-    # batch 128 and lr 2e-3: the shipped target's (session 10: the step is host-bound at batch 32, 2.9x the tok/s at
-    # 128; benchmarks/reference_target.md); the newline-split tokenizer: session 7's, which the shipped target uses
+    # batch 128 and lr 2e-3: the shipped target's (2026-12-01: the step is host-bound at batch 32, 2.9x the tok/s at
+    # 128; benchmarks/reference_target.md); the newline-split tokenizer, which the shipped target uses
     cfg = PretrainConfig(results_path="benchmarks/reference_target.md", time_budget_s=480.0,
                          corpus=CorpusConfig(scope="installed"), probes=dict(SHIPPED_PROBES), batch_size=128, lr=2e-3,
                          tokenizer_split_newlines=True)

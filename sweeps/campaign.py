@@ -145,7 +145,8 @@ def parse_campaign(raw: Any, where: str) -> Campaign:
         v = getattr(c, key)
         if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
             raise ConfigError(f"{where}: {key}={v!r}; expected a positive integer")
-    if not c.seeds or len(set(c.seeds)) != len(c.seeds):
+    if not isinstance(c.seeds, list) or not all(isinstance(s, int) and not isinstance(s, bool) for s in c.seeds) \
+            or not c.seeds or len(set(c.seeds)) != len(c.seeds):
         raise ConfigError(f"{where}: seeds={c.seeds!r}; expected a non-empty list of distinct integers")
     return c
 
@@ -233,7 +234,7 @@ def stale_records(c: Campaign, out: Path, cells: list[Cell]) -> list[str]:
     overrides it lacks; logged as a warning.
 
     A cell's folder is named by its stage, option and seed, not by the winners it builds on: when a later launch
-    calls an earlier stage's winner differently (seed 1 put dpace ahead of seed 0's streak at 64 M, session 24; a
+    calls an earlier stage's winner differently (seed 1 put dpace ahead of seed 0's streak at 64 M; a
     resumed near-tie can flip on the CPU smoke campaign), the later stage's finished cells were trained on the old
     winner, and the campaign reuses them by their folder. Said, not refused: the launch goes on, and moving such a
     folder away makes the next launch train the cell on the new winner."""
@@ -366,11 +367,10 @@ def prepare_store(c: Campaign, extra: list[str]) -> None:
     tracking = compose_config([*stage_cells(c, 0, {})[0].overrides, *extra]).tracking
     if not tracking.enabled:
         return
-    from mlflow.tracking import MlflowClient
-
     from dflash.tracking.run_info import absolute_sqlite_uri, get_or_create_experiment
+    from dflash.tracking.store import open_client
     uri = absolute_sqlite_uri(tracking.tracking_uri)
-    get_or_create_experiment(MlflowClient(uri), c.experiment, uri)
+    get_or_create_experiment(open_client(uri), c.experiment, uri)  # bounded: a dead server is one line in seconds
 
 
 def config_key(overrides: list[str]) -> str:
@@ -415,8 +415,8 @@ def shared_inputs(c: Campaign, extra: list[str], out: Path, previous: dict | Non
 
 def pinned(result: dict) -> bool:
     """Whether a cell ran on the campaign's pinned ground truth (`eval.truth_dir` among its overrides). Cells of
-    launches before pinning (sessions 12 and 13 of `reference_64m`) evaluated on tokens of their own machine, so
-    their τ does not pair, prompt for prompt, with cells evaluated on the pin."""
+    launches before pinning (`reference_64m`'s first loss, noise and data cells) evaluated on tokens of their own
+    machine, so their τ does not pair, prompt for prompt, with cells evaluated on the pin."""
     return sets_truth_dir(result.get("overrides", []))
 
 
@@ -439,7 +439,7 @@ def _run_stage(c: Campaign, cells: list[Cell], out: Path, done: dict[str, dict],
     stage's unpinned run (`pinned`) is not reused for it: that cell trains again under the pin (once, shared by
     every such stage of `cells`, and reused by them in later launches). A stage's seed with no pinned cell keeps
     reusing it. By (stage, seed), not by stage: a Δ pairs an option's run with the reference's run of the same
-    seed, and seed 1's new noise cells on the pin (session 25) had put seed 0's `none` on a pinned run, which
+    seed, and seed 1's new noise cells on the pin had put seed 0's `none` on a pinned run, which
     left seed 0's noise cells, trained before the pin, "not paired: different ground truth"."""
     keys = [config_key(cell.overrides) for cell in cells]
     earlier = [cell_result(cell_dir(out, c, cell)) for cell in cells]  # a cell's own record from a past launch
@@ -501,7 +501,7 @@ def _run_stage(c: Campaign, cells: list[Cell], out: Path, done: dict[str, dict],
 def _references_to_pin(cells: list[Cell], keys: list[str], earlier: list, sources: list, listed: set[str]) -> set[str]:
     """The runs `only=` must start besides the listed ones: a listed new cell's Δ pairs with its stage's reference
     (the first option, same seed), and where that reference has no run on the pin yet (it ran before pinning, so
-    `source` gave it none) it trains with the listed cell. Without it, session 16's `only=[data/views4_pool112]`
+    `source` gave it none) it trains with the listed cell. Without it, `only=[data/views4_pool112]`
     trained a cell whose report table had nothing to pair with."""
     first: dict[tuple[int, int], int] = {}
     for i, cell in enumerate(cells):
@@ -555,7 +555,7 @@ def run_campaign(c: Campaign, out: Path, extra: list[str], deadline_s: float = 0
 
     def inputs_once() -> None:
         """The shared inputs before the first cell that starts (workers wait for them): none at all in a launch
-        that starts no cell, e.g. one that only rewrites the summary from the cells' records (session 25 did so on
+        that starts no cell, e.g. one that only rewrites the summary from the cells' records (done so on
         a CPU after the per-seed pin fix: the online shards are not in the committed store)."""
         with made:
             if to_run and "write_ahead" not in summary:

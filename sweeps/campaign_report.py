@@ -6,7 +6,7 @@ the paired Δτ against the stage's reference option (its first one: hard_ce for
 carried in for later stages) — each option's run paired with the reference's run of the same seed, prompt
 for prompt. A comparison is a *win* only when its Δ interval excludes 0 and no seed's own Δ has the other sign;
 otherwise it is a tie bounded by that interval (the interval resamples prompts, not training seeds, and a seed
-moves a 64 M-token run by up to 0.52 τ: benchmarks/ABLATIONS.md, session 24). Budget, consumed tokens and epochs of
+moves a 64 M-token run by up to 0.52 τ: benchmarks/ABLATIONS.md). Budget, consumed tokens and epochs of
 data seen are printed with every table.
 """
 from __future__ import annotations
@@ -86,7 +86,7 @@ def _delta(seeds: dict[int, dict], ref: dict[int, dict], sum_col: str = "tau_sum
     """(Δτ with its CI, verdict) of one option's runs against `ref`'s, seed for seed, prompt for prompt
     (vanilla τ by default; any method's τ-sum and round-count columns). Only the seeds whose two runs share their
     ground truth pair; where another seed's do not, the Δ says which seeds it is of (`views2` at seed 0 ran before
-    the pin, seed 1 on it, session 29: the stage had read "not paired" although seed 1 pairs)."""
+    the pin, seed 1 on it: the stage had read "not paired" although seed 1 pairs)."""
     common = sorted(set(seeds) & set(ref))
     if not common:
         return "not paired", "no common seed"
@@ -110,7 +110,7 @@ def _delta(seeds: dict[int, dict], ref: dict[int, dict], sum_col: str = "tau_sum
 def _seeds_disagree(seeds: dict[int, dict], ref: dict[int, dict], common: list[int], pooled: float,
                     sum_col: str, count_col: str) -> str | None:
     """A tie when a seed's own Δ has the other sign than the pooled one: the prompt-bootstrap interval holds the
-    seeds fixed, and a training seed moves a 64 M-token run by up to 0.52 τ (benchmarks/ABLATIONS.md, session 24:
+    seeds fixed, and a training seed moves a 64 M-token run by up to 0.52 τ (benchmarks/ABLATIONS.md:
     streak led dpace by +0.336 at seed 0 and trailed it by −0.126 at seed 1), so a difference one seed reverses is
     not a result."""
     per_seed = {s: paired_delta_ci(*_stacked([seeds[s]], sum_col, count_col), *_stacked([ref[s]], sum_col, count_col),
@@ -130,30 +130,66 @@ def _reused_lines(cells: list[dict]) -> list[str]:
             + " (the same composed config: reused, not trained again).", ""]
 
 
+BELOW_PL = "↓PL"  # the flag on a τ below prompt lookup's on the same prompts (a drafter that does not pay off)
+
+
+def shared_seeds(by_opt: dict[str, dict[int, dict]]) -> list[int]:
+    """The seeds every option has: pooled τ means only over these, so a row with an extra seed never reads better
+    or worse for it (the data stage once mixed two-seed and one-seed rows)."""
+    return sorted(set.intersection(*(set(s) for s in by_opt.values()))) if by_opt else []
+
+
+def pooled(tables: list[dict], sum_col: str = "tau_sum_vanilla", count_col: str = "rounds"):
+    """τ pooled over the tables' prompts (Σ τ-sums / Σ rounds) with its bootstrap CI over (seed, prompt) pairs."""
+    return pooled_ci(*_stacked(tables, sum_col, count_col), level=CI_LEVEL)
+
+
+def below_prompt_lookup(tables: list[dict]) -> bool:
+    """Whether vanilla τ pooled over `tables` is below prompt lookup's on the same prompts (False where the tables
+    carry no prompt-lookup columns)."""
+    if "tau_sum_prompt_lookup" not in ((tables[0].get("tasks") or [{}])[0] if tables else {}):
+        return False
+    return pooled(tables).value < pooled(tables, "tau_sum_prompt_lookup", "rounds_prompt_lookup").value
+
+
 def stage_table(cells: list[dict], suite: str, reference: str,
                 baseline: tuple[str, list[dict]] | None = None) -> list[str]:
-    """Markdown rows for one stage and suite; each option's seeds paired with the reference's seeds, and, when
-    `baseline` = (name, its cells) is given (the campaign's first option, hard_ce), with the baseline's too."""
+    """Markdown rows for one stage and suite, over the seeds every option has (`shared_seeds`); each option's seeds
+    paired with the reference's seeds, and, when `baseline` = (name, its cells) is given (the campaign's first
+    option), with the baseline's too. A τ vanilla below prompt lookup's carries `BELOW_PL`."""
     by_opt = _by_option(cells, suite)
     if reference not in by_opt:
         return [f"_no {suite} task tables for the reference option {reference}_"]
+    shared = shared_seeds(by_opt)
+    if not shared:
+        return [f"_no seed that every option of this stage has run on {suite}_"]
     base = _by_option(baseline[1], suite).get(baseline[0], {}) if baseline else None
-    methods = task_methods(by_opt[reference][min(by_opt[reference])])
+    methods = task_methods(by_opt[reference][shared[0]])
     head = ["option", "n seeds", *[f"τ {m[0]}" for m in methods], "Δτ vanilla vs " + reference, "verdict"]
     if base is not None:
         head += [f"Δτ vanilla vs {baseline[0]}", "verdict"]
     rows = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for opt, seeds in by_opt.items():
-        common = sorted(set(seeds) & set(by_opt[reference]))
-        tables = [seeds[s] for s in common]
-        cols = [_fmt(pooled_ci(*_stacked(tables, sc, cc), level=CI_LEVEL)) for _, sc, cc in methods]
-        dcol, verdict = _delta(seeds, by_opt[reference])
-        if opt == reference and dcol != "not paired":
-            verdict = "reference"
-        cols += [dcol, verdict]
+    flagged = False
+    for opt, all_seeds in by_opt.items():
+        seeds = {s: all_seeds[s] for s in shared}
+        tables = list(seeds.values())
+        cols = [_fmt(pooled(tables, sc, cc)) for _, sc, cc in methods]
+        if below_prompt_lookup(tables):
+            cols[0] += f" {BELOW_PL}"
+            flagged = True
+        # the reference against itself is no comparison: a dash, not a "0.000 [0.000, 0.000]"
+        ref = {s: by_opt[reference][s] for s in shared}
+        cols += ["—", "reference"] if opt == reference else list(_delta(seeds, ref))
         if base is not None:
-            cols += list(_delta(seeds, base))
-        rows.append("| " + " | ".join([opt, str(len(common)), *cols]) + " |")
+            cols += ["—", "baseline"] if seeds == base else list(_delta(seeds, base))
+        rows.append("| " + " | ".join([opt, str(len(shared)), *cols]) + " |")
+    extra = {o: sorted(set(s) - set(shared)) for o, s in by_opt.items() if set(s) - set(shared)}
+    if extra:
+        rows += ["", "Pooled over seed " + ", ".join(map(str, shared)) + ", the seeds every option has; also run, "
+                 "not pooled: " + "; ".join(f"{o} seed {', '.join(map(str, x))}" for o, x in extra.items()) + "."]
+    if flagged:
+        rows += ["", f"{BELOW_PL}: vanilla τ below prompt lookup's on the same prompts (prompt lookup needs no "
+                 "drafter: such a drafter does not pay for itself)."]
     return rows
 
 
@@ -274,16 +310,21 @@ def _target_line(cells: list[dict]) -> str:
         f"`{fp}` ({n} runs)" for fp, n in fps.items()) + "."
 
 
-def render_report(c, summary: dict) -> str:
-    """The campaign's markdown (module doc) from a summary: `summary.json`, or `summary_from_mlflow`."""
+def render_report(c, summary: dict, with_summary: bool = True, figures: dict[int, str] | None = None) -> str:
+    """The campaign's markdown (module doc) from a summary: `summary.json`, or `summary_from_mlflow`; its results
+    summary (`sweeps.results_summary`) first unless `with_summary` is False (a page that shows it elsewhere);
+    `figures`: {stage index: image path relative to the report}, shown after the stage's call."""
     lines = [f"# Ablation campaign `{c.name}`", "", c.description, "",
              f"Command: `python -m sweeps.campaign {c.name}` (then `… {c.name} report`). Budget: "
              f"{c.budget_tokens:,} consumed training tokens per run, seeds {c.seeds}, objective `{c.objective}`. "
              f"τ: pooled over seeds with its {CI_LEVEL:.0%} bootstrap CI over (seed, prompt) pairs; Δτ paired "
              f"with the reference option's run of the same seed; a tie is a Δ interval containing 0, or a Δ that one "
              f"seed's own run reverses.", ""]
+    from sweeps.results_summary import render_summary
+    lines += [*(render_summary(c, summary, level=2) if with_summary else []), _target_line(summary["cells"]),
+              *_speed_lines(summary)]
     winners = summary.get("winners", {})
-    lines += [_target_line(summary["cells"]), *_speed_lines(summary)]
+    objective_suite = _objective_suite(summary["cells"], c.objective)
     first = c.stages[0].options[0]
     for i, stage in enumerate(c.stages):
         cells = [x for x in summary["cells"] if x["stage"] == i]
@@ -293,9 +334,13 @@ def render_report(c, summary: dict) -> str:
             lines += [f"**Not run yet**: 0 of {len(stage.options) * len(c.seeds)} cells ({', '.join(stage.options)}; "
                       f"`python -m sweeps.campaign {c.name} only=[{stage.factor}]`).", ""]
             continue
+        lines += [_stage_verdict(c, summary, i, cells), "", _budget_line(cells), ""]
+        if figures and i in figures:
+            lines += [f"![stage {i}: {stage.factor}]({figures[i]})", ""]
         baseline = None if i == 0 else (first, [x for x in summary["cells"] if x["stage"] == 0])
-        suites = sorted({s for x in cells for s in _tables(Path(x["run_dir"]))})
-        lines += [_budget_line(cells), ""]
+        # the objective's suite first: it is what the verdict is called on; the others after it
+        suites = sorted({s for x in cells for s in _tables(Path(x["run_dir"]))},
+                        key=lambda s: (s != objective_suite, s))
         for suite in suites:
             lines += [f"### suite `{suite}`", "", *stage_table(cells, suite, stage.options[0], baseline), ""]
             deltas = delta_table(cells, suite, stage.options[0])
@@ -303,34 +348,38 @@ def render_report(c, summary: dict) -> str:
                 lines += ["Paired Δτ per drafting method:", "", *deltas, ""]
         # every option of the stage, its reference too where that is an earlier stage's run (reused, not trained
         # again): left out, the rank agreement ranked the other options only (the noise stage's table had no `none`
-        # row until session 22)
+        # row)
         lines += curve_section(cells, c.objective, stage.factor)
         lines += _reused_lines(cells)
-        # a stage given more options or seeds after its winner was called (the campaign file grew, or the report
-        # reads it with more seeds than it ran) is open again: reference_64m's report without `campaign.seeds=[0]`
-        # called its stages done with seed 1 of none of them run
-        ran = {(x["option"], int(x["seed"])) for x in cells}
-        complete = all((o, s) in ran for o in stage.options for s in c.seeds)
-        if stage.factor in winners and complete:
-            tied = ((summary.get("calls") or {}).get(stage.factor) or {}).get("tied") or []
-            tie = (f" **Tied with it: {', '.join(tied)}** (their paired Δ interval against it contains 0): no "
-                   f"winner among these." if tied else "")
-            lines += [f"Highest mean objective: **{winners[stage.factor]}** (a winner only where its Δ "
-                      f"interval above excludes 0).{tie}", ""]
-        else:
-            from sweeps.campaign import best_option
-            left = ", ".join(o if len(c.seeds) == 1 else f"{o} (seed {s})"
-                             for o in stage.options for s in c.seeds if (o, s) not in ran)
-            lines += [f"**Stage incomplete**: {len(cells)} of {len(stage.options) * len(c.seeds)} cells; highest "
-                      f"mean objective so far: {best_option(cells)} (not a winner until every option has run). "
-                      f"Not run yet: {left} (`python -m sweeps.campaign {c.name} only=[{stage.factor}]`).", ""]
     return "\n".join(lines) + "\n"
+
+
+def _stage_verdict(c, summary: dict, i: int, cells: list[dict]) -> str:
+    """The stage's call, before its tables: its winner and the options tied with it, or what is left to run.
+
+    A stage given more options or seeds after its winner was called (the campaign file grew, or the report reads
+    it with more seeds than it ran) is open again: reference_64m's report without `campaign.seeds=[0]` called its
+    stages done with seed 1 of none of them run."""
+    stage, winners = c.stages[i], summary.get("winners", {})
+    ran = {(x["option"], int(x["seed"])) for x in cells}
+    if stage.factor in winners and all((o, s) in ran for o in stage.options for s in c.seeds):
+        tied = ((summary.get("calls") or {}).get(stage.factor) or {}).get("tied") or []
+        tie = (f" **Tied with it: {', '.join(tied)}** (their paired Δ interval against it contains 0): no "
+               f"winner among these." if tied else "")
+        return (f"Highest mean objective: **{winners[stage.factor]}** (a winner only where its Δ interval below "
+                f"excludes 0).{tie}")
+    from sweeps.campaign import best_option
+    left = ", ".join(o if len(c.seeds) == 1 else f"{o} (seed {s})"
+                     for o in stage.options for s in c.seeds if (o, s) not in ran)
+    return (f"**Stage incomplete**: {len(cells)} of {len(stage.options) * len(c.seeds)} cells; highest mean "
+            f"objective so far: {best_option(cells)} (not a winner until every option has run). Not run yet: "
+            f"{left} (`python -m sweeps.campaign {c.name} only=[{stage.factor}]`).")
 
 
 def _found_here(out: Path, c, cell: dict) -> dict:
     """The cell with its run folder as it lies under `out` now: the campaign may have run elsewhere, and its
     recorded folder is relative to that launch's working folder (a stage's call pairs the runs' task tables there:
-    read before this, session 25's report of an unpacked store called the loss stage without its ties)."""
+    read before this, the report of an unpacked store called the loss stage without its ties)."""
     here = out / c.name / "runs" / cell.get("reused_from", cell["cell"])
     return {**cell, "run_dir": str(here)} if here.is_dir() else cell
 
@@ -341,7 +390,7 @@ def with_recorded_cells(c, out: Path, summary: dict) -> dict:
     again from its cells wherever every (option, seed) of it is there.
 
     `summary.json` holds the cells of its last launch only: a launch with `campaign.seeds=[1]` writes seed 1's,
-    and cells copied in from another store (session 24: `dflash.tracking.copy_runs`) are in no summary until the
+    and cells copied in from another store (`dflash.tracking.copy_runs`) are in no summary until the
     next launch. The records on disk are what ran; a winner called on one seed is called again on both."""
     from sweeps.campaign import best_option, cell_dir, cell_result, record_matches, stage_cells
     cells = [_found_here(out, c, x) for x in summary["cells"] if int(x["seed"]) in c.seeds]
@@ -370,8 +419,9 @@ def with_recorded_cells(c, out: Path, summary: dict) -> dict:
     return {**summary, "cells": cells, "winners": winners, "calls": calls, "complete": complete}
 
 
-def write_report(c, out: Path, dest: Path | None = None) -> dict[str, Any]:
-    """Render `<out>/<campaign>/ABLATIONS.md` (and `dest` when given) from the campaign's summary."""
+def load_summary(c, out: Path) -> dict[str, Any]:
+    """The campaign's summary as the report reads it: `summary.json` with every recorded cell of its seeds
+    (`with_recorded_cells`) and each called stage's ties."""
     summary_f = out / c.name / "summary.json"
     if not summary_f.is_file():
         raise FileNotFoundError(f"{summary_f}: the campaign has not finished a stage yet (run it first)")
@@ -380,12 +430,26 @@ def write_report(c, out: Path, dest: Path | None = None) -> dict[str, Any]:
         if stage.factor in summary["winners"] and stage.factor not in summary.setdefault("calls", {}):
             summary["calls"][stage.factor] = stage_call([x for x in summary["cells"] if x["stage"] == i],
                                                         c.objective, summary["winners"][stage.factor])
-    text = render_report(c, summary)
+    return summary
+
+
+def write_report(c, out: Path, dest: Path | None = None) -> dict[str, Any]:
+    """Render `<out>/<campaign>/ABLATIONS.md` (and `dest` when given) from the campaign's summary; its results
+    summary also to `<out>/<campaign>/SUMMARY.md` and onto the campaign's summary run in `<out>/mlflow.db`."""
+    from sweeps.results_summary import log_summary, render_summary
+    from sweeps.stage_figures import save_stage_figures
+    summary = load_summary(c, out)
+    figures = {i: f"figures/{name}" for i, name in save_stage_figures(c, summary, out / c.name / "figures").items()}
+    text = render_report(c, summary, figures=figures)
     atomic_write_text(out / c.name / "ABLATIONS.md", text)
+    short = "\n".join(render_summary(c, summary, level=1))
+    atomic_write_text(out / c.name / "SUMMARY.md", short)
+    run_id = log_summary(c, out, short)
     if dest is not None:
         atomic_write_text(dest, text)
     print(text)
-    return {"report": str(out / c.name / "ABLATIONS.md"), "winners": summary["winners"]}
+    return {"report": str(out / c.name / "ABLATIONS.md"), "summary": str(out / c.name / "SUMMARY.md"),
+            "summary_run": run_id, "winners": summary["winners"]}
 
 
 # -- the same tables from the MLflow store the campaign wrote (the ablation notebook) ---------------------
@@ -413,16 +477,32 @@ def _as_run_folder(art: Path, dest: Path) -> Path:
         shutil.copyfile(f, dest / "eval" / f.parent.parent.name / "served" / "tasks.json")
     if (art / "eval" / "tasks.json").is_file():
         shutil.copyfile(art / "eval" / "tasks.json", dest / "eval" / "tasks.json")
-    for f in sorted((art / "eval" / "suite").glob("*/tasks.json")):
+    # artifacts hold the other suites under eval/suite/<name>/, a run folder under eval/<name>/
+    for f in sorted([*(art / "eval" / "suite").glob("*/tasks.json"), *(art / "eval").glob("*/tasks.json")]):
+        if f.parent.name == "suite":
+            continue
         (dest / "eval" / f.parent.name).mkdir(exist_ok=True)
         shutil.copyfile(f, dest / "eval" / f.parent.name / "tasks.json")
     return dest
 
 
+def _store_run_folder(tracking_uri: str, c, cell_id: str) -> Path | None:
+    """The cell's run folder in a packed campaign store, beside its sqlite file (`<store>/<campaign>/runs/<cell>`):
+    cells trained before their eval tables were logged as artifacts have them there only."""
+    if not tracking_uri.startswith("sqlite:///"):
+        return None
+    folder = Path(tracking_uri.removeprefix("sqlite:///")).parent / c.name / "runs" / cell_id
+    return folder if (folder / "eval" / "tasks.json").is_file() else None
+
+
 def _mlflow_cell(c, cell, run, tracking_uri: str, work_dir: Path) -> dict[str, Any]:
     """A cell's record from its own MLflow run, as `summary.json` holds it (its eval task tables copied under
-    `work_dir`); `pinned`: it evaluated on the campaign's pinned ground truth (`eval.truth_dir` among its params)."""
-    folder = _as_run_folder(_artifacts_dir(run, tracking_uri), Path(work_dir) / cell.id)
+    `work_dir`, from its artifacts, else from its run folder in the store); `pinned`: it evaluated on the campaign's
+    pinned ground truth (`eval.truth_dir` among its params)."""
+    art = _artifacts_dir(run, tracking_uri)
+    if not (art / "eval" / "tasks.json").is_file():
+        art = _store_run_folder(tracking_uri, c, cell.id) or art
+    folder = _as_run_folder(art, Path(work_dir) / cell.id)
     m = run.data.metrics
     return {**cell.labels(), "run_dir": str(folder), "value": m.get(c.objective), "run_id": run.info.run_id,
             "consumed_tokens": m.get("data/consumed_tokens"), "epochs": m.get("data/epochs"),
@@ -437,7 +517,7 @@ def summary_from_mlflow(c, tracking_uri: str, work_dir: Path) -> dict[str, Any]:
     `sweeps.campaign.config_key`) pointed at that cell's run: the earliest one on the pinned ground truth where the
     stage's runs of that seed are pinned, as the campaign chose it (`sweeps.campaign._run_stage`). Before, it was the
     earliest run: the buffer stage's seed-0 reference became the loss stage's run from before the pin, and the
-    notebook showed the buffer stage "not paired" (session 25)."""
+    notebook showed the buffer stage "not paired"."""
     from mlflow.tracking import MlflowClient
 
     from sweeps.campaign import best_option, config_key, stage_cells
@@ -454,6 +534,9 @@ def summary_from_mlflow(c, tracking_uri: str, work_dir: Path) -> dict[str, Any]:
     earlier: dict[str, dict] = {}
     earlier_pinned: dict[str, dict] = {}
     for i, stage in enumerate(c.stages):
+        if any(f not in summary["winners"] for f in stage.on_best):
+            summary["complete"] = False
+            break  # its cells' names depend on a winner not called yet (as `with_recorded_cells` reads a store)
         grid = stage_cells(c, i, summary["winners"])
         keys = {cell.id: config_key(cell.overrides) for cell in grid}
         own = {cell.id: _mlflow_cell(c, cell, runs[cell.id], tracking_uri, work_dir) for cell in grid
@@ -473,7 +556,7 @@ def summary_from_mlflow(c, tracking_uri: str, work_dir: Path) -> dict[str, Any]:
         summary["cells"] += cells
         if len(cells) < len(stage.options) * len(c.seeds):
             summary["complete"] = False
-            break
+            continue  # an open stage calls no winner; later stages not built on it still read
         summary["winners"][stage.factor] = best_option(cells)
         summary.setdefault("calls", {})[stage.factor] = stage_call(cells, c.objective, summary["winners"][stage.factor])
     return summary

@@ -140,6 +140,46 @@ def detect_gpus() -> list[str]:
         return []
 
 
+CPU_STEPS_OK = 200  # the quick start's CPU run (minutes); a sweep's trials beyond this want a GPU
+CPU_EVAL_PROMPTS_OK = 16  # prompts of a trial's final evaluation, beyond which it wants a GPU
+
+
+def eval_suites_size(e) -> list[tuple[str, int, int]]:
+    """(suite, prompts, new tokens per prompt) of a trial's final evaluation, read without building it (a
+    generated suite's size is its config's; a file that cannot be read counts 0: the run names it later)."""
+    from dflash.evaluation.prompts import load_suite
+    out = []
+    for name in [e.suite, *e.extra_suites]:
+        if name == "heldout":
+            out.append((name, e.heldout.num_prompts, e.heldout.max_new_tokens))
+            continue
+        try:
+            out.append((name, len(load_suite(name)), e.max_new_tokens))
+        except (OSError, ValueError):
+            out.append((name, 0, e.max_new_tokens))
+    return out
+
+
+def warn_cpu_budget(args, sweep, cfg) -> bool:
+    """Before a sweep whose trials would take hours on this machine's CPU: one warning with its budget and its
+    evaluation's size, and the CPU example to run instead. True when it warned."""
+    from dflash.devices import resolve_device
+    if detect_gpus() or resolve_device(cfg.trainer.device).type != "cpu" or args.n_trials < 1:
+        return False
+    t, e = cfg.trainer, cfg.eval
+    suites = eval_suites_size(e) if e.enabled else []
+    if t.max_steps <= CPU_STEPS_OK and sum(n for _, n, _ in suites) <= CPU_EVAL_PROMPTS_OK:
+        return False
+    budget = f"{t.max_steps:,} steps of {t.sequences_per_step} sequences" + (
+        f" (token budget {t.token_budget:,})" if t.token_budget else "")
+    evals = ("an evaluation on " + " + ".join(f"{name} ({n} prompts x {k} tokens)" for name, n, k in suites)
+             if suites else "no evaluation")
+    print(f"[sweep {sweep.name}] WARNING: no GPU here, so {args.n_trials} trial(s) of {budget} each, with {evals}, "
+          f"run on the CPU: expect hours per trial. The sweep is meant for a GPU; to check the machinery on a CPU "
+          f"in minutes: python -m sweeps.launch cpu_smoke n_trials=2 workers=1", file=sys.stderr, flush=True)
+    return True
+
+
 def validate(sweep, base_overrides: list[str], out_dir: Path):
     """Compose the base config and one config per searched group option; check every searched key."""
     from dflash.config import to_dict
@@ -332,6 +372,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if reruns:
         print(f"[sweep {study_name}] training again from scratch: "
               + ", ".join(f"#{old} as #{new}" for old, new in reruns.items()), file=sys.stderr)
+    warn_cpu_budget(args, sweep, base_cfg)
     if args.workers > 1 and args.n_trials > 0:  # one process makes what the trials starting together would each make
         make_shared_inputs(base_cfg, record=out_dir / "write_ahead.json")
     specs, gpus = _worker_specs(args, sweep, base_overrides, storage, study_name, out_dir, parent_id, tr, n_before,
@@ -347,16 +388,23 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             worker_main(specs[0], Tickets(args.n_trials), in_process=True)
         else:
             lost = _run_workers(specs, args.n_trials, study, tracker)
-    except KeyboardInterrupt:
-        status = "KILLED"
+    except BaseException as e:  # the parent run never stays RUNNING: KILLED on a stop, FAILED otherwise
+        status = "KILLED" if isinstance(e, KeyboardInterrupt) else "FAILED"
         raise
     finally:
-        reap_stale(study, tracker)
-        reconcile_children(study, tracker, parent_id)
-        summary = update_parent(study, tracker, parent_id)
-        if tracker is not None and parent_id:
-            tracker.update_parent(parent_id, {"sweep.lost_workers": len(lost)} if lost else {}, {}, 0)
-            tracker.end(parent_id, status)
+        try:
+            reap_stale(study, tracker)
+            reconcile_children(study, tracker, parent_id)
+            summary = update_parent(study, tracker, parent_id)
+            if status == "FINISHED" and len(lost) >= args.workers > 1:  # every worker died: the launch failed
+                status = "FAILED"
+        except BaseException:
+            status = "FAILED" if status == "FINISHED" else status
+            raise
+        finally:
+            if tracker is not None and parent_id:
+                tracker.update_parent(parent_id, {"sweep.lost_workers": len(lost)} if lost else {}, {}, 0)
+                tracker.end(parent_id, status)
     summary.update(study=study_name, storage=storage_desc, parent_run_id=parent_id, n_before=n_before,
                    n_new=summary["n_trials"] + summary["n_continued"] - n_before, lost_workers=lost,
                    out_dir=str(out_dir), continued_now=continued)

@@ -2,8 +2,8 @@
 in the store, and the inputs made once before the runs start.
 
 - `with_truth_pin(overrides, folder)`: `eval.truth_dir=<folder>` unless the overrides set it. GPU greedy decoding
-  differs across machines (a few tokens of the held-out suite, sessions 12 and 13), and the folder travels with the
-  committed store, so runs of later sessions evaluate on the same tokens and pair, prompt for prompt, with earlier
+  differs across machines (a few tokens of the held-out suite, 2026-12-01/02), and the folder travels with the
+  committed store, so runs of later launches evaluate on the same tokens and pair, prompt for prompt, with earlier
   ones.
 - `make_shared_inputs(cfg, more_cfgs, record)`: `dflash.app.write_ahead` (the prompt pool, the online shards every
   run reads, the ground truth of every suite) once, here, recorded as JSON. Runs that start together on one GPU

@@ -203,7 +203,10 @@ def _apply_dotted(raw: Any, override: str, where: str) -> None:
         elif not isinstance(nxt, dict):
             raise SweepError(f"{where}: sweep override {key!r}: {p!r} is not a mapping")
         node = nxt
-    node[parts[-1]] = yaml.safe_load(value) if value != "" else ""
+    new = yaml.safe_load(value) if value != "" else ""
+    if parts[1:] == ["type"] and parts[0] in ("sampler", "pruner") and node.get("type") != new:
+        node.clear()  # another sampler / pruner: the file's options were the old one's (`pruner.type=none`)
+    node[parts[-1]] = new
 
 
 def parse_sweep(raw: Any, where: str = "sweep", default_name: str = "sweep", path: str = "") -> SweepDef:

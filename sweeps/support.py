@@ -76,6 +76,11 @@ class PruningEvaluator:
         if hasattr(self.base, "use_train_sequences"):
             self.base.use_train_sequences(sequences)
 
+    def add_suites(self, suites, note: str = "") -> None:
+        """Forwarded to the real evaluator (the data's own suites: a chat dataset's chat_heldout)."""
+        if hasattr(self.base, "add_suites"):
+            self.base.add_suites(suites, note)
+
     def __call__(self, drafter, target, step: int, final: bool, logger=None) -> dict[str, float]:
         out: dict[str, float] = {}
         if self.base is not None:
@@ -137,8 +142,11 @@ class SweepTracker:
     @property
     def experiment_id(self) -> str:
         if self._experiment_id is None:
-            def create():  # a fresh sqlite store is created once, under a lock, by whichever process comes first
-                prepare_store(self.tracking_uri)
+            # a fresh sqlite store is made once, whole, under a lock; a dead or silent server fails here in seconds
+            # (not retried: each try would wait out the bounded check again)
+            prepare_store(self.tracking_uri)
+
+            def create():
                 return get_or_create_experiment(self.client, self.experiment, self.tracking_uri)
             self._experiment_id = self._retry("get/create experiment", create, quiet=False)
         return self._experiment_id  # type: ignore[return-value]

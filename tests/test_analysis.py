@@ -72,6 +72,21 @@ def test_pooling_is_explicit_and_bookkeeping_keys_do_not_split():
     assert list(A.ablation_table(same, by=["loss"]).index) == ["hard_ce"]  # nothing else varies: no "other"
 
 
+def test_settings_that_do_not_change_results_never_split_a_row():
+    """Two seeds of one config logged with different implementation settings (seq_len 0 = auto against 320, the
+    LM-head chunk, bf16 against auto) and a campaign's labels pool in one row; a named seq_len of its own splits."""
+    same = dict(**{"p.data.online.seq_len": 320, "p.loss.chunk_size": 65536, "p.trainer.autocast": "bf16",
+                   "p.campaign.stage": "0 loss"})
+    auto = dict(**{"p.data.online.seq_len": 0, "p.loss.chunk_size": 0, "p.trainer.autocast": "auto",
+                   "p.campaign.stage": "3 buffer"})
+    runs = pd.DataFrame([_run(0, seed=0, **same), _run(1, seed=1, **auto)])
+    assert A.varying_keys(runs) == []
+    table = A.ablation_table(runs, by=["loss"], metrics=["eval/tau_vanilla"])
+    assert len(table) == 1 and "other" not in table.index.names
+    longer = pd.DataFrame([_run(0, seed=0, **same), _run(1, seed=1, **{**same, "p.data.online.seq_len": 512})])
+    assert A.varying_keys(longer) == ["data.online.seq_len"]
+
+
 def test_confidence_intervals_when_logged_else_the_spread():
     ci = {"eval/tau_vanilla_ci_low": 1.01, "eval/tau_vanilla_ci_high": 1.09, "eval/tau_prompt_lookup": 1.40}
     runs = pd.DataFrame([_run(0, tau=1.05, **ci), _run(1, loss="soft_kl", seed=0, tau=1.07),

@@ -158,7 +158,7 @@ def test_a_stage_with_pinned_cells_trains_its_reference_again_under_the_pin(monk
 def test_the_pin_is_decided_per_seed_so_an_unpinned_seed_keeps_its_unpinned_reference(monkeypatch, tmp_path):
     """Seed 0's noise cells all ran before the pin, seed 1's are new (on the pin): seed 0's `none` stays the loss
     stage's unpinned run, the one its options pair with, and seed 1's is the pinned run of seed 1. Deciding by
-    stage alone had put seed 0's `none` on a pinned run (session 25), and seed 0's Δs became "not paired"."""
+    stage alone had put seed 0's `none` on a pinned run, and seed 0's Δs became "not paired"."""
     import sweeps.campaign as campaign
     c = load_campaign("cpu_smoke", ["campaign.seeds=[0,1]", "campaign.workers=1"])
     pin = ["eval.truth_dir=/pins"]
@@ -326,6 +326,8 @@ def _check_report_from_mlflow(tmp_path, summary):
                                      "CAMPAIGN": "cpu_smoke", "CAMPAIGN_EDITS": ["campaign.seeds=[0]"]})
     md = "\n".join(o["data"]["text/markdown"] for o in _outputs(nb) if "text/markdown" in o.get("data", {}))
     assert strip(md) == strip(from_folders)
+    figures = next(cell for cell in nb.cells if "stage_figures(campaign" in cell.source)  # one per stage
+    assert sum("image/png" in o.get("data", {}) for o in figures.outputs) == len(c.stages)
 
 
 def test_a_deadline_starts_no_cell_after_it_and_leaves_an_incomplete_summary(tmp_path):
@@ -365,7 +367,13 @@ def test_report_pairs_each_option_with_the_reference_seed_for_seed(tmp_path):
               ("soft_kl", 0): _table("gt", [30, 40, 35, 50], [10] * 4, [15] * 4),  # +1.0 τ on every prompt
               ("soft_kl", 1): _table("gt", [32, 38, 36, 48], [10] * 4, [15] * 4),
               ("lk", 0): _table("other", [20, 30, 25, 40], [10] * 4, [15] * 4),  # another ground truth
-              # seed 0 before the pin, seed 1 on it (views2, session 29): seed 1 pairs, and the Δ says so
+              ("lk", 1): _table("other", [20, 30, 25, 40], [10] * 4, [15] * 4),
+              ("lk_alone", 0): _table("gt", [20, 30, 25, 40], [10] * 4, [30] * 4),  # below prompt lookup
+              ("lk_alone", 1): _table("gt", [20, 30, 25, 40], [10] * 4, [30] * 4),
+              ("seed2", 0): _table("gt", [20, 30, 25, 40], [10] * 4, [15] * 4),  # one more seed than the others
+              ("seed2", 1): _table("gt", [20, 30, 25, 40], [10] * 4, [15] * 4),
+              ("seed2", 2): _table("gt", [90, 90, 90, 90], [10] * 4, [15] * 4),
+              # seed 0 before the pin, seed 1 on it (as views2 ran): seed 1 pairs, and the Δ says so
               ("streak", 0): _table("other", [30, 40, 35, 50], [10] * 4, [15] * 4),
               ("streak", 1): _table("gt", [27, 33, 31, 43], [10] * 4, [15] * 4)}  # +0.5 τ on every prompt
     for (opt, seed), t in tables.items():
@@ -374,8 +382,12 @@ def test_report_pairs_each_option_with_the_reference_seed_for_seed(tmp_path):
         (d / "tasks.json").write_text(json.dumps(t))
         cells.append({"option": opt, "seed": seed, "run_dir": str(d.parent)})
     rows = stage_table(cells, "heldout", "hard_ce")
-    by = {r.split("|")[1].strip(): r for r in rows[2:]}
-    assert "reference" in by["hard_ce"] and "0.000 [0.000, 0.000]" in by["hard_ce"]
+    by = {r.split("|")[1].strip(): r for r in rows[2:] if r.startswith("| ")}
+    assert by["hard_ce"].endswith("| — | reference |") and "0.000 [0.000, 0.000]" not in by["hard_ce"]
+    # pooled over the seeds every option has: seed2's seed 2 (τ 9) is said, not pooled
+    assert "| seed2 | 2 | 2.875 [" in by["seed2"] and "also run, not pooled: seed2 seed 2." in rows[-1 - 2]
+    assert "| lk_alone | 2 | 2.875 [2.375, 3.375] ↓PL |" in by["lk_alone"]
+    assert "↓PL" not in by["hard_ce"] and "↓PL:" in rows[-1]
     assert "better" in by["soft_kl"] and "1.000 [1.000, 1.000]" in by["soft_kl"]
     assert "not paired" in by["lk"]
     assert "0.500 [0.500, 0.500] (seed 1 alone; seed 0: other ground truth) | better" in by["streak"]
@@ -383,13 +395,13 @@ def test_report_pairs_each_option_with_the_reference_seed_for_seed(tmp_path):
     from sweeps.campaign_report import delta_table
     table = delta_table(cells, "heldout", "hard_ce")
     deltas = {r.split("|")[1].strip(): r for r in table[2:]}
-    assert set(deltas) == {"soft_kl", "lk", "streak"} and "Δτ tree 16 nodes vs hard_ce" in table[0]
+    assert set(deltas) == {"soft_kl", "lk", "streak", "lk_alone", "seed2"} and "Δτ tree 16 nodes vs hard_ce" in table[0]
     assert deltas["soft_kl"].count("**better**") == 2 and "not paired" in deltas["lk"]  # vanilla and tree 16
     assert deltas["streak"].count("(seed 1 alone; seed 0: other ground truth) **better**") == 2
 
 
 def test_a_difference_one_seed_reverses_is_a_tie(tmp_path):
-    """Session 24: streak led dpace by +0.336 at seed 0 and trailed it by −0.126 at seed 1. Pooled over the seeds a
+    """At 64 M: streak led dpace by +0.336 at seed 0 and trailed it by −0.126 at seed 1. Pooled over the seeds a
     difference can still exclude 0 (here +0.9 and −0.1 on every prompt: +0.4 [+0.15, +0.65]); it is a
     tie when a seed's own Δ has the other sign, and a win when every seed agrees."""
     from sweeps.campaign_report import delta_table, stage_call, stage_table

@@ -42,10 +42,9 @@ def test_relocate_artifacts_absolute_for_any_working_folder(tmp_path):
     from dflash.tracking.run_info import relocate_artifacts
     unpack(STORE, tmp_path)
     db = tmp_path / "campaign_out" / "mlflow.db"
-    # three campaign experiments, 57 runs (session 24's three loss cells of seed 1 copied in: dflash.tracking.copy_runs;
-    # session 25's last three; session 27's t262; session 29's three data cells of seed 1), 7 registered model
-    # versions (the gate's: session 21's champion v3 among them, session 22's refused buffer cell, session 23's
-    # refused cuts8 cell, session 25's refused soft_kl_streak cell of seed 1, session 27's t262, the champion now)
+    # three campaign experiments, 57 runs (three loss cells of seed 1 copied in: dflash.tracking.copy_runs), 7
+    # registered model versions (the gate's: the 8-layer champion v3 among them, a refused buffer cell, the refused
+    # cuts8 cell, the refused soft_kl_streak cell of seed 1, t262, the champion now)
     assert relocate_artifacts(db, relative=False) == 68
     c = MlflowClient(f"sqlite:///{db}")
     r = c.search_runs([c.get_experiment_by_name("dflash-ablation").experiment_id], max_results=1)[0]
@@ -82,10 +81,10 @@ def test_report_names_the_cells_not_run_yet(campaign_store):
     text = (campaign_store / "reference_64m" / "ABLATIONS.md").read_text()
     stages = {s.split("\n", 1)[0].split(" (")[0]: s for s in text.split("\n## Stage ")[1:]}
     loss = stages["0: loss"]
-    # seed 1 of dpace, hard_ce and streak ran in session 24 (copied in from the store they ran in), the rest in 25
+    # seed 1 of dpace, hard_ce and streak were copied in from the store they ran in
     assert "Stage incomplete" not in loss and "; 12 runs" in loss
-    assert "Highest mean objective: **streak** (a winner only where its Δ interval above excludes 0). **Tied with " \
-           "it: dpace, soft_kl_streak**" in loss  # session 24's +0.090 [−0.016, +0.193] over dpace, now every loss
+    assert "Highest mean objective: **streak** (a winner only where its Δ interval below excludes 0). **Tied with " \
+           "it: dpace, soft_kl_streak**" in loss  # +0.090 [−0.016, +0.193] over dpace
     noise = stages["1: noise"]
     assert "**Stage incomplete**: 5 of 8 cells" in noise  # seed 1's none is the loss stage's streak run of seed 1
     assert "Not run yet: uniform (seed 1), gaussian (seed 1), cosine (seed 1)" in noise
@@ -122,7 +121,7 @@ def test_a_summary_of_one_seed_does_not_hide_the_other(campaign_store):
 
 
 def test_a_reused_reference_is_in_its_stages_learning_curve(campaign_store):
-    """reference_64m's buffer stage (session 22) reuses the data stage's views4 run as its r10_20 reference (the same
+    """reference_64m's buffer stage reuses the data stage's views4 run as its r10_20 reference (the same
     composed config) and the noise stage the loss stage's streak run as `none`: both are rows of their stage's
     learning curve, so the rank agreement ranks every option, and the report says whose run they are."""
     from sweeps.campaign import load_campaign
@@ -136,12 +135,12 @@ def test_a_reused_reference_is_in_its_stages_learning_curve(campaign_store):
         curve = stages[stage].split("#### Learning curve", 1)[1].split("Rank agreement", 1)[0]
         assert f"\n| {reference} | 1 | " in curve, curve
         assert f"`{reference}` (seed 0) is `{run}`'s run" in stages[stage]
-    assert "| r10_20 | 1 | 4.227 [3.864, 4.627] |" in stages["3: buffer"]  # the pinned reference, held-out
+    assert "| r10_20 | 1 | 4.227 [3.864, 4.627] ↓PL |" in stages["3: buffer"]  # the pinned reference, held-out
 
 
 def test_a_relocated_store_keeps_new_runs_artifacts_beside_it(tmp_path, monkeypatch):
     """A committed store (relative artifact locations) extracted and written to from another working folder: a new
-    run's artifacts land in the store's mlartifacts/, not in the working folder (where sessions 18-20's sweep trials
+    run's artifacts land in the store's mlartifacts/, not in the working folder (where the recipe sweep's first trials
     left their eval tables and checkpoints, outside the packed store)."""
     from mlflow.tracking import MlflowClient
 
@@ -194,25 +193,75 @@ def test_the_recipe_quotes_the_stores_figures(campaign_store):
                                           (ROOT / "benchmarks" / "sweeps" / "sweeps_out.tar.xz", "sweeps_out/mlflow.sql")])
 def test_the_committed_stores_hold_their_database_as_sql(archive, dump):
     """Every GPU call carries both stores inside its 64 MiB: as SQL dumps they pack to less than half their vacuumed
-    databases (session 23: the campaign store 3.0 MB against 7.3 MB), room for the seeds still to run."""
+    databases (the campaign store of 2026-12-03: 3.0 MB against 7.3 MB), room for the seeds still to run."""
     with tarfile.open(archive) as t:
         names = t.getnames()
     assert dump in names and dump.replace(".sql", ".db") not in names
 
 
-def test_ablations_quotes_the_stores_two_seed_loss_stage(campaign_store):
-    """benchmarks/ABLATIONS.md's loss stage on both seeds (sessions 24-25) is the committed store's report, table for
-    table: its held-out τ rows, the stage's call (streak, tied with dpace and soft_kl_streak) and the learning curve."""
+def test_ablations_first_screen_is_the_stores_summary(campaign_store):
+    """benchmarks/ABLATIONS.md opens with each campaign's results summary and holds each campaign's report, both as
+    the committed store renders them now (`python -m sweeps.results_summary`): not a copy that can go stale. The
+    summaries fit the first screen (60 lines) and say for every stage which option won, by how much, how sure."""
     from sweeps.campaign import load_campaign
-    from sweeps.campaign_report import write_report
-    write_report(load_campaign("reference_64m"), campaign_store)
-    stage = (campaign_store / "reference_64m" / "ABLATIONS.md").read_text().split("\n## Stage 0: loss\n", 1)[1]
-    stage = stage.split("\n## Stage ", 1)[0]
-    quoted = (ROOT / "benchmarks" / "ABLATIONS.md").read_text().split("\n### Stage 0: loss, seeds 0 and 1\n", 1)[1]
-    quoted = quoted.split("\n## ", 1)[0]
-    rows = [r for r in stage.splitlines() if r.startswith("| ") or r.startswith("Highest mean objective")]
-    assert len(rows) >= 40 and all(r in quoted.splitlines() for r in rows)
-    assert "| streak | 2 | 3.938 [3.709, 4.192] |" in stage
+    from sweeps.campaign_report import load_summary
+    from sweeps.results_summary import render_summary, report_block
+    text = (ROOT / "benchmarks" / "ABLATIONS.md").read_text()
+    first_screen = "\n".join(text.splitlines()[:60])
+    for name in ["reference_recipe", "reference_64m"]:
+        c = load_campaign(name)
+        summary = load_summary(c, campaign_store)
+        lines = render_summary(c, summary, level=3)
+        block = text.split(f"<!-- results-summary:{name} -->\n", 1)[1].split(f"\n<!-- /results-summary:{name} -->")[0]
+        assert block == "\n".join(lines).rstrip() and block in first_screen
+        assert sum(line.startswith("- Stage ") for line in lines) == len(c.stages)
+        report = text.split(f"<!-- report:{name} -->\n", 1)[1].split(f"\n<!-- /report:{name} -->")[0]
+        assert report == report_block(c, summary).rstrip()
+    assert "- Stage 0 **loss** (seeds 0, 1, 12 runs): **streak** τ 3.938 [3.709, 4.192] ↓PL; tied with dpace, " \
+           "soft_kl_streak; vs dpace (runner-up) +0.090 [-0.016, +0.193] tie." in first_screen
+    assert "τ **8.543 [8.003, 9.081]**; prompt lookup 6.160 [5.795, 6.560], paired Δ +2.384 [+2.026, +2.756]" \
+           in first_screen
+
+
+def test_the_report_the_notebook_and_mlflow_give_the_same_numbers(campaign_store, tmp_path):
+    """For the same runs, the campaign report (run folders and summary.json), the ablation notebook's summary
+    (`summary_from_mlflow`: the MLflow store alone) and MLflow's own metrics say the same: the same cells, the same
+    summary lines, each one-seed winner's pooled τ its run's `eval/tau_vanilla`, and the summary the report logs
+    on the campaign's summary run is its SUMMARY.md."""
+    from mlflow.tracking import MlflowClient
+
+    from sweeps.campaign import load_campaign
+    from sweeps.campaign_report import load_summary, summary_from_mlflow, write_report
+    from sweeps.results_summary import SUMMARY_RUN_TAG, render_summary, stage_answer
+    uri = f"sqlite:///{campaign_store / 'mlflow.db'}"
+    client = MlflowClient(uri)
+    for name in ["reference_64m", "reference_recipe"]:
+        c = load_campaign(name)
+        report, notebook = load_summary(c, campaign_store), summary_from_mlflow(c, uri, tmp_path / name)
+        cells = lambda s: sorted((x["cell"], x.get("reused_from", "")) for x in s["cells"])  # noqa: E731
+        assert cells(report) == cells(notebook)
+        assert render_summary(c, report) == render_summary(c, notebook)
+        for i in range(len(c.stages)):
+            a = stage_answer(c, notebook, i)
+            if "winner" not in a or len(a["seeds"]) != 1:
+                continue
+            cell = next(x for x in notebook["cells"] if x["stage"] == i and x["option"] == a["winner"])
+            logged = client.get_run(cell["run_id"]).data.metrics["eval/tau_vanilla"]
+            assert abs(logged - a["tau"].value) < 5e-4, (name, i, logged, a["tau"].value)
+        got = write_report(c, campaign_store)
+        run = client.get_run(got["summary_run"])
+        assert run.data.tags[SUMMARY_RUN_TAG] == name and run.data.tags["dflash.kind"] == "campaign"
+        logged = client.download_artifacts(run.info.run_id, "results_summary.md", str(tmp_path))
+        assert Path(logged).read_text() == (campaign_store / name / "SUMMARY.md").read_text()
+        assert client.get_experiment_by_name(c.experiment).tags["mlflow.note.content"].startswith(f"Campaign `{name}`")
+        assert write_report(c, campaign_store)["summary_run"] == run.info.run_id  # one summary run, updated
+        # every cell run labelled for the runs table's grouping: campaign, stage, option and seed
+        for x in notebook["cells"]:
+            if not x.get("reused_from"):
+                r = client.get_run(x["run_id"])
+                assert (r.data.tags["campaign"], r.data.tags["stage"], r.data.tags["option"], r.data.tags["seed"]) \
+                    == (name, f"{x['stage']} {x['factor']}", x["option"], str(x["seed"])), x["cell"]
+                assert r.data.params["campaign.option"] == x["option"]
 
 
 def test_the_notebooks_summary_pairs_the_buffer_stage_on_the_pin(campaign_store, tmp_path):
@@ -228,3 +277,20 @@ def test_the_notebooks_summary_pairs_the_buffer_stage_on_the_pin(campaign_store,
     assert reused == {"s1-noise-none-seed0": "s0-loss-streak-seed0", "s3-buffer-r10_20-seed0": "s2-data-views4-seed0"}
     buffer = render_report(c, summary).split("## Stage 3: buffer", 1)[1]
     assert "| fifo | -0.021 [-0.053, 0.010] tie |" in buffer  # ABLATIONS.md's fifo − r10_20, held-out
+
+
+def test_each_stage_figure_shows_the_reports_numbers(campaign_store, tmp_path):
+    """The loss stage's figure, from the report's summary and from the notebook's alike: one curve per run ending at
+    its final τ, prompt lookup's band, and each option's paired Δ against the winner with the report's tie call."""
+    from sweeps.campaign import load_campaign
+    from sweeps.campaign_report import load_summary, summary_from_mlflow
+    from sweeps.stage_figures import stage_figure_data
+    c = load_campaign("reference_64m")
+    d = stage_figure_data(c, load_summary(c, campaign_store), 0)
+    assert d.winner == "streak" and len(d.curves) == 12
+    assert all(pts[-1][0] == 64_000_000 and len(pts) == 3 for pts in d.curves.values())  # 4 M, 16 M, final
+    deltas = {opt: (round(v, 3), tie) for opt, v, _, _, tie in d.deltas}
+    assert deltas["dpace"] == (-0.09, True) and deltas["soft_kl_streak"][1] and not deltas["lk"][1]
+    assert round(d.prompt_lookup[0], 3) == 6.16
+    nb = stage_figure_data(c, summary_from_mlflow(c, f"sqlite:///{campaign_store / 'mlflow.db'}", tmp_path), 0)
+    assert nb.deltas == d.deltas and nb.prompt_lookup == d.prompt_lookup

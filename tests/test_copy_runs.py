@@ -17,7 +17,7 @@ def _client(folder: Path) -> tuple[MlflowClient, str]:
 
 
 def _source(folder: Path) -> dict:
-    """A campaign store as session 24's wrong-store job left it: one finished cell with a metric history, params,
+    """A campaign store as a job in the wrong store left it: one finished cell with a metric history, params,
     tags and an eval artifact; one killed cell."""
     c, uri = _client(folder)
     eid = get_or_create_experiment(c, "dflash-campaign-64m", uri)

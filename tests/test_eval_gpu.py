@@ -71,8 +71,8 @@ def test_real_decoding_on_gpu(target, tmp_path):
 def test_oracle_decoding_on_gpu(target, tmp_path):
     """The loop with a drafter that proposes the target's own tokens accepts every block (τ = block size, the last
     round clipped) and, in float32, writes the greedy tokens. Its speed against greedy decoding is printed, not
-    asserted: a speed figure is a benchmark's (`benchmarks/decode_ceiling.py`). Session 22's H200 run failed an
-    `> 2.0` speed-up assertion here in bfloat16; session 23's benchmark run showed why: on one prompt the block
+    asserted: a speed figure is a benchmark's (`benchmarks/decode_ceiling.py`). An H200 run failed an
+    `> 2.0` speed-up assertion here in bfloat16; the benchmark showed why: on one prompt the block
     verify left the greedy tokens at a near-tie and the oracle, still proposing them, was accepted one token a
     round from there (0.70×). The oracle now follows the loop's own tokens (`loop_tokens`)."""
     truths, _ = load_or_build_ground_truth(target, load_suite("coding10"), N, tmp_path)

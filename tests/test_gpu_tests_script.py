@@ -1,6 +1,6 @@
 """benchmarks/gpu/gpu_tests.sh, run on the CPU against a made-up GPU-marked test file: a TERM from an outer limit
-reaches pytest as INT, so the tests that ran and pytest's summary and JUnit file are still written (session 25's
-`timeout 300 bash gpu_tests.sh` lost all three)."""
+reaches pytest as INT, so the tests that ran and pytest's summary and JUnit file are still written (a
+`timeout 300 bash gpu_tests.sh` had lost all three)."""
 import os
 import signal
 import subprocess

@@ -107,7 +107,7 @@ def test_pack_store_then_unpack_elsewhere(tmp_path):
 
 
 def test_an_archive_with_the_database_itself_unpacks_as_it_is(tmp_path):
-    """Stores packed before the dumps (sessions up to 22) hold mlflow.db: unpack extracts it unchanged."""
+    """Stores packed before the dumps (up to 2026-12-03) hold mlflow.db: unpack extracts it unchanged."""
     s = _store(tmp_path / "src" / "sweeps_out")
     with tarfile.open(tmp_path / "old.tar.xz", "w:xz") as t:
         t.add(tmp_path / "src" / "sweeps_out", arcname="sweeps_out")
@@ -124,7 +124,7 @@ def _use_store(work: Path, archive: Path) -> str:
 
 
 def test_use_store_continues_the_committed_store_where_only_a_truth_folder_is(tmp_path):
-    """Session 24: sweep.sh's TRUTH= had extracted campaign_out/<name>/truth, and the campaign job after it took that
+    """sweep.sh's TRUTH= had extracted campaign_out/<name>/truth, and the campaign job after it took that
     folder for the store and ran its cells in a new, empty one. A folder without its database is not a store: the
     committed one is unpacked into it; a warm machine's store (its database there) is kept; no archive, a new one."""
     packed = tmp_path / "packed"

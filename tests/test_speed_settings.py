@@ -88,3 +88,15 @@ def test_triton_lm_head_and_compiled_target_train_to_the_torch_losses_on_gpu(fas
     assert all(torch.isfinite(torch.tensor(after)))
     assert after == pytest.approx(before, rel=2e-2)
     torch._dynamo.reset()
+
+
+def test_compile_caches_persist_under_the_users_cache_folder_keyed_by_versions(tmp_path):
+    import torch
+
+    from dflash.devices import persist_compile_caches
+    env = {"DFLASH_CACHE": str(tmp_path / "c"), "TRITON_CACHE_DIR": "/mine"}
+    set_now = persist_compile_caches(env)
+    assert env["TRITON_CACHE_DIR"] == "/mine" and "TRITON_CACHE_DIR" not in set_now  # the user's own setting wins
+    assert env["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "c" / "inductor" / f"torch-{torch.__version__}")
+    assert env["TRITON_CACHE_AUTOTUNING"] == "1"
+    assert persist_compile_caches({"DFLASH_COMPILE_CACHE": "0"}) == {}

@@ -150,7 +150,7 @@ def test_report_names_a_missing_store(tmp_path):
 
 @pytest.mark.skipif(not STORE.is_file(), reason="no committed sweep store")
 def test_committed_sweep_store_reprints_the_results(tmp_path):
-    """The recipe sweep of sessions 17-20, and session 24's rerun of its best trial (30) gated, as
+    """The recipe sweep, and the rerun of its best trial (30) gated, as
     benchmarks/RESULTS.md quotes it, reprinted from the committed store."""
     from dflash.tracking.packed_store import unpack
     from sweeps.launch import main
@@ -159,7 +159,7 @@ def test_committed_sweep_store_reprints_the_results(tmp_path):
     rows = {line.split(" | ")[0]: line for line in text.splitlines() if line.startswith("| ")}
     assert "| COMPLETE |" in rows["| 32 (rerun of 30)"] and "7.251 [6.656, 7.872] | best |" in rows["| 32 (rerun of 30)"]
     assert "7.209 [6.600, 7.837] | -0.041 [-0.209, +0.126] tie |" in rows["| 30 ← 26"]  # the same params: a tie
-    assert "6.588 [6.042, 7.147] | -0.662 [-0.936, -0.390] |" in rows["| 6 ← 2"]  # session 17's best, paired
+    assert "6.588 [6.042, 7.147] | -0.662 [-0.936, -0.390] |" in rows["| 6 ← 2"]  # the first six trials' best, paired
     assert ("cut at step 2920 of 3,125 (~30 s of training at 140 K tok/s; no checkpoint on this machine: it cannot "
             "continue here)") in text and "**refused** as version 1" in text
     assert "- trial 32 (run `4d5c3bd44ea74bc0b97747ea1754542e`): **promoted** as version 2" in text

@@ -111,3 +111,24 @@ def test_masked_data_is_probed_over_its_last_trained_span_only():
     got = probe_tau(d, [It()], TauProbeConfig(sequences=1, window=128))
     want = sequence_round_taus(d, truth.tokens, truth.features, _labels(truth.tokens), 24, end=T - 6)
     assert got["train/tau_rounds_n"] == len(want) and got["train/tau_rounds"] == pytest.approx(sum(want) / len(want))
+
+
+def test_probe_runs_at_the_first_log_interval_past_each_multiple_of_every():
+    from dflash.training.tau_probe import TauProbeConfig, probe_due
+    cfg = TauProbeConfig(sequences=2, every=25)
+    probed, last = [], 0
+    for done in range(10, 101, 10):  # log intervals of 10 steps
+        if probe_due(cfg, done, last, final=done == 100):
+            probed.append(done)
+            last = done
+    assert probed == [30, 50, 80, 100]  # 25 → 30, 50, 75 → 80, 100 (also the last step)
+    assert probe_due(TauProbeConfig(every=0), 10, 0)  # 0: every log interval
+    assert not probe_due(TauProbeConfig(sequences=0), 100, 0, final=True)  # off
+
+
+def test_negative_probe_cadence_is_refused_by_name():
+    import pytest
+
+    from dflash.training.tau_probe import TauProbeConfig, validate_tau_probe_config
+    with pytest.raises(ValueError, match="trainer.tau_probe.every"):
+        validate_tau_probe_config(TauProbeConfig(every=-1), 16)

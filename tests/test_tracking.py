@@ -99,6 +99,25 @@ def test_mlflow_run_lifecycle_and_resume(store, tmp_path):
     assert [m.step for m in hist] == [0, 10, 20, 30]
 
 
+def test_per_prompt_metrics_stay_out_of_mlflow(store, tmp_path):
+    """Per-prompt τ goes to MLflow as each suite's table (the tasks.json artifacts), not as one metric key per
+    prompt; the run folder's metrics.jsonl keeps every key."""
+    cfg = TrackingConfig(tracking_uri=store, experiment="t-per-task", run_name="r", console=False,
+                         system_metrics=False)
+    loggers = build_loggers(cfg, tmp_path, params={}, tags=None, total_steps=None)
+    metrics = {"eval/tau_vanilla": 3.0, "eval/task/p1/tau_vanilla": 2.0, "eval/task/p1/tau_tree_16": 2.5,
+               "eval/suite/coding10/tau_vanilla": 4.0, "eval/suite/coding10/task/q/tau_vanilla": 5.0,
+               "eval/tasks_mean": 1.0}
+    loggers.log(metrics, 10)
+    run_id = next(lg.run_id for lg in loggers.loggers if isinstance(lg, MLflowLogger))
+    loggers.close()
+    logged = MlflowClient(store).get_run(run_id).data.metrics
+    assert {k for k in logged if k.startswith("eval/")} == {"eval/tau_vanilla", "eval/suite/coding10/tau_vanilla",
+                                                          "eval/tasks_mean"}
+    lines = _read_jsonl(next(tmp_path.glob("**/metrics.jsonl")))
+    assert any("eval/task/p1/tau_vanilla" in line for line in lines)
+
+
 def test_log_figure(store):
     plt = pytest.importorskip("matplotlib.pyplot")
     lg = MLflowLogger(TrackingConfig(tracking_uri=store, experiment="t-fig"), {}, {})

@@ -35,7 +35,7 @@ def _best_max(sizes: dict[str, int], n: int) -> int:
 
 
 def test_balance_keeps_every_wheel_once_and_near_the_best_split(wf):
-    # session 21's wheel sizes, rounded to kB, and a few small ones
+    # the 2026-12-03 wheel sizes, rounded to kB, and a few small ones
     sizes = {"cryptography": 4753, "sqlalchemy": 4748, "mlflow_skinny": 4111, "pydantic_core": 2265,
              "databricks_sdk": 1250, "fla_core": 1085, "pydantic": 495, "optuna": 443, "fla": 404}
     groups = wf.balance(sizes, 3)
@@ -47,7 +47,7 @@ def test_balance_keeps_every_wheel_once_and_near_the_best_split(wf):
 
 
 def test_wheels_of_one_top_level_folder_stay_together(wf):
-    """`pip install --target --upgrade` replaces a top-level folder already there: session 21's first three-folder
+    """`pip install --target --upgrade` replaces a top-level folder already there: a three-folder
     machine lost opentelemetry-sdk to a later call's opentelemetry-api, and mlflow did not import."""
     tops = {"otel_api.whl": {"opentelemetry"}, "otel_sdk.whl": {"opentelemetry"}, "otel_proto.whl": {"opentelemetry"},
             "fla_core.whl": {"fla"}, "fla.whl": {"fla"}, "omegaconf.whl": {"omegaconf", "pydevd_plugins"},
@@ -89,7 +89,7 @@ def test_the_script_spreads_a_folder_and_reports_the_room(tmp_path):
 
 
 def test_fewest_folders_that_leave_the_room(wf):
-    """Session 22: three folders of 7.5 MB left 1.7 MB beside an 11.7 MB store; the default is the fewest folders
+    """Three folders of 7.5 MB left 1.7 MB beside an 11.7 MB store; the default is the fewest folders
     whose heaviest fits the room, install groups whole."""
     sizes = {"a.whl": 500, "b.whl": 400, "c.whl": 300, "d.whl": 200, "e.whl": 100}
     tops = {w: {w[0]} for w in sizes}

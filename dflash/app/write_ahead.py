@@ -73,11 +73,15 @@ def write_ahead(cfg, items: int | None = None, more_cfgs=()) -> dict[str, float]
     if cfg.eval.enabled:
         t3 = time.perf_counter()
         ev = SuiteEvaluator(cfg.eval)
+        if cfg.data.source == "conversations":  # the data's own suites (chat_heldout), objective or extra
+            if not uses_online(cfg):
+                data = build_run_data(cfg, target, DistInfo())
+            ev.add_suites(data.eval_suites, data.eval_note)
         suites = list(ev.suites)
         if uses_online(cfg) and cfg.eval.train_tasks > 0:
             # eval/tau_train's prompts (cut from the pool, as every run's evaluator cuts them): without this, the
-            # cells of a campaign each built the same ground truth at their first eval, at once (session 16: two
-            # cells, 55-75 s each, the GPU shared)
+            # cells of a campaign each built the same ground truth at their first eval, at once (two cells on one
+            # H200, 2026-12-02: 55-75 s each, the GPU shared)
             ev.use_train_sequences(data.examples())
             suites += [s for s in [ev.train_suite(target.tokenizer)] if s is not None]
         from dflash.evaluation.protocol import truth_specs

@@ -40,8 +40,8 @@ class Schedule:
         """Windows of pipeline_steps / repeats steps, rounded up to whole producer periods: a producer claiming
         `producer_batch` sequences forwards once per producer_batch / gcd(producer_batch, drafter_batch) steps,
         so a window that cuts that period holds a varying number of target forwards. At 27B, windows of 10 steps
-        with producer_batch 4 read 5,110 / 6,535 / 5,119 / 6,541 (spread 24.6%, session 8); windows of 12 read
-        5,673 / 5,671 (0.05%, session 10)."""
+        with producer_batch 4 read 5,110 / 6,535 / 5,119 / 6,541 (spread 24.6%); windows of 12 read
+        5,673 / 5,671 (0.05%; H200, 2026-12-01, benchmarks/RESULTS.md)."""
         period = max(producer_batch, 1) // math.gcd(max(producer_batch, 1), max(b.drafter_batch, 1))
         window = -(-max(1, b.pipeline_steps // b.pipeline_repeats) // period) * period
         warmup = -(-max(b.pipeline_warmup, 1) // window) * window  # whole windows: metrics read at their ends

@@ -239,4 +239,6 @@ def derive(out: dict) -> dict:
             per_tok = t["flops_per_tok"] + d["flops_per_tok"]
             p["mfu"] = p["consumed_tok_s"] * per_tok / (peak * gpus)
             p["stock_credited_mfu"] = p["stock_credited_tok_s"] * per_tok / (peak * gpus)
+        if t and d:  # the guard's figure: the pipeline against the serial sum of its own two sides, this process
+            p["of_serial_sum"] = p["tok_s_per_gpu"] / out["back_to_back_tok_s"]
     return out

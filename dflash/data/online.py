@@ -96,7 +96,7 @@ def validate_online_config(cfg: OnlineConfig, seq_len: int, max_prompt_len: int)
 
 # auto reuse on a GPU. At the reference shapes (+trainer=gpu, 5-layer drafter) training takes ~0.54 ms of the
 # H200 per sequence (59% busy at 350 K consumed tok/s) and the graph decode ~0.71 ms per written sequence: one
-# view each needs more than the GPU; two views halve the writing (RESULTS.md session 9).
+# view each needs more than the GPU; two views halve the writing (benchmarks/RESULTS.md, 2026-12-01).
 AUTO_GPU_REUSE = 2
 
 
@@ -347,7 +347,7 @@ class OnlineWriter:
         self.written_batches += 1
         self.written_tokens += written
         # one line a written batch: the only trace of a writer in the loop (the trainer logs every N steps, and
-        # logs nothing while it waits for the first batch: session 14's 27B run showed no line in 280 s)
+        # logs nothing while it waits for the first batch: a 27B run of 2026-12-02 showed no line in 280 s)
         log.info("online data: wrote batch %d, %d rows, %d tokens in %.1f s (%.0f written tok/s, decode %s)", b,
                  len(prompts), written, dt, written / max(dt, 1e-9), self.decode)
         return tokens

@@ -32,8 +32,8 @@ CUDA_GRID_YZ_MAX = 65_535
 
 
 # auto write_batch: rows per written batch, at most this many. A decode step's cost grows far slower than its rows:
-# transformers' cached step was host-bound at 1,024 rows (~3,600 small ops, RESULTS.md session 8), and at 4,096
-# rows on an H200 a step takes 11.5 ms (cache) or 9.1 ms (graph), GPU time (benchmarks/gpu/decode_speed.py, session 9).
+# transformers' cached step was host-bound at 1,024 rows (~3,600 small ops, RESULTS.md, 2026-12-01), and at 4,096
+# rows on an H200 a step takes 11.5 ms (cache) or 9.1 ms (graph), GPU time (benchmarks/gpu/decode_speed.py, 2026-12-01).
 AUTO_WRITE_ROWS = 4096
 AUTO_WRITE_MEMORY_FRAC = 0.5  # of the GPU memory free when the writer starts, for the batch's caches
 CPU_WRITE_ROWS = 1024  # the CPU's auto (the default before auto; not measured there)

@@ -30,7 +30,7 @@ from typing import Sequence
 from dflash.evaluation import EvalConfig
 from dflash.evaluation.ground_truth import TaskTruth, TruthSpec, cache_key, load_or_build_ground_truth
 from dflash.evaluation.protocol import labelled, objective_metrics, served_label, table_places, truth_specs
-from dflash.evaluation.prompts import Suite, Task, resolve_suite, suite_label
+from dflash.evaluation.prompts import DATA_SUITES, Suite, Task, resolve_suite, suite_label
 from dflash.evaluation.report import EvalReport, evaluate
 
 log = logging.getLogger(__name__)
@@ -171,8 +171,15 @@ class SuiteEvaluator:
     def add_suites(self, suites: Sequence[Suite], note: str = "") -> None:
         """The trainer's hook: suites of the training data's own distribution (a chat dataset's held-out split),
         evaluated at the end beside the configured ones (eval/suite/<name>/...), and a line for the summary."""
+        given = {s.name: s for s in suites}
+        # a configured data suite (eval.suite=chat_heldout: an empty placeholder until now) takes the data's
+        self.suites = [given.pop(s.name) if s.name in given and not s.tasks else s for s in self.suites]
         names = {s.name for s in self.suites}
-        self.suites += [s for s in suites if s.name not in names]
+        self.suites += [s for s in given.values() if s.name not in names]
+        for s in self.suites:
+            if not s.tasks:
+                raise ValueError(f"eval suite {s.name!r} has no prompts: the run's data gave none (it is built by "
+                                 f"{DATA_SUITES.get(s.name, 'the data')})")
         self.note = note
 
     def use_train_sequences(self, sequences: Sequence) -> None:

@@ -139,7 +139,7 @@ def greedy_continuations(target, prompts: list[list[int]], max_new_tokens: int,
     for s in range(0, len(prompts), rows):
         group = prompts[s:s + rows]
         # transformers' own cached decode, not the online writer's graph: in bf16 the two part at near-ties (88.7%
-        # of written tokens agree on an H200, RESULTS.md session 9), and the ground truth is what τ is measured on
+        # of written tokens agree on an H200, RESULTS.md, 2026-12-01), and the ground truth is what τ is measured on
         seq = write_continuations(target, group, max(map(len, group)) + max_new_tokens, sampling, generator,
                                   decode="cache")
         out += [seq[r, len(p):len(p) + max_new_tokens].tolist() for r, p in enumerate(group)]
@@ -194,9 +194,9 @@ def truths_from_tokens(target, tasks: list[Task], prompts: list[list[int]], cont
         out.append(TaskTruth(t.name, torch.tensor(ids, dtype=torch.long), torch.tensor(cont, dtype=torch.long),
                              batch.features_BTLH[0].detach().cpu().contiguous(), agree, _group_of(t.name), pp))
         first_s = first_s or time.perf_counter() - t0  # timed through the .cpu() copies: no extra sync
-    # the first forward apart: a fresh H200 spent 73 s on the held-out suite's 128 (session 17); session 18 read
+    # the first forward apart: a fresh H200 spent 73 s on the held-out suite's 128; another read
     # 62.8 s, 49.3 s of it the first (the chunked kernels' first compile and autotune in this machine's life: the
-    # write-ahead before it decodes only), the other 127 in 13.5 s (RESULTS.md, session 18)
+    # write-ahead before it decodes only), the other 127 in 13.5 s (RESULTS.md, 2026-12-02)
     log.info("eval ground truth: %d one-shot forwards in %.1f s (the first %.1f s)", len(out),
              time.perf_counter() - t0, first_s)
     return out

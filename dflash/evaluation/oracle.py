@@ -54,7 +54,7 @@ def loop_tokens(target, truth, block_size: int, max_new_tokens: int, passes: int
     A block verify forward can round a near-tie differently from greedy's one-token forward (bfloat16): from there
     on the greedy tokens continue another prefix, the oracle's drafts stop matching and every later round accepts
     one token (one of 6 coding10 prompts in bfloat16 on the H200 went 10, 1, 1, … for 120 rounds, so the "ceiling"
-    read 0.70×: benchmarks/RESULTS.md, session 23). Each pass keeps what the loop committed; a pass whose every
+    read 0.70×: benchmarks/RESULTS.md, 2026-12-03). Each pass keeps what the loop committed; a pass whose every
     round is whole ends it.
     Returns the tokens and how many passes found a divergence (0: the greedy tokens already were the loop's)."""
     from dflash.evaluation.speculative import speculative_decode

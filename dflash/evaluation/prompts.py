@@ -89,13 +89,19 @@ class Suite:
 GENERATED: dict[str, Callable[[Any], Suite]] = {}
 
 
+# Suites the run's data builds (a chat dataset's held-out split: dflash/app/chat_data.py); as eval.suite the
+# evaluator holds an empty placeholder until the data hands the suite over (SuiteEvaluator.add_suites).
+DATA_SUITES = {"chat_heldout": "data.source=conversations (its held-out split)",
+               "coding10_chat": "data.source=conversations (coding10 through the chat template)"}
+
+
 def generated_suites() -> dict[str, Callable[[Any], Suite]]:
     import dflash.evaluation.heldout  # noqa: F401 - registers itself
     return GENERATED
 
 
 def suite_label(suite: str) -> str:
-    if suite in generated_suites() or (_NAME.match(suite) and not suite.endswith(".json")):
+    if suite in generated_suites() or suite in DATA_SUITES or (_NAME.match(suite) and not suite.endswith(".json")):
         return suite
     return Path(suite).stem
 
@@ -105,4 +111,6 @@ def resolve_suite(suite: str, cfg) -> Suite:
     gen = generated_suites()
     if suite in gen:
         return gen[suite](cfg)
+    if suite in DATA_SUITES:
+        return Suite(suite, [], int(cfg.max_new_tokens))  # the data fills it in
     return Suite(suite_label(suite), load_suite(suite), int(cfg.max_new_tokens))

@@ -2,8 +2,8 @@
 to a small JSON file, then used by every later evaluation with the same pin folder.
 
 Why: GPU greedy decoding is not bit-reproducible across machines and processes (autotuned kernels differ), so
-two sessions that each regenerate the ground truth get a few different continuations, a different
-`ground_truth_key`, and evaluations that no longer pair. A campaign that spans sessions commits its pins and
+two machines that each regenerate the ground truth get a few different continuations, a different
+`ground_truth_key`, and evaluations that no longer pair. A campaign that spans machines commits its pins and
 evaluates every cell on the same tokens; only the target features are recomputed (one forward per prompt).
 
 A pin file is `<truth_dir>/<key[:24]>.json`, key = sha256 of what decides the ground truth apart from numerics:

@@ -210,8 +210,10 @@ def _remove_lockdir(path: Path) -> None:
 
 
 def _client(uri: str):
-    from mlflow.tracking import MlflowClient
-    return MlflowClient(tracking_uri=uri, registry_uri=uri)
+    """The store's client once it answers (dflash/tracking/store.py): a dead or silent server is a
+    ConnectionError within seconds, not minutes of MLflow's retries."""
+    from dflash.tracking.store import open_client
+    return open_client(uri, registry=True)
 
 
 def _error_code(e: BaseException) -> str:

@@ -7,7 +7,7 @@ Gated DeltaNet's gated RMSNorm does the same over [tokens, 6144] plus a float32 
 writes silu(gate) before multiplying it by up ([tokens, 17408]); the gated attention's per-head norms, rotary
 embedding and output gate run as strided kernels over [B, heads, T, 256] views. At the 27B shapes these passes
 held a forward of 4 × 2,048 tokens at 63% MFU; fused, it runs at 73% (9,504 → 11,124 tok/s in one process, the
-27B pipeline 5,790 → 6,617 trained-on tok/s with the Triton LM-head loss: benchmarks/RESULTS.md, session 11).
+27B pipeline 5,790 → 6,617 trained-on tok/s with the Triton LM-head loss: benchmarks/RESULTS.md, 2026-12-01).
 
 `compile` replaces each such module's forward, on this model's instances only, with the same math compiled by
 torch.compile (one fused kernel per piece); the functions below are the reference and what gets compiled. The

@@ -140,7 +140,7 @@ def _by_device(fast, reference):
     """`fast` for CUDA tensors, `reference` (transformers' torch code) for any other: what a CPU target's preflight
     binds, so that a GPU target of the same process keeps the fast kernels. Binding the reference process-wide (as
     `force_torch_gdn` does) left every later GPU target on the torch path: the GPU tests after a CPU target saw
-    chunk_gated_delta_rule = torch (session 11)."""
+    chunk_gated_delta_rule = torch."""
     @functools.wraps(reference)  # __wrapped__: the reference, for inspect.unwrap
     def by_device(*args, **kwargs):
         x = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)), None)

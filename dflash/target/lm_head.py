@@ -5,7 +5,7 @@ Positions per chunk when `loss.chunk_size` (or `target.lm_head_chunk`) is 0, "au
 [chunk, V] float32 block near 1 GiB. At V = 248,320 that is 1,024, the fixed default it replaces; at the
 reference target's V = 4,096 it is 65,536. There 1,024 made 128 chunks of ~20 small kernels each per step:
 launch-bound. On an H200, in one process: the LM-head loss 72.2 -> 10.3 ms, the drafter step 80.0 -> 43.9 ms
-(benchmarks/RESULTS.md, session 8).
+(benchmarks/RESULTS.md, 2026-12-01).
 """
 from __future__ import annotations
 

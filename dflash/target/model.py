@@ -159,6 +159,13 @@ def resolve_mask_token(cfg: TargetConfig) -> int:
 def validate_target_config(cfg: TargetConfig) -> TargetInfo:
     if not cfg.path:
         TINY_TARGETS.check(cfg.random.model_type)
+    else:
+        from dflash.safe_load import pickled_weights
+        pickled = pickled_weights(checkpoint_path(cfg))
+        if pickled:
+            raise ValueError(f"target.path={cfg.path}: {pickled[0]} holds pickled weights, which dflash never "
+                             f"loads (unpickling can run code); dflash reads *.safetensors weights only: "
+                             f"convert the checkpoint to safetensors ({', '.join(pickled)})")
     info = read_target_info(cfg)
     ids = resolve_layer_ids(cfg, info)
     bad = [i for i in ids if not 0 <= i < info.num_layers]
@@ -296,7 +303,7 @@ class Target:
         """Stable identity for caches and ground-truth keys: each weights file's name, size and content digest
         (`_file_digest`) with the tokenizer's files, or the random spec. Not the folder's path: the same
         checkpoint in another checkout (a GPU machine's copy of the repo, a moved models folder) is the same
-        target, and its pinned ground truth and caches must match there (two sessions' campaign cells were
+        target, and its pinned ground truth and caches must match there (campaign cells of two machines were
         unpaired when keys differed)."""
         if not self.cfg.path:  # a tokenizer folder of its own changes what every prompt's text encodes to
             tok = "" if self.cfg.tokenizer in ("auto", "bytes") else f":tokenizer={self.cfg.tokenizer}"

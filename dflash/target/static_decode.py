@@ -1,10 +1,10 @@
 """One-token decode steps with every state preallocated, replayed as a CUDA graph (docs/data.md, "Writing").
 
 transformers' cached decode of a hybrid Gated-DeltaNet target runs ~3,600 small ops a step for the reference
-target (mask building, cache bookkeeping; host-bound at 1,024 rows, RESULTS.md session 8), its caches grow by
+target (mask building, cache bookkeeping; host-bound at 1,024 rows, RESULTS.md, 2026-12-01), its caches grow by
 concatenation, so no step has the same shapes as the last and nothing can be captured, and its chunked prefill
 autotunes Triton kernels per batch shape (62 s before the first 4,096-row batch on an H200). Measured side by
-side (`benchmarks/gpu/decode_speed.py`, RESULTS.md session 9): at 4,096 rows x 320 tokens this decoder writes
+side (`benchmarks/gpu/decode_speed.py`, RESULTS.md, 2026-12-01): at 4,096 rows x 320 tokens this decoder writes
 1.26x the tokens per second (9.1 ms a step, GPU time) and its first batch takes 3.4 s.
 
 `StaticDecoder` holds B rows of one decoder's state for up to L positions — each Gated-DeltaNet layer's conv

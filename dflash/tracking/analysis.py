@@ -46,9 +46,17 @@ CI_SUFFIXES = ("_ci_low", "_ci_high")
 CI_LEVEL = 0.95  # the rows' pooled intervals (the campaign report's level)
 # Config keys (and prefixes, ending in ".") that change neither what is trained nor what is measured: the
 # replicate seed, bookkeeping, placement, intermediate-eval and checkpoint cadence.
-NOT_A_FACTOR = ("seed", "run_dir", "resume", "tracking.", "promote.", "eval.cache_dir", "eval.subset",
+# `campaign.*`: a campaign's labels of its runs (sweeps.results_summary); the chunk sizes and the producer's
+# placement change how the same sums are scheduled, not what is trained or measured
+NOT_A_FACTOR = ("seed", "run_dir", "resume", "tracking.", "promote.", "campaign.", "eval.cache_dir", "eval.subset",
                 "eval.device", "trainer.eval_every", "trainer.checkpoint_every", "trainer.keep_checkpoints",
-                "trainer.device", "target.device", "data.regen_cache_dir", "buffer.timeout_s")
+                "trainer.device", "target.device", "data.regen_cache_dir", "buffer.timeout_s", "loss.chunk_size",
+                "target.lm_head_chunk", "trainer.producer_mode")
+# A key's "auto" spelling is no value of its own: a run that left it to auto (data.online.seq_len=0: data.max_len,
+# which is a factor itself; trainer.autocast=auto: bf16 on a GPU, off on a CPU, and runs of one experiment share
+# their device) pools with the runs that name what auto resolved to, and never splits a row by the spelling alone.
+# Two different named values still split.
+AUTO_SPELLING = {"data.online.seq_len": "0", "trainer.autocast": "auto"}
 SHORT_NAMES = {"loss.name": "loss", "noise.name": "noise", "buffer.name": "buffer", "target.name": "target"}
 _POS_RE = re.compile(r"^(?P<prefix>.+/acc_pos)(?P<k>\d+)$")
 
@@ -188,7 +196,11 @@ def factor_frame(runs: pd.DataFrame) -> pd.DataFrame:
             cols[name] = cols[name].where(cols[name].notna(), runs[name]) if name in cols else runs[name]
     first = [k for k in ("loss", "noise", "buffer", "target") if k in cols]
     order = first + sorted(k for k in cols if k not in first)
-    return pd.DataFrame({k: cols[k].map(_cell) for k in order}, index=runs.index)
+    frame = pd.DataFrame({k: cols[k].map(_cell) for k in order}, index=runs.index)
+    for key, auto in AUTO_SPELLING.items():
+        if key in frame:
+            frame[key] = frame[key].where(frame[key] != auto, "-")
+    return frame
 
 
 def varying_keys(runs: pd.DataFrame) -> list[str]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import tempfile
 import time
 import warnings
@@ -21,6 +22,17 @@ from dflash.tracking.run_info import (MAX_METRICS_PER_BATCH, MAX_PARAM_VAL_LENGT
 from dflash.tracking.transport import HEARTBEAT_TAG, heartbeat_tags, prepare_store, utc_now
 
 _VALID_STATUSES = ("FINISHED", "FAILED", "KILLED")
+# Per-prompt τ (`eval/task/<prompt>/…`, `eval/suite/<name>/task/<prompt>/…`): one metric key per prompt made a
+# campaign run carry ~1,000 keys, its charts and the compare view buried the few that answer. MLflow gets each
+# suite's table instead (the `eval/tasks.json` / `eval/suite/<name>/tasks.json` artifacts the report pairs on);
+# the run folder's metrics.jsonl keeps every key.
+# per-prompt keys: eval/task/…, eval/<setting>/task/…, eval/suite/<name>/<setting>/task/…, eval/subset/<setting>/task/…
+PER_TASK_METRIC = re.compile(r"^eval/(?:[^/]+/){0,3}task/")
+
+
+def mlflow_metric_keys(metrics: Mapping[str, Any]) -> list[str]:
+    """The keys of `metrics` that go to MLflow: every one but the per-prompt ones (`PER_TASK_METRIC`)."""
+    return [k for k in metrics if not PER_TASK_METRIC.match(k)]
 
 
 class MLflowLogger(Logger):
@@ -186,8 +198,8 @@ class MLflowLogger(Logger):
 
         ts = int(time.time() * 1000)
         ms = []
-        for k, v in metrics.items():
-            f = to_float(v)
+        for k in mlflow_metric_keys(metrics):
+            f = to_float(metrics[k])
             if f is not None:
                 ms.append(Metric(sanitize_key(k), f, ts, int(step)))
         for i, chunk in enumerate(in_batches(ms, MAX_METRICS_PER_BATCH)):

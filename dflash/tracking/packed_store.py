@@ -4,9 +4,9 @@
     python -m dflash.tracking.packed_store dump campaign_out/mlflow.db campaign_out/mlflow.sql      # what packing does
 
 The committed stores (`benchmarks/ablations/campaign_out.tar.xz`, `benchmarks/sweeps/sweeps_out.tar.xz`) ride in
-every GPU call's 64 MiB working tree beside the wheels (`benchmarks/gpu/wheel_folders.py`), and each GPU session's
+every GPU call's 64 MiB working tree beside the wheels (`benchmarks/gpu/wheel_folders.py`), and each GPU job's
 runs grow them. The sqlite file packs poorly: its B-tree pages, and the metric table's primary-key index, which
-repeats every row. Session 23's campaign store (48 runs, 446 K metric rows): the vacuumed database packed by
+repeats every row. The campaign store of 2026-12-03 (48 runs, 446 K metric rows): the vacuumed database packed by
 xz -9 to 7.34 MB, its SQL dump (`iterdump`: rows and schema; indexes as CREATE statements) to 3.04 MB. Rebuilding
 the database from the dump took 10 s on the dev machine. So an archive holds `<name>.sql` in place of
 `<name>.db`, and `unpack` extracts it and rebuilds each database beside its dump (an archive of the older kind,
@@ -70,7 +70,7 @@ def restore_store(sql: str | os.PathLike, db: str | os.PathLike) -> Path:
 def unpack(archive: str | os.PathLike, dest: str | os.PathLike = ".") -> list[Path]:
     """Extract `archive` into `dest` and rebuild every database from its dump there (`<x>.sql` → `<x>.db`; the
     dump is removed once the database is built). Returns the databases built. An archive that holds a database
-    itself (packed before session 23) unpacks as it is."""
+    itself (packed before 2026-12-03) unpacks as it is."""
     archive, dest = Path(archive), Path(dest)
     if not archive.is_file():
         raise FileNotFoundError(f"{archive}: no packed store")

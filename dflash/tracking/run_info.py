@@ -290,8 +290,8 @@ def get_or_create_experiment(client, name: str, tracking_uri: str) -> str:
     if db is not None and _relative_location(getattr(exp, "artifact_location", "") or ""):
         # A relocatable store (`relocate_artifacts`, a committed store extracted here): MLflow resolves its relative
         # artifact location against this process's working folder, so a new run's artifacts (its eval tables, the
-        # checkpoint the promotion gate registers) would land outside the store and never travel with it. Sessions
-        # 18-20's sweep trials lost theirs that way (they went to the GPU machine's repo root): pin it beside the db.
+        # checkpoint the promotion gate registers) would land outside the store and never travel with it. The recipe
+        # sweep's first trials lost theirs that way (they went to the GPU machine's repo root): pin it beside the db.
         relocate_artifacts(db, relative=False)
     have = dict(getattr(exp, "tags", {}) or {})
     for k, v in experiment_view_tags().items():
@@ -317,7 +317,8 @@ KEY_METRIC_COLUMNS = ("eval/tau_served", "eval/tau_served_ci_low", "eval/tau_ser
                       "eval/tau_served_prompt_lookup", "eval/t0/tau_vanilla", "eval/t0/tau_tree_64",
                       "eval/subset/tau_served", "train/tau_rounds",
                       "data/consumed_tokens", "perf/consumed_tok_s")
-KEY_TAG_COLUMNS = ("loss", "noise", "buffer")
+# a campaign's report labels its cell runs with stage and option (sweeps.results_summary.label_cell_runs)
+KEY_TAG_COLUMNS = ("stage", "option", "loss", "noise", "buffer")
 
 
 def _column(kind: str, name: str) -> str:

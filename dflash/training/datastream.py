@@ -62,6 +62,7 @@ class TrainingData:
     eval_suites: list = field(default_factory=list)  # suites of the data's own distribution (chat_heldout ...)
     eval_note: str = ""  # printed under the eval summary (where the training responses came from)
     sample: list | None = None  # what examples() returns when set (a few rows of a large memory-mapped set)
+    report: str = ""  # markdown for a person (a chat dataset's statistics and marked records), a run artifact
 
     def epochs(self, items: int) -> float:
         """data/epochs after `items` views: pool epochs (items over the distinct sequences) for a bounded pool,

@@ -58,7 +58,7 @@ def _triton_kernel_or_fail(device: torch.device) -> bool:
 
 # loss.lm_head_kernel -> whether the hard-label chunk runs on lm_head_triton's two kernels on this device (soft
 # labels, a float32 / float64 head and the recompute path always take the torch chunk). auto: where they can run.
-# At the 27B shapes, in one process: the LM-head loss 41.6 -> see benchmarks/RESULTS.md session 11.
+# At the 27B shapes, in one process: the LM-head loss 41.6 -> see benchmarks/RESULTS.md, 2026-12-01.
 LM_HEAD_KERNELS: Registry = Registry("loss.lm_head_kernel", {
     "auto": lm_head_triton.triton_available,
     "torch": lambda device: False,

@@ -3,7 +3,7 @@
 Why: at the 27B shapes (V = 248,320) the torch chunk of ``dflash.training.lm_head_loss`` upcasts the [C, V]
 logits to float32 and then makes ~10 float32 passes over them (logsumexp's own temporaries, argmax, the
 softmax in place, the scatter of -e_y, the cast back to bf16): ~58 bytes moved per logit, ~15 ms of a 139 ms
-drafter step, beside ~27 ms of the two head matmuls (benchmarks/RESULTS.md, sessions 8 and 11). Here:
+drafter step, beside ~27 ms of the two head matmuls (benchmarks/RESULTS.md, 2026-12-01). Here:
 
 1. ``_row_stats_kernel`` reads each row of bf16 logits once and keeps a running max, the sum of exp (rescaled
    when the max grows: the online softmax of Milakov & Gimelshein 2018), the first index of the max and the

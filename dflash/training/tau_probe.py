@@ -4,7 +4,7 @@ Why not the loss's streak (`train/anchor_streak`): it is the mean accepted-draft
 anchors. Decoding does not visit positions uniformly: a round that accepts s tokens jumps s + 1 positions, so
 rounds skip quickly over easy stretches and linger where drafting is hard. On the reference target a 5-layer
 drafter read `train/streak` 9.07 while its evaluated τ on its own training text was 3.9; on coding10 the mean of
-(s + 1) over every position was 8.58, the round simulation 4.56 (benchmarks/RESULTS.md, session 12). A uniform
+(s + 1) over every position was 8.58, the round simulation 4.56 (benchmarks/RESULTS.md, 2026-12-01). A uniform
 mean over anchors over-weights the long streaks.
 
 The probe runs the evaluation's simulator on training sequences (`docs/DESIGN.md`, "Evaluation"): for each probed
@@ -19,7 +19,11 @@ target did not write it is the same rounds against the target's teacher-forced l
 with a loss mask (conversations) is probed over its last trained (assistant) span instead (`trained_span`).
 
 It runs at log intervals only (the interval's host sync is already there), on `sequences` items of the step,
-with the clean features (no training noise), under no_grad: a few forwards per interval, off every step.
+with the clean features (no training noise), under no_grad, and only at the first log interval at or past each
+multiple of `every` steps (0: every interval). Its cost is on the consumer's critical path: at the 27B shapes
+(5-layer drafter of width 5,120, V = 248,320, 2 x 2,048-token sequences) one probe takes about 0.34 s; probing at
+every log interval held the one-H200 pipeline at 6,055 trained-on tok/s against 6,609 with `every: 200`, in one
+process (benchmarks/RESULTS.md, 2026-12-04), so `conf/trainer/gpu.yaml` probes every 200 steps.
 """
 from __future__ import annotations
 
@@ -29,16 +33,21 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from dflash.drafter.model import greedy_draft
+
 
 @dataclass
 class TauProbeConfig:
     sequences: int = 2  # training sequences probed per log interval (0: off)
     window: int = 128  # trailing tokens of each probed sequence that the rounds run over
+    every: int = 0  # steps between probes: the first log interval at or past each multiple (0: every interval)
 
 
 def validate_tau_probe_config(cfg: TauProbeConfig, block_size: int) -> None:
     if cfg.sequences < 0:
         raise ValueError(f"trainer.tau_probe.sequences must be >= 0 (0: off), got {cfg.sequences}")
+    if cfg.every < 0:
+        raise ValueError(f"trainer.tau_probe.every must be >= 0 steps (0: every log interval), got {cfg.every}")
     if cfg.window < 2:
         raise ValueError(f"trainer.tau_probe.window must be >= 2 tokens (a round needs an anchor and a token "
                          f"after it), got {cfg.window}")
@@ -76,7 +85,8 @@ def sequence_round_taus(drafter, tokens_T: Tensor, features_TLH: Tensor, labels_
     amp = torch.autocast(dev.type, dtype=torch.bfloat16) if autocast else nullcontext()
     with amp:
         hidden_1nKH = drafter(features_TLH.to(dev)[None, : T - 2], anchors_n[None], tokens_T[anchors_n][None])
-    draft_nK = drafter.logits(hidden_1nKH[0]).argmax(-1)  # float32 logits, outside autocast (as the evaluator)
+    # float32 logits, outside autocast (as the evaluator); DFlash 2: the selector walk's greedy path
+    draft_nK = greedy_draft(drafter, hidden_1nKH[0], tokens_T[anchors_n])
     pos_nK = (anchors_n[:, None] + torch.arange(K, device=dev)).clamp(max=T - 1)
     matched = leading_matches(draft_nK, labels_T[pos_nK], (T - 1) - anchors_n)
     return rounds_taus(matched.tolist(), n_new)  # the one transfer: n_new − 1 ints
@@ -97,6 +107,14 @@ def trained_span(loss_mask_T: Tensor | None, length: int, window: int) -> tuple[
         first -= 1
     end = min(last + 1, first + window)
     return (end - first if end - first >= 2 else 0), end
+
+
+def probe_due(cfg: TauProbeConfig, done: int, last_probed: int, final: bool = False) -> bool:
+    """Whether the log interval at step `done` probes: the first interval at or past each multiple of `every`
+    since the last probe (at `last_probed`), and always at the run's last step."""
+    if cfg.sequences <= 0:
+        return False
+    return final or cfg.every <= 0 or done // cfg.every > last_probed // cfg.every
 
 
 def probe_tau(drafter, items, cfg: TauProbeConfig, autocast: bool = False) -> dict[str, float]:

@@ -1,0 +1,276 @@
+"""A campaign's answer on one screen: which option won each stage, by how much, how sure, and what the recipe
+(the chain of winners) reaches against prompt lookup and against the campaign's first cell.
+
+    python -m sweeps.results_summary benchmarks/ABLATIONS.md out=campaign_out reference_64m reference_recipe
+
+rewrites the generated blocks of each named campaign in the markdown file from the store under `out`: its summary
+(between `<!-- results-summary:NAME -->` and `<!-- /results-summary:NAME -->`, added at the top when absent) and,
+where the file has one, its report without the summary (`<!-- report:NAME -->` … `<!-- /report:NAME -->`). The
+campaign report (`python -m sweeps.campaign NAME report`) opens with the same lines, writes them to
+`<out>/<NAME>/SUMMARY.md` and logs them on the campaign's summary run in its MLflow experiment (`log_summary`).
+
+Every figure is the report's own: τ of the objective pooled over the seeds every option of the stage has, its 95%
+bootstrap CI over (seed, prompt) pairs, and Δs paired seed for seed and prompt for prompt (`campaign_report`).
+"""
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+from typing import Any
+
+from dflash.atomic import atomic_write_text
+from dflash.evaluation.pairing import metric_columns
+from dflash.evaluation.stats import paired_delta_ci
+from sweeps.campaign_report import (BELOW_PL, CI_LEVEL, _by_option, _delta, _fmt, _objective_suite, _stacked,
+                                    below_prompt_lookup, pooled, shared_seeds, stage_call)
+
+PL_COLUMNS = ("tau_sum_prompt_lookup", "rounds_prompt_lookup")
+SUMMARY_RUN_TAG = "dflash.campaign_summary"  # the tag naming the campaign whose summary run this is
+
+
+def _sd(iv) -> str:
+    """A signed Δ with its interval: +0.090 [-0.016, +0.193]."""
+    return f"{iv.value:+.3f} [{iv.low:+.3f}, {iv.high:+.3f}]"
+
+
+def _signed(text: str) -> str:
+    """The report's Δ text with its non-negative figures signed: "0.090 [-0.016, 0.193]" → "+0.090 [-0.016, +0.193]";
+    "not paired: why" where it does not pair."""
+    return re.sub(r"(?<![\d+\-.])(\d+\.\d{3})", r"+\1", text)
+
+
+def _verdict_word(verdict: str) -> str:
+    return verdict.split(" (within")[0] if verdict in ("better", "worse") or verdict.startswith("tie") else ""
+
+
+def _seeds(xs) -> str:
+    return ("seed " if len(xs) == 1 else "seeds ") + ", ".join(map(str, xs))
+
+
+def stage_answer(c, summary: dict, i: int) -> dict[str, Any]:
+    """One stage's answer on its objective: the winner (the campaign's call where the stage is complete, else the
+    highest mean over the seeds every option has), the options tied with it, its pooled τ, its paired Δ over the
+    runner-up, the seeds it rests on; `missing` names options with no run at all (then nothing is called)."""
+    stage = c.stages[i]
+    cells = [x for x in summary["cells"] if x["stage"] == i and not x.get("failed")]
+    suite = _objective_suite(cells, c.objective) if cells else None
+    cols = metric_columns(c.objective)
+    by_opt = _by_option(cells, suite) if suite else {}
+    missing = [o for o in stage.options if o not in by_opt]
+    shared = shared_seeds(by_opt)
+    out: dict[str, Any] = {"index": i, "factor": stage.factor, "missing": missing, "seeds": shared, "runs": len(cells),
+                           "suite": suite}
+    if missing or not shared or cols is None:
+        return out
+    use = [x for x in cells if int(x["seed"]) in shared]
+    ran = {(x["option"], int(x["seed"])) for x in cells}
+    out["complete"] = all((o, s) in ran for o in stage.options for s in c.seeds)
+    from sweeps.campaign import best_option
+    # the campaign's call where it made one (later stages were built on it; an open stage's call is of the seeds
+    # it had then), else the highest mean over the shared seeds; ties against it over the shared seeds
+    winner = (summary.get("winners") or {}).get(stage.factor) or best_option(use)
+    if out["complete"] and (summary.get("calls") or {}).get(stage.factor):
+        tied = summary["calls"][stage.factor].get("tied") or []
+    else:
+        tied = stage_call(use, c.objective, winner)["tied"]
+    means = {o: sum(float(x["value"]) for x in use if x["option"] == o) / len(shared) for o in stage.options}
+    won = {s: by_opt[winner][s] for s in shared}
+    out.update(winner=winner, tied=tied, tau=pooled(list(won.values()), cols.sum_col, cols.count_col),
+               below_pl=below_prompt_lookup(list(won.values())), tables=won)
+    others = [o for o in stage.options if o != winner]
+    if others:
+        runner = max(others, key=lambda o: means[o])
+        out["runner_up"] = runner
+        out["delta"] = _delta(won, {s: by_opt[runner][s] for s in shared}, cols.sum_col, cols.count_col)
+    return out
+
+
+def recipe_answer(c, summary: dict, answers: list[dict]) -> dict[str, Any] | None:
+    """The last called stage's winner (its cell: the winners it was built on, `on_best`, and its option) against
+    prompt lookup on its own prompts
+    and against the campaign's first cell (stage 0's first option: the default it started from), paired."""
+    called = [a for a in answers if "winner" in a]
+    if not called:
+        return None
+    last = called[-1]
+    cols = metric_columns(c.objective)
+    tables = list(last["tables"].values())
+    out = {"stage": last["factor"], "winner": last["winner"], "tau": last["tau"], "seeds": last["seeds"],
+           "below_pl": last["below_pl"],
+           "chain": [*((f, (summary.get("winners") or {}).get(f)) for f in c.stages[last["index"]].on_best),
+                     (last["factor"], last["winner"])],
+           "open": not last["complete"]}
+    if PL_COLUMNS[0] in (tables[0].get("tasks") or [{}])[0]:
+        out["vs_pl"] = paired_delta_ci(*_stacked(tables, cols.sum_col, cols.count_col), *_stacked(tables, *PL_COLUMNS),
+                                       level=CI_LEVEL)
+        out["pl"] = pooled(tables, *PL_COLUMNS)
+    first = c.stages[0].options[0]
+    stage0 = [x for x in summary["cells"] if x["stage"] == 0 and x["option"] == first and not x.get("failed")]
+    base = _by_option(stage0, answers[0]["suite"]).get(first, {}) if answers[0].get("suite") else {}
+    out["first"] = first
+    out["first_tokens"] = max((x.get("consumed_tokens") or 0 for x in stage0), default=0)
+    if base and not (last["factor"] == c.stages[0].factor and last["winner"] == first):
+        out["vs_first"] = _delta(last["tables"], base, cols.sum_col, cols.count_col)
+    winner_cells = [x for x in summary["cells"] if x["stage"] == last["index"] and x["option"] == last["winner"]]
+    out["tokens"] = max((x.get("consumed_tokens") or 0 for x in winner_cells), default=0)
+    return out
+
+
+def _stage_line(i: int, a: dict, c) -> str:
+    head = f"- Stage {i} **{a['factor']}**"
+    if a["missing"] or not a["seeds"]:
+        what = ", ".join(a["missing"]) or "a seed every option shares"
+        return f"{head}: not called, no run of {what} (`python -m sweeps.campaign {c.name} only=[{a['factor']}]`)."
+    left = sorted(set(c.seeds) - set(a["seeds"]))
+    open_ = "" if a["complete"] else f"; **open**: {_seeds(left)} not run for every option"
+    tau = _fmt(a["tau"]) + (f" {BELOW_PL}" if a["below_pl"] else "")
+    tie = f"; tied with {', '.join(a['tied'])}" if a["tied"] else "; no tie"
+    delta = ""
+    if "delta" in a:
+        d, verdict = a["delta"]
+        d = f"not paired ({verdict})" if d == "not paired" else _signed(d)
+        delta = f"; vs {a['runner_up']} (runner-up) {d} {_verdict_word(verdict)}".rstrip()
+    return f"{head} ({_seeds(a['seeds'])}, {a['runs']} runs{open_}): **{a['winner']}** τ {tau}{tie}{delta}."
+
+
+def _recipe_line(r: dict) -> str:
+    tau = _fmt(r["tau"]) + (f" {BELOW_PL}" if r["below_pl"] else "")
+    chain = ", ".join(f"{f}={w}" for f, w in r["chain"])
+    parts = [f"- **Recipe** ({chain}{'; the last stage still open' if r['open'] else ''}; {r['tokens']:,.0f} "
+             f"consumed tokens): τ **{tau}**"]
+    if "vs_pl" in r:
+        parts.append(f"prompt lookup {_fmt(r['pl'])}, paired Δ {_sd(r['vs_pl'])}")
+    if "vs_first" in r:
+        d, verdict = r["vs_first"]
+        d = f"not paired ({verdict})" if d == "not paired" else _signed(d)
+        parts.append(f"vs the campaign's first cell `{r['first']}` ({r['first_tokens']:,.0f} tokens) {d} "
+                     f"{_verdict_word(verdict)}".rstrip())
+    return "; ".join(parts) + f"; {_seeds(r['seeds'])}."
+
+
+def render_summary(c, summary: dict, level: int = 2) -> list[str]:
+    """The summary's markdown lines: a heading, what the numbers are, the recipe, one line per stage."""
+    answers = [stage_answer(c, summary, i) for i in range(len(c.stages))]
+    suite = next((a["suite"] for a in answers if a.get("suite")), None)
+    lines = [f"{'#' * level} Results summary: `{c.name}`", "",
+             f"Objective `{c.objective}` on suite `{suite}`; τ pooled over the seeds every option of a stage has "
+             f"({CI_LEVEL:.0%} CI over (seed, prompt) pairs); Δ paired seed for seed, prompt for prompt; a tie is a "
+             f"Δ interval containing 0 or a Δ one seed reverses; {BELOW_PL}: below prompt lookup.", ""]
+    recipe = recipe_answer(c, summary, answers)
+    if recipe is not None:
+        lines.append(_recipe_line(recipe))
+    lines += [_stage_line(i, a, c) for i, a in enumerate(answers)]
+    return [*lines, ""]
+
+
+def label_cell_runs(client, experiment_id: str, c) -> int:
+    """Tag every cell run of the campaign's experiment (named by its cell id) with `campaign`, `stage` ("1 noise":
+    sorts and groups by stage), `option` and `seed`, and log them as params `campaign.name`, `campaign.stage`,
+    `campaign.option` (parallel coordinates plot params): so the runs table groups by stage and option, where its
+    run names alone (`s1-noise-uniform-seed0`) cannot. A param a run already has with another value is left as it
+    is (MLflow's params are write-once). Returns how many runs were labelled."""
+    from mlflow.entities import Param, RunTag
+    from mlflow.exceptions import MlflowException
+
+    from sweeps.campaign_report import CELL_NAME
+    n = 0
+    for run in client.search_runs([experiment_id], max_results=10000):
+        m = CELL_NAME.match(run.info.run_name or "")
+        if m is None:
+            continue
+        stage, factor, option, seed = int(m[1]), m[2], m[3], m[4]
+        tags = {"campaign": c.name, "stage": f"{stage} {factor}", "option": option, "seed": seed}
+        params = {"campaign.name": c.name, "campaign.stage": f"{stage} {factor}", "campaign.option": option}
+        if all(run.data.tags.get(k) == v for k, v in tags.items()) and all(
+                run.data.params.get(k) == v for k, v in params.items()):
+            continue
+        client.log_batch(run.info.run_id, tags=[RunTag(k, v) for k, v in tags.items()])
+        new = [Param(k, v) for k, v in params.items() if k not in run.data.params]
+        if new:
+            try:
+                client.log_batch(run.info.run_id, params=new)
+            except MlflowException:
+                pass
+        n += 1
+    return n
+
+
+def log_summary(c, out: Path, text: str) -> str | None:
+    """Log `text` as `results_summary.md` and the Description of the campaign's summary run (tagged
+    `dflash.campaign_summary`, `dflash.kind=campaign`: not a training run) in the campaign's experiment of
+    `<out>/mlflow.db`, label its cell runs (`label_cell_runs`), and give the experiment the campaign's description
+    where it has none. Returns the run id; None where the store or the experiment is not there."""
+    db = Path(out) / "mlflow.db"
+    if not db.is_file():
+        return None
+    from mlflow.tracking import MlflowClient
+
+    from dflash.tracking.run_info import get_or_create_experiment
+    uri = f"sqlite:///{db.resolve()}"
+    client = MlflowClient(uri)
+    if client.get_experiment_by_name(c.experiment) is None:
+        return None
+    eid = get_or_create_experiment(client, c.experiment, uri)
+    if not client.get_experiment(eid).tags.get("mlflow.note.content"):
+        client.set_experiment_tag(eid, "mlflow.note.content", f"Campaign `{c.name}`: {c.description}")
+    found = client.search_runs([eid], f"tags.`{SUMMARY_RUN_TAG}` = '{c.name}'", max_results=1)
+    if found:
+        run_id = found[0].info.run_id
+    else:
+        run_id = client.create_run(eid, run_name=f"campaign {c.name}: summary",
+                                   tags={SUMMARY_RUN_TAG: c.name, "dflash.kind": "campaign"}).info.run_id
+    label_cell_runs(client, eid, c)
+    client.set_tag(run_id, "mlflow.note.content", text)
+    client.log_text(run_id, text, "results_summary.md")
+    client.set_terminated(run_id)
+    return run_id
+
+
+def report_block(c, summary: dict) -> str:
+    """The campaign report without its summary, every heading one level down: a section of a longer page."""
+    from sweeps.campaign_report import render_report
+    text = render_report(c, summary, with_summary=False)
+    return re.sub(r"(?m)^(#+) ", lambda m: "#" + m[1] + " ", text)
+
+
+def update_block(body: str, key: str, text: str, add: bool) -> str:
+    """`body` with its generated block `key` (between `<!-- key -->` and `<!-- /key -->`) replaced by `text`; where
+    absent, added after the title line when `add`, else left out."""
+    start, end = f"<!-- {key} -->", f"<!-- /{key} -->"
+    block = f"{start}\n{text.rstrip()}\n{end}"
+    pattern = re.compile(re.escape(start) + r".*?" + re.escape(end), re.S)
+    if pattern.search(body):
+        return pattern.sub(lambda _: block, body)
+    if not add:
+        return body
+    title, _, rest = body.partition("\n")
+    return f"{title}\n\n{block}\n{rest}"
+
+
+def main(argv: list[str] | None = None) -> dict[str, str]:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if len(argv) < 2 or argv[0] in ("-h", "--help"):
+        print(__doc__)
+        return {}
+    md = Path(argv[0])
+    if not md.is_file():
+        print(f"{md}: no such markdown file (the file whose summary blocks to rewrite)", file=sys.stderr)
+        raise SystemExit(2)
+    out = Path(next((a.partition("=")[2] for a in argv[1:] if a.startswith("out=")), "campaign_out"))
+    from sweeps.campaign import load_campaign
+    from sweeps.campaign_report import load_summary
+    body = md.read_text()
+    texts = {}
+    for name in [a for a in argv[1:] if not a.startswith("out=")]:
+        c = load_campaign(name)
+        summary = load_summary(c, out)
+        texts[name] = "\n".join(render_summary(c, summary, level=3))
+        body = update_block(body, f"results-summary:{name}", texts[name], add=True)
+        body = update_block(body, f"report:{name}", report_block(c, summary), add=False)
+    atomic_write_text(md, body)  # every campaign read before the file is touched
+    return texts
+
+
+if __name__ == "__main__":
+    main()

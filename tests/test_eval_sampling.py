@@ -271,3 +271,15 @@ def test_pins_are_keyed_by_the_protocol():
             sampled.read(path)
         sampled.write(Path(d) / "p2.json", "s", [[5, 0]])  # ended early at the stop token 0
         assert sampled.read(Path(d) / "p2.json").continuations == [[5, 0]]
+
+
+def test_quick_start_closing_lines_name_both_settings_and_the_next_step():
+    from dflash.config import RunConfig
+    from experiments.run import closing_lines
+    m = {"eval/tau_served": 1.4, "eval/t1/tau_vanilla": 1.4, "eval/t1/tau_prompt_lookup": 1.3,
+         "eval/t0/tau_vanilla": 2.1, "eval/t0/tau_prompt_lookup": 3.0, "eval/served_temperature": 1.0,
+         "eval/served_top_p": 1.0, "eval/served_top_k": 0.0}
+    lines = closing_lines(m, RunConfig()).splitlines()
+    assert "1.400 (prompt lookup 1.300)" in lines[0] and "t1" in lines[0]
+    assert lines[1].startswith("eval/t0/tau_vanilla") and "2.100 (prompt lookup 3.000)" in lines[1]
+    assert "τ is" in lines[2] and "below prompt lookup" in lines[3] and "+recipe=best_reference" in lines[4]

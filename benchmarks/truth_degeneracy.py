@@ -1,5 +1,5 @@
-"""How degenerate the evaluation's ground truth and the training data are, at the served setting and greedy (issue 53's
-"Done when" figures): `python -m benchmarks.truth_degeneracy [key=value ...]` (a run's config keys; default the
+"""How degenerate the evaluation's ground truth and the training data are, at the served setting and greedy (the figures
+docs/evaluation.md reports): `python -m benchmarks.truth_degeneracy [key=value ...]` (a run's config keys; default the
 shipped reference target, the held-out suite at `+eval=full` size: 128 prompts x <= 256 tokens).
 
 Prints, per setting (the target's served one, `eval.sampling`; and greedy), the held-out suite's ground truth:

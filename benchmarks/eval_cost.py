@@ -83,7 +83,7 @@ def main(argv: list[str] | None = None) -> dict:
         target = Target(dataclasses.replace(cfg.target, device=device, dtype=args.dtype))
     torch.manual_seed(0)
     drafter = build_drafter(cfg.drafter, target.hidden_size, target.info.num_layers, target.mask_token_id,
-                            target.layer_ids).to(target.device).eval()
+                            target.layer_ids, target.info.vocab_size).to(target.device).eval()
     check_compatible(drafter, target)  # as evaluate does: the target's embedding and head into the drafter
     tasks = load_suite(cfg.eval.suite)[:args.tasks]
     budgets = [int(b) for b in cfg.eval.tree_budgets]

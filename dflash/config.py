@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dflash.errors import ConfigError  # noqa: F401  (defined below every layer; importable from here as before)
+from dflash.devices import check_device
 from dflash.training.buffer import BufferConfig, validate_buffer_config
 from dflash.data.sources import DataConfig, validate_data_config, validate_online_data
 from dflash.run_dir import CHECKPOINT_DIR, RunDir
@@ -23,6 +24,7 @@ from dflash.evaluation import EvalConfig, validate_eval_config
 from dflash.training.losses import LossConfig, validate_loss_config
 from dflash.training.compiling import COMPILE_MODES
 from dflash.training.noise import NoiseConfig, build_noise
+from dflash.training.optim import OPTIMIZERS
 from dflash.training.pipeline import PRODUCER_MODES, PRODUCER_STREAMS
 from dflash.training.tau_probe import TauProbeConfig, validate_tau_probe_config
 from dflash.serving.promotion import PromoteConfig
@@ -36,6 +38,10 @@ class TrainerConfig:
     sequences_per_step: int = 2  # sequences pulled from the buffer per optimizer step
     num_anchors: int = 16  # random anchors (blocks) per sequence, re-drawn every epoch
     lr: float = 1e-3
+    # adamw | muon (torch.optim.Muon for the 2-D weights at muon_lr_scale x lr, AdamW for the rest;
+    # dflash/training/optim.py)
+    optimizer: str = "adamw"
+    muon_lr_scale: float = 10.0
     min_lr_ratio: float = 0.1  # the cosine's end as a fraction of lr, in [0, 1]
     warmup_steps: int = 10  # linear LR warmup (0: none)
     weight_decay: float = 0.0
@@ -153,6 +159,8 @@ def validate(cfg: RunConfig) -> None:
         _positive("trainer", cfg.trainer, "max_steps", "sequences_per_step", "num_anchors", "lr",
                   "checkpoint_every", "producers", "producer_batch", "pad_multiple")
         PRODUCER_MODES.check(cfg.trainer.producer_mode)
+        OPTIMIZERS.check(cfg.trainer.optimizer)
+        _positive("trainer", cfg.trainer, "muon_lr_scale")
         ATTN_KERNELS.check(cfg.drafter.attn_kernel)
         COMPILE_MODES.check(cfg.trainer.compile_mode)
         PRODUCER_STREAMS.check(cfg.trainer.producer_stream)
@@ -173,7 +181,7 @@ def validate(cfg: RunConfig) -> None:
                               f"{cfg.drafter.block_size}: no anchor would fit")
         if cfg.tracking.log_every < 1:
             raise ConfigError("tracking.log_every must be >= 1")
-        if cfg.resume and not RunDir(cfg.resume).checkpoints.is_dir():
+        if cfg.resume and not (RunDir(cfg.resume).checkpoints.is_dir() or RunDir(cfg.resume).config_file.is_file()):
             raise ConfigError(f"resume={cfg.resume!r}: no {CHECKPOINT_DIR}/ folder there")
         validate_buffer_config(cfg.buffer)
         validate_data_config(cfg.data)
@@ -182,10 +190,26 @@ def validate(cfg: RunConfig) -> None:
         build_noise(cfg.noise, cfg.trainer.max_steps)
         validate_target_config(cfg.target)
         validate_eval_config(cfg.eval)
+        for key, name in (("trainer.device", cfg.trainer.device), ("target.device", cfg.target.device),
+                          ("eval.device", cfg.eval.device)):
+            check_device(key, name)
+        _data_suites(cfg)
     except ConfigError:
         raise
     except (ValueError, FileNotFoundError) as e:
         raise ConfigError(str(e)) from e
+
+
+def _data_suites(cfg: RunConfig) -> None:
+    """eval.suite / extra_suites naming a suite the data builds (chat_heldout): only data that builds it."""
+    from dflash.evaluation.prompts import DATA_SUITES
+    for s in [cfg.eval.suite, *cfg.eval.extra_suites] if cfg.eval.enabled else []:
+        if s in DATA_SUITES and cfg.data.source != "conversations":
+            raise ConfigError(f"eval.suite={s}: built by {DATA_SUITES[s]}, but data.source={cfg.data.source}")
+        if s == "chat_heldout" and (cfg.data.conversations.heldout_per_10k == 0
+                                    or cfg.data.conversations.eval_prompts == 0):
+            raise ConfigError("eval.suite=chat_heldout needs a held-out split: data.conversations.heldout_per_10k "
+                              "and eval_prompts must be > 0")
 
 
 def to_dict(cfg: RunConfig) -> dict:

@@ -13,7 +13,8 @@ A training run owns one folder (`runs/<timestamp>-<loss>/` unless `run_dir=` nam
 checkpoint folder, and the eval, export and promote CLIs and sweeps ask it. It sits above training and tracking
 (their checkpoint format and the loggers' two files, dflash/tracking/records.py, are theirs) and below config.
 `resolve_drafter_source(path)` turns a run folder, a serving folder or a checkpoint file into a drafter source
-(eval and export). Resume reads everything it needs through `ResumeState` before anything is written.
+(eval and export). Resume reads everything it needs through `ResumeState` before anything is written; a folder stopped before its
+first checkpoint (config.yaml, no step file) resumes from step 0.
 """
 from __future__ import annotations
 
@@ -140,8 +141,9 @@ def _intact_checkpoint(run_dir: RunDir, check=None) -> tuple[Path, dict] | None:
 
 @dataclass
 class ResumeState:
-    """What a resume read from the run folder before changing anything in it."""
-    checkpoint: Path
+    """What a resume read from the run folder before changing anything in it. `checkpoint` None: a run folder
+    stopped before its first checkpoint (a kill -9 while it set up): it trains again from step 0 there."""
+    checkpoint: Path | None
     state: dict
     run_id: str | None
     logged: dict[int, set[str]] = field(default_factory=dict)
@@ -161,6 +163,10 @@ def read_resume_state(run_dir: RunDir) -> ResumeState:
     """The newest intact training checkpoint, the run's MLflow id and the steps already logged; reads only.
     CheckpointError (a ValueError) when no checkpoint there can be trusted."""
     from dflash.training.checkpoint import CheckpointError
+    if run_dir.newest_checkpoint_step() is None and run_dir.config_file.is_file():
+        log.warning("resume=%s: the run stopped before its first checkpoint; it trains from step 0 in this folder",
+                    run_dir.root)
+        return ResumeState(None, {}, run_dir.mlflow_info().get("run_id"), _logged_keys(run_dir))
     found = _intact_checkpoint(run_dir, _check_training_state)
     if found is None:
         raise CheckpointError(f"resume={str(run_dir.root)!r}: no checkpoint in {CHECKPOINT_DIR}/")

@@ -53,3 +53,68 @@ def load_tensors(path: str | os.PathLike) -> dict[str, torch.Tensor]:
         return load_file(str(path))
     except Exception as e:  # noqa: BLE001 - a torn or foreign file
         raise UnsafeFileError(f"{path}: unreadable safetensors file ({type(e).__name__}: {e})") from e
+
+
+# ------------------------------------------------------------------ checksum manifests of weight folders
+MANIFEST = "checksums.sha256"  # `sha256sum -c checksums.sha256` format: "<hex>  <file name>" per line
+PICKLED_WEIGHTS = ("*.bin", "*.pt", "*.pth", "*.ckpt", "*.pkl")
+
+
+def _sha256(path: str | os.PathLike) -> str:
+    import hashlib
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def manifest_text(folder: str | os.PathLike) -> str:
+    """The manifest of every file directly in `folder` (but the manifest itself), sorted by name."""
+    from pathlib import Path
+    files = sorted(p for p in Path(folder).iterdir() if p.is_file() and p.name not in (MANIFEST, f".{MANIFEST}.tmp"))
+    return "".join(f"{_sha256(p)}  {p.name}\n" for p in files)
+
+
+def verify_manifest(folder: str | os.PathLike) -> bool:
+    """True when `folder` has a manifest and every file it lists is there with that sha256; False without one (a
+    published folder: the caller checks its structure). UnsafeFileError naming the file that differs or is gone."""
+    from pathlib import Path
+    folder = Path(folder)
+    manifest = folder / MANIFEST
+    if not manifest.is_file():
+        return False
+    for n, line in enumerate(manifest.read_text(encoding="utf-8").splitlines(), 1):
+        digest, _, name = line.partition("  ")
+        if not line.strip():
+            continue
+        if len(digest) != 64 or not name or "/" in name:
+            raise UnsafeFileError(f"{manifest}:{n}: not a `<sha256>  <file>` line ({line[:80]!r})")
+        f = folder / name
+        if not f.is_file():
+            raise UnsafeFileError(f"{f}: listed in {MANIFEST} but missing")
+        if _sha256(f) != digest:
+            raise UnsafeFileError(f"{f}: its sha256 differs from {MANIFEST} (the file changed or is damaged "
+                                  f"since it was written); export or copy it again")
+    return True
+
+
+def pickled_weights(folder: str | os.PathLike) -> list[str]:
+    """The pickle-format weight files of a model folder that holds no safetensors (what `from_pretrained` would
+    unpickle); [] when it has safetensors weights or none of these."""
+    from pathlib import Path
+    folder = Path(folder)
+    if not folder.is_dir() or any(folder.glob("*.safetensors")):
+        return []
+    return sorted(p.name for pattern in PICKLED_WEIGHTS for p in folder.glob(pattern))
+
+
+def write_manifest(folder: str | os.PathLike) -> None:
+    """Write `folder`'s checksum manifest (atomically), once every other file in it is final: what every export
+    calls last, and `verify_manifest` checks on load."""
+    from pathlib import Path
+    tmp = Path(folder) / f".{MANIFEST}.tmp"
+    tmp.write_text(manifest_text(folder), encoding="utf-8")
+    with open(tmp, "rb") as f:
+        os.fsync(f.fileno())
+    os.replace(tmp, Path(folder) / MANIFEST)

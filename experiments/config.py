@@ -158,13 +158,18 @@ def run_cli(main) -> None:
     if hasattr(signal, "SIGUSR1") and sys.__stderr__ is not None:
         faulthandler.register(signal.SIGUSR1, file=sys.__stderr__, all_threads=True)  # fd 2, whatever wraps stderr
     from dflash.atomic import DiskFullError
+    from dflash.safe_load import UnsafeFileError
+    from dflash.tracking.store import StoreError
     from dflash.training.health import DeadDrafterError
     from dflash.training.interrupts import RunInterrupted
     try:
         main()
-    except ConfigError as e:
+    except (ConfigError, UnsafeFileError, StoreError) as e:  # bad input: a value, a damaged file, a store
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
+    except ConnectionError as e:  # a tracking server a command needs, dead or silent (bounded: seconds)
+        print(f"error: the tracking store does not answer: {e}", file=sys.stderr)
+        sys.exit(1)
     except RunInterrupted as e:  # the trainer checkpointed and closed its run KILLED
         print(f"{e}", file=sys.stderr)
         sys.exit(e.exit_code)

@@ -47,9 +47,12 @@ from dflash.config import ConfigError, RunConfig, from_dict
 from dflash.overrides import apply_overrides
 from dflash.evaluation import validate_eval_config
 from dflash.evaluation.evaluator import evaluate_suites, merged_metrics, summary_table
+from dflash.evaluation.protocol import table_places
 from dflash.evaluation.pairing import NotPaired, paired_delta
 from dflash.target.model import Target
-from dflash.devices import resolve_device
+from dflash.devices import check_device, resolve_device
+from dflash.safe_load import verify_manifest
+from dflash.tracking.store import StoreError, check_tracking_uri, open_client
 from dflash.tracking.loggers import build_loggers
 from dflash.tracking.run_info import default_run_name, flatten_config, resolve_relative_sqlite
 
@@ -129,8 +132,7 @@ def _log_into_run(uri: str, run_id: str, metrics: dict[str, float], step: int, a
     import time
 
     from mlflow.entities import Metric
-    from mlflow.tracking import MlflowClient
-    client = MlflowClient(tracking_uri=uri)
+    client = open_client(uri)
     ts = int(time.time() * 1000)
     ms = [Metric(k, float(v), ts, int(step)) for k, v in metrics.items()]
     for i in range(0, len(ms), 1000):
@@ -178,23 +180,34 @@ def main(argv: list[str] | None = None) -> dict:
         raise ConfigError(f"--into-run: {path} is not a tracked run directory (no mlflow_run.json)")
     try:
         validate_eval_config(ecfg)
+        check_device("eval.device", ecfg.device)
+        if src.serving is not None:
+            verify_manifest(src.serving)  # weights checked before the target loads (minutes on a large one)
     except (ValueError, FileNotFoundError) as e:
         raise ConfigError(str(e)) from e
+    if ml.get("tracking_uri"):
+        ml["tracking_uri"] = resolve_relative_sqlite(ml["tracking_uri"], run_dir)
+    # B (a registry alias is looked up here, with the store's bounded checks) and the store: before the target
+    load_other, other_label = (None, "") if other is None else _resolve_other(other, overrides, cfg, ml)
+    tracking = cfg.tracking
+    if ml.get("tracking_uri"):
+        tracking = dataclasses.replace(tracking, tracking_uri=ml["tracking_uri"],
+                                       experiment=ml.get("experiment", tracking.experiment))
+    if tracking.enabled:
+        try:
+            check_tracking_uri(tracking.tracking_uri)
+        except StoreError as e:
+            raise ConfigError(f"tracking.tracking_uri={tracking.tracking_uri}: {e}") from e
     target = Target(cfg.target)
     if "--allow-other-target" not in argv:
         _check_target(path, target, src)
     dev = target.device if ecfg.device == "auto" else resolve_device(ecfg.device)
     drafter = load(dev)
-    other_drafter, other_label = (None, "") if other is None else _load_other(other, overrides, cfg, ml, dev)
+    other_drafter = None if load_other is None else load_other(dev)
 
     stamp = default_run_name()
     from dflash.run_dir import RunDir
     out = out or ((RunDir(run_dir).eval_dir / stamp) if run_dir else Path("runs") / f"eval-{stamp}")
-    tracking = cfg.tracking
-    if ml.get("tracking_uri"):
-        ml["tracking_uri"] = resolve_relative_sqlite(ml["tracking_uri"], run_dir)
-        tracking = dataclasses.replace(tracking, tracking_uri=ml["tracking_uri"],
-                                       experiment=ml.get("experiment", tracking.experiment))
     tracking = dataclasses.replace(tracking, run_name=f"eval-{ml.get('run_name') or path.name}-{stamp[-4:]}",
                                    system_metrics=False)
     tags = {"dflash.kind": "eval", "dflash.evaluated_path": str(path.resolve()), "target": cfg.target.name,
@@ -210,14 +223,10 @@ def main(argv: list[str] | None = None) -> dict:
     try:
         reports = evaluate_suites(drafter, target, ecfg)
         metrics = merged_metrics(reports)
-        seen: set[str] = set()
-        for i, report in enumerate(reports):
+        for i, (report, (prefix, folder)) in enumerate(zip(reports, table_places(reports))):
             print(report.console_table(), flush=True)
-            name, label = report.info["suite_label"], report.info["setting"]
-            first = label not in seen  # a setting's first report is its objective suite
-            seen.add(label)
-            report.log_artifacts(loggers, f"eval/{label}" if first else f"eval/suite/{name}/{label}")
-            saved = report.save(out / "report" / label if first else out / "report" / "suite" / name / label)
+            report.log_artifacts(loggers, prefix)
+            saved = report.save(out / "report" / folder)
             paths = saved if i == 0 else paths
         print(summary_table(metrics, ecfg.ci_level), flush=True)
         if other_drafter is not None:
@@ -241,8 +250,10 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 # -- B: a second drafter on the same ground truth -------------------------------------------------------
-def _load_other(other: str, overrides: list[str], cfg: RunConfig, ml: dict, dev):
-    """(drafter B, label): a run dir / serving folder / checkpoint, or the registry's alias holder."""
+def _resolve_other(other: str, overrides: list[str], cfg: RunConfig, ml: dict):
+    """(a loader of drafter B for a device, its label), resolved before the target loads: a run dir / serving
+    folder / checkpoint, or the registry's alias holder (looked up and fetched now: a missing `champion` is
+    bad input found in seconds)."""
     from dflash.serving.export import load_drafter
     if other.startswith(("models:/", "@")) or other == "champion":
         name, alias = cfg.promote.model_name, other.lstrip("@")
@@ -250,16 +261,21 @@ def _load_other(other: str, overrides: list[str], cfg: RunConfig, ml: dict, dev)
             name, _, alias = other.removeprefix("models:/").partition("@")
         uri = cfg.promote.tracking_uri or ml.get("tracking_uri") or cfg.tracking.tracking_uri
         from mlflow.artifacts import download_artifacts
-        from mlflow.tracking import MlflowClient
+        client = open_client(uri, registry=True)  # a dead or silent server: ConnectionError within seconds
         try:
-            mv = MlflowClient(tracking_uri=uri, registry_uri=uri).get_model_version_by_alias(name, alias)
+            mv = client.get_model_version_by_alias(name, alias)
             folder = download_artifacts(artifact_uri=mv.source, tracking_uri=uri)
         except Exception as e:  # noqa: BLE001 - any registry failure is bad input here
             raise ConfigError(f"B={other!r}: no {name}@{alias} in the registry {uri!r} ({e})") from e
-        return load_drafter(folder, dev), f"{name}@{alias} (v{mv.version}, run {mv.run_id})"
+        return (lambda dev: load_drafter(folder, dev)), f"{name}@{alias} (v{mv.version}, run {mv.run_id})"
     p = Path(other)
-    _, _, load_b, _, _, _ = resolve_source(p, [o for o in overrides if not o.startswith("eval.")])
-    return load_b(dev), str(p)
+    _, _, load_b, _, _, src_b = resolve_source(p, [o for o in overrides if not o.startswith("eval.")])
+    if src_b.serving is not None:
+        try:
+            verify_manifest(src_b.serving)
+        except ValueError as e:
+            raise ConfigError(str(e)) from e
+    return load_b, str(p)
 
 
 def _compare(reports_a, reports_b, ecfg, label_a: str, label_b: str, out: Path, loggers) -> dict[str, float]:

@@ -9,7 +9,9 @@ interrupted export never leaves a half folder where a previous export was. Read 
 `dflash.serving.export.load_drafter(DIR)` (also works for published DFlash drafters).
 
 The folder records what the engines read from the target (context length, mask token string, RoPE) and
-carries `modeling_dflash.py` for `AutoModel.from_pretrained(DIR, trust_remote_code=True)`. A run knows its
+carries `modeling_dflash.py` for `AutoModel.from_pretrained(DIR, trust_remote_code=True)`. A DFlash 2 drafter
+(`drafter.architecture=dflash2`) is written as a `DFlash2DraftModel` folder (no modelling file: the engines' own
+class serves it; docs/dflash2.md). A run knows its
 target; for a source that does not (a bare folder), name the target folder: `--target /models/Qwen3.6-27B`.
 Serving commands (SGLang, vLLM): docs/serving.md.
 """
@@ -47,7 +49,8 @@ def main(argv: list[str] | None = None) -> Path:
     print(f"wrote {out}: {cfg['num_hidden_layers']} layers, hidden {cfg['hidden_size']}, block {cfg['block_size']}, "
           f"target layers {d['target_layer_ids']} of {cfg['num_target_layers']}, mask {d['mask_token_id']}, "
           f"vocab {cfg['vocab_size']}, {cfg['torch_dtype']}, context {cfg['max_position_embeddings']}"
-          + ("" if "auto_map" in cfg else " (bare: no target facts, no modeling_dflash.py; pass --target)"))
+          + ("" if "auto_map" in cfg or "eagle_aux_hidden_state_layer_ids" in cfg
+             else " (bare: no target facts, no modeling_dflash.py; pass --target)"))
     return out
 
 

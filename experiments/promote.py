@@ -8,7 +8,8 @@ Exit codes, so a script can tell the outcomes apart (the decision and its reason
   0  promoted (with --dry-run: would promote), or the run already holds the alias;
   3  refused by the gate (with --dry-run: would refuse): not FINISHED, not evaluated, below the floor or margin;
   2  bad input: no such run or store, a run dir without MLflow tracking, bad gate settings;
-  1  anything else that failed (a traceback).
+  1  the tracking store does not answer (a dead or silent server: one line within seconds), or anything else
+     that failed (a traceback).
 """
 from __future__ import annotations
 
@@ -25,13 +26,14 @@ from dflash.overrides import apply_overrides
 from dflash.run_dir import MLFLOW_FILE, RunDir
 from dflash.serving.promotion import Decision, PromoteConfig, PromotionError, promote
 from dflash.tracking.run_info import resolve_relative_sqlite
+from dflash.tracking.store import StoreError
 from experiments.config import ArgParser
 
 _RUN_ID = re.compile(r"^[0-9a-f]{32}$")
 DEFAULT_URI = "sqlite:///mlflow.db"
 
 
-EXIT_PROMOTED, EXIT_BAD_INPUT, EXIT_REFUSED = 0, 2, 3
+EXIT_PROMOTED, EXIT_FAILED, EXIT_BAD_INPUT, EXIT_REFUSED = 0, 1, 2, 3
 
 
 class BadInput(Exception):
@@ -103,9 +105,12 @@ def main(argv: list[str] | None = None) -> Decision:
         run_id, uri = resolve_target(args.target, args.tracking_uri or None)
         cfg = dataclasses.replace(cfg, tracking_uri=uri)
         decision = promote(run_id, cfg, uri, dry_run=args.dry_run)
-    except (BadInput, PromotionError, ConfigError) as e:
+    except (BadInput, PromotionError, ConfigError, StoreError) as e:
         print(f"error: {e}", file=sys.stderr)
         raise SystemExit(EXIT_BAD_INPUT) from e
+    except ConnectionError as e:  # a dead or silent tracking server: one line within seconds
+        print(f"error: the tracking store does not answer: {e}", file=sys.stderr)
+        raise SystemExit(EXIT_FAILED) from e
     print(decision.summary())
     print(f"  {cfg.metric}: candidate {decision.candidate_value}, holder "
           f"{'v' + decision.holder_version if decision.holder_version else 'none'} ({decision.holder_value}); "

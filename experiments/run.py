@@ -29,7 +29,34 @@ def main(argv: list[str] | None = None) -> dict:
         return {}
     result = train(cfg)
     print(f"run dir: {result.run_dir}\nmlflow run: {result.run_id}\nfinal drafter: {result.checkpoint}")
+    print(closing_lines(result.metrics, cfg), flush=True)
     return result.metrics
+
+
+def closing_lines(metrics: dict, cfg) -> str:
+    """The run's τ at the served setting and at T = 0, each beside prompt lookup's, and three lines: what τ is, what
+    to expect of a short CPU run, what to try next (docs/evaluation.md)."""
+    from dflash.evaluation.protocol import OBJECTIVE, served_label
+
+    def pair(pre: str) -> str:
+        tau, pl = metrics.get(pre + "tau_vanilla"), metrics.get(pre + "tau_prompt_lookup")
+        return "-" if tau is None else f"{tau:.3f}" + ("" if pl is None else f" (prompt lookup {pl:.3f})")
+    served = served_label(metrics)
+    lines = []
+    if OBJECTIVE in metrics:
+        lines.append(f"{OBJECTIVE} = τ at the target's sampling setting ({served}, lossless rejection sampling): "
+                     f"{pair(f'eval/{served}/')}")
+        if served != "t0" and "eval/t0/tau_vanilla" in metrics:
+            lines.append(f"eval/t0/tau_vanilla = τ when the target decodes greedily (T=0): {pair('eval/t0/')}")
+    steps = cfg.trainer.max_steps
+    lines += [
+        "τ is the tokens each target forward commits (accepted drafts + 1), on held-out prompts whose ground truth "
+        "ends where the target ends it.",
+        f"A {steps}-step drafter trained on the CPU is expected to sit below prompt lookup (the free n-gram baseline); "
+        "a drafter earns its place only above it.",
+        "Next: the GPU recipe, python -m experiments.run +recipe=best_reference; the runs, "
+        f"mlflow ui --backend-store-uri {cfg.tracking.tracking_uri}"]
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

@@ -25,12 +25,18 @@ CI_LEVEL = 0.95
 
 
 def _tables(run_dir: Path) -> dict[str, dict]:
-    """{suite label: task table} of a finished run (the objective suite in eval/, the others beside it)."""
+    """{suite label: task table} of a finished run at its served setting (the objective suite in eval/served/,
+    the others in eval/<suite>/served/); a run evaluated before sampled evaluation has them in eval/ and
+    eval/<suite>/ (the legacy greedy protocol; its tables carry no `info.setting`)."""
     out = {}
-    for f in [run_dir / "eval" / "tasks.json", *sorted((run_dir / "eval").glob("*/tasks.json"))]:
+    ev = run_dir / "eval"
+    served = [ev / "served" / "tasks.json", *sorted(ev.glob("*/served/tasks.json"))]
+    legacy = [ev / "tasks.json", *sorted(p for p in ev.glob("*/tasks.json") if p.parent.name not in ("served", "t0"))]
+    for f in served if served[0].is_file() else legacy:
         if f.is_file():
             t = json.loads(f.read_text())
-            out[str((t.get("info") or {}).get("suite_label") or f.parent.name)] = t
+            name = f.parent.parent.name if f.parent.name == "served" else f.parent.name
+            out[str((t.get("info") or {}).get("suite_label") or name)] = t
     return out
 
 
@@ -214,7 +220,8 @@ def _objective_suite(cells: list[dict], objective: str) -> str | None:
     if m:
         return m[1]
     for c in cells:
-        f = Path(c["run_dir"]) / "eval" / "tasks.json"
+        f = Path(c["run_dir"]) / "eval" / "served" / "tasks.json"
+        f = f if f.is_file() else Path(c["run_dir"]) / "eval" / "tasks.json"
         if f.is_file():
             t = json.loads(f.read_text())
             return str((t.get("info") or {}).get("suite_label") or "eval")
@@ -463,9 +470,16 @@ def _artifacts_dir(run, tracking_uri: str) -> Path:
 
 
 def _as_run_folder(art: Path, dest: Path) -> Path:
-    """Copy the run's eval task tables into the layout `_tables` reads (`eval/tasks.json`, `eval/<suite>/…`)."""
+    """Copy the run's eval task tables into the layout `_tables` reads (`eval/served/tasks.json`,
+    `eval/<suite>/served/…`; legacy `eval/tasks.json`, `eval/<suite>/…`)."""
     import shutil
     (dest / "eval").mkdir(parents=True, exist_ok=True)
+    if (art / "eval" / "served" / "tasks.json").is_file():
+        (dest / "eval" / "served").mkdir(exist_ok=True)
+        shutil.copyfile(art / "eval" / "served" / "tasks.json", dest / "eval" / "served" / "tasks.json")
+    for f in sorted((art / "eval" / "suite").glob("*/served/tasks.json")):
+        (dest / "eval" / f.parent.parent.name / "served").mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(f, dest / "eval" / f.parent.parent.name / "served" / "tasks.json")
     if (art / "eval" / "tasks.json").is_file():
         shutil.copyfile(art / "eval" / "tasks.json", dest / "eval" / "tasks.json")
     # artifacts hold the other suites under eval/suite/<name>/, a run folder under eval/<name>/

@@ -8,7 +8,11 @@
 - `n_trials`: trials this launch adds to the study (default 8). Re-running the same command resumes the
   study (same storage + study name) and runs `n_trials` more.
 - `workers`: worker processes on this machine (spawned; one per GPU, round-robin, when GPUs exist).
-  `workers=1` runs in this process.
+  `workers=1` runs in this process. With `launcher=slurm` (sweeps/launcher.py: `launcher.timeout_min=`,
+  `launcher.partition=`, `launcher.gpus_per_job=`, ...), each worker is a Slurm job with its share of `n_trials`,
+  submitted through submitit; a preempted job's trial is continued from its checkpoint when the job is requeued.
+  Workers on several machines or jobs share a study through an RDB `storage=` (a journal file only on a
+  filesystem they all see).
 - `storage`: default the journal file `<out>/<study>.journal`; or an RDB URL (postgresql://…) to share the
   study between machines (each machine runs its own launch against the same URL).
 - `study`: default the sweep's `name`.
@@ -64,6 +68,7 @@ from typing import Any
 
 from dflash.config import ConfigError
 from dflash.overrides import apply_overrides, split_override
+from sweeps.launcher import detect_gpus
 from sweeps.space import SweepError
 
 DEFAULT_OUT = "sweeps_out"
@@ -86,6 +91,7 @@ class LaunchArgs:
     sweep_overrides: list[str] = dataclasses.field(default_factory=list)
     overrides: list[str] = dataclasses.field(default_factory=list)
     check: bool = False
+    launcher: Any = None  # sweeps.launcher.LauncherConfig: where the workers run (launcher=slurm: one job each)
 
 
 def launch_help() -> str:
@@ -108,9 +114,11 @@ def parse_args(argv: list[str]) -> LaunchArgs:
     bad_flags = [a for a in argv if a.startswith("--")]
     if bad_flags:
         raise SweepError(f"unknown option(s) {bad_flags}; see python -m sweeps.launch --help")
-    a = LaunchArgs(sweep=argv[0], check=check)
+    from sweeps.launcher import launcher_config
+    launcher, rest = launcher_config(argv[1:])
+    a = LaunchArgs(sweep=argv[0], check=check, launcher=launcher)
     ours = []
-    for arg in argv[1:]:
+    for arg in rest:
         key, _ = split_override(arg, "argument")
         if key in LAUNCH_KEYS:
             ours.append(arg)
@@ -129,15 +137,44 @@ def parse_args(argv: list[str]) -> LaunchArgs:
     return a
 
 
-def detect_gpus() -> list[str]:
-    vis = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if vis is not None:
-        return [g.strip() for g in vis.split(",") if g.strip() and g.strip() != "-1"]
-    try:
-        import torch
-        return [str(i) for i in range(torch.cuda.device_count())]
-    except Exception:  # noqa: BLE001
-        return []
+CPU_STEPS_OK = 200  # the quick start's CPU run (minutes); a sweep's trials beyond this want a GPU
+CPU_EVAL_PROMPTS_OK = 16  # prompts of a trial's final evaluation, beyond which it wants a GPU
+
+
+def eval_suites_size(e) -> list[tuple[str, int, int]]:
+    """(suite, prompts, new tokens per prompt) of a trial's final evaluation, read without building it (a
+    generated suite's size is its config's; a file that cannot be read counts 0: the run names it later)."""
+    from dflash.evaluation.prompts import load_suite
+    out = []
+    for name in [e.suite, *e.extra_suites]:
+        if name == "heldout":
+            out.append((name, e.heldout.num_prompts, e.heldout.max_new_tokens))
+            continue
+        try:
+            out.append((name, len(load_suite(name)), e.max_new_tokens))
+        except (OSError, ValueError):
+            out.append((name, 0, e.max_new_tokens))
+    return out
+
+
+def warn_cpu_budget(args, sweep, cfg) -> bool:
+    """Before a sweep whose trials would take hours on this machine's CPU: one warning with its budget and its
+    evaluation's size, and the CPU example to run instead. True when it warned."""
+    from dflash.devices import resolve_device
+    if detect_gpus() or resolve_device(cfg.trainer.device).type != "cpu" or args.n_trials < 1:
+        return False
+    t, e = cfg.trainer, cfg.eval
+    suites = eval_suites_size(e) if e.enabled else []
+    if t.max_steps <= CPU_STEPS_OK and sum(n for _, n, _ in suites) <= CPU_EVAL_PROMPTS_OK:
+        return False
+    budget = f"{t.max_steps:,} steps of {t.sequences_per_step} sequences" + (
+        f" (token budget {t.token_budget:,})" if t.token_budget else "")
+    evals = ("an evaluation on " + " + ".join(f"{name} ({n} prompts x {k} tokens)" for name, n, k in suites)
+             if suites else "no evaluation")
+    print(f"[sweep {sweep.name}] WARNING: no GPU here, so {args.n_trials} trial(s) of {budget} each, with {evals}, "
+          f"run on the CPU: expect hours per trial. The sweep is meant for a GPU; to check the machinery on a CPU "
+          f"in minutes: python -m sweeps.launch cpu_smoke n_trials=2 workers=1", file=sys.stderr, flush=True)
+    return True
 
 
 def validate(sweep, base_overrides: list[str], out_dir: Path):
@@ -196,6 +233,11 @@ def _open_study(sweep, study_name: str, storage: str, storage_desc: str, started
     if study.direction.name.lower() != sweep.objective.direction:
         raise SweepError(f"study {study_name!r} in {storage_desc} is {study.direction.name.lower()}; the sweep "
                          f"says objective.direction={sweep.objective.direction}")
+    ran_for = study.user_attrs.get("sweep.objective")
+    if ran_for and ran_for != sweep.objective.metric and study.trials:
+        raise SweepError(f"study {study_name!r} in {storage_desc} ran with objective {ran_for}; the sweep now says "
+                         f"{sweep.objective.metric}: one study's values cannot mix two metrics (eval/tau_vanilla is "
+                         f"the old greedy protocol); start a new study (sweep.name=..., or another storage)")
     old_digest = study.user_attrs.get("sweep.digest")
     if old_digest and old_digest != sweep.digest():
         log.warning("study %s was started with a different sweep definition (%s, now %s); resuming anyway",
@@ -249,7 +291,7 @@ def _parent_run(tr, study, sweep, study_name: str, storage_desc: str, out_dir: P
 def _worker_specs(args, sweep, base_overrides, storage, study_name, out_dir: Path, parent_id, tr, n_before: int,
                   launch_no: int):
     from sweeps.worker import WorkerSpec
-    gpus = args.gpus if args.gpus is not None else detect_gpus()
+    gpus = [] if args.launcher.backend == "slurm" else args.gpus if args.gpus is not None else detect_gpus()
     if gpus and args.workers > len(gpus):
         log.warning("%d workers share %d GPU(s) round-robin", args.workers, len(gpus))
     threads = max(1, (os.cpu_count() or 1) // args.workers)
@@ -327,6 +369,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if reruns:
         print(f"[sweep {study_name}] training again from scratch: "
               + ", ".join(f"#{old} as #{new}" for old, new in reruns.items()), file=sys.stderr)
+    warn_cpu_budget(args, sweep, base_cfg)
     if args.workers > 1 and args.n_trials > 0:  # one process makes what the trials starting together would each make
         make_shared_inputs(base_cfg, record=out_dir / "write_ahead.json")
     specs, gpus = _worker_specs(args, sweep, base_overrides, storage, study_name, out_dir, parent_id, tr, n_before,
@@ -338,20 +381,27 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     lost: list[str] = []
     status = "FINISHED"
     try:
-        if args.workers == 1:
+        if args.workers == 1 and args.launcher.backend == "local":
             worker_main(specs[0], Tickets(args.n_trials), in_process=True)
         else:
-            lost = _run_workers(specs, args.n_trials, study, tracker)
-    except KeyboardInterrupt:
-        status = "KILLED"
+            lost = _run_workers(specs, args.n_trials, study, tracker, args.launcher, out_dir)
+    except BaseException as e:  # the parent run never stays RUNNING: KILLED on a stop, FAILED otherwise
+        status = "KILLED" if isinstance(e, KeyboardInterrupt) else "FAILED"
         raise
     finally:
-        reap_stale(study, tracker)
-        reconcile_children(study, tracker, parent_id)
-        summary = update_parent(study, tracker, parent_id)
-        if tracker is not None and parent_id:
-            tracker.update_parent(parent_id, {"sweep.lost_workers": len(lost)} if lost else {}, {}, 0)
-            tracker.end(parent_id, status)
+        try:
+            reap_stale(study, tracker)
+            reconcile_children(study, tracker, parent_id)
+            summary = update_parent(study, tracker, parent_id)
+            if status == "FINISHED" and len(lost) >= args.workers > 1:  # every worker died: the launch failed
+                status = "FAILED"
+        except BaseException:
+            status = "FAILED" if status == "FINISHED" else status
+            raise
+        finally:
+            if tracker is not None and parent_id:
+                tracker.update_parent(parent_id, {"sweep.lost_workers": len(lost)} if lost else {}, {}, 0)
+                tracker.end(parent_id, status)
     summary.update(study=study_name, storage=storage_desc, parent_run_id=parent_id, n_before=n_before,
                    n_new=summary["n_trials"] + summary["n_continued"] - n_before, lost_workers=lost,
                    out_dir=str(out_dir), continued_now=continued)
@@ -379,49 +429,34 @@ def report(args: LaunchArgs) -> dict[str, Any]:
     return {"report": text, "study": name}
 
 
-def _run_workers(specs, n_trials: int, study, tracker) -> list[str]:
-    from sweeps.storage import reap_stale
-    from sweeps.worker import Tickets, worker_main
+def _run_workers(specs, n_trials: int, study, tracker, launcher, out_dir: Path) -> list[str]:
+    """The workers as launcher tasks (`sweeps.launcher`): on this machine, spawned processes sharing one ticket
+    count, one GPU each while there are GPUs enough; with launcher=slurm, one job each with its share of the
+    trials. A worker that exits abnormally has its trial(s) marked FAIL, the others go on."""
+    from concurrent.futures import ThreadPoolExecutor
 
-    ctx = mp.get_context("spawn")
-    tickets = Tickets(n_trials, ctx)
-    procs = []
-    for spec in specs:
-        saved = os.environ.get("CUDA_VISIBLE_DEVICES")
-        if spec.gpu is not None:  # the child inherits the environment at spawn
-            os.environ["CUDA_VISIBLE_DEVICES"] = spec.gpu
-        try:
-            p = ctx.Process(target=worker_main, args=(spec, tickets), name=f"sweep-w{spec.index}")
-            p.start()
-        finally:
-            if spec.gpu is not None:
-                if saved is None:
-                    os.environ.pop("CUDA_VISIBLE_DEVICES", None)
-                else:
-                    os.environ["CUDA_VISIBLE_DEVICES"] = saved
-        procs.append((spec, p))
+    from sweeps.launcher import make_launcher
+    from sweeps.storage import reap_stale
+    from sweeps.worker import Tickets, WorkerTask
+
+    runner = make_launcher(launcher, out_dir / "submitit")
+    shared = Tickets(n_trials, mp.get_context("spawn")) if launcher.backend == "local" else None
+    shares = [n_trials // len(specs) + (i < n_trials % len(specs)) for i in range(len(specs))]
     lost: list[str] = []
-    try:
-        alive = list(procs)
-        while alive:
-            for spec, p in list(alive):
-                p.join(timeout=0.5)
-                if p.exitcode is None:
-                    continue
-                alive.remove((spec, p))
-                if p.exitcode != 0:
-                    lost.append(f"w{spec.index} pid {p.pid} exit {p.exitcode}")
-                    reaped = reap_stale(study, tracker)
-                    print(f"[sweep {study.study_name}] worker w{spec.index} (pid {p.pid}) exited with "
-                          f"{p.exitcode}; its trial(s) {reaped} marked FAIL; {tickets.left} trial(s) left for the "
-                          f"other workers (log: {spec.log_file})", file=sys.stderr, flush=True)
-    except BaseException:
-        for _, p in procs:
-            if p.is_alive():
-                p.terminate()
-        for _, p in procs:
-            p.join(timeout=30)
-        raise
+
+    def one(i: int) -> None:
+        spec = specs[i]
+        task = WorkerTask(spec, shared if shared is not None else shares[i])
+        rc = runner.run(task, f"{study.study_name}-w{i}")
+        if rc != 0:
+            lost.append(f"w{spec.index} pid {getattr(task, 'pid', '?')} exit {rc}")
+            reaped = reap_stale(study, tracker)
+            left = shared.left if shared is not None else "its job's"
+            print(f"[sweep {study.study_name}] worker w{spec.index} exited with {rc}; its trial(s) {reaped} marked "
+                  f"FAIL; {left} trial(s) left for the other workers (log: {spec.log_file})", file=sys.stderr,
+                  flush=True)
+    with ThreadPoolExecutor(max_workers=len(specs)) as pool:
+        list(pool.map(one, range(len(specs))))
     return lost
 
 

@@ -313,14 +313,14 @@ TIE_LEVEL = 0.95  # the paired interval that calls two trials a tie
 
 
 def trial_table(run_dir: str | None, metric: str) -> dict | None:
-    """A trial's per-prompt task table for `metric` from its run folder (`eval/tasks.json`, or
-    `eval/<suite>/tasks.json` for an `eval/suite/<suite>/...` metric); None when absent."""
-    from dflash.evaluation.pairing import metric_columns
+    """A trial's per-prompt task table for `metric` from its run folder (`eval/served/tasks.json` for the objective
+    `eval/tau_served`, `eval/<suite>/served/tasks.json` for a suite's; legacy runs' `eval/tasks.json` for
+    `eval/tau_vanilla`: `pairing.table_file`); None when absent."""
+    from dflash.evaluation.pairing import metric_columns, table_file
     cols = metric_columns(metric)
     if cols is None or not run_dir:
         return None
-    parts = cols.artifact.split("/")  # eval/tasks.json | eval/suite/<name>/tasks.json
-    f = RunDir(run_dir).eval_dir.joinpath(*([parts[2]] if len(parts) == 4 else []), "tasks.json")
+    f = RunDir(run_dir).eval_dir / table_file(cols.artifact)
     return json.loads(f.read_text(encoding="utf-8")) if f.is_file() else None
 
 

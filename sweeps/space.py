@@ -14,7 +14,7 @@ A sweep file (every top-level key optional except `space`)::
                          when: {loss: [soft_kl]}}                        # only sampled when loss=soft_kl
       buffer.min_ready: {type: int, low: 4, high: 48, log: true}          # emitted as buffer.min_ready=12
       trainer.lr: {type: float, low: 2.0e-4, high: 2.0e-3, log: true}
-    objective: {metric: eval/tau_vanilla, direction: maximize}
+    objective: {metric: eval/tau_served, direction: maximize}
     sampler: {type: tpe, seed: 0, n_startup_trials: 8, multivariate: true, constant_liar: true}
     pruner: {type: median, n_startup_trials: 4, n_warmup_steps: 150}
 
@@ -55,7 +55,7 @@ PARAM_KEYS = {"choice": {"type", "choices", "when"},
               "float": {"type", "low", "high", "log", "step", "when"},
               "int": {"type", "low", "high", "log", "step", "when"}}
 OBJECTIVE_KEYS = {"metric", "direction"}
-DEFAULT_METRIC = "eval/tau_vanilla"
+DEFAULT_METRIC = "eval/tau_served"  # τ at the served sampling setting (docs/evaluation.md)
 
 
 _NONNEGATIVE = {"n_startup_trials", "n_warmup_steps", "min_early_stopping_rate", "bootstrap_count"}
@@ -203,7 +203,10 @@ def _apply_dotted(raw: Any, override: str, where: str) -> None:
         elif not isinstance(nxt, dict):
             raise SweepError(f"{where}: sweep override {key!r}: {p!r} is not a mapping")
         node = nxt
-    node[parts[-1]] = yaml.safe_load(value) if value != "" else ""
+    new = yaml.safe_load(value) if value != "" else ""
+    if parts[1:] == ["type"] and parts[0] in ("sampler", "pruner") and node.get("type") != new:
+        node.clear()  # another sampler / pruner: the file's options were the old one's (`pruner.type=none`)
+    node[parts[-1]] = new
 
 
 def parse_sweep(raw: Any, where: str = "sweep", default_name: str = "sweep", path: str = "") -> SweepDef:

@@ -62,7 +62,7 @@ class PruningEvaluator:
     """`evaluator(drafter, target, step, final, logger=None)` for `dflash.app.run.train`.
 
     Calls `base` (the real evaluator, may be None), then — for intermediate calls only — reports the
-    objective `metric`'s subset figure (`subset_key`: `eval/subset/tau_vanilla` for `eval/tau_vanilla`) at `step` to `trial` and raises `EvalPruned` when `trial.should_prune()`. The
+    objective `metric`'s subset figure (`subset_key`: `eval/subset/tau_served` for `eval/tau_served`) at `step` to `trial` and raises `EvalPruned` when `trial.should_prune()`. The
     final call's value is the trial's result (the caller reads it from the run's metrics)."""
 
     def __init__(self, trial: Any, metric: str, run_dir: str | os.PathLike,
@@ -75,6 +75,11 @@ class PruningEvaluator:
         """Forwarded to the real evaluator (eval/tau_train, dflash.evaluation.evaluator)."""
         if hasattr(self.base, "use_train_sequences"):
             self.base.use_train_sequences(sequences)
+
+    def add_suites(self, suites, note: str = "") -> None:
+        """Forwarded to the real evaluator (the data's own suites: a chat dataset's chat_heldout)."""
+        if hasattr(self.base, "add_suites"):
+            self.base.add_suites(suites, note)
 
     def __call__(self, drafter, target, step: int, final: bool, logger=None) -> dict[str, float]:
         out: dict[str, float] = {}
@@ -137,8 +142,11 @@ class SweepTracker:
     @property
     def experiment_id(self) -> str:
         if self._experiment_id is None:
-            def create():  # a fresh sqlite store is created once, under a lock, by whichever process comes first
-                prepare_store(self.tracking_uri)
+            # a fresh sqlite store is made once, whole, under a lock; a dead or silent server fails here in seconds
+            # (not retried: each try would wait out the bounded check again)
+            prepare_store(self.tracking_uri)
+
+            def create():
                 return get_or_create_experiment(self.client, self.experiment, self.tracking_uri)
             self._experiment_id = self._retry("get/create experiment", create, quiet=False)
         return self._experiment_id  # type: ignore[return-value]

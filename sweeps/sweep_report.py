@@ -204,7 +204,9 @@ def _fmt_params(params: dict, keys: list[str]) -> list[str]:
 
 def render(study, sweep, out_root: Path) -> str:
     """The report (module doc) of `study`, run from `sweep`'s definition, its folders under `out_root`."""
-    objective = sweep.objective.metric
+    # the objective the study ran under (a store keeps its meaning: studies before sampled evaluation optimized
+    # eval/tau_vanilla, the old greedy protocol), else the definition's
+    objective = study.user_attrs.get("sweep.objective") or sweep.objective.metric
     out_dir = out_root / study.study_name
     trials = study.get_trials(deepcopy=False)
     groups = chains(trials)
@@ -219,7 +221,10 @@ def render(study, sweep, out_root: Path) -> str:
     head = ["trial", "state", *[k.split(".")[-1] for k in keys], "steps", "consumed tokens", "in-training evals",
             f"{objective} [95% CI]", "Δ vs best, paired", "DDTree", "prompt lookup", "wall s"]
     lines = [f"# Sweep `{study.study_name}` ({sweep.name}): {len(groups)} trials, {len(complete)} complete",
-             "", f"Objective: {sweep.objective.direction} `{objective}`. Fixed: `{' '.join(sweep.fixed)}`.", "",
+             "", f"Objective: {sweep.objective.direction} `{objective}`"
+             + (" (the old protocol: greedy, fixed-length ground truth that loops; measured before sampled "
+                "evaluation)" if objective == "eval/tau_vanilla" else "")
+             + f". Fixed: `{' '.join(sweep.fixed)}`.", "",
              "| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
     for c, r in zip(groups, rows):
         curve = ", ".join(f"{_tokens(tok)}: {v:.3f}" for tok, v in r["curve"])

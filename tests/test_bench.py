@@ -265,3 +265,37 @@ def test_bench_variants_may_not_change_how_the_target_is_built():
         main([*FAST, "bench.target_variants=target.soft_top_k=3", "bench.sections=peak"])
     with pytest.raises(ConfigError, match=r"bench\.pipeline_variants: .*target\.fused_ops"):
         main([*FAST, "bench.pipeline_variants=target.dtype=float32", "bench.sections=peak"])
+
+
+def test_drafter_step_bench_of_a_dflash2_drafter_with_muon_counts_its_modules(fast_cfg):
+    """DFlash 2 + Muon in the drafter section: the optimizer's step hooks fire (four phases), and the useful FLOPs
+    are the counter's matmuls (kernel projections, selector projection, candidate logits, the top-k's full
+    logits) plus the convolutions' and pair scores' elementwise work, which the counter does not see."""
+    import time
+
+    import torch
+
+    from dflash.bench.config import BenchConfig
+    from dflash.bench.drafter_step import DrafterStepBench
+    from dflash.bench.flops import count_flops, dflash2_elementwise_flops
+    from dflash.target.model import Target
+
+    class HostEvent:
+        def record(self):
+            self.t = time.perf_counter()
+
+        def elapsed_time(self, other):
+            return (other.t - self.t) * 1e3
+    cfg = fast_cfg("+drafter=dflash2", "drafter.num_layers=1", "drafter.layer_types=[sliding_attention]",
+                   "drafter.head_dim=16", "drafter.intermediate_size=128", "drafter.block_size=8",
+                   "trainer.optimizer=muon")
+    target = Target(cfg.target)
+    bench = DrafterStepBench(cfg, target, BenchConfig(seq_len=48, anchors=4, warmup=1, iters=1))
+    phases = bench.phases(steps=1, event=HostEvent, sync=lambda: None)
+    assert all(v > 0 for v in phases.values())
+    extra = dflash2_elementwise_flops(cfg.drafter, target.hidden_size, int(bench.batch.anchors_BN.numel()))
+    assert extra > 0
+    assert bench.useful_flops() == count_flops(bench.step) + extra
+    plain = DrafterStepBench(fast_cfg(), target, BenchConfig(seq_len=48, anchors=4, warmup=1, iters=1))
+    assert bench.useful_flops() > plain.useful_flops()  # convs, selector and the top-k's logits on top
+    assert torch.isfinite(torch.tensor(bench.run()["flops_per_tok"]))

@@ -63,7 +63,8 @@ def test_every_option_composes_and_builds(group, option, tmp_path):
     validate(cfg)
     info = read_target_info(cfg.target)
     build_loss(cfg.loss), build_noise(cfg.noise, 10), BucketedBuffer(cfg.buffer)
-    build_drafter(cfg.drafter, info.hidden_size, info.num_layers, 0, resolve_layer_ids(cfg.target, info))
+    build_drafter(cfg.drafter, info.hidden_size, info.num_layers, 0, resolve_layer_ids(cfg.target, info),
+                  info.vocab_size)
 
 
 def _option_as_dataclass(group, option, cfg):

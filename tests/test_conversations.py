@@ -1,5 +1,6 @@
 """Conversation data: formats, the assistant mask, the held-out split, bad input, training on assistant tokens only."""
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -58,6 +59,10 @@ CONV = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": 
         {"role": "user", "content": "And 4 + 4?"}, {"role": "assistant", "content": "4 + 4 = 8."}]
 
 
+def _plain(messages):
+    return [{"role": m["role"], "content": m["content"]} for m in messages]
+
+
 def _sharegpt(conv):
     names = {"system": "system", "user": "human", "assistant": "gpt"}
     return {"conversations": [{"from": names[m["role"]], "value": m["content"]} for m in conv]}
@@ -77,10 +82,13 @@ def test_the_formats_read_into_the_same_messages(tmp_path):
     rows = list(ds)
     assert len(rows) == 5
     full = [r["messages"] for r in rows if len(r["messages"]) == 5]
-    assert len(full) == 4 and all(m == CONV for m in full)  # multi-turn and the system prompt kept
-    assert [r["messages"] for r in rows if len(r["messages"]) == 3] == [CONV[:2] + [
+    assert len(full) == 4 and all(_plain(m) == CONV for m in full)  # multi-turn and the system prompt kept
+    assert [_plain(r["messages"]) for r in rows if len(r["messages"]) == 3] == [CONV[:2] + [
         {"role": "assistant", "content": "2 + 3 = 5."}]]
-    assert len({r["conv_hash"] for r in rows if len(r["messages"]) == 5}) == 1  # the same conversation, one hash
+    # the same conversation, the same prompt hashes (per assistant turn); the flat record shares its first prompt
+    assert len({tuple(r["prompt_hashes"]) for r in rows if len(r["messages"]) == 5}) == 1
+    assert rows[0]["prompt_hashes"][2] in {r["prompt_hashes"][2] for r in rows if len(r["messages"]) == 3}
+    assert not list((tmp_path / "saved").glob("cache-*"))  # nothing written into the user's saved dataset
     # a glob, and a file that mixes two formats record by record
     _write_jsonl(tmp_path / "mixed.jsonl", [{"messages": CONV}, _sharegpt(CONV[:3])])
     ds, formats = read_conversations(str(tmp_path / "mix*.jsonl"), str(tmp_path / "hf"))
@@ -95,19 +103,24 @@ def test_the_sample_dataset_has_both_formats_and_multi_turn():
     assert sum(len([m for m in t if m.get("role", m.get("from")) in ("assistant", "gpt")]) > 1 for t in turns) > 20
 
 
+def _msgs(conv):
+    from dflash.data.conversations import message
+    return [message(m["role"], m["content"]) for m in conv]
+
+
 # -- masks --------------------------------------------------------------------------------------------------
 def _assistant_text(tok, ids, mask):
     return tok.decode([i for i, m in zip(ids, mask) if m])
 
 
 def test_generation_markers_and_prefix_rendering_give_the_same_assistant_mask(tok):
-    ids, mask = render(tok, CONV, ChatConfig())
+    [(ids, mask)] = render(tok, _msgs(CONV), ChatConfig())
     assert _assistant_text(tok, ids, mask) == "<think>\nadd them\n</think>\n\n2 + 3 = 5.<|im_end|>4 + 4 = 8.<|im_end|>"
     plain = tok.chat_template.replace("{% generation %}", "").replace("{% endgeneration %}", "")
     tok.chat_template = plain  # a template without generation markers: spans found by rendering prefixes
-    ids2, mask2 = render(tok, CONV, ChatConfig())
+    [(ids2, mask2)] = render(tok, _msgs(CONV), ChatConfig())
     assert ids2 == ids and mask2 == mask
-    ids3, mask3 = render(tok, CONV, ChatConfig(think="drop"))
+    [(ids3, mask3)] = render(tok, _msgs(CONV), ChatConfig(think="drop"))
     assert "<think>" not in tok.decode(ids3) and _assistant_text(tok, ids3, mask3) == "2 + 3 = 5.<|im_end|>4 + 4 = 8.<|im_end|>"
 
 
@@ -118,7 +131,7 @@ def test_a_template_file_serves_a_tokenizer_without_one(tok, tmp_path):
     with pytest.raises(ValueError, match="data.chat.template"):
         prepare_tokenizer(tok, ChatConfig())
     prepare_tokenizer(tok, ChatConfig(template=str(tpl)))
-    ids, mask = render(tok, CONV[1:3], ChatConfig(template=str(tpl)))
+    [(ids, mask)] = render(tok, _msgs(CONV[1:3]), ChatConfig(template=str(tpl)))
     assert sum(mask) > 0 and tok.decode(ids).startswith("<|im_start|>user\n")
 
 
@@ -126,7 +139,7 @@ def test_a_template_that_does_not_render_names_the_template_and_the_record(tok, 
     tpl = tmp_path / "broken.jinja"
     tpl.write_text("{{ messages[0]['content'] | no_such_filter }}")
     with pytest.raises(TemplateError, match=r"broken\.jinja does not render record x#3"):
-        render(prepare_tokenizer(tok, ChatConfig(template=str(tpl))), CONV, ChatConfig(template=str(tpl)),
+        render(prepare_tokenizer(tok, ChatConfig(template=str(tpl))), _msgs(CONV), ChatConfig(template=str(tpl)),
                where="record x#3")
 
 
@@ -167,29 +180,51 @@ def test_no_user_or_system_token_ever_carries_loss(chat_cfg, tmp_path):
 
 
 # -- the split ----------------------------------------------------------------------------------------------
-def test_the_heldout_split_is_by_conversation_hash_and_never_trained_on(tmp_path, tok):
-    d = DataConfig(source="conversations", path=str(SAMPLE), min_len=8, max_len=512)
+def _held_prompts(ds):
+    return {r["prompt_hashes"][i] for r in ds for i in r["heldout_turns"]}
+
+
+def _trained_prompts(ds):
+    return {r["prompt_hashes"][i] for r in ds for i, m in enumerate(r["messages"]) if m["role"] == "assistant"
+            and m["train"]}
+
+
+def test_the_heldout_split_is_by_prompt_hash_and_no_heldout_prompt_is_trained_on(tmp_path, tok):
+    # one prompt with two responses (and a second turn each): both land on the same side
+    twins = [{"messages": [{"role": "user", "content": f"question {i}"},
+                           {"role": "assistant", "content": f"answer {i} {v} " * 6},
+                           {"role": "user", "content": "and then?"},
+                           {"role": "assistant", "content": f"more {v} " * 6}]}
+             for i in range(60) for v in ("a", "b")]
+    data = _write_jsonl(tmp_path / "twins.jsonl", twins)
+    d = DataConfig(source="conversations", path=str(data), min_len=8, max_len=512)
     d.conversations.cache_dir = str(tmp_path / "hf")
     d.conversations.heldout_per_10k = 2000
     cs = load_conversation_set(d, tok)
-    held = {r["conv_hash"] for r in cs.heldout}
-    train = {r["conv_hash"] for r in cs.normalized}
-    assert held and train and not held & train and 20 < len(held) < 70  # ~20% of 200
+    held, trained = _held_prompts(cs.heldout), _trained_prompts(cs.normalized)
+    assert held and trained and not held & trained  # no held-out prompt is ever trained on
     assert all(heldout_bucket(h, d.conversations.salt) < 2000 for h in held)
-    trained = {tuple(r["input_ids"]) for r in cs.train}
-    for r in cs.heldout:  # no held-out conversation is a training sequence (the same text has the same hash)
-        assert tuple(render(tok, r["messages"], ChatConfig())[0]) not in trained
-    # adding conversations moves none of the existing ones across the split
+    first_turn_held = {r["messages"][0]["content"] for r in cs.heldout if 1 in r["heldout_turns"]}
+    assert 4 < len(first_turn_held) < 25  # ~20% of 60 prompts
+    for q in first_turn_held:  # both responses to a held-out prompt: that turn is context only
+        rows = [r for r in cs.normalized if r["messages"][0]["content"] == q]
+        assert all(not r["messages"][1]["train"] for r in rows)
+    trained_text = [tok.decode([t for t, m in zip(ids, mask) if m]) for ids, mask in
+                    zip(cs.train["input_ids"], cs.train["loss_mask"])]
+    for q in first_turn_held:
+        n = q.split()[1]
+        assert not any(f"answer {n} " in t for t in trained_text), q
+    # adding conversations moves none of the existing prompts across the split
     extra = _write_jsonl(tmp_path / "more.jsonl", [{"messages": [{"role": "user", "content": f"q{i}"},
                                                                  {"role": "assistant", "content": f"a{i} " * 20}]}
                                                    for i in range(30)])
     both = tmp_path / "both"
     both.mkdir()
-    (both / "a.jsonl").write_text(SAMPLE.read_text())
+    (both / "a.jsonl").write_text(data.read_text())
     (both / "b.jsonl").write_text(extra.read_text())
     cs2 = load_conversation_set(DataConfig(source="conversations", path=str(both), min_len=8, max_len=512,
                                            conversations=d.conversations), tok)
-    assert held <= {r["conv_hash"] for r in cs2.heldout} and train <= {r["conv_hash"] for r in cs2.normalized}
+    assert held <= _held_prompts(cs2.heldout) and trained <= _trained_prompts(cs2.normalized)
 
 
 # -- bad input ----------------------------------------------------------------------------------------------
@@ -274,14 +309,17 @@ def test_the_heldout_split_and_coding10_chat_are_eval_suites_with_prompt_lookup_
         f"eval.cache_dir={tmp_path / 'eval'}", "data.conversations.eval_prompts=3", "data.conversations.eval_tokens=8",
         "trainer.max_steps=2"])
     metrics = train(cfg).metrics
-    for suite, n in (("chat_heldout", 3), ("coding10_chat", 10)):
-        pre = f"eval/suite/{suite}/"
+    labels = {k.split("/")[3] for k in metrics if k.startswith("eval/suite/chat_heldout/")}  # the settings (t0 ...)
+    assert labels
+    for suite, n, label in [(s, n, lb) for s, n in (("chat_heldout", 3), ("coding10_chat", 10)) for lb in labels]:
+        pre = f"eval/suite/{suite}/{label}/"
         assert metrics[pre + "num_tasks"] == n
         for key in ("tau_vanilla", "tau_vanilla_ci_low", "tau_vanilla_ci_high", "tau_prompt_lookup",
                     "delta_prompt_lookup"):
             assert pre + key in metrics, pre + key
     out = capsys.readouterr().out
-    assert "| chat_heldout | 3 |" in out and "| coding10_chat | 10 |" in out
+    assert re.search(r"\| chat_heldout \| t0[^|]* \| 3 \|", out)  # suite, setting, prompts
+    assert re.search(r"\| coding10_chat \| t0[^|]* \| 10 \|", out)
     assert "not written by the target in this run" in out
 
 
@@ -293,9 +331,9 @@ def test_chat_suites_are_cut_from_heldout_conversations_through_the_template(cha
     held, coding = chat_suites(cs, tok, cfg)
     assert held.name == "chat_heldout" and len(held.tasks) == 5 and held.max_new_tokens == 128
     for task, row in zip(held.tasks, cs.heldout):
-        last = max(i for i, m in enumerate(row["messages"]) if m["role"] == "assistant")
+        turn = row["heldout_turns"][0]  # the first held-out turn's prompt
         assert task.prompt.endswith("<|im_start|>assistant\n")  # the target writes the next turn
-        assert row["messages"][last - 1]["content"] in task.prompt and row["messages"][last]["content"] not in task.prompt
+        assert task.prompt.endswith(row["messages"][turn - 1]["content"] + "<|im_end|>\n<|im_start|>assistant\n")
     assert coding.name == "coding10_chat" and len(coding.tasks) == 10
     assert all(t.prompt.startswith("<|im_start|>user\n") for t in coding.tasks)
 

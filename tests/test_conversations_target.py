@@ -105,3 +105,92 @@ def test_regen_splits_the_work_over_torchrun_ranks(tmp_path):
     two, one = _shards(tmp_path / "two"), _shards(tmp_path / "one")
     assert len(one) == 4 and set(two) == set(one)  # 2 training ranks x 2 batches
     assert all(torch.equal(two[k], one[k]) for k in one)
+
+
+def test_turns_are_regenerated_in_rounds_each_prompted_with_the_earlier_answers():
+    from dflash.data.conversations import message
+    from dflash.data.regen import regenerate_turns
+    convs = [[message("system", "S"), message("user", "u1"), message("assistant", "a1"), message("user", "u2"),
+              message("assistant", "a2", train=False), message("user", "u3"), message("assistant", "a3")],
+             [message("user", "v1"), message("assistant", "b1")]]
+    calls = []
+
+    def respond(prompts):  # one call per round; the "response" names the prompt's last user turn
+        calls.append(prompts)
+        return [[len(calls), *p] for p in prompts]
+    seen = {}
+
+    def prompt_ids(c, msgs):
+        seen.setdefault(c, []).append([m["content"] for m in msgs])
+        return [len(msgs)]
+    out = regenerate_turns(convs, respond, prompt_ids, lambda ids: f"round{ids[0]}:{ids[1]}")
+    assert [len(r) for r in calls] == [2, 1]  # round 1: both conversations' first turns; round 2: the third turn
+    assert [m["content"] for m in out[0] if m["role"] == "assistant"] == ["round1:2", "a2", "round2:6"]
+    assert out[1][1]["content"] == "round1:1"
+    # the target's own earlier answer, then the dataset's (untrained) turn
+    assert seen[0][1] == ["S", "u1", "round1:2", "u2", "a2", "u3"]
+    assert convs[0][2]["content"] == "a1"  # the input is left alone
+
+
+def test_the_target_responder_ends_each_turn_at_its_end_token():
+    from dflash.data.regen import greedy_generate, target_responder, until_end
+    from dflash.target.model import Target, TargetConfig, TinyTargetSpec
+    spec = TinyTargetSpec(hidden_size=32, num_layers=4, intermediate_size=64, num_heads=2, num_kv_heads=1,
+                          head_dim=16, linear_num_key_heads=2, linear_num_value_heads=2, linear_head_dim=16)
+    target = Target(TargetConfig(random=spec, layer_ids=[0, 1, 2], device="cpu"))
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (5, 5, 7)]
+    free = [greedy_generate(target, torch.tensor([p]), 12)[0].tolist() for p in prompts]
+    end = free[0][3]  # a token the first prompt's answer writes at its 4th position
+    out = target_responder(target, end, 12, batch_size=2)(prompts)
+    assert out == [until_end(f, end) for f in free] and len(out[0]) <= 4 and out[0][-1] == end
+    assert until_end([1, 2, 3], 9) == [1, 2, 3] and until_end([1, 9, 3, 9], 9) == [1, 9]
+    hot = target_responder(target, None, 12, batch_size=2, sampling=5.0, seed=3)
+    assert hot(prompts) == hot(prompts) != out and all(len(r) == 12 for r in hot(prompts))  # seeded draws
+
+
+def test_regen_turns_writes_a_conversation_file_a_run_reads(chat_cfg, tmp_path, monkeypatch):
+    from dflash.data.conversations import read_conversations
+    from experiments.regen import main as regen
+    src = [{"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+                         {"role": "assistant", "content": "Hello there."}, {"role": "user", "content": "Bye"},
+                         {"role": "assistant", "content": "Goodbye."}]},
+           {"conversations": [{"from": "human", "value": "Q"}, {"from": "gpt", "value": "A", "weight": 0},
+                              {"from": "human", "value": "Q2"}, {"from": "gpt", "value": "A2"}]}]
+    path = tmp_path / "c.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in src))
+    import dflash.data.regen as regen_lib
+    out = tmp_path / "regen" / "turns.jsonl"
+    args = ["+target=tiny_random_chat", "+data=conversations", f"data.path={path}", *TARGET,
+            f"data.conversations.cache_dir={tmp_path / 'hf'}", "data.conversations.heldout_per_10k=0",
+            "target.random.hidden_size=64", "target.random.num_layers=4", "target.random.intermediate_size=128",
+            "target.random.head_dim=16", "target.random.linear_head_dim=16", "target.layer_ids=[0,1,2]",
+            "regen.turn_tokens=6"]
+    real, calls = regen_lib.target_responder, []
+
+    def dies_in_round_2(*a, **k):  # a regen killed during its second round ...
+        inner = real(*a, **k)
+        return lambda prompts: (_ for _ in ()).throw(KeyboardInterrupt()) if calls.append(1) or len(calls) > 1 \
+            else inner(prompts)
+    monkeypatch.setattr(regen_lib, "target_responder", dies_in_round_2)
+    with pytest.raises(KeyboardInterrupt):
+        regen([*args, f"regen.turns_out={out}"])
+    assert not out.exists() and (out.parent / ".turns.jsonl.rounds").is_file()
+    asked = []
+
+    def counted(*a, **k):
+        inner = real(*a, **k)
+        return lambda prompts: asked.extend(prompts) or inner(prompts)
+    monkeypatch.setattr(regen_lib, "target_responder", counted)
+    stats = regen([*args, f"regen.turns_out={out}"])  # ... resumes after its first round
+    assert len(asked) == 1 and not (out.parent / ".turns.jsonl.rounds").exists()  # round 2's one turn only
+    assert stats["data/regen_conversations"] == 2 and stats["data/regen_turns"] == 3
+    fresh = tmp_path / "fresh" / "turns.jsonl"
+    regen([*args, f"regen.turns_out={fresh}"])
+    assert out.read_text() == fresh.read_text()
+    ds, _ = read_conversations(str(out), str(tmp_path / "hf2"))
+    rows = list(ds)
+    assert [m["content"] for m in rows[0]["messages"] if m["role"] != "assistant"] == ["Be brief.", "Hi", "Bye"]
+    assert rows[0]["messages"][2]["content"] != "Hello there."  # the target's own answer
+    assert rows[1]["messages"][1]["content"] == "A" and not rows[1]["messages"][1]["train"]  # weight 0 kept
+    assert not list(out.parent.glob(".*"))  # written atomically

@@ -222,10 +222,11 @@ def test_windowed_kernels_agree_on_outputs_and_gradients(kernel, group, cpu_flex
         torch.testing.assert_close(g[name], g_ref[name], rtol=1e-5, atol=1e-5, msg=name)
 
 
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "whole_block"])  # False: DFlash 2's windows
 @pytest.mark.parametrize("ctx_len,n,bs,window", [(37, 5, 4, 9), (300, 21, 16, 64), (255, 17, 3, 130)])
-def test_windowed_flex_block_mask_equals_training_mask(ctx_len, n, bs, window):
+def test_windowed_flex_block_mask_equals_training_mask(ctx_len, n, bs, window, causal):
     from dflash.drafter.attention import LayerAttention
-    layer = LayerAttention(window=window)
+    layer = LayerAttention(window=window, window_causal=causal)
     g = torch.Generator().manual_seed(ctx_len)
     anchors = torch.stack([torch.randperm(ctx_len - 1, generator=g)[:n].sort().values + 1 for _ in range(2)])
     bm = FlexKernel().mask(anchors, ctx_len, bs, layer)

@@ -77,13 +77,13 @@ def test_run_dir_logs_a_linked_eval_run(workdir):
     assert ev.data.tags["dflash.evaluated_run"] == train.run_id and ev.info.status == "FINISHED"
     assert ev.data.metrics["eval/tau_served"] == pytest.approx(metrics["eval/tau_served"])
     assert ev.data.params["eval.max_new_tokens"] == "6"
-    arts = {a.path for a in client.list_artifacts(ev.info.run_id, "eval/t0")}
-    assert arts == {"eval/t0/tasks.json", "eval/t0/tasks.md", "eval/t0/acceptance_per_position.png"}
+    arts = {a.path for a in client.list_artifacts(ev.info.run_id, "eval/served")}
+    assert arts == {"eval/served/tasks.json", "eval/served/tasks.md", "eval/served/acceptance_per_position.png"}
     trained = client.get_run(train.run_id)
     assert trained.info.status == "FINISHED" and trained.data.tags["dflash.last_eval_run"] == ev.info.run_id
     assert not any(k.startswith("eval/") for k in trained.data.metrics)  # the training run is left as it was
     outs = list((run_dir / "eval").iterdir())
-    assert len(outs) == 1 and (outs[0] / "report" / "t0" / "tasks.md").is_file()
+    assert len(outs) == 1 and (outs[0] / "report" / "served" / "tasks.md").is_file()
     assert json.loads((outs[0] / "mlflow_run.json").read_text())["run_id"] == ev.info.run_id
     assert json.loads((run_dir / "mlflow_run.json").read_text())["run_id"] == train.run_id  # untouched
 
@@ -98,8 +98,8 @@ def test_into_run_makes_the_training_run_carry_the_eval(workdir):
     assert trained.data.metrics["eval/tau_served"] == pytest.approx(metrics["eval/tau_served"])
     hist = client.get_metric_history(train_id, "eval/tau_served")
     assert [h.step for h in hist] == [RunConfig().trainer.max_steps]
-    arts = {a.path for a in client.list_artifacts(train_id, "eval/t0")}
-    assert "eval/t0/tasks.json" in arts and "eval/t0/acceptance_per_position.png" in arts
+    arts = {a.path for a in client.list_artifacts(train_id, "eval/served")}
+    assert "eval/served/tasks.json" in arts and "eval/served/acceptance_per_position.png" in arts
 
 
 def test_bare_serving_folder_takes_the_target_from_overrides(workdir):
@@ -109,7 +109,7 @@ def test_bare_serving_folder_takes_the_target_from_overrides(workdir):
     metrics = eval_cli.main([str(folder), "+target=tiny_random", "tracking.enabled=false", "target.device=cpu",
                              *_eval_overrides(workdir), "eval.real_decode=true", f"--out={out}"])
     assert metrics["eval/t0/real/lossless"] == 1.0 and metrics["eval/t0/real/tau_matches_sim"] == 1.0
-    assert (out / "report" / "t0" / "tasks.json").is_file() and (out / "metrics.jsonl").is_file()
+    assert (out / "report" / "served" / "tasks.json").is_file() and (out / "metrics.jsonl").is_file()
     with pytest.raises(eval_cli.ConfigError, match="--into-run"):
         eval_cli.main([str(folder), "tracking.enabled=false", "--into-run"])
 

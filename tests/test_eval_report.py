@@ -125,11 +125,11 @@ def test_make_evaluator_subset_then_final_with_artifacts(target, drafter, cfg, t
     assert "eval/tau_vanilla" not in m  # the legacy name (greedy, fixed length) is never written again
     assert not any(k.startswith("eval/subset/") for k in m)
     names = {c[2]: c[0] for c in lg.calls}
-    assert names == {"eval/t0/tasks.json": "log_dict", "eval/t0/tasks.md": "log_text",
-                     "eval/t0/acceptance_per_position.png": "log_figure"}
+    assert names == {"eval/served/tasks.json": "log_dict", "eval/served/tasks.md": "log_text",
+                     "eval/served/acceptance_per_position.png": "log_figure"}
     table = next(c[1] for c in lg.calls if c[0] == "log_dict")
     assert [r["task"] for r in table["tasks"]] == ["one", "two", "three"]
-    assert (tmp_path / "eval" / "t0" / "acceptance_per_position.png").read_bytes().startswith(b"\x89PNG")
+    assert (tmp_path / "eval" / "served" / "acceptance_per_position.png").read_bytes().startswith(b"\x89PNG")
     # the trainer's current 4-argument call works too (no logger: no artifacts)
     assert ev(drafter, target, 30, False)["eval/subset/t0/num_tasks"] == cfg.subset
     assert make_evaluator(EvalConfig(enabled=False)) is None

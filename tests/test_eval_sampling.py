@@ -211,3 +211,75 @@ def test_stop_tokens_end_the_continuation(tiny_target):
     assert s.tokens == g[:first + 1]
     assert sample_decode(tiny_target, [5, 17, 33], 20, GREEDY, None, stop_ids=[stop]).tokens == g[:first + 1]
     assert list(itertools.accumulate(s.taus))[-1] >= first
+
+
+def test_simulated_tau_at_t1_agrees_with_the_real_loop(tiny_target):
+    """The evaluator's τ at T=1 (rounds simulated on sampled paths with the rule's acceptance coins) against the
+    real draft → verify → commit loop's measured τ on the same prompts (independent seeds): the real τ lies inside
+    the simulated τ's 95% CI over prompts (`eval/real/tau_in_sim_ci`), and their intervals overlap."""
+    from dflash.evaluation import EvalConfig
+    from dflash.evaluation.ground_truth import TruthSpec
+    from dflash.evaluation.prompts import Task
+    from dflash.evaluation.protocol import stop_ids
+    from dflash.evaluation.report import evaluate
+    s = Sampling(1.0, 1.0, 0)
+    cfg = EvalConfig(max_new_tokens=16, tree_budgets=[], samples=4, cache_dir="", bootstrap=500, real_decode=True,
+                     sampling=SamplingConfig(1.0, 1.0, 0))
+    tasks = [Task(f"p{i}", text) for i, text in enumerate(["def f(x):", "import os\n", "class A:\n  ", "# sum\n",
+                                                             "for i in", "x = [1, 2"])]
+    rep = evaluate(_drafter(tiny_target, bs=4, seed=5), tiny_target, cfg, tasks,
+                   spec=TruthSpec(s, 4, 0, stop_ids(tiny_target)))
+    m, st = rep.metrics, rep.stats
+    assert 1.2 < m["eval/tau_vanilla"] < 3.5  # drafts are accepted and rejected: the comparison has content
+    assert m["eval/real/tau_in_sim_ci"] == 1.0, (m["eval/real/tau"], st["eval/tau_vanilla_ci_low"],
+                                                 st["eval/tau_vanilla_ci_high"])
+    assert m["eval/real/tau_ci_low"] <= st["eval/tau_vanilla_ci_high"]
+    assert st["eval/tau_vanilla_ci_low"] <= m["eval/real/tau_ci_high"]
+    assert m["eval/num_prompts"] == 6 and m["eval/num_tasks"] == 24
+
+
+def test_degeneracy_figures_against_plain_counts():
+    from dflash.data.degeneracy import cycle_start, in_repeat_share, repeat_share, summarize
+    human = list(range(40))
+    loop = [1, 2, 3] + [7, 8, 9, 10] * 10
+    assert repeat_share(human) == 0.0 and in_repeat_share(human) == 0.0 and cycle_start(human) is None
+    grams = [tuple(loop[i:i + 4]) for i in range(len(loop) - 3)]  # plain: a 4-gram seen before it
+    assert repeat_share(loop) == sum(g in grams[:i] for i, g in enumerate(grams)) / len(grams)
+    assert in_repeat_share(loop) == 40 / 43  # every token of the loop lies in a repeated 16-gram, not the head
+    assert cycle_start(loop) == 3
+    assert cycle_start([5] * 10) is None  # too short to call a cycle (< 24 tokens)
+    s = summarize([human, loop])
+    assert s["cycle_share"] == 0.5 and s["count"] == 2
+
+
+def test_pins_are_keyed_by_the_protocol():
+    """A greedy (legacy) pin is never read for a sampled ground truth: the keys differ, and a pin read under the
+    wrong protocol is refused by name."""
+    from dflash.evaluation.ground_truth import TruthSpec
+    from dflash.evaluation.truth_pin import PinError, PinnedSuite
+    legacy = PinnedSuite("t", ("a",), ((1, 2),), 4)
+    t1 = TruthSpec(Sampling(1.0, 1.0, 0), 1, 0, (0,))
+    sampled = PinnedSuite("t", ("a",), ((1, 2),), 4, 0, t1.key())
+    greedy_ends = PinnedSuite("t", ("a",), ((1, 2),), 4, 0, TruthSpec(stop_ids=(0,)).key())
+    assert TruthSpec().key() is None and len({legacy.key(), sampled.key(), greedy_ends.key()}) == 3
+    import tempfile
+    from pathlib import Path
+    with tempfile.TemporaryDirectory() as d:
+        path = Path(d) / "pin.json"
+        legacy.write(path, "s", [[5, 6, 7, 8]])
+        with pytest.raises(PinError, match="protocol"):
+            sampled.read(path)
+        sampled.write(Path(d) / "p2.json", "s", [[5, 0]])  # ended early at the stop token 0
+        assert sampled.read(Path(d) / "p2.json").continuations == [[5, 0]]
+
+
+def test_quick_start_closing_lines_name_both_settings_and_the_next_step():
+    from dflash.config import RunConfig
+    from experiments.run import closing_lines
+    m = {"eval/tau_served": 1.4, "eval/t1/tau_vanilla": 1.4, "eval/t1/tau_prompt_lookup": 1.3,
+         "eval/t0/tau_vanilla": 2.1, "eval/t0/tau_prompt_lookup": 3.0, "eval/served_temperature": 1.0,
+         "eval/served_top_p": 1.0, "eval/served_top_k": 0.0}
+    lines = closing_lines(m, RunConfig()).splitlines()
+    assert "1.400 (prompt lookup 1.300)" in lines[0] and "t1" in lines[0]
+    assert lines[1].startswith("eval/t0/tau_vanilla") and "2.100 (prompt lookup 3.000)" in lines[1]
+    assert "τ is" in lines[2] and "below prompt lookup" in lines[3] and "+recipe=best_reference" in lines[4]

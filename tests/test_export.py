@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 from torch import nn
 
+from dflash.safe_load import MANIFEST
 from dflash.drafter.model import DFlashDrafter, DrafterConfig
 from dflash.app.export import export_drafter
 from dflash.serving.export import load_drafter, read_serving_config, save_drafter, write_serving_folder
@@ -74,7 +75,7 @@ def test_export_then_import_gives_identical_logits(tmp_path):
     inputs = _inputs()
     for a, b in zip(_outputs(d, *inputs), _outputs(back, *inputs)):
         assert torch.equal(a, b)
-    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
+    assert sorted(p.name for p in out.iterdir()) == [MANIFEST, "config.json", "model.safetensors"]
 
 
 def test_export_bfloat16(tmp_path):
@@ -167,6 +168,7 @@ def test_export_refuses_to_replace_a_foreign_folder(tmp_path):
 # ------------------------------------------------------------------------------- import errors
 def test_load_errors_name_the_file(tmp_path):
     out = write_serving_folder(_drafter(), tmp_path / "f", dtype=torch.float32, vocab_size=V)
+    (out / MANIFEST).unlink()  # as a published folder: no manifest, so its structure is what is checked
     cfg_file = out / "config.json"
     good = json.loads(cfg_file.read_text())
 
@@ -361,7 +363,7 @@ def test_export_writes_what_the_engines_read(tmp_path):
     assert cfg["layer_types"] == WINDOWED and cfg["sliding_window"] == 6 and cfg["use_sliding_window"] is True
     assert cfg["rope_theta"] == 1e7 and cfg["rope_parameters"] == {"rope_type": "default", "rope_theta": 1e7}
     assert cfg["auto_map"] == {"AutoModel": "modeling_dflash.DFlashDraftModel"} and cfg["vocab_size"] == V
-    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors", MODELING_FILE]
+    assert sorted(p.name for p in out.iterdir()) == [MANIFEST, "config.json", "model.safetensors", MODELING_FILE]
     src = (Path(__file__).parents[1] / "dflash" / "serving" / MODELING_FILE).read_text()
     assert (out / MODELING_FILE).read_text() == src and "import dflash" not in src and "from dflash" not in src
     back = _with_head(load_drafter(out, target=FACTS), d)  # reads it all back
@@ -417,6 +419,7 @@ def test_read_target_facts_of_the_reference_target():
 
 def test_load_refuses_fields_that_disagree(tmp_path):
     out = write_serving_folder(_windowed(), tmp_path / "f", dtype=torch.float32, target=FACTS)
+    (out / MANIFEST).unlink()  # as a published folder: its fields are what is checked
     cfg_file = out / "config.json"
     good = json.loads(cfg_file.read_text())
 
@@ -452,10 +455,17 @@ def test_load_refuses_fields_that_disagree(tmp_path):
 
 
 # ---------------------------- the Transformers path: AutoModel + trust_remote_code, in an interpreter without dflash
-_FRESH = r'''
+# Which sys.path entries are the repository's own source: its root and folders under it, but not an environment's
+# packages (a venv made inside the clone, `python -m venv .venv`, holds torch and transformers there)
+REPO_SOURCE = r'''
+def repo_source(p, repo):
+    inside = p in ("", ".") or p == repo or p.startswith(repo.rstrip("/") + "/")
+    return inside and "site-packages" not in p and "dist-packages" not in p
+'''
+_FRESH = REPO_SOURCE + r'''
 import sys, importlib.abc
 repo = sys.argv[1]
-sys.path[:] = [p for p in sys.path if p not in ("", ".") and not p.startswith(repo)]
+sys.path[:] = [p for p in sys.path if not repo_source(p, repo)]
 
 class NoDflash(importlib.abc.MetaPathFinder):
     def find_spec(self, name, path=None, target=None):
@@ -519,7 +529,9 @@ def test_automodel_trust_remote_code_in_a_fresh_interpreter_matches_ours(tmp_pat
                        timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
     theirs = torch.load(tmp_path / "theirs.pt")
-    assert not any(s.startswith(repo) for s in theirs["sys_path"])
+    scope: dict = {}
+    exec(REPO_SOURCE, scope)
+    assert not any(scope["repo_source"](s, repo) for s in theirs["sys_path"])
     torch.testing.assert_close(theirs["logits"].float(), ours, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(theirs["logits_cached"].float(), ours, rtol=1e-5, atol=1e-5)
 

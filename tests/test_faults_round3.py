@@ -154,6 +154,7 @@ _TRACK_ONE = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow  # 4 interpreters importing mlflow at once: about a minute on 2 cores
 def test_four_processes_on_a_fresh_sqlite_store_all_track(tmp_path):
     from mlflow.tracking import MlflowClient
     uri = f"sqlite:///{tmp_path / 'fresh' / 'mlflow.db'}"

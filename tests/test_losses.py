@@ -360,6 +360,7 @@ def test_config_schema():
         "name": (str, "hard_ce"), "gamma": (float, 7.0), "temperature": (float, 1.0),
         "kl_weight": (float, 0.7), "alpha": (float, 1.0), "dpace_a": (float, 0.5),
         "lk_eta": (float, 3.0), "chunk_size": (int, 0), "lm_head_grad": (str, "fused"), "lm_head_kernel": (str, "auto"),
+        "selector_alpha": (float, 1.0),
     }
 
 

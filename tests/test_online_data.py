@@ -332,7 +332,7 @@ def test_write_ahead_pins_the_ground_truth_of_the_train_prompts_the_runs_evaluat
     pins = sorted(truth.glob("*.json"))
     assert stats["eval/write_ahead_suites"] == 2 and len(pins) == 2  # coding10 and the training prompts
     res = train(cfg)
-    assert "eval/tau_train" in res.metrics
+    assert "eval/t0/tau_train" in res.metrics
     assert sorted(truth.glob("*.json")) == pins
 
 

@@ -46,8 +46,8 @@ class Store:
         ts = int(time.time() * 1000)
         ms = [Metric("train/loss", 1.0, ts, 10)]
         if tau is not None:
-            ms += [Metric("eval/tau_vanilla", tau - 0.5, ts, 5),  # an earlier, cheaper eval
-                   Metric("eval/tau_vanilla", tau, ts + 1, 10),
+            ms += [Metric("eval/tau_served", tau - 0.5, ts, 5),  # an earlier, cheaper eval
+                   Metric("eval/tau_served", tau, ts + 1, 10),
                    Metric("eval/tau_tree_16", tau + 1.0, ts + 1, 10),
                    Metric("eval/tau_tree_64", tau + 2.0, ts + 1, 10)]
         c.log_batch(rid, metrics=ms)
@@ -98,7 +98,7 @@ def test_first_promotion_wins_and_records_everything(store):
     assert mv.source == store.client.get_run(rid).info.artifact_uri + "/checkpoint"
     t = mv.tags
     assert t[DECISION_TAG] == "promoted" and t[REASON_TAG] == d.reason
-    assert float(t["eval/tau_vanilla"]) == 3.0 and float(t["eval/tau_tree_16"]) == 4.0
+    assert float(t["eval/tau_served"]) == 3.0 and float(t["eval/tau_tree_16"]) == 4.0
     assert float(t["eval/tau_tree_64"]) == 5.0
     assert t["dflash.task_table"] == f"runs:/{rid}/eval/per_task.json"
     assert "dflash.config" not in t  # the config is one link away (dflash.config_uri), not a tag blob
@@ -161,7 +161,7 @@ def test_ineligible_runs_never_registered_nor_aliased(store, case):
            "running": lambda: store.run(9.0, status="RUNNING")}[case]()
     d = promote(rid, PromoteConfig(), store.uri)
     assert not d.promoted and d.version is None
-    expect = {"failed": "FAILED", "nan": "nan", "inf": "inf", "no_metric": "no eval/tau_vanilla",
+    expect = {"failed": "FAILED", "nan": "nan", "inf": "inf", "no_metric": "no eval/tau_served",
               "no_checkpoint": "no 'checkpoint' artifact", "running": "RUNNING"}[case]
     assert expect in d.reason
     assert store.versions(rid) == [] and store.holder() == "1"
@@ -352,8 +352,8 @@ def test_training_run_then_promote_and_export(fast_cfg, tmp_path, capsys):
     client = MlflowClient(cfg.tracking.tracking_uri)
     assert "already" not in promote_main([str(res.run_dir), "--dry-run"]).reason
     d = promote_main([str(res.run_dir)])
-    assert not d.promoted and "no eval/tau_vanilla" in d.reason  # not evaluated: refused
-    client.log_metric(res.run_id, "eval/tau_vanilla", 1.7, step=cfg.trainer.max_steps)
+    assert not d.promoted and "no eval/tau_served" in d.reason  # not evaluated: refused
+    client.log_metric(res.run_id, "eval/tau_served", 1.7, step=cfg.trainer.max_steps)
     d = promote_main([str(res.run_dir)])
     assert d.promoted and client.get_model_version_by_alias(MODEL, "champion").run_id == res.run_id
     mv = client.get_model_version(MODEL, d.version)

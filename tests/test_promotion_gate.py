@@ -50,10 +50,10 @@ def store(tmp_path):
         rid = c.create_run(exp).info.run_id
         ts = int(time.time() * 1000)
         tau = pooled(t) if tau is None else tau
-        ms = [Metric("eval/tau_vanilla", tau, ts, 1)]
+        ms = [Metric("eval/tau_served", tau, ts, 1)]
         if t is not None:
-            ms.append(Metric("eval/tau_prompt_lookup", pooled(t, "prompt_lookup"), ts, 1))
-            c.log_text(rid, json.dumps(t), "eval/tasks.json")
+            ms.append(Metric("eval/tau_served_prompt_lookup", pooled(t, "prompt_lookup"), ts, 1))
+            c.log_text(rid, json.dumps(t), "eval/served/tasks.json")
         c.log_batch(rid, metrics=ms)
         c.log_artifacts(rid, str(ck), "checkpoint")
         c.set_terminated(rid, "FINISHED")

@@ -33,7 +33,7 @@ def test_shipped_sweeps_validate():
         s = load_sweep(name)
         assert s.space and s.objective.direction in ("maximize", "minimize")
         assert main([name, "--check"]) == {"check": "ok", "sweep": s.name}  # composes every group option
-    assert load_sweep("loss_variants").objective.metric == "eval/tau_vanilla"
+    assert load_sweep("loss_variants").objective.metric == "eval/tau_served"
     assert load_sweep(str(SWEEP_DIR / "cpu_smoke.yaml")).name == "cpu_smoke"  # by path too
 
 
@@ -284,7 +284,7 @@ def test_sweep_two_workers_pruning_resume_and_mlflow(tmp_path, eval_cache):
         else:
             assert r.info.status == "FINISHED" and float(r.data.tags["optuna.value"]) == pytest.approx(t.value)
             assert r.data.metrics["train/loss"] == pytest.approx(t.value)
-            assert {"eval/tau_vanilla", "eval/acc_pos01"} <= set(r.data.metrics)
+            assert {"eval/tau_served", "eval/t0/acc_pos01"} <= set(r.data.metrics)
     best = study.best_trial
     pt = parent.data.tags
     assert parent.info.status == "FINISHED"

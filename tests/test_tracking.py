@@ -395,8 +395,10 @@ def test_run_name_is_the_run_folder_and_the_run_says_what_it_is(tmp_path, monkey
     assert isinstance(view["name"], str) and isinstance(view["createdAt"], int)
     state = json.loads(view["state"])
     cols = state["selectedColumns"]
-    assert "metrics.`eval/tau_vanilla`" in cols and state["orderByKey"] == "metrics.`eval/tau_vanilla`"
-    # the CI bounds' headers are wide enough to read (the table's default 100 px cuts both to `eval/tau_vanilla`)
+    from dflash.evaluation.protocol import OBJECTIVE  # the objective's name: one place
+    assert f"metrics.`{OBJECTIVE}`" in cols and state["orderByKey"] == f"metrics.`{OBJECTIVE}`"
+    assert "tags.`stage`" in cols and "tags.`option`" in cols  # a campaign's labels (sweeps.results_summary)
+    # the CI bounds' headers are wide enough to read (the table's default 100 px cuts both to the metric's name)
     assert all(state["columnWidths"][c] >= 8 * len(c.split("`")[1]) for c in cols)
     # only the active variants' knobs: streak reads alpha and gamma, not another loss's temperature
     p = run.data.params

@@ -2,7 +2,8 @@
 
 `build_conversation_data` gives a `TrainingData` whose items carry a loss mask (only assistant tokens are
 trained on) and the eval suites of the user's own distribution: `chat_heldout` (the held-out split's first
-`data.conversations.eval_prompts` conversations, cut before their last assistant turn, `eval_tokens` tokens each)
+`data.conversations.eval_prompts` conversations with a held-out turn, each cut before its first held-out turn,
+`eval_tokens` tokens each)
 and `coding10_chat` (the coding10 prompts as user messages through the target's chat template).
 
 - `responses=dataset`: the tokenized TRAIN split, memory-mapped; the run is tagged `data.responses=dataset` and
@@ -28,6 +29,7 @@ from dflash.data.conversation_data import (
     spread,
     turn_prompts,
 )
+from dflash.data.conversation_report import report
 from dflash.data.online import OnlineWriter
 from dflash.data.pool import PromptPool
 from dflash.evaluation.prompts import Suite, Task, load_suite
@@ -35,6 +37,7 @@ from dflash.training.datastream import TrainingData, build_training_data
 
 log = logging.getLogger(__name__)
 SAMPLE_ROWS = 64  # training rows kept in memory for eval/tau_train
+REPORT_RECORDS = 3  # records shown with their trained tokens marked in the run's data/conversations.md
 
 
 def load_set(cfg, tokenizer) -> ConversationSet:
@@ -49,12 +52,11 @@ def chat_suites(cs: ConversationSet, tokenizer, cfg) -> list[Suite]:
     d, c = cfg.data, cfg.data.conversations
     tokenizer = prepare_tokenizer(tokenizer, d.chat)
     tasks = []
-    for row in cs.heldout:
+    for row in cs.heldout:  # each conversation's first held-out turn: its prompt, never trained on
         if len(tasks) >= c.eval_prompts:
             break
-        turns = [i for i, m in enumerate(row["messages"]) if m["role"] == "assistant"]
-        if turns:
-            tasks.append(Task(f"chat{len(tasks):04d}", render_prompt(tokenizer, row["messages"][:turns[-1]], d.chat)))
+        i = row["heldout_turns"][0]
+        tasks.append(Task(f"chat{len(tasks):04d}", render_prompt(tokenizer, row["messages"][:i], d.chat, row["tools"])))
     suites = [Suite("chat_heldout", tasks, c.eval_tokens)] if tasks else []
     if not tasks and c.eval_prompts:
         log.warning("data.conversations: the held-out split has no conversation with an assistant turn; no "
@@ -78,6 +80,7 @@ def build_conversation_data(cfg, target, dist_info) -> TrainingData:
     d, c = cfg.data, cfg.data.conversations
     cs = load_set(cfg, target.tokenizer)
     suites = chat_suites(cs, target.tokenizer, cfg)
+    text = report(cs, target.tokenizer, d.chat, REPORT_RECORDS) if dist_info.rank == 0 else ""
     tags = {"data.responses": c.responses, "data.formats": ",".join(sorted(set(cs.formats.values()))),
             "data.conversations": cs.fingerprint[:16]}
     if c.responses == "dataset":
@@ -88,20 +91,20 @@ def build_conversation_data(cfg, target, dist_info) -> TrainingData:
                 "the target in this run")
         return TrainingData("conversations", seqs, None, len(seqs), mean_len, cs.fingerprint, cs.fingerprint,
                             cfg.seed, loss_masks=masks, stats=cs.stats, tags=tags, eval_suites=suites,
-                            eval_note=note, sample=spread(seqs, SAMPLE_ROWS))
+                            eval_note=note, sample=spread(seqs, SAMPLE_ROWS), report=text)
     writer, stats = conversation_writer(cfg, target, cs, dist_info.rank, dist_info.world)
     end_id = end_of_turn_id(target.tokenizer)
     prompts = writer.pool.prompts
 
     def masks(claims):
         return [response_mask(writer.sequence(g), len(prompts[writer.prompt_of(g)]), end_id) for g, _, _ in claims]
-    unique = 0 if d.online.temperature > 0 else len(writer.pool)
+    unique = 0 if not writer.sampling.greedy else len(writer.pool)
     note = (f"training responses: written by the target in this run (data.conversations.responses=target, "
-            f"temperature {d.online.temperature:g})")
+            f"{writer.sampling.describe()})")
     return TrainingData("conversations_online", None, writer, unique, float(d.online_seq_len()), writer.fingerprint,
                         cs.fingerprint, d.online.stream_seed, writer.cfg.reuse, mask_source=masks,
                         stats={**cs.stats, **stats}, tags=tags, eval_suites=suites, eval_note=note,
-                        sample=spread(prompts, SAMPLE_ROWS))
+                        sample=spread(prompts, SAMPLE_ROWS), report=text)
 
 
 def build_run_data(cfg, target, dist_info) -> TrainingData:

@@ -39,6 +39,8 @@ from dflash.target.model import Target
 from dflash.tracking.background import in_background
 from dflash.tracking.loggers import MultiLogger, build_loggers
 from dflash.tracking.run_info import absolute_sqlite_uri, git_sha, run_params
+from dflash.tracking.backfill import backfill_mlflow
+from dflash.tracking.store import StoreError, check_tracking_uri, signals_deferred
 from dflash.tracking.sysmetrics import system_metrics
 from dflash.app.chat_data import build_run_data
 from dflash.training.datastream import DataMeter, epoch_guard
@@ -47,6 +49,7 @@ from dflash.training.distributed import shutdown as shutdown_distributed
 from dflash.training.hooks import LoopHooks, TrainParts
 from dflash.training.interrupts import StopOnSignal
 from dflash.training.losses import build_loss
+from dflash.training.selector_loss import with_selector
 from dflash.training.noise import build_noise
 from dflash.training.trainer import Trainer
 
@@ -82,9 +85,24 @@ def resolve_run(cfg: RunConfig) -> RunConfig:
 def check_run(cfg: RunConfig) -> None:
     """`validate` plus the checks across groups that need no weights (ConfigError naming the key)."""
     validate(cfg)
+    if cfg.drafter.is_dflash2 and cfg.drafter.final_logit_softcapping > 0:
+        raise ConfigError(f"drafter.final_logit_softcapping={cfg.drafter.final_logit_softcapping}: training needs 0 "
+                          f"(the block losses' fused LM-head path computes uncapped logits); a cap is served "
+                          f"and evaluated, not trained")
     if build_loss(cfg.loss).needs_soft and cfg.target.soft_top_k <= 0:
         raise ConfigError(f"loss.name={cfg.loss.name} needs soft labels: target.soft_top_k must be > 0, "
                           f"got {cfg.target.soft_top_k}")
+
+
+def check_tracking(cfg: RunConfig) -> None:
+    """A store MLflow can track, made whole now (a fresh sqlite file is built here, before any work) unless
+    tracking is off: ConfigError naming tracking.tracking_uri and how to repair a damaged store."""
+    if cfg.tracking.enabled:
+        try:
+            check_tracking_uri(cfg.tracking.tracking_uri)
+        except StoreError as e:
+            raise ConfigError(f"tracking.tracking_uri={cfg.tracking.tracking_uri}: {e} "
+                              f"(or tracking.enabled=false to train untracked)") from e
 
 
 def read_resume(cfg: RunConfig) -> ResumeState | None:
@@ -108,7 +126,7 @@ def tracked_params(cfg: RunConfig, loss_fn, noise) -> dict[str, str]:
     keys (each variant lists its own `config_keys`), the random-target spec of a checkpoint target, the data
     settings its source never reads (`inactive_data_keys`), and the settings of a switched-off evaluation or
     promotion (only their `enabled` stays)."""
-    active = {"loss": type(loss_fn).config_keys, "noise": type(noise).config_keys}
+    active = {"loss": loss_fn.config_keys, "noise": type(noise).config_keys}
     active.update({group: ("enabled",) for group in ("eval", "promote") if not getattr(cfg, group).enabled})
     drop = (["target.random"] if cfg.target.path else []) + inactive_data_keys(cfg.data, cfg.trainer.online_data)
     return run_params(to_dict(cfg), active, drop=drop)
@@ -126,9 +144,10 @@ def build_parts(cfg: RunConfig, target: Target, device: torch.device, dist: Dist
     the data's tags (the memorization guard warns here, before any work, when planned past data.max_epochs)."""
     loss_fn = build_loss(cfg.loss)
     drafter = build_drafter(cfg.drafter, target.hidden_size, target.info.num_layers, target.mask_token_id,
-                            target.layer_ids)
+                            target.layer_ids, target.info.vocab_size)
     drafter = drafter.to(device=device, dtype=getattr(torch, cfg.trainer.dtype))
     drafter.attach_target_head(target.embed_weight(), target.lm_head_weight())
+    loss_fn = with_selector(loss_fn, drafter, cfg.loss.selector_alpha)  # DFlash 2: + α × the selector's CE
     data = build_run_data(cfg, target, dist)  # stored sequences, the online stream or a chat dataset
     tags = epoch_guard(cfg, data, dist.world)
     meter = DataMeter(data, cfg.trainer.token_budget, dist)
@@ -146,12 +165,14 @@ class TrainingRun:
         self.stop = StopOnSignal()
         self.run_id = run_id  # log into an existing MLflow run (a sweep trial's child run)
         self.run_dir: Path | None = None
-        self._made_folder = False  # this process made the run folder: it goes again if setup fails
+        self._made: list[Path] = []  # the folders this process made (the run's, then its new parents), deepest first
         with self.stop.at_once(where=" during setup"):  # no step boundary to wait for: stop where it is
             cfg = resolve_run(cfg)
             cfg = dataclasses.replace(cfg, tracking=dataclasses.replace(
                 cfg.tracking, tracking_uri=absolute_sqlite_uri(cfg.tracking.tracking_uri)))
             check_run(cfg)  # bad input fails here, before the target loads or anything is written
+            if self.dist.is_main:
+                check_tracking(cfg)
             self.cfg = cfg  # as requested: config.yaml and the checkpoints record it
             self.resume_state = read_resume(cfg) if self.dist.is_main else None  # read only, validated here
             try:
@@ -175,11 +196,15 @@ class TrainingRun:
         self.target_facts = facts_of_target(self.target)  # the drafter's RoPE base for 0; the serving folder's facts
         self.ran, self.requested = resolve_auto(cfg, self.target, device, self.target_facts.rope_theta)
         parts, self.data_tags = build_parts(self.ran, self.target, device, self.dist)
+        self.data_report = parts.data.report
         if hasattr(self.evaluator, "use_train_sequences"):  # eval/tau_train: the generalization gap
             self.evaluator.use_train_sequences(parts.data.examples())
         if hasattr(self.evaluator, "add_suites"):  # the data's own distribution (a chat dataset's held-out split)
             self.evaluator.add_suites(parts.data.eval_suites, parts.data.eval_note)
-        self.trainer = Trainer(self.ran, parts, RunDir(self.run_dir).checkpoints, resume=self.resume_state,
+        rs = self.resume_state
+        from_zero = broadcast_object(rs is not None and rs.checkpoint is None if main else None, self.dist)
+        trained = dataclasses.replace(self.ran, resume="") if from_zero else self.ran  # no checkpoint yet: step 0
+        self.trainer = Trainer(trained, parts, RunDir(self.run_dir).checkpoints, resume=None if from_zero else rs,
                                dist=self.dist, stop=self.stop, saved_config=to_dict(cfg))
         if main:  # only now, with the resume state applied, does the run folder change
             RunDir(self.run_dir).write_config(to_dict(cfg))
@@ -188,14 +213,26 @@ class TrainingRun:
     def _make_folder(self, cfg: RunConfig) -> Path:
         """`runs/<label>-<time>` (or run_dir); the folder's name is also the MLflow run's name."""
         rd = RunDir.for_config(cfg.run_dir, run_label(cfg))
-        self._made_folder = not rd.root.exists()
-        return rd.create().root
+        root = rd.root.absolute()
+        self._made = [p for p in (root, *root.parents) if not p.exists()]
+        try:
+            return rd.create().root
+        except OSError as e:
+            self._discard_folder()
+            raise ConfigError(f"run_dir={cfg.run_dir or rd.root}: the run folder cannot be made "
+                              f"({type(e).__name__}: {e.strerror or e})") from e
 
     def _discard_folder(self) -> None:
-        """A new run that failed or was stopped before its first step leaves no half-made folder."""
-        if self._made_folder and self.run_dir is not None and self.dist.is_main:
-            shutil.rmtree(self.run_dir, ignore_errors=True)
-            self._made_folder = False
+        """A new run that failed or was stopped before its first step leaves no half-made folder, nor the parents
+        it made for it (a first run's `runs/`)."""
+        if self._made and self.dist.is_main:
+            shutil.rmtree(self._made[0], ignore_errors=True)
+            for parent in self._made[1:]:
+                try:
+                    parent.rmdir()  # only while empty: another run may have started in it meanwhile
+                except OSError:
+                    break
+            self._made = []
 
     def _loggers(self):
         """Rank 0's loggers: MLflow off the training thread; on resume the saved MLflow run reopened (taken
@@ -204,6 +241,8 @@ class TrainingRun:
         params = params_with_requested(tracked_params(c, t.loss_fn, t.noise), self.requested)
         loggers = build_loggers(c.tracking, self.run_dir, params, run_tags(c), c.trainer.max_steps,
                                 run_id=self.run_id or (rs.run_id if rs else None))
+        if rs is not None and loggers.mlflow is not None:  # what a kill -9 caught in flight: MLflow gets it now
+            backfill_mlflow(loggers.mlflow, self.run_dir)
         loggers = in_background(loggers)
         return SkipLogged(loggers, rs.logged) if rs is not None and rs.logged else loggers
 
@@ -216,15 +255,20 @@ class TrainingRun:
         loggers, status = MultiLogger([]), "FAILED"
         result = TrainResult(self.run_dir, None)
         try:
-            if main:
-                loggers = self._loggers()  # the MLflow run opens here, after every check that can fail
-            result.run_id = loggers.run_id
-            loggers.set_tags({**{f"kernel.{k}": v for k, v in self.target.kernels.items()},
-                              "dflash.target_fingerprint": self.target.fingerprint})
-            loggers.set_tags(self.data_tags)
-            loggers.log_artifact(str(RunDir(self.run_dir).config_file))
-            hooks = RunHooks(self, loggers, final)
             with self.stop:
+                # no step boundary before the loop: a signal stops the run here, and it leaves no folder
+                with self.stop.at_once(where=" before the first step"):
+                    if main:
+                        with signals_deferred():  # the MLflow run opens whole, so that it can close KILLED
+                            loggers = self._loggers()  # after every check that can fail
+                    result.run_id = loggers.run_id
+                    loggers.set_tags({**{f"kernel.{k}": v for k, v in self.target.kernels.items()},
+                                      "dflash.target_fingerprint": self.target.fingerprint})
+                    loggers.set_tags(self.data_tags)
+                    loggers.log_artifact(str(RunDir(self.run_dir).config_file))
+                    if self.data_report:  # what the data trains on, for a person to read (experiments.data inspect)
+                        loggers.log_text(self.data_report, "data/conversations.md")
+                    hooks = RunHooks(self, loggers, final)
                 result.metrics = t.run(hooks, around_step)
             result.checkpoint = hooks.final_dir
             status = "FINISHED"

@@ -73,6 +73,10 @@ def write_ahead(cfg, items: int | None = None, more_cfgs=()) -> dict[str, float]
     if cfg.eval.enabled:
         t3 = time.perf_counter()
         ev = SuiteEvaluator(cfg.eval)
+        if cfg.data.source == "conversations":  # the data's own suites (chat_heldout), objective or extra
+            if not uses_online(cfg):
+                data = build_run_data(cfg, target, DistInfo())
+            ev.add_suites(data.eval_suites, data.eval_note)
         suites = list(ev.suites)
         if uses_online(cfg) and cfg.eval.train_tasks > 0:
             # eval/tau_train's prompts (cut from the pool, as every run's evaluator cuts them): without this, the
@@ -80,8 +84,11 @@ def write_ahead(cfg, items: int | None = None, more_cfgs=()) -> dict[str, float]
             # H200, 2026-12-02: 55-75 s each, the GPU shared)
             ev.use_train_sequences(data.examples())
             suites += [s for s in [ev.train_suite(target.tokenizer)] if s is not None]
-        for suite in suites:
-            ev.memo.get(target, suite)
+        from dflash.evaluation.protocol import truth_specs
+        specs = truth_specs(cfg.eval, target)
+        for suite in suites:  # at every setting the runs evaluate at (the train prompts: the served one only)
+            for spec in specs[:1] if suite.name == "train" else specs:
+                ev.memo.get(target, suite, spec)
         out["sys/write_ahead_ground_truth_s"] = time.perf_counter() - t3
         out["eval/write_ahead_suites"] = len(suites)
     del target

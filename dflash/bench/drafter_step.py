@@ -8,7 +8,7 @@ import dataclasses
 import torch
 
 from dflash.bench.config import BenchConfig
-from dflash.bench.flops import count_flops, timed
+from dflash.bench.flops import count_flops, dflash2_elementwise_flops, timed
 from dflash.bench.profiling import profile_kernels
 from dflash.config import RunConfig
 from dflash.target.model import Target
@@ -88,8 +88,9 @@ class DrafterStepBench:
         t = self.trainer
         saved = t.train_model, t.drafter.attn_kernel
         t.train_model, t.drafter.attn_kernel = t.drafter, attention_kernel("sdpa")
-        try:
-            return count_flops(self.step)
+        try:  # + DFlash 2's convolutions and selector scores, elementwise work the counter does not see
+            blocks = int(self.batch.anchors_BN.numel())
+            return count_flops(self.step) + dflash2_elementwise_flops(t.cfg.drafter, t.drafter.hidden_size, blocks)
         finally:
             t.train_model, t.drafter.attn_kernel = saved
 

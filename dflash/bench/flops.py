@@ -68,6 +68,24 @@ def count_flops(fn) -> int:
     return counter.get_total_flops()
 
 
+def dflash2_elementwise_flops(cfg, hidden_size: int, blocks: int) -> int:
+    """The FLOPs of one DFlash 2 training step that torch's counter does not see (it counts matmuls only), for
+    `blocks` anchor blocks; 0 for DFlash 1. Forward, then backward at twice the forward (a product's gradient
+    goes to both factors):
+    - each GroupedDynamicCausalConv (2 a layer) applies two K-tap kernels (prepare, finish) at every block
+      position: a multiply and an add per tap and channel, 2·2·K·H;
+    - the selector's pair scores at each predicted position: the gate pred ⊙ (h·P) (r multiplies) and the k
+      candidates' dot products with it (2·k·r), once for the loss and once for the self-conditioned walk
+      (no gradient: forward only).
+    The kernel projections, h·P, the candidates' logits and the top-k's full logits are matmuls: counted."""
+    if getattr(cfg, "architecture", "dflash") != "dflash2":
+        return 0
+    bs, K, H = cfg.block_size, cfg.conv_kernel_size, hidden_size
+    conv_fwd = cfg.num_layers * 2 * (2 * 2 * K * H) * blocks * bs
+    pair_fwd = (cfg.selector_rank + 2 * cfg.selector_top_k * cfg.selector_rank) * blocks * (bs - 1)
+    return 3 * conv_fwd + 3 * pair_fwd + pair_fwd
+
+
 def matmul_peak(n: int, device: torch.device, iters: int = 10) -> float:
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)

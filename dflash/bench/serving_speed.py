@@ -32,7 +32,7 @@ import torch
 
 from dflash.bench.config import BenchConfig, int_list
 from dflash.config import RunConfig
-from dflash.drafter.model import build_drafter
+from dflash.drafter.model import build_drafter, greedy_draft
 from dflash.evaluation.acceptance import reduce_logits
 from dflash.evaluation.speculative import TargetSession, drafter_autocast
 from dflash.evaluation.tree import build_tree
@@ -131,15 +131,18 @@ class DraftRound:
         self.new_feats, self.anchor = feats(self.block_size), torch.zeros(1, dtype=torch.long, device=self.dev)
 
     @torch.no_grad()
-    def logits(self) -> torch.Tensor:
+    def hidden(self) -> torch.Tensor:
         """Extend the context by B positions (the round's committed tokens, at most B), draft one block."""
         with drafter_autocast(self.drafter):
             self.drafter.extend_context(self.cache, self.new_feats, self.C)  # crops back to C first
-            hidden = self.drafter.draft_hidden(self.cache, self.anchor)
-        return self.drafter.logits(hidden)[0]
+            return self.drafter.draft_hidden(self.cache, self.anchor)
+
+    def logits(self) -> torch.Tensor:
+        return self.drafter.logits(self.hidden())[0]
 
     def draft(self) -> torch.Tensor:
-        return self.logits().argmax(-1)
+        """The greedy draft: the argmax, or a DFlash 2 drafter's selector walk (its cost included)."""
+        return greedy_draft(self.drafter, self.hidden(), self.anchor)[0]
 
     def tree(self, budget: int):
         """DDTree of `budget` nodes from one draft (the top-k, one host transfer, the heap)."""
@@ -153,10 +156,13 @@ def bench_serving(cfg: RunConfig, target: Target, b: BenchConfig) -> dict:
     # in the target's dtype, as a served drafter runs (bf16 on a GPU: no fp32 master weights cast every call)
     from dflash.serving.export import facts_of_target
     dcfg = cfg.drafter.for_target(facts_of_target(t).rope_theta)  # rope_theta 0: the target's
-    drafter = build_drafter(dcfg, t.hidden_size, t.info.num_layers, t.mask_token_id, t.layer_ids).to(
+    drafter = build_drafter(dcfg, t.hidden_size, t.info.num_layers, t.mask_token_id, t.layer_ids,
+                            t.info.vocab_size).to(
         t.device, dtype=t.dtype)
     drafter.attach_target_head(t.embed_weight(), t.lm_head_weight())
     drafter.eval()
+    if drafter.selector is not None:  # DDTree is DFlash 1 only: a DFlash 2 round is its selector walk's block
+        budgets = []
     out: dict = {"block_size": drafter.block_size, "budgets": budgets, "contexts": {}}
     for C in contexts:
         rnd, errors = DraftRound(drafter, t, C), {}

@@ -24,16 +24,23 @@ import logging
 import os
 from collections import Counter
 from dataclasses import asdict, dataclass
-from pathlib import Path
 
 import torch
 
-from dflash.data.chat import ChatConfig, TemplateError, prepare_tokenizer, render, render_prompt, template_name
+from dflash.data.chat import (
+    ChatConfig,
+    TemplateError,
+    prepare_tokenizer,
+    render,
+    render_prompt,
+    template_name,
+    template_text,
+)
 from dflash.data.conversations import read_conversations
 from dflash.registry import Registry
 
 log = logging.getLogger(__name__)
-FORMAT_VERSION = 1
+FORMAT_VERSION = 3
 
 
 @dataclass
@@ -51,8 +58,18 @@ class ConversationsConfig:
 
 
 # data.conversations.overflow -> (ids, mask, max_len) -> windows of at most max_len tokens
+def _truncate(ids: list[int], mask: list[int], n: int) -> list[tuple[list[int], list[int]]]:
+    """The first n tokens; when the trained tokens lie past them (a late assistant turn's own row), the window
+    that starts a quarter of n before the first of them (the turn and the context just before it)."""
+    trained = [i for i, m in enumerate(mask) if m]
+    if len(ids) <= n or not trained or trained[-1] < n:
+        return [(ids[:n], mask[:n])]
+    start = min(len(ids) - n, max(0, trained[0] - n // 4))
+    return [(ids[start:start + n], mask[start:start + n])]
+
+
 OVERFLOW: Registry = Registry("data.conversations.overflow", {
-    "truncate": lambda ids, mask, n: [(ids[:n], mask[:n])],
+    "truncate": _truncate,
     "split": lambda ids, mask, n: [(ids[i:i + n], mask[i:i + n]) for i in range(0, len(ids), n)],
 })
 RESPONSES = Registry("data.conversations.responses", {"dataset": "dataset", "target": "target"})
@@ -72,8 +89,8 @@ def validate_conversations_config(cfg: ConversationsConfig) -> None:
                          f"{cfg.eval_prompts} / {cfg.eval_tokens}")
 
 
-def heldout_bucket(conv_hash: str, salt: str) -> int:
-    return int(hashlib.sha256(f"{salt}:{conv_hash}".encode()).hexdigest()[:8], 16) % 10_000
+def heldout_bucket(prompt_hash: str, salt: str) -> int:
+    return int(hashlib.sha256(f"{salt}:{prompt_hash}".encode()).hexdigest()[:8], 16) % 10_000
 
 
 def tokenizer_fingerprint(tokenizer) -> str:
@@ -87,44 +104,76 @@ def anchorable(mask: list[int]) -> bool:
     return any(mask[2:])
 
 
-def _tokenize(batch: dict, *, tokenizer, chat: ChatConfig, max_len: int, min_len: int, overflow: str) -> dict:
-    out: dict[str, list] = {"input_ids": [], "loss_mask": [], "length": [], "truncated": [], "status": []}
+def _split(record: dict, *, salt: str, per_10k: int) -> dict:
+    """Which assistant turns are held out (their prompt's hash), and the record's training messages: held-out
+    turns are context there, never trained on."""
+    held = [i for i, h in enumerate(record["prompt_hashes"]) if h and heldout_bucket(h, salt) < per_10k]
+    messages = [{**m, "train": m["train"] and i not in held} for i, m in enumerate(record["messages"])]
+    in_train = not record["skip"] and any(m["role"] == "assistant" and m["train"] for m in messages)
+    skip = record["skip"] or ("" if in_train or held else "no_assistant_turn" if not any(
+        m["role"] == "assistant" for m in messages) else "no_trained_turn")
+    return {"messages": messages, "heldout_turns": held, "in_train": in_train, "skip": skip}
 
-    def row(ids, mask, truncated, status):
+
+def _tokenize(batch: dict, *, tokenizer, chat: ChatConfig, max_len: int, min_len: int, overflow: str) -> dict:
+    out: dict[str, list] = {"input_ids": [], "loss_mask": [], "length": [], "truncated": [], "status": [],
+                            "source": []}
+
+    def row(ids, mask, truncated, status, source):
         out["input_ids"].append(ids), out["loss_mask"].append(mask), out["length"].append(len(ids))
-        out["truncated"].append(truncated), out["status"].append(status)
-    for messages, source in zip(batch["messages"], batch["source"]):
+        out["truncated"].append(truncated), out["status"].append(status), out["source"].append(source)
+    for messages, tools, source in zip(batch["messages"], batch["tools"], batch["source"]):
         if not any(m["role"] == "assistant" for m in messages):
-            row([], [], False, "no_assistant_turn")
+            row([], [], False, "no_assistant_turn", source)
             continue
         try:
-            ids, mask = render(tokenizer, messages, chat, where=f"record {source}")
+            rows = render(tokenizer, messages, chat, where=f"record {source}", tools=tools)
         except TemplateError as e:
-            row([], [], False, f"template_error: {e}")
+            row([], [], False, f"template_error: {e}", source)
             continue
-        kept = 0
-        for piece_ids, piece_mask in OVERFLOW[overflow](ids, mask, max_len):
-            if len(piece_ids) >= min_len and anchorable(piece_mask):
-                row(piece_ids, piece_mask, len(ids) > max_len and kept == 0, "ok")
-                kept += 1
-        if not kept:
-            row([], [], False, "no_trainable_tokens")
+        for ids, mask in rows:  # one row, or one per trained assistant turn (dflash.data.chat.render)
+            kept = 0
+            for piece_ids, piece_mask in OVERFLOW[overflow](ids, mask, max_len):
+                if len(piece_ids) >= min_len and anchorable(piece_mask):
+                    row(piece_ids, piece_mask, len(ids) > max_len and kept == 0, "ok", source)
+                    kept += 1
+            if not kept:  # counted per row: a conversation's other turns may still train
+                row([], [], False, "no_trainable_tokens", source)
     return out
 
 
 @dataclass
 class ConversationSet:
-    train: object  # datasets.Dataset: input_ids, loss_mask, length (the TRAIN split, status ok); None: responses=target
-    heldout: object  # datasets.Dataset: normalized held-out conversations
-    normalized: object  # datasets.Dataset: the TRAIN split, normalized (the target's prompts)
+    train: object  # datasets.Dataset: input_ids, loss_mask, length, source (TRAIN rows, status ok); None: target
+    heldout: object  # datasets.Dataset: normalized conversations with held-out turns (`heldout_turns`)
+    normalized: object  # datasets.Dataset: the TRAIN split, normalized (held-out turns: train false)
     stats: dict[str, float]
     formats: dict[str, str]
     fingerprint: str  # the split and rendering; with responses=dataset also the cut (max_len, overflow, limit)
+    everything: object = None  # datasets.Dataset: every record, normalized (data statistics)
 
 
 def _num_proc(cfg: ConversationsConfig, rows: int) -> int | None:
     n = cfg.num_proc or (min(os.cpu_count() or 1, 16) if rows >= AUTO_PARALLEL_ROWS else 1)
     return n if n > 1 and rows >= 4 * n else None
+
+
+def _count_skips(normalized, stats: dict) -> None:
+    """data/skipped_<reason> of the records nobody trains on, and a warning naming the first of each reason."""
+    skips = Counter(normalized["skip"])
+    for reason, n in sorted(skips.items()):
+        if not reason:
+            continue
+        first = normalized[normalized["skip"].index(reason)]["source"]
+        stats[f"data/skipped_{reason}"] = float(n)
+        log.warning("conversations: %d record(s) skipped (%s), the first %s", n, SKIP_REASONS.get(reason, reason),
+                    first)
+
+
+SKIP_REASONS = {"image_parts": "content with image parts: a text drafter cannot train on it",
+                "non_text_parts": "content with audio or file parts", "no_assistant_turn": "no assistant turn",
+                "no_trained_turn": "every assistant turn has weight 0",
+                "empty_assistant_turn": "an assistant turn with no content, reasoning or tool call"}
 
 
 def load_conversation_set(data_cfg, tokenizer) -> ConversationSet:
@@ -134,23 +183,26 @@ def load_conversation_set(data_cfg, tokenizer) -> ConversationSet:
     tokenizer = prepare_tokenizer(tokenizer, chat)
     normalized, formats = read_conversations(data_cfg.path, c.cache_dir, _num_proc(c, 0) or 1)
     procs = _num_proc(c, len(normalized))
-    split = normalized.map(lambda h: {"heldout": heldout_bucket(h, c.salt) < c.heldout_per_10k},
-                           input_columns="conv_hash", num_proc=procs, desc="conversations: split")
-    train_norm = split.filter(lambda h: not h, input_columns="heldout", num_proc=procs)
-    heldout = split.filter(lambda h: h, input_columns="heldout", num_proc=procs)
+    split = normalized.map(_split, fn_kwargs={"salt": c.salt, "per_10k": c.heldout_per_10k}, num_proc=procs,
+                           desc="conversations: split")
+    train_norm = split.filter(lambda t: t, input_columns="in_train", num_proc=procs)
+    heldout = split.filter(lambda h, s: bool(h) and not s, input_columns=["heldout_turns", "skip"], num_proc=procs)
     settings = {"format": FORMAT_VERSION, "data": normalized._fingerprint, "tokenizer": tokenizer_fingerprint(tokenizer),
-                "chat": asdict(chat), "template": Path(chat.template).read_text() if chat.template else "",
+                "chat": asdict(chat), "template": template_text(chat),
                 "heldout": [c.heldout_per_10k, c.salt]}  # what decides the split and the rendering
     base = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()
     cut = {"max_len": data_cfg.max_len, "min_len": data_cfg.min_len, "overflow": c.overflow, "limit": c.limit}
     fingerprint = base if c.responses == "target" else \
         hashlib.sha256(json.dumps({"base": base, **cut}, sort_keys=True).encode()).hexdigest()
-    stats = {"data/conversations": float(len(normalized)), "data/heldout_conversations": float(len(heldout))}
-    cs = ConversationSet(None, heldout, train_norm, stats, formats, fingerprint)
+    stats = {"data/conversations": float(len(normalized)), "data/heldout_conversations": float(len(heldout)),
+             "data/heldout_prompts": float(sum(len(h) for h in heldout["heldout_turns"]))}
+    _count_skips(split, stats)
+    cs = ConversationSet(None, heldout, train_norm, stats, formats, fingerprint, split)
     if c.responses == "dataset":
         _tokenize_train(cs, data_cfg, tokenizer, procs)
-    log.info("conversations: %d read (%s), %d held out; %s", len(normalized), ", ".join(sorted(set(formats.values()))),
-             len(heldout), {k: v for k, v in cs.stats.items() if k not in stats})
+    log.info("conversations: %d read (%s), %d with held-out turns; %s", len(normalized),
+             ", ".join(sorted(set(formats.values()))), len(heldout),
+             ", ".join(f"{k.removeprefix('data/')} {v:g}" for k, v in cs.stats.items()))
     return cs
 
 
@@ -172,11 +224,12 @@ def _tokenize_train(cs: ConversationSet, data_cfg, tokenizer, procs) -> None:
         raise ValueError(f"data.path={data_cfg.path!r}: no training conversation has an assistant token to train on "
                          f"(statuses: {dict(status)}; data.min_len={data_cfg.min_len}, data.max_len={data_cfg.max_len})")
     cs.train = ok.remove_columns(["status", "truncated"])
-    cs.stats.update({"data/skipped": float(sum(n for s, n in status.items() if s != "ok")),
-                     "data/truncated": float(sum(tokenized["truncated"])), "data/train_sequences": float(len(ok))})
-    for reason, n in status.items():
-        if reason != "ok":
-            cs.stats[f"data/skipped_{reason}"] = float(n)
+    skipped = {s: n for s, n in status.items() if s != "ok"}
+    cs.stats.update({"data/skipped": float(sum(skipped.values()) + sum(
+        v for k, v in cs.stats.items() if k.startswith("data/skipped_"))),
+        "data/truncated": float(sum(tokenized["truncated"])), "data/train_sequences": float(len(ok))})
+    for reason, n in skipped.items():
+        cs.stats[f"data/skipped_{reason}"] = float(n)
 
 
 class ArrowColumn:
@@ -204,35 +257,54 @@ def spread(seq, count: int) -> list:
 
 
 # -- responses=target: one prompt per assistant turn --------------------------------------------------------
+def prompt_tokens(tokenizer, messages: list[dict], chat: ChatConfig, tools: str,
+                  max_len: int) -> tuple[list[int], bool]:
+    """Assistant turn len(messages)'s prompt as tokens (with the generation prompt), at most `max_len`, and
+    whether it was cut. A long history is cut from the middle, not the start: the system prompt (and the tool
+    schemas the template puts there) stays, the oldest turns after it go, whole, from a user turn on (a template
+    may need one); a prompt still too long keeps its first half of `max_len` and its last tokens."""
+    ids = tokenizer.encode(render_prompt(tokenizer, messages, chat, tools), add_special_tokens=False)
+    if len(ids) <= max_len:
+        return ids, False
+    head = [m for m in messages[:1] if m["role"] == "system"]
+    for k in range(len(head) + 1, len(messages)):
+        if messages[k]["role"] != "user":
+            continue
+        cut = tokenizer.encode(render_prompt(tokenizer, head + messages[k:], chat, tools), add_special_tokens=False)
+        if len(cut) <= max_len:
+            return cut, True
+    keep = max_len // 2
+    return ids[:keep] + ids[len(ids) - (max_len - keep):], True
+
+
 def _turn_prompts(batch: dict, *, tokenizer, chat: ChatConfig, max_prompt_len: int) -> dict:
-    """Each assistant turn's prompt: the conversation before it with the generation prompt, its last
-    `max_prompt_len` tokens (the target writes the rest of the sequence). A conversation with no assistant turn
-    gives one empty row (status no_assistant_turn), one the template cannot render an error row."""
+    """Each trained assistant turn's prompt (`prompt_tokens`; the target writes the rest of the sequence). A
+    conversation with no trained turn gives one empty row (status no_assistant_turn), one the template cannot
+    render an error row."""
     out: dict[str, list] = {"prompt_ids": [], "prompt_len": [], "truncated": [], "status": []}
 
     def row(ids, truncated, status):
         out["prompt_ids"].append(ids), out["prompt_len"].append(len(ids))
         out["truncated"].append(truncated), out["status"].append(status)
-    for messages, source in zip(batch["messages"], batch["source"]):
-        turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+    for messages, tools, source in zip(batch["messages"], batch["tools"], batch["source"]):
+        turns = [i for i, m in enumerate(messages) if m["role"] == "assistant" and m["train"]]
         if not turns:
             row([], False, "no_assistant_turn")
         for i in turns:
             try:
-                text = render_prompt(tokenizer, messages[:i], chat)
+                ids, cut = prompt_tokens(tokenizer, messages[:i], chat, tools, max_prompt_len)
             except Exception as e:  # noqa: BLE001 - jinja raises many types
                 row([], False, f"template_error: {template_name(chat)} does not render record {source}: "
                                f"{type(e).__name__}: {e}")
                 break
-            ids = tokenizer.encode(text, add_special_tokens=False)
-            row(ids[-max_prompt_len:], len(ids) > max_prompt_len, "ok")
+            row(ids, cut, "ok")
     return out
 
 
 def turn_prompts(cs: ConversationSet, tokenizer, data_cfg) -> tuple[ArrowColumn, dict[str, float], str]:
     """(prompts as token lists, data/ figures, fingerprint) of every assistant turn of the TRAIN split."""
     c, chat, n = data_cfg.conversations, data_cfg.chat, data_cfg.pool.max_prompt_len
-    fingerprint = hashlib.sha256(f"{cs.fingerprint}:turn-prompts-v2:{n}:{c.limit}".encode()).hexdigest()
+    fingerprint = hashlib.sha256(f"{cs.fingerprint}:turn-prompts-v3:{n}:{c.limit}".encode()).hexdigest()
     ds = cs.normalized.map(_turn_prompts, batched=True, batch_size=64, remove_columns=cs.normalized.column_names,
                            fn_kwargs={"tokenizer": prepare_tokenizer(tokenizer, chat), "chat": chat,
                                       "max_prompt_len": n},

@@ -4,12 +4,18 @@
 `Dataset.save_to_disk`. Each file is read on its own (memory-mapped Arrow, cached by `datasets` under
 `data.conversations.cache_dir`) and its format is detected from its fields (`FORMATS`; a file that mixes formats: per record):
 
-- `openai`:   {"messages": [{"role": "system"|"user"|"assistant"|"tool", "content": "..."}, ...]}
-- `sharegpt`: {"conversations": [{"from": "system"|"human"|"gpt", "value": "..."}, ...]} (optional "system")
+- `openai`:   {"messages": [{"role": "system"|"user"|"assistant"|"tool", "content": "..."}, ...], "tools": [...]?}
+              assistant turns may carry `tool_calls` (content null or ""), a legacy `function_call`, and
+              `reasoning_content`; tool turns `tool_call_id` (role `function` is a tool turn)
+- `sharegpt`: {"conversations": [{"from": "system"|"human"|"gpt"|"function_call"|"observation", "value": "...",
+              "weight": 0|1?}, ...], "system": "..."?, "tools": "..."?} (function_call: the call as JSON text;
+              observation: the tool's result; weight 0: a turn that is context, not trained on)
 - `flat`:     {"prompt": "...", "response": "..."} (optional "system"): one user turn, one assistant turn
 
-Every record becomes `messages` (role / content), `source` ("file:line", for messages), `conv_hash` (sha256 of the
-normalized conversation: the held-out split) and `error` (why it fits no format; "" when it does). A record whose
+Every record becomes `messages` (role, content, reasoning, tool_calls as JSON text, tool_call_id, name, train),
+`tools` (JSON text), `skip` (why nobody trains on it: `image_parts`, `empty_assistant_turn`; counted as
+`data/skipped_<reason>`), `source` ("file#row"), `format`, `prompt_hashes` (per assistant turn, the sha256 of the
+conversation before it: the held-out split) and `error` (why it fits no format; "" when it does). A record whose
 JSON does not parse or that fits no format stops the run before any work (`ConversationInputError`, exit 2),
 naming the file, the line (the row, for parquet and saved datasets) and the field.
 """
@@ -26,6 +32,7 @@ from dflash.data.chat import ROLES
 from dflash.registry import Registry
 
 FILE_SUFFIXES = (".jsonl", ".json", ".parquet")
+NORMALIZE_VERSION = 2  # the normalized table's layout (tool calls, reasoning, train flags, prompt hashes)
 # role spellings of the formats users hold (ShareGPT: human / gpt; a few exports: bot, model, chatgpt)
 ROLE_NAMES = {"system": "system", "user": "user", "human": "user", "assistant": "assistant", "gpt": "assistant",
               "chatgpt": "assistant", "bot": "assistant", "model": "assistant", "tool": "tool", "function": "tool",
@@ -42,7 +49,7 @@ def _offline_datasets():
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import datasets
-    datasets.logging.set_verbosity_error()
+    datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # its own errors ("row 2") beside ours: noise
     datasets.disable_progress_bars()
     return datasets
 
@@ -82,8 +89,23 @@ def _role(raw, field: str) -> tuple[str, str]:
     return role, ""
 
 
-def _content(raw, field: str) -> tuple[str, str]:
-    if isinstance(raw, list):  # OpenAI content parts: the text ones, in order
+class Skip(Exception):
+    """A record trained on by nobody, counted as data/skipped_<reason> (image parts, an empty assistant turn)."""
+
+    def __init__(self, reason: str):
+        super().__init__(reason)
+        self.reason = reason
+
+
+def _content(raw, field: str, *, empty_ok: bool = False) -> tuple[str, str]:
+    if raw is None and empty_ok:
+        return "", ""
+    if isinstance(raw, list):  # OpenAI content parts: the text ones, in order; an image part skips the record
+        if any(isinstance(p, dict) and (p.get("type") in ("image", "image_url", "input_image", "video")
+                                        or p.get("image_url") or p.get("image")) for p in raw):
+            raise Skip("image_parts")
+        if any(isinstance(p, dict) and p.get("type", "text") != "text" for p in raw):
+            raise Skip("non_text_parts")  # audio, files: nothing a text drafter trains on
         parts = [p.get("text") for p in raw if isinstance(p, dict) and p.get("type", "text") == "text"]
         if all(isinstance(t, str) for t in parts) and parts:
             return "".join(parts), ""
@@ -92,23 +114,117 @@ def _content(raw, field: str) -> tuple[str, str]:
     return raw, ""
 
 
+def _drop_nulls(x):
+    """Arrow gives every record the union of the fields of all records, missing ones as null: drop them."""
+    if isinstance(x, dict):
+        return {k: _drop_nulls(v) for k, v in x.items() if v is not None}
+    if isinstance(x, list):
+        return [_drop_nulls(v) for v in x]
+    return x
+
+
+def _json_field(raw, field: str, kind: type) -> tuple[object, str]:
+    """A field that is JSON data or JSON text of it (ShareGPT exports write tools and calls as text)."""
+    if isinstance(raw, str):
+        try:
+            raw = json.loads(raw)
+        except json.JSONDecodeError as e:
+            return None, f"field {field}: not valid JSON ({e.msg})"
+    raw = _drop_nulls(raw)
+    if kind is list and isinstance(raw, dict):
+        raw = [raw]
+    if not isinstance(raw, kind):
+        return None, f"field {field}: expected a JSON {kind.__name__}, got {type(raw).__name__}"
+    return raw, ""
+
+
+def _tool_calls(raw, field: str) -> tuple[str, str]:
+    """OpenAI `tool_calls` (or a legacy `function_call`, a ShareGPT function_call turn) as JSON text of the
+    OpenAI list [{"type": "function", "function": {"name", "arguments"}}]."""
+    calls, err = _json_field(raw, field, list)
+    if err:
+        return "", err
+    out = []
+    for k, c in enumerate(calls):
+        fn = c.get("function", c) if isinstance(c, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            return "", f"field {field}[{k}]: expected a call with a function name"
+        call = {"type": "function", "function": {"name": fn["name"], "arguments": fn.get("arguments", {})}}
+        if isinstance(c, dict) and c.get("id"):
+            call["id"] = c["id"]
+        out.append(call)
+    return json.dumps(out, ensure_ascii=False), ""
+
+
+def message(role: str, content: str, **extra) -> dict:
+    """A normalized message: every field present (one Arrow schema for all records)."""
+    return {"role": role, "content": content, "reasoning": extra.get("reasoning", ""),
+            "tool_calls": extra.get("tool_calls", ""), "tool_call_id": extra.get("tool_call_id", ""),
+            "name": extra.get("name", ""), "train": extra.get("train", True)}
+
+
+def _turn(m: dict, field: str, role_key: str, content_key: str) -> tuple[dict | None, str]:
+    rk = role_key if m.get(role_key) is not None else ("role" if m.get("role") is not None else role_key)
+    ck = content_key if m.get(content_key) is not None else ("content" if m.get("content") is not None
+                                                             else content_key)
+    raw_role = m.get(rk)
+    if isinstance(raw_role, str) and raw_role.lower() == "function_call":  # ShareGPT: the assistant calls a tool
+        calls, err = _tool_calls(m.get(ck), f"{field}.{ck}")
+        return (message("assistant", "", tool_calls=calls), "") if not err else (None, err)
+    role, err = _role(raw_role, f"{field}.{rk}")
+    if err:
+        return None, err
+    extra: dict = {}
+    if role == "assistant":
+        raw_calls = m.get("tool_calls") or m.get("function_call")
+        if raw_calls:
+            extra["tool_calls"], err = _tool_calls(raw_calls, f"{field}.tool_calls")
+            if err:
+                return None, err
+        reasoning = m.get("reasoning_content") or m.get("reasoning")
+        if reasoning is not None:
+            extra["reasoning"], err = _content(reasoning, f"{field}.reasoning_content")
+            if err:
+                return None, err
+    content, err = _content(m.get(ck), f"{field}.{ck}", empty_ok=bool(extra.get("tool_calls")))
+    if err:
+        return None, err
+    if role == "assistant" and not (content.strip() or extra.get("tool_calls") or extra.get("reasoning", "").strip()):
+        raise Skip("empty_assistant_turn")
+    for key in ("tool_call_id", "name"):
+        if isinstance(m.get(key), str):
+            extra[key] = m[key]
+    weight = m.get("weight")
+    if weight is not None and role == "assistant":
+        extra["train"] = bool(weight)
+    return message(role, content, **extra), ""
+
+
 def _turns(record: dict, column: str, role_key: str, content_key: str) -> tuple[list[dict], str]:
     turns = record.get(column)
     if not isinstance(turns, list) or not turns:
         return [], f"field {column}: expected a non-empty list of messages, got {type(turns).__name__}"
-    out = []
+    out: list[dict] = []
     for i, m in enumerate(turns):
         if not isinstance(m, dict):
             return [], f"field {column}[{i}]: expected an object, got {type(m).__name__}"
-        rk = role_key if m.get(role_key) is not None else ("role" if m.get("role") is not None else role_key)
-        ck = content_key if m.get(content_key) is not None else ("content" if m.get("content") is not None
-                                                                 else content_key)
-        role, err = _role(m.get(rk), f"{column}[{i}].{rk}")
-        content, err2 = _content(m.get(ck), f"{column}[{i}].{ck}")
-        if err or err2:
-            return [], err or err2
-        out.append({"role": role, "content": content})
+        msg, err = _turn(m, f"{column}[{i}]", role_key, content_key)
+        if err:
+            return [], err
+        prev = out[-1] if out else None
+        if msg["tool_calls"] and not msg["content"] and prev and prev["role"] == "assistant" \
+                and not prev["tool_calls"]:
+            prev["tool_calls"] = msg["tool_calls"]  # ShareGPT: text, then its function_call turn: one OpenAI turn
+            continue
+        out.append(msg)
     return out, ""
+
+
+def _tools(record: dict) -> tuple[str, str]:
+    if record.get("tools") in (None, "", []):
+        return "", ""
+    tools, err = _json_field(record["tools"], "tools", list)
+    return (json.dumps(tools, ensure_ascii=False), "") if not err else ("", err)
 
 
 def _with_system(record: dict, messages: list[dict]) -> tuple[list[dict], str]:
@@ -116,7 +232,7 @@ def _with_system(record: dict, messages: list[dict]) -> tuple[list[dict], str]:
     if system is None or system == "" or (messages and messages[0]["role"] == "system"):
         return messages, ""
     content, err = _content(system, "system")
-    return ([{"role": "system", "content": content}, *messages], err) if not err else ([], err)
+    return ([message("system", content), *messages], err) if not err else ([], err)
 
 
 def _openai(record: dict) -> tuple[list[dict], str]:
@@ -133,7 +249,9 @@ def _flat(record: dict) -> tuple[list[dict], str]:
     response, err2 = _content(record.get("response"), "response")
     if err or err2:
         return [], err or err2
-    return _with_system(record, [{"role": "user", "content": prompt}, {"role": "assistant", "content": response}])
+    if not response.strip():
+        raise Skip("empty_assistant_turn")
+    return _with_system(record, [message("user", prompt), message("assistant", response)])
 
 
 # format name -> (the fields that identify it, record -> (messages, error)); detection tries them in this order
@@ -153,9 +271,19 @@ def detect_formats(columns: list[str], where: str) -> list[str]:
     return found
 
 
-def conversation_hash(messages: list[dict]) -> str:
-    text = json.dumps([[m["role"], m["content"]] for m in messages], ensure_ascii=False, separators=(",", ":"))
+def conversation_hash(messages: list[dict], tools: str = "") -> str:
+    """sha256 of a conversation (or of a prompt: the messages before a turn) and its tool schemas."""
+    text = json.dumps([tools] + [[m["role"], m["content"], m.get("reasoning", ""), m.get("tool_calls", ""),
+                                  m.get("tool_call_id", "")] for m in messages],
+                      ensure_ascii=False, separators=(",", ":"))
     return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+def prompt_hashes(messages: list[dict], tools: str = "") -> list[str]:
+    """The hash of each assistant turn's prompt (the conversation before it): the held-out split's key, so one
+    prompt lands on one side whatever responses the data holds for it ('' for other messages)."""
+    return [conversation_hash(messages[:i], tools) if m["role"] == "assistant" else ""
+            for i, m in enumerate(messages)]
 
 
 # -- reading -------------------------------------------------------------------------------------------------
@@ -180,9 +308,21 @@ def _json_error_line(path: Path) -> str:
     return ""
 
 
+def _blank(path: Path) -> bool:
+    """Nothing but whitespace (read until the first other character)."""
+    with path.open("rb") as f:
+        while chunk := f.read(1 << 20):
+            if chunk.strip():
+                return False
+    return True
+
+
 def load_raw(path: Path, cache_dir: str):
     """One file (or saved dataset) as a `datasets.Dataset`; ConversationInputError names what does not parse."""
     ds_lib = _offline_datasets()
+    if path.is_file() and path.suffix in (".json", ".jsonl") and _blank(path):
+        raise ConversationInputError(f"{path}: the file is empty (expected conversation records: one JSON object "
+                                     f"per line, or a JSON list of them)")
     try:
         if path.is_dir():
             ds = ds_lib.load_from_disk(str(path))
@@ -208,11 +348,28 @@ def _line_numbers(path: Path) -> Callable[[int], str]:
 
 def _normalize(record: dict, index: int, *, formats: list[str], path: str) -> dict:
     fmt = next((f for f in formats if all(record.get(k) is not None for k in FORMATS[f][0])), formats[0])
-    messages, err = FORMATS[fmt][1](record)
+    skip = ""
+    try:
+        messages, err = FORMATS[fmt][1](record)
+        tools, err2 = _tools(record) if not err else ("", "")
+        err = err or err2
+    except Skip as s:
+        messages, tools, err, skip = [], "", "", s.reason
     if err and len(formats) > 1:
         err = f"{fmt}: {err}"
-    return {"messages": messages if not err else [], "error": err, "source": f"{path}#{index}",
-            "conv_hash": conversation_hash(messages) if not err else ""}
+    messages = messages if not err else []
+    return {"messages": messages, "tools": tools, "skip": skip, "error": err, "source": f"{path}#{index}",
+            "format": fmt, "prompt_hashes": prompt_hashes(messages, tools)}
+
+
+def features():
+    """The normalized table's schema, fixed (a batch of skipped records must not change it)."""
+    ds_lib = _offline_datasets()
+    text, flag = ds_lib.Value("string"), ds_lib.Value("bool")
+    message = {"role": text, "content": text, "reasoning": text, "tool_calls": text, "tool_call_id": text,
+               "name": text, "train": flag}
+    return ds_lib.Features({"messages": [message], "tools": text, "skip": text, "error": text, "source": text,
+                            "format": text, "prompt_hashes": [text]})
 
 
 def read_conversations(path: str, cache_dir: str = "", num_proc: int = 1):
@@ -223,9 +380,12 @@ def read_conversations(path: str, cache_dir: str = "", num_proc: int = 1):
         raw = load_raw(f, cache_dir)
         fmts = detect_formats(list(raw.column_names), str(f))
         formats[str(f)] = "+".join(fmts)
+        # a saved dataset's own folder is the user's: our caches go under cache_dir (or stay in memory)
+        where = {} if not f.is_dir() else {"keep_in_memory": True} if not cache_dir else {
+            "cache_file_name": str(Path(cache_dir) / f"normalized-{NORMALIZE_VERSION}-{raw._fingerprint}.arrow")}
         norm = raw.map(_normalize, with_indices=True, fn_kwargs={"formats": fmts, "path": str(f)},
                        remove_columns=raw.column_names, num_proc=num_proc if len(raw) >= 4 * num_proc else None,
-                       desc=f"conversations: {f.name}")
+                       features=features(), desc=f"conversations: {f.name}", **where)
         bad = norm.filter(lambda e: e != "", input_columns="error")
         if len(bad):
             first = bad[0]

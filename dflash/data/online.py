@@ -3,8 +3,11 @@ trains, so a run never needs to see a sequence twice.
 
 The stream: item key g (the trainer's global item index; rank r of `world` takes g = n·world + r) names
 prompt `order(epoch)[g mod P]` of the prompt pool (P prompts, `dflash.data.pool`; epoch = g div P, a seeded
-permutation per epoch, `stream_seed`). The target continues the prompt to exactly `seq_len` tokens, greedy by
-default (`temperature` > 0 samples, seeded per written batch). Every sequence has the same length, so the
+permutation per epoch, `stream_seed`). The target continues the prompt to exactly `seq_len` tokens at
+`sampling` (default the target's recommended setting: T=1 for the shipped reference target; greedy when
+temperature is 0), seeded per written batch. A sequence's natural end is its first stop token after the prompt
+(EOS / end of turn): `loss_mask` masks what follows out of the loss (`stop_at_eos`), and `stats` logs the
+data's degeneracy (`dflash.data.degeneracy`) beside data/epochs. Every sequence has the same length, so the
 target's feature forward and the drafter step see one static shape.
 
 Writing is batched wide: a rank's items n = b·W .. (b+1)·W − 1 (`write_batch` W) are one written batch,
@@ -25,14 +28,18 @@ import threading
 import time
 from collections import OrderedDict
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from dflash.atomic import load_checked, save_checked
 from dflash.data.pool import PromptPool
-from dflash.data.writing import DECODE_MODES, auto_write_batch, check_write_batch, resolve_decode, write_continuations
+from dflash.data.degeneracy import summarize
+from dflash.data.writing import (DECODE_MODES, auto_write_batch, check_write_batch, ends_at_stop, resolve_decode,
+                                 write_continuations)
+from dflash.target.sampling import (FROM_TARGET, GREEDY, Sampling, SamplingConfig, resolve_sampling, target_folder,
+                                    validate_sampling_config)
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +52,16 @@ class OnlineConfig:
     seq_len: int = 0  # tokens per written sequence (prompt + continuation); 0: data.max_len
     # sequences the target writes together (one generation batch, one shard); 0 = auto (`auto_write_batch`)
     write_batch: int = 0
-    temperature: float = 0.0  # 0: greedy; > 0: sampled continuations (labels stay the target's argmax)
+    # the setting the target writes at (docs/data.md, "Sampling"): -1 fields come from the target's
+    # generation_config.json (the shipped reference target: T=1, so training data does not loop); temperature 0:
+    # greedy. Labels stay the target's argmax either way.
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    # the legacy key (configs written before data.online.sampling): >= 0 sets the temperature; -1: sampling's.
+    # `resolve_online_config` writes the resolved temperature here, so readers see what runs.
+    temperature: float = -1.0
+    # a written sequence ends after its first stop token (the target's EOS / end of turn) past the prompt: what
+    # follows is masked out of the loss (`OnlineWriter.loss_mask`); false: every token is trained on
+    stop_at_eos: bool = True
     stream_seed: int = 0  # prompt order and sampling; not the run seed, so trials of a sweep share shards
     shard_dir: str = ".cache/dflash/online"  # written batches saved here and reused; empty: none
     keep_batches: int = 4  # written batches kept in memory (a resume's replay reaches back into the last ones)
@@ -60,8 +76,10 @@ class OnlineConfig:
 def validate_online_config(cfg: OnlineConfig, seq_len: int, max_prompt_len: int) -> None:
     if cfg.write_batch < 0:
         raise ValueError(f"data.online.write_batch must be >= 1, or 0 for auto; got {cfg.write_batch}")
-    if cfg.temperature < 0:
-        raise ValueError(f"data.online.temperature must be >= 0 (0: greedy), got {cfg.temperature}")
+    if cfg.temperature < 0 and cfg.temperature != FROM_TARGET:
+        raise ValueError(f"data.online.temperature must be >= 0 (0: greedy), or -1 for data.online.sampling's; "
+                         f"got {cfg.temperature}")
+    validate_sampling_config(cfg.sampling, "data.online.sampling")
     if cfg.keep_batches < 1:
         raise ValueError(f"data.online.keep_batches must be >= 1, got {cfg.keep_batches}")
     if cfg.decode not in DECODE_MODES:
@@ -83,9 +101,15 @@ AUTO_GPU_REUSE = 2
 
 
 def resolve_online_config(cfg: OnlineConfig, target, seq_len: int) -> OnlineConfig:
-    """`cfg` with its "auto" values (0) made what runs: `write_batch` (`auto_write_batch` for this target and
-    length) and `reuse` (AUTO_GPU_REUSE on a GPU, 1 on the CPU). Resolved values pass through unchanged, so the
+    """`cfg` with its "auto" values made what runs: the sampling setting (-1 fields: the target's
+    generation_config.json; the resolved temperature also in `temperature`), `write_batch` (0: `auto_write_batch`
+    for this target and length) and `reuse` (0: AUTO_GPU_REUSE on a GPU, 1 on the CPU). Resolved values pass through unchanged, so the
     composing layer resolves once and every reader (the writer, the data's epoch count, write-ahead) sees it."""
+    if cfg.temperature == FROM_TARGET or cfg.sampling.temperature == FROM_TARGET or -1 in (cfg.sampling.top_p,
+                                                                                          cfg.sampling.top_k):
+        s = resolve_sampling(cfg.sampling if cfg.temperature == FROM_TARGET
+                             else dataclasses.replace(cfg.sampling, temperature=cfg.temperature), target_folder(target))
+        cfg = dataclasses.replace(cfg, temperature=s.temperature, sampling=SamplingConfig(s.temperature, s.top_p, s.top_k))
     if cfg.write_batch == 0:
         cfg = dataclasses.replace(cfg, write_batch=auto_write_batch(target, seq_len))
     if cfg.reuse == 0:
@@ -118,6 +142,12 @@ class OnlineWriter:
         # what the engine did, for data/ and perf/ metrics
         self.written_batches = self.shard_reads = self.written_tokens = 0
         self.write_s = 0.0
+        self.stop_ids = stop_token_ids(target)
+        self._degeneracy: dict[str, float] = {}  # sums over the rows measured (`_measure`)
+        # an inference server that writes the responses instead of this process's target
+        # (`dflash.data.responders.ServerResponder`; `python -m experiments.regen backend=openai`); the shards are
+        # the same, keyed alike, since the server serves this target with the same sampling settings
+        self.responder = None
 
     @property
     def size(self) -> int:
@@ -127,10 +157,31 @@ class OnlineWriter:
         t = self.target
         payload = {"format": FORMAT_VERSION, "target": str(t.identity), "dtype": str(t.dtype),
                    "device_type": t.device.type, "pool": self.pool.fingerprint, "seq_len": self.seq_len,
-                   "temperature": self.cfg.temperature, "stream_seed": self.cfg.stream_seed,
+                   "temperature": float(self.cfg.temperature), "stream_seed": self.cfg.stream_seed,
                    "write_batch": self.cfg.write_batch, "world": self.world, "rank": self.rank,
                    "decode": "cache" if self.decode == "cache" else "static"}  # graph and static: the same kernels
+        if self.sampling.top_p < 1.0 or self.sampling.top_k > 0:  # only then: shards of T-only settings keep their keys
+            payload.update(top_p=self.sampling.top_p, top_k=self.sampling.top_k)
         return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
+
+    @property
+    def sampling(self) -> Sampling:
+        t = max(0.0, float(self.cfg.temperature))
+        return Sampling(t, float(self.cfg.sampling.top_p), int(self.cfg.sampling.top_k)) if t > 0 else GREEDY
+
+    def loss_mask(self, g: int) -> torch.Tensor | None:
+        """Item g's tokens to train on: everything up to and including the first stop token the target wrote
+        after the prompt (its natural end); None when it wrote none (every token) or `stop_at_eos` is off."""
+        if not self.cfg.stop_at_eos or not self.stop_ids:
+            return None
+        seq = self.sequence(g)
+        start = len(self.pool.prompts[self.prompt_of(g)])
+        end = ends_at_stop(seq.tolist(), start, self.stop_ids)
+        if end >= seq.numel():
+            return None
+        mask = torch.zeros(seq.numel(), dtype=torch.bool)
+        mask[:end] = True
+        return mask
 
     def shard_path(self, b: int) -> Path | None:
         d = self.cfg.shard_dir
@@ -262,16 +313,47 @@ class OnlineWriter:
         tokens = self._write(b)
         if path is not None:
             save_checked(path, _MAGIC, FORMAT_VERSION, key, {"tokens": tokens})
+        self._measure(b, tokens)
         return tokens
 
+    def _measure(self, b: int, tokens: torch.Tensor) -> None:
+        """Degeneracy of the batch's continuations (up to MEASURED_ROWS rows of each written batch, each cut at its
+        end): summed here, logged by `stats` beside data/epochs."""
+        keys = self.batch_keys(b)
+        rows = range(0, len(keys), max(1, len(keys) // MEASURED_ROWS))
+        conts, ended = [], 0
+        for r in rows:
+            seq = tokens[r].tolist()
+            start = len(self.pool.prompts[self.prompt_index(keys[r])])
+            end = ends_at_stop(seq, start, self.stop_ids) if self.stop_ids else len(seq)
+            ended += end < len(seq)
+            conts.append(seq[start:end])
+        d = summarize(conts)
+        acc = self._degeneracy
+        n = d["count"]
+        for k in ("repeat4", "in_repeat16", "cycle_share"):
+            if d[k] == d[k]:
+                acc[k] = acc.get(k, 0.0) + d[k] * n
+        acc["ended"] = acc.get("ended", 0.0) + ended
+        acc["rows"] = acc.get("rows", 0.0) + n
+
     def _write(self, b: int) -> torch.Tensor:
-        prompts = [self.pool.prompts[self.prompt_index(g)] for g in self.batch_keys(b)]
-        gen = None
-        if self.cfg.temperature > 0:
-            gen = torch.Generator(device=self.target.device)
-            gen.manual_seed(((self.cfg.stream_seed * 1_000_003 + self.world) * 1_000_033 + self.rank) * 7_919 + b)
+        with self._lock:  # prompt_index's order cache; a server-backed regen writes several batches at once
+            prompts = [self.pool.prompts[self.prompt_index(g)] for g in self.batch_keys(b)]
+        seed = ((self.cfg.stream_seed * 1_000_003 + self.world) * 1_000_033 + self.rank) * 7_919 + b
         t0 = time.perf_counter()
-        tokens = write_continuations(self.target, prompts, self.seq_len, self.cfg.temperature, gen, self.decode)
+        if self.responder is not None:
+            sp = self.sampling
+            rows = self.responder.continue_prompts([list(map(int, p)) for p in prompts],
+                                                   [self.seq_len - len(p) for p in prompts],
+                                                   0.0 if sp.greedy else sp.temperature, seed, sp.top_p, sp.top_k)
+            tokens = torch.tensor([[*map(int, p), *r] for p, r in zip(prompts, rows)], dtype=torch.long)
+        else:
+            gen = None
+            if not self.sampling.greedy:
+                gen = torch.Generator(device=self.target.device)
+                gen.manual_seed(seed)
+            tokens = write_continuations(self.target, prompts, self.seq_len, self.sampling, gen, self.decode)
         dt = time.perf_counter() - t0
         written = sum(self.seq_len - len(p) for p in prompts)
         self.write_s += dt
@@ -284,6 +366,31 @@ class OnlineWriter:
         return tokens
 
     def stats(self) -> dict[str, float]:
-        return {"data/written_batches": self.written_batches, "data/shard_reads": self.shard_reads,
-                "data/written_tokens": self.written_tokens,
-                "perf/write_tok_s": self.written_tokens / self.write_s if self.write_s else 0.0}
+        out = {"data/written_batches": self.written_batches, "data/shard_reads": self.shard_reads,
+               "data/written_tokens": self.written_tokens,
+               "perf/write_tok_s": self.written_tokens / self.write_s if self.write_s else 0.0}
+        n = self._degeneracy.get("rows", 0.0)
+        if n:  # the data's degeneracy (dflash.data.degeneracy), over the rows measured so far
+            d = self._degeneracy
+            out.update({"data/repeat4": d.get("repeat4", 0.0) / n, "data/in_repeat16": d.get("in_repeat16", 0.0) / n,
+                        "data/cycle_share": d.get("cycle_share", 0.0) / n, "data/ended_share": d["ended"] / n,
+                        "data/temperature": float(self.sampling.temperature)})
+        return out
+
+
+# rows of each written batch whose degeneracy is measured (the measure is Python, ~1 ms a row)
+MEASURED_ROWS = 64
+
+
+def stop_token_ids(target) -> tuple[int, ...]:
+    """The target's end tokens (its configs' and tokenizer's eos_token_id), as the evaluation's ground truth ends."""
+    ids: set[int] = set()
+    model = getattr(target, "model", None)
+    for src in (getattr(model, "config", None), getattr(model, "generation_config", None),
+                getattr(target, "tokenizer", None)):
+        v = getattr(src, "eos_token_id", None)
+        for x in (v if isinstance(v, (list, tuple)) else [v]):
+            if isinstance(x, int) and not isinstance(x, bool) and x >= 0:
+                ids.add(x)
+    vocab = int(getattr(target, "vocab_size", 0) or 0)
+    return tuple(sorted(i for i in ids if not vocab or i < vocab))

@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 
 from dflash.atomic import load_checked, save_checked
+from dflash.errors import ConfigError
 from dflash.data.corpus import Corpus
 from dflash.data.prompts import CUT_MARK, parallel_header_prompts
 
@@ -125,7 +126,7 @@ def _chunk_prompts(corpus: Corpus, tokenizer, n: int, cfg: PoolConfig) -> list[l
             if len(ids) >= max(length, cfg.chunk_min_len):
                 out.append(ids[:length])
     if len(out) < n:
-        raise ValueError(f"data.pool: could draw only {len(out)} of {n} file-chunk prompts of >= "
+        raise ConfigError(f"data.pool: could draw only {len(out)} of {n} file-chunk prompts of >= "
                          f"{cfg.chunk_min_len} tokens from the train split")
     return out
 
@@ -143,7 +144,7 @@ def _mix(headers: list[list[int]], kinds: list[str], cfg: PoolConfig, corpus: Co
     else:
         n_c = round(len(headers) * (1 - f) / f)
     if f > 0 and not headers:
-        raise ValueError("data.pool: the train split has no function / class with a docstring of <= "
+        raise ConfigError("data.pool.max_prompt_len: the train split has no function / class with a docstring of <= "
                          f"{cfg.max_prompt_len} tokens (headers_frac={f} asks for them)")
     chunks = _chunk_prompts(corpus, tokenizer, n_c, cfg) if n_c else []
     return headers + chunks, kinds + ["chunk"] * len(chunks)

@@ -27,6 +27,8 @@ from typing import Sequence
 
 import torch
 
+from dflash.target.sampling import Sampling
+
 from dflash.atomic import load_checked, save_checked
 from dflash.target.cache import cache_kwarg, new_hf_cache
 
@@ -77,6 +79,65 @@ def greedy_generate(target, prompt_ids_BP: torch.Tensor, max_new_tokens: int,
         tok = _next_tokens(target, h)
         out_tokens.append(tok)
     return torch.stack(out_tokens, 1).cpu()
+
+
+# -- conversations, turn by turn ----------------------------------------------------------------------------
+def until_end(tokens: list[int], end_id: int | None) -> list[int]:
+    """A response up to and including its first end-of-turn token (the whole of it when there is none)."""
+    return tokens[:tokens.index(end_id) + 1] if end_id is not None and end_id in tokens else tokens
+
+
+def target_responder(target, end_id: int | None, max_new_tokens: int, batch_size: int = 16,
+                     sampling: "float | Sampling" = 0.0, seed: int = 0, decode: str = "auto"):
+    """`respond(prompts) -> responses` (token lists) of the target, each ending at its first end-of-turn token
+    (at most `max_new_tokens`): greedy, or sampled at `sampling` (a `Sampling` or a bare temperature; seeded by
+    `seed` and the batch's prompts). Prompts of any
+    lengths are written together, `batch_size` at a time (`dflash.data.writing.write_continuations`: no
+    padding, each row sees exactly its own tokens)."""
+    from dflash.data.writing import write_continuations
+    sampled = not sampling.greedy if isinstance(sampling, Sampling) else sampling > 0
+
+    def respond(prompts: list[list[int]]) -> list[list[int]]:
+        out: list[list[int] | None] = [None] * len(prompts)
+        order = sorted(range(len(prompts)), key=lambda i: (len(prompts[i]), i))
+        for b in range(0, len(order), batch_size):
+            batch = order[b:b + batch_size]
+            # seeded by the prompts themselves: a resumed regen draws what the first one would have
+            gen = torch.Generator().manual_seed(hash((seed, *(tuple(prompts[j]) for j in batch))) & 0x7FFFFFFF) \
+                if sampled else None
+            rows = write_continuations(target, [prompts[j] for j in batch],
+                                       max(len(prompts[j]) for j in batch) + max_new_tokens, sampling, gen, decode)
+            for r, j in enumerate(batch):
+                p = len(prompts[j])
+                out[j] = until_end(rows[r, p:p + max_new_tokens].tolist(), end_id)
+        return out  # type: ignore[return-value]
+    return respond
+
+
+def regenerate_turns(conversations: list[list[dict]], respond, prompt_ids, response_text,
+                     start: tuple[int, list[list[dict]]] | None = None, on_round=None) -> list[list[dict]]:
+    """Every conversation's trained assistant turns rewritten, in rounds: round k writes the k-th trained turn of
+    every conversation that has one, all of them in one `respond` call (the one step that produces responses: the
+    target here, an inference server elsewhere). A turn's prompt (`prompt_ids(conversation index, messages before
+    it)`) holds the
+    responses of the earlier rounds, so each later turn is prompted with the target's own earlier answers; user
+    turns, tool results and untrained turns stay as the dataset has them. `response_text(tokens)`: the turn's
+    content (the end-of-turn token dropped; reasoning and calls as the model wrote them, in the text).
+    `start` = (rounds done, the conversations after them) resumes; `on_round(rounds done, conversations)` is
+    called after each round (to save them)."""
+    convs = [[dict(m) for m in c] for c in conversations]
+    turns = [[i for i, m in enumerate(c) if m["role"] == "assistant" and m.get("train", True)] for c in convs]
+    first = 0
+    if start is not None:
+        first, convs = start[0], [[dict(m) for m in c] for c in start[1]]
+    for k in range(first, max((len(t) for t in turns), default=0)):
+        todo = [(c, t[k]) for c, t in enumerate(turns) if k < len(t)]
+        responses = respond([prompt_ids(c, convs[c][:i]) for c, i in todo])
+        for (c, i), tokens in zip(todo, responses):
+            convs[c][i] = {**convs[c][i], "content": response_text(tokens), "reasoning": "", "tool_calls": ""}
+        if on_round is not None:
+            on_round(k + 1, convs)
+    return convs
 
 
 # -- fingerprint and cache file ---------------------------------------------------------------------

@@ -35,12 +35,15 @@ from dflash.registry import Registry
 class LayerAttention(NamedTuple):
     """What one layer's block queries see. Full attention (the default): all context before the anchor and the
     whole block. `window`: only keys with position p - j < window (p the query's position), and causal inside
-    the block (the engines' rule for sliding-window DFlash layers, see the module docstring)."""
+    the block (the engines' rule for sliding-window DFlash layers, see the module docstring) unless
+    `window_causal` is False (DFlash 2: its config.json says `is_causal: false`, its windowed layers see the
+    whole block)."""
     window: int | None = None
+    window_causal: bool = True
 
     @property
     def causal(self) -> bool:
-        return self.window is not None
+        return self.window is not None and self.window_causal
 
 
 FULL_ATTENTION = LayerAttention()
@@ -75,7 +78,7 @@ def block_mask_mod(anchors_BN: torch.Tensor, ctx_len: int, block_size: int,
                    layer: LayerAttention = FULL_ATTENTION):
     """`training_mask` as a FlexAttention mask_mod(b, h, q_idx, kv_idx) (same predicate, tested equal)."""
     last_block = anchors_BN.shape[1] - 1
-    window = layer.window
+    window, causal = layer.window, layer.causal
 
     def mask_mod(b, h, q_idx, kv_idx):
         # Clamped: flex has evaluated mask_mods on the padding of a last partial 128-tile (pytorch#137801);
@@ -84,8 +87,9 @@ def block_mask_mod(anchors_BN: torch.Tensor, ctx_len: int, block_size: int,
         anchor = anchors_BN[b, blk]
         sees_ctx = (kv_idx < ctx_len) & (kv_idx < anchor)
         sees_own = (kv_idx >= ctx_len) & ((kv_idx - ctx_len) // block_size == blk)
-        if window is not None:  # windowed layers: causal in the block, context within the window
+        if window is not None:  # windowed layers: context within the window (and causal in the block)
             sees_ctx = sees_ctx & (anchor + q_idx % block_size - kv_idx < window)
+        if causal:
             sees_own = sees_own & ((kv_idx - ctx_len) % block_size <= q_idx % block_size)
         return sees_ctx | sees_own
 

@@ -16,6 +16,12 @@ Decoding", arXiv 2602.06036).
 
 Module and parameter names follow the reference `DFlashDraftModel` (z-lab/dflash `dflash/model.py`), so
 the serving export is a plain state-dict save.
+
+`drafter.architecture=dflash2` (docs/dflash2.md) adds DFlash 2's pieces to the same layers: two
+`GroupedDynamicCausalConv` per layer (dflash/drafter/conv.py: `attn_conv` around attention, `mlp_conv` around the
+MLP, each block convolved on its own), a `CandidateSelector` (dflash/drafter/selector.py) that picks each
+position's draft token among the unary top-k (`draft`), logits scaled by `output_multiplier` and soft-capped at
+`final_logit_softcapping`, and windowed layers that see their whole block (`sliding_causal: false`).
 """
 from __future__ import annotations
 
@@ -26,6 +32,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dflash.drafter.conv import GroupedDynamicCausalConv
+from dflash.drafter.selector import CandidateSelector, SelectorWalk
+from dflash.registry import Registry
 from dflash.drafter.attention import (  # noqa: F401 (training_mask: re-export)
     ATTN_KERNELS,
     FULL_ATTENTION,
@@ -37,6 +46,9 @@ from dflash.drafter.attention import (  # noqa: F401 (training_mask: re-export)
 
 LOGITS_HEAD_ROWS = 32_768  # head rows upcast at a time by `DFlashDrafter.logits` (640 MB of float32 at H = 5,120)
 LAYER_TYPES = ("full_attention", "sliding_attention")  # the names config.json's `layer_types` uses
+# drafter.architecture → the serving class its folder names (config.json `architectures`)
+ARCHITECTURES: Registry[str] = Registry("drafter.architecture", {"dflash": "DFlashDraftModel",
+                                                                 "dflash2": "DFlash2DraftModel"})
 
 
 @dataclass
@@ -62,11 +74,28 @@ class DrafterConfig:
     # positions p - j < sliding_window and are causal inside the block (as the serving engines run them).
     layer_types: list[str] = field(default_factory=list)
     sliding_window: int = 0  # the window of the sliding layers (0: none)
+    # Sliding layers causal inside the block (DFlash 1 as the engines serve it); DFlash 2: false (is_causal: false)
+    sliding_causal: bool = True
+    # "dflash" (DFlash 1) or "dflash2": the dynamic convolutions and the candidate selector (the keys below are
+    # read by dflash2 only; docs/dflash2.md)
+    architecture: str = "dflash"
+    conv_kernel_size: int = 2  # taps K of each GroupedDynamicCausalConv
+    conv_group_size: int = 16  # channels G sharing one dynamic kernel value
+    selector_rank: int = 256  # r of the selector's codebooks
+    selector_top_k: int = 16  # unary candidates per position the selector chooses among
+    output_multiplier: float = 1.0  # logits = softcap(output_multiplier · h · W)
+    final_logit_softcapping: float = 0.0  # c · tanh(logits / c); 0: none (training needs 0: the block losses'
+    # fused LM-head path computes plain logits)
 
     def layer_attention(self) -> list[LayerAttention]:
         """Each layer's `LayerAttention` (what its block queries see)."""
         types = self.layer_types or ["full_attention"] * self.num_layers
-        return [LayerAttention(self.sliding_window) if t == "sliding_attention" else FULL_ATTENTION for t in types]
+        return [LayerAttention(self.sliding_window, self.sliding_causal) if t == "sliding_attention"
+                else FULL_ATTENTION for t in types]
+
+    @property
+    def is_dflash2(self) -> bool:
+        return self.architecture == "dflash2"
 
     def for_target(self, target_rope_theta: float) -> "DrafterConfig":
         """This config with rope_theta = 0 replaced by the target's (the published drafters use their target's)."""
@@ -78,6 +107,14 @@ def validate_drafter_config(cfg: DrafterConfig) -> None:
     if cfg.attn_kernel not in ATTN_KERNELS:
         raise ValueError(f"drafter.attn_kernel={cfg.attn_kernel!r} is not a known attention kernel; "
                          f"known: {', '.join(sorted(ATTN_KERNELS))}")
+    ARCHITECTURES.check(cfg.architecture)
+    if cfg.is_dflash2:
+        for key in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k"):
+            if getattr(cfg, key) < 1:
+                raise ValueError(f"drafter.{key}={getattr(cfg, key)} must be >= 1 for drafter.architecture=dflash2")
+        if cfg.output_multiplier <= 0 or cfg.final_logit_softcapping < 0:
+            raise ValueError(f"drafter.output_multiplier={cfg.output_multiplier} must be > 0 and "
+                             f"drafter.final_logit_softcapping={cfg.final_logit_softcapping} >= 0 (0: no cap)")
     if cfg.rope_theta < 0:
         raise ValueError(f"drafter.rope_theta must be > 0, or 0 for the target's; got {cfg.rope_theta}")
     bad = [t for t in cfg.layer_types if t not in LAYER_TYPES]
@@ -172,16 +209,30 @@ class DrafterMLP(nn.Module):
 class DrafterLayer(nn.Module):
     def __init__(self, hidden: int, cfg: DrafterConfig):
         super().__init__()
+        self.block_size = cfg.block_size
         self.input_layernorm = RMSNorm(hidden, cfg.rms_norm_eps)
         self.self_attn = DrafterAttention(hidden, cfg)
         self.post_attention_layernorm = RMSNorm(hidden, cfg.rms_norm_eps)
         self.mlp = DrafterMLP(hidden, cfg.intermediate_size)
+        if cfg.is_dflash2:  # DFlash 2: a dynamic causal conv around each sublayer (dflash/drafter/conv.py)
+            self.attn_conv = GroupedDynamicCausalConv(hidden, cfg.conv_kernel_size, cfg.conv_group_size)
+            self.mlp_conv = GroupedDynamicCausalConv(hidden, cfg.conv_kernel_size, cfg.conv_group_size)
+
+    def _around(self, conv: GroupedDynamicCausalConv | None, sublayer, x_BQH):
+        """sublayer(x), or conv.finish(sublayer(conv.prepare(x))) with every block of bs positions on its own."""
+        if conv is None:
+            return sublayer(x_BQH)
+        B, Q, H = x_BQH.shape
+        x_BnbH = x_BQH.view(B, Q // self.block_size, self.block_size, H)
+        prepared, kernels = conv.prepare(x_BnbH)
+        y_BQH = sublayer(prepared.reshape(B, Q, H))
+        return conv.finish(y_BQH.view_as(x_BnbH), kernels).reshape(B, Q, H)
 
     def forward(self, block_BQH, rope, ctx_kv, mask):
         q_cos, q_sin = rope
-        attn = self.self_attn(self.input_layernorm(block_BQH), q_cos, q_sin, *ctx_kv, q_cos, q_sin, mask)
-        h = block_BQH + attn
-        return h + self.mlp(self.post_attention_layernorm(h))
+        attend = lambda x: self.self_attn(x, q_cos, q_sin, *ctx_kv, q_cos, q_sin, mask)  # noqa: E731
+        h = block_BQH + self._around(getattr(self, "attn_conv", None), attend, self.input_layernorm(block_BQH))
+        return h + self._around(getattr(self, "mlp_conv", None), self.mlp, self.post_attention_layernorm(h))
 
 
 class DrafterCache:
@@ -237,7 +288,8 @@ def _per_group(x_BhTd: torch.Tensor, G: int) -> torch.Tensor:
 
 class DFlashDrafter(nn.Module):
     def __init__(self, cfg: DrafterConfig, hidden_size: int, num_target_layers: int, mask_token_id: int,
-                 target_layer_ids: list[int]):
+                 target_layer_ids: list[int], vocab_size: int | None = None):
+        """`vocab_size`: the target's; DFlash 2 needs it (the selector's codebooks have a row per token)."""
         super().__init__()
         self.cfg = cfg
         self.hidden_size = hidden_size
@@ -252,6 +304,13 @@ class DFlashDrafter(nn.Module):
         self.hidden_norm = RMSNorm(hidden_size, cfg.rms_norm_eps)
         self.layers = nn.ModuleList(DrafterLayer(hidden_size, cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(hidden_size, cfg.rms_norm_eps)
+        self.selector: CandidateSelector | None = None
+        if cfg.is_dflash2:
+            if not vocab_size:
+                raise ValueError("drafter.architecture=dflash2 needs the target's vocab_size (the selector's "
+                                 "codebooks have one row per token)")
+            self.selector = CandidateSelector(hidden_size, vocab_size, cfg.selector_rank, cfg.selector_top_k,
+                                              cfg.init_std)
         self.register_buffer("embed_VH", torch.empty(0), persistent=False)
         self.register_buffer("lm_head_VH", torch.empty(0), persistent=False)
         self.reset_parameters()
@@ -260,6 +319,9 @@ class DFlashDrafter(nn.Module):
         for m in self.modules():
             if isinstance(m, nn.Linear):
                 nn.init.normal_(m.weight, std=self.cfg.init_std)
+        for m in self.modules():  # DFlash 2: the convs start as the identity, the selector's own init
+            if isinstance(m, (GroupedDynamicCausalConv, CandidateSelector)):
+                m.reset_parameters()
 
     def attach_target_head(self, embed_VH: torch.Tensor, lm_head_VH: torch.Tensor) -> None:
         """Share the target's frozen embedding and LM head (no copy when on the same device)."""
@@ -379,13 +441,46 @@ class DFlashDrafter(nn.Module):
         head on every draft (5 GB at V = 248,320, H = 5,120)."""
         hidden, head_VH = hidden_BKH.float(), self.lm_head_VH
         if head_VH.dtype == torch.float32:
-            return hidden @ head_VH.T
+            return self.shape_logits(hidden @ head_VH.T)
         out = hidden.new_empty(*hidden.shape[:-1], head_VH.shape[0])
         for v in range(0, head_VH.shape[0], rows):
             out[..., v:v + rows] = hidden @ head_VH[v:v + rows].float().T
-        return out
+        return self.shape_logits(out)
+
+    def shape_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """DFlash 2's output_multiplier and tanh soft cap (DFlash 1: 1 and none, the logits unchanged)."""
+        c = self.cfg
+        if c.output_multiplier != 1.0:
+            logits = logits * c.output_multiplier
+        if c.final_logit_softcapping > 0:
+            logits = c.final_logit_softcapping * torch.tanh(logits / c.final_logit_softcapping)
+        return logits
+
+    @torch.no_grad()
+    def draft(self, hidden_SKH: torch.Tensor, anchor_S: torch.Tensor, temperature: float = 0.0,
+              generator: torch.Generator | None = None) -> SelectorWalk | torch.Tensor:
+        """The draft tokens [..., K] of blocks whose final hidden states are `hidden` and anchors `anchor`:
+        DFlash 1 the argmax of each position's logits; DFlash 2 the selector's walk (a `SelectorWalk`, whose
+        candidates and scores give q over the k candidates; greedy at temperature 0)."""
+        logits = self.logits(hidden_SKH)
+        if self.selector is None:
+            return logits.argmax(-1)
+        return self.selector.walk(hidden_SKH, logits, anchor_S.to(logits.device), temperature, generator)
+
+    def draft_tokens(self, hidden_SKH: torch.Tensor, anchor_S: torch.Tensor) -> torch.Tensor:
+        """The greedy draft [..., K] (what greedy verification checks), DFlash 1 or 2."""
+        out = self.draft(hidden_SKH, anchor_S)
+        return out.tokens if isinstance(out, SelectorWalk) else out
+
+
+def greedy_draft(drafter, hidden_SKH: torch.Tensor, anchor_S: torch.Tensor) -> torch.Tensor:
+    """The greedy draft [..., K] of any drafter with `logits` (tests' oracles too): the argmax per position, or a
+    DFlash 2 drafter's selector walk."""
+    if getattr(drafter, "selector", None) is not None:
+        return drafter.draft_tokens(hidden_SKH, anchor_S)
+    return drafter.logits(hidden_SKH).argmax(-1)
 
 
 def build_drafter(cfg: DrafterConfig, hidden_size: int, num_target_layers: int, mask_token_id: int,
-                  target_layer_ids: list[int]) -> DFlashDrafter:
-    return DFlashDrafter(cfg, hidden_size, num_target_layers, mask_token_id, target_layer_ids)
+                  target_layer_ids: list[int], vocab_size: int | None = None) -> DFlashDrafter:
+    return DFlashDrafter(cfg, hidden_size, num_target_layers, mask_token_id, target_layer_ids, vocab_size)

@@ -66,7 +66,7 @@ class EvalConfig:
 
 def validate_eval_config(cfg: EvalConfig) -> None:
     """Checks that need no weights; raises ValueError naming the key."""
-    from dflash.evaluation.prompts import generated_suites, load_suite, suite_label
+    from dflash.evaluation.prompts import DATA_SUITES, generated_suites, load_suite, suite_label
     if cfg.max_new_tokens < 2:
         raise ValueError(f"eval.max_new_tokens must be >= 2, got {cfg.max_new_tokens}")
     if cfg.subset < 1:
@@ -96,7 +96,7 @@ def validate_eval_config(cfg: EvalConfig) -> None:
         raise ValueError(f"eval.suite and eval.extra_suites name a suite twice: {names}")
     if cfg.enabled:
         for s in [cfg.suite, *cfg.extra_suites]:
-            if s not in generated_suites():
+            if s not in generated_suites() and s not in DATA_SUITES:
                 load_suite(s)  # raises FileNotFoundError / ValueError naming eval.suite
 
 

@@ -28,6 +28,7 @@ from typing import Callable, Sequence
 
 import torch
 
+from dflash.drafter.model import greedy_draft
 from dflash.evaluation.ground_truth import TaskTruth
 from dflash.evaluation.speculative import drafter_autocast
 from dflash.evaluation.tree import tree_round
@@ -41,10 +42,11 @@ class DrafterProposer:
     """Runs the drafter on the ground truth's target features; one drafter KV cache per task, extended
     or cropped to the round's committed length (extend_context crops, then appends)."""
 
-    def __init__(self, drafter, autocast: bool | None = None):
+    def __init__(self, drafter, autocast: bool | None = None, sampling: Sampling = GREEDY):
         self.drafter = drafter
         self.device = next(drafter.parameters()).device
         self.autocast = autocast
+        self.sampling = sampling  # DFlash 2 at T > 0: its proposals carry the walk's q of the path's tokens
         self._caches: dict[str, object] = {}
         self._feats: dict[str, torch.Tensor] = {}
 
@@ -62,6 +64,17 @@ class DrafterProposer:
                 d.extend_context(cache, feats[None, cache.length:p], cache.length)
             anchor = truth.tokens[p:p + 1].to(self.device)
             hidden = d.draft_hidden(cache, anchor)
+        if getattr(d, "selector", None) is not None:  # DFlash 2: the selector walk's greedy path (no trees)
+            walk = d.draft(hidden, anchor)
+            q, order = walk.q()[0].sort(dim=-1, descending=True)
+            path_q = None
+            if not self.sampling.greedy:
+                K = d.block_size - 1
+                pos = torch.arange(p + 1, p + 1 + K, device=self.device)[None]
+                path_q = selector_path_probs(d, hidden, d.logits(hidden), pos[:, 0] - 1,  # the anchor's position
+                                             pos, truth.tokens.to(self.device), self.sampling)[0].tolist()
+            return Proposal(walk.tokens[0].tolist(), q.log().tolist(), walk.candidates[0].gather(-1, order).tolist(),
+                            path_q)
         return d.logits(hidden)[0]
 
 
@@ -155,9 +168,16 @@ class BatchedDrafterProposer:
             with drafter_autocast(d, self.autocast):
                 hidden_1nKH = d(feats_TLH[None, :last], chunk_n[None], tokens_T[chunk_n][None])
             logits_nKV = d.logits(hidden_1nKH[0])  # outside autocast, float32 (as DrafterProposer)
-            packed.append(packed_topk(logits_nKV.flatten(0, 1), self.k).cpu())  # one transfer per chunk
+            top = packed_topk(logits_nKV.flatten(0, 1), self.k)
+            selector = getattr(d, "selector", None)
+            if selector is not None:  # DFlash 2: the draft is the selector walk's greedy path
+                top[:, 0] = greedy_draft(d, hidden_1nKH[0], tokens_T[chunk_n]).flatten().float()
+            packed.append(top.cpu())  # one transfer per chunk
             if not self.sampling.greedy:
-                path_q.append(path_token_probs(logits_nKV, chunk_n[:, None] + offsets_K, tokens_T, self.sampling).cpu())
+                pos_nK = chunk_n[:, None] + offsets_K
+                path_q.append((selector_path_probs(d, hidden_1nKH[0], logits_nKV, chunk_n, pos_nK, tokens_T,
+                                                   self.sampling) if selector is not None else
+                               path_token_probs(logits_nKV, pos_nK, tokens_T, self.sampling)).cpu())
         table = tuple(x.reshape(len(anchors), K, *x.shape[1:]) for x in unpack_topk(torch.cat(packed)))
         return table + (torch.cat(path_q),) if path_q else table
 
@@ -171,6 +191,17 @@ def path_token_probs(logits_nKV: torch.Tensor, pos_nK: torch.Tensor, tokens_T: t
     want = tokens_T[pos_nK.clamp(max=T - 1)]
     q = warp(logits_nKV, sampling).gather(-1, want[..., None])[..., 0]
     return torch.where(inside, q, torch.zeros_like(q))
+
+
+def selector_path_probs(drafter, hidden_nKH: torch.Tensor, logits_nKV: torch.Tensor, anchors_n: torch.Tensor,
+                        pos_nK: torch.Tensor, tokens_T: torch.Tensor, sampling: Sampling) -> torch.Tensor:
+    """DFlash 2's q[n, k] of the path token at pos_nK[n, k] (`anchors_n`: the blocks' anchor positions): the sampled selector walk's probability of it after
+    the path's previous token (`CandidateSelector.path_probs`, q = softmax(scores / T) over the k candidates;
+    top_p / top_k warp the target's p only); 0 past the path's end."""
+    T = tokens_T.numel()
+    path = tokens_T[pos_nK.clamp(max=T - 1)]
+    q = drafter.selector.path_probs(hidden_nKH, logits_nKV, tokens_T[anchors_n], path, sampling.temperature)
+    return torch.where(pos_nK < T, q, torch.zeros_like(q))
 
 
 @dataclass
@@ -313,5 +344,5 @@ def wrong_proposer(block_size: int, vocab_size: int) -> Proposer:
 DRAFTER_PROPOSERS: Registry[Callable[..., Proposer]] = Registry("eval.proposer", {
     "batched": lambda drafter, k, sampling=GREEDY: BatchedDrafterProposer(drafter, k=k, sampling=sampling),
     # logits: simulate_task reduces them to k (and to the path's q at a sampled setting)
-    "sequential": lambda drafter, k, sampling=GREEDY: DrafterProposer(drafter),
+    "sequential": lambda drafter, k, sampling=GREEDY: DrafterProposer(drafter, sampling=sampling),
 })

@@ -12,8 +12,8 @@ figures under `eval/<label>/...`, every suite's summary under `eval/suite/<name>
   artifacts), logged under `eval/subset/...` (`subset_key`): a subset figure never shares a name, a chart line
   or the pruner's and the sweep's reading with the full suite's `eval/...`;
 - `final=True`: every suite in full at every setting (real decoding if `eval.real_decode`), console tables
-  printed, artifacts logged (`eval/<label>/...` for the objective, `eval/suite/<name>/<label>/...` for the
-  others) and written to `out_dir` (`<out_dir>/<label>/` and `<out_dir>/<name>/<label>/`).
+  printed, artifacts logged and written to `out_dir` where `protocol.table_places` puts them (the served
+  setting's under `eval/served/...`, greedy's beside it under `eval/t0/...`).
 - The generalization gap: after `use_train_sequences(seqs)` (the trainer calls it with its training
   sequences), both kinds of call also simulate `eval.train_tasks` prompts cut from sequences the run trains
   on (prompt = the first half of the sequence, at most 128 tokens; continuation = the target's at the served
@@ -29,8 +29,8 @@ from typing import Sequence
 
 from dflash.evaluation import EvalConfig
 from dflash.evaluation.ground_truth import TaskTruth, TruthSpec, cache_key, load_or_build_ground_truth
-from dflash.evaluation.protocol import labelled, objective_metrics, truth_specs
-from dflash.evaluation.prompts import Suite, Task, resolve_suite, suite_label
+from dflash.evaluation.protocol import labelled, objective_metrics, served_label, table_places, truth_specs
+from dflash.evaluation.prompts import DATA_SUITES, Suite, Task, resolve_suite, suite_label
 from dflash.evaluation.report import EvalReport, evaluate
 
 log = logging.getLogger(__name__)
@@ -107,7 +107,7 @@ def summary_table(metrics: dict[str, float], level: float = 0.95) -> str:
     import math
     import re
     rows = [(m[1], m[2]) for k in metrics if (m := re.match(r"^eval/suite/([^/]+)/([^/]+)/tau_vanilla$", k))]
-    served = _served_label(metrics)
+    served = served_label(metrics)
     rows.sort(key=lambda r: (r[1] != served, r[1], r[0]))
     budgets = sorted({int(m[1]) for k in metrics if (m := re.match(r"^eval/t0/tau_tree_(\d+)$", k))})
 
@@ -142,15 +142,6 @@ def summary_table(metrics: dict[str, float], level: float = 0.95) -> str:
     return "\n".join(lines)
 
 
-def _served_label(metrics: dict[str, float]) -> str:
-    from dflash.target.sampling import Sampling
-    t = metrics.get("eval/served_temperature")
-    if t is None:
-        return "t0"
-    return Sampling(t, metrics.get("eval/served_top_p", 1.0), int(metrics.get("eval/served_top_k", 0))).label \
-        if t > 0 else "t0"
-
-
 def train_tasks(sequences: Sequence, tokenizer, count: int) -> list[Task]:
     """`count` prompts from training sequences spread over the list (deterministic)."""
     if count <= 0 or not sequences:
@@ -180,8 +171,15 @@ class SuiteEvaluator:
     def add_suites(self, suites: Sequence[Suite], note: str = "") -> None:
         """The trainer's hook: suites of the training data's own distribution (a chat dataset's held-out split),
         evaluated at the end beside the configured ones (eval/suite/<name>/...), and a line for the summary."""
+        given = {s.name: s for s in suites}
+        # a configured data suite (eval.suite=chat_heldout: an empty placeholder until now) takes the data's
+        self.suites = [given.pop(s.name) if s.name in given and not s.tasks else s for s in self.suites]
         names = {s.name for s in self.suites}
-        self.suites += [s for s in suites if s.name not in names]
+        self.suites += [s for s in given.values() if s.name not in names]
+        for s in self.suites:
+            if not s.tasks:
+                raise ValueError(f"eval suite {s.name!r} has no prompts: the run's data gave none (it is built by "
+                                 f"{DATA_SUITES.get(s.name, 'the data')})")
         self.note = note
 
     def use_train_sequences(self, sequences: Sequence) -> None:
@@ -235,17 +233,12 @@ class SuiteEvaluator:
         else:
             reports = evaluate_suites(drafter, target, cfg, self.suites, self.memo, cfg.real_decode)
             metrics = merged_metrics(reports)
-            seen: set[str] = set()
-            for rep in reports:
-                label = rep.info["setting"]
+            for rep, (prefix, folder) in zip(reports, table_places(reports)):
                 print(f"eval at step {step} ({len(rep.table)} tasks):\n{rep.console_table()}", flush=True)
-                first = label not in seen
-                seen.add(label)
-                prefix = f"eval/{label}" if first else f"eval/suite/{rep.info['suite_label']}/{label}"
                 if logger is not None:
                     rep.log_artifacts(logger, prefix)
                 if self.out_dir:
-                    rep.save(self.out_dir / label if first else self.out_dir / rep.info["suite_label"] / label)
+                    rep.save(self.out_dir / folder)
         if self._train_sequences and cfg.train_tasks > 0:
             metrics.update(self._train_metrics(drafter, target, step, final, metrics["eval/tau_served"]))
         if not final:

@@ -69,9 +69,10 @@ def build_heldout_tasks(cfg: HeldoutSuiteConfig) -> list[Task]:
     for doc in docs:
         prefix = doc.path.removesuffix(".py").replace("/", ".") + "."
         kept = 0
+        refs = human_continuations(doc.text, prefix)
         for name, prompt in header_prompts(doc.text, prefix):
             if cfg.min_prompt_chars <= len(prompt) <= cfg.max_prompt_chars and prompt.strip():
-                pool.append(Task(name, prompt))
+                pool.append(Task(name, prompt, refs.get(name, "")))
                 kept += 1
                 if kept >= cfg.max_per_file:
                     break
@@ -85,10 +86,36 @@ def build_heldout_tasks(cfg: HeldoutSuiteConfig) -> list[Task]:
     return sorted(pick, key=lambda t: t.name)
 
 
+def human_continuations(source: str, prefix: str = "") -> dict[str, str]:
+    """{header prompt name: the text that follows the prompt in the file}: the rest of the definition's body, dedented
+    as the prompt is (`header_prompts` names; the human continuation the target's ground truth is compared with)."""
+    import ast
+
+    from dflash.data.prompts import _BAD_NAME_CHARS, _dedent, _docstring_end, _walk
+    try:
+        tree = ast.parse(source)
+    except (SyntaxError, ValueError):
+        return {}
+    lines, out, seen = source.splitlines(), {}, {}
+    for qual, node in _walk(tree):
+        end = _docstring_end(node)
+        if end is None:
+            continue
+        start = min([node.lineno] + [d.lineno for d in node.decorator_list])
+        name = _BAD_NAME_CHARS.sub("_", prefix + qual)
+        seen[name] = seen.get(name, 0) + 1
+        name = name if seen[name] == 1 else f"{name}-{seen[name]}"
+        prompt = _dedent(lines[start - 1:end], node.col_offset)
+        whole = _dedent(lines[start - 1:node.end_lineno], node.col_offset)
+        if whole.startswith(prompt):
+            out[name] = whole[len(prompt):]
+    return out
+
+
 def suite_key(cfg: HeldoutSuiteConfig) -> str:
     corpus = corpus_config(cfg)
     payload = {"cfg": dataclasses.asdict(cfg), "corpus": dataclasses.asdict(corpus), "root": str(corpus_root(corpus)),
-               "python": platform.python_version(), "format": 1}
+               "python": platform.python_version(), "format": 2}  # 2: tasks carry their human continuation
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:20]
 
 
@@ -105,7 +132,8 @@ def heldout_tasks(cfg: HeldoutSuiteConfig, cache_dir: str = "") -> list[Task]:
     tasks = build_heldout_tasks(cfg)
     from dflash.atomic import atomic_write_text
     path.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(path, json.dumps([{"name": t.name, "prompt": t.prompt} for t in tasks], indent=1))
+    atomic_write_text(path, json.dumps([{"name": t.name, "prompt": t.prompt, "reference": t.reference}
+                                        for t in tasks], indent=1))
     return tasks
 
 

@@ -1,7 +1,8 @@
 """Paired comparisons from task tables (docs/evaluation.md): the promotion gate and `experiments.eval A B` compare
 two drafters on the SAME ground truth, prompt for prompt.
 
-A task table is `EvalReport.to_dict()` (the `eval/tasks.json` artifact, or `eval/suite/<name>/tasks.json`):
+A task table is `EvalReport.to_dict()` (the `eval/served/tasks.json` artifact, or `eval/suite/<name>/served/tasks.json`,
+`t0` for greedy beside it; stores before sampled evaluation: `eval/tasks.json`, `eval/suite/<name>/tasks.json`):
 its rows carry, per prompt, the τ sum and the round count of every method (`tau_sum_vanilla` / `rounds`,
 `tau_sum_tree_<b>` / `rounds_tree_<b>`, `tau_sum_prompt_lookup` / `rounds_prompt_lookup`), and its
 `info.ground_truth_key` names the exact ground truth (target, prompt and continuation tokens). Two tables
@@ -14,8 +15,8 @@ from dataclasses import dataclass
 
 from dflash.evaluation.stats import Interval, paired_delta_ci
 
-_METRIC = re.compile(r"^eval/(?:suite/(?P<suite>[A-Za-z0-9_.\-]+)/)?(?P<what>tau_vanilla|tau_tree_(?P<b>\d+)"
-                     r"|tau_prompt_lookup)$")
+_METRIC = re.compile(r"^eval/(?:suite/(?P<suite>[A-Za-z0-9_.\-]+)/)?(?:(?P<setting>served|t\d[A-Za-z0-9_.]*)/)?"
+                     r"(?P<what>tau_vanilla|tau_tree_(?P<b>\d+)|tau_prompt_lookup)$")
 
 
 class NotPaired(ValueError):
@@ -35,11 +36,18 @@ class MetricColumns:
 
 
 def metric_columns(metric: str) -> MetricColumns | None:
-    """Where the per-prompt data of a τ metric lives; None for metrics without a task table."""
+    """Where the per-prompt data of a τ metric lives; None for metrics without a task table. The objective
+    `eval/tau_served` reads the served setting's objective table (`eval/served/tasks.json`); `eval/<setting>/...`
+    that setting's (a setting that was the served one has its tables under `served`: name it `eval/tau_served`);
+    the legacy `eval/tau_vanilla` (greedy, fixed length) the old `eval/tasks.json`."""
+    if metric == "eval/tau_served":
+        return MetricColumns("eval/served/tasks.json", "tau_sum_vanilla", "rounds", "eval/tau_served_prompt_lookup")
     m = _METRIC.match(metric)
     if m is None:
         return None
     base = f"eval/suite/{m['suite']}/" if m["suite"] else "eval/"
+    if m["setting"]:
+        base += f"{m['setting']}/"
     if m["b"]:
         cols = (f"tau_sum_tree_{m['b']}", f"rounds_tree_{m['b']}")
     elif m["what"] == "tau_prompt_lookup":
@@ -47,6 +55,14 @@ def metric_columns(metric: str) -> MetricColumns | None:
     else:
         cols = ("tau_sum_vanilla", "rounds")
     return MetricColumns(base + "tasks.json", *cols, base + "tau_prompt_lookup")
+
+
+def table_file(artifact: str) -> str:
+    """The path under a run's eval folder of the task table logged as `artifact` (`eval/served/tasks.json` ->
+    `served/tasks.json`, `eval/suite/<name>/served/tasks.json` -> `<name>/served/tasks.json`; legacy
+    `eval/tasks.json` -> `tasks.json`, `eval/suite/<name>/tasks.json` -> `<name>/tasks.json`)."""
+    rest = artifact.removeprefix("eval/")
+    return rest.removeprefix("suite/")
 
 
 def per_task(table: dict, sum_col: str, count_col: str) -> tuple[list[str], list[float], list[float]]:
@@ -76,4 +92,5 @@ def paired_delta(table_a: dict, table_b: dict, cols_a: tuple[str, str], cols_b: 
     return paired_delta_ci(sa, ca, sb, cb, level, n_boot)
 
 
-__all__ = ["MetricColumns", "NotPaired", "DifferentGroundTruth", "metric_columns", "per_task", "paired_delta", "ground_truth_of"]
+__all__ = ["MetricColumns", "NotPaired", "DifferentGroundTruth", "metric_columns", "per_task", "paired_delta",
+           "ground_truth_of", "table_file"]

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 from typing import Any, Callable
@@ -20,6 +20,9 @@ from typing import Any, Callable
 class Task:
     name: str
     prompt: str
+    # what followed the prompt in its source file (suites cut from files: the held-out suite); "" = unknown. The
+    # evaluation measures its degeneracy and prompt lookup's τ on it beside the target's ground truth.
+    reference: str = field(default="", compare=False)
 
 
 _NAME = re.compile(r"^[A-Za-z0-9_.\-]+$")
@@ -61,7 +64,8 @@ def parse_suite(data, where: str = "suite") -> list[Task]:
         if not prompt.strip():
             raise ValueError(f"{where}: task {name!r} has an empty prompt")
         seen.add(name)
-        tasks.append(Task(name, prompt))
+        ref = item.get("reference", "")
+        tasks.append(Task(name, prompt, ref if isinstance(ref, str) else ""))
     return tasks
 
 
@@ -85,13 +89,19 @@ class Suite:
 GENERATED: dict[str, Callable[[Any], Suite]] = {}
 
 
+# Suites the run's data builds (a chat dataset's held-out split: dflash/app/chat_data.py); as eval.suite the
+# evaluator holds an empty placeholder until the data hands the suite over (SuiteEvaluator.add_suites).
+DATA_SUITES = {"chat_heldout": "data.source=conversations (its held-out split)",
+               "coding10_chat": "data.source=conversations (coding10 through the chat template)"}
+
+
 def generated_suites() -> dict[str, Callable[[Any], Suite]]:
     import dflash.evaluation.heldout  # noqa: F401 - registers itself
     return GENERATED
 
 
 def suite_label(suite: str) -> str:
-    if suite in generated_suites() or (_NAME.match(suite) and not suite.endswith(".json")):
+    if suite in generated_suites() or suite in DATA_SUITES or (_NAME.match(suite) and not suite.endswith(".json")):
         return suite
     return Path(suite).stem
 
@@ -101,4 +111,6 @@ def resolve_suite(suite: str, cfg) -> Suite:
     gen = generated_suites()
     if suite in gen:
         return gen[suite](cfg)
+    if suite in DATA_SUITES:
+        return Suite(suite, [], int(cfg.max_new_tokens))  # the data fills it in
     return Suite(suite_label(suite), load_suite(suite), int(cfg.max_new_tokens))

@@ -10,7 +10,9 @@ Metric names say the setting: `eval/<label>/...` (label `t1`, `t0`, `t0.7_p0.95_
 suite's `eval/suite/<name>/<label>/...`, the in-training subset's `eval/subset/<label>/...`. The objective (what
 the promotion gate, sweeps and campaign reports read) is `eval/tau_served` with its CI (`_ci_low`/`_ci_high`),
 the served setting's τ on the objective suite, and `eval/served_temperature` / `_top_p` / `_top_k` say which
-setting that was. One name never carries two meanings: `eval/tau_vanilla`, the name stores made before this
+setting that was. Task tables (artifacts and files): the served setting's objective suite at `eval/served/` (file
+`<out>/served/tasks.json`), another suite's at `eval/suite/<name>/served/` (`<out>/<name>/served/`), greedy's beside
+them with `t0` for `served`; each table's `info.setting` names its setting. One name never carries two meanings: `eval/tau_vanilla`, the name stores made before this
 protocol carry, is never written again, and readers treat it as the legacy greedy fixed-length protocol
 (`LEGACY_OBJECTIVE`).
 """
@@ -26,16 +28,8 @@ LEGACY_NOTE = "eval/tau_vanilla: the old protocol (greedy, fixed-length ground t
 
 def stop_ids(target) -> tuple[int, ...]:
     """The target's end tokens: its config's and generation config's eos_token_id(s), and the tokenizer's."""
-    ids: set[int] = set()
-    for src in (getattr(getattr(target, "model", None), "config", None),
-                getattr(getattr(target, "model", None), "generation_config", None),
-                getattr(target, "tokenizer", None)):
-        v = getattr(src, "eos_token_id", None)
-        for x in (v if isinstance(v, (list, tuple)) else [v]):
-            if isinstance(x, int) and not isinstance(x, bool) and x >= 0:
-                ids.add(x)
-    vocab = int(getattr(target, "vocab_size", 0) or 0)
-    return tuple(sorted(i for i in ids if not vocab or i < vocab))
+    from dflash.data.online import stop_token_ids
+    return stop_token_ids(target)
 
 
 def served_sampling(cfg, target) -> Sampling:
@@ -76,3 +70,30 @@ def objective_metrics(metrics: dict[str, float], served: Sampling) -> dict[str, 
     out.update({"eval/served_temperature": served.temperature, "eval/served_top_p": served.top_p,
                 "eval/served_top_k": float(served.top_k)})
     return out
+
+
+SERVED_DIR = "served"
+
+
+def table_places(reports) -> list[tuple[str, str]]:
+    """(artifact prefix, folder under the eval output) of each report of `evaluate_suites`: a setting's first
+    report is its objective suite; the first setting is the served one (module doc)."""
+    out, seen = [], []
+    for r in reports:
+        label = r.info.get("setting", "t0")
+        first = label not in seen
+        if first:
+            seen.append(label)
+        where = SERVED_DIR if label == seen[0] else label
+        name = r.info.get("suite_label", "suite")
+        out.append((f"eval/{where}", where) if first else (f"eval/suite/{name}/{where}", f"{name}/{where}"))
+    return out
+
+
+def served_label(metrics: dict[str, float]) -> str:
+    """The served setting's label from a run's `eval/served_*` metrics ('t0' without them)."""
+    t = metrics.get("eval/served_temperature")
+    if t is None or t <= 0:
+        return "t0"
+    return Sampling(float(t), float(metrics.get("eval/served_top_p", 1.0)),
+                    int(metrics.get("eval/served_top_k", 0))).label

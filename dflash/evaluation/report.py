@@ -316,8 +316,12 @@ def evaluate(drafter, target, cfg: EvalConfig, tasks: Sequence[Task] | None = No
         raise ValueError("evaluate: no tasks")
     info["ground_truth_key"] = ground_truth_key(target, truths)
     # DDTree's tree is verified greedily (the deepest node matching the target's tokens); no lossless rule for a
-    # tree at T > 0 is implemented, so trees are reported at T = 0 only (docs/evaluation.md)
-    budgets = [int(b) for b in cfg.tree_budgets] if sampling.greedy else []
+    # tree at T > 0 is implemented, so trees are reported at T = 0 only (docs/evaluation.md). And DDTree is DFlash 1
+    # only: a DFlash 2 draft is its selector's walk, and no tree over selector paths is defined
+    dflash2 = getattr(drafter, "selector", None) is not None
+    budgets = [int(b) for b in cfg.tree_budgets] if sampling.greedy and not dflash2 else []
+    if dflash2 and cfg.tree_budgets:
+        info["ddtree"] = "not run: DDTree is DFlash 1 only (a DFlash 2 draft is its selector walk)"
     was_training = drafter.training
     drafter.eval()
     try:
@@ -334,6 +338,8 @@ def evaluate(drafter, target, cfg: EvalConfig, tasks: Sequence[Task] | None = No
         rates = [r for r in (row["gt_copy_rate"] for row in table) if not math.isnan(r)]
         metrics["eval/gt_copy_rate"] = sum(rates) / len(rates) if rates else math.nan
         metrics.update(degeneracy_metrics("eval/gt_", [t.continuation.tolist() for t in truths]))
+        if cfg.prompt_lookup.enabled:
+            metrics.update(human_metrics(target, suite, truths, bs, cfg))
         metrics["eval/gt_mean_tokens"] = sum(t.n_new for t in truths) / len(truths)
         if cfg.real_decode if real_decode is None else real_decode:
             if sampling.greedy:
@@ -354,6 +360,31 @@ def degeneracy_metrics(prefix: str, continuations) -> dict[str, float]:
     d = summarize(continuations)
     return {f"{prefix}repeat4": d["repeat4"], f"{prefix}in_repeat16": d["in_repeat16"],
             f"{prefix}cycle_share": d["cycle_share"]}
+
+
+def human_metrics(target, suite: Suite, truths: Sequence[TaskTruth], bs: int, cfg: EvalConfig) -> dict[str, float]:
+    """For a suite cut from files (tasks with a `reference`): the human continuation's degeneracy and prompt
+    lookup's τ on it (its first max_new_tokens tokens), beside the target's ground truth: does the target write
+    like a human? Empty for suites without references."""
+    names = {t.group for t in truths}
+    tasks = [t for t in suite.tasks if t.reference and t.name in names]
+    if not tasks:
+        return {}
+    human = []
+    for t in tasks:
+        ids = list(target.tokenizer.encode(t.prompt))
+        cont = list(target.tokenizer.encode(t.prompt + t.reference))[len(ids):len(ids) + suite.max_new_tokens]
+        if len(cont) >= 2:
+            human.append(TaskTruth(t.name, torch.tensor(ids, dtype=torch.long), torch.tensor(cont, dtype=torch.long),
+                                   torch.empty(0)))
+    if not human:
+        return {}
+    out = degeneracy_metrics("eval/human_", [h.continuation.tolist() for h in human])
+    pl = simulate(human, PromptLookupProposer(bs, cfg.prompt_lookup.min_n, cfg.prompt_lookup.max_n), bs)
+    s, n = _sums(pl)
+    out["eval/human_tau_prompt_lookup"] = sum(s) / max(sum(n), 1)
+    out["eval/human_prompts"] = float(len(human))
+    return out
 
 
 def _real_sampled(drafter, target, truths: Sequence[TaskTruth], results: Sequence[TaskResult], spec: TruthSpec,

@@ -1,5 +1,6 @@
 """Real decoding at a sampling setting (docs/evaluation.md, "τ at temperature"): the target's own sampling, and
-draft → verify → commit with exact speculative sampling (`dflash.evaluation.rejection.accept_round`).
+draft → verify → commit with exact speculative sampling (`dflash.evaluation.rejection.accept_round`). A DFlash 2
+drafter drafts by its selector walk and its q is the walk's softmax over the k candidates (docs/dflash2.md).
 
 Both stop after a stop token (EOS / end of turn; the stop token is kept) or at `max_new_tokens`. At T = 0 the
 speculative loop is the greedy one of `speculative.speculative_decode` (point masses everywhere) and reproduces
@@ -71,8 +72,14 @@ def sampled_speculative_decode(drafter, target, prompt_ids, max_new_tokens: int,
     while len(out) < limit:
         with drafter_autocast(drafter, autocast):
             hidden = drafter.draft_hidden(dcache, anchor.to(dev))
-        q_KV = warp(drafter.logits(hidden)[0], sampling).to(target.device)
-        draft = q_KV.argmax(-1) if sampling.greedy else draw(q_KV, generator)
+        if getattr(drafter, "selector", None) is not None:  # DFlash 2: the selector walk, q over its candidates
+            walk = drafter.draft(hidden, anchor.to(dev), 0.0 if sampling.greedy else sampling.temperature, generator)
+            draft = walk.tokens[0].to(target.device)
+            q_KV = None if sampling.greedy else walk.dense_q(int(drafter.lm_head_VH.shape[0]),
+                                                             sampling.temperature)[0].to(target.device)
+        else:
+            q_KV = warp(drafter.logits(hidden)[0], sampling).to(target.device)
+            draft = q_KV.argmax(-1) if sampling.greedy else draw(q_KV, generator)
         block = torch.cat([anchor.to(target.device), draft])
         snap = sess.snapshot()
         feats, logits = sess.forward_logits(block)

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from dflash.drafter.model import DFlashDrafter
+from dflash.drafter.model import DFlashDrafter, greedy_draft
 from dflash.target.cache import cache_kwarg, new_hf_cache
 from dflash.target.model import target_lock
 
@@ -219,7 +219,7 @@ def speculative_decode(drafter: DFlashDrafter, target, prompt_ids: list[int] | t
     while p - P < N - 1:
         with drafter_autocast(drafter, autocast):
             hidden = drafter.draft_hidden(dcache, anchor.to(dev))
-        draft = drafter.logits(hidden)[0].argmax(-1).to(target.device)  # [bs-1]
+        draft = greedy_draft(drafter, hidden, anchor.to(dev))[0].to(target.device)  # [bs-1] (DFlash 2: its walk)
         block = torch.cat([anchor, draft])
         snap = sess.snapshot()
         feats, labels = sess.forward(block)

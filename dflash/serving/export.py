@@ -33,7 +33,8 @@ from safetensors.torch import save_file
 
 from dflash.atomic import atomic_write, atomic_write_text, dir_mode
 from dflash.drafter.model import LAYER_TYPES, DFlashDrafter, DrafterConfig
-from dflash.safe_load import load_tensors
+from dflash.safe_load import MANIFEST, load_tensors, verify_manifest, write_manifest
+from dflash.serving.dflash2_folder import dflash2_config_fields, dflash2_serving_fields, is_dflash2
 
 MODELING_FILE = "modeling_dflash.py"  # written into every complete folder; its source sits beside this module
 AUTO_MAP = {"AutoModel": "modeling_dflash.DFlashDraftModel"}
@@ -156,16 +157,19 @@ def serving_config(drafter: DFlashDrafter, vocab_size: int, dtype: torch.dtype,
         cfg["eagle_aux_hidden_state_layer_ids"] = [i + 1 for i in ids]  # decoder-layer inputs: output id + 1
         if target.mask_token is not None:
             cfg["dflash_config"]["mask_token"] = target.mask_token
-    return cfg
+    return dflash2_serving_fields(drafter, cfg) if c.is_dflash2 else cfg
 
 
 def save_drafter(drafter: DFlashDrafter, out_dir: str | os.PathLike, dtype: torch.dtype | None = None,
                  extra: dict | None = None, vocab_size: int | None = None,
                  target: TargetFacts | None = None) -> Path:
     """Writes config.json + model.safetensors (+ modeling_dflash.py when the target is known) atomically (each
-    file replaced whole). `vocab_size` defaults to the target's, else the attached LM head's (0 when none)."""
+    file replaced whole), then their checksum manifest (`dflash.safe_load.MANIFEST`, which loading verifies; an
+    old one goes first, so a stop midway leaves no manifest that disagrees). `vocab_size` defaults to the
+    target's, else the attached LM head's (0 when none)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    (out / MANIFEST).unlink(missing_ok=True)
     if target is not None:
         check_against_target(drafter, target, f"drafter for {out}")
     dtype = dtype or next(drafter.parameters()).dtype
@@ -177,9 +181,10 @@ def save_drafter(drafter: DFlashDrafter, out_dir: str | os.PathLike, dtype: torc
     cfg = serving_config(drafter, int(vocab_size), dtype, target)
     if extra:
         cfg["dflash_training"] = extra
-    if target is not None:
+    if target is not None and not drafter.cfg.is_dflash2:  # DFlash 2: the engines' own class, no modelling file
         atomic_write_text(out / MODELING_FILE, modeling_source())
     atomic_write_text(out / "config.json", json.dumps(cfg, indent=2))
+    write_manifest(out)
     return out
 
 
@@ -197,10 +202,11 @@ def check_against_target(drafter: DFlashDrafter, target: TargetFacts, where: str
                          f"{target.num_layers} layers")
 
 
-def drafter_config_from_serving(cfg: dict) -> DrafterConfig:
+def drafter_config_from_serving(cfg: dict, where: str = "config.json") -> DrafterConfig:
     layer_types = list(cfg.get("layer_types") or [])
     sliding = "sliding_attention" in layer_types
-    return DrafterConfig(
+    dflash2 = dflash2_config_fields(cfg, where) if is_dflash2(cfg) else {}
+    return DrafterConfig(**dflash2,
         num_layers=cfg["num_hidden_layers"], num_heads=cfg["num_attention_heads"],
         num_kv_heads=cfg["num_key_value_heads"],
         head_dim=cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"],
@@ -216,7 +222,7 @@ def _block_size(cfg: dict) -> int:
 
 def facts_from_serving(cfg: dict) -> TargetFacts | None:
     """The target facts a complete serving folder records (None for a bare one: no auto_map)."""
-    if "auto_map" not in cfg:
+    if "auto_map" not in cfg and not (is_dflash2(cfg) and "eagle_aux_hidden_state_layer_ids" in cfg):
         return None
     d = cfg.get("dflash_config") or {}
     token = d.get("mask_token")
@@ -294,6 +300,10 @@ def _check_attention_fields(cfg: dict, f: Path) -> None:
     if not types and cfg.get("use_sliding_window"):
         raise ValueError(f"{f}: use_sliding_window=true without layer_types is not supported (name the "
                          f"sliding_attention layers in layer_types)")
+    if is_dflash2(cfg):  # DFlash 2 says whether its windowed layers are causal in the block: is_causal
+        if not isinstance(cfg.get("is_causal", False), bool):
+            raise ValueError(f"{f}: is_causal={cfg['is_causal']!r}; expected true or false")
+        return
     for key, value in (("is_causal", cfg.get("is_causal")), ("dflash_config.causal",
                                                              (cfg.get("dflash_config") or {}).get("causal"))):
         if value is not None:
@@ -356,6 +366,7 @@ def load_drafter(folder: str | os.PathLike, device: str | torch.device = "cpu",
     """Loads a serving-format folder (ours or a published DFlash drafter). Errors name the file and
     what was expected there; with `target`, also a folder that does not fit that target."""
     folder = Path(folder)
+    verify_manifest(folder)  # ours: every file as exported; a published folder: its structure is checked below
     cfg = read_serving_config(folder)
     if target is not None:
         check_folder_against_target(cfg, target, folder / "config.json")
@@ -363,9 +374,10 @@ def load_drafter(folder: str | os.PathLike, device: str | torch.device = "cpu",
     layer_ids = [int(i) for i in dcfg.get("target_layer_ids", cfg.get("target_layer_ids"))]
     mask = dcfg.get("mask_token_id", cfg.get("mask_token_id"))
     try:
-        dc = drafter_config_from_serving(cfg)
+        dc = drafter_config_from_serving(cfg, str(folder / "config.json"))
         drafter = DFlashDrafter(dc, int(cfg["hidden_size"]),
-                                int(cfg.get("num_target_layers", max(layer_ids) + 1)), int(mask), layer_ids)
+                                int(cfg.get("num_target_layers", max(layer_ids) + 1)), int(mask), layer_ids,
+                                int(cfg.get("vocab_size") or 0) or None)
     except ValueError as e:  # e.g. a window below the block size
         raise ValueError(f"{folder / 'config.json'}: {e}") from e
     files = sorted(folder.glob("*.safetensors"))
@@ -537,7 +549,7 @@ def drafter_from_checkpoint(pt: Path, state: dict, run_serving: Path | None = No
     if in_features != len(layer_ids) * H:
         raise ValueError(f"{pt}: fc.weight is {tuple(weights['fc.weight'].shape)} but the run's target "
                          f"layer ids {layer_ids} imply ({H}, {len(layer_ids) * H})")
-    drafter = DFlashDrafter(dcfg, int(H), n_target, mask, layer_ids)
+    drafter = DFlashDrafter(dcfg, int(H), n_target, mask, layer_ids, vocab or None)
     try:
         drafter.load_state_dict(weights, strict=True)
     except RuntimeError as e:

@@ -4,7 +4,8 @@ MLflow Model Registry and move the serving alias only when its acceptance beats 
     decision = promote(run_id, PromoteConfig(margin=0.05, floor=3.0), "sqlite:///mlflow.db")
 
 Rules, in order:
-1. The run must be FINISHED, have the gate metric (`eval/tau_vanilla` by default) and a finite value,
+1. The run must be FINISHED, have the gate metric (`eval/tau_served` by default: τ at the target's sampling
+   setting, docs/evaluation.md) and a finite value,
    and have a `checkpoint` artifact. Otherwise the decision is "refused", nothing is registered, and the
    reason is written on the *run* as tags (`dflash.promotion.decision` / `dflash.promotion.reason`).
 2. Otherwise a model version is registered (source = the run's `checkpoint` artifact URI, `run_id` set)
@@ -64,6 +65,7 @@ PREFIX = "dflash.promotion."
 VERSION_TAG = PREFIX + "version"  # on the run: the model version the gate made of it
 TARGET_FP = "dflash.target_fingerprint"  # run and version tag: the target the drafter was trained for
 PROMOTED, REFUSED = "promoted", "refused"
+LEGACY_OBJECTIVE = "eval/tau_vanilla"  # stores before sampled evaluation (dflash.evaluation.protocol)
 _TAG_VALUE_LIMIT = 5000  # reasons and run tags: keeps the UI readable
 # The eval metrics a version carries: τ per budget with its CI and the baseline, real decoding's verdict.
 _HEADLINE_EVAL = ("eval/tau", "eval/real/lossless", "eval/real/speedup")
@@ -73,7 +75,8 @@ _HEADLINE_EVAL = ("eval/tau", "eval/real/lossless", "eval/real/speedup")
 class PromoteConfig:
     model_name: str = "dflash-drafter"
     alias: str = "champion"
-    metric: str = "eval/tau_vanilla"
+    # the objective: τ at the target's served sampling setting (dflash.evaluation.protocol)
+    metric: str = "eval/tau_served"
     margin: float = 0.0  # the lower end of the Δτ interval vs the holder must exceed this
     floor: float = 1.1  # and the candidate's value be >= this (τ = 1 is a drafter that never helps)
     ci_level: float = 0.95  # level of the paired Δτ intervals over prompts
@@ -207,8 +210,10 @@ def _remove_lockdir(path: Path) -> None:
 
 
 def _client(uri: str):
-    from mlflow.tracking import MlflowClient
-    return MlflowClient(tracking_uri=uri, registry_uri=uri)
+    """The store's client once it answers (dflash/tracking/store.py): a dead or silent server is a
+    ConnectionError within seconds, not minutes of MLflow's retries."""
+    from dflash.tracking.store import open_client
+    return open_client(uri, registry=True)
 
 
 def _error_code(e: BaseException) -> str:
@@ -365,7 +370,11 @@ def _compare(value: float, holder, holder_value: float | None, cfg: PromoteConfi
                 fails.append(f"does not beat holder {hv}: the lower end of the interval does not clear the "
                              f"margin ({text})")
         elif holder_value is None or not math.isfinite(holder_value):
-            notes.append(f"holder {hv} has no recorded {m}")
+            legacy = (holder.tags or {}).get(LEGACY_OBJECTIVE)
+            notes.append(f"holder {hv} has no recorded {m}" + (
+                f" (it carries only {LEGACY_OBJECTIVE}={legacy}, the old protocol: greedy, fixed-length ground truth "
+                f"that loops; it does not compare, so the champion is replaced)" if legacy and m != LEGACY_OBJECTIVE
+                else ""))
         elif value > holder_value + cfg.margin:
             notes.append(f"{m}={_fmt(value)} beats holder {hv} ({_fmt(holder_value)}) by more than margin "
                          f"{_fmt(cfg.margin)} (point comparison: {ev.not_paired or 'no task tables'})")

@@ -159,6 +159,13 @@ def resolve_mask_token(cfg: TargetConfig) -> int:
 def validate_target_config(cfg: TargetConfig) -> TargetInfo:
     if not cfg.path:
         TINY_TARGETS.check(cfg.random.model_type)
+    else:
+        from dflash.safe_load import pickled_weights
+        pickled = pickled_weights(checkpoint_path(cfg))
+        if pickled:
+            raise ValueError(f"target.path={cfg.path}: {pickled[0]} holds pickled weights, which dflash never "
+                             f"loads (unpickling can run code); dflash reads *.safetensors weights only: "
+                             f"convert the checkpoint to safetensors ({', '.join(pickled)})")
     info = read_target_info(cfg)
     ids = resolve_layer_ids(cfg, info)
     bad = [i for i in ids if not 0 <= i < info.num_layers]

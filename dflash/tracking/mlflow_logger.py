@@ -22,12 +22,12 @@ from dflash.tracking.run_info import (MAX_METRICS_PER_BATCH, MAX_PARAM_VAL_LENGT
 from dflash.tracking.transport import HEARTBEAT_TAG, heartbeat_tags, prepare_store, utc_now
 
 _VALID_STATUSES = ("FINISHED", "FAILED", "KILLED")
-# Per-prompt τ (`eval/task/<prompt>/…`, `eval/<setting>/task/<prompt>/…`, `eval/suite/<name>/<setting>/task/…`:
-# any `task/` segment under eval/, whatever the evaluation's naming of settings and suites): one key per prompt made a
-# campaign run carry ~1,000 keys, its charts and the compare view buried the few that answer. MLflow gets each
+# Per-prompt τ (any `task/` segment under eval/, whatever the evaluation's naming of settings and suites): one key
+# per prompt made a campaign run carry ~1,000 keys, its charts and the compare view buried the few that answer. MLflow gets each
 # suite's table instead (the `eval/tasks.json` / `eval/suite/<name>/tasks.json` artifacts the report pairs on);
 # the run folder's metrics.jsonl keeps every key.
-PER_TASK_METRIC = re.compile(r"^eval/(?:[^/]+/)*?task/")
+# per-prompt keys: eval/task/…, eval/<setting>/task/…, eval/suite/<name>/<setting>/task/…, eval/subset/<setting>/task/…
+PER_TASK_METRIC = re.compile(r"^eval/(?:[^/]+/){0,3}task/")
 
 
 def mlflow_metric_keys(metrics: Mapping[str, Any]) -> list[str]:

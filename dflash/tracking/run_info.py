@@ -313,8 +313,9 @@ ML_WORKFLOW = "workflowType=machine_learning"
 EXPERIMENT_KIND_TAG, ML_EXPERIMENT_KIND = "mlflow.experimentKind", "custom_model_development"
 SAVED_VIEW_PREFIX = "mlflow.sharedViewState."
 KEY_METRICS_VIEW = "dflash-key-metrics"
-KEY_METRIC_COLUMNS = ("eval/tau_vanilla", "eval/tau_vanilla_ci_low", "eval/tau_vanilla_ci_high",
-                      "eval/tau_prompt_lookup", "eval/tau_tree_64", "eval/subset/tau_vanilla", "train/tau_rounds",
+KEY_METRIC_COLUMNS = ("eval/tau_served", "eval/tau_served_ci_low", "eval/tau_served_ci_high",
+                      "eval/tau_served_prompt_lookup", "eval/t0/tau_vanilla", "eval/t0/tau_tree_64",
+                      "eval/subset/tau_served", "train/tau_rounds",
                       "data/consumed_tokens", "perf/consumed_tok_s")
 # a campaign's report labels its cell runs with stage and option (sweeps.results_summary.label_cell_runs)
 KEY_TAG_COLUMNS = ("stage", "option", "loss", "noise", "buffer")
@@ -329,7 +330,7 @@ def experiment_view_tags() -> dict[str, str]:
     cols = [_column("attributes", "Source"), *(_column("tags", t) for t in KEY_TAG_COLUMNS),
             _column("params", "seed"), *(_column("metrics", m) for m in KEY_METRIC_COLUMNS)]
     state = {"selectedColumns": cols, "columnWidths": {c: 12 + 8 * len(c.split("`")[1]) for c in cols},
-             "orderByKey": _column("metrics", "eval/tau_vanilla"), "orderByAsc": False}
+             "orderByKey": _column("metrics", "eval/tau_served"), "orderByAsc": False}
     now = int(time.time() * 1000)
     view = {"name": "dflash: key metrics", "createdAt": now, "updatedAt": now, "state": json.dumps(state)}
     return {EXPERIMENT_KIND_TAG: ML_EXPERIMENT_KIND, SAVED_VIEW_PREFIX + KEY_METRICS_VIEW: json.dumps(view)}

@@ -7,24 +7,21 @@ answers cost 3 × 10 s read timeouts, so the check also waits (boundedly) for a 
 
 A fresh sqlite file is migrated by the first client that opens it (alembic, ~30 revisions); two processes doing it
 at once corrupt the schema ("table _alembic_tmp_… already exists", "Online migration expected to match one row")
-and neither tracks. `prepare_store` opens it under an exclusive `flock` on `<db>.lock`, so it is created once.
+and neither tracks. `prepare_store` builds it once, whole, under an exclusive `flock` on `<db>.lock`
+(dflash/tracking/store.py).
 """
 from __future__ import annotations
 
-import contextlib
 import os
 import socket
 import time
-from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 # A TCP connect with this timeout runs before the first request; the request settings apply where the user has
 # not set them in the environment (MLflow reads them at every request).
 CONNECT_TIMEOUT_S = 3.0
 # Connect plus the first response of a small request: a server that never answers is disabled within this.
 FIRST_RESPONSE_S = 5.0
-# How long a process waits for another one creating the same sqlite store.
-STORE_LOCK_TIMEOUT_S = 120.0
 HTTP_DEFAULTS = {"MLFLOW_HTTP_REQUEST_TIMEOUT": "10", "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2",
                  "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1"}
 HEARTBEAT_TAG = "dflash.heartbeat"  # UTC time of the run's last log call: a stale RUNNING run shows here
@@ -78,36 +75,14 @@ def http_preflight(uri: str, timeout: float = CONNECT_TIMEOUT_S, total: float = 
         conn.close()
 
 
-@contextlib.contextmanager
-def _exclusive(lock: Path, timeout: float) -> Iterator[None]:
-    """An exclusive `flock` on `lock` (released by the kernel if the process dies), waiting at most `timeout` s."""
-    import fcntl
-    with open(lock, "a") as f:
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"another process holds {lock} for more than {timeout:g} s") from None
-                time.sleep(0.05)
-        try:
-            yield
-        finally:
-            fcntl.flock(f.fileno(), fcntl.LOCK_UN)
-
-
-def prepare_store(uri: str, lock_timeout: float = STORE_LOCK_TIMEOUT_S) -> None:
+def prepare_store(uri: str, lock_timeout: float | None = None) -> None:
     """Before the first MLflow client call on `uri`: the HTTP preflight for a server; for a sqlite file, its
-    schema created (or checked) once, under an exclusive lock, so processes starting together on a fresh store
-    do not migrate it at the same time. Other stores: nothing."""
+    schema made whole or checked once, under an exclusive lock (`dflash.tracking.store.prepare_sqlite`), so
+    processes starting together on a fresh store do not migrate it at the same time and a stop mid-creation
+    leaves no half-made store. Other stores: nothing."""
     http_preflight(uri)
     from dflash.tracking.run_info import sqlite_db_path
+    from dflash.tracking.store import STORE_LOCK_TIMEOUT_S, prepare_sqlite
     db = sqlite_db_path(uri)
-    if db is None:
-        return
-    db.parent.mkdir(parents=True, exist_ok=True)
-    with _exclusive(db.with_name(db.name + ".lock"), lock_timeout):
-        from mlflow.tracking import MlflowClient
-        MlflowClient(tracking_uri=uri).search_experiments(max_results=1)  # opens the store: migrates a fresh db
+    if db is not None:
+        prepare_sqlite(uri, db, STORE_LOCK_TIMEOUT_S if lock_timeout is None else lock_timeout)

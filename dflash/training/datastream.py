@@ -62,6 +62,7 @@ class TrainingData:
     eval_suites: list = field(default_factory=list)  # suites of the data's own distribution (chat_heldout ...)
     eval_note: str = ""  # printed under the eval summary (where the training responses came from)
     sample: list | None = None  # what examples() returns when set (a few rows of a large memory-mapped set)
+    report: str = ""  # markdown for a person (a chat dataset's statistics and marked records), a run artifact
 
     def epochs(self, items: int) -> float:
         """data/epochs after `items` views: pool epochs (items over the distinct sequences) for a bounded pool,
@@ -115,9 +116,10 @@ def build_training_data(cfg, target, dist_info: DistInfo) -> TrainingData:
     pool = build_prompt_pool(corpus, target.tokenizer, d.pool, str(target.identity))
     online = resolve_online_config(d.online, target, d.online_seq_len())  # a no-op on a composed run's config
     writer = OnlineWriter(target, pool, online, d.online_seq_len(), dist_info.rank, dist_info.world)
-    unique = 0 if online.temperature > 0 else len(pool)  # greedy: one prompt, one sequence
+    unique = 0 if not writer.sampling.greedy else len(pool)  # greedy: one prompt, one sequence
     return TrainingData("online", None, writer, unique, float(d.online_seq_len()), writer.fingerprint,
-                        corpus.fingerprint, online.stream_seed, online.reuse)
+                        corpus.fingerprint, online.stream_seed, online.reuse,
+                        mask_source=lambda claims: [writer.loss_mask(g) for g, _, _ in claims])
 
 
 def planned_items(cfg, data: TrainingData, world: int) -> int:

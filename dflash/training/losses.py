@@ -80,12 +80,17 @@ class LKConfig:
 
 
 @dataclass
+class SelectorConfig:
+    selector_alpha: float = 1.0  # DFlash 2 only: weight of the candidate selector's CE (dflash/training/selector_loss.py)
+
+
+@dataclass
 class _LossName:
     name: str = "hard_ce"  # a term and a weighting (LOSSES)
 
 
 @dataclass
-class LossConfig(LKConfig, SoftKLConfig, DPaceConfig, StreakConfig, LMHeadConfig, _LossName):
+class LossConfig(SelectorConfig, LKConfig, SoftKLConfig, DPaceConfig, StreakConfig, LMHeadConfig, _LossName):
     """The `loss.*` keys: the loss name, then every part's knobs, flat (`loss.temperature=1.5`); a dataclass's
     fields come in reverse MRO order, so `name` (the last base) leads in a dumped config."""
 
@@ -117,6 +122,8 @@ BOUNDS = {
     "dpace_a": Bounds(0.0, 1.0, why="it blends q~ = (1 - a) q + a, a probability"),
     "kl_weight": Bounds(0.0, 1.0, why="it blends kl_weight * KL + (1 - kl_weight) * CE"),
     "lk_eta": Bounds(0.0, why="lambda = exp(-eta * overlap) must stay in (0, 1]"),
+    "selector_alpha": Bounds(0.0, why="it weighs the selector's CE added to the block loss; below 0 it would be "
+                                      "maximised"),
 }
 
 
@@ -348,6 +355,7 @@ def validate_loss_config(cfg: LossConfig) -> None:
     key otherwise)."""
     LOSSES.check(cfg.name)
     LOSSES[cfg.name].check_config(cfg)
+    BOUNDS["selector_alpha"].check("selector_alpha", float(cfg.selector_alpha))
     LM_HEAD_GRADS.check(cfg.lm_head_grad)
     LM_HEAD_KERNELS.check(cfg.lm_head_kernel)
     if cfg.lm_head_kernel == "triton" and lm_head_triton.triton is None:

@@ -33,6 +33,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from dflash.drafter.model import greedy_draft
+
 
 @dataclass
 class TauProbeConfig:
@@ -83,7 +85,8 @@ def sequence_round_taus(drafter, tokens_T: Tensor, features_TLH: Tensor, labels_
     amp = torch.autocast(dev.type, dtype=torch.bfloat16) if autocast else nullcontext()
     with amp:
         hidden_1nKH = drafter(features_TLH.to(dev)[None, : T - 2], anchors_n[None], tokens_T[anchors_n][None])
-    draft_nK = drafter.logits(hidden_1nKH[0]).argmax(-1)  # float32 logits, outside autocast (as the evaluator)
+    # float32 logits, outside autocast (as the evaluator); DFlash 2: the selector walk's greedy path
+    draft_nK = greedy_draft(drafter, hidden_1nKH[0], tokens_T[anchors_n])
     pos_nK = (anchors_n[:, None] + torch.arange(K, device=dev)).clamp(max=T - 1)
     matched = leading_matches(draft_nK, labels_T[pos_nK], (T - 1) - anchors_n)
     return rounds_taus(matched.tolist(), n_new)  # the one transfer: n_new − 1 ints

@@ -31,6 +31,7 @@ from dflash.training.distributed import (DistInfo, broadcast_object, gather_obje
 from dflash.training.health import check_alive
 from dflash.training.hooks import LoopHooks, TrainParts
 from dflash.training.interrupts import RunInterrupted, StopOnSignal
+from dflash.training.optim import build_optimizer
 from dflash.training.pipeline import PRODUCER_MODES, Item, ProducerPool
 from dflash.training.tau_probe import probe_due, probe_tau
 
@@ -66,7 +67,10 @@ def lr_lambda(cfg: RunConfig) -> Callable[[int], float]:
 
 
 class MetricAccumulator:
-    """Sums on the device; `read()` is the only host sync, done every `log_every` steps."""
+    """Sums on the device; `read()` is the only host sync, done every `log_every` steps. Scalar metrics a loss
+    adds beyond the block ones (the DFlash 2 selector's) are summed too and logged as train/<name>."""
+
+    _BLOCK_METRICS = ("acc", "acc_per_pos", "streak", "ce")
 
     def __init__(self, K: int, device: torch.device, dist_info: DistInfo = DistInfo()):
         self.K, self.device, self.dist = K, device, dist_info
@@ -77,6 +81,7 @@ class MetricAccumulator:
         self.loss, self.acc, self.streak, self.grad_norm, self.nonfinite = z(()), z(()), z(()), z(()), z(())
         self.ce = z(())
         self.acc_pos = z(self.K)
+        self.extra: dict[str, torch.Tensor] = {}  # a loss's own scalar metrics (DFlash 2: the selector's)
         self.steps = 0
 
     def add(self, loss, metrics: dict, grad_norm) -> None:
@@ -86,18 +91,24 @@ class MetricAccumulator:
         self.acc_pos += metrics["acc_per_pos"]
         self.streak += metrics["streak"]
         self.ce += metrics["ce"]
+        for key, value in metrics.items():
+            if key not in self._BLOCK_METRICS:
+                self.extra[key] = self.extra[key] + value.detach() if key in self.extra else value.detach().float()
         self.grad_norm += grad_norm
         self.steps += 1
 
     def read(self) -> dict[str, float]:
         n = max(self.steps, 1)
+        extra = sorted(self.extra)
         vec = torch.cat([torch.stack([self.loss, self.acc, self.streak, self.grad_norm, self.nonfinite,
-                                      self.ce]), self.acc_pos])
+                                      self.ce]), self.acc_pos, torch.stack([self.extra[k] for k in extra])
+                         if extra else self.acc_pos.new_zeros(0)])
         vals = mean_(vec, self.dist).cpu().tolist()  # ranks averaged: one collective per interval
         # train/ce: plain CE against the target's argmax, whatever the loss: comparable across losses
         out = {"train/loss": vals[0] / n, "train/acc": vals[1] / n, "train/anchor_streak": vals[2] / n,
                "train/grad_norm": vals[3] / n, "train/nonfinite_steps": vals[4], "train/ce": vals[5] / n}
-        out.update({f"train/acc_pos{k + 1:02d}": v / n for k, v in enumerate(vals[6:])})
+        out.update({f"train/acc_pos{k + 1:02d}": v / n for k, v in enumerate(vals[6:6 + self.K])})
+        out.update({f"train/{k}": v / n for k, v in zip(extra, vals[6 + self.K:])})
         return out
 
 
@@ -121,9 +132,8 @@ class Trainer:
         if cfg.trainer.compile:
             self.train_model = compile_drafter(self.train_model, cfg.trainer.compile_mode)
         self.producers_inline = self._inline_producer()
-        self.opt = torch.optim.AdamW(self.drafter.parameters(), lr=cfg.trainer.lr,
-                                     weight_decay=cfg.trainer.weight_decay, betas=(0.9, 0.95),
-                                     fused=self.device.type == "cuda")
+        t = cfg.trainer  # adamw, or muon for the 2-D weights + AdamW for the rest (dflash/training/optim.py)
+        self.opt = build_optimizer(t.optimizer, self.drafter, t.lr, t.weight_decay, t.muon_lr_scale, self.device)
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lr_lambda(cfg))
         self.buffer = BucketedBuffer(cfg.buffer, seed=cfg.seed)
         self.start_step, next_item, replay = self._restore()
@@ -192,7 +202,7 @@ class Trainer:
 
     def step(self, batch: DrafterBatch) -> StepOutput:
         """One optimizer step on `batch`: drafter forward (bf16 autocast per trainer.autocast), the loss with
-        its own LM-head statistics, backward, gradient clipping, AdamW and the LR schedule. Returns device
+        its own LM-head statistics, backward, gradient clipping, the optimizer (trainer.optimizer) and the LR schedule. Returns device
         tensors only (no host sync). The phases are profiler ranges (`dflash.drafter_forward`, `dflash.loss`,
         `dflash.backward`, `dflash.optimizer`: the bench's sync trace names sites by them), free unless a
         profiler runs."""

@@ -1,0 +1,99 @@
+"""`CandidateSelector`: DFlash 2's choice of each block position's token among the drafter's unary top-k.
+
+Parameters (checkpoint keys without a `.weight` suffix): `predecessor_codebook` [V, r], `successor_codebook`
+[V, r], `hidden_projection` [H, r]; r = `selector_rank` (256 published), k = `selector_top_k` (16).
+
+The score of candidate b at block position t after predecessor a:
+    s_t(a, b) = unary_t(b) + ⟨pred[a] ⊙ (h_t · P), succ[b]⟩
+with unary_t the drafter's logits at t (after output_multiplier and the soft cap), h_t its final hidden state and
+P the hidden projection. `walk` goes through the block in order, the predecessor of position 1 being the anchor:
+greedy takes each position's best-scoring candidate; sampled draws from q_t = softmax(s_t / T) over the k
+candidates, which is the draft distribution that rejection sampling verifies against (q is 0 outside them).
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+from torch import nn
+
+
+class SelectorWalk(NamedTuple):
+    """A walk's result per block position: the chosen tokens [..., K], the candidates [..., K, k] and the
+    scores [..., K, k] of those candidates after the walk's own predecessor (q = softmax(scores / T))."""
+    tokens: torch.Tensor
+    candidates: torch.Tensor
+    scores: torch.Tensor
+
+    def q(self, temperature: float = 1.0) -> torch.Tensor:
+        return torch.softmax(self.scores.float() / temperature, dim=-1)
+
+    def dense_q(self, vocab_size: int, temperature: float = 1.0) -> torch.Tensor:
+        """q over the whole vocabulary [..., K, V]: the candidates' softmax, 0 elsewhere (what rejection sampling
+        compares with the target's p; the residual max(p − q, 0) then covers every token outside the top-k)."""
+        out = torch.zeros(*self.scores.shape[:-1], vocab_size, device=self.scores.device)
+        return out.scatter_(-1, self.candidates, self.q(temperature))
+
+
+class CandidateSelector(nn.Module):
+    def __init__(self, hidden: int, vocab_size: int, rank: int, top_k: int, init_std: float = 0.02):
+        super().__init__()
+        if vocab_size < top_k or rank < 1 or top_k < 1:
+            raise ValueError(f"CandidateSelector: needs rank >= 1 and 1 <= top_k <= vocab_size; got rank={rank}, "
+                             f"top_k={top_k}, vocab_size={vocab_size}")
+        self.top_k = top_k
+        self.predecessor_codebook = nn.Parameter(torch.empty(vocab_size, rank))
+        self.successor_codebook = nn.Parameter(torch.empty(vocab_size, rank))
+        self.hidden_projection = nn.Parameter(torch.empty(hidden, rank))
+        self.init_std = init_std
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        for p in (self.predecessor_codebook, self.successor_codebook, self.hidden_projection):
+            nn.init.normal_(p, std=self.init_std)
+
+    def pair_scores(self, hidden_SH: torch.Tensor, pred_S: torch.Tensor, cand_Sk: torch.Tensor) -> torch.Tensor:
+        """⟨pred[a] ⊙ (h · P), succ[b]⟩ for each row's predecessor a and its k candidates b: [..., k]."""
+        gate_Sr = self.predecessor_codebook[pred_S] * (hidden_SH.to(self.hidden_projection.dtype)
+                                                       @ self.hidden_projection)
+        return (self.successor_codebook[cand_Sk] * gate_Sr[..., None, :]).sum(-1)
+
+    @torch.no_grad()
+    def walk(self, hidden_SKH: torch.Tensor, logits_SKV: torch.Tensor, anchor_S: torch.Tensor,
+             temperature: float = 0.0, generator: torch.Generator | None = None) -> SelectorWalk:
+        """The block's path: K positions after each row's anchor. temperature 0: greedy (each position's best
+        candidate); > 0: sampled from q_t = softmax(s_t / T). `logits` are the unary logits (float32)."""
+        unary_SKk, cand_SKk = logits_SKV.float().topk(self.top_k, dim=-1)
+        return self.walk_candidates(hidden_SKH, unary_SKk, cand_SKk, anchor_S, temperature, generator)
+
+    @torch.no_grad()
+    def path_probs(self, hidden_SKH: torch.Tensor, logits_SKV: torch.Tensor, anchor_S: torch.Tensor,
+                   path_SK: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+        """q_t(y_t | y_{t-1}) [..., K] for a given path y (the anchor before y_1): the probability the sampled walk
+        gives each path token when the path so far is its own draft (0 for a token outside the top-k). What the
+        simulated sampled evaluation needs: along a path the target sampled, a draft that followed it to t − 1
+        proposes y_t with exactly this probability."""
+        unary_SKk, cand_SKk = logits_SKV.float().topk(self.top_k, dim=-1)
+        prev_SK = torch.cat([anchor_S.long()[..., None], path_SK[..., :-1].long()], dim=-1)
+        scores = unary_SKk + self.pair_scores(hidden_SKH, prev_SK, cand_SKk).float()
+        q_SKk = torch.softmax(scores / temperature, dim=-1)
+        return torch.where(cand_SKk == path_SK[..., None], q_SKk, 0.0).sum(-1)
+
+    @torch.no_grad()
+    def walk_candidates(self, hidden_SKH: torch.Tensor, unary_SKk: torch.Tensor, cand_SKk: torch.Tensor,
+                        anchor_S: torch.Tensor, temperature: float = 0.0,
+                        generator: torch.Generator | None = None) -> SelectorWalk:
+        """`walk` over given candidates and their unary scores (the training metrics' self-conditioned path)."""
+        prev_S = anchor_S.long()
+        tokens, scores = [], []
+        for t in range(cand_SKk.shape[-2]):
+            s_Sk = unary_SKk[..., t, :] + self.pair_scores(hidden_SKH[..., t, :], prev_S, cand_SKk[..., t, :]).float()
+            if temperature > 0:
+                q_Sk = torch.softmax(s_Sk / temperature, dim=-1)
+                pick_S = torch.multinomial(q_Sk.reshape(-1, q_Sk.shape[-1]), 1, generator=generator).view(prev_S.shape)
+            else:
+                pick_S = s_Sk.argmax(-1)
+            prev_S = cand_SKk[..., t, :].gather(-1, pick_S[..., None])[..., 0]
+            tokens.append(prev_S)
+            scores.append(s_Sk)
+        return SelectorWalk(torch.stack(tokens, -1), cand_SKk, torch.stack(scores, -2))

@@ -1,0 +1,138 @@
+"""DFlash 2's training objective: any block loss plus α × the candidate selector's K-way cross-entropy.
+
+z-lab did not publish DFlash 2's objective; the public trainers (speculators' `dflash2`, SpecForge, ModelOpt)
+converge on this one (docs/dflash2.md):
+- candidates: each position's unary top-k (the drafter's logits, no gradient through the choice);
+- the gold token (the target's greedy label) is injected in place of the last candidate when the top-k misses it,
+  so the CE always has a target;
+- the predecessor is teacher-forced: the gold token of the previous position (the anchor before position 1;
+  token 0 after an ignored position, whose label is unknown);
+- scores s(a, b) = unary(b) + ⟨pred[a] ⊙ h·P, succ[b]⟩ (dflash/drafter/selector.py), CE over the k scores;
+- `loss.selector_alpha` weighs it against the block loss (plain mean over valid positions).
+Metrics (device tensors, logged as train/…): `selector_ce`, `candidate_recall` (the gold token in the unary
+top-k), `selector_acc` (the teacher-forced selector picks the gold token from the un-injected candidates) and
+`selector_streak` (the self-conditioned walk's accepted length: leading positions where its own path matches).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from dflash.training.lm_head_loss import IGNORE_INDEX
+
+TOPK_LOGITS_BYTES = 1 << 30  # float32 logits per no-grad top-k chunk (1 GiB, as the block loss's chunks)
+
+
+@torch.no_grad()
+def unary_topk(hidden_SH: Tensor, lm_head_VH: Tensor, k: int, shape_logits) -> Tensor:
+    """Candidate ids [S, k]: the top-k of `shape_logits(h · W)` per row, in row chunks of TOPK_LOGITS_BYTES."""
+    rows = max(1, TOPK_LOGITS_BYTES // (4 * lm_head_VH.shape[0]))
+    dt = _at_least_f32(hidden_SH.dtype)
+    out = [shape_logits(h.to(dt) @ lm_head_VH.to(dt).T).topk(k, dim=-1).indices
+           for h in hidden_SH.split(rows)]
+    return torch.cat(out)
+
+
+class CandidateLogits(torch.autograd.Function):
+    """h_s · W[idx_s, :] for each row's k candidate ids, [S, k], with the gradient to h only (the head is the
+    target's, frozen). Rows go in chunks of GATHER_BYTES of gathered head rows, forward and backward: a plain
+    gather would hold S·k·H floats at once (GBs at a 5,120-wide target and thousands of positions)."""
+
+    @staticmethod
+    def forward(ctx, hidden_SH: Tensor, head_VH: Tensor, idx_Sk: Tensor) -> Tensor:
+        ctx.save_for_backward(hidden_SH, head_VH, idx_Sk)
+        rows = _gather_rows(idx_Sk.shape[-1], head_VH.shape[-1])
+        dt = _at_least_f32(hidden_SH.dtype)
+        return torch.cat([torch.einsum("sh,skh->sk", h.to(dt), head_VH[i].to(dt))
+                          for h, i in zip(hidden_SH.split(rows), idx_Sk.split(rows))])
+
+    @staticmethod
+    def backward(ctx, grad_Sk: Tensor):
+        hidden_SH, head_VH, idx_Sk = ctx.saved_tensors
+        rows = _gather_rows(idx_Sk.shape[-1], head_VH.shape[-1])
+        grad = torch.cat([torch.einsum("sk,skh->sh", g, head_VH[i].to(g.dtype))
+                          for g, i in zip(grad_Sk.split(rows), idx_Sk.split(rows))])
+        return grad.to(hidden_SH.dtype), None, None
+
+
+GATHER_BYTES = 1 << 28
+
+
+def _at_least_f32(dtype: torch.dtype) -> torch.dtype:
+    """float32, or float64 for float64 inputs (the references' precision)."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+def _gather_rows(k: int, H: int) -> int:
+    return max(1, GATHER_BYTES // (4 * k * H))
+
+
+def selector_terms(hidden_NKH: Tensor, lm_head_VH: Tensor, labels_NK: Tensor, anchor_N: Tensor, selector,
+                   shape_logits) -> dict[str, Tensor]:
+    """Per position [N, K]: the selector CE (with grad), gold-in-top-k, teacher-forced correctness; per block [N]:
+    the self-conditioned walk's matched prefix length. `shape_logits`: the drafter's output multiplier and cap."""
+    N, K, H = hidden_NKH.shape
+    k = selector.top_k
+    valid_NK = labels_NK != IGNORE_INDEX
+    gold_NK = labels_NK.clamp_min(0)
+    cand_NKk = unary_topk(hidden_NKH.detach().reshape(-1, H), lm_head_VH, k, shape_logits).view(N, K, k)
+    hit_NK = (cand_NKk == gold_NK[..., None]).any(-1)
+    injected = cand_NKk.clone()
+    injected[..., -1] = torch.where(hit_NK, cand_NKk[..., -1], gold_NK)
+    target_NK = (injected == gold_NK[..., None]).int().argmax(-1)
+    raw_NKk = CandidateLogits.apply(hidden_NKH.reshape(-1, H), lm_head_VH, injected.reshape(-1, k)).view(N, K, k)
+    unary_NKk = shape_logits(raw_NKk)
+    prev_NK = torch.cat([anchor_N[:, None].long(), gold_NK[:, :-1]], dim=1)
+    scores_NKk = unary_NKk + selector.pair_scores(hidden_NKH, prev_NK, injected).to(unary_NKk.dtype)
+    ce_NK = F.cross_entropy(scores_NKk.reshape(-1, k), target_NK.reshape(-1), reduction="none").view(N, K)
+    with torch.no_grad():
+        correct_NK = hit_NK & (scores_NKk.argmax(-1) == target_NK)
+        # the walk at inference sees the un-injected candidates: their unary scores differ in the last column only
+        dt = unary_NKk.dtype
+        last_NK = shape_logits((hidden_NKH.to(dt) * lm_head_VH[cand_NKk[..., -1]].to(dt)).sum(-1))
+        plain_NKk = torch.cat([unary_NKk[..., :-1], last_NK[..., None]], dim=-1)
+        walk = selector.walk_candidates(hidden_NKH.detach(), plain_NKk, cand_NKk, anchor_N)
+        matched_N = torch.cumprod(((walk.tokens == gold_NK) & valid_NK).int(), dim=1).sum(1)
+    return {"ce": ce_NK, "hit": hit_NK, "correct": correct_NK, "matched": matched_N, "valid": valid_NK}
+
+
+def selector_metrics(terms: dict[str, Tensor]) -> dict[str, Tensor]:
+    """The selector's CE (mean over valid positions) and its three metrics, on the device."""
+    valid = terms["valid"]
+    n = valid.sum().clamp_min(1)
+    blocks = valid.any(1)
+    return {"selector_ce": torch.where(valid, terms["ce"], 0.0).sum() / n,
+            "candidate_recall": (terms["hit"] & valid).sum() / n,
+            "selector_acc": (terms["correct"] & valid).sum() / n,
+            "selector_streak": (terms["matched"] * blocks).sum() / blocks.sum().clamp_min(1)}
+
+
+class SelectorLoss:
+    """A block loss (any of `LOSSES`) plus `alpha` × the selector CE of `drafter` (a DFlash 2 drafter). The block
+    loss sees the hidden states times the output multiplier (logits = multiplier · h · W; a soft cap is refused
+    for training at composition). Same call and attributes as a `Loss`."""
+
+    def __init__(self, block_loss, drafter, alpha: float):
+        if drafter.selector is None:
+            raise ValueError("SelectorLoss needs a drafter with a candidate selector (drafter.architecture=dflash2)")
+        self.block, self.drafter, self.alpha = block_loss, drafter, float(alpha)
+        self.needs_soft = block_loss.needs_soft
+        self.config_keys = (*block_loss.config_keys, "selector_alpha")
+        self.cfg = block_loss.cfg
+
+    def __call__(self, hidden_BNKH: Tensor, lm_head_VH: Tensor, batch) -> tuple[Tensor, dict]:
+        d = self.drafter
+        m = d.cfg.output_multiplier
+        loss, metrics = self.block(hidden_BNKH * m if m != 1.0 else hidden_BNKH, lm_head_VH, batch)
+        K, H = hidden_BNKH.shape[-2:]
+        terms = selector_terms(hidden_BNKH.reshape(-1, K, H), lm_head_VH, batch.labels_BNK.reshape(-1, K),
+                               batch.anchor_tokens_BN.reshape(-1), d.selector, d.shape_logits)
+        sel = selector_metrics(terms)
+        metrics.update(sel)
+        return loss + self.alpha * sel["selector_ce"], metrics
+
+
+def with_selector(loss_fn, drafter, alpha: float):
+    """`loss_fn` itself for a DFlash 1 drafter; wrapped in `SelectorLoss` for a DFlash 2 one."""
+    return loss_fn if getattr(drafter, "selector", None) is None else SelectorLoss(loss_fn, drafter, alpha)

@@ -1,0 +1,152 @@
+"""DFlash 2's selector loss against a plain reference (top-k, gold injection, teacher-forced predecessor, K-way
+CE, values and gradients), its metrics, and its composition with every block loss; then `experiments.run
++drafter=dflash2` end to end on the CPU."""
+import math
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from dflash.drafter.selector import CandidateSelector
+from dflash.training.losses import LOSSES, LossConfig, build_loss
+from dflash.training.selector_loss import SelectorLoss, selector_metrics, selector_terms
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _problem(N=4, K=5, H=8, V=23, k=4, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(N, K, H, generator=g, dtype=torch.float64)
+    head = torch.randn(V, H, generator=g, dtype=torch.float64)
+    logits = hidden @ head.T
+    labels = torch.randint(0, V, (N, K), generator=g)
+    top = logits.topk(k, dim=-1).indices
+    inside = torch.rand(N, K, generator=g) < 0.5  # half the labels among the top-k, half (mostly) not
+    labels = torch.where(inside, top[..., 1], labels)
+    labels[0, 2] = -100
+    labels[1, -2:] = -100
+    anchors = torch.randint(0, V, (N,), generator=g)
+    sel = CandidateSelector(H, V, rank=3, top_k=k).double()
+    with torch.no_grad():
+        for p in (sel.predecessor_codebook, sel.successor_codebook, sel.hidden_projection):
+            p.normal_(generator=g)
+    return hidden.requires_grad_(), head, labels, anchors, sel
+
+
+def _shape(x):  # an output multiplier of 0.7 and a soft cap of 5, to test that both reach the unary scores
+    return 5.0 * torch.tanh(0.7 * x / 5.0)
+
+
+def _reference(hidden, head, labels, anchors, sel):
+    """Position by position: top-k of the shaped logits, gold in place of the last when missing, predecessor the
+    previous gold (the anchor first), CE over the k scores; mean over valid positions."""
+    N, K, _ = hidden.shape
+    k = sel.top_k
+    total, n, hits, correct = 0.0, 0, 0, 0
+    for i in range(N):
+        for t in range(K):
+            gold = int(labels[i, t])
+            if gold == -100:
+                continue
+            cand = _shape(hidden[i, t].detach() @ head.T).topk(k).indices.tolist()
+            hit = gold in cand
+            if not hit:
+                cand[-1] = gold
+            prev = int(anchors[i]) if t == 0 else max(int(labels[i, t - 1]), 0)  # after an ignored one: 0
+            scores = torch.stack([_shape(hidden[i, t] @ head[b])
+                                  + (sel.predecessor_codebook[prev] * (hidden[i, t] @ sel.hidden_projection)
+                                     * sel.successor_codebook[b]).sum() for b in cand])
+            target = cand.index(gold)
+            total = total - torch.log_softmax(scores, 0)[target]
+            n += 1
+            hits += hit
+            correct += hit and int(scores.argmax()) == target
+    return total / n, hits / n, correct / n
+
+
+def test_selector_ce_and_gradients_match_the_plain_reference():
+    hidden, head, labels, anchors, sel = _problem()
+    terms = selector_terms(hidden, head, labels, anchors, sel, _shape)
+    m = selector_metrics(terms)
+    ref, recall, acc = _reference(hidden, head, labels, anchors, sel)
+    assert 0 < recall < 1  # both branches (gold in the top-k, gold injected) are exercised
+    torch.testing.assert_close(m["selector_ce"], ref, rtol=1e-10, atol=1e-10)
+    assert math.isclose(float(m["candidate_recall"]), recall, rel_tol=1e-6)
+    assert math.isclose(float(m["selector_acc"]), acc, rel_tol=1e-6)
+    params = [hidden, sel.predecessor_codebook, sel.successor_codebook, sel.hidden_projection]
+    got = torch.autograd.grad(m["selector_ce"], params)
+    want = torch.autograd.grad(ref, params)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-10)
+
+
+def test_selector_streak_is_the_self_conditioned_walks_matched_prefix():
+    hidden, head, labels, anchors, sel = _problem()
+    terms = selector_terms(hidden, head, labels, anchors, sel, _shape)
+    walk = sel.walk(hidden.detach(), _shape(hidden.detach() @ head.T), anchors)
+    want = []
+    for i in range(labels.shape[0]):
+        m = 0
+        for t in range(labels.shape[1]):
+            if labels[i, t] == -100 or int(walk.tokens[i, t]) != int(labels[i, t]):
+                break
+            m += 1
+        want.append(m)
+    assert terms["matched"].tolist() == want
+
+
+def _drafter_stub(sel, multiplier=1.0):
+    return SimpleNamespace(selector=sel, cfg=SimpleNamespace(output_multiplier=multiplier),
+                           shape_logits=lambda x: x * multiplier)
+
+
+@pytest.mark.parametrize("name", sorted(LOSSES))
+def test_selector_loss_composes_with_every_block_loss(name):
+    hidden, head, labels, anchors, sel = _problem(V=23)
+    B, N = 2, 2
+    soft_vals, soft_idx = (hidden.detach() @ head.T + 0.5).topk(6, dim=-1)
+    batch = SimpleNamespace(labels_BNK=labels.view(B, N, -1), anchor_tokens_BN=anchors.view(B, N),
+                            soft_vals_BNKk=soft_vals.view(B, N, *soft_vals.shape[1:]),
+                            soft_idx_BNKk=soft_idx.view(B, N, *soft_idx.shape[1:]))
+    cfg = LossConfig(name=name, selector_alpha=0.3, lm_head_kernel="torch")
+    block = build_loss(cfg)
+    loss_fn = SelectorLoss(block, _drafter_stub(sel, 0.5), cfg.selector_alpha)
+    h = hidden.view(B, N, *hidden.shape[1:])
+    total, metrics = loss_fn(h, head, batch)
+    alone, _ = build_loss(cfg)(h * 0.5, head, batch)
+    torch.testing.assert_close(total, alone + 0.3 * metrics["selector_ce"])
+    assert {"selector_ce", "candidate_recall", "selector_acc", "selector_streak", "acc", "streak"} <= set(metrics)
+    total.backward()
+    assert torch.isfinite(hidden.grad).all() and sel.successor_codebook.grad.abs().sum() > 0
+    assert "selector_alpha" in loss_fn.config_keys and loss_fn.needs_soft == block.needs_soft
+
+
+def test_selector_alpha_below_zero_is_refused_by_name():
+    from dflash.training.losses import validate_loss_config
+    with pytest.raises(ValueError, match="loss.selector_alpha"):
+        validate_loss_config(LossConfig(selector_alpha=-1.0))
+
+
+@pytest.mark.slow
+def test_run_trains_a_dflash2_drafter_on_the_cpu(tmp_path):
+    """`python -m experiments.run +drafter=dflash2 trainer.max_steps=20` on the tiny target: it trains, logs the
+    selector's metrics and writes a DFlash2DraftModel folder that loads back."""
+    run = tmp_path / "run"
+    cmd = [sys.executable, "-m", "experiments.run", "+drafter=dflash2", "trainer.max_steps=20", "+target=tiny_random",
+           "drafter.num_layers=1", "drafter.layer_types=[sliding_attention]", "drafter.intermediate_size=128", "trainer.num_anchors=4", "data.max_len=128",
+           "tracking.log_every=10", "eval.enabled=false", "+tracking=off", f"run_dir={run}",
+           "trainer.tau_probe.sequences=0"]
+    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    import json
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    last = [r for r in rows if "train/selector_ce" in r.get("metrics", r)][-1]
+    last = last.get("metrics", last)
+    assert math.isfinite(last["train/selector_ce"]) and 0 <= last["train/candidate_recall"] <= 1
+    cfg = json.loads((run / "final" / "config.json").read_text())
+    assert cfg["architectures"] == ["DFlash2DraftModel"]
+    from dflash.serving.export import load_drafter
+    assert load_drafter(run / "final").selector is not None

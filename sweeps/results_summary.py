@@ -1,7 +1,7 @@
 """A campaign's answer on one screen: which option won each stage, by how much, how sure, and what the recipe
 (the chain of winners) reaches against prompt lookup and against the campaign's first cell.
 
-    python -m sweeps.results_summary benchmarks/ABLATIONS.md out=campaign_out reference_64m reference_recipe
+    python -m sweeps.results_summary benchmarks/ABLATIONS.md out=campaign_out [campaign.KEY=VALUE] reference_64m …
 
 rewrites the generated blocks of each named campaign in the markdown file from the store under `out`: its summary
 (between `<!-- results-summary:NAME -->` and `<!-- /results-summary:NAME -->`, added at the top when absent) and,
@@ -259,12 +259,13 @@ def main(argv: list[str] | None = None) -> dict[str, str]:
         print(f"{md}: no such markdown file (the file whose summary blocks to rewrite)", file=sys.stderr)
         raise SystemExit(2)
     out = Path(next((a.partition("=")[2] for a in argv[1:] if a.startswith("out=")), "campaign_out"))
+    edits = [a for a in argv[1:] if a.startswith("campaign.")]  # e.g. a legacy store's campaign.objective
     from sweeps.campaign import load_campaign
     from sweeps.campaign_report import load_summary
     body = md.read_text()
     texts = {}
-    for name in [a for a in argv[1:] if not a.startswith("out=")]:
-        c = load_campaign(name)
+    for name in [a for a in argv[1:] if not a.startswith(("out=", "campaign."))]:
+        c = load_campaign(name, edits)
         summary = load_summary(c, out)
         texts[name] = "\n".join(render_summary(c, summary, level=3))
         body = update_block(body, f"results-summary:{name}", texts[name], add=True)

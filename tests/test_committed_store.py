@@ -9,6 +9,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 STORE = ROOT / "benchmarks" / "ablations" / "campaign_out.tar.xz"
+LEGACY = "campaign.objective=eval/tau_vanilla"  # the store's runs predate eval/tau_served (dflash.evaluation.protocol)
 
 
 @pytest.fixture(scope="module")
@@ -75,7 +76,7 @@ def test_report_names_the_cells_not_run_yet(campaign_store):
     command, instead of calling a winner on half its cells."""
     from sweeps.campaign import load_campaign
     from sweeps.campaign_report import write_report
-    c = load_campaign("reference_64m")
+    c = load_campaign("reference_64m", [LEGACY])
     assert c.seeds == [0, 1]
     write_report(c, campaign_store)
     text = (campaign_store / "reference_64m" / "ABLATIONS.md").read_text()
@@ -92,7 +93,7 @@ def test_report_names_the_cells_not_run_yet(campaign_store):
     assert "**Stage incomplete**: 6 of 10 cells" in stages["3: buffer"]
     assert "**The campaign is not complete**" in text
     # read with the seed it ran, the same store calls every stage: nothing left
-    write_report(load_campaign("reference_64m", ["campaign.seeds=[0]"]), campaign_store)
+    write_report(load_campaign("reference_64m", [LEGACY, "campaign.seeds=[0]"]), campaign_store)
     text = (campaign_store / "reference_64m" / "ABLATIONS.md").read_text()
     assert "incomplete" not in text and "not complete" not in text
 
@@ -112,7 +113,7 @@ def test_a_summary_of_one_seed_does_not_hide_the_other(campaign_store):
     summary["calls"].pop("loss")
     f.write_text(json.dumps(summary))
     try:
-        write_report(load_campaign("reference_64m", ["campaign.seeds=[0]"]), campaign_store)
+        write_report(load_campaign("reference_64m", [LEGACY, "campaign.seeds=[0]"]), campaign_store)
     finally:
         f.write_text(kept)
     loss = (campaign_store / "reference_64m" / "ABLATIONS.md").read_text().split("\n## Stage 0: loss", 1)[1]
@@ -126,7 +127,7 @@ def test_a_reused_reference_is_in_its_stages_learning_curve(campaign_store):
     learning curve, so the rank agreement ranks every option, and the report says whose run they are."""
     from sweeps.campaign import load_campaign
     from sweeps.campaign_report import write_report
-    write_report(load_campaign("reference_64m", ["campaign.seeds=[0]"]), campaign_store)
+    write_report(load_campaign("reference_64m", [LEGACY, "campaign.seeds=[0]"]), campaign_store)
     text = (campaign_store / "reference_64m" / "ABLATIONS.md").read_text()
     assert "**Not run yet**" not in text and "Stage incomplete" not in text
     stages = {s.split("\n", 1)[0].split(" (")[0]: s for s in text.split("\n## Stage ")[1:]}
@@ -175,7 +176,7 @@ def test_the_recipe_quotes_the_stores_figures(campaign_store):
     from sweeps.campaign_report import write_report
     summary = json.loads((campaign_store / "reference_recipe" / "summary.json").read_text())
     cell = next(c for c in summary["cells"] if c["cell"] == "s2-budget-t262-seed0")
-    write_report(load_campaign("reference_recipe"), campaign_store)
+    write_report(load_campaign("reference_recipe", [LEGACY]), campaign_store)
     report = (campaign_store / "reference_recipe" / "ABLATIONS.md").read_text()
     budget = report.split("## Stage 2: budget", 1)[1]
     row = next(r for r in budget.split("### suite `heldout`", 1)[1].splitlines() if r.startswith("| t262 |"))
@@ -209,7 +210,7 @@ def test_ablations_first_screen_is_the_stores_summary(campaign_store):
     text = (ROOT / "benchmarks" / "ABLATIONS.md").read_text()
     first_screen = "\n".join(text.splitlines()[:60])
     for name in ["reference_recipe", "reference_64m"]:
-        c = load_campaign(name)
+        c = load_campaign(name, [LEGACY])
         summary = load_summary(c, campaign_store)
         lines = render_summary(c, summary, level=3)
         block = text.split(f"<!-- results-summary:{name} -->\n", 1)[1].split(f"\n<!-- /results-summary:{name} -->")[0]
@@ -236,7 +237,7 @@ def test_the_report_the_notebook_and_mlflow_give_the_same_numbers(campaign_store
     uri = f"sqlite:///{campaign_store / 'mlflow.db'}"
     client = MlflowClient(uri)
     for name in ["reference_64m", "reference_recipe"]:
-        c = load_campaign(name)
+        c = load_campaign(name, [LEGACY])
         report, notebook = load_summary(c, campaign_store), summary_from_mlflow(c, uri, tmp_path / name)
         cells = lambda s: sorted((x["cell"], x.get("reused_from", "")) for x in s["cells"])  # noqa: E731
         assert cells(report) == cells(notebook)
@@ -271,7 +272,7 @@ def test_the_notebooks_summary_pairs_the_buffer_stage_on_the_pin(campaign_store,
     stage's seed-0 cells ran before the pin and keep the loss stage's run."""
     from sweeps.campaign import load_campaign
     from sweeps.campaign_report import render_report, summary_from_mlflow
-    c = load_campaign("reference_64m", ["campaign.seeds=[0]"])
+    c = load_campaign("reference_64m", [LEGACY, "campaign.seeds=[0]"])
     summary = summary_from_mlflow(c, f"sqlite:///{campaign_store / 'mlflow.db'}", tmp_path / "nb")
     reused = {x["cell"]: x["reused_from"] for x in summary["cells"] if x.get("reused_from")}
     assert reused == {"s1-noise-none-seed0": "s0-loss-streak-seed0", "s3-buffer-r10_20-seed0": "s2-data-views4-seed0"}
@@ -285,7 +286,7 @@ def test_each_stage_figure_shows_the_reports_numbers(campaign_store, tmp_path):
     from sweeps.campaign import load_campaign
     from sweeps.campaign_report import load_summary, summary_from_mlflow
     from sweeps.stage_figures import stage_figure_data
-    c = load_campaign("reference_64m")
+    c = load_campaign("reference_64m", [LEGACY])
     d = stage_figure_data(c, load_summary(c, campaign_store), 0)
     assert d.winner == "streak" and len(d.curves) == 12
     assert all(pts[-1][0] == 64_000_000 and len(pts) == 3 for pts in d.curves.values())  # 4 M, 16 M, final

@@ -5,6 +5,7 @@ several seeds, every run an MLflow run in one experiment, resumable.
                               [only=[factor | factor/option, ...]] [--check] [campaign.KEY=VALUE ...]
                               [any run override ...]
     python -m sweeps.campaign <campaign> report [out=...]     # tables from what the campaign wrote
+    python -m sweeps.campaign <campaign> launcher=slurm [launcher.KEY=VALUE ...]   # cells as Slurm jobs
 
 A campaign file (`conf/campaign/*.yaml`) names a base run config (`base`: overrides), a budget
 (`budget_tokens`: consumed — trained-on — tokens per run, so runs sharing one GPU stay comparable; wall time
@@ -27,7 +28,9 @@ build only on factors already decided share one pool (`stage_groups`: the refere
 stages both build on the loss, so they run as one wave). A cell whose composed
 config equals an earlier cell's (`+noise=none` on the best loss is the loss stage's
 run of that loss) is that cell: its result is reused, not trained again. `workers` cells run at once (several
-small runs share one GPU; the budget is in tokens, so that is fair). Before the first cell, the inputs every
+small runs share one GPU; the budget is in tokens, so that is fair), through the launcher (`sweeps/launcher.py`:
+one GPU each on this machine while there are GPUs enough, or with `launcher=slurm` one Slurm job each, requeued
+and resumed from its checkpoint when preempted). Before the first cell, the inputs every
 cell shares (prompt pool, online shards, eval ground truth) are made once (`dflash.app.write_ahead`). The ground
 truth's tokens are pinned in `<out>/<campaign>/truth` (`eval.truth_dir`, unless given): a later launch on another
 machine evaluates on the same tokens, so its cells pair with the earlier ones. A stage whose new cells evaluate on
@@ -52,6 +55,7 @@ import yaml
 from dflash.atomic import atomic_write_text
 from dflash.config import ConfigError
 from dflash.overrides import apply_overrides, split_override
+from sweeps.launcher import LocalLauncher, LauncherConfig, call, launcher_config, make_launcher
 from sweeps.shared_inputs import make_shared_inputs, sets_truth_dir, with_truth_pin
 from sweeps.support import last_logged
 
@@ -278,8 +282,28 @@ def cell_env(workers: int) -> dict[str, str]:
     return env
 
 
-def run_cell(c: Campaign, cell: Cell, out: Path) -> dict:
-    """Run (or resume) one cell to its end in a subprocess; record its final metrics in `cell.json`."""
+@dataclasses.dataclass
+class CellTask:
+    """One cell as a launcher task (`sweeps.launcher`): picklable, so a Slurm job runs it; `share` is how many
+    cells split this machine's cores (1 in a job of its own)."""
+    campaign: Campaign
+    cell: Cell
+    out: Path
+    share: int
+
+    def __call__(self, gpu: str | None) -> dict:
+        return run_cell(self.campaign, self.cell, self.out, gpu, self.share)
+
+    def lost(self, reason: str) -> dict:
+        """The record of a cell whose job died (this launch only: the next one resumes it from its checkpoint)."""
+        log.error("cell %s: %s", self.cell.id, reason)
+        return {**self.cell.labels(), "run_dir": str(cell_dir(self.out, self.campaign, self.cell)), "value": None,
+                "consumed_tokens": None, "failed": reason}
+
+
+def run_cell(c: Campaign, cell: Cell, out: Path, gpu: str | None = None, share: int = 0) -> dict:
+    """Run (or resume) one cell to its end in a subprocess (on `gpu` when given); record its final metrics in
+    `cell.json`. `share`: cells splitting this machine's cores (default: the campaign's workers)."""
     run_dir = cell_dir(out, c, cell)
     done = cell_result(run_dir)
     if done is not None:
@@ -290,7 +314,7 @@ def run_cell(c: Campaign, cell: Cell, out: Path) -> dict:
     log.info("cell %s: %s", cell.id, " ".join(cmd[1:]))
     t0 = time.time()
     with open(run_dir.parent / f"{cell.id}.log", "a") as logf:
-        rc = subprocess.call(cmd, stdout=logf, stderr=subprocess.STDOUT, env=cell_env(c.workers))
+        rc = call(cmd, gpu, stdout=logf, stderr=subprocess.STDOUT, env=cell_env(share or c.workers))
     if rc != 0:  # recorded for this launch only (no cell.json): the next launch runs it again
         log.error("cell %s exited %d; see %s", cell.id, rc, run_dir.parent / f"{cell.id}.log")
         return {**cell.labels(), "run_dir": str(run_dir), "value": None, "consumed_tokens": None, "failed": rc}
@@ -430,10 +454,11 @@ def check_only(c: Campaign, only: Sequence[str]) -> None:
 
 
 def _run_stage(c: Campaign, cells: list[Cell], out: Path, done: dict[str, dict], deadline: float | None,
-               only: Sequence[str] = (), before_run: Callable[[], None] = lambda: None):
+               only: Sequence[str] = (), before_run: Callable[[], None] = lambda: None, launcher=None):
     """Finished results of `cells` (reused where an earlier cell, or an earlier one of `cells`, is the same run);
     None for a cell not started because `deadline` (time.time()) had passed, or that `only` leaves out.
-    `before_run` is called before each cell that starts (run_campaign's shared inputs, made once).
+    `before_run` is called before each cell that starts (run_campaign's shared inputs, made once). `launcher`
+    (`sweeps.launcher`; default: this machine) runs each cell; at most `c.workers` at once.
 
     A stage's seed that trains new cells on the pinned ground truth needs its reference there too, so an earlier
     stage's unpinned run (`pinned`) is not reused for it: that cell trains again under the pin (once, shared by
@@ -480,7 +505,10 @@ def _run_stage(c: Campaign, cells: list[Cell], out: Path, done: dict[str, dict],
                         cells[i].id)
             return None
         before_run()
-        return run_cell(c, cells[i], out)
+        share = c.workers if isinstance(runner, LocalLauncher) else 1
+        return runner.run(CellTask(c, cells[i], out, share), cells[i].id)
+
+    runner = launcher or LocalLauncher(LauncherConfig())
 
     runs = sorted(set(first.values()))
     with ThreadPoolExecutor(max_workers=c.workers) as pool:
@@ -532,10 +560,10 @@ def stage_groups(c: Campaign) -> list[list[int]]:
 
 
 def run_campaign(c: Campaign, out: Path, extra: list[str], deadline_s: float = 0.0,
-                 only: list[str] = ()) -> dict[str, Any]:
+                 only: list[str] = (), launcher: LauncherConfig | None = None) -> dict[str, Any]:
     """Every stage in order (a group of stages at once, `stage_groups`); `deadline_s` > 0: no cell starts later
     than that many seconds from now (the cells left are the next launch's); `only` (CampaignArgs.only): the
-    cells that may start in this launch. `summary.json` is rewritten after every group, so a cut campaign
+    cells that may start in this launch; `launcher`: where cells run (`sweeps.launcher`, default this machine). `summary.json` is rewritten after every group, so a cut campaign
     reports what it finished."""
     check_only(c, only)
     t_start = time.time()
@@ -551,6 +579,7 @@ def run_campaign(c: Campaign, out: Path, extra: list[str], deadline_s: float = 0
     if to_run:  # refused before anything is written, the tracking store included
         summary["target_fingerprint"] = check_same_target(c, out, extra)
     prepare_store(c, extra)
+    runner = make_launcher(launcher or LauncherConfig(), out / c.name / "submitit")
     made = threading.Lock()
 
     def inputs_once() -> None:
@@ -567,7 +596,8 @@ def run_campaign(c: Campaign, out: Path, extra: list[str], deadline_s: float = 0
         for cell in (x for cells in per_stage for x in cells):
             cell.overrides += extra
         t0 = time.time()
-        results = _run_stage(c, [x for cells in per_stage for x in cells], out, done, deadline, only, inputs_once)
+        results = _run_stage(c, [x for cells in per_stage for x in cells], out, done, deadline, only, inputs_once,
+                             runner)
         wall = time.time() - t0
         cut = False
         for i, cells in zip(group, per_stage):
@@ -627,6 +657,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     workers = [a for a in rest if a.startswith("workers=")]
     if workers:
         edits.append(f"campaign.workers={workers[-1].partition('=')[2]}")
+    launcher, rest = launcher_config(rest)
     extra = [a for a in rest if not a.startswith(("campaign.", "workers=", *own))]
     c = load_campaign(ref, edits)
     if report:
@@ -638,7 +669,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if check:
         print(f"campaign {c.name}: {sum(len(s.options) for s in c.stages) * len(c.seeds)} cells valid")
         return {}
-    return run_campaign(c, out, extra, args.deadline_s, args.only)
+    return run_campaign(c, out, extra, args.deadline_s, args.only, launcher)
 
 
 if __name__ == "__main__":

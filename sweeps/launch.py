@@ -8,7 +8,11 @@
 - `n_trials`: trials this launch adds to the study (default 8). Re-running the same command resumes the
   study (same storage + study name) and runs `n_trials` more.
 - `workers`: worker processes on this machine (spawned; one per GPU, round-robin, when GPUs exist).
-  `workers=1` runs in this process.
+  `workers=1` runs in this process. With `launcher=slurm` (sweeps/launcher.py: `launcher.timeout_min=`,
+  `launcher.partition=`, `launcher.gpus_per_job=`, ...), each worker is a Slurm job with its share of `n_trials`,
+  submitted through submitit; a preempted job's trial is continued from its checkpoint when the job is requeued.
+  Workers on several machines or jobs share a study through an RDB `storage=` (a journal file only on a
+  filesystem they all see).
 - `storage`: default the journal file `<out>/<study>.journal`; or an RDB URL (postgresql://…) to share the
   study between machines (each machine runs its own launch against the same URL).
 - `study`: default the sweep's `name`.
@@ -64,6 +68,7 @@ from typing import Any
 
 from dflash.config import ConfigError
 from dflash.overrides import apply_overrides, split_override
+from sweeps.launcher import detect_gpus
 from sweeps.space import SweepError
 
 DEFAULT_OUT = "sweeps_out"
@@ -86,6 +91,7 @@ class LaunchArgs:
     sweep_overrides: list[str] = dataclasses.field(default_factory=list)
     overrides: list[str] = dataclasses.field(default_factory=list)
     check: bool = False
+    launcher: Any = None  # sweeps.launcher.LauncherConfig: where the workers run (launcher=slurm: one job each)
 
 
 def launch_help() -> str:
@@ -108,9 +114,11 @@ def parse_args(argv: list[str]) -> LaunchArgs:
     bad_flags = [a for a in argv if a.startswith("--")]
     if bad_flags:
         raise SweepError(f"unknown option(s) {bad_flags}; see python -m sweeps.launch --help")
-    a = LaunchArgs(sweep=argv[0], check=check)
+    from sweeps.launcher import launcher_config
+    launcher, rest = launcher_config(argv[1:])
+    a = LaunchArgs(sweep=argv[0], check=check, launcher=launcher)
     ours = []
-    for arg in argv[1:]:
+    for arg in rest:
         key, _ = split_override(arg, "argument")
         if key in LAUNCH_KEYS:
             ours.append(arg)
@@ -127,17 +135,6 @@ def parse_args(argv: list[str]) -> LaunchArgs:
         raise SweepError(f"rerun={a.rerun}: {len(a.rerun)} trial(s) to train again, more than n_trials={a.n_trials} "
                          f"(a rerun is one of the launch's trials)")
     return a
-
-
-def detect_gpus() -> list[str]:
-    vis = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if vis is not None:
-        return [g.strip() for g in vis.split(",") if g.strip() and g.strip() != "-1"]
-    try:
-        import torch
-        return [str(i) for i in range(torch.cuda.device_count())]
-    except Exception:  # noqa: BLE001
-        return []
 
 
 CPU_STEPS_OK = 200  # the quick start's CPU run (minutes); a sweep's trials beyond this want a GPU
@@ -294,7 +291,7 @@ def _parent_run(tr, study, sweep, study_name: str, storage_desc: str, out_dir: P
 def _worker_specs(args, sweep, base_overrides, storage, study_name, out_dir: Path, parent_id, tr, n_before: int,
                   launch_no: int):
     from sweeps.worker import WorkerSpec
-    gpus = args.gpus if args.gpus is not None else detect_gpus()
+    gpus = [] if args.launcher.backend == "slurm" else args.gpus if args.gpus is not None else detect_gpus()
     if gpus and args.workers > len(gpus):
         log.warning("%d workers share %d GPU(s) round-robin", args.workers, len(gpus))
     threads = max(1, (os.cpu_count() or 1) // args.workers)
@@ -384,10 +381,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     lost: list[str] = []
     status = "FINISHED"
     try:
-        if args.workers == 1:
+        if args.workers == 1 and args.launcher.backend == "local":
             worker_main(specs[0], Tickets(args.n_trials), in_process=True)
         else:
-            lost = _run_workers(specs, args.n_trials, study, tracker)
+            lost = _run_workers(specs, args.n_trials, study, tracker, args.launcher, out_dir)
     except BaseException as e:  # the parent run never stays RUNNING: KILLED on a stop, FAILED otherwise
         status = "KILLED" if isinstance(e, KeyboardInterrupt) else "FAILED"
         raise
@@ -432,49 +429,34 @@ def report(args: LaunchArgs) -> dict[str, Any]:
     return {"report": text, "study": name}
 
 
-def _run_workers(specs, n_trials: int, study, tracker) -> list[str]:
-    from sweeps.storage import reap_stale
-    from sweeps.worker import Tickets, worker_main
+def _run_workers(specs, n_trials: int, study, tracker, launcher, out_dir: Path) -> list[str]:
+    """The workers as launcher tasks (`sweeps.launcher`): on this machine, spawned processes sharing one ticket
+    count, one GPU each while there are GPUs enough; with launcher=slurm, one job each with its share of the
+    trials. A worker that exits abnormally has its trial(s) marked FAIL, the others go on."""
+    from concurrent.futures import ThreadPoolExecutor
 
-    ctx = mp.get_context("spawn")
-    tickets = Tickets(n_trials, ctx)
-    procs = []
-    for spec in specs:
-        saved = os.environ.get("CUDA_VISIBLE_DEVICES")
-        if spec.gpu is not None:  # the child inherits the environment at spawn
-            os.environ["CUDA_VISIBLE_DEVICES"] = spec.gpu
-        try:
-            p = ctx.Process(target=worker_main, args=(spec, tickets), name=f"sweep-w{spec.index}")
-            p.start()
-        finally:
-            if spec.gpu is not None:
-                if saved is None:
-                    os.environ.pop("CUDA_VISIBLE_DEVICES", None)
-                else:
-                    os.environ["CUDA_VISIBLE_DEVICES"] = saved
-        procs.append((spec, p))
+    from sweeps.launcher import make_launcher
+    from sweeps.storage import reap_stale
+    from sweeps.worker import Tickets, WorkerTask
+
+    runner = make_launcher(launcher, out_dir / "submitit")
+    shared = Tickets(n_trials, mp.get_context("spawn")) if launcher.backend == "local" else None
+    shares = [n_trials // len(specs) + (i < n_trials % len(specs)) for i in range(len(specs))]
     lost: list[str] = []
-    try:
-        alive = list(procs)
-        while alive:
-            for spec, p in list(alive):
-                p.join(timeout=0.5)
-                if p.exitcode is None:
-                    continue
-                alive.remove((spec, p))
-                if p.exitcode != 0:
-                    lost.append(f"w{spec.index} pid {p.pid} exit {p.exitcode}")
-                    reaped = reap_stale(study, tracker)
-                    print(f"[sweep {study.study_name}] worker w{spec.index} (pid {p.pid}) exited with "
-                          f"{p.exitcode}; its trial(s) {reaped} marked FAIL; {tickets.left} trial(s) left for the "
-                          f"other workers (log: {spec.log_file})", file=sys.stderr, flush=True)
-    except BaseException:
-        for _, p in procs:
-            if p.is_alive():
-                p.terminate()
-        for _, p in procs:
-            p.join(timeout=30)
-        raise
+
+    def one(i: int) -> None:
+        spec = specs[i]
+        task = WorkerTask(spec, shared if shared is not None else shares[i])
+        rc = runner.run(task, f"{study.study_name}-w{i}")
+        if rc != 0:
+            lost.append(f"w{spec.index} pid {getattr(task, 'pid', '?')} exit {rc}")
+            reaped = reap_stale(study, tracker)
+            left = shared.left if shared is not None else "its job's"
+            print(f"[sweep {study.study_name}] worker w{spec.index} exited with {rc}; its trial(s) {reaped} marked "
+                  f"FAIL; {left} trial(s) left for the other workers (log: {spec.log_file})", file=sys.stderr,
+                  flush=True)
+    with ThreadPoolExecutor(max_workers=len(specs)) as pool:
+        list(pool.map(one, range(len(specs))))
     return lost
 
 

@@ -127,3 +127,50 @@ def worker_main(spec: WorkerSpec, tickets: Tickets, in_process: bool = False) ->
     finally:
         lease.release()
     return ran
+
+
+@dataclass
+class WorkerTask:
+    """One worker as a launcher task (`sweeps.launcher`): a spawned process on the GPU the launcher placed it on.
+    `tickets`: the Tickets this machine's workers share, or (a Slurm job) this job's own count of trials; a job
+    first fails the trials of workers that died and enqueues the continuation of cut ones (a requeued job
+    continues the trial its preemption cut, from its checkpoint)."""
+    spec: WorkerSpec
+    tickets: Any  # Tickets | int
+
+    def __call__(self, gpu: str | None) -> int:
+        import dataclasses
+        import multiprocessing as mp
+
+        from sweeps.launcher import watched
+        ctx = mp.get_context("spawn")
+        own_job = isinstance(self.tickets, int)
+        if own_job:
+            self._continue_cut_trials()
+            self.tickets = Tickets(self.tickets, ctx)
+        spec = dataclasses.replace(self.spec, gpu=self.spec.gpu if self.spec.gpu is not None else gpu)
+        saved = os.environ.get("CUDA_VISIBLE_DEVICES")
+        if spec.gpu is not None:  # the child inherits the environment at spawn
+            os.environ["CUDA_VISIBLE_DEVICES"] = spec.gpu
+        try:
+            p = ctx.Process(target=worker_main, args=(spec, self.tickets), name=f"sweep-w{spec.index}")
+            p.start()
+        finally:
+            if spec.gpu is not None:
+                os.environ.pop("CUDA_VISIBLE_DEVICES") if saved is None else os.environ.update(
+                    CUDA_VISIBLE_DEVICES=saved)
+        self.pid = p.pid
+        watched(p, p.join)
+        return p.exitcode
+
+    def requeued(self) -> "WorkerTask":
+        """What a requeued job runs: the trials this one had left, and one for the continuation of the cut one."""
+        return WorkerTask(self.spec, self.tickets.left + 1)
+
+    def _continue_cut_trials(self) -> None:
+        import optuna
+
+        from sweeps.objective import continue_interrupted
+        from sweeps.storage import make_storage, reap_stale
+        study = optuna.load_study(study_name=self.spec.study_name, storage=make_storage(self.spec.storage))
+        continue_interrupted(study, reap_stale(study))

@@ -1,5 +1,6 @@
 """Conversation data: formats, the assistant mask, the held-out split, bad input, training on assistant tokens only."""
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -308,14 +309,17 @@ def test_the_heldout_split_and_coding10_chat_are_eval_suites_with_prompt_lookup_
         f"eval.cache_dir={tmp_path / 'eval'}", "data.conversations.eval_prompts=3", "data.conversations.eval_tokens=8",
         "trainer.max_steps=2"])
     metrics = train(cfg).metrics
-    for suite, n in (("chat_heldout", 3), ("coding10_chat", 10)):
-        pre = f"eval/suite/{suite}/"
+    labels = {k.split("/")[3] for k in metrics if k.startswith("eval/suite/chat_heldout/")}  # the settings (t0 ...)
+    assert labels
+    for suite, n, label in [(s, n, lb) for s, n in (("chat_heldout", 3), ("coding10_chat", 10)) for lb in labels]:
+        pre = f"eval/suite/{suite}/{label}/"
         assert metrics[pre + "num_tasks"] == n
         for key in ("tau_vanilla", "tau_vanilla_ci_low", "tau_vanilla_ci_high", "tau_prompt_lookup",
                     "delta_prompt_lookup"):
             assert pre + key in metrics, pre + key
     out = capsys.readouterr().out
-    assert "| chat_heldout | 3 |" in out and "| coding10_chat | 10 |" in out
+    assert re.search(r"\| chat_heldout \| t0[^|]* \| 3 \|", out)  # suite, setting, prompts
+    assert re.search(r"\| coding10_chat \| t0[^|]* \| 10 \|", out)
     assert "not written by the target in this run" in out
 
 

@@ -145,7 +145,7 @@ def test_the_target_responder_ends_each_turn_at_its_end_token():
     out = target_responder(target, end, 12, batch_size=2)(prompts)
     assert out == [until_end(f, end) for f in free] and len(out[0]) <= 4 and out[0][-1] == end
     assert until_end([1, 2, 3], 9) == [1, 2, 3] and until_end([1, 9, 3, 9], 9) == [1, 9]
-    hot = target_responder(target, None, 12, batch_size=2, temperature=5.0, seed=3)
+    hot = target_responder(target, None, 12, batch_size=2, sampling=5.0, seed=3)
     assert hot(prompts) == hot(prompts) != out and all(len(r) == 12 for r in hot(prompts))  # seeded draws
 
 

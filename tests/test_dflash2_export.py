@@ -14,6 +14,7 @@ from safetensors.torch import load_file
 from torch import nn
 
 from dflash.drafter.model import DFlashDrafter, DrafterConfig
+from dflash.safe_load import MANIFEST
 from dflash.serving.export import TargetFacts, load_drafter, read_serving_config, write_serving_folder
 from tests.test_export import Qwen3Config, Qwen3MLP, Qwen3RMSNorm, Qwen3RotaryEmbedding, RefAttention
 
@@ -167,6 +168,7 @@ def _zlab_folder(tmp_path: Path, **dflash_config) -> Path:
     cfg.pop("dflash_training", None)
     cfg["dflash_config"].update(dflash_config)
     (out / "config.json").write_text(json.dumps(cfg))
+    (out / MANIFEST).unlink()  # theirs carry no checksum manifest (ours is checked when present)
     return out
 
 

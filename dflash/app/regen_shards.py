@@ -19,10 +19,11 @@ import math
 import os
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from dflash.config import ConfigError
+from dflash.data.responders import ServerConfig, validate_server
 
 log = logging.getLogger(__name__)
 
@@ -33,6 +34,10 @@ class RegenConfig:
     epochs: float = 1.0  # written batches per training rank to cover this many passes over the turn prompts
     batches: int = 0  # written batches per training rank (0: from epochs)
     progress: bool = True  # a progress bar on stderr (rank 0): written tok/s and ETA
+    # who writes the responses: `target` (this process's target) or `openai` (an OpenAI-compatible inference
+    # server serving the same target: vLLM, SGLang, transformers serve; `server.*`, dflash.data.responders)
+    backend: str = "target"
+    server: ServerConfig = field(default_factory=ServerConfig)
     # turn by turn: the conversations with every trained assistant turn rewritten by the target (each later turn
     # prompted with its own earlier answers, each ending at its end-of-turn token), written to this .jsonl (then
     # train on it with responses=dataset) instead of shards
@@ -47,6 +52,13 @@ def validate_regen(cfg, regen: RegenConfig) -> None:
                           "+data=conversations data.path=... data.conversations.responses=target")
     if not d.online.shard_dir:
         raise ConfigError("data.online.shard_dir is empty: experiments.regen has nowhere to write its shards")
+    if regen.backend not in ("target", "openai"):
+        raise ConfigError(f"backend={regen.backend!r}: expected target (this process writes) or openai (an "
+                          f"inference server at url=...)")
+    if regen.backend == "openai":
+        validate_server(regen.server)
+        if regen.turns_out:  # the turn-by-turn writer generates with this process's target only, for now
+            raise ConfigError("backend=openai writes shards; regen.turns_out (turn by turn) needs backend=target")
     if regen.turns_out and not regen.turns_out.endswith(".jsonl"):
         raise ConfigError(f"regen.turns_out={regen.turns_out!r}: expected a .jsonl file to write")
     if regen.turn_tokens < 0:
@@ -177,7 +189,9 @@ def run_regen(cfg, regen: RegenConfig) -> dict[str, float]:
                  total, writers[0].cfg.write_batch, writers[0].decode, writers[0].shard_path(0).parent)
         bar = _progress(total, regen.progress and dist.is_main, dist.world)
         t0, written = time.perf_counter(), 0
-        for r, b in todo:
+        if regen.backend == "openai":
+            written = _write_through_server(writers, todo, regen, target.tokenizer, bar)
+        for r, b in todo if regen.backend == "target" else ():
             tokens = writers[r].ensure_shard(b)
             written += tokens
             bar.update(tokens)
@@ -189,6 +203,29 @@ def run_regen(cfg, regen: RegenConfig) -> dict[str, float]:
                 "data/write_batch": float(writers[0].cfg.write_batch)}
     finally:
         shutdown_distributed(dist)
+
+
+def _write_through_server(writers, todo, regen: RegenConfig, tokenizer, bar) -> int:
+    """The shards of `todo` with an inference server writing the responses: enough shards at once to keep
+    `server.concurrency` requests in flight (the responder bounds them); returns the tokens written."""
+    from concurrent.futures import ThreadPoolExecutor, as_completed
+
+    from dflash.data.responders import ServerResponder
+    responder = ServerResponder(regen.server, tokenizer)
+    for w in writers:
+        w.responder = responder
+    at_once = max(1, math.ceil(regen.server.concurrency / writers[0].cfg.write_batch))
+    written = 0
+    try:
+        with ThreadPoolExecutor(max_workers=at_once, thread_name_prefix="dflash-regen") as pool:
+            for fut in as_completed([pool.submit(writers[r].ensure_shard, b) for r, b in todo]):
+                tokens = fut.result()
+                written += tokens
+                bar.update(tokens)
+    finally:
+        responder.close()
+    log.info("regen: %d requests to %s (%d retried)", responder.requests, regen.server.url, responder.retried)
+    return written
 
 
 class _NoBar:
@@ -208,9 +245,15 @@ def _progress(total: int, show: bool, world: int):
                 desc="regen written" if world == 1 else f"regen written (rank 0 of {world})")
 
 
+SHORT_KEYS = {"backend=": "regen.backend=", "url=": "regen.server.url=", "server.": "regen.server."}
+
+
 def regen_config_from(argv: list[str]) -> tuple[RegenConfig, list[str]]:
     """`regen.KEY=VALUE` arguments as a RegenConfig (through the one override parser, dflash/overrides.py); the
-    rest are run-config overrides."""
+    rest are run-config overrides. `backend=`, `url=` and `server.KEY=` are short for regen.backend,
+    regen.server.url and regen.server.KEY."""
     from dflash.overrides import apply_overrides
+    argv = [next((long + a[len(short):] for short, long in SHORT_KEYS.items() if a.startswith(short)), a)
+            for a in argv]
     ours = [a for a in argv if a.startswith("regen.")]
     return apply_overrides(RegenConfig(), ours, prefix="regen."), [a for a in argv if not a.startswith("regen.")]

@@ -144,6 +144,10 @@ class OnlineWriter:
         self.write_s = 0.0
         self.stop_ids = stop_token_ids(target)
         self._degeneracy: dict[str, float] = {}  # sums over the rows measured (`_measure`)
+        # an inference server that writes the responses instead of this process's target
+        # (`dflash.data.responders.ServerResponder`; `python -m experiments.regen backend=openai`); the shards are
+        # the same, keyed alike, since the server serves this target with the same sampling settings
+        self.responder = None
 
     @property
     def size(self) -> int:
@@ -334,13 +338,22 @@ class OnlineWriter:
         acc["rows"] = acc.get("rows", 0.0) + n
 
     def _write(self, b: int) -> torch.Tensor:
-        prompts = [self.pool.prompts[self.prompt_index(g)] for g in self.batch_keys(b)]
-        gen = None
-        if not self.sampling.greedy:
-            gen = torch.Generator(device=self.target.device)
-            gen.manual_seed(((self.cfg.stream_seed * 1_000_003 + self.world) * 1_000_033 + self.rank) * 7_919 + b)
+        with self._lock:  # prompt_index's order cache; a server-backed regen writes several batches at once
+            prompts = [self.pool.prompts[self.prompt_index(g)] for g in self.batch_keys(b)]
+        seed = ((self.cfg.stream_seed * 1_000_003 + self.world) * 1_000_033 + self.rank) * 7_919 + b
         t0 = time.perf_counter()
-        tokens = write_continuations(self.target, prompts, self.seq_len, self.sampling, gen, self.decode)
+        if self.responder is not None:
+            sp = self.sampling
+            rows = self.responder.continue_prompts([list(map(int, p)) for p in prompts],
+                                                   [self.seq_len - len(p) for p in prompts],
+                                                   0.0 if sp.greedy else sp.temperature, seed, sp.top_p, sp.top_k)
+            tokens = torch.tensor([[*map(int, p), *r] for p, r in zip(prompts, rows)], dtype=torch.long)
+        else:
+            gen = None
+            if not self.sampling.greedy:
+                gen = torch.Generator(device=self.target.device)
+                gen.manual_seed(seed)
+            tokens = write_continuations(self.target, prompts, self.seq_len, self.sampling, gen, self.decode)
         dt = time.perf_counter() - t0
         written = sum(self.seq_len - len(p) for p in prompts)
         self.write_s += dt

@@ -1,0 +1,217 @@
+"""Where campaign cells and sweep workers run: one launcher, two backends behind `Launcher.run(task, name)`.
+
+- `local` (the default): on this machine. A task gets one GPU of `gpus` (default: the visible ones) through
+  `CUDA_VISIBLE_DEVICES`, the least busy one, so N GPUs take N tasks one each and more tasks share them as
+  today (a campaign's small cells share one GPU; the budget is in consumed tokens, so that is fair).
+- `slurm`: each task is a job submitted through submitit (the library Hydra's Slurm launcher uses) with its
+  GPUs, CPUs, memory and time limit. On preemption or at the time limit Slurm signals the job; submitit calls the
+  task's `checkpoint()`, which stops the running training process with SIGTERM (the trainer saves a checkpoint on
+  it) and requeues the job, which resumes from that checkpoint. `launcher.executor=local` runs the same jobs
+  through submitit's local executor (tests, no cluster), signals and requeues included.
+
+Keys (`launcher=slurm launcher.timeout_min=240 launcher.partition=gpu ...` on the campaign's or sweep's command
+line): `LauncherConfig`. A task is a picklable callable taking the GPU it was placed on (None: leave the
+environment's; Slurm sets CUDA_VISIBLE_DEVICES for a job's own GPUs) and returning a JSON-able result.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import signal
+import subprocess
+import threading
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+from dflash.config import ConfigError
+
+BACKENDS = ("local", "slurm")
+
+
+@dataclasses.dataclass
+class LauncherConfig:
+    backend: str = "local"  # local | slurm
+    gpus: list[str] | None = None  # local: the GPUs to place tasks on (None: CUDA_VISIBLE_DEVICES or all)
+    executor: str = "slurm"  # slurm backend: "slurm" submits to the cluster, "local" runs submitit's local executor
+    folder: str = ""  # submitit's job files and logs (default: <out>/<name>/submitit)
+    partition: str = ""
+    gpus_per_job: int = 1
+    cpus_per_job: int = 8
+    mem_gb: int = 0  # 0: the partition's default
+    timeout_min: float = 60  # a job's time limit (whole minutes on Slurm); a longer task is requeued and resumes from its checkpoint
+    max_requeues: int = 10  # timeouts / preemptions a task may go through before it is given up
+    signal_delay_s: int = 120  # Slurm signals this long before the limit: time for the trainer's checkpoint
+    additional: dict[str, Any] = dataclasses.field(default_factory=dict)  # more sbatch keys (account, qos, ...)
+
+
+def launcher_config(args: list[str]) -> tuple[LauncherConfig, list[str]]:
+    """`launcher=<backend>` and `launcher.KEY=VALUE` arguments as a LauncherConfig; returns it and the rest."""
+    from dflash.overrides import apply_overrides
+    ours = [a.replace("launcher=", "launcher.backend=", 1) if a.startswith("launcher=") else a
+            for a in args if a.startswith(("launcher=", "launcher."))]
+    cfg = apply_overrides(LauncherConfig(), ours, prefix="launcher.")
+    if cfg.backend not in BACKENDS:
+        raise ConfigError(f"launcher={cfg.backend!r}: expected one of {list(BACKENDS)}")
+    if cfg.executor not in ("slurm", "local"):
+        raise ConfigError(f"launcher.executor={cfg.executor!r}: expected slurm or local (submitit's local executor)")
+    if cfg.timeout_min <= 0 or cfg.gpus_per_job < 0 or cfg.cpus_per_job < 1:
+        raise ConfigError("launcher.timeout_min must be > 0, launcher.cpus_per_job >= 1 and launcher.gpus_per_job >= 0")
+    if cfg.backend == "local" and any(a.startswith("launcher.") and not a.startswith("launcher.gpus=") for a in ours
+                                      if not a.startswith("launcher.backend=")):
+        raise ConfigError(f"{[a for a in ours if not a.startswith(('launcher.backend=', 'launcher.gpus='))]}: "
+                          f"Slurm settings, but launcher=local (give launcher=slurm)")
+    return cfg, [a for a in args if not a.startswith(("launcher=", "launcher."))]
+
+
+def detect_gpus() -> list[str]:
+    vis = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if vis is not None:
+        return [g.strip() for g in vis.split(",") if g.strip() and g.strip() != "-1"]
+    try:
+        import torch
+        return [str(i) for i in range(torch.cuda.device_count())]
+    except Exception:  # noqa: BLE001
+        return []
+
+
+class LocalLauncher:
+    """Tasks in the caller's thread, each on the GPU with the fewest tasks at that moment (thread-safe)."""
+
+    def __init__(self, cfg: LauncherConfig):
+        self.gpus = cfg.gpus if cfg.gpus is not None else detect_gpus()
+        self._busy = {g: 0 for g in self.gpus}
+        self._lock = threading.Lock()
+
+    @contextmanager
+    def placed(self) -> Iterator[str | None]:
+        if not self.gpus:
+            yield None
+            return
+        with self._lock:
+            gpu = min(self.gpus, key=lambda g: self._busy[g])
+            self._busy[gpu] += 1
+        try:
+            yield gpu
+        finally:
+            with self._lock:
+                self._busy[gpu] -= 1
+
+    def run(self, task: Callable[[str | None], Any], name: str) -> Any:
+        with self.placed() as gpu:
+            return task(gpu)
+
+
+class SlurmLauncher:
+    """Each task one submitit job; `run` blocks until its result (a requeued job's included)."""
+
+    def __init__(self, cfg: LauncherConfig, folder: Path):
+        import submitit
+        self.cfg = cfg
+        self.folder = Path(cfg.folder or folder)
+        if cfg.executor == "local":
+            self.executor = submitit.LocalExecutor(folder=str(self.folder), max_num_timeout=cfg.max_requeues)
+            self.executor.update_parameters(timeout_min=cfg.timeout_min, gpus_per_node=cfg.gpus_per_job,
+                                            signal_delay_s=cfg.signal_delay_s)
+        else:
+            self.executor = submitit.SlurmExecutor(folder=str(self.folder), max_num_timeout=cfg.max_requeues)
+            params = dict(time=math.ceil(cfg.timeout_min), gpus_per_node=cfg.gpus_per_job, cpus_per_task=cfg.cpus_per_job,
+                          signal_delay_s=cfg.signal_delay_s, ntasks_per_node=1, **cfg.additional)
+            if cfg.partition:
+                params["partition"] = cfg.partition
+            if cfg.mem_gb:
+                params["mem"] = f"{cfg.mem_gb}GB"
+            self.executor.update_parameters(**params)
+        self._lock = threading.Lock()
+        self.jobs: dict[str, Any] = {}
+
+    def run(self, task: Callable[[str | None], Any], name: str) -> Any:
+        """The task's result; a job that died without one (killed, node lost, out of requeues): the task's
+        `lost(reason)` when it has one (a campaign cell: a failed record, left for the next launch), else raises."""
+        with self._lock:  # update_parameters + submit as one step: the job's name is the task's
+            if self.cfg.executor == "slurm":
+                self.executor.update_parameters(job_name=name)
+            job = self.executor.submit(Requeueable(task))
+            self.jobs[name] = job
+        try:
+            return job.result()
+        except Exception as e:  # noqa: BLE001 - submitit's UncompletedJobError / FailedJobError
+            if not hasattr(task, "lost"):
+                raise
+            return task.lost(f"job {job.job_id} ({self.folder}): {type(e).__name__}: {str(e)[-2000:]}")
+
+
+def make_launcher(cfg: LauncherConfig, folder: Path):
+    return SlurmLauncher(cfg, folder) if cfg.backend == "slurm" else LocalLauncher(cfg)
+
+
+# -- inside a job ---------------------------------------------------------------------------------------------
+_children: list = []  # the training processes this job process runs now (subprocess.Popen or multiprocessing.Process)
+
+
+def call(cmd: list[str], gpu: str | None, **popen) -> int:
+    """`subprocess.call`, on `gpu` when given, with the process known to `Requeueable.checkpoint` (which stops it
+    with SIGTERM before a requeue, so it saves a checkpoint) and stopped with it when the caller is interrupted."""
+    env = dict(popen.pop("env", None) or os.environ)
+    if gpu is not None:
+        env["CUDA_VISIBLE_DEVICES"] = gpu
+    proc = subprocess.Popen(cmd, env=env, **popen)
+    return watched(proc, proc.wait)
+
+
+def watched(proc, wait: Callable[[], Any]) -> Any:
+    """`wait()` for `proc` (a Popen or a started multiprocessing.Process) with it known to `stop_children`."""
+    _children.append(proc)
+    try:
+        return wait()
+    except BaseException:
+        stop_children()
+        raise
+    finally:
+        _children.remove(proc)
+
+
+def stop_children(timeout_s: float = 600) -> None:
+    """SIGTERM to every training process of this job (the trainer saves its checkpoint and exits), then wait."""
+    for proc in list(_children):
+        if isinstance(proc, subprocess.Popen):
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        elif proc.is_alive():
+            proc.terminate()  # multiprocessing: SIGTERM too
+    for proc in list(_children):
+        if isinstance(proc, subprocess.Popen):
+            try:
+                proc.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+        else:
+            proc.join(timeout_s)
+            if proc.is_alive():
+                proc.kill()
+
+
+try:
+    from submitit.helpers import Checkpointable as _Checkpointable
+except ImportError:  # submitit is a dependency; without it only the local backend works
+    _Checkpointable = object  # type: ignore[misc,assignment]
+
+
+class Requeueable(_Checkpointable):
+    """A task as a submitit job that requeues on a timeout or preemption: `checkpoint()` stops the task's
+    training process (SIGTERM: it saves its checkpoint and exits) and resubmits the same task, which resumes it
+    (a cell from its run folder's checkpoint, `sweeps.campaign.cell_command`)."""
+
+    def __init__(self, task: Callable[[str | None], Any]):
+        self.task = task
+
+    def __call__(self) -> Any:
+        return self.task(None)
+
+    def checkpoint(self, *args: Any, **kwargs: Any):
+        """The task's `requeued()` when it has one (what is left of it: a sweep worker's remaining trials)."""
+        import submitit
+        stop_children()
+        task = self.task.requeued() if hasattr(self.task, "requeued") else self.task
+        return submitit.helpers.DelayedSubmission(Requeueable(task))

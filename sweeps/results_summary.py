@@ -205,11 +205,10 @@ def log_summary(c, out: Path, text: str) -> str | None:
     db = Path(out) / "mlflow.db"
     if not db.is_file():
         return None
-    from mlflow.tracking import MlflowClient
-
     from dflash.tracking.run_info import get_or_create_experiment
+    from dflash.tracking.store import open_client
     uri = f"sqlite:///{db.resolve()}"
-    client = MlflowClient(uri)
+    client = open_client(uri)  # the bounded client of every command (a sqlite store made whole first)
     if client.get_experiment_by_name(c.experiment) is None:
         return None
     eid = get_or_create_experiment(client, c.experiment, uri)

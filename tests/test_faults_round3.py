@@ -234,7 +234,7 @@ def test_eval_of_a_run_without_final_uses_the_newest_intact_checkpoint(tmp_path,
     with pytest.warns(RuntimeWarning, match=r"step_00000003\.pt instead.*step_00000007\.pt"):
         metrics = eval_cli.main([str(run_dir), f"eval.suite={suite}", "eval.max_new_tokens=4", "eval.tree_budgets=[2]",
                                  f"eval.cache_dir={tmp_path / 'gt'}", f"--out={tmp_path / 'out'}"])
-    assert "eval/tau_vanilla" in metrics and not marker.exists()
+    assert "eval/tau_served" in metrics and not marker.exists()
     assert json.loads((tmp_path / "out" / "metrics.jsonl").read_text().splitlines()[-1])["step"] == 3
 
 
@@ -276,7 +276,10 @@ def test_every_loss_option_rejects_its_edge_values_before_work(tmp_path, option)
             cfg = _compose(tmp_path, "r", f"+loss={option}", f"loss.{key}={value}")
             validate(cfg)
             assert torch.isfinite(_loss_on_random_blocks(cfg.loss)), (option, key, value)
-    for key in sorted(set(BOUNDS) - set(reads)):  # a key this loss does not read: its value is no error here
+    # the selector's weight is read beside every block loss (a DFlash 2 drafter composes with any): checked for all
+    with pytest.raises(ConfigError, match=r"loss\.selector_alpha=-5"):
+        validate(_compose(tmp_path, "r", f"+loss={option}", "loss.selector_alpha=-5"))
+    for key in sorted(set(BOUNDS) - set(reads) - {"selector_alpha"}):  # a key this loss does not read: no error
         validate(_compose(tmp_path, "r", f"+loss={option}", f"loss.{key}=-5"))
 
 

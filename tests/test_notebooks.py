@@ -178,7 +178,9 @@ def test_ablation_notebook_on_the_committed_store_draws_every_run_readably(commi
     runs = A.load_runs(committed_store, "dflash-ablation")
     nb, text, figs = _execute_described("ablation.ipynb", {"TRACKING_URI": committed_store,
                                                            "EXPERIMENT": "dflash-ablation", "STUDY": "",
-                                                           "CAMPAIGN": "reference"})
+                                                           "CAMPAIGN": "reference",
+                                                           # the store's runs predate eval/tau_served
+                                                           "CAMPAIGN_EDITS": ["campaign.objective=eval/tau_vanilla"]})
     ids = set(runs["run_id"])
     assert len(ids) == 26 and "left out" not in text
     # the campaign's calls respect its own ties (its tables call uniform and proportional ties; gaussian, r10_60 and

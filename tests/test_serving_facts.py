@@ -125,6 +125,7 @@ def _reference_drafter(mask: int = 2, bs: int = 4) -> DFlashDrafter:
 
 
 def test_load_drafter_with_target_refuses_what_sglang_refuses(tmp_path):
+    from dflash.safe_load import MANIFEST
     facts = read_target_facts(TargetConfig(name="r", path=str(REFERENCE), mask_token_id=2))
     ok = save_drafter(_reference_drafter(), tmp_path / "ok", target=facts)
     load_drafter(ok, target=facts)  # fits
@@ -134,6 +135,7 @@ def test_load_drafter_with_target_refuses_what_sglang_refuses(tmp_path):
         cfg = json.loads((folder / "config.json").read_text())
         edit(cfg)
         (folder / "config.json").write_text(json.dumps(cfg))
+        (folder / MANIFEST).unlink()  # a folder edited by hand keeps no manifest: its structure is what is checked
         return folder
 
     # mask_token_id 3 while the tokenizer's <|mask|> is 2

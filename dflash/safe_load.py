@@ -60,7 +60,8 @@ MANIFEST = "checksums.sha256"  # `sha256sum -c checksums.sha256` format: "<hex> 
 PICKLED_WEIGHTS = ("*.bin", "*.pt", "*.pth", "*.ckpt", "*.pkl")
 
 
-def _sha256(path: str | os.PathLike) -> str:
+def file_sha256(path: str | os.PathLike) -> str:
+    """The file's sha256, read in 4 MiB chunks (checkpoints and exported weights are gigabytes)."""
     import hashlib
     h = hashlib.sha256()
     with open(path, "rb") as f:
@@ -73,7 +74,7 @@ def manifest_text(folder: str | os.PathLike) -> str:
     """The manifest of every file directly in `folder` (but the manifest itself), sorted by name."""
     from pathlib import Path
     files = sorted(p for p in Path(folder).iterdir() if p.is_file() and p.name not in (MANIFEST, f".{MANIFEST}.tmp"))
-    return "".join(f"{_sha256(p)}  {p.name}\n" for p in files)
+    return "".join(f"{file_sha256(p)}  {p.name}\n" for p in files)
 
 
 def verify_manifest(folder: str | os.PathLike) -> bool:
@@ -93,7 +94,7 @@ def verify_manifest(folder: str | os.PathLike) -> bool:
         f = folder / name
         if not f.is_file():
             raise UnsafeFileError(f"{f}: listed in {MANIFEST} but missing")
-        if _sha256(f) != digest:
+        if file_sha256(f) != digest:
             raise UnsafeFileError(f"{f}: its sha256 differs from {MANIFEST} (the file changed or is damaged "
                                   f"since it was written); export or copy it again")
     return True

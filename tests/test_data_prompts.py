@@ -188,3 +188,15 @@ def test_header_cuts_add_the_header_with_the_first_body_lines():
     blank_only = 'class A:\n    """Doc."""\n\n    x = 1\n'  # its one cut would add only the blank line
     assert [n for n, _ in header_prompts(blank_only, cuts=1)] == ["A"]
     assert list(got)[:2] == ["m.Bag", "m.Bag@2"]  # each definition's cuts follow its own prompt
+
+
+def test_human_continuations_are_the_rest_of_each_header_prompts_definition():
+    from dflash.data.prompts import header_prompts
+    from dflash.evaluation.heldout import human_continuations
+    src = 'def f(x):\n    """Doc."""\n    return x + 1\n\n\nclass A:\n    """A doc."""\n    def g(self):\n' \
+          '        """g doc."""\n        return 2\n\n\ndef f(y):\n    """Again."""\n    return y\n'
+    prompts = dict(header_prompts(src, "m."))
+    human = human_continuations(src, "m.")
+    assert set(human) == set(prompts) == {"m.f", "m.A", "m.A.g", "m.f-2"}  # the same names, repeats numbered alike
+    assert human["m.f"] == "    return x + 1\n" and human["m.A.g"] == "    return 2\n"
+    assert prompts["m.A.g"] + human["m.A.g"] == 'def g(self):\n    """g doc."""\n    return 2\n'

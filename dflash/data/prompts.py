@@ -62,11 +62,10 @@ def body_cuts(body_lines: int, cuts: int) -> list[int]:
     return sorted(k for k in ks if 1 <= k < body_lines)
 
 
-def header_prompts(source: str, prefix: str = "", cuts: int = 0) -> Iterator[tuple[str, str]]:
-    """(name, prompt) for each function / class with a docstring in `source` (module docstring). `cuts` > 0: after
-    each such prompt, up to `cuts` more of the same definition, its header and docstring followed by the first k
-    lines of its body (`body_cuts`; a cut that adds only blank lines is left out), named `<name>@<k>`: eval-shaped
-    prompts at several points of one body, whose continuations are distinct sequences (data.pool.header_cuts)."""
+def documented_definitions(source: str, prefix: str = "") -> Iterator[tuple[str, ast.AST, list[str], int, int]]:
+    """(name, node, lines, start, end) of each function / class with a docstring in `source`: its name
+    (`<prefix><qualname>`, `-2`, `-3`, … on repeats), the source's lines, the first line of its decorators or header
+    and its docstring's last line (1-based). A source that does not parse has none."""
     try:
         tree = ast.parse(source)
     except (SyntaxError, ValueError):  # ValueError: null bytes
@@ -82,6 +81,15 @@ def header_prompts(source: str, prefix: str = "", cuts: int = 0) -> Iterator[tup
         seen[name] = seen.get(name, 0) + 1
         if seen[name] > 1:
             name = f"{name}-{seen[name]}"
+        yield name, node, lines, start, end
+
+
+def header_prompts(source: str, prefix: str = "", cuts: int = 0) -> Iterator[tuple[str, str]]:
+    """(name, prompt) for each function / class with a docstring in `source` (module docstring). `cuts` > 0: after
+    each such prompt, up to `cuts` more of the same definition, its header and docstring followed by the first k
+    lines of its body (`body_cuts`; a cut that adds only blank lines is left out), named `<name>@<k>`: eval-shaped
+    prompts at several points of one body, whose continuations are distinct sequences (data.pool.header_cuts)."""
+    for name, node, lines, start, end in documented_definitions(source, prefix):
         last = _dedent(lines[start - 1:end], node.col_offset)
         yield name, last
         for k in body_cuts(node.end_lineno - end, cuts) if cuts else ():

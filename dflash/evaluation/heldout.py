@@ -89,22 +89,9 @@ def build_heldout_tasks(cfg: HeldoutSuiteConfig) -> list[Task]:
 def human_continuations(source: str, prefix: str = "") -> dict[str, str]:
     """{header prompt name: the text that follows the prompt in the file}: the rest of the definition's body, dedented
     as the prompt is (`header_prompts` names; the human continuation the target's ground truth is compared with)."""
-    import ast
-
-    from dflash.data.prompts import _BAD_NAME_CHARS, _dedent, _docstring_end, _walk
-    try:
-        tree = ast.parse(source)
-    except (SyntaxError, ValueError):
-        return {}
-    lines, out, seen = source.splitlines(), {}, {}
-    for qual, node in _walk(tree):
-        end = _docstring_end(node)
-        if end is None:
-            continue
-        start = min([node.lineno] + [d.lineno for d in node.decorator_list])
-        name = _BAD_NAME_CHARS.sub("_", prefix + qual)
-        seen[name] = seen.get(name, 0) + 1
-        name = name if seen[name] == 1 else f"{name}-{seen[name]}"
+    from dflash.data.prompts import _dedent, documented_definitions
+    out = {}
+    for name, node, lines, start, end in documented_definitions(source, prefix):
         prompt = _dedent(lines[start - 1:end], node.col_offset)
         whole = _dedent(lines[start - 1:node.end_lineno], node.col_offset)
         if whole.startswith(prompt):

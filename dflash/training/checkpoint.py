@@ -12,7 +12,6 @@ with a warning naming each newer one it had to pass over (and why).
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
@@ -24,7 +23,7 @@ from typing import Any, Callable
 import torch
 
 from dflash.atomic import DiskFullError, atomic_write, atomic_write_text
-from dflash.safe_load import UnsafeFileError, load_plain
+from dflash.safe_load import UnsafeFileError, file_sha256, load_plain
 
 log = logging.getLogger(__name__)
 
@@ -38,14 +37,6 @@ class CheckpointError(ValueError):
 
 def checkpoint_name(step: int) -> str:
     return f"step_{step:08d}.pt"
-
-
-def file_sha256(path: str | os.PathLike) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 22), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def _digest_file(path: Path) -> Path:

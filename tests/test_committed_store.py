@@ -184,7 +184,7 @@ def test_the_recipe_quotes_the_stores_figures(campaign_store):
     assert tau.startswith(f"{cell['value']:.3f} [")
     recipe = (ROOT / "conf" / "recipe" / "best_reference.yaml").read_text()
     ablations = (ROOT / "benchmarks" / "ABLATIONS.md").read_text()
-    assert f"Held-out τ vanilla {tau}" in recipe and f"held-out τ **{tau}**" in ablations
+    assert f"Held-out greedy τ {tau}" in recipe and f"held-out τ **{tau}**" in ablations
     champion = MlflowClient(f"sqlite:///{campaign_store / 'mlflow.db'}").get_model_version_by_alias(
         "dflash-drafter", "champion")
     assert champion.run_id == json.loads((campaign_store.parent / cell["run_dir"] / "mlflow_run.json").read_text())["run_id"]

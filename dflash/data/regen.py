@@ -83,8 +83,10 @@ def greedy_generate(target, prompt_ids_BP: torch.Tensor, max_new_tokens: int,
 
 # -- conversations, turn by turn ----------------------------------------------------------------------------
 def until_end(tokens: list[int], end_id: int | None) -> list[int]:
-    """A response up to and including its first end-of-turn token (the whole of it when there is none)."""
-    return tokens[:tokens.index(end_id) + 1] if end_id is not None and end_id in tokens else tokens
+    """A response up to and including its first end-of-turn token (the whole of it when there is none): the one
+    cut of every writer (`dflash.data.writing.ends_at_stop`)."""
+    from dflash.data.writing import ends_at_stop
+    return tokens[:ends_at_stop(tokens, 0, () if end_id is None else (end_id,))]
 
 
 def target_responder(target, end_id: int | None, max_new_tokens: int, batch_size: int = 16,

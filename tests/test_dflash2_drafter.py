@@ -24,7 +24,7 @@ def _reference_conv(conv, x_bH, y_bH):
         dyn = (W @ x_bH[t]).view(2, K, H // G)
         for c in range(H):
             for j in range(K):
-                src = t - (K - 1 - j)
+                src = t - j  # tap j: j positions back (tap 0 the position itself, z-lab's order)
                 if src < 0:
                     continue
                 prep[t, c] += (conv.base_kernel[0, j, c] + dyn[0, j, c // G]) * x_bH[src, c]
@@ -74,7 +74,7 @@ def _dflash2(bs=6, attn_group=16, sliding=False, V=50, H=32):
     d = DFlashDrafter(cfg, H, num_target_layers=8, mask_token_id=V - 1, target_layer_ids=[0, 1, 2],
                       vocab_size=V).double()
     for layer in d.layers:  # away from the identity start, so the taps matter
-        _randomise(layer.attn_conv), _randomise(layer.mlp_conv)
+        _randomise(layer.attention_conv), _randomise(layer.mlp_conv)
     d.attach_target_head(torch.randn(V, H, dtype=torch.float64), torch.randn(V, H, dtype=torch.float64))
     return d.eval()
 
@@ -121,11 +121,11 @@ def test_windowed_layers_of_dflash2_see_their_whole_block():
 @torch.no_grad()
 def _reference_walk(d, hidden_KH, logits_KV, anchor):
     """The walk written out: position by position, candidate by candidate, score = unary + <pred ⊙ hP, succ>."""
-    s = d.selector
+    s = d.candidate_selector
     prev, tokens = int(anchor), []
     for t in range(hidden_KH.shape[0]):
         unary, cand = logits_KV[t].topk(s.top_k)
-        scores = [float(unary[i]) + float((s.predecessor_codebook[prev] * (hidden_KH[t] @ s.hidden_projection)
+        scores = [float(unary[i]) + float((s.predecessor_codebook[prev] * (hidden_KH[t] @ s.hidden_projection.weight.T)
                                            * s.successor_codebook[int(b)]).sum()) for i, b in enumerate(cand)]
         prev = int(cand[max(range(len(scores)), key=scores.__getitem__)])
         tokens.append(prev)
@@ -135,7 +135,7 @@ def _reference_walk(d, hidden_KH, logits_KV, anchor):
 def test_selector_walk_matches_a_plain_reference_and_q_is_softmax_of_scores():
     d = _dflash2()
     with torch.no_grad():
-        for p in (d.selector.predecessor_codebook, d.selector.successor_codebook, d.selector.hidden_projection):
+        for p in (d.candidate_selector.parameters()):
             p.normal_()  # pair scores as large as the unary ones: the walk must differ from the argmax
     hidden = torch.randn(3, 5, 32, dtype=torch.float64)
     anchors = torch.tensor([3, 7, 11])
@@ -162,15 +162,15 @@ def test_logits_are_scaled_then_soft_capped():
 def test_path_probs_are_the_sampled_walks_q_along_its_own_path():
     d = _dflash2()
     with torch.no_grad():
-        for p in (d.selector.predecessor_codebook, d.selector.successor_codebook, d.selector.hidden_projection):
+        for p in (d.candidate_selector.parameters()):
             p.normal_()
     hidden = torch.randn(3, 5, 32, dtype=torch.float64)
     anchors = torch.tensor([3, 7, 11])
     walk = d.draft(hidden, anchors, temperature=0.8, generator=torch.Generator().manual_seed(0))
-    got = d.selector.path_probs(hidden, d.logits(hidden), anchors, walk.tokens, temperature=0.8)
+    got = d.candidate_selector.path_probs(hidden, d.logits(hidden), anchors, walk.tokens, temperature=0.8)
     want = walk.q(0.8).gather(-1, (walk.candidates == walk.tokens[..., None]).int().argmax(-1, keepdim=True))[..., 0]
     torch.testing.assert_close(got, want)
     off = walk.tokens.clone()
     outside = ~torch.isin(torch.arange(50), walk.candidates[:, 0].flatten())
     off[:, 0] = int(outside.int().argmax())  # a token none of the rows has among its first candidates
-    assert (d.selector.path_probs(hidden, d.logits(hidden), anchors, off, 0.8)[:, 0] == 0).all()
+    assert (d.candidate_selector.path_probs(hidden, d.logits(hidden), anchors, off, 0.8)[:, 0] == 0).all()

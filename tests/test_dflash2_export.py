@@ -1,6 +1,7 @@
-"""The DFlash 2 serving folder: export → load_drafter round trip; an independent re-implementation of the
-DFlash2DraftModel forward, written here from its description (docs/dflash2.md), loads our folder strictly and
-gives our logits within 1e-4; a folder with z-lab's / the trainers' field names loads; mismatched block size or
+"""The DFlash 2 serving folder: export → load_drafter round trip; the tensor names of the published DFlash 2
+checkpoints; a re-implementation of z-lab's DFlash2DraftModel (z-lab/dflash `dflash/model.py` at 07ebd93: its conv
+offsets, selector modules and the key mapping its from_pretrained applies), written here, loads our folder strictly
+and gives our logits and selector scores within 1e-4 and our greedy walk; a folder with z-lab's / the trainers' field names loads; mismatched block size or
 mask id are refused by name."""
 from __future__ import annotations
 
@@ -41,7 +42,9 @@ def _drafter(seed=0, bs=BS) -> DFlashDrafter:
 
 
 class RefConv(nn.Module):
-    """The grouped dynamic causal conv from its description, position by position."""
+    """The grouped dynamic causal conv as z-lab's reference computes it (z-lab/dflash `dflash/model.py` at
+    07ebd93), written again here: offset 0 the position itself, offset o the input o positions back, one
+    dynamic value per channel group, both halves projected from the prepared input."""
 
     def __init__(self, hidden, K, G):
         super().__init__()
@@ -49,25 +52,43 @@ class RefConv(nn.Module):
         self.base_kernel = nn.Parameter(torch.zeros(2, K, hidden))
         self.kernel_projection = nn.Linear(hidden, 2 * K * hidden // G, bias=False)
 
-    def kernel(self, x_bH, which):
-        dyn = self.kernel_projection(x_bH).view(x_bH.shape[0], 2, self.K, -1)[:, which]
-        return self.base_kernel[which] + dyn.repeat_interleave(self.G, dim=-1)  # [bs, K, H]
-
-    def apply(self, v_bH, w_bKH):
+    def convolve(self, v_bH, dyn_bKg, base_KH):
         out = torch.zeros_like(v_bH)
         for t in range(v_bH.shape[0]):
-            for j in range(self.K):
-                if t - (self.K - 1 - j) >= 0:
-                    out[t] += w_bKH[t, j] * v_bH[t - (self.K - 1 - j)]
+            for o in range(self.K):
+                if t - o >= 0:
+                    out[t] += (base_KH[o] + dyn_bKg[t, o].repeat_interleave(self.G)) * v_bH[t - o]
         return out
+
+    def prepare(self, x_bH):
+        dyn = self.kernel_projection(x_bH).view(x_bH.shape[0], 2, self.K, -1)
+        return self.convolve(x_bH, dyn[:, 0], self.base_kernel[0]), dyn[:, 1]
+
+    def finish(self, y_bH, dyn_bKg):
+        return self.convolve(y_bH, dyn_bKg, self.base_kernel[1])
 
 
 class RefSelector(nn.Module):
-    def __init__(self, hidden, vocab, rank):
+    """z-lab's candidate selector: embedding codebooks (stored without `.weight`, read through a key mapping as
+    its `from_pretrained` does), a Linear hidden projection, the walk from the block's anchor."""
+
+    def __init__(self, hidden, vocab, rank, top_k):
         super().__init__()
-        self.predecessor_codebook = nn.Parameter(torch.zeros(vocab, rank))
-        self.successor_codebook = nn.Parameter(torch.zeros(vocab, rank))
-        self.hidden_projection = nn.Parameter(torch.zeros(hidden, rank))
+        self.top_k = top_k
+        self.predecessor_codebook = nn.Embedding(vocab, rank)
+        self.successor_codebook = nn.Embedding(vocab, rank)
+        self.hidden_projection = nn.Linear(hidden, rank, bias=False)
+
+    def select(self, hidden_bH, logits_bV, anchor):
+        unary, cand = logits_bV.topk(self.top_k, dim=-1)
+        proj = self.hidden_projection(hidden_bH)
+        prev, path, scores = torch.tensor(anchor), [], []
+        for t in range(hidden_bH.shape[0]):
+            s = unary[t] + (self.predecessor_codebook(prev) * proj[t] * self.successor_codebook(cand[t])).sum(-1)
+            prev = cand[t, s.argmax()]
+            path.append(int(prev))
+            scores.append(dict(zip(cand[t].tolist(), s.tolist())))
+        return path, scores
 
 
 class RefLayer2(nn.Module):
@@ -78,22 +99,23 @@ class RefLayer2(nn.Module):
         self.mlp = Qwen3MLP(c)
         self.input_layernorm = Qwen3RMSNorm(c.hidden_size, eps=c.rms_norm_eps)
         self.post_attention_layernorm = Qwen3RMSNorm(c.hidden_size, eps=c.rms_norm_eps)
-        self.attn_conv = RefConv(c.hidden_size, d["conv_kernel_size"], d["conv_group_size"])
+        self.attention_conv = RefConv(c.hidden_size, d["conv_kernel_size"], d["conv_group_size"])
         self.mlp_conv = RefConv(c.hidden_size, d["conv_kernel_size"], d["conv_group_size"])
 
     def sub(self, conv, fn, x):  # one block [1, bs, H]
-        w0, w1 = conv.kernel(x[0], 0), conv.kernel(x[0], 1)
-        y = fn(conv.apply(x[0], w0)[None])
-        return conv.apply(y[0], w1)[None]
+        prepared, dyn = conv.prepare(x[0])
+        return conv.finish(fn(prepared[None])[0], dyn)[None]
 
     def forward(self, h, target_hidden, cos, sin):
-        h = h + self.sub(self.attn_conv, lambda x: self.self_attn(x, target_hidden, cos, sin), self.input_layernorm(h))
+        attend = lambda x: self.self_attn(x, target_hidden, cos, sin)  # noqa: E731
+        h = h + self.sub(self.attention_conv, attend, self.input_layernorm(h))
         return h + self.sub(self.mlp_conv, self.mlp, self.post_attention_layernorm(h))
 
 
 class RefDFlash2DraftModel(nn.Module):
-    """DFlash2DraftModel as described: DFlash's KV-injection layers (non-causal in the block: is_causal false,
-    window beyond the context here), a dynamic conv around each sublayer, logits = softcap(multiplier · h·W)."""
+    """DFlash2DraftModel as z-lab's reference builds it: DFlash's KV-injection layers (non-causal in the block:
+    is_causal false, the window beyond the context here), a dynamic conv around each sublayer, logits =
+    softcap(multiplier · h·W), the candidate selector over block positions 1..bs-1."""
 
     def __init__(self, c):
         super().__init__()
@@ -104,17 +126,52 @@ class RefDFlash2DraftModel(nn.Module):
         self.rotary_emb = Qwen3RotaryEmbedding(c)
         self.fc = nn.Linear(len(d["target_layer_ids"]) * c.hidden_size, c.hidden_size, bias=False)
         self.hidden_norm = Qwen3RMSNorm(c.hidden_size, eps=c.rms_norm_eps)
-        self.selector = RefSelector(c.hidden_size, c.vocab_size, d["selector_rank"])
+        self.candidate_selector = RefSelector(c.hidden_size, c.vocab_size, d["selector_rank"], d["selector_top_k"])
 
-    def forward(self, noise_embedding, target_hidden, position_ids, lm_head):
+    def load_checkpoint(self, state):
+        """Strict, after mapping the codebooks' stored names onto their embeddings' `.weight`."""
+        books = {f"candidate_selector.{n}" for n in ("predecessor_codebook", "successor_codebook")}
+        self.load_state_dict({(k + ".weight" if k in books else k): v for k, v in state.items()}, strict=True)
+
+    def hidden(self, noise_embedding, target_hidden, position_ids):
         target_hidden = self.hidden_norm(self.fc(target_hidden))
         cos, sin = self.rotary_emb(noise_embedding, position_ids)
         h = noise_embedding
         for layer in self.layers:
             h = layer(h, target_hidden, cos, sin)
-        logits = self.d["output_multiplier"] * (self.norm(h) @ lm_head.T)
+        return self.norm(h)
+
+    def compute_logits(self, h, lm_head):
+        logits = self.d["output_multiplier"] * (h @ lm_head.T)
         cap = self.d["final_logit_softcapping"]
         return cap * torch.tanh(logits / cap)
+
+
+# the published DFlash 2 checkpoint's tensor names, per layer and outside the layers (z-lab's Qwen3.8-27B drafter,
+# its safetensors header): what an engine's strict load of our export needs
+PUBLISHED_LAYER_KEYS = {
+    "attention_conv.base_kernel", "attention_conv.kernel_projection.weight", "input_layernorm.weight",
+    "mlp.down_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp_conv.base_kernel",
+    "mlp_conv.kernel_projection.weight", "post_attention_layernorm.weight", "self_attn.k_norm.weight",
+    "self_attn.k_proj.weight", "self_attn.o_proj.weight", "self_attn.q_norm.weight", "self_attn.q_proj.weight",
+    "self_attn.v_proj.weight"}
+PUBLISHED_TOP_KEYS = {"candidate_selector.hidden_projection.weight", "candidate_selector.predecessor_codebook",
+                      "candidate_selector.successor_codebook", "fc.weight", "hidden_norm.weight", "norm.weight"}
+
+
+def test_export_has_the_published_checkpoints_tensor_names_and_shapes(tmp_path):
+    d = _drafter()
+    out = write_serving_folder(d, tmp_path / "served", dtype=torch.float32, target=FACTS)
+    state = load_file(str(out / "model.safetensors"))
+    want = PUBLISHED_TOP_KEYS | {f"layers.{i}.{k}" for i in range(2) for k in PUBLISHED_LAYER_KEYS}
+    assert set(state) == want
+    K, G, r = 2, 8, 6  # _drafter's conv_kernel_size, conv_group_size, selector_rank
+    # the published shapes' rules (hidden 6,656: base_kernel [2, 2, 6656], kernel_projection [1664, 6656],
+    # hidden_projection [256, 6656], codebooks [V, 256])
+    assert state["layers.0.attention_conv.base_kernel"].shape == (2, K, H)
+    assert state["layers.0.mlp_conv.kernel_projection.weight"].shape == (2 * K * H // G, H)
+    assert state["candidate_selector.hidden_projection.weight"].shape == (r, H)
+    assert state["candidate_selector.successor_codebook"].shape == (V, r)
 
 
 def test_reference_dflash2_model_loads_our_folder_strictly_and_matches(tmp_path):
@@ -126,10 +183,8 @@ def test_reference_dflash2_model_loads_our_folder_strictly_and_matches(tmp_path)
     assert {"block_size", "conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k", "mask_token_id",
             "target_layer_ids", "output_multiplier", "final_logit_softcapping"} <= set(cfg["dflash_config"])
     assert not (out / "modeling_dflash.py").exists() and "auto_map" not in cfg
-    state = load_file(str(out / "model.safetensors"))
-    assert "selector.predecessor_codebook" in state and "layers.0.attn_conv.base_kernel" in state
     ref = RefDFlash2DraftModel(Qwen3Config.from_pretrained(str(out)))
-    ref.load_state_dict(state, strict=True)
+    ref.load_checkpoint(load_file(str(out / "model.safetensors")))
     ref.eval()
     g = torch.Generator().manual_seed(1)
     feats = torch.randn(1, 20, len(LAYER_IDS), H, generator=g)
@@ -138,13 +193,21 @@ def test_reference_dflash2_model_loads_our_folder_strictly_and_matches(tmp_path)
         ids = torch.full((1, BS), MASK)
         ids[0, 0] = tokens[0, a]
         with torch.no_grad():
-            theirs = ref(F.embedding(ids, d.embed_VH), feats[:, :a].flatten(2), torch.arange(a + BS)[None],
-                         d.lm_head_VH)[0, 1:]
+            h_ref = ref.hidden(F.embedding(ids, d.embed_VH), feats[:, :a].flatten(2), torch.arange(a + BS)[None])
+            theirs = ref.compute_logits(h_ref, d.lm_head_VH)[0, 1:]
             cache = d.new_cache()
             d.extend_context(cache, feats[:, :a], 0)
-            ours = d.logits(d.draft_hidden(cache, tokens[:, a]))[0]
+            hidden = d.draft_hidden(cache, tokens[:, a])
+            ours = d.logits(hidden)[0]
             train = d.logits(d(feats, torch.tensor([[a]]), tokens[:, a:a + 1]))[0, 0]
+            path, scores = ref.candidate_selector.select(h_ref[0, 1:], theirs, int(tokens[0, a]))
+            walk = d.draft(hidden, tokens[:, a])
         assert (ours - theirs).abs().max() < 1e-4 and (train - theirs).abs().max() < 1e-4, a
+        assert walk.tokens[0].tolist() == path, a  # the greedy selector walk picks the reference's path
+        for t, by_token in enumerate(scores):
+            got = dict(zip(walk.candidates[0, t].tolist(), walk.scores[0, t].tolist()))
+            assert got.keys() == by_token.keys()
+            assert max(abs(got[k] - by_token[k]) for k in got) < 1e-4, (a, t)
 
 
 def test_export_then_load_gives_the_same_drafts(tmp_path):

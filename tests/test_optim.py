@@ -27,9 +27,10 @@ def test_muon_takes_the_weight_matrices_and_adamw_the_rest():
     names = {id(p): n for n, p in d.named_parameters()}
     assert all(p.ndim == 2 for p in muon) and len(muon) + len(adamw) == len(list(d.parameters()))
     assert {names[id(p)] for p in muon} >= {"fc.weight", "layers.0.self_attn.q_proj.weight",
-                                           "layers.0.attn_conv.kernel_projection.weight", "selector.hidden_projection"}
-    assert {names[id(p)] for p in adamw} >= {"selector.predecessor_codebook", "layers.0.attn_conv.base_kernel",
-                                            "norm.weight"}
+                                           "layers.0.attention_conv.kernel_projection.weight",
+                                           "candidate_selector.hidden_projection.weight"}
+    assert {names[id(p)] for p in adamw} >= {"candidate_selector.predecessor_codebook",
+                                            "layers.0.attention_conv.base_kernel", "norm.weight"}
 
 
 def test_one_schedule_scales_both_parts_and_keeps_the_ratio():

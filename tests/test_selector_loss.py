@@ -31,7 +31,7 @@ def _problem(N=4, K=5, H=8, V=23, k=4, seed=0):
     anchors = torch.randint(0, V, (N,), generator=g)
     sel = CandidateSelector(H, V, rank=3, top_k=k).double()
     with torch.no_grad():
-        for p in (sel.predecessor_codebook, sel.successor_codebook, sel.hidden_projection):
+        for p in (sel.predecessor_codebook, sel.successor_codebook, sel.hidden_projection.weight):
             p.normal_(generator=g)
     return hidden.requires_grad_(), head, labels, anchors, sel
 
@@ -57,7 +57,7 @@ def _reference(hidden, head, labels, anchors, sel):
                 cand[-1] = gold
             prev = int(anchors[i]) if t == 0 else max(int(labels[i, t - 1]), 0)  # after an ignored one: 0
             scores = torch.stack([_shape(hidden[i, t] @ head[b])
-                                  + (sel.predecessor_codebook[prev] * (hidden[i, t] @ sel.hidden_projection)
+                                  + (sel.predecessor_codebook[prev] * (hidden[i, t] @ sel.hidden_projection.weight.T)
                                      * sel.successor_codebook[b]).sum() for b in cand])
             target = cand.index(gold)
             total = total - torch.log_softmax(scores, 0)[target]
@@ -76,7 +76,7 @@ def test_selector_ce_and_gradients_match_the_plain_reference():
     torch.testing.assert_close(m["selector_ce"], ref, rtol=1e-10, atol=1e-10)
     assert math.isclose(float(m["candidate_recall"]), recall, rel_tol=1e-6)
     assert math.isclose(float(m["selector_acc"]), acc, rel_tol=1e-6)
-    params = [hidden, sel.predecessor_codebook, sel.successor_codebook, sel.hidden_projection]
+    params = [hidden, sel.predecessor_codebook, sel.successor_codebook, sel.hidden_projection.weight]
     got = torch.autograd.grad(m["selector_ce"], params)
     want = torch.autograd.grad(ref, params)
     for a, b in zip(got, want):
@@ -99,7 +99,7 @@ def test_selector_streak_is_the_self_conditioned_walks_matched_prefix():
 
 
 def _drafter_stub(sel, multiplier=1.0):
-    return SimpleNamespace(selector=sel, cfg=SimpleNamespace(output_multiplier=multiplier),
+    return SimpleNamespace(candidate_selector=sel, cfg=SimpleNamespace(output_multiplier=multiplier),
                            shape_logits=lambda x: x * multiplier)
 
 
@@ -149,4 +149,4 @@ def test_run_trains_a_dflash2_drafter_on_the_cpu(tmp_path):
     cfg = json.loads((run / "final" / "config.json").read_text())
     assert cfg["architectures"] == ["DFlash2DraftModel"]
     from dflash.serving.export import load_drafter
-    assert load_drafter(run / "final").selector is not None
+    assert load_drafter(run / "final").candidate_selector is not None

@@ -161,7 +161,7 @@ def bench_serving(cfg: RunConfig, target: Target, b: BenchConfig) -> dict:
         t.device, dtype=t.dtype)
     drafter.attach_target_head(t.embed_weight(), t.lm_head_weight())
     drafter.eval()
-    if drafter.selector is not None:  # DDTree is DFlash 1 only: a DFlash 2 round is its selector walk's block
+    if drafter.candidate_selector is not None:  # DDTree is DFlash 1 only: a DFlash 2 round is its selector walk's block
         budgets = []
     out: dict = {"block_size": drafter.block_size, "budgets": budgets, "contexts": {}}
     for C in contexts:

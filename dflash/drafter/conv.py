@@ -1,16 +1,18 @@
 """`GroupedDynamicCausalConv`: DFlash 2's short causal convolution around each sublayer of a draft layer.
 
-What it computes (z-lab's DFlash 2 description, as carried into the public trainers; docs/dflash2.md):
+What it computes (z-lab's reference, `GroupedDynamicCausalConv` in z-lab/dflash `dflash/model.py` at 07ebd93, and the
+published checkpoints' tensor shapes; docs/dflash2.md):
 - parameters: `base_kernel` [2, K, H] and `kernel_projection` = Linear(H, 2·K·H/G, no bias), K taps, G channels
   per group (K = 2, G = 16 in the published checkpoints);
 - the dynamic kernels are projected from the conv's input x (the sublayer's pre-normed input) at every position:
   `kernel_projection(x_t)` → [2, K, H/G], one value per tap and channel group, shared by the group's G channels;
 - `prepare(x)` convolves x with kernel 0 (base_kernel[0] + dynamic half 0) before the sublayer;
 - `finish(y)` convolves the sublayer's output y with kernel 1 (base_kernel[1] + dynamic half 1);
-- causal inside the block only: out_t = Σ_j w_t[j] ⊙ in_{t-(K-1-j)}, tap K-1 the position itself (the layout of
-  a depthwise `conv1d` with left padding), and positions before the block's first are zeros. In training every
-  anchor's block is convolved on its own, so taps never reach into the previous block.
-- identity at initialisation: base_kernel[:, K-1] = 1, every other tap 0, kernel_projection 0 (the trainers'
+- causal inside the block only: out_t = Σ_j w_t[j] ⊙ in_{t-j}, tap j the input j positions back (tap 0 the
+  position itself: z-lab's offset order, so a published `base_kernel` loads as it is), zeros before the block's
+  first position. The engines run the conv over one block's positions at a time; in training every anchor's block
+  is convolved on its own, so taps never reach into the previous block.
+- identity at initialisation: base_kernel[:, 0] = 1, every other tap 0, kernel_projection 0 (the trainers'
   start: a fresh DFlash 2 layer is the DFlash 1 layer).
 
 Shapes: the block axis is explicit, x [..., bs, H] with bs the block's positions.
@@ -34,10 +36,10 @@ class GroupedDynamicCausalConv(nn.Module):
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        """The identity: the last tap (the position itself) 1, the earlier taps and the dynamic part 0."""
+        """The identity: tap 0 (the position itself) 1, the earlier positions' taps and the dynamic part 0."""
         with torch.no_grad():
             self.base_kernel.zero_()
-            self.base_kernel[:, -1] = 1.0
+            self.base_kernel[:, 0] = 1.0
             self.kernel_projection.weight.zero_()
 
     def kernels(self, x_SbH: torch.Tensor) -> torch.Tensor:
@@ -48,15 +50,12 @@ class GroupedDynamicCausalConv(nn.Module):
         return self.base_kernel.to(dyn.dtype) + dyn
 
     def convolve(self, x_SbH: torch.Tensor, kernel_SbKH: torch.Tensor) -> torch.Tensor:
-        """Σ_j kernel[..., t, j, :] ⊙ x[..., t-(K-1-j), :] along the block axis (-2), zeros before its start."""
-        bs, K = x_SbH.shape[-2], self.kernel_size
-        out = kernel_SbKH[..., K - 1, :] * x_SbH
-        for j in range(K - 1):
-            lag = K - 1 - j
-            if lag >= bs:
-                continue
+        """Σ_j kernel[..., t, j, :] ⊙ x[..., t-j, :] along the block axis (-2), zeros before its start."""
+        bs = x_SbH.shape[-2]
+        out = kernel_SbKH[..., 0, :] * x_SbH
+        for lag in range(1, min(self.kernel_size, bs)):
             shifted = F.pad(x_SbH[..., : bs - lag, :], (0, 0, lag, 0))  # position t holds x[t - lag], 0 before
-            out = out + kernel_SbKH[..., j, :] * shifted
+            out = out + kernel_SbKH[..., lag, :] * shifted
         return out
 
     def prepare(self, x_SbH: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

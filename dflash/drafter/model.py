@@ -18,8 +18,8 @@ Module and parameter names follow the reference `DFlashDraftModel` (z-lab/dflash
 the serving export is a plain state-dict save.
 
 `drafter.architecture=dflash2` (docs/dflash2.md) adds DFlash 2's pieces to the same layers: two
-`GroupedDynamicCausalConv` per layer (dflash/drafter/conv.py: `attn_conv` around attention, `mlp_conv` around the
-MLP, each block convolved on its own), a `CandidateSelector` (dflash/drafter/selector.py) that picks each
+`GroupedDynamicCausalConv` per layer (dflash/drafter/conv.py: `attention_conv` around attention, `mlp_conv` around
+the MLP, each block convolved on its own), a `CandidateSelector` (dflash/drafter/selector.py) that picks each
 position's draft token among the unary top-k (`draft`), logits scaled by `output_multiplier` and soft-capped at
 `final_logit_softcapping`, and windowed layers that see their whole block (`sliding_causal: false`).
 """
@@ -215,7 +215,7 @@ class DrafterLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(hidden, cfg.rms_norm_eps)
         self.mlp = DrafterMLP(hidden, cfg.intermediate_size)
         if cfg.is_dflash2:  # DFlash 2: a dynamic causal conv around each sublayer (dflash/drafter/conv.py)
-            self.attn_conv = GroupedDynamicCausalConv(hidden, cfg.conv_kernel_size, cfg.conv_group_size)
+            self.attention_conv = GroupedDynamicCausalConv(hidden, cfg.conv_kernel_size, cfg.conv_group_size)
             self.mlp_conv = GroupedDynamicCausalConv(hidden, cfg.conv_kernel_size, cfg.conv_group_size)
 
     def _around(self, conv: GroupedDynamicCausalConv | None, sublayer, x_BQH):
@@ -231,7 +231,7 @@ class DrafterLayer(nn.Module):
     def forward(self, block_BQH, rope, ctx_kv, mask):
         q_cos, q_sin = rope
         attend = lambda x: self.self_attn(x, q_cos, q_sin, *ctx_kv, q_cos, q_sin, mask)  # noqa: E731
-        h = block_BQH + self._around(getattr(self, "attn_conv", None), attend, self.input_layernorm(block_BQH))
+        h = block_BQH + self._around(getattr(self, "attention_conv", None), attend, self.input_layernorm(block_BQH))
         return h + self._around(getattr(self, "mlp_conv", None), self.mlp, self.post_attention_layernorm(h))
 
 
@@ -304,13 +304,13 @@ class DFlashDrafter(nn.Module):
         self.hidden_norm = RMSNorm(hidden_size, cfg.rms_norm_eps)
         self.layers = nn.ModuleList(DrafterLayer(hidden_size, cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(hidden_size, cfg.rms_norm_eps)
-        self.selector: CandidateSelector | None = None
+        self.candidate_selector: CandidateSelector | None = None
         if cfg.is_dflash2:
             if not vocab_size:
                 raise ValueError("drafter.architecture=dflash2 needs the target's vocab_size (the selector's "
                                  "codebooks have one row per token)")
-            self.selector = CandidateSelector(hidden_size, vocab_size, cfg.selector_rank, cfg.selector_top_k,
-                                              cfg.init_std)
+            self.candidate_selector = CandidateSelector(hidden_size, vocab_size, cfg.selector_rank,
+                                                        cfg.selector_top_k, cfg.init_std)
         self.register_buffer("embed_VH", torch.empty(0), persistent=False)
         self.register_buffer("lm_head_VH", torch.empty(0), persistent=False)
         self.reset_parameters()
@@ -463,9 +463,9 @@ class DFlashDrafter(nn.Module):
         DFlash 1 the argmax of each position's logits; DFlash 2 the selector's walk (a `SelectorWalk`, whose
         candidates and scores give q over the k candidates; greedy at temperature 0)."""
         logits = self.logits(hidden_SKH)
-        if self.selector is None:
+        if self.candidate_selector is None:
             return logits.argmax(-1)
-        return self.selector.walk(hidden_SKH, logits, anchor_S.to(logits.device), temperature, generator)
+        return self.candidate_selector.walk(hidden_SKH, logits, anchor_S.to(logits.device), temperature, generator)
 
     def draft_tokens(self, hidden_SKH: torch.Tensor, anchor_S: torch.Tensor) -> torch.Tensor:
         """The greedy draft [..., K] (what greedy verification checks), DFlash 1 or 2."""
@@ -476,7 +476,7 @@ class DFlashDrafter(nn.Module):
 def greedy_draft(drafter, hidden_SKH: torch.Tensor, anchor_S: torch.Tensor) -> torch.Tensor:
     """The greedy draft [..., K] of any drafter with `logits` (tests' oracles too): the argmax per position, or a
     DFlash 2 drafter's selector walk."""
-    if getattr(drafter, "selector", None) is not None:
+    if getattr(drafter, "candidate_selector", None) is not None:
         return drafter.draft_tokens(hidden_SKH, anchor_S)
     return drafter.logits(hidden_SKH).argmax(-1)
 

@@ -1,7 +1,9 @@
 """`CandidateSelector`: DFlash 2's choice of each block position's token among the drafter's unary top-k.
 
-Parameters (checkpoint keys without a `.weight` suffix): `predecessor_codebook` [V, r], `successor_codebook`
-[V, r], `hidden_projection` [H, r]; r = `selector_rank` (256 published), k = `selector_top_k` (16).
+Parameters, named as z-lab's `CandidateSelector` (z-lab/dflash `dflash/model.py` at 07ebd93) and the published
+checkpoints: `predecessor_codebook` [V, r] and `successor_codebook` [V, r] (embedding tables, stored without a
+`.weight` suffix), `hidden_projection` = Linear(H, r, no bias) (stored as `hidden_projection.weight` [r, H]);
+r = `selector_rank` (256 published), k = `selector_top_k` (16).
 
 The score of candidate b at block position t after predecessor a:
     s_t(a, b) = unary_t(b) + ⟨pred[a] ⊙ (h_t · P), succ[b]⟩
@@ -44,18 +46,18 @@ class CandidateSelector(nn.Module):
         self.top_k = top_k
         self.predecessor_codebook = nn.Parameter(torch.empty(vocab_size, rank))
         self.successor_codebook = nn.Parameter(torch.empty(vocab_size, rank))
-        self.hidden_projection = nn.Parameter(torch.empty(hidden, rank))
+        self.hidden_projection = nn.Linear(hidden, rank, bias=False)
         self.init_std = init_std
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        for p in (self.predecessor_codebook, self.successor_codebook, self.hidden_projection):
+        for p in (self.predecessor_codebook, self.successor_codebook, self.hidden_projection.weight):
             nn.init.normal_(p, std=self.init_std)
 
     def pair_scores(self, hidden_SH: torch.Tensor, pred_S: torch.Tensor, cand_Sk: torch.Tensor) -> torch.Tensor:
         """⟨pred[a] ⊙ (h · P), succ[b]⟩ for each row's predecessor a and its k candidates b: [..., k]."""
-        gate_Sr = self.predecessor_codebook[pred_S] * (hidden_SH.to(self.hidden_projection.dtype)
-                                                       @ self.hidden_projection)
+        proj = self.hidden_projection
+        gate_Sr = self.predecessor_codebook[pred_S] * proj(hidden_SH.to(proj.weight.dtype))
         return (self.successor_codebook[cand_Sk] * gate_Sr[..., None, :]).sum(-1)
 
     @torch.no_grad()

@@ -64,7 +64,7 @@ class DrafterProposer:
                 d.extend_context(cache, feats[None, cache.length:p], cache.length)
             anchor = truth.tokens[p:p + 1].to(self.device)
             hidden = d.draft_hidden(cache, anchor)
-        if getattr(d, "selector", None) is not None:  # DFlash 2: the selector walk's greedy path (no trees)
+        if getattr(d, "candidate_selector", None) is not None:  # DFlash 2: the selector walk's greedy path (no trees)
             walk = d.draft(hidden, anchor)
             q, order = walk.q()[0].sort(dim=-1, descending=True)
             path_q = None
@@ -169,7 +169,7 @@ class BatchedDrafterProposer:
                 hidden_1nKH = d(feats_TLH[None, :last], chunk_n[None], tokens_T[chunk_n][None])
             logits_nKV = d.logits(hidden_1nKH[0])  # outside autocast, float32 (as DrafterProposer)
             top = packed_topk(logits_nKV.flatten(0, 1), self.k)
-            selector = getattr(d, "selector", None)
+            selector = getattr(d, "candidate_selector", None)
             if selector is not None:  # DFlash 2: the draft is the selector walk's greedy path
                 top[:, 0] = greedy_draft(d, hidden_1nKH[0], tokens_T[chunk_n]).flatten().float()
             packed.append(top.cpu())  # one transfer per chunk
@@ -200,7 +200,7 @@ def selector_path_probs(drafter, hidden_nKH: torch.Tensor, logits_nKV: torch.Ten
     top_p / top_k warp the target's p only); 0 past the path's end."""
     T = tokens_T.numel()
     path = tokens_T[pos_nK.clamp(max=T - 1)]
-    q = drafter.selector.path_probs(hidden_nKH, logits_nKV, tokens_T[anchors_n], path, sampling.temperature)
+    q = drafter.candidate_selector.path_probs(hidden_nKH, logits_nKV, tokens_T[anchors_n], path, sampling.temperature)
     return torch.where(pos_nK < T, q, torch.zeros_like(q))
 
 

@@ -318,7 +318,7 @@ def evaluate(drafter, target, cfg: EvalConfig, tasks: Sequence[Task] | None = No
     # DDTree's tree is verified greedily (the deepest node matching the target's tokens); no lossless rule for a
     # tree at T > 0 is implemented, so trees are reported at T = 0 only (docs/evaluation.md). And DDTree is DFlash 1
     # only: a DFlash 2 draft is its selector's walk, and no tree over selector paths is defined
-    dflash2 = getattr(drafter, "selector", None) is not None
+    dflash2 = getattr(drafter, "candidate_selector", None) is not None
     budgets = [int(b) for b in cfg.tree_budgets] if sampling.greedy and not dflash2 else []
     if dflash2 and cfg.tree_budgets:
         info["ddtree"] = "not run: DDTree is DFlash 1 only (a DFlash 2 draft is its selector walk)"

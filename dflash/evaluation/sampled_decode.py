@@ -72,7 +72,7 @@ def sampled_speculative_decode(drafter, target, prompt_ids, max_new_tokens: int,
     while len(out) < limit:
         with drafter_autocast(drafter, autocast):
             hidden = drafter.draft_hidden(dcache, anchor.to(dev))
-        if getattr(drafter, "selector", None) is not None:  # DFlash 2: the selector walk, q over its candidates
+        if getattr(drafter, "candidate_selector", None) is not None:  # DFlash 2: the selector walk, q over its candidates
             walk = drafter.draft(hidden, anchor.to(dev), 0.0 if sampling.greedy else sampling.temperature, generator)
             draft = walk.tokens[0].to(target.device)
             q_KV = None if sampling.greedy else walk.dense_q(int(drafter.lm_head_VH.shape[0]),

@@ -8,9 +8,9 @@ config.json beyond DFlash 1's Qwen3 fields:
 - `layer_types` (all `sliding_attention` in z-lab's checkpoints), `sliding_window`, `use_sliding_window`;
 - `dflash_config`: `block_size`, `conv_kernel_size`, `conv_group_size`, `selector_rank`, `selector_top_k`,
   `mask_token_id`, `target_layer_ids`, `output_multiplier`, `final_logit_softcapping` (+ `mask_token` when known).
-Weights: the same names as DFlash 1 plus `layers.i.attn_conv.{base_kernel, kernel_projection.weight}`,
-`layers.i.mlp_conv.…` and `selector.{predecessor_codebook, successor_codebook, hidden_projection}` (no `.weight`
-on the codebooks). No modelling file: the engines carry DFlash2DraftModel themselves.
+Weights: the same names as DFlash 1 plus `layers.i.attention_conv.{base_kernel, kernel_projection.weight}`,
+`layers.i.mlp_conv.…` and `candidate_selector.{predecessor_codebook, successor_codebook, hidden_projection.weight}`
+(no `.weight` on the codebooks): the published checkpoints' names (z-lab/dflash `dflash/model.py` at 07ebd93). No modelling file: the engines carry DFlash2DraftModel themselves.
 """
 from __future__ import annotations
 

@@ -114,7 +114,7 @@ class SelectorLoss:
     for training at composition). Same call and attributes as a `Loss`."""
 
     def __init__(self, block_loss, drafter, alpha: float):
-        if drafter.selector is None:
+        if drafter.candidate_selector is None:
             raise ValueError("SelectorLoss needs a drafter with a candidate selector (drafter.architecture=dflash2)")
         self.block, self.drafter, self.alpha = block_loss, drafter, float(alpha)
         self.needs_soft = block_loss.needs_soft
@@ -127,7 +127,7 @@ class SelectorLoss:
         loss, metrics = self.block(hidden_BNKH * m if m != 1.0 else hidden_BNKH, lm_head_VH, batch)
         K, H = hidden_BNKH.shape[-2:]
         terms = selector_terms(hidden_BNKH.reshape(-1, K, H), lm_head_VH, batch.labels_BNK.reshape(-1, K),
-                               batch.anchor_tokens_BN.reshape(-1), d.selector, d.shape_logits)
+                               batch.anchor_tokens_BN.reshape(-1), d.candidate_selector, d.shape_logits)
         sel = selector_metrics(terms)
         metrics.update(sel)
         return loss + self.alpha * sel["selector_ce"], metrics
@@ -135,4 +135,4 @@ class SelectorLoss:
 
 def with_selector(loss_fn, drafter, alpha: float):
     """`loss_fn` itself for a DFlash 1 drafter; wrapped in `SelectorLoss` for a DFlash 2 one."""
-    return loss_fn if getattr(drafter, "selector", None) is None else SelectorLoss(loss_fn, drafter, alpha)
+    return loss_fn if getattr(drafter, "candidate_selector", None) is None else SelectorLoss(loss_fn, drafter, alpha)

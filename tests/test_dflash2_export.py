@@ -280,3 +280,34 @@ def test_export_cli_refuses_a_mismatched_folder_with_exit_2(tmp_path, capsys):
         main([str(out), "--out", str(tmp_path / "again")])
     assert e.value.code == 2 and "dflash_config.block_size" in capsys.readouterr().err
     assert not (tmp_path / "again").exists()
+
+
+def test_load_reads_a_folder_laid_out_as_the_published_checkpoints(tmp_path):
+    """config.json with exactly the published DFlash 2 drafter's fields (its Qwen3.8-27B config, dimensions
+    scaled down): transformers-5 `rope_parameters` only, `dtype`, everything DFlash 2 in `dflash_config`."""
+    d = _drafter()
+    out = write_serving_folder(d, tmp_path / "published", dtype=torch.float32)
+    c = d.cfg
+    published = {
+        "architectures": ["DFlash2DraftModel"], "attention_bias": False, "attention_dropout": 0.0,
+        "bos_token_id": 0, "is_causal": False,
+        "dflash_config": {"block_size": BS, "conv_group_size": c.conv_group_size,
+                          "conv_kernel_size": c.conv_kernel_size, "final_logit_softcapping": 4.0,
+                          "mask_token_id": MASK, "output_multiplier": 0.8, "selector_rank": c.selector_rank,
+                          "selector_top_k": c.selector_top_k, "target_layer_ids": LAYER_IDS},
+        "dtype": "float32", "eos_token_id": 1, "head_dim": c.head_dim, "hidden_act": "silu", "hidden_size": H,
+        "initializer_range": 0.02, "intermediate_size": c.intermediate_size,
+        "layer_types": ["sliding_attention"] * 2, "max_position_embeddings": 4096, "max_window_layers": 2,
+        "model_type": "qwen3", "num_attention_heads": c.num_heads, "num_hidden_layers": 2,
+        "num_key_value_heads": c.num_kv_heads, "num_target_layers": N_TARGET, "pad_token_id": 2,
+        "rms_norm_eps": c.rms_norm_eps, "rope_parameters": {"rope_theta": 10_000.0, "rope_type": "default"},
+        "sliding_window": 64, "tie_word_embeddings": False, "transformers_version": "5.15.0", "use_cache": False,
+        "use_sliding_window": True, "vocab_size": V}
+    (out / "config.json").write_text(json.dumps(published))
+    (out / MANIFEST).unlink()
+    back = load_drafter(out, target=FACTS)
+    back.attach_target_head(d.embed_VH, d.lm_head_VH)
+    assert back.block_size == BS and back.cfg.sliding_causal is False and back.cfg.rope_theta == 10_000.0
+    hidden = torch.randn(3, BS - 1, H)
+    anchors = torch.tensor([1, 2, 3])
+    assert torch.equal(d.draft(hidden, anchors).tokens, back.eval().draft(hidden, anchors).tokens)

@@ -27,7 +27,7 @@ STAGE=${1:?stage a, b, c, d, e, f or g}
 OUT=${OUT:-gpu_out}
 W=gpu_work/$STAGE
 mkdir -p "$OUT" "$W"
-source "$(dirname "$0")/gpu/wheels.sh" || exit 1  # our dependencies beside the machine's torch / transformers / triton
+source "$(dirname "$0")/leased_gpu/wheels.sh" || exit 1  # our dependencies beside the machine's torch / transformers / triton
 export PYTHONUNBUFFERED=1
 # Stages a-g ran before +trainer=gpu turned on the compiled drafter: pinned off here so they reproduce as run.
 BIG="+target=qwen3_6_27b_random +drafter=published bench.seq_len=2048 bench.anchors=256 trainer.compile=false trainer.pad_multiple=1"

@@ -36,9 +36,9 @@ W=${WORK:-gpu_work/conversations}  # kept on a warm machine between calls; logs 
 mkdir -p "$W" "$OUT/conversations" && W=$(cd "$W" && pwd)
 STAGES=${STAGES:-regen ahead loop}
 has() { [[ " $STAGES " == *" $1 "* ]]; }
-source "$(dirname "$0")/job_env.sh"  # wheels (datasets among them), PYTHONPATH, the job environment
+source "$(dirname "$0")/../leased_gpu/job_env.sh"  # wheels (datasets among them), PYTHONPATH, the job environment
 PY=${PY:-python}
-$PY -c "import datasets" || { echo "error: Hugging Face datasets is not importable (add its wheels to a wheel folder: benchmarks/gpu/wheel_folders.py)"; exit 1; }
+$PY -c "import datasets" || { echo "error: Hugging Face datasets is not importable (add its wheels to a wheel folder: benchmarks/leased_gpu/wheel_folders.py)"; exit 1; }
 T0=$SECONDS
 left() { echo $(( ${LIMIT:-530} - (SECONDS - T0) )); }
 cap() { local want=$1 reserve=$2; local l=$(( $(left) - reserve )); echo $(( l < want ? l : want )); }

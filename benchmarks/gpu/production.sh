@@ -20,7 +20,7 @@ set -uo pipefail
 OUT=${OUT:-gpu_out}
 W=$OUT/production
 mkdir -p "$W" && W=$(cd "$W" && pwd)  # absolute: $OUT may be either
-source "$(dirname "$0")/wheels.sh" || exit 1  # our dependencies beside the machine's torch / transformers / triton
+source "$(dirname "$0")/../leased_gpu/wheels.sh" || exit 1  # our dependencies beside the machine's torch / transformers / triton
 export PYTHONUNBUFFERED=1
 T0=$SECONDS
 left() { echo $(( 530 - (SECONDS - T0) )); }

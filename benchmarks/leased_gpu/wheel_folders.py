@@ -1,8 +1,8 @@
 """Spread the GPU machine's missing wheels over the folders a device call carries, and say the room left.
 
-    bash ../shared/tools/gpu-wheels.sh /tmp/wheels && python benchmarks/gpu/wheel_folders.py /tmp/wheels
-    python benchmarks/gpu/wheel_folders.py /tmp/wheels --folders 4   # a set number of folders
-    python benchmarks/gpu/wheel_folders.py --check          # the room left beside the folders there now
+    bash ../shared/tools/gpu-wheels.sh /tmp/wheels && python benchmarks/leased_gpu/wheel_folders.py /tmp/wheels
+    python benchmarks/leased_gpu/wheel_folders.py /tmp/wheels --folders 4   # a set number of folders
+    python benchmarks/leased_gpu/wheel_folders.py --check          # the room left beside the folders there now
 
 A call carries the working tree (tracked files and untracked ones git does not ignore) and the paths it names, 64 MiB
 in all. The tree holds the reference target's weights (36.9 MB) and the committed campaign and sweep stores, which

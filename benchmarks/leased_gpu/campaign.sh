@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One H200: the ablation campaign (conf/campaign/<name>.yaml) in GPU jobs of under ten minutes.
 #
-#   DEADLINE=400 bash benchmarks/gpu/campaign.sh [campaign] [run overrides ...]      (default campaign: reference)
+#   DEADLINE=400 bash benchmarks/leased_gpu/campaign.sh [campaign] [run overrides ...]      (default campaign: reference)
 #
 # 1. Continues campaign_out/ as a warm machine kept it (with its checkpoints: cut cells resume), else the committed
 #    campaign, if any: benchmarks/ablations/campaign_out.tar.xz (campaign_out/ without weights) is unpacked, so

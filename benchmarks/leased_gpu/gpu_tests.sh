@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One H200 call: the GPU-marked tests (`pytest -m gpu`), so that a call's limit costs the failures' text of nothing.
 #
-#   bash benchmarks/gpu/gpu_tests.sh [pytest args, e.g. -k "not training_steps" or tests/test_eval_gpu.py]
+#   bash benchmarks/leased_gpu/gpu_tests.sh [pytest args, e.g. -k "not training_steps" or tests/test_eval_gpu.py]
 #
 # Sessions 22 and 23 lost what failed: a plain `timeout N pytest …` kills pytest with SIGTERM before its summary, the
 # only place a failure's text is printed (session 23's `test_real_decoding_on_gpu[float32]` showed as one "F").
@@ -46,7 +46,7 @@ out = Path(sys.argv[1])
 ran = set(re.findall(r"^(\S+::\S+) (?:PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS)", (out / "gpu_tests.log").read_text(), re.M))
 left = [t for t in (out / "gpu_tests_selected.txt").read_text().split() if t not in ran]
 (out / "gpu_tests_not_run.txt").write_text("".join(f"{t}\n" for t in left))
-print(f"== not reached ({len(left)}), in $OUT/gpu_tests_not_run.txt; the next call: bash benchmarks/gpu/gpu_tests.sh "
+print(f"== not reached ({len(left)}), in $OUT/gpu_tests_not_run.txt; the next call: bash benchmarks/leased_gpu/gpu_tests.sh "
       + " ".join(f"'{t}'" for t in left))
 EOF
 fi

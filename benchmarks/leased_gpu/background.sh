@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # A GPU job longer than one device call (ten minutes), on one warm machine, without cutting it at each call's end.
 #
-#   bash benchmarks/gpu/background.sh start NAME COMMAND [ARG ...]   # returns at once; the job runs on
-#   bash benchmarks/gpu/background.sh wait NAME SECONDS [WATCH ...]  # until the job ends or SECONDS pass
+#   bash benchmarks/leased_gpu/background.sh start NAME COMMAND [ARG ...]   # returns at once; the job runs on
+#   bash benchmarks/leased_gpu/background.sh wait NAME SECONDS [WATCH ...]  # until the job ends or SECONDS pass
 #
 # The device tool kills what a call leaves running when it returns, except a process that started a new session
 # (setsid), which runs on until the machine goes back (30 s after the last call returns; /work/.library/device).

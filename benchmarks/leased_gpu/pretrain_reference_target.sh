@@ -6,7 +6,7 @@
 #      time left (90% of the measured rate), EXTRA overrides appended (e.g. EXTRA="lr=0.002 compile=default");
 #   3. the folder, results and logs tarred and split into 15 MB pieces under $OUT (reassemble: cat | tar x).
 # Usage (repo root, wheels installed): [SHAPE=h384_l8] [EXTRA=...] [STEPS=N] [BATCH=128] [INTERMEDIATE=1]
-#   bash benchmarks/gpu/pretrain_reference_target.sh [TOTAL_S] [SHAPE_S]
+#   bash benchmarks/leased_gpu/pretrain_reference_target.sh [TOTAL_S] [SHAPE_S]
 # A longer run: the same command with the same STEPS (and BATCH) in back-to-back calls on one warm machine (/tmp/pt
 # persists there). INTERMEDIATE=1 on every job but the last: that job only checkpoints (finalize_every_job=false),
 # so its ~110 s of final scoring go to training; the last job, without it, scores and writes the folder.

@@ -2,9 +2,9 @@
 # One H200: an Optuna sweep (conf/sweep/<name>.yaml) in GPU jobs of under ten minutes, trials cut by the job's
 # limit continuing in the next job.
 #
-#   N=4 WORKERS=2 DEADLINE=300 bash benchmarks/gpu/sweep.sh [sweep] [run overrides ...]    (default sweep: loss_variants)
-#   TRUTH=campaign_out/reference_64m/truth N=4 WORKERS=4 DEADLINE=400 bash benchmarks/gpu/sweep.sh recipe_reference
-#   TRUTH=campaign_out/reference_64m/truth N=1 WORKERS=1 bash benchmarks/gpu/sweep.sh recipe_reference 'rerun=[30]'
+#   N=4 WORKERS=2 DEADLINE=300 bash benchmarks/leased_gpu/sweep.sh [sweep] [run overrides ...]    (default sweep: loss_variants)
+#   TRUTH=campaign_out/reference_64m/truth N=4 WORKERS=4 DEADLINE=400 bash benchmarks/leased_gpu/sweep.sh recipe_reference
+#   TRUTH=campaign_out/reference_64m/truth N=1 WORKERS=1 bash benchmarks/leased_gpu/sweep.sh recipe_reference 'rerun=[30]'
 #     (the best trial trained again from scratch, when its drafter went with an earlier machine: the gate reads it)
 #
 # 1. Continues the sweep store: sweeps_out/ as a warm machine kept it (trial run dirs WITH their checkpoints), else
@@ -30,7 +30,7 @@
 # 220, which cut a resuming job with a short DEADLINE long before its call's limit), STUDY (default: the sweep's
 # name), STORE, TRUTH, CAMPAIGN_STORE, OUT (default gpu_out), PROMOTE (new / 1 / 0: the best trial through the gate, below), PROMOTE_ARGS, DRAFTER (0: the best drafter is
 # gated and not brought back: a call brings back 8 files, and an 8-layer drafter takes 3), PY (python).
-# The GPU machine lacks our stack's wheels: ship them in .whl/, .whl2/, ... (wheel_folders.py) as for benchmarks/gpu/campaign.sh.
+# The GPU machine lacks our stack's wheels: ship them in .whl/, .whl2/, ... (wheel_folders.py) as for benchmarks/leased_gpu/campaign.sh.
 set -uo pipefail
 S=${1:-loss_variants}
 shift || true

@@ -3,7 +3,7 @@
 # in .whl/, .whl2/, ... one folder per call on the same warm machine, because the 64 MiB a call carries cannot hold
 # the working tree and all of them at once: each call installs the folder it carries into /tmp/site, which lasts
 # until the machine goes back (30 s after a call). Make the folders with
-# `python benchmarks/gpu/wheel_folders.py <gpu-wheels.sh's folder>` (the fewest that each leave 3 MB beside the tree:
+# `python benchmarks/leased_gpu/wheel_folders.py <gpu-wheels.sh's folder>` (the fewest that each leave 3 MB beside the tree:
 # two of 11.2 MB beside session 23's stores packed as SQL text, 7.8 MB left); `--check` prints the room left beside
 # each; it keeps wheels that share a top-level folder (opentelemetry-*) in one folder, because pip's --target
 # --upgrade replaces such a folder wholesale (session 21: mlflow lost opentelemetry.sdk so). Checked on a fresh H200

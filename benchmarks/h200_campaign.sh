@@ -13,8 +13,8 @@
 # c  The split layout (target GPU 0, drafter GPU 1); then 8 more trials of stage a's loss sweep, one worker per
 #    GPU (copy stage a's loss_variants.journal and sweep.db into gpu_carry/ and carry it).
 # d  (superseded by e, not run) the grouped-anchor drafter step beside the one-call step; the split layout.
-# e  Session 4, before/after in one process each. GPU 0: the drafter step under every speed setting
-#    (attention kernel, fused LM-head loss, torch.compile) beside today's default and the session-3 default.
+# e  2026-11-30, before/after in one process each. GPU 0: the drafter step under every speed setting
+#    (attention kernel, fused LM-head loss, torch.compile) beside today's default and the 2026-11-30 default.
 #    GPU 1: the one-H200 pipeline, inline producer (default) beside the producer thread, sync sites with stacks.
 #    (As run, the kernels had their first names, sdpa = K/V heads expanded and sdpa_gqa = masked GQA; they are
 #    sdpa_expanded and sdpa now, and this stage is written with today's names.)
@@ -95,7 +95,7 @@ stage_d() {  # next: grouped vs one-call drafter attention and the sync sites (G
     results=$W/RESULTS_27b_2gpu_split.md "$(db bench27b_split)" > $W/bench27b_split.log 2>&1
 }
 
-OLD="loss.lm_head_grad=recompute"  # session 3's default step (masked-GQA SDPA, recomputing LM-head loss)
+OLD="loss.lm_head_grad=recompute"  # the 2026-11-30 default step (masked-GQA SDPA, recomputing LM-head loss)
 
 stage_e() {
   ( export CUDA_VISIBLE_DEVICES=0

@@ -29,7 +29,7 @@ def _losses(run_dir):
 
 
 def _stage(packed: Path, tmp: Path) -> Path:
-    """What the next session's calls do: one folder per call, each copied into one staging folder."""
+    """What the later calls do: one folder per call, each copied into one staging folder."""
     staged = tmp / "staged"
     staged.mkdir()
     for folder in carry.folders(packed, tmp / ".carry"):

@@ -7,8 +7,8 @@
 #    speed setting beside the default in the same process (before / after):
 #      target:   target.fused_ops=off (transformers' own norms, MLP and attention; the default compiles them fused);
 #      drafter:  loss.lm_head_kernel=torch (the torch LM-head chunk; the default runs it on two Triton kernels);
-#      pipeline: both of those off (the pre-session-11 pipeline), then trainer.producer_stream=side (the target's
-#                forwards on their own stream; a tie with the default in session 11);
+#      pipeline: both of those off (the pre-2026-12-01 pipeline), then trainer.producer_stream=side (the target's
+#                forwards on their own stream; a tie with the default on 2026-12-01);
 # 2. what τ buys (bench.sections=serving): greedy decode step, block verify (B = 16), DDTree verify of 16 / 64 /
 #    256 nodes, re-advance and the drafter's round, after 1 K / 2 K / 4 K / 8 K tokens of context;
 # 3. time allowing: the CUDA-graph drafter in the pipeline and trainer.compile_mode=max-autotune-no-cudagraphs

@@ -10,8 +10,8 @@
 # memorization guard judges; default 220 M: 3.8 epochs of the GPU machine's 180,736-prompt installed pool), CORPUS
 # (data.corpus.scope, default installed), BASE (the run's groups, default "+trainer=gpu drafter.num_layers=5
 # +eval=off"; e.g. "+recipe=best_reference" with TOKENS its budget), EXTRA (more overrides, first job only), PY.
-# Across sessions (benchmarks/leased_gpu/carry.py): RETURN=<the device's $OUT> packs the run folder and its MLflow store
-# there in checked parts after the job; a later session stages those parts in CARRY_IN (default /tmp/carry), one
+# Across machines (benchmarks/leased_gpu/carry.py): RETURN=<the device's $OUT> packs the run folder and its MLflow store
+# there in checked parts after the job; later calls stage those parts in CARRY_IN (default /tmp/carry), one
 # call per part, and the job that finds no run in OUT restores it from there and resumes it:
 #   RETURN=$OUT RUN_S=480 BASE=+recipe=best_reference TOKENS=<its budget> CORPUS=stdlib \
 #     EXTRA="eval.truth_dir=$PWD/gpu_work/recipe/truth" bash benchmarks/leased_gpu/online_run.sh gpu_work/recipe

@@ -13,7 +13,7 @@
 set -o pipefail
 TOTAL=${1:-560}; SHAPE_S=${2:-25}; OUT=${OUT:-/tmp/pt_out}; T0=$(date +%s)
 W=/tmp/pt; mkdir -p $W $OUT
-BATCH=${BATCH:-128}   # the recipe's batch (experiments.pretrain_target); 32 before session 10
+BATCH=${BATCH:-128}   # the recipe's batch (experiments.pretrain_target); 32 before 2026-12-01
 export PYTHONUNBUFFERED=1
 SPLIT="--split-newlines"; [[ "$EXTRA" == *tokenizer_split_newlines=false* ]] && SPLIT=""  # the recipe splits newlines
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__, torch.cuda.get_device_name())"
@@ -26,7 +26,7 @@ import json; d=json.load(open('$W/shapes.json'))
 ok = {k: v for k, v in d['shapes'].items() if v['bf16_mb'] < 40}
 s = min(ok, key=lambda k: ok[k]['val_loss']); print(s, ok[s]['tok_s'])")
 fi
-RATE=${RATE:-$([ "$BATCH" = 128 ] && echo 259853 || echo 132851)}   # tok/s measured at that batch (sessions 10, 5)
+RATE=${RATE:-$([ "$BATCH" = 128 ] && echo 259853 || echo 132851)}   # tok/s measured at that batch (2026-12-01)
 LEFT=$(( TOTAL - ($(date +%s) - T0) - 25 ))   # 25 s for the tar at the end
 FINAL=110                                      # final eval, probes, save, continuations (Triton compiles)
 if [ -n "$INTERMEDIATE" ]; then FINAL=15; EXTRA="$EXTRA finalize_every_job=false"; fi  # checkpoint only

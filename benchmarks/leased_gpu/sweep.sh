@@ -23,7 +23,7 @@
 # 4. TRUTH=campaign_out/<name>/truth: the trials evaluate on that pinned ground truth (eval.truth_dir), extracted from
 #    the committed campaign store ($CAMPAIGN_STORE, default benchmarks/ablations/campaign_out.tar.xz) when this
 #    machine lacks it: they then pair prompt for prompt with that campaign's cells and with every launch before.
-#    (Session 18 left the extraction out of one call on a fresh machine: the launch built the truth again from the
+#    (2026-12-02 left the extraction out of one call on a fresh machine: the launch built the truth again from the
 #    target, the same tokens, 71 s more.)
 # Env: N (trials this job adds, default 4), WORKERS (default 2), DEADLINE (s, default 300), LIMIT (s, the device
 # call's own limit, default 590), HARD (s, default LIMIT - 60: the packing after it needs the rest; not DEADLINE +
@@ -87,7 +87,7 @@ EOF
 gate_and_split "$OUT"  # job_env.sh: the best trial through the gate (PROMOTE), a large drafter in parts
 pack_store "$OUT/sweep.tar.xz" sweeps_out/mlflow.db sweeps_out  # job_env.sh
 # the study as one table: a cut trial's row says how many seconds the next job needs for it, starting, training and
-# evaluating (sessions 17 and 18 cut 8-layer trials 7-30 s of training short of their end: a fresh machine cannot
+# evaluating (2026-12-02 cut 8-layer trials 7-30 s of training short of their end: a fresh machine cannot
 # continue them)
 $PY -m sweeps.launch "$S" report out=sweeps_out study="$STUDY" > "$OUT/report.md" 2>&1 && cat "$OUT/report.md" >&2
 ls -la "$OUT" >&2

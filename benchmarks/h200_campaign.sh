@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU runs behind benchmarks/RESULTS.md exactly as run on a
+# The GPU runs behind benchmarks/log/2026-11-30.md exactly as run on a
 # 2 x H200 machine:   bash benchmarks/h200_campaign.sh <stage>      (stages a-g; g on one H200)
 # Everything a stage writes lands in $OUT (default ./gpu_out): logs, MLflow sqlite files, results tables,
 # packed into one tarball at the end. Each stage keeps inside 10 minutes of wall time.

@@ -22,7 +22,7 @@
 # Wheels: with TRACKING=+tracking=off (metrics still land in each run's metrics.jsonl, which the table reads) the
 # machine needs only hydra-core, omegaconf, antlr4-python3-runtime, fla-core, flash-linear-attention, datasets, dill,
 # multiprocess and fsspec (about 3 MiB): a fresh machine takes them in the same call as the 44 MiB working tree.
-# Measured on 2026-12-02 (benchmarks/RESULTS.md): regen writes 64 rows of 2,048 tokens in about 88 s; a training
+# Measured on 2026-12-02 (benchmarks/log/2026-12-02.md): regen writes 64 rows of 2,048 tokens in about 88 s; a training
 # stage's first step comes about 65 s (ahead; a warm compile cache) to 256 s (in the loop, fresh machine: the first
 # batch, the first target forward's autotuning, 97 s of compilation) after its loop begins, and the budgets count
 # from there, so LOOP_S well past 270 s sees the in-loop writer beside training.

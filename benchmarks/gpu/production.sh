@@ -15,7 +15,7 @@
 #    (inductor autotunes every matmul: slow to compile), read against stage 1's defaults.
 # Each stage is its own process under `timeout`, so one that runs long cannot take the others' figures. Every
 # stage writes a RESULTS entry (table + raw JSON with target, drafter, seq_len, anchors, GPUs) and a sqlite MLflow
-# store under $OUT/production; the end prints the short table. Copy the entries into benchmarks/RESULTS.md.
+# store under $OUT/production; the end prints the short table. Copy the entries into the day's log, benchmarks/log/<date>.md.
 set -uo pipefail
 OUT=${OUT:-gpu_out}
 W=$OUT/production

@@ -10,7 +10,7 @@ the drafter is a random one of the config's shape (its τ is about 1, so the rea
 token: the most rounds a drafter can cost). Each part runs twice, back to back: the first pass pays for what a
 process pays once (Triton compiling and tuning kernels for each new shape, the allocator), the second is the
 steady cost. Why it exists: on the H200, `tests/test_eval_gpu.py::test_real_decoding_on_gpu` took 187 s (float32)
-and 206 s (bfloat16) for an evaluation that takes 40 s on two CPU cores (`benchmarks/RESULTS.md`, session 26).
+and 206 s (bfloat16) for an evaluation that takes 40 s on two CPU cores (`benchmarks/log/2026-12-03.md`).
 """
 from __future__ import annotations
 

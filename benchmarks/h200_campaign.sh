@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU runs behind benchmarks/RESULTS.md exactly as run on a
+# The GPU runs behind benchmarks/log/2026-11-30.md exactly as run on a
 # 2 x H200 machine:   bash benchmarks/h200_campaign.sh <stage>      (stages a-g; g on one H200)
 # Everything a stage writes lands in $OUT (default ./gpu_out): logs, MLflow sqlite files, results tables,
 # packed into one tarball at the end. Each stage keeps inside 10 minutes of wall time.
@@ -13,8 +13,8 @@
 # c  The split layout (target GPU 0, drafter GPU 1); then 8 more trials of stage a's loss sweep, one worker per
 #    GPU (copy stage a's loss_variants.journal and sweep.db into gpu_carry/ and carry it).
 # d  (superseded by e, not run) the grouped-anchor drafter step beside the one-call step; the split layout.
-# e  Session 4, before/after in one process each. GPU 0: the drafter step under every speed setting
-#    (attention kernel, fused LM-head loss, torch.compile) beside today's default and the session-3 default.
+# e  2026-11-30, before/after in one process each. GPU 0: the drafter step under every speed setting
+#    (attention kernel, fused LM-head loss, torch.compile) beside today's default and the 2026-11-30 default.
 #    GPU 1: the one-H200 pipeline, inline producer (default) beside the producer thread, sync sites with stacks.
 #    (As run, the kernels had their first names, sdpa = K/V heads expanded and sdpa_gqa = masked GQA; they are
 #    sdpa_expanded and sdpa now, and this stage is written with today's names.)
@@ -27,7 +27,7 @@ STAGE=${1:?stage a, b, c, d, e, f or g}
 OUT=${OUT:-gpu_out}
 W=gpu_work/$STAGE
 mkdir -p "$OUT" "$W"
-source "$(dirname "$0")/gpu/wheels.sh" || exit 1  # our dependencies beside the machine's torch / transformers / triton
+source "$(dirname "$0")/leased_gpu/wheels.sh" || exit 1  # our dependencies beside the machine's torch / transformers / triton
 export PYTHONUNBUFFERED=1
 # Stages a-g ran before +trainer=gpu turned on the compiled drafter: pinned off here so they reproduce as run.
 BIG="+target=qwen3_6_27b_random +drafter=published bench.seq_len=2048 bench.anchors=256 trainer.compile=false trainer.pad_multiple=1"
@@ -95,7 +95,7 @@ stage_d() {  # next: grouped vs one-call drafter attention and the sync sites (G
     results=$W/RESULTS_27b_2gpu_split.md "$(db bench27b_split)" > $W/bench27b_split.log 2>&1
 }
 
-OLD="loss.lm_head_grad=recompute"  # session 3's default step (masked-GQA SDPA, recomputing LM-head loss)
+OLD="loss.lm_head_grad=recompute"  # the 2026-11-30 default step (masked-GQA SDPA, recomputing LM-head loss)
 
 stage_e() {
   ( export CUDA_VISIBLE_DEVICES=0

@@ -5,7 +5,7 @@ process, on the machine's own corpus and the run's target tokenizer (the shipped
     python benchmarks/pool_build.py data.pool.size=20000 data.corpus.scope=stdlib
 
 Two ways, each building the same pool from scratch (the second must equal the first, prompt for prompt):
-- `1 thread`: what GPU jobs ran until session 17 (benchmarks/gpu/job_env.sh set TOKENIZERS_PARALLELISM=false);
+- `1 thread`: what GPU jobs ran until 2026-12-02 (benchmarks/leased_gpu/job_env.sh set TOKENIZERS_PARALLELISM=false);
 - `threads`: the Rust tokenizer's own thread pool, as with the variable unset (now).
 Prints the seconds of each and their ratio; the corpus load is timed once, outside. (`encode_batch_fast`, which
 skips the character offsets, was no faster here: 16.1-16.9 s against 14.9-18.0 s for a 40,000-prompt pool, 2 cores.)

@@ -4,9 +4,10 @@
 
 Prints target-only, drafter-only, back-to-back and pipeline tokens/s, FLOPs per token, MFU against a matmul
 peak measured on the spot, peak memory and the drafter step's time breakdown; logs them to MLflow (a run
-tagged dflash.kind=bench, with the shapes as tags) and appends them to benchmarks/RESULTS.md with the command
-line. The pipeline's headline is the tokens the drafter trained on per second (`perf/consumed_tok_s` in
-MLflow); the figure that credits the buffer's stock is logged as `perf/stock_credited_tok_s`.
+tagged dflash.kind=bench, with the shapes as tags) and appends them with the command line to the results log of
+the day, benchmarks/log/YYYY-MM-DD.md (UTC; `results=FILE` appends to FILE instead, `results=` to nothing). The
+pipeline's headline is the tokens the drafter trained on per second (`perf/consumed_tok_s` in MLflow); the
+figure that credits the buffer's stock is logged as `perf/stock_credited_tok_s`.
 `bench.*` keys are this command's own (dflash.bench.BenchConfig); everything else is the run config.
 """
 from __future__ import annotations
@@ -26,14 +27,36 @@ from dflash.tracking.loggers import MLflowLogger
 from dflash.tracking.run_info import flatten_config
 from experiments.config import compose_config, exit_on_help, run_cli
 
-RESULTS = Path(__file__).resolve().parent.parent / "benchmarks" / "RESULTS.md"
+LOG_DIR = Path(__file__).resolve().parent.parent / "benchmarks" / "log"  # one results file per date
 
 
-def parse_bench_args(argv: list[str]) -> tuple[BenchConfig, list[str], str | None]:
+def log_file(now: datetime) -> Path:
+    """The day's results log: the date in UTC, so every machine writes an entry to the same file."""
+    return LOG_DIR / f"{now.astimezone(timezone.utc):%Y-%m-%d}.md"
+
+
+def append_entry(path: str | Path, cmd: str, table: str, out: dict, now: datetime) -> None:
+    """One entry at the end of `path`: time, command, table and raw JSON. A file the entry starts (the day's first
+    log) gets the title the other dated logs have."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    now = now.astimezone(timezone.utc)
+    title = "" if path.exists() and path.stat().st_size else (
+        f"# Measured results of {now:%Y-%m-%d}\n\nEach entry gives the command that produced it and its conditions; "
+        f"the index and the machines are in\n[RESULTS.md](../RESULTS.md).\n")
+    with open(path, "a") as f:
+        f.write(f"{title}\n## {now:%Y-%m-%d %H:%M} UTC — bench output\n\n`{cmd}`\n\n```\n{table}\n```\n\n"
+                f"<details><summary>raw</summary>\n\n```json\n{json.dumps(out, indent=1, default=str)}\n```\n"
+                f"</details>\n")
+
+
+def parse_bench_args(argv: list[str], now: datetime | None = None) -> tuple[BenchConfig, list[str], str | None]:
     """(bench.* keys, the run config's overrides, the results file or None): `bench.*` tokens go through
-    the one override parser (`dflash/overrides.py`) against `BenchConfig`, the rest compose the run config."""
+    the one override parser (`dflash/overrides.py`) against `BenchConfig`, the rest compose the run config; the
+    results file is `results=`'s, else the day's log (`log_file`)."""
     ours = [a for a in argv if a.startswith("bench.")]
-    results = next((a.partition("=")[2] or None for a in reversed(argv) if a.startswith("results=")), str(RESULTS))
+    default = str(log_file(now or datetime.now(timezone.utc)))
+    results = next((a.partition("=")[2] or None for a in reversed(argv) if a.startswith("results=")), default)
     rest = [a for a in argv if not a.startswith(("bench.", "results="))]
     return apply_overrides(BenchConfig(), ours, prefix="bench."), rest, results
 
@@ -78,10 +101,7 @@ def main(argv: list[str] | None = None) -> dict:
         launcher = (f"torchrun --nproc_per_node={os.environ['LOCAL_WORLD_SIZE']} -m" if "LOCAL_WORLD_SIZE" in os.environ
                     else "python -m")
         cmd = f"{launcher} experiments.bench " + " ".join(shlex.quote(a) for a in argv)
-        stamp = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-        with open(results, "a") as f:
-            f.write(f"\n### {stamp}\n\n`{cmd}`\n\n```\n{table}\n```\n\n<details><summary>raw</summary>\n\n"
-                    f"```json\n{json.dumps(out, indent=1, default=str)}\n```\n</details>\n")
+        append_entry(results, cmd, table, out, datetime.now(timezone.utc))
     return out
 
 

@@ -1,4 +1,4 @@
-"""benchmarks/gpu/background.sh on the CPU: a job started in its own session outlives the shell that started it (as a
+"""benchmarks/leased_gpu/background.sh on the CPU: a job started in its own session outlives the shell that started it (as a
 device call's), `wait` reports it running (3), ended with its status (0, the status in NAME.rc) or absent (2, a
 fresh machine), and a second `start` of a running job is refused."""
 import os
@@ -7,7 +7,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-SCRIPT = ROOT / "benchmarks/gpu/background.sh"
+SCRIPT = ROOT / "benchmarks/leased_gpu/background.sh"
 
 
 def _bg(bg: Path, *args: str, timeout: float = 60) -> subprocess.CompletedProcess:

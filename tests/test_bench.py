@@ -6,6 +6,32 @@ from experiments.bench import main
 from tests.conftest import FAST
 
 
+def test_entries_go_to_the_results_log_of_the_day(tmp_path, monkeypatch):
+    """Without `results=`, an entry goes to benchmarks/log/<UTC date>.md: a new day's file gets the logs' title once,
+    and later entries append beneath it; `results=FILE` and `results=` still choose the file or none."""
+    import json
+    from datetime import datetime, timedelta, timezone
+
+    import experiments.bench as bench
+    monkeypatch.setattr(bench, "LOG_DIR", tmp_path / "log")
+    late = datetime(2026, 12, 5, 23, 30, tzinfo=timezone.utc)
+    next_morning_east = late.astimezone(timezone(timedelta(hours=2)))  # 2026-12-06 01:30 at UTC+2: the same UTC day
+    for now in (late, next_morning_east):
+        assert bench.parse_bench_args(["bench.iters=1"], now=now)[2] == str(tmp_path / "log" / "2026-12-05.md")
+    assert bench.parse_bench_args(["results=x.md"], now=late)[2] == "x.md"
+    assert bench.parse_bench_args(["results="], now=late)[2] is None
+    day = bench.log_file(late)
+    for i in range(2):
+        bench.append_entry(day, f"python -m experiments.bench bench.iters={i}", f"table {i}", {"i": i},
+                           late + timedelta(minutes=i))
+    text = day.read_text()
+    assert text.startswith("# Measured results of 2026-12-05\n") and text.count("# Measured results") == 1
+    heads = [line for line in text.splitlines() if line.startswith("## ")]
+    assert heads == ["## 2026-12-05 23:30 UTC — bench output", "## 2026-12-05 23:31 UTC — bench output"]
+    assert [json.loads(b.split("\n```")[0]) for b in text.split("```json\n")[1:]] == [{"i": 0}, {"i": 1}]
+    assert "`python -m experiments.bench bench.iters=1`" in text and "table 1" in text
+
+
 def test_bench_reports_all_sections(tmp_path):
     results = tmp_path / "RESULTS.md"
     out = main([*FAST, "bench.seq_len=48", "bench.anchors=4", "bench.target_batch=1", "bench.iters=1",

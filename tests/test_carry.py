@@ -1,4 +1,4 @@
-"""benchmarks/gpu/carry.py: a run folder carried in checked parts resumes exactly where it stopped."""
+"""benchmarks/leased_gpu/carry.py: a run folder carried in checked parts resumes exactly where it stopped."""
 import importlib.util
 import io
 import json
@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def _carry():
-    spec = importlib.util.spec_from_file_location("carry", ROOT / "benchmarks" / "gpu" / "carry.py")
+    spec = importlib.util.spec_from_file_location("carry", ROOT / "benchmarks" / "leased_gpu" / "carry.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
@@ -29,7 +29,7 @@ def _losses(run_dir):
 
 
 def _stage(packed: Path, tmp: Path) -> Path:
-    """What the next session's calls do: one folder per call, each copied into one staging folder."""
+    """What the later calls do: one folder per call, each copied into one staging folder."""
     staged = tmp / "staged"
     staged.mkdir()
     for folder in carry.folders(packed, tmp / ".carry"):

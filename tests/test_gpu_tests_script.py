@@ -1,4 +1,4 @@
-"""benchmarks/gpu/gpu_tests.sh, run on the CPU against a made-up GPU-marked test file: a TERM from an outer limit
+"""benchmarks/leased_gpu/gpu_tests.sh, run on the CPU against a made-up GPU-marked test file: a TERM from an outer limit
 reaches pytest as INT, so the tests that ran and pytest's summary and JUnit file are still written (a
 `timeout 300 bash gpu_tests.sh` had lost all three)."""
 import os
@@ -27,7 +27,7 @@ def test_a_term_to_the_script_still_gets_pytests_summary(tmp_path):
     (tmp_path / "test_made_up.py").write_text(SLOW)
     out = tmp_path / "out"
     env = {**os.environ, "OUT": str(out), "LIMIT": "300"}
-    p = subprocess.Popen(["bash", str(ROOT / "benchmarks/gpu/gpu_tests.sh"), str(tmp_path / "test_made_up.py")],
+    p = subprocess.Popen(["bash", str(ROOT / "benchmarks/leased_gpu/gpu_tests.sh"), str(tmp_path / "test_made_up.py")],
                          cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     log = out / "gpu_tests.log"
     t0 = time.time()

@@ -1,5 +1,5 @@
 """A tracking store packed for the repository (`dflash.tracking.packed_store`, `pack_store` in
-benchmarks/gpu/job_env.sh): its database as SQL text, unpacked anywhere back to a store MLflow reads with every run,
+benchmarks/leased_gpu/job_env.sh): its database as SQL text, unpacked anywhere back to a store MLflow reads with every run,
 metric, tag, model version and artifact; atomic and refusing to overwrite a store."""
 import os
 import shutil
@@ -83,7 +83,7 @@ def test_pack_store_then_unpack_elsewhere(tmp_path):
     s = _store(work / "campaign_out")
     before = (work / "campaign_out" / "mlflow.db").read_bytes()
     env = {**os.environ, "PY": shutil.which("python") or "python"}
-    script = f"source {ROOT / 'benchmarks/gpu/job_env.sh'} 2>/dev/null; pack_store out.tar.xz campaign_out/mlflow.db campaign_out"
+    script = f"source {ROOT / 'benchmarks/leased_gpu/job_env.sh'} 2>/dev/null; pack_store out.tar.xz campaign_out/mlflow.db campaign_out"
     subprocess.run(["bash", "-c", script], cwd=work, env=env, check=True)
     assert (work / "campaign_out" / "mlflow.db").read_bytes() == before  # the live store: not relocated, not moved
     assert not list((work / "campaign_out").glob("mlflow.sql*")) and not list((work / "campaign_out").glob("*.pack"))
@@ -118,7 +118,7 @@ def test_an_archive_with_the_database_itself_unpacks_as_it_is(tmp_path):
 def _use_store(work: Path, archive: Path) -> str:
     """job_env.sh's use_store in `work`, as campaign.sh calls it: what it said."""
     env = {**os.environ, "PY": shutil.which("python") or "python"}
-    script = f"source {ROOT / 'benchmarks/gpu/job_env.sh'} 2>/dev/null; use_store campaign_out {archive}"
+    script = f"source {ROOT / 'benchmarks/leased_gpu/job_env.sh'} 2>/dev/null; use_store campaign_out {archive}"
     return subprocess.run(["bash", "-c", script], cwd=work, env=env, check=True, capture_output=True,
                           text=True).stderr
 
@@ -130,7 +130,7 @@ def test_use_store_continues_the_committed_store_where_only_a_truth_folder_is(tm
     packed = tmp_path / "packed"
     s = _store(packed / "campaign_out")
     env = {**os.environ, "PY": shutil.which("python") or "python"}
-    subprocess.run(["bash", "-c", f"source {ROOT / 'benchmarks/gpu/job_env.sh'} 2>/dev/null; "
+    subprocess.run(["bash", "-c", f"source {ROOT / 'benchmarks/leased_gpu/job_env.sh'} 2>/dev/null; "
                     "pack_store store.tar.xz campaign_out/mlflow.db campaign_out"], cwd=packed, env=env, check=True)
     archive = packed / "store.tar.xz"
 

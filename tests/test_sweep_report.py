@@ -1,6 +1,6 @@
 """`python -m sweeps.launch <sweep> report`: a sweep's trials as one table, from the store alone
 (sweeps/sweep_report.py), against plain per-prompt arithmetic; the committed sweep store reprints what
-benchmarks/RESULTS.md quotes."""
+the dated results log (benchmarks/log/) quotes."""
 import datetime
 import json
 import random
@@ -151,7 +151,7 @@ def test_report_names_a_missing_store(tmp_path):
 @pytest.mark.skipif(not STORE.is_file(), reason="no committed sweep store")
 def test_committed_sweep_store_reprints_the_results(tmp_path):
     """The recipe sweep, and the rerun of its best trial (30) gated, as
-    benchmarks/RESULTS.md quotes it, reprinted from the committed store."""
+    the results log of 2026-12-03 quotes it (benchmarks/log/2026-12-03.md), reprinted from the committed store."""
     from dflash.tracking.packed_store import unpack
     from sweeps.launch import main
     unpack(STORE, tmp_path)
@@ -163,9 +163,9 @@ def test_committed_sweep_store_reprints_the_results(tmp_path):
     assert ("cut at step 2920 of 3,125 (~30 s of training at 140 K tok/s; no checkpoint on this machine: it cannot "
             "continue here)") in text and "**refused** as version 1" in text
     assert "- trial 32 (run `4d5c3bd44ea74bc0b97747ea1754542e`): **promoted** as version 2" in text
-    results = (ROOT / "benchmarks" / "RESULTS.md").read_text()
+    results = (ROOT / "benchmarks" / "log" / "2026-12-03.md").read_text()
     table = [line for line in text.splitlines() if line.startswith("| ")]
-    assert len(table) == 23 and all(line in results for line in table)  # RESULTS.md quotes the store's table
+    assert len(table) == 23 and all(line in results for line in table)  # the log quotes the store's table
 
 
 def test_job_costs_place_trial_starts_with_the_launch_machines_offset(tmp_path):

@@ -1,4 +1,4 @@
-"""benchmarks/gpu/wheel_folders.py: the GPU machine's wheels spread over the folders a device call carries."""
+"""benchmarks/leased_gpu/wheel_folders.py: the GPU machine's wheels spread over the folders a device call carries."""
 from __future__ import annotations
 
 import importlib.util
@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-SCRIPT = ROOT / "benchmarks" / "gpu" / "wheel_folders.py"
+SCRIPT = ROOT / "benchmarks" / "leased_gpu" / "wheel_folders.py"
 
 
 @pytest.fixture(scope="module")

@@ -22,11 +22,11 @@
 # Wheels: with TRACKING=+tracking=off (metrics still land in each run's metrics.jsonl, which the table reads) the
 # machine needs only hydra-core, omegaconf, antlr4-python3-runtime, fla-core, flash-linear-attention, datasets, dill,
 # multiprocess and fsspec (about 3 MiB): a fresh machine takes them in the same call as the 44 MiB working tree.
-# Measured in session 15 (benchmarks/RESULTS.md): regen writes 64 rows of 2,048 tokens in about 88 s; a training
+# Measured on 2026-12-02 (benchmarks/log/2026-12-02.md): regen writes 64 rows of 2,048 tokens in about 88 s; a training
 # stage's first step comes about 65 s (ahead; a warm compile cache) to 256 s (in the loop, fresh machine: the first
 # batch, the first target forward's autotuning, 97 s of compilation) after its loop begins, and the budgets count
 # from there, so LOOP_S well past 270 s sees the in-loop writer beside training.
-# Session 15's calls (a stage on a fresh machine compiles again, about 97 s; the loop stage needs no regen):
+# The calls of 2026-12-02 (a stage on a fresh machine compiles again, about 97 s; the loop stage needs no regen):
 #     REGEN_BATCHES=1 STAGES=regen bash benchmarks/gpu/conversations.sh
 #     STAGES=ahead AHEAD_S=240 bash benchmarks/gpu/conversations.sh    # the same warm machine: it reads regen's shard
 #     STAGES=loop LOOP_S=300 bash benchmarks/gpu/conversations.sh      # the table (its regen row from a warm WORK)
@@ -36,9 +36,9 @@ W=${WORK:-gpu_work/conversations}  # kept on a warm machine between calls; logs 
 mkdir -p "$W" "$OUT/conversations" && W=$(cd "$W" && pwd)
 STAGES=${STAGES:-regen ahead loop}
 has() { [[ " $STAGES " == *" $1 "* ]]; }
-source "$(dirname "$0")/job_env.sh"  # wheels (datasets among them), PYTHONPATH, the job environment
+source "$(dirname "$0")/../leased_gpu/job_env.sh"  # wheels (datasets among them), PYTHONPATH, the job environment
 PY=${PY:-python}
-$PY -c "import datasets" || { echo "error: Hugging Face datasets is not importable (add its wheels to a wheel folder: benchmarks/gpu/wheel_folders.py)"; exit 1; }
+$PY -c "import datasets" || { echo "error: Hugging Face datasets is not importable (add its wheels to a wheel folder: benchmarks/leased_gpu/wheel_folders.py)"; exit 1; }
 T0=$SECONDS
 left() { echo $(( ${LIMIT:-530} - (SECONDS - T0) )); }
 cap() { local want=$1 reserve=$2; local l=$(( $(left) - reserve )); echo $(( l < want ? l : want )); }
@@ -61,7 +61,7 @@ has ahead && rm -rf "$W/run_ahead" "$W/run_ahead.log"
 has loop && [ "${LOOP_RESUME:-0}" != 1 ] && rm -rf "$W/loop" "$W/run_loop" "$W/run_loop.log"
 
 # every thread's stack into a stage's log at these seconds from now, while the stage runs (SIGUSR1: experiments'
-# entry points dump and go on); the trace session 14's silent in-loop run lacked
+# entry points dump and go on); the trace a silent in-loop run of 2026-12-02 lacked
 # (the watcher holds no stdout of the call's, and `undump` ends it with its stage)
 dump_at() { local pat=$1; shift; ( t0=$SECONDS; for t in "$@"; do sleep $(( t - (SECONDS - t0) > 0 ? t - (SECONDS - t0) : 0 ));
   pkill -USR1 -f "$pat" && echo "stacks dumped at ${t} s ($pat)"; done ) >> "$W/dumps.txt" 2>&1 & DUMP_PID=$!; }
@@ -74,7 +74,7 @@ timeout -k 15 $(cap 200 250) $PY -m experiments.regen $BIG $DATA data.online.sha
 echo "regen: rc $? at $((SECONDS - T0)) s: $(tail -1 $W/regen.log)"
 fi
 
-# the certain measurement first: a stall in the riskier in-loop stage (session 14) no longer costs it
+# the certain measurement first: a stall in the riskier in-loop stage (2026-12-02) no longer costs it
 if has ahead; then
 # read back no more than stage 1 wrote: its rows x AHEAD_REUSE views, less what the buffer (max_depth 20), one
 # producer batch (4) and the log interval the budget is checked at (10 steps x 4) hold past the budget, x the length
@@ -89,7 +89,7 @@ EOF
 )
 echo "== 2/3 training on the shards regen wrote ahead (token budget ${BUDGET:-?}, <= ${AHEAD_S} s)" >&2
 T=$(cap $((AHEAD_S + 120)) 140); dump_at "^[^ ]*python[0-9.]* -m experiments.run .*run_dir=$W/run_ahead" $((T - 30))
-# data.online.ahead=0: nothing written in the background. With its default 1, session 15's first try wrote batch 1
+# data.online.ahead=0: nothing written in the background. With its default 1, the first try (2026-12-02) wrote batch 1
 # beside training (regen wrote batch 0 only): 435 consumed tok/s, a measure of neither stage
 timeout -k 15 $T $PY -m experiments.run $BIG $DATA $TRAIN data.online.shard_dir=$W/ahead data.online.ahead=0 \
   data.online.reuse=$AHEAD_REUSE trainer.time_budget_s=$AHEAD_S trainer.token_budget=${BUDGET:-1} run_dir=$W/run_ahead \

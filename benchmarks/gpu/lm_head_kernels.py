@@ -6,7 +6,7 @@ A random bf16 head of Qwen3.6-27B's shape (V = 248,320, D = 5,120), then:
   hidden states and labels (the published drafter's 256 anchors × 16 positions = 4,096 per sequence): ms per
   call, and how far the two paths' CE and hidden-state gradients lie apart;
 - the target's labels (`Target.labels_from_hidden`'s argmax over the head), upcast to float32 first (as before
-  session 11) and on the bf16 logits (now): ms per producer batch of 4 × 2,048 positions, and whether they agree.
+  2026-12-01) and on the bf16 logits (now): ms per producer batch of 4 × 2,048 positions, and whether they agree.
 Prints one JSON line per figure and a table last. Runs on the CPU too (a smoke run at tiny sizes).
 """
 from __future__ import annotations

@@ -7,20 +7,20 @@
 #    speed setting beside the default in the same process (before / after):
 #      target:   target.fused_ops=off (transformers' own norms, MLP and attention; the default compiles them fused);
 #      drafter:  loss.lm_head_kernel=torch (the torch LM-head chunk; the default runs it on two Triton kernels);
-#      pipeline: both of those off (the pre-session-11 pipeline), then trainer.producer_stream=side (the target's
-#                forwards on their own stream; a tie with the default in session 11);
+#      pipeline: both of those off (the pre-2026-12-01 pipeline), then trainer.producer_stream=side (the target's
+#                forwards on their own stream; a tie with the default on 2026-12-01);
 # 2. what τ buys (bench.sections=serving): greedy decode step, block verify (B = 16), DDTree verify of 16 / 64 /
 #    256 nodes, re-advance and the drafter's round, after 1 K / 2 K / 4 K / 8 K tokens of context;
 # 3. time allowing: the CUDA-graph drafter in the pipeline and trainer.compile_mode=max-autotune-no-cudagraphs
 #    (inductor autotunes every matmul: slow to compile), read against stage 1's defaults.
 # Each stage is its own process under `timeout`, so one that runs long cannot take the others' figures. Every
 # stage writes a RESULTS entry (table + raw JSON with target, drafter, seq_len, anchors, GPUs) and a sqlite MLflow
-# store under $OUT/production; the end prints the short table. Copy the entries into benchmarks/RESULTS.md.
+# store under $OUT/production; the end prints the short table. Copy the entries into the day's log, benchmarks/log/<date>.md.
 set -uo pipefail
 OUT=${OUT:-gpu_out}
 W=$OUT/production
 mkdir -p "$W" && W=$(cd "$W" && pwd)  # absolute: $OUT may be either
-source "$(dirname "$0")/wheels.sh" || exit 1  # our dependencies beside the machine's torch / transformers / triton
+source "$(dirname "$0")/../leased_gpu/wheels.sh" || exit 1  # our dependencies beside the machine's torch / transformers / triton
 export PYTHONUNBUFFERED=1
 T0=$SECONDS
 left() { echo $(( 530 - (SECONDS - T0) )); }

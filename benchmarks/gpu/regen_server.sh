@@ -18,7 +18,7 @@ set -uo pipefail
 OUT=${OUT:-gpu_out}
 W=${WORK:-gpu_work/regen_server}
 mkdir -p "$W" "$OUT/regen_server" && W=$(cd "$W" && pwd)
-source "$(dirname "$0")/job_env.sh"
+source "$(dirname "$0")/../leased_gpu/job_env.sh"
 PY=${PY:-python}
 SEQ=${SEQ:-2048}
 BATCHES=${BATCHES:-2}

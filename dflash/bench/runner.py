@@ -174,7 +174,8 @@ def run_bench(cfg: RunConfig, b: BenchConfig) -> dict:
 
 
 def describe(cfg: RunConfig, b: BenchConfig, target: Target, world: int) -> dict:
-    """The shapes a figure is found by in benchmarks/RESULTS.md: target, drafter, seq_len, anchors and GPUs."""
+    """The shapes a figure is found by in the results logs (benchmarks/log/): target, drafter, seq_len, anchors
+    and GPUs."""
     dev = target.device
     split = cfg.trainer.device not in ("auto", str(dev)) and "cuda" in cfg.trainer.device
     d = cfg.drafter

@@ -4,7 +4,7 @@ artifacts: a job that ran in the wrong store joins the right one.
     python -m dflash.tracking.copy_runs SRC_DB DST_DB [RUN_ID ...] [--finished]
 
 Why it exists: a campaign job (2026-12-03) took a folder holding only the pinned ground truth for its store, skipped
-the committed store and ran the loss stage's seed-1 cells in a new, empty one (benchmarks/gpu/job_env.sh's
+the committed store and ran the loss stage's seed-1 cells in a new, empty one (benchmarks/leased_gpu/job_env.sh's
 use_store now refuses that folder). Three cells finished there; copying their runs and run folders into the
 committed campaign store keeps every cell of the campaign in one store, where `mlflow ui` compares them and the gate
 pairs them, without training them again.

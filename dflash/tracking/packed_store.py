@@ -4,7 +4,7 @@
     python -m dflash.tracking.packed_store dump campaign_out/mlflow.db campaign_out/mlflow.sql      # what packing does
 
 The committed stores (`benchmarks/ablations/campaign_out.tar.xz`, `benchmarks/sweeps/sweeps_out.tar.xz`) ride in
-every GPU call's 64 MiB working tree beside the wheels (`benchmarks/gpu/wheel_folders.py`), and each GPU job's
+every GPU call's 64 MiB working tree beside the wheels (`benchmarks/leased_gpu/wheel_folders.py`), and each GPU job's
 runs grow them. The sqlite file packs poorly: its B-tree pages, and the metric table's primary-key index, which
 repeats every row. The campaign store of 2026-12-03 (48 runs, 446 K metric rows): the vacuumed database packed by
 xz -9 to 7.34 MB, its SQL dump (`iterdump`: rows and schema; indexes as CREATE statements) to 3.04 MB. Rebuilding

@@ -4,17 +4,17 @@
 # jobs of under ten minutes each. The first call starts the run; a later call with the same OUT resumes it from
 # its checkpoint (on a machine that kept OUT). Prints each job's consumed tok/s and, after the last, data/epochs.
 #
-#   RUN_S=300 bash benchmarks/gpu/online_run.sh [OUT]     (default OUT=gpu_work/online_run)
+#   RUN_S=300 bash benchmarks/leased_gpu/online_run.sh [OUT]     (default OUT=gpu_work/online_run)
 #
 # Env: RUN_S (this job's time budget, default 300 s), TOKENS (the run's token budget, which is also the plan the
 # memorization guard judges; default 220 M: 3.8 epochs of the GPU machine's 180,736-prompt installed pool), CORPUS
 # (data.corpus.scope, default installed), BASE (the run's groups, default "+trainer=gpu drafter.num_layers=5
 # +eval=off"; e.g. "+recipe=best_reference" with TOKENS its budget), EXTRA (more overrides, first job only), PY.
-# Across sessions (benchmarks/gpu/carry.py): RETURN=<the device's $OUT> packs the run folder and its MLflow store
-# there in checked parts after the job; a later session stages those parts in CARRY_IN (default /tmp/carry), one
+# Across machines (benchmarks/leased_gpu/carry.py): RETURN=<the device's $OUT> packs the run folder and its MLflow store
+# there in checked parts after the job; later calls stage those parts in CARRY_IN (default /tmp/carry), one
 # call per part, and the job that finds no run in OUT restores it from there and resumes it:
 #   RETURN=$OUT RUN_S=480 BASE=+recipe=best_reference TOKENS=<its budget> CORPUS=stdlib \
-#     EXTRA="eval.truth_dir=$PWD/gpu_work/recipe/truth" bash benchmarks/gpu/online_run.sh gpu_work/recipe
+#     EXTRA="eval.truth_dir=$PWD/gpu_work/recipe/truth" bash benchmarks/leased_gpu/online_run.sh gpu_work/recipe
 set -euo pipefail
 RETURN=${RETURN:-}
 CARRY_IN=${CARRY_IN:-/tmp/carry}
@@ -30,7 +30,7 @@ OUT=$(cd "$OUT" && pwd)
 export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
 if [ ! -f "$OUT/run/config.yaml" ] && [ -f "$CARRY_IN/carry.manifest.json" ]; then
   echo "== restoring the run carried in $CARRY_IN" >&2
-  $PY benchmarks/gpu/carry.py unpack "$CARRY_IN" "$OUT"
+  $PY benchmarks/leased_gpu/carry.py unpack "$CARRY_IN" "$OUT"
 fi
 if [ -f "$OUT/run/config.yaml" ]; then
   echo "== resuming $OUT/run for ${RUN_S} s" >&2
@@ -76,5 +76,5 @@ EOF
 if [ -n "$RETURN" ]; then  # after the table: a failed pack still leaves the job's figures printed
   # truth/: the eval's pinned ground truth when the run set eval.truth_dir=$OUT/truth (tokens only, small): the
   # next machine then recomputes only the features, not the greedy decode (157 s on an H200 for the full suite)
-  $PY benchmarks/gpu/carry.py pack "$RETURN/carry" "$OUT/run" "$OUT/mlflow.db" $([ -d "$OUT/truth" ] && echo "$OUT/truth")
+  $PY benchmarks/leased_gpu/carry.py pack "$RETURN/carry" "$OUT/run" "$OUT/mlflow.db" $([ -d "$OUT/truth" ] && echo "$OUT/truth")
 fi

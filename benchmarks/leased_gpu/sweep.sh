@@ -2,9 +2,9 @@
 # One H200: an Optuna sweep (conf/sweep/<name>.yaml) in GPU jobs of under ten minutes, trials cut by the job's
 # limit continuing in the next job.
 #
-#   N=4 WORKERS=2 DEADLINE=300 bash benchmarks/gpu/sweep.sh [sweep] [run overrides ...]    (default sweep: loss_variants)
-#   TRUTH=campaign_out/reference_64m/truth N=4 WORKERS=4 DEADLINE=400 bash benchmarks/gpu/sweep.sh recipe_reference
-#   TRUTH=campaign_out/reference_64m/truth N=1 WORKERS=1 bash benchmarks/gpu/sweep.sh recipe_reference 'rerun=[30]'
+#   N=4 WORKERS=2 DEADLINE=300 bash benchmarks/leased_gpu/sweep.sh [sweep] [run overrides ...]    (default sweep: loss_variants)
+#   TRUTH=campaign_out/reference_64m/truth N=4 WORKERS=4 DEADLINE=400 bash benchmarks/leased_gpu/sweep.sh recipe_reference
+#   TRUTH=campaign_out/reference_64m/truth N=1 WORKERS=1 bash benchmarks/leased_gpu/sweep.sh recipe_reference 'rerun=[30]'
 #     (the best trial trained again from scratch, when its drafter went with an earlier machine: the gate reads it)
 #
 # 1. Continues the sweep store: sweeps_out/ as a warm machine kept it (trial run dirs WITH their checkpoints), else
@@ -23,14 +23,14 @@
 # 4. TRUTH=campaign_out/<name>/truth: the trials evaluate on that pinned ground truth (eval.truth_dir), extracted from
 #    the committed campaign store ($CAMPAIGN_STORE, default benchmarks/ablations/campaign_out.tar.xz) when this
 #    machine lacks it: they then pair prompt for prompt with that campaign's cells and with every launch before.
-#    (Session 18 left the extraction out of one call on a fresh machine: the launch built the truth again from the
+#    (2026-12-02 left the extraction out of one call on a fresh machine: the launch built the truth again from the
 #    target, the same tokens, 71 s more.)
 # Env: N (trials this job adds, default 4), WORKERS (default 2), DEADLINE (s, default 300), LIMIT (s, the device
 # call's own limit, default 590), HARD (s, default LIMIT - 60: the packing after it needs the rest; not DEADLINE +
 # 220, which cut a resuming job with a short DEADLINE long before its call's limit), STUDY (default: the sweep's
 # name), STORE, TRUTH, CAMPAIGN_STORE, OUT (default gpu_out), PROMOTE (new / 1 / 0: the best trial through the gate, below), PROMOTE_ARGS, DRAFTER (0: the best drafter is
 # gated and not brought back: a call brings back 8 files, and an 8-layer drafter takes 3), PY (python).
-# The GPU machine lacks our stack's wheels: ship them in .whl/, .whl2/, ... (wheel_folders.py) as for benchmarks/gpu/campaign.sh.
+# The GPU machine lacks our stack's wheels: ship them in .whl/, .whl2/, ... (wheel_folders.py) as for benchmarks/leased_gpu/campaign.sh.
 set -uo pipefail
 S=${1:-loss_variants}
 shift || true
@@ -87,7 +87,7 @@ EOF
 gate_and_split "$OUT"  # job_env.sh: the best trial through the gate (PROMOTE), a large drafter in parts
 pack_store "$OUT/sweep.tar.xz" sweeps_out/mlflow.db sweeps_out  # job_env.sh
 # the study as one table: a cut trial's row says how many seconds the next job needs for it, starting, training and
-# evaluating (sessions 17 and 18 cut 8-layer trials 7-30 s of training short of their end: a fresh machine cannot
+# evaluating (2026-12-02 cut 8-layer trials 7-30 s of training short of their end: a fresh machine cannot
 # continue them)
 $PY -m sweeps.launch "$S" report out=sweeps_out study="$STUDY" > "$OUT/report.md" 2>&1 && cat "$OUT/report.md" >&2
 ls -la "$OUT" >&2

@@ -3,15 +3,15 @@
 # in .whl/, .whl2/, ... one folder per call on the same warm machine, because the 64 MiB a call carries cannot hold
 # the working tree and all of them at once: each call installs the folder it carries into /tmp/site, which lasts
 # until the machine goes back (30 s after a call). Make the folders with
-# `python benchmarks/gpu/wheel_folders.py <gpu-wheels.sh's folder>` (the fewest that each leave 3 MB beside the tree:
-# two of 11.2 MB beside session 23's stores packed as SQL text, 7.8 MB left); `--check` prints the room left beside
+# `python benchmarks/leased_gpu/wheel_folders.py <gpu-wheels.sh's folder>` (the fewest that each leave 3 MB beside the tree:
+# two of 11.2 MB beside the 2026-12-03 stores packed as SQL text, 7.8 MB left); `--check` prints the room left beside
 # each; it keeps wheels that share a top-level folder (opentelemetry-*) in one folder, because pip's --target
-# --upgrade replaces such a folder wholesale (session 21: mlflow lost opentelemetry.sdk so). Checked on a fresh H200
-# in sessions 21 and 22 with three folders: after the three calls mlflow, optuna, hydra, sqlalchemy, fla and
-# pydantic_core import. History: two folders of 11.1 / 11.3 MB (sessions 17-21) left 0.2 / 0.05 MB once session 21's
-# campaign store (9.5 MB) was committed (the tree 55.8 MB); three left 3.9 MB, then 1.7 MB beside session 22's store
-# as the call packed it (11.7 MB), 5.2 MB once both stores were vacuumed; two again (session 23) once the stores held
-# their databases as SQL text (dflash.tracking.packed_store: 10.0 + 5.1 MB became 5.5 + 2.7). Session 14 carried a trimmed
+# --upgrade replaces such a folder wholesale (2026-12-03: mlflow lost opentelemetry.sdk so). Checked on a fresh H200
+# on 2026-12-03 with three folders: after the three calls mlflow, optuna, hydra, sqlalchemy, fla and
+# pydantic_core import. History: two folders of 11.1 / 11.3 MB (2026-12-02 and 2026-12-03) left 0.2 / 0.05 MB once the 2026-12-03
+# campaign store (9.5 MB) was committed (the tree 55.8 MB); three left 3.9 MB, then 1.7 MB beside the 2026-12-03 store
+# as the call packed it (11.7 MB), 5.2 MB once both stores were vacuumed; two again (2026-12-03) once the stores held
+# their databases as SQL text (dflash.tracking.packed_store: 10.0 + 5.1 MB became 5.5 + 2.7). A 2026-12-02 job carried a trimmed
 # folder on the belief that the machine was still warm. It was a fresh one, and the call failed on a missing hydra:
 # carry every folder, one per call, on every fresh machine, the job with the last.
 for d in .whl .whl[0-9]*; do  # the folders wheel_folders.py made, whichever this call carries

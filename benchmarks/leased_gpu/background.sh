@@ -1,16 +1,16 @@
 #!/usr/bin/env bash
 # A GPU job longer than one device call (ten minutes), on one warm machine, without cutting it at each call's end.
 #
-#   bash benchmarks/gpu/background.sh start NAME COMMAND [ARG ...]   # returns at once; the job runs on
-#   bash benchmarks/gpu/background.sh wait NAME SECONDS [WATCH ...]  # until the job ends or SECONDS pass
+#   bash benchmarks/leased_gpu/background.sh start NAME COMMAND [ARG ...]   # returns at once; the job runs on
+#   bash benchmarks/leased_gpu/background.sh wait NAME SECONDS [WATCH ...]  # until the job ends or SECONDS pass
 #
 # The device tool kills what a call leaves running when it returns, except a process that started a new session
 # (setsid), which runs on until the machine goes back (30 s after the last call returns; /work/.library/device).
 # So `start` puts the job in its own session and each later call `wait`s for it: one process trains from the first
 # call to the last, where resumed jobs pay, at every call's end, a SIGTERM, a checkpoint, a new process, the
-# checkpoint's load and the compile again (session 21's 8-layer recipe cell: 331 s in its first job, 423 s in the
-# second). The price: nothing survives a lost machine (the next call more than 30 s late, as in session 26), and
-# a job that must last beyond the session still needs checkpoints brought back (carry.py).
+# checkpoint's load and the compile again (the 8-layer recipe cell of 2026-12-03: 331 s in its first job, 423 s in the
+# second). The price: nothing survives a lost machine (the next call more than 30 s late, as on 2026-12-03), and
+# a job that must outlive its machine still needs checkpoints brought back (carry.py).
 #
 # Files, under /tmp/bg (outside the checkout, which each call's copy replaces): NAME.log (the job's stdout and
 # stderr), NAME.pid, NAME.rc (its exit status, written when it ends). Give the job an output folder outside the

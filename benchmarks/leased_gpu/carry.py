@@ -1,19 +1,19 @@
-"""Carry a resumable run from one GPU session to the next, through the device tool's limits.
+"""Carry a resumable run from one lent GPU machine to the next, through the device tool's limits.
 
 A device call brings back at most 8 files of 16 MiB each (under $OUT), and carries in at most 64 MiB, of which the
-working tree takes 54.4 MB (session 22: the reference target's weights and the committed stores). A checkpoint of the recipe's 2-layer drafter (weights and AdamW moments) is 38 MB: it
-fits neither way whole, so a 30-minute run could not resume on the next session's fresh machine. Here it travels in
+working tree takes 54.4 MB (2026-12-03: the reference target's weights and the committed stores). A checkpoint of the recipe's 2-layer drafter (weights and AdamW moments) is 38 MB: it
+fits neither way whole, so a 30-minute run could not resume on the next fresh machine. Here it travels in
 parts, each checked:
 
     # on the GPU, after a job: the run folder (its newest intact checkpoint, no final/) and any other files, in parts
-    python benchmarks/gpu/carry.py pack $OUT/carry gpu_work/recipe gpu_work/recipe.db
+    python benchmarks/leased_gpu/carry.py pack $OUT/carry gpu_work/recipe gpu_work/recipe.db
     # here: one folder per later call, each a part and the manifest (git-ignored: .carry/)
-    python benchmarks/gpu/carry.py folders /work/.device/<N>/carry .carry
-    # next session, one call per folder (carry [".carry/01"], then [".carry/02"], ...): each keeps its part on the
+    python benchmarks/leased_gpu/carry.py folders /work/.device/<N>/carry .carry
+    # later, one call per folder (carry [".carry/01"], then [".carry/02"], ...): each keeps its part on the
     # warm machine, outside the carried paths (a carried path is replaced on every call)
     mkdir -p /tmp/carry && cp .carry/01/* /tmp/carry/
     # the call that resumes: every part checked against the manifest, then extracted beside the old paths
-    python benchmarks/gpu/carry.py unpack /tmp/carry gpu_work && python -m experiments.run resume=gpu_work/recipe
+    python benchmarks/leased_gpu/carry.py unpack /tmp/carry gpu_work && python -m experiments.run resume=gpu_work/recipe
 
 Each part and the whole carry a sha256 in `carry.manifest.json`; a missing or damaged part is named, and nothing is
 extracted until all of them check out. `unpack` refuses to replace an existing path unless `--replace`, and then
@@ -38,8 +38,8 @@ if str(ROOT) not in sys.path:  # run as a file on a machine where the checkout i
 
 MANIFEST = "carry.manifest.json"
 # under the 16 MiB a returned file may have, and beside the tree in a 64 MiB carry: 15 MiB parts fitted beside the
-# 44 MiB tree they were sized for, not beside session 22's 54.4 MB (15.7 + 54.4 > 67.1 MB); 8 MiB leave 4.3 MB for
-# the stores' growth (`benchmarks/gpu/wheel_folders.py --check` prints the tree), and 7 parts still hold 56 MiB
+# 44 MiB tree they were sized for, not beside the 54.4 MB of 2026-12-03 (15.7 + 54.4 > 67.1 MB); 8 MiB leave 4.3 MB for
+# the stores' growth (`benchmarks/leased_gpu/wheel_folders.py --check` prints the tree), and 7 parts still hold 56 MiB
 PART_MIB = 8
 MAX_FILES = 8  # files a call brings back under $OUT
 

@@ -1,25 +1,25 @@
 """Spread the GPU machine's missing wheels over the folders a device call carries, and say the room left.
 
-    bash ../shared/tools/gpu-wheels.sh /tmp/wheels && python benchmarks/gpu/wheel_folders.py /tmp/wheels
-    python benchmarks/gpu/wheel_folders.py /tmp/wheels --folders 4   # a set number of folders
-    python benchmarks/gpu/wheel_folders.py --check          # the room left beside the folders there now
+    bash ../shared/tools/gpu-wheels.sh /tmp/wheels && python benchmarks/leased_gpu/wheel_folders.py /tmp/wheels
+    python benchmarks/leased_gpu/wheel_folders.py /tmp/wheels --folders 4   # a set number of folders
+    python benchmarks/leased_gpu/wheel_folders.py --check          # the room left beside the folders there now
 
 A call carries the working tree (tracked files and untracked ones git does not ignore) and the paths it names, 64 MiB
 in all. The tree holds the reference target's weights (36.9 MB) and the committed campaign and sweep stores, which
-grow with every GPU session; the wheels (about 22 MB) do not fit beside it at once. So they travel in folders
+grow with every GPU job; the wheels (about 22 MB) do not fit beside it at once. So they travel in folders
 (`.whl`, `.whl2`, ... `.whlN`), one per call on the same warm machine: `wheels.sh` installs whichever folder a call
 carries into `/tmp/site`, which lasts until the machine goes back. By default the script makes the fewest folders
-that each leave `MARGIN` beside the tree, for the stores' growth. History: session 21's campaign store (9.5 MB)
-left 0.2 / 0.05 MB beside session 17's two folders of 11.1 / 11.3 MB; three of about 7.5 MB left 3.9 MB, then
-1.7 MB beside session 22's store as the call packed it (11.7 MB, 2.2 MB more for five runs), and 5.2 MB once both
+that each leave `MARGIN` beside the tree, for the stores' growth. History: the 2026-12-03 campaign store (9.5 MB)
+left 0.2 / 0.05 MB beside the two folders of 2026-12-02 (11.1 / 11.3 MB); three of about 7.5 MB left 3.9 MB, then
+1.7 MB beside the 2026-12-03 store as the call packed it (11.7 MB, 2.2 MB more for five runs), and 5.2 MB once both
 stores were vacuumed (9.4 and 5.1 MB); then two of 11.2 MB left 7.8 MB once both stores held their databases as SQL
-text (5.5 and 2.7 MB, session 23; `dflash.tracking.packed_store`).
+text (5.5 and 2.7 MB, 2026-12-03; `dflash.tracking.packed_store`).
 
 The split is balanced by size (largest first, into the lightest folder), deterministic for a given set, and it
 keeps wheels that install into one top-level folder together (the opentelemetry-* namespace, fla-core with
 flash-linear-attention): `pip install --target --upgrade` replaces a top-level folder that is already there, so a
 later call's opentelemetry-api removed the opentelemetry-sdk an earlier call had put in /tmp/site, and mlflow did
-not import (session 21's first three-folder machine).
+not import (the first three-folder machine, 2026-12-03).
 """
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ import zipfile
 from pathlib import Path
 
 CARRY_LIMIT = 64 * 1024 * 1024  # bytes a device call carries: the working tree and the carried paths together
-# room each folder leaves beside the tree: session 22's five campaign runs grew the store 2.2 MB, and a folder that
+# room each folder leaves beside the tree: five campaign runs of 2026-12-03 grew the store 2.2 MB, and a folder that
 # does not fit fails the call before anything runs
 MARGIN = 3_000_000
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One H200: the ablation campaign (conf/campaign/<name>.yaml) in GPU jobs of under ten minutes.
 #
-#   DEADLINE=400 bash benchmarks/gpu/campaign.sh [campaign] [run overrides ...]      (default campaign: reference)
+#   DEADLINE=400 bash benchmarks/leased_gpu/campaign.sh [campaign] [run overrides ...]      (default campaign: reference)
 #
 # 1. Continues campaign_out/ as a warm machine kept it (with its checkpoints: cut cells resume), else the committed
 #    campaign, if any: benchmarks/ablations/campaign_out.tar.xz (campaign_out/ without weights) is unpacked, so
@@ -17,16 +17,16 @@
 #    or figures (commit it as benchmarks/ablations/campaign_out.tar.xz).
 # Env: DEADLINE (s, default 400), LIMIT (s, the device call's own limit, default 590), HARD (s, default and at most
 # LIMIT - 60: the report and the packing after it take up to a minute, and a call cut in them brings back an empty
-# store, as session 14's last call did), WORKERS (default: the campaign's), OUT (default gpu_out), PROMOTE (new / 1 / 0,
+# store, as a 2026-12-02 job's last call did), WORKERS (default: the campaign's), OUT (default gpu_out), PROMOTE (new / 1 / 0,
 # job_env.sh's gate_and_split), PROMOTE_ARGS, DRAFTER (0: not brought back, gated only), PY (python).
 # HARD used to default to DEADLINE + 190: a resuming call with DEADLINE=30 then cut its cells at 220 s of a 590 s
-# call (session 16 lost 300 s of two cells' training so).
-# On a fresh machine the shared inputs alone took 184-254 s (sessions 13, 14): a DEADLINE below that started no
-# cell at all (session 14's second call) while the inputs were made before the deadline's check. Since session 25
+# call (a 2026-12-02 job lost 300 s of two cells' training so).
+# On a fresh machine the shared inputs alone took 184-254 s (2026-12-02): a DEADLINE below that started no
+# cell at all (a 2026-12-02 job's second call) while the inputs were made before the deadline's check. Since 2026-12-03
 # the first wave passes the check and then waits for the inputs; later waves still count them, so give the first
-# call of a session DEADLINE >= 300 where more cells than WORKERS are to run.
+# call on a fresh machine DEADLINE >= 300 where more cells than WORKERS are to run.
 # The GPU machine lacks our stack's wheels (about 22 MB, see wheels.sh); the working tree that travels with a call (48.1 MB,
-# the reference target's weights and the stores included, session 23) leaves room for half of them: carry .whl/ in a
+# the reference target's weights and the stores included, 2026-12-03) leaves room for half of them: carry .whl/ in a
 # short call, then .whl2/ with the job, on the same warm machine (wheel_folders.py makes the folders).
 set -uo pipefail
 C=${1:-reference}
@@ -73,7 +73,7 @@ Path(f"{sys.argv[2]}/best_run_dir.txt").write_text(best["run_dir"])
 EOF
 gate_and_split "$OUT"  # job_env.sh: the best cell through the gate (PROMOTE), a large drafter in parts
 pack_store "$OUT/campaign.tar.xz" campaign_out/mlflow.db campaign_out  # job_env.sh
-# every cell log this job wrote to, its tail: what a cut or slow cell was doing (session 14's cells sat ~150 s
+# every cell log this job wrote to, its tail: what a cut or slow cell was doing (cells of 2026-12-02 sat ~150 s
 # with the GPU idle before training and left no trace)
 find campaign_out -name '*.log' -newermt "@$t0" -print0 2>/dev/null | while IFS= read -r -d '' f; do
   echo "== $f"; tail -n 40 "$f"; done > "$OUT/cell_logs.txt"

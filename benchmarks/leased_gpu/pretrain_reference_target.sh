@@ -6,14 +6,14 @@
 #      time left (90% of the measured rate), EXTRA overrides appended (e.g. EXTRA="lr=0.002 compile=default");
 #   3. the folder, results and logs tarred and split into 15 MB pieces under $OUT (reassemble: cat | tar x).
 # Usage (repo root, wheels installed): [SHAPE=h384_l8] [EXTRA=...] [STEPS=N] [BATCH=128] [INTERMEDIATE=1]
-#   bash benchmarks/gpu/pretrain_reference_target.sh [TOTAL_S] [SHAPE_S]
+#   bash benchmarks/leased_gpu/pretrain_reference_target.sh [TOTAL_S] [SHAPE_S]
 # A longer run: the same command with the same STEPS (and BATCH) in back-to-back calls on one warm machine (/tmp/pt
 # persists there). INTERMEDIATE=1 on every job but the last: that job only checkpoints (finalize_every_job=false),
 # so its ~110 s of final scoring go to training; the last job, without it, scores and writes the folder.
 set -o pipefail
 TOTAL=${1:-560}; SHAPE_S=${2:-25}; OUT=${OUT:-/tmp/pt_out}; T0=$(date +%s)
 W=/tmp/pt; mkdir -p $W $OUT
-BATCH=${BATCH:-128}   # the recipe's batch (experiments.pretrain_target); 32 before session 10
+BATCH=${BATCH:-128}   # the recipe's batch (experiments.pretrain_target); 32 before 2026-12-01
 export PYTHONUNBUFFERED=1
 SPLIT="--split-newlines"; [[ "$EXTRA" == *tokenizer_split_newlines=false* ]] && SPLIT=""  # the recipe splits newlines
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__, torch.cuda.get_device_name())"
@@ -26,7 +26,7 @@ import json; d=json.load(open('$W/shapes.json'))
 ok = {k: v for k, v in d['shapes'].items() if v['bf16_mb'] < 40}
 s = min(ok, key=lambda k: ok[k]['val_loss']); print(s, ok[s]['tok_s'])")
 fi
-RATE=${RATE:-$([ "$BATCH" = 128 ] && echo 259853 || echo 132851)}   # tok/s measured at that batch (sessions 10, 5)
+RATE=${RATE:-$([ "$BATCH" = 128 ] && echo 259853 || echo 132851)}   # tok/s measured at that batch (2026-12-01)
 LEFT=$(( TOTAL - ($(date +%s) - T0) - 25 ))   # 25 s for the tar at the end
 FINAL=110                                      # final eval, probes, save, continuations (Triton compiles)
 if [ -n "$INTERMEDIATE" ]; then FINAL=15; EXTRA="$EXTRA finalize_every_job=false"; fi  # checkpoint only

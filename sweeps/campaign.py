@@ -91,6 +91,9 @@ class Campaign:
     stages: list[Stage]
     workers: int = 1
     description: str = ""
+    # earlier campaigns (their names, in the same `out` store) whose stages of the same factor the report ranks this
+    # one's against: the served campaign's loss stage against the old protocol's (sweeps/protocol_agreement.py)
+    compare_with: list[str] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass

@@ -24,18 +24,19 @@ from dflash.evaluation.stats import paired_delta_ci, pooled_ci
 CI_LEVEL = 0.95
 
 
-def _tables(run_dir: Path) -> dict[str, dict]:
+def _tables(run_dir: Path, setting: str = "served") -> dict[str, dict]:
     """{suite label: task table} of a finished run at its served setting (the objective suite in eval/served/,
-    the others in eval/<suite>/served/); a run evaluated before sampled evaluation has them in eval/ and
-    eval/<suite>/ (the legacy greedy protocol; its tables carry no `info.setting`)."""
+    the others in eval/<suite>/served/), or with `setting="t0"` greedily (eval/t0/, beside the served ones); a run
+    evaluated before sampled evaluation has its tables in eval/ and eval/<suite>/ (the legacy greedy protocol;
+    no `info.setting`), read for either setting."""
     out = {}
     ev = run_dir / "eval"
-    served = [ev / "served" / "tasks.json", *sorted(ev.glob("*/served/tasks.json"))]
+    served = [ev / setting / "tasks.json", *sorted(ev.glob(f"*/{setting}/tasks.json"))]
     legacy = [ev / "tasks.json", *sorted(p for p in ev.glob("*/tasks.json") if p.parent.name not in ("served", "t0"))]
-    for f in served if served[0].is_file() else legacy:
+    for f in served if (ev / "served" / "tasks.json").is_file() else legacy:
         if f.is_file():
             t = json.loads(f.read_text())
-            name = f.parent.parent.name if f.parent.name == "served" else f.parent.name
+            name = f.parent.parent.name if f.parent.name == setting else f.parent.name
             out[str((t.get("info") or {}).get("suite_label") or name)] = t
     return out
 
@@ -49,6 +50,13 @@ def task_methods(table: dict) -> list[tuple[str, str, str]]:
     if "tau_sum_prompt_lookup" in row:
         out.append(("prompt-lookup", "tau_sum_prompt_lookup", "rounds_prompt_lookup"))
     return out
+
+
+def common_methods(by_opt: dict[str, dict[int, dict]], seeds: list[int]) -> list[tuple[str, str, str]]:
+    """The drafting methods every option's tables of `seeds` carry, in `task_methods` order: a DFlash 2 option has
+    no tree columns (DDTree is DFlash 1 only), so a stage mixing both compares vanilla and prompt lookup only."""
+    per_table = [task_methods(t) for seeds_of in by_opt.values() for s, t in seeds_of.items() if s in seeds]
+    return [m for m in per_table[0] if all(m in other for other in per_table[1:])] if per_table else []
 
 
 def _stacked(tables: list[dict], sum_col: str, count_col: str) -> tuple[list[float], list[float]]:
@@ -72,10 +80,10 @@ def _verdict(iv) -> str:
     return f"tie (within {iv.low:+.3f} … {iv.high:+.3f})"
 
 
-def _by_option(cells: list[dict], suite: str) -> dict[str, dict[int, dict]]:
+def _by_option(cells: list[dict], suite: str, setting: str = "served") -> dict[str, dict[int, dict]]:
     by_opt: dict[str, dict[int, dict]] = {}
     for c in cells:
-        t = _tables(Path(c["run_dir"])).get(suite)
+        t = _tables(Path(c["run_dir"]), setting).get(suite)
         if t is not None:
             by_opt.setdefault(c["option"], {})[int(c["seed"])] = t
     return by_opt
@@ -153,18 +161,19 @@ def below_prompt_lookup(tables: list[dict]) -> bool:
 
 
 def stage_table(cells: list[dict], suite: str, reference: str,
-                baseline: tuple[str, list[dict]] | None = None) -> list[str]:
+                baseline: tuple[str, list[dict]] | None = None, setting: str = "served") -> list[str]:
     """Markdown rows for one stage and suite, over the seeds every option has (`shared_seeds`); each option's seeds
     paired with the reference's seeds, and, when `baseline` = (name, its cells) is given (the campaign's first
-    option), with the baseline's too. A τ vanilla below prompt lookup's carries `BELOW_PL`."""
-    by_opt = _by_option(cells, suite)
+    option), with the baseline's too. A τ vanilla below prompt lookup's carries `BELOW_PL`. `setting`: the
+    served tables (the objective's) or the greedy ones ("t0")."""
+    by_opt = _by_option(cells, suite, setting)
     if reference not in by_opt:
         return [f"_no {suite} task tables for the reference option {reference}_"]
     shared = shared_seeds(by_opt)
     if not shared:
         return [f"_no seed that every option of this stage has run on {suite}_"]
-    base = _by_option(baseline[1], suite).get(baseline[0], {}) if baseline else None
-    methods = task_methods(by_opt[reference][shared[0]])
+    base = _by_option(baseline[1], suite, setting).get(baseline[0], {}) if baseline else None
+    methods = common_methods(by_opt, shared)
     head = ["option", "n seeds", *[f"τ {m[0]}" for m in methods], "Δτ vanilla vs " + reference, "verdict"]
     if base is not None:
         head += [f"Δτ vanilla vs {baseline[0]}", "verdict"]
@@ -199,7 +208,8 @@ def delta_table(cells: list[dict], suite: str, reference: str) -> list[str]:
     by_opt = _by_option(cells, suite)
     if reference not in by_opt:
         return []
-    methods = [m for m in task_methods(by_opt[reference][min(by_opt[reference])]) if m[0] != "prompt-lookup"]
+    methods = [m for m in common_methods(by_opt, shared_seeds(by_opt) or [min(by_opt[reference])])
+               if m[0] != "prompt-lookup"]
     rows = ["| option | " + " | ".join(f"Δτ {m[0]} vs {reference}" for m in methods) + " |",
             "|---|" + "---|" * len(methods)]
     for opt, seeds in by_opt.items():
@@ -315,10 +325,13 @@ def _target_line(cells: list[dict]) -> str:
         f"`{fp}` ({n} runs)" for fp, n in fps.items()) + "."
 
 
-def render_report(c, summary: dict, with_summary: bool = True, figures: dict[int, str] | None = None) -> str:
+def render_report(c, summary: dict, with_summary: bool = True, figures: dict[int, str] | None = None,
+                  out: Path | None = None) -> str:
     """The campaign's markdown (module doc) from a summary: `summary.json`, or `summary_from_mlflow`; its results
     summary (`sweeps.results_summary`) first unless `with_summary` is False (a page that shows it elsewhere);
-    `figures`: {stage index: image path relative to the report}, shown after the stage's call."""
+    `figures`: {stage index: image path relative to the report}, shown after the stage's call; `out`: the store,
+    where the campaigns of `c.compare_with` are read for the protocol agreement (sweeps/protocol_agreement.py)."""
+    from sweeps.protocol_agreement import agreement_section, ground_truth_lines, greedy_section, setting_title
     lines = [f"# Ablation campaign `{c.name}`", "", c.description, "",
              f"Command: `python -m sweeps.campaign {c.name}` (then `… {c.name} report`). Budget: "
              f"{c.budget_tokens:,} consumed training tokens per run, seeds {c.seeds}, objective `{c.objective}`. "
@@ -347,10 +360,14 @@ def render_report(c, summary: dict, with_summary: bool = True, figures: dict[int
         suites = sorted({s for x in cells for s in _tables(Path(x["run_dir"]))},
                         key=lambda s: (s != objective_suite, s))
         for suite in suites:
-            lines += [f"### suite `{suite}`", "", *stage_table(cells, suite, stage.options[0], baseline), ""]
+            lines += [f"### suite `{suite}`{setting_title(cells, suite)}", "", *ground_truth_lines(cells, suite),
+                      *stage_table(cells, suite, stage.options[0], baseline), ""]
             deltas = delta_table(cells, suite, stage.options[0])
             if len(deltas) > 2:
                 lines += ["Paired Δτ per drafting method:", "", *deltas, ""]
+            if suite == objective_suite:
+                lines += greedy_section(cells, suite, stage.options[0], baseline)
+                lines += agreement_section(c, out, i, cells, suite)
         # every option of the stage, its reference too where that is an earlier stage's run (reused, not trained
         # again): left out, the rank agreement ranked the other options only (the noise stage's table had no `none`
         # row)
@@ -445,7 +462,7 @@ def write_report(c, out: Path, dest: Path | None = None) -> dict[str, Any]:
     from sweeps.stage_figures import save_stage_figures
     summary = load_summary(c, out)
     figures = {i: f"figures/{name}" for i, name in save_stage_figures(c, summary, out / c.name / "figures").items()}
-    text = render_report(c, summary, figures=figures)
+    text = render_report(c, summary, figures=figures, out=out)
     atomic_write_text(out / c.name / "ABLATIONS.md", text)
     short = "\n".join(render_summary(c, summary, level=1))
     atomic_write_text(out / c.name / "SUMMARY.md", short)

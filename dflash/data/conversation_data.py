@@ -11,10 +11,12 @@ Steps (each a `datasets` map, memory-mapped, run with `num_proc` workers and cac
    sequences shorter than `data.min_len`, or with no assistant token a block can be anchored on, are skipped.
 
 Where the responses come from (`responses`, `RESPONSES`): `dataset` trains on them as given (data an engine
-already wrote with this target); `target` has the target rewrite them: every assistant turn of a TRAIN
-conversation becomes a prompt (the conversation before it, with the generation prompt) that the online writer
-(`dflash.data.online`) continues to `data.online.seq_len` tokens, and the drafter trains on the written tokens up
-to and including the first end-of-turn token. `python -m experiments.regen` writes the same shards ahead.
+already wrote with this target); `target` has the target rewrite them, turn by turn: every trained assistant turn of
+a TRAIN conversation becomes a prompt (the conversation before it, its earlier assistant turns the target's own
+answers, with the generation prompt) that the online writer (`dflash.data.turn_writer`) continues to
+`data.online.seq_len` tokens, and the drafter trains on the written tokens up to and including the first end-of-turn
+token. `turn_prompts` renders them with the dataset's earlier turns up front (bad input stops the run before any
+work; the eval's training examples). `python -m experiments.regen` writes the same shards ahead.
 """
 from __future__ import annotations
 

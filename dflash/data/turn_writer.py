@@ -91,11 +91,13 @@ class TurnWriter(OnlineWriter):
 
     def _items(self, b: int) -> list[tuple[int, int, int]]:
         W = self.cfg.write_batch
-        return [self.stream.locate(n) for n in range(b * W, (b + 1) * W)]
+        with self._lock:  # the stream's epoch caches; a server-backed regen writes several batches at once
+            return [self.stream.locate(n) for n in range(b * W, (b + 1) * W)]
 
     def prompt_of(self, g: int) -> int:
         """The pool row of item g's turn (its prompt there has the dataset's earlier turns, not the target's)."""
-        _, c, k = self.stream.locate(g // self.world)
+        with self._lock:
+            _, c, k = self.stream.locate(g // self.world)
         return int(self.offsets[c]) + k
 
     def _prompt_lens(self, b: int) -> list[int]:
@@ -119,18 +121,18 @@ class TurnWriter(OnlineWriter):
         rounds = iter(range(1 << 30))
 
         def respond(prompts: list[list[int]]) -> list[list[int]]:
-            r = next(rounds)
+            round_seed = (seed * 131 + next(rounds)) % (1 << 63)
             sp = self.sampling
             if self.responder is not None:
                 return self.responder.continue_prompts(prompts, [self.seq_len - len(p) for p in prompts],
-                                                       0.0 if sp.greedy else sp.temperature, seed * 131 + r,
+                                                       0.0 if sp.greedy else sp.temperature, round_seed,
                                                        sp.top_p, sp.top_k)
             # the static decoder keeps one captured shape: every round written write_batch rows wide
             pad = self.cfg.write_batch - len(prompts) if self.decode != "cache" else 0
             gen = None
             if not sp.greedy:
                 gen = torch.Generator(device=self.target.device)
-                gen.manual_seed(seed * 131 + r)
+                gen.manual_seed(round_seed)
             rows = write_continuations(self.target, prompts + prompts[-1:] * pad, self.seq_len, sp, gen, self.decode)
             return [rows[i, len(p):].tolist() for i, p in enumerate(prompts)]
         return respond

@@ -86,36 +86,3 @@ def test_trainer_compile_runs_padded_fixed_shape_steps(fast_cfg, monkeypatch):
     res = train(fast_cfg("trainer.compile=true", "trainer.pad_multiple=32"))
     assert (res.run_dir / "final" / "model.safetensors").is_file()
     assert all(n == 4 and t % 32 == 0 for _, n, t in seen) and len(seen) == 6
-
-
-def test_packed_rows_give_the_padded_batch_s_loss_and_grads():
-    """data.chat.pack: items packed into shared rows keep their anchors, noise and labels, and no block sees another
-    item's context or labels (items trained to their last token, so a block near an item's end would reach into
-    the next one): the loss and grads equal one padded row per item."""
-    torch.manual_seed(0)
-    drafter = build_drafter(DrafterConfig(num_layers=2, num_heads=2, num_kv_heads=1, head_dim=8, intermediate_size=32,
-                                          block_size=BS, attn_group=2), H, 4, V - 1, [0, 2])
-    drafter.attach_target_head(torch.randn(V, H), torch.randn(V, H))
-    items = _items([23, 9, 14, 30, 6])
-    for it in items[:3]:  # loss masks trained to the end (items[3:]: every token)
-        it.loss_mask_T = torch.arange(it.tokens_T.numel()) >= 2
-    common = dict(block_size=BS, num_anchors=8, seed=3, noise=build_noise(NoiseConfig(), 10), sigma=0.3,
-                  device=torch.device("cpu"))
-    padded, packed = make_batch(items, **common), make_batch(items, **common, pack_len=40)
-    assert padded.starts_BN is None and packed.features_BTLH.shape[:2] == (3, 39)  # [30, 9] [23, 14] [6]
-    assert packed.padding_share < padded.padding_share
-    assert packed.num_tokens == padded.num_tokens == 82
-    got = []
-    for batch in (padded, packed):
-        drafter.zero_grad()
-        hidden = drafter(batch.features_BTLH, batch.anchors_BN, batch.anchor_tokens_BN, batch.starts_BN)
-        B, N, K, D = hidden.shape
-        labels = batch.labels_BNK.reshape(B * N, K)
-        stats = compute_position_stats(hidden.reshape(B * N, K, D), drafter.lm_head_VH, labels)
-        loss = build_loss(LossConfig(name="streak")).reduce(stats, labels != -100)
-        loss.backward()
-        got.append((loss.detach(), int((labels != -100).sum()), [p.grad.clone() for p in drafter.parameters()]))
-    torch.testing.assert_close(got[0][0], got[1][0])
-    assert got[0][1] == got[1][1]
-    for a, b in zip(got[0][2], got[1][2]):
-        torch.testing.assert_close(a, b)

@@ -46,8 +46,6 @@ class ChatConfig:
     # reasoning in assistant turns (`reasoning_content` or <think>…</think>): keep (trained on, as the target
     # writes it) or drop (removed; rendered with enable_thinking=False)
     think: str = "keep"
-    # several short rows packed into one drafter row (dflash.training.batching.make_batch), each seeing only itself
-    pack: bool = False
 
 
 THINK_MODES: Registry = Registry("data.chat.think", {"keep": "keep", "drop": "drop"})

@@ -190,8 +190,7 @@ def load_conversation_set(data_cfg, tokenizer) -> ConversationSet:
     train_norm = split.filter(lambda t: t, input_columns="in_train", num_proc=procs)
     heldout = split.filter(lambda h, s: bool(h) and not s, input_columns=["heldout_turns", "skip"], num_proc=procs)
     settings = {"format": FORMAT_VERSION, "data": normalized._fingerprint, "tokenizer": tokenizer_fingerprint(tokenizer),
-                "chat": {k: v for k, v in asdict(chat).items() if k != "pack"},  # (packing: batching's)
-                "template": template_text(chat),
+                "chat": asdict(chat), "template": template_text(chat),
                 "heldout": [c.heldout_per_10k, c.salt]}  # what decides the split and the rendering
     base = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()
     cut = {"max_len": data_cfg.max_len, "min_len": data_cfg.min_len, "overflow": c.overflow, "limit": c.limit}

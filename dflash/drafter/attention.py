@@ -50,21 +50,16 @@ FULL_ATTENTION = LayerAttention()
 
 
 def training_mask(anchors_BN: torch.Tensor, ctx_len: int, block_size: int,
-                  layer: LayerAttention = FULL_ATTENTION, ctx_offset: int = 0,
-                  starts_BN: torch.Tensor | None = None) -> torch.Tensor:
+                  layer: LayerAttention = FULL_ATTENTION, ctx_offset: int = 0) -> torch.Tensor:
     """Bool mask [B, N·bs, ctx_len + N·bs]: block n sees context j < anchor_n and its own block, both
     directions inside the block; blocks never see each other. This is exactly what the block sees at
     inference (context = committed features before the anchor), tested against the inference path.
     A windowed `layer` also hides context with anchor_n + k - j >= window and later tokens of its own block.
-    `ctx_offset`: the position of the first context key (inference: what a windowed layer's cache still keeps).
-    `starts_BN`: where each block's own sequence starts in its row (several sequences packed in one row): no context
-    before it is seen."""
+    `ctx_offset`: the position of the first context key (inference: what a windowed layer's cache still keeps)."""
     B, N = anchors_BN.shape
     dev = anchors_BN.device
     ctx_pos = torch.arange(ctx_len, device=dev) + ctx_offset
     sees_ctx_BNT = ctx_pos[None, None, :] < anchors_BN[:, :, None]
-    if starts_BN is not None:
-        sees_ctx_BNT = sees_ctx_BNT & (ctx_pos[None, None, :] >= starts_BN[:, :, None])
     sees_ctx = sees_ctx_BNT[:, :, None, :].expand(B, N, block_size, ctx_len)
     k_in_block = torch.arange(block_size, device=dev)
     if layer.window is not None:
@@ -80,7 +75,7 @@ def training_mask(anchors_BN: torch.Tensor, ctx_len: int, block_size: int,
 
 
 def block_mask_mod(anchors_BN: torch.Tensor, ctx_len: int, block_size: int,
-                   layer: LayerAttention = FULL_ATTENTION, starts_BN: torch.Tensor | None = None):
+                   layer: LayerAttention = FULL_ATTENTION):
     """`training_mask` as a FlexAttention mask_mod(b, h, q_idx, kv_idx) (same predicate, tested equal)."""
     last_block = anchors_BN.shape[1] - 1
     window, causal = layer.window, layer.causal
@@ -91,8 +86,6 @@ def block_mask_mod(anchors_BN: torch.Tensor, ctx_len: int, block_size: int,
         blk = (q_idx // block_size).clamp(max=last_block)
         anchor = anchors_BN[b, blk]
         sees_ctx = (kv_idx < ctx_len) & (kv_idx < anchor)
-        if starts_BN is not None:  # packed rows: nothing before the block's own sequence
-            sees_ctx = sees_ctx & (kv_idx >= starts_BN[b, blk])
         sees_own = (kv_idx >= ctx_len) & ((kv_idx - ctx_len) // block_size == blk)
         if window is not None:  # windowed layers: context within the window (and causal in the block)
             sees_ctx = sees_ctx & (anchor + q_idx % block_size - kv_idx < window)
@@ -107,7 +100,7 @@ class AttentionKernel(Protocol):
     groups_anchors: bool
 
     def mask(self, anchors_BN: torch.Tensor, ctx_len: int, block_size: int,
-             layer: LayerAttention = FULL_ATTENTION, starts_BN: torch.Tensor | None = None) -> Any: ...
+             layer: LayerAttention = FULL_ATTENTION) -> Any: ...
 
     def attend(self, q_BhQd: torch.Tensor, k_BhKd: torch.Tensor, v_BhKd: torch.Tensor, mask: Any,
                num_heads: int, num_kv_heads: int) -> torch.Tensor: ...
@@ -141,9 +134,8 @@ class SdpaKernel:
     def __init__(self, expand_kv: bool):
         self.expand_kv = expand_kv
 
-    def mask(self, anchors_BN, ctx_len, block_size, layer=FULL_ATTENTION, starts_BN=None):
-        # [B, 1, Q, K]: shared by all heads
-        return training_mask(anchors_BN, ctx_len, block_size, layer, starts_BN=starts_BN)[:, None]
+    def mask(self, anchors_BN, ctx_len, block_size, layer=FULL_ATTENTION):
+        return training_mask(anchors_BN, ctx_len, block_size, layer)[:, None]  # [B, 1, Q, K]: shared by all heads
 
     def attend(self, q_BhQd, k_BhKd, v_BhKd, mask, num_heads, num_kv_heads):
         gqa = num_heads != num_kv_heads
@@ -186,11 +178,11 @@ class FlexKernel:
 
     groups_anchors = False
 
-    def mask(self, anchors_BN, ctx_len, block_size, layer=FULL_ATTENTION, starts_BN=None) -> BlockMask:
+    def mask(self, anchors_BN, ctx_len, block_size, layer=FULL_ATTENTION) -> BlockMask:
         B, N = anchors_BN.shape
         Q = N * block_size
         make = _compiled_on_cuda(create_block_mask, anchors_BN.device)
-        return make(block_mask_mod(anchors_BN, ctx_len, block_size, layer, starts_BN), B, None, Q, ctx_len + Q,
+        return make(block_mask_mod(anchors_BN, ctx_len, block_size, layer), B, None, Q, ctx_len + Q,
                     device=anchors_BN.device)
 
     def attend(self, q_BhQd, k_BhKd, v_BhKd, mask, num_heads, num_kv_heads):

@@ -358,8 +358,8 @@ class DFlashDrafter(nn.Module):
         return self.norm(h)
 
     # -- training --------------------------------------------------------------------------------
-    def forward(self, features_BTLH: torch.Tensor, anchors_BN: torch.Tensor, anchor_tokens_BN: torch.Tensor,
-                starts_BN: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, features_BTLH: torch.Tensor, anchors_BN: torch.Tensor,
+                anchor_tokens_BN: torch.Tensor) -> torch.Tensor:
         """Training forward over N blocks per sequence at once. Returns the final hidden states of block
         positions 1..bs-1, shape [B, N, bs-1, H]; position k predicts token anchor + k.
 
@@ -367,9 +367,7 @@ class DFlashDrafter(nn.Module):
         B·G: each group gets the whole context's K/V and its own blocks. Same result as one call over all N
         blocks (tested), less attention work. A block-sparse kernel (flex) skips the unseen tiles itself and
         takes all N in one call. The mask is built once here for each distinct layer attention (full,
-        windowed) and shared by the layers that have it. `starts_BN` (rows that pack several sequences,
-        `data.chat.pack`): where each anchor's sequence starts; its block sees no context before it (RoPE is
-        relative, so a sequence placed later in a row is seen as it is alone)."""
+        windowed) and shared by the layers that have it."""
         B, T = features_BTLH.shape[:2]
         N, bs = anchors_BN.shape[1], self.block_size
         ctx = self.context(features_BTLH)
@@ -383,14 +381,11 @@ class DFlashDrafter(nn.Module):
             pad_BP = anchors_BN[:, -1:].expand(B, G * g - N)
             anchors_BN = torch.cat([anchors_BN, pad_BP], dim=1)
             anchor_tokens_BN = torch.cat([anchor_tokens_BN, anchor_tokens_BN[:, -1:].expand_as(pad_BP)], dim=1)
-            if starts_BN is not None:
-                starts_BN = torch.cat([starts_BN, starts_BN[:, -1:].expand_as(pad_BP)], dim=1)
         if G > 1:
             ctx_kv = [(_per_group(k, G), _per_group(v, G)) for k, v in ctx_kv]
         anchors_Mg = anchors_BN.reshape(B * G, g)  # M = B·G attention batches
         blk_pos = (anchors_Mg[:, :, None] + torch.arange(bs, device=ctx.device)).view(B * G, g * bs)
-        starts_Mg = None if starts_BN is None else starts_BN.reshape(B * G, g)
-        kinds = {a: KernelMask(self.attn_kernel, self.attn_kernel.mask(anchors_Mg, T, bs, a, starts_Mg))
+        kinds = {a: KernelMask(self.attn_kernel, self.attn_kernel.mask(anchors_Mg, T, bs, a))
                  for a in dict.fromkeys(self.layer_attention)}  # one mask per kind, in layer order
         masks = [kinds[a] for a in self.layer_attention]
         h = self._run_layers(self.block_embeddings(anchor_tokens_BN.reshape(B * G, g)), blk_pos, ctx_kv, masks)

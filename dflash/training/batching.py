@@ -24,15 +24,6 @@ class DrafterBatch:
     soft_vals_BNKk: torch.Tensor | None
     soft_idx_BNKk: torch.Tensor | None
     num_tokens: int  # data tokens in the batch (host int, no sync)
-    # rows packing several items (`make_batch(pack_len=...)`): where each anchor's item starts in its row, so its
-    # block sees none of the items before it; None: one item a row
-    starts_BN: torch.Tensor | None = None
-
-    @property
-    def padding_share(self) -> float:
-        """The share of the batch's B·T positions that hold no data token."""
-        B, T = self.features_BTLH.shape[:2]
-        return 1.0 - self.num_tokens / (B * T)
 
 
 def item_seed(seed: int, epoch: int, index: int) -> int:
@@ -78,95 +69,49 @@ def draw_masked_anchors(loss_mask_T: torch.Tensor, num_anchors: int, gen: torch.
     return allowed[perm].sort().values
 
 
-def pack_rows(lengths: list[int], capacity: int) -> list[list[int]]:
-    """Items packed into rows of at most `capacity` tokens, first fit by decreasing length (an item longer than
-    `capacity` gets a row of its own): the item indices of each row, in placement order."""
-    rows: list[list[int]] = []
-    room: list[int] = []
-    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
-        r = next((r for r, free in enumerate(room) if free >= lengths[i]), None)
-        if r is None:
-            rows.append([])
-            room.append(capacity)
-            r = len(rows) - 1
-        rows[r].append(i)
-        room[r] -= lengths[i]
-    return rows
-
-
 def make_batch(items: list[Item], *, block_size: int, num_anchors: int, seed: int,
                noise: NoiseSchedule, sigma: float, device: torch.device, pad_multiple: int = 1,
-               fixed_anchors: bool = False, pack_len: int = 0) -> DrafterBatch:
+               fixed_anchors: bool = False) -> DrafterBatch:
     """`pad_multiple` rounds the batch length up and `fixed_anchors` gives every batch `num_anchors` blocks
     (the extra ones are padding, labels IGNORE_INDEX), so a compiled drafter sees few distinct shapes. Exact: the
-    padded context lies past every real anchor, where the block mask hides it.
-
-    `pack_len` > 0 (`data.chat.pack`): the items are packed into rows of at most that many tokens (`pack_rows`)
-    instead of one padded row each. Each item keeps its own anchors, noise and labels (drawn as unpacked); a block
-    sees no context before its own item (`starts_BN`, the drafter's mask) and no label past its end. The target
-    ran on each item alone, so no feature crosses an item either."""
-    rows = pack_rows([it.tokens_T.numel() for it in items], pack_len) if pack_len else [[i] for i in range(len(items))]
-    B = len(rows)
-    offsets = {}  # item → its first position in its row
-    for row in rows:
-        pos = 0
-        for i in row:
-            offsets[i] = pos
-            pos += items[i].tokens_T.numel()
-    T = max(sum(items[i].tokens_T.numel() for i in row) for row in rows)
+    padded context lies past every real anchor, where the block mask hides it."""
+    B = len(items)
+    T = max(it.tokens_T.numel() for it in items)
     T = -(-T // pad_multiple) * pad_multiple
     L, H = items[0].features_TLH.shape[-2:]
     K = block_size - 1
     anchors = [_anchors(it, block_size, num_anchors, torch.Generator().manual_seed(item_seed(seed, it.epoch, it.index)))
                for it in items]
-    per_row = [torch.cat([anchors[i] + offsets[i] for i in row]) for row in rows]
-    N = num_anchors * max(map(len, rows)) if fixed_anchors else max(max(a.numel() for a in per_row), 1)
+    N = num_anchors if fixed_anchors else max(max(a.numel() for a in anchors), 1)
     feats = torch.zeros(B, T, L, H, dtype=items[0].features_TLH.dtype, device=device)
     anchors_BN = torch.ones(B, N, dtype=torch.long)
     valid_BN = torch.zeros(B, N, dtype=torch.bool)
-    starts_BN = torch.zeros(B, N, dtype=torch.long)  # each anchor's item: where it starts and ends in its row
-    ends_BN = torch.full((B, N), T, dtype=torch.long)
-    for b, row in enumerate(rows):
-        n = 0
-        for i in row:
-            it, a, off = items[i], anchors[i], offsets[i]
-            f = it.features_TLH.to(device, non_blocking=True)
-            if sigma > 0:  # re-seeded per item: the noise of an item never depends on what came before it
-                f = noise.add(f, sigma, _noise_generator(device).manual_seed(item_seed(seed, it.epoch, it.index) + 7))
-            feats[b, off:off + f.shape[0]] = f
-            anchors_BN[b, n:n + a.numel()] = a + off
-            starts_BN[b, n:n + a.numel()] = off
-            ends_BN[b, n:n + a.numel()] = off + it.tokens_T.numel()
-            n += a.numel()
-        valid_BN[b, :n] = True
+    for b, (it, a) in enumerate(zip(items, anchors)):
+        f = it.features_TLH.to(device, non_blocking=True)
+        if sigma > 0:  # re-seeded per item: the noise of an item never depends on what came before it
+            f = noise.add(f, sigma, _noise_generator(device).manual_seed(item_seed(seed, it.epoch, it.index) + 7))
+        feats[b, : f.shape[0]] = f
+        anchors_BN[b, : a.numel()] = a
+        valid_BN[b, : a.numel()] = True
     anchors_BN, valid_BN = _to_device(anchors_BN, device), _to_device(valid_BN, device)
     pos_BNK = anchors_BN[:, :, None] + torch.arange(K, device=device)  # label positions a .. a+K-1
-    tokens = torch.stack([_pad(_row(items, row, lambda it: it.tokens_T.to(device)), T) for row in rows])
-    labels = torch.stack([_pad(_row(items, row, lambda it: it.labels_T.to(device)), T) for row in rows])
+    tokens = torch.stack([_pad(it.tokens_T.to(device), T) for it in items])
+    labels = torch.stack([_pad(it.labels_T.to(device), T) for it in items])
     b_idx = torch.arange(B, device=device)[:, None, None]
     pos_c = pos_BNK.clamp(max=T - 1)
     labels_BNK = labels[b_idx, pos_c].masked_fill(~valid_BN[:, :, None], IGNORE_INDEX)
     if any(it.loss_mask_T is not None for it in items):  # only the trained tokens carry a label
-        trained_BT = _to_device(torch.stack([_pad(_row(items, row, _label_mask_of), T) for row in rows]), device)
+        trained_BT = _to_device(torch.stack([_pad(_label_mask_of(it), T) for it in items]), device)
         trained_BNK = trained_BT[b_idx, pos_c] & (pos_BNK < T)
         labels_BNK = labels_BNK.masked_fill(~trained_BNK, IGNORE_INDEX)
-    packed = any(len(row) > 1 for row in rows)
-    if packed:  # a block's labels stop at its own item's end
-        labels_BNK = labels_BNK.masked_fill(pos_BNK >= _to_device(ends_BN, device)[:, :, None], IGNORE_INDEX)
     soft_vals = soft_idx = None
     if items[0].soft_vals_Tk is not None:
-        vals = torch.stack([_pad(_row(items, row, lambda it: it.soft_vals_Tk.to(device)), T) for row in rows])
-        idx = torch.stack([_pad(_row(items, row, lambda it: it.soft_idx_Tk.to(device)), T) for row in rows])
+        vals = torch.stack([_pad(it.soft_vals_Tk.to(device), T) for it in items])
+        idx = torch.stack([_pad(it.soft_idx_Tk.to(device), T) for it in items])
         soft_vals, soft_idx = vals[b_idx, pos_c], idx[b_idx, pos_c]
     anchor_tokens = tokens.gather(1, anchors_BN)
     return DrafterBatch(feats, anchors_BN, anchor_tokens, labels_BNK, soft_vals, soft_idx,
-                        sum(it.tokens_T.numel() for it in items),
-                        _to_device(starts_BN, device) if packed else None)
-
-
-def _row(items: list[Item], row: list[int], part) -> torch.Tensor:
-    """One row's tensor: `part(item)` of its items, one after another."""
-    return torch.cat([part(items[i]) for i in row]) if len(row) > 1 else part(items[row[0]])
+                        sum(it.tokens_T.numel() for it in items))
 
 
 def _anchors(item: Item, block_size: int, num_anchors: int, gen: torch.Generator) -> torch.Tensor:

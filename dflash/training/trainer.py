@@ -198,8 +198,7 @@ class Trainer:
         c = self.cfg
         return make_batch(items, block_size=c.drafter.block_size, num_anchors=c.trainer.num_anchors,
                           seed=c.seed, noise=self.noise, sigma=self.noise.sigma(), device=self.device,
-                          pad_multiple=c.trainer.pad_multiple, fixed_anchors=c.trainer.compile,
-                          pack_len=c.data.max_len if c.data.chat.pack else 0)
+                          pad_multiple=c.trainer.pad_multiple, fixed_anchors=c.trainer.compile)
 
     def step(self, batch: DrafterBatch) -> StepOutput:
         """One optimizer step on `batch`: drafter forward (bf16 autocast per trainer.autocast), the loss with
@@ -210,8 +209,7 @@ class Trainer:
         record = torch.profiler.record_function
         with record("dflash.drafter_forward"), torch.autocast(self.device.type, dtype=torch.bfloat16,
                                                                enabled=self._autocast()):
-            packed = () if batch.starts_BN is None else (batch.starts_BN,)
-            hidden = self.train_model(batch.features_BTLH, batch.anchors_BN, batch.anchor_tokens_BN, *packed)
+            hidden = self.train_model(batch.features_BTLH, batch.anchors_BN, batch.anchor_tokens_BN)
         with record("dflash.loss"):
             loss, metrics = self.loss_fn(hidden, self.drafter.lm_head_VH, batch)
         with record("dflash.backward"):

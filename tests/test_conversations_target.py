@@ -194,3 +194,50 @@ def test_regen_turns_writes_a_conversation_file_a_run_reads(chat_cfg, tmp_path, 
     assert rows[0]["messages"][2]["content"] != "Hello there."  # the target's own answer
     assert rows[1]["messages"][1]["content"] == "A" and not rows[1]["messages"][1]["train"]  # weight 0 kept
     assert not list(out.parent.glob(".*"))  # written atomically
+
+
+def test_in_the_loop_each_later_turn_is_prompted_with_the_targets_own_answer(chat_cfg, tmp_path):
+    """responses=target in training: turn 2's prompt holds the target's turn-1 answer, not the dataset's; each row is
+    the target's own continuation of its prompt, trained up to its end of turn, never on the prompt."""
+    from dflash.app.chat_data import build_run_data
+    from dflash.data.writing import write_continuations
+    from dflash.target.model import Target
+    from dflash.training.distributed import DistInfo
+    conv = {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+                         {"role": "assistant", "content": "Hello there."}, {"role": "user", "content": "Bye"},
+                         {"role": "assistant", "content": "Goodbye."}]}
+    path = tmp_path / "c.jsonl"
+    path.write_text(json.dumps(conv) + "\n")
+    common = (f"data.path={path}", *TARGET, "data.conversations.heldout_per_10k=0", "data.online.shard_dir=")
+    cfg = chat_cfg(*common)
+    target = Target(cfg.target)
+    tok = target.tokenizer
+    end = tok.convert_tokens_to_ids("<|im_end|>")
+    writer = build_run_data(cfg, target, DistInfo()).writer
+    first = writer.pool.prompts[0]
+    free = write_continuations(target, [first], len(first) + 8)[0, len(first):].tolist()
+    with torch.no_grad():  # the random target ends its turn where it would write its 4th token (or before)
+        target.lm_head_weight()[end] = 1.5 * target.lm_head_weight()[free[3]]
+    writer = build_run_data(cfg, target, DistInfo()).writer
+    assert [writer.stream.locate(g)[2] for g in range(2)] == [0, 1]  # the conversation's two turns, in order
+    rows = [(writer.sequence(g), writer.prompt_len(g), writer.loss_mask(g)) for g in range(2)]
+    (seq1, p1, m1), (seq2, p2, m2) = rows
+    answer1 = seq1[p1:p1 + int(m1.sum())].tolist()
+    assert 1 < len(answer1) <= 4 and answer1[-1] == end  # the target's first answer, ended at its end of turn
+    prompt2 = tok.decode(seq2[:p2].tolist())
+    assert tok.decode(answer1) in prompt2 and "Hello there." not in prompt2 and "Bye" in prompt2
+    # each row is exactly the target's continuation of its own prompt
+    for seq, p, _ in rows:
+        assert torch.equal(seq, write_continuations(target, [seq[:p].tolist()], seq.numel())[0])
+    # the loss mask covers the written turn only: up to and including its first end token (the row's end when it
+    # wrote none), never the prompt
+    for seq, p, mask in rows:
+        written = mask.nonzero().flatten().tolist()
+        assert written == list(range(p, written[-1] + 1))
+        assert seq[written[-1]] in writer.stop_ids or written[-1] == seq.numel() - 1
+        assert all(t not in writer.stop_ids for t in seq[p:written[-1]].tolist())
+    # sampled at data.online.sampling: seeded (a resume writes the same), not the greedy rows
+    hot = [build_run_data(chat_cfg(*common, "data.online.sampling.temperature=1.0"), target, DistInfo()).writer
+           for _ in range(2)]
+    assert hot[0].sampling.temperature == 1.0
+    assert torch.equal(hot[0].sequence(1), hot[1].sequence(1)) and not torch.equal(hot[0].sequence(0), seq1)

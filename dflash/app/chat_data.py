@@ -8,9 +8,9 @@ and `coding10_chat` (the coding10 prompts as user messages through the target's 
 
 - `responses=dataset`: the tokenized TRAIN split, memory-mapped; the run is tagged `data.responses=dataset` and
   the eval summary says no response was written by the target in this run.
-- `responses=target`: the online writer (`dflash.data.online`, shards, fingerprints, exact resume) continues one
-  prompt per assistant turn; `conversation_writer` builds it, and `python -m experiments.regen` writes the same
-  shards ahead of a run.
+- `responses=target`: the online writer rewrites every trained assistant turn, turn by turn, each later turn
+  prompted with the target's own earlier answers (`dflash.data.turn_writer`: shards, fingerprints, exact resume);
+  `conversation_writer` builds it, and `python -m experiments.regen` writes the same shards ahead of a run.
 """
 from __future__ import annotations
 
@@ -25,13 +25,12 @@ from dflash.data.conversation_data import (
     ConversationSet,
     end_of_turn_id,
     load_conversation_set,
-    response_mask,
     spread,
     turn_prompts,
 )
 from dflash.data.conversation_report import report
-from dflash.data.online import OnlineWriter
 from dflash.data.pool import PromptPool
+from dflash.data.turn_writer import TurnWriter
 from dflash.evaluation.prompts import Suite, Task, load_suite
 from dflash.training.datastream import TrainingData, build_training_data
 
@@ -68,12 +67,23 @@ def chat_suites(cs: ConversationSet, tokenizer, cfg) -> list[Suite]:
     return suites
 
 
-def conversation_writer(cfg, target, cs: ConversationSet, rank: int = 0, world: int = 1) -> tuple[OnlineWriter, dict]:
-    """The online writer of `responses=target` (one prompt per assistant turn) and its data/ figures."""
+def conversation_writer(cfg, target, cs: ConversationSet, rank: int = 0, world: int = 1) -> tuple[TurnWriter, dict]:
+    """The online writer of `responses=target` (every trained assistant turn, turn by turn) and its data/
+    figures. The turns' prompts with the dataset's history are rendered up front: a template that cannot render
+    a record stops the run before any work, and they are the run's training examples for eval/tau_train."""
     d = cfg.data
     prompts, stats, fingerprint = turn_prompts(cs, target.tokenizer, d)
     pool = PromptPool(prompts, [], fingerprint, cs.fingerprint, stats)  # type: ignore[arg-type] - read by index
-    return OnlineWriter(target, pool, d.online, d.online_seq_len(), rank, world), stats
+    records, turns = [], []  # per conversation with a turn to rewrite: its TRAIN-split index, its turns kept
+    for conv in prompts.ds["conversation"]:
+        if not records or records[-1] != conv:
+            records.append(conv)
+            turns.append(0)
+        turns[-1] += 1
+    writer = TurnWriter(target, pool, d.online, d.online_seq_len(), rank, world, conversations=cs.normalized,
+                        records=records, turns=turns, tokenizer=prepare_tokenizer(target.tokenizer, d.chat),
+                        chat=d.chat, max_prompt_len=d.pool.max_prompt_len, end_id=end_of_turn_id(target.tokenizer))
+    return writer, stats
 
 
 def build_conversation_data(cfg, target, dist_info) -> TrainingData:
@@ -93,11 +103,10 @@ def build_conversation_data(cfg, target, dist_info) -> TrainingData:
                             cfg.seed, loss_masks=masks, stats=cs.stats, tags=tags, eval_suites=suites,
                             eval_note=note, sample=spread(seqs, SAMPLE_ROWS), report=text)
     writer, stats = conversation_writer(cfg, target, cs, dist_info.rank, dist_info.world)
-    end_id = end_of_turn_id(target.tokenizer)
     prompts = writer.pool.prompts
 
     def masks(claims):
-        return [response_mask(writer.sequence(g), len(prompts[writer.prompt_of(g)]), end_id) for g, _, _ in claims]
+        return [writer.loss_mask(g) for g, _, _ in claims]
     unique = 0 if not writer.sampling.greedy else len(writer.pool)
     note = (f"training responses: written by the target in this run (data.conversations.responses=target, "
             f"{writer.sampling.describe()})")

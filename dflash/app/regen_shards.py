@@ -75,10 +75,6 @@ def plan(num_prompts: int, write_batch: int, regen: RegenConfig) -> int:
     return math.ceil(regen.epochs * num_prompts / (write_batch * regen.train_world))
 
 
-def _written_tokens(writer, b: int, prompt_len) -> int:
-    return sum(writer.seq_len - int(prompt_len[writer.prompt_index(g)]) for g in writer.batch_keys(b))
-
-
 def _openai_record(messages: list[dict], tools: str) -> dict:
     """A normalized conversation as an OpenAI record our reader reads back (untrained turns: weight 0)."""
     out = []
@@ -125,7 +121,7 @@ def run_regen_turns(cfg, regen: RegenConfig) -> dict[str, float]:
     from dflash.config import validate
     from dflash.data.conversation_data import end_of_turn_id, prompt_tokens
     from dflash.data.online import resolve_online_config
-    from dflash.data.regen import regenerate_turns, target_responder
+    from dflash.data.regen import regenerate_turns, target_responder, turn_text
     from dflash.target.sampling import Sampling
     from dflash.target.model import Target
     validate(cfg)
@@ -151,7 +147,7 @@ def run_regen_turns(cfg, regen: RegenConfig) -> dict[str, float]:
     t0 = time.perf_counter()
     written = regenerate_turns(kept["messages"], respond,
                                lambda c, msgs: prompt_tokens(tok, msgs, chat, tools[c], n)[0],
-                               lambda ids: tok.decode(ids[:-1] if ids and ids[-1] == end_id else ids),
+                               lambda ids: turn_text(tok, ids, end_id),
                                start=start, on_round=lambda k, convs: _write_atomic(
                                    partial, json.dumps({"key": key, "rounds": k, "conversations": convs})))
     _write_atomic(out, "".join(json.dumps(_openai_record(m, t), ensure_ascii=False) + "\n"
@@ -181,9 +177,8 @@ def run_regen(cfg, regen: RegenConfig) -> dict[str, float]:
         writers = [conversation_writer(cfg, target, cs, r, regen.train_world)[0] for r in range(regen.train_world)]
         n = plan(len(writers[0].pool), writers[0].cfg.write_batch, regen)
         jobs = [(r, b) for b in range(n) for r in range(regen.train_world)][dist.rank::dist.world]
-        prompt_len = writers[0].pool.prompts.ds["prompt_len"]
         todo = [(r, b) for r, b in jobs if not writers[r].shard_path(b).is_file()]
-        total = sum(_written_tokens(writers[r], b, prompt_len) for r, b in todo)
+        total = sum(writers[r].planned_tokens(b) for r, b in todo)
         log.info("regen rank %d/%d: %d of %d shards to write (%d already there), %d tokens, write_batch %d, "
                  "decode %s, shards under %s", dist.rank, dist.world, len(todo), len(jobs), len(jobs) - len(todo),
                  total, writers[0].cfg.write_batch, writers[0].decode, writers[0].shard_path(0).parent)

@@ -11,10 +11,12 @@ Steps (each a `datasets` map, memory-mapped, run with `num_proc` workers and cac
    sequences shorter than `data.min_len`, or with no assistant token a block can be anchored on, are skipped.
 
 Where the responses come from (`responses`, `RESPONSES`): `dataset` trains on them as given (data an engine
-already wrote with this target); `target` has the target rewrite them: every assistant turn of a TRAIN
-conversation becomes a prompt (the conversation before it, with the generation prompt) that the online writer
-(`dflash.data.online`) continues to `data.online.seq_len` tokens, and the drafter trains on the written tokens up
-to and including the first end-of-turn token. `python -m experiments.regen` writes the same shards ahead.
+already wrote with this target); `target` has the target rewrite them, turn by turn: every trained assistant turn of
+a TRAIN conversation becomes a prompt (the conversation before it, its earlier assistant turns the target's own
+answers, with the generation prompt) that the online writer (`dflash.data.turn_writer`) continues to
+`data.online.seq_len` tokens, and the drafter trains on the written tokens up to and including the first end-of-turn
+token. `turn_prompts` renders them with the dataset's earlier turns up front (bad input stops the run before any
+work; the eval's training examples). `python -m experiments.regen` writes the same shards ahead.
 """
 from __future__ import annotations
 
@@ -277,35 +279,39 @@ def prompt_tokens(tokenizer, messages: list[dict], chat: ChatConfig, tools: str,
     return ids[:keep] + ids[len(ids) - (max_len - keep):], True
 
 
-def _turn_prompts(batch: dict, *, tokenizer, chat: ChatConfig, max_prompt_len: int) -> dict:
-    """Each trained assistant turn's prompt (`prompt_tokens`; the target writes the rest of the sequence). A
-    conversation with no trained turn gives one empty row (status no_assistant_turn), one the template cannot
-    render an error row."""
-    out: dict[str, list] = {"prompt_ids": [], "prompt_len": [], "truncated": [], "status": []}
+def _turn_prompts(batch: dict, indices: list[int], *, tokenizer, chat: ChatConfig, max_prompt_len: int) -> dict:
+    """Each trained assistant turn's prompt with the dataset's earlier turns (`prompt_tokens`; the target writes
+    the rest of the sequence), its conversation (the record's index in the TRAIN split) and its place among that
+    conversation's trained turns. A conversation with no trained turn gives one empty row (status
+    no_assistant_turn), one the template cannot render an error row."""
+    out: dict[str, list] = {"prompt_ids": [], "prompt_len": [], "truncated": [], "status": [], "conversation": [],
+                            "turn": []}
 
-    def row(ids, truncated, status):
+    def row(ids, truncated, status, conversation, turn):
         out["prompt_ids"].append(ids), out["prompt_len"].append(len(ids))
         out["truncated"].append(truncated), out["status"].append(status)
-    for messages, tools, source in zip(batch["messages"], batch["tools"], batch["source"]):
+        out["conversation"].append(conversation), out["turn"].append(turn)
+    for messages, tools, source, index in zip(batch["messages"], batch["tools"], batch["source"], indices):
         turns = [i for i, m in enumerate(messages) if m["role"] == "assistant" and m["train"]]
         if not turns:
-            row([], False, "no_assistant_turn")
-        for i in turns:
+            row([], False, "no_assistant_turn", index, -1)
+        for k, i in enumerate(turns):
             try:
                 ids, cut = prompt_tokens(tokenizer, messages[:i], chat, tools, max_prompt_len)
             except Exception as e:  # noqa: BLE001 - jinja raises many types
                 row([], False, f"template_error: {template_name(chat)} does not render record {source}: "
-                               f"{type(e).__name__}: {e}")
+                               f"{type(e).__name__}: {e}", index, k)
                 break
-            row(ids, cut, "ok")
+            row(ids, cut, "ok", index, k)
     return out
 
 
 def turn_prompts(cs: ConversationSet, tokenizer, data_cfg) -> tuple[ArrowColumn, dict[str, float], str]:
     """(prompts as token lists, data/ figures, fingerprint) of every assistant turn of the TRAIN split."""
     c, chat, n = data_cfg.conversations, data_cfg.chat, data_cfg.pool.max_prompt_len
-    fingerprint = hashlib.sha256(f"{cs.fingerprint}:turn-prompts-v3:{n}:{c.limit}".encode()).hexdigest()
-    ds = cs.normalized.map(_turn_prompts, batched=True, batch_size=64, remove_columns=cs.normalized.column_names,
+    fingerprint = hashlib.sha256(f"{cs.fingerprint}:turn-prompts-v4:{n}:{c.limit}".encode()).hexdigest()
+    ds = cs.normalized.map(_turn_prompts, batched=True, batch_size=64, with_indices=True,
+                           remove_columns=cs.normalized.column_names,
                            fn_kwargs={"tokenizer": prepare_tokenizer(tokenizer, chat), "chat": chat,
                                       "max_prompt_len": n},
                            num_proc=_num_proc(c, len(cs.normalized)), new_fingerprint=fingerprint[:32],
@@ -324,17 +330,13 @@ def turn_prompts(cs: ConversationSet, tokenizer, data_cfg) -> tuple[ArrowColumn,
     return ArrowColumn(ok, "prompt_ids", None), stats, fingerprint
 
 
-def response_mask(tokens_T: torch.Tensor, prompt_len: int, end_id: int | None) -> torch.Tensor:
-    """The tokens the target wrote after its prompt, up to and including its first end-of-turn token (what
-    follows is the target talking past its turn: never trained on)."""
+def response_mask(tokens_T: torch.Tensor, prompt_len: int, end) -> torch.Tensor:
+    """The tokens the target wrote after its prompt, up to and including its first end token (what follows is
+    the target talking past its turn: never trained on). `end`: the end-of-turn id, several stop ids, or None."""
+    from dflash.data.writing import ends_at_stop
+    stops = () if end is None else (end,) if isinstance(end, int) else tuple(end)
     mask = torch.zeros(tokens_T.numel(), dtype=torch.bool)
-    tail = tokens_T[prompt_len:]
-    stop = tail.numel()
-    if end_id is not None:
-        hits = (tail == end_id).nonzero()
-        if hits.numel():
-            stop = int(hits[0]) + 1
-    mask[prompt_len:prompt_len + stop] = True
+    mask[prompt_len:ends_at_stop(tokens_T.tolist(), prompt_len, stops)] = True
     return mask
 
 

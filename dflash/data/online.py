@@ -30,6 +30,7 @@ from collections import OrderedDict
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -118,6 +119,12 @@ def resolve_online_config(cfg: OnlineConfig, target, seq_len: int) -> OnlineConf
 
 
 # -- the stream -----------------------------------------------------------------------------------------
+class Written(NamedTuple):
+    """A written batch: its rows (prompt + continuation, each `seq_len` tokens) and each row's prompt length."""
+    tokens: torch.Tensor  # [write_batch, seq_len], long, on the CPU
+    prompt_lens: list[int]
+
+
 class OnlineWriter:
     """Key → written sequence, by written batches (memory → shard → the target writes it). Thread-safe."""
 
@@ -130,7 +137,7 @@ class OnlineWriter:
         check_write_batch(target, cfg.write_batch)
         self.decode = resolve_decode(target, cfg.decode)
         self.fingerprint = self._fingerprint()
-        self._batches: OrderedDict[int, torch.Tensor] = OrderedDict()
+        self._batches: OrderedDict[int, Written] = OrderedDict()
         self._orders: OrderedDict[int, list[int]] = OrderedDict()
         self._lock = threading.Lock()  # the maps above and `_pending`
         self._write_lock = threading.Lock()  # one batch written at a time
@@ -175,7 +182,7 @@ class OnlineWriter:
         if not self.cfg.stop_at_eos or not self.stop_ids:
             return None
         seq = self.sequence(g)
-        start = len(self.pool.prompts[self.prompt_of(g)])
+        start = self.prompt_len(g)
         end = ends_at_stop(seq.tolist(), start, self.stop_ids)
         if end >= seq.numel():
             return None
@@ -213,7 +220,12 @@ class OnlineWriter:
 
     def sequence(self, g: int) -> torch.Tensor:
         b, row = self._row(g)
-        return self._batch(b)[row]
+        return self._batch(b).tokens[row]
+
+    def prompt_len(self, g: int) -> int:
+        """How many of item g's first tokens are its prompt (the rest the target wrote)."""
+        b, row = self._row(g)
+        return self._batch(b).prompt_lens[row]
 
     def prompt_of(self, g: int) -> int:
         """The pool index of the prompt item g's sequence continues (its first tokens are that prompt)."""
@@ -235,22 +247,22 @@ class OnlineWriter:
     # caller, or with `ahead` > 0 (a GPU) in a background thread, which also writes the next `ahead` batches
     # while the run trains on this one. Batches are pure functions of their keys, so who writes them and when
     # changes no token (an exact resume reads or writes the same batches).
-    def _batch(self, b: int) -> torch.Tensor:
+    def _batch(self, b: int) -> Written:
         with self._lock:
-            tokens, fut, mine = self._batches.get(b), None, False
-            if tokens is None:
+            written, fut, mine = self._batches.get(b), None, False
+            if written is None:
                 fut = self._pending.get(b)
                 if fut is None:
                     fut, mine = self._claim(b), True
-        if tokens is None:
+        if written is None:
             if mine and not self.ahead:
                 self._fill(b, fut)
-            tokens = fut.result()
+            written = fut.result()
         for nxt in range(b + 1, b + 1 + self.ahead):
             with self._lock:
                 if nxt not in self._batches and nxt not in self._pending:
                     self._claim(nxt)
-        return tokens
+        return written
 
     def _claim(self, b: int) -> Future:  # (under self._lock)
         fut = self._pending[b] = Future()
@@ -261,7 +273,7 @@ class OnlineWriter:
     def _fill(self, b: int, fut: Future) -> None:
         try:
             with self._write_lock:
-                tokens = self._load_or_write(b)
+                written = self._load_or_write(b)
         except BaseException as e:  # noqa: BLE001 - handed to whoever waits for this batch
             log.warning("online data: writing batch %d failed (%s: %s)", b, type(e).__name__, e)
             with self._lock:
@@ -270,10 +282,10 @@ class OnlineWriter:
             return
         with self._lock:
             self._pending.pop(b, None)
-            self._batches[b] = tokens
+            self._batches[b] = written
             while len(self._batches) > self.cfg.keep_batches:
                 self._batches.popitem(last=False)
-        fut.set_result(tokens)
+        fut.set_result(written)
 
     def close(self, wait: bool = True) -> None:
         """Wait for the batches being written ahead (a shard half written at exit is a wasted batch). `wait=False`
@@ -298,33 +310,42 @@ class OnlineWriter:
         self._load_or_write(b)
         return self.written_tokens - before
 
-    def _load_or_write(self, b: int) -> torch.Tensor:
+    def _load_or_write(self, b: int) -> Written:
         path = self.shard_path(b)
         key = f"{self.fingerprint}:{b}"
         if path is not None and path.is_file():
             try:
-                tokens = load_checked(path, _MAGIC, FORMAT_VERSION, key)["tokens"]
+                data = load_checked(path, _MAGIC, FORMAT_VERSION, key)
+                tokens = data["tokens"]
                 if tokens.shape != (self.cfg.write_batch, self.seq_len) or tokens.dtype != torch.long:
                     raise ValueError(f"shape {tuple(tokens.shape)}")
+                lens = data.get("prompt_lens") or self._prompt_lens(b)  # (shards written before they were kept)
                 self.shard_reads += 1
-                return tokens
+                return Written(tokens, [int(n) for n in lens])
             except Exception as e:  # noqa: BLE001 - torn, corrupt or foreign: write it again
                 log.warning("online data: shard %s unusable (%s); writing it again", path, e)
-        tokens = self._write(b)
+        written = self._write(b)
         if path is not None:
-            save_checked(path, _MAGIC, FORMAT_VERSION, key, {"tokens": tokens})
-        self._measure(b, tokens)
-        return tokens
+            save_checked(path, _MAGIC, FORMAT_VERSION, key, written._asdict())
+        self._measure(written)
+        return written
 
-    def _measure(self, b: int, tokens: torch.Tensor) -> None:
+    def _prompt_lens(self, b: int) -> list[int]:
+        return [len(self.pool.prompts[self.prompt_index(g)]) for g in self.batch_keys(b)]
+
+    def planned_tokens(self, b: int) -> int:
+        """The tokens writing batch b takes (the regen's progress bar)."""
+        return sum(self.seq_len - n for n in self._prompt_lens(b))
+
+    def _measure(self, written: Written) -> None:
         """Degeneracy of the batch's continuations (up to MEASURED_ROWS rows of each written batch, each cut at its
         end): summed here, logged by `stats` beside data/epochs."""
-        keys = self.batch_keys(b)
-        rows = range(0, len(keys), max(1, len(keys) // MEASURED_ROWS))
+        tokens = written.tokens
+        rows = range(0, len(tokens), max(1, len(tokens) // MEASURED_ROWS))
         conts, ended = [], 0
         for r in rows:
             seq = tokens[r].tolist()
-            start = len(self.pool.prompts[self.prompt_index(keys[r])])
+            start = written.prompt_lens[r]
             end = ends_at_stop(seq, start, self.stop_ids) if self.stop_ids else len(seq)
             ended += end < len(seq)
             conts.append(seq[start:end])
@@ -337,7 +358,7 @@ class OnlineWriter:
         acc["ended"] = acc.get("ended", 0.0) + ended
         acc["rows"] = acc.get("rows", 0.0) + n
 
-    def _write(self, b: int) -> torch.Tensor:
+    def _write(self, b: int) -> Written:
         with self._lock:  # prompt_index's order cache; a server-backed regen writes several batches at once
             prompts = [self.pool.prompts[self.prompt_index(g)] for g in self.batch_keys(b)]
         seed = ((self.cfg.stream_seed * 1_000_003 + self.world) * 1_000_033 + self.rank) * 7_919 + b
@@ -355,15 +376,17 @@ class OnlineWriter:
                 gen.manual_seed(seed)
             tokens = write_continuations(self.target, prompts, self.seq_len, self.sampling, gen, self.decode)
         dt = time.perf_counter() - t0
-        written = sum(self.seq_len - len(p) for p in prompts)
+        self._count(b, len(prompts), sum(self.seq_len - len(p) for p in prompts), dt)
+        return Written(tokens, [len(p) for p in prompts])
+
+    def _count(self, b: int, rows: int, written: int, dt: float) -> None:
         self.write_s += dt
         self.written_batches += 1
         self.written_tokens += written
         # one line a written batch: the only trace of a writer in the loop (the trainer logs every N steps, and
         # logs nothing while it waits for the first batch: a 27B run of 2026-12-02 showed no line in 280 s)
         log.info("online data: wrote batch %d, %d rows, %d tokens in %.1f s (%.0f written tok/s, decode %s)", b,
-                 len(prompts), written, dt, written / max(dt, 1e-9), self.decode)
-        return tokens
+                 rows, written, dt, written / max(dt, 1e-9), self.decode)
 
     def stats(self) -> dict[str, float]:
         out = {"data/written_batches": self.written_batches, "data/shard_reads": self.shard_reads,

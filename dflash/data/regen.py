@@ -82,11 +82,20 @@ def greedy_generate(target, prompt_ids_BP: torch.Tensor, max_new_tokens: int,
 
 
 # -- conversations, turn by turn ----------------------------------------------------------------------------
-def until_end(tokens: list[int], end_id: int | None) -> list[int]:
-    """A response up to and including its first end-of-turn token (the whole of it when there is none): the one
-    cut of every writer (`dflash.data.writing.ends_at_stop`)."""
+def until_end(tokens: list[int], end) -> list[int]:
+    """A response up to and including its first end token (the whole of it when there is none): the one cut of
+    every writer (`dflash.data.writing.ends_at_stop`). `end`: the end-of-turn id, several stop ids, or None."""
     from dflash.data.writing import ends_at_stop
-    return tokens[:ends_at_stop(tokens, 0, () if end_id is None else (end_id,))]
+    stops = () if end is None else (end,) if isinstance(end, int) else tuple(end)
+    return tokens[:ends_at_stop(tokens, 0, stops)]
+
+
+def turn_text(tokenizer, tokens: list[int], end) -> str:
+    """A written turn's content: its tokens up to its first end token (`until_end`), that token dropped
+    (reasoning and calls as the model wrote them, in the text)."""
+    turn = until_end(list(tokens), end)
+    stops = () if end is None else {end} if isinstance(end, int) else set(end)
+    return tokenizer.decode(turn[:-1] if turn and turn[-1] in stops else turn)
 
 
 def target_responder(target, end_id: int | None, max_new_tokens: int, batch_size: int = 16,
@@ -117,7 +126,8 @@ def target_responder(target, end_id: int | None, max_new_tokens: int, batch_size
 
 
 def regenerate_turns(conversations: list[list[dict]], respond, prompt_ids, response_text,
-                     start: tuple[int, list[list[dict]]] | None = None, on_round=None) -> list[list[dict]]:
+                     start: tuple[int, list[list[dict]]] | None = None, on_round=None,
+                     on_turn=None) -> list[list[dict]]:
     """Every conversation's trained assistant turns rewritten, in rounds: round k writes the k-th trained turn of
     every conversation that has one, all of them in one `respond` call (the one step that produces responses: the
     target here, an inference server elsewhere). A turn's prompt (`prompt_ids(conversation index, messages before
@@ -126,7 +136,8 @@ def regenerate_turns(conversations: list[list[dict]], respond, prompt_ids, respo
     turns, tool results and untrained turns stay as the dataset has them. `response_text(tokens)`: the turn's
     content (the end-of-turn token dropped; reasoning and calls as the model wrote them, in the text).
     `start` = (rounds done, the conversations after them) resumes; `on_round(rounds done, conversations)` is
-    called after each round (to save them)."""
+    called after each round (to save them); `on_turn(conversation, message index, prompt, response)` after each
+    written turn (the in-training writer keeps its rows, `dflash.data.turn_writer`)."""
     convs = [[dict(m) for m in c] for c in conversations]
     turns = [[i for i, m in enumerate(c) if m["role"] == "assistant" and m.get("train", True)] for c in convs]
     first = 0
@@ -134,9 +145,11 @@ def regenerate_turns(conversations: list[list[dict]], respond, prompt_ids, respo
         first, convs = start[0], [[dict(m) for m in c] for c in start[1]]
     for k in range(first, max((len(t) for t in turns), default=0)):
         todo = [(c, t[k]) for c, t in enumerate(turns) if k < len(t)]
-        responses = respond([prompt_ids(c, convs[c][:i]) for c, i in todo])
-        for (c, i), tokens in zip(todo, responses):
+        prompts = [prompt_ids(c, convs[c][:i]) for c, i in todo]
+        for (c, i), prompt, tokens in zip(todo, prompts, respond(prompts)):
             convs[c][i] = {**convs[c][i], "content": response_text(tokens), "reasoning": "", "tool_calls": ""}
+            if on_turn is not None:
+                on_turn(c, i, prompt, tokens)
         if on_round is not None:
             on_round(k + 1, convs)
     return convs

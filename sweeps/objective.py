@@ -27,7 +27,7 @@ from typing import Any
 
 from dflash.config import ConfigError, RunConfig
 from dflash.run_dir import RunDir
-from dflash.tracking.run_info import ML_WORKFLOW
+from dflash.tracking.ui_view import ML_WORKFLOW
 from sweeps.support import TAG_PRUNED_STEP, TAG_VALUE, EvalPruned, PruningEvaluator, SweepTracker
 from sweeps.space import SweepDef, SweepError, merge_overrides, suggest
 

@@ -22,6 +22,7 @@ from typing import Any
 from dflash.atomic import atomic_write_text
 from dflash.evaluation.pairing import metric_columns
 from dflash.evaluation.stats import paired_delta_ci
+from dflash.tracking.ui_view import display_tags, group_view_by
 from sweeps.campaign_report import (BELOW_PL, CI_LEVEL, _by_option, _delta, _fmt, _objective_suite, _stacked,
                                     below_prompt_lookup, pooled, shared_seeds, stage_call)
 
@@ -167,7 +168,8 @@ def render_summary(c, summary: dict, level: int = 2) -> list[str]:
 
 def label_cell_runs(client, experiment_id: str, c) -> int:
     """Tag every cell run of the campaign's experiment (named by its cell id) with `campaign`, `stage` ("1 noise":
-    sorts and groups by stage), `option` and `seed`, and log them as params `campaign.name`, `campaign.stage`,
+    sorts and groups by stage), `option`, `seed` and the key-metrics view's figures of the campaign's objective
+    (`dflash.tracking.ui_view.display_tags`), and log them as params `campaign.name`, `campaign.stage`,
     `campaign.option` (parallel coordinates plot params): so the runs table groups by stage and option, where its
     run names alone (`s1-noise-uniform-seed0`) cannot. A param a run already has with another value is left as it
     is (MLflow's params are write-once). Returns how many runs were labelled."""
@@ -181,7 +183,8 @@ def label_cell_runs(client, experiment_id: str, c) -> int:
         if m is None:
             continue
         stage, factor, option, seed = int(m[1]), m[2], m[3], m[4]
-        tags = {"campaign": c.name, "stage": f"{stage} {factor}", "option": option, "seed": seed}
+        tags = {"campaign": c.name, "stage": f"{stage} {factor}", "option": option, "seed": seed,
+                **display_tags(run.data.metrics, c.objective)}  # the key-metrics view's rounded τ [CI] columns
         params = {"campaign.name": c.name, "campaign.stage": f"{stage} {factor}", "campaign.option": option}
         if all(run.data.tags.get(k) == v for k, v in tags.items()) and all(
                 run.data.params.get(k) == v for k, v in params.items()):
@@ -200,8 +203,9 @@ def label_cell_runs(client, experiment_id: str, c) -> int:
 def log_summary(c, out: Path, text: str) -> str | None:
     """Log `text` as `results_summary.md` and the Description of the campaign's summary run (tagged
     `dflash.campaign_summary`, `dflash.kind=campaign`: not a training run) in the campaign's experiment of
-    `<out>/mlflow.db`, label its cell runs (`label_cell_runs`), and give the experiment the campaign's description
-    where it has none. Returns the run id; None where the store or the experiment is not there."""
+    `<out>/mlflow.db`, label its cell runs (`label_cell_runs`), group the experiment's key-metrics view by stage,
+    and give the experiment the campaign's description where it has none. Returns the run id; None where the store
+    or the experiment is not there."""
     db = Path(out) / "mlflow.db"
     if not db.is_file():
         return None
@@ -221,6 +225,7 @@ def log_summary(c, out: Path, text: str) -> str | None:
         run_id = client.create_run(eid, run_name=f"campaign {c.name}: summary",
                                    tags={SUMMARY_RUN_TAG: c.name, "dflash.kind": "campaign"}).info.run_id
     label_cell_runs(client, eid, c)
+    group_view_by(client, eid, "stage")  # the key-metrics view: one group per stage, best τ first within it
     client.set_tag(run_id, "mlflow.note.content", text)
     client.log_text(run_id, text, "results_summary.md")
     client.set_terminated(run_id)

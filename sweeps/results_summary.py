@@ -2,10 +2,14 @@
 (the chain of winners) reaches against prompt lookup and against the campaign's first cell.
 
     python -m sweeps.results_summary benchmarks/ABLATIONS.md out=campaign_out [campaign.KEY=VALUE] reference_64m …
+        [sweeps_out=sweeps_out sweep=recipe_reference …]
 
 rewrites the generated blocks of each named campaign in the markdown file from the store under `out`: its summary
 (between `<!-- results-summary:NAME -->` and `<!-- /results-summary:NAME -->`, added at the top when absent) and,
-where the file has one, its report without the summary (`<!-- report:NAME -->` … `<!-- /report:NAME -->`). The
+where the file has one, its report without the summary (`<!-- report:NAME -->` … `<!-- /report:NAME -->`). Each
+`sweep=NAME` gets its block `results-summary:sweep:NAME` from the sweep store under `sweeps_out` (its study and
+trial folders): the best trial's settings and τ [CI], prompt lookup's with the paired Δ, the trials tied with it,
+how the trials ended (`sweeps.sweep_report.summary_lines`). The
 campaign report (`python -m sweeps.campaign NAME report`) opens with the same lines, writes them to
 `<out>/<NAME>/SUMMARY.md` and logs them on the campaign's summary run in its MLflow experiment (`log_summary`).
 
@@ -253,6 +257,24 @@ def update_block(body: str, key: str, text: str, add: bool) -> str:
     return f"{title}\n\n{block}\n{rest}"
 
 
+def sweep_summary(name: str, sweeps_out: Path) -> str:
+    """The summary block of sweep `name` (conf/sweep/<name>.yaml) from its study in `<sweeps_out>/<name>.journal`
+    and its trials' folders (`sweeps.sweep_report.summary_lines`)."""
+    import optuna
+
+    from sweeps.space import SweepError, load_sweep
+    from sweeps.storage import make_storage
+    from sweeps.sweep_report import summary_lines
+    sweep = load_sweep(name)
+    journal = sweeps_out / f"{name}.journal"
+    if not journal.is_file():
+        raise SweepError(f"sweep={name}: no study storage {journal} (sweeps_out={sweeps_out}; the recipe sweep's "
+                         f"store: python -m dflash.tracking.packed_store unpack benchmarks/sweeps/sweeps_out.tar.xz)")
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    study = optuna.load_study(study_name=name, storage=make_storage(str(journal)))
+    return "\n".join(summary_lines(study, sweep, sweeps_out.resolve(), level=3))
+
+
 def main(argv: list[str] | None = None) -> dict[str, str]:
     argv = list(sys.argv[1:] if argv is None else argv)
     if len(argv) < 2 or argv[0] in ("-h", "--help"):
@@ -262,19 +284,30 @@ def main(argv: list[str] | None = None) -> dict[str, str]:
     if not md.is_file():
         print(f"{md}: no such markdown file (the file whose summary blocks to rewrite)", file=sys.stderr)
         raise SystemExit(2)
-    out = Path(next((a.partition("=")[2] for a in argv[1:] if a.startswith("out=")), "campaign_out"))
+
+    def value(key: str, default: str) -> str:
+        return next((a.partition("=")[2] for a in argv[1:] if a.startswith(f"{key}=")), default)
+    out, sweeps_out = Path(value("out", "campaign_out")), Path(value("sweeps_out", "sweeps_out"))
     edits = [a for a in argv[1:] if a.startswith("campaign.")]  # e.g. a legacy store's campaign.objective
     from sweeps.campaign import load_campaign
     from sweeps.campaign_report import load_summary
+    from sweeps.space import SweepError
     body = md.read_text()
     texts = {}
-    for name in [a for a in argv[1:] if not a.startswith(("out=", "campaign."))]:
+    try:
+        for name in [a.partition("=")[2] for a in argv[1:] if a.startswith("sweep=")]:
+            texts[f"sweep:{name}"] = sweep_summary(name, sweeps_out)
+            body = update_block(body, f"results-summary:sweep:{name}", texts[f"sweep:{name}"], add=True)
+    except SweepError as e:
+        print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(2) from e
+    for name in [a for a in argv[1:] if not a.startswith(("out=", "campaign.", "sweep=", "sweeps_out="))]:
         c = load_campaign(name, edits)
         summary = load_summary(c, out)
         texts[name] = "\n".join(render_summary(c, summary, level=3))
         body = update_block(body, f"results-summary:{name}", texts[name], add=True)
         body = update_block(body, f"report:{name}", report_block(c, summary), add=False)
-    atomic_write_text(md, body)  # every campaign read before the file is touched
+    atomic_write_text(md, body)  # every campaign and sweep read before the file is touched
     return texts
 
 

@@ -106,3 +106,9 @@ def test_an_older_dflash_view_is_replaced_a_users_choices_are_not(tmp_path):
     grouped = _ui_state(client.get_experiment(eid).tags[VIEW])
     assert grouped["groupBy"]["groupByKeys"] == [{"mode": "tag", "groupByData": "stage"}]
     assert {k: v for k, v in grouped.items() if k != "groupBy"} == state
+    # someone overrides the view from the UI (same key, updatedAt moved on): theirs from then on
+    theirs = json.dumps({"name": "dflash: key metrics", "createdAt": 1, "updatedAt": 2, "state": "H4sI..."})  # gzip
+    client.set_experiment_tag(eid, VIEW, theirs)
+    get_or_create_experiment(client, "old", uri)
+    group_view_by(client, eid, "stage")
+    assert client.get_experiment(eid).tags[VIEW] == theirs

@@ -122,24 +122,34 @@ def experiment_view_tags(now_ms: int | None = None, group_by: str | None = None)
     return {EXPERIMENT_KIND_TAG: ML_EXPERIMENT_KIND, SAVED_VIEW_PREFIX + KEY_METRICS_VIEW: json.dumps(view)}
 
 
-def _state(value: str | None) -> dict | None:
+def _envelope(value: str | None) -> tuple[dict | None, bool]:
+    """(the view's state, whether the view is as dflash wrote it): the UI's "Override saved view" keeps the key,
+    may compress the state and moves `updatedAt` past `createdAt`, which dflash writes equal."""
     try:
-        return json.loads(json.loads(value or "")["state"])
+        env = json.loads(value or "")
+        created = env["createdAt"]
     except (ValueError, KeyError, TypeError):
-        return None
+        return None, True  # no view (or not one the UI could open): ours to write
+    ours = env.get("updatedAt", created) == created
+    try:
+        return json.loads(env["state"]), ours
+    except (ValueError, KeyError, TypeError):
+        return None, ours
 
 
 def stale_view(value: str | None) -> bool:
-    """Whether an experiment's key-metrics view tag is missing or an older dflash state (ours to replace: a view
-    someone saves from the UI gets a key of its own). Its grouping is the campaign's (`group_view_by`): kept."""
-    state = _state(value)
-    return state is None or {k: v for k, v in state.items() if k != "groupBy"} != view_state()
+    """Whether an experiment's key-metrics view tag is missing or an older dflash state, ours to replace; a view
+    someone changed in the UI is theirs. Its grouping is the campaign's (`group_view_by`): kept."""
+    state, ours = _envelope(value)
+    return ours and (state is None or {k: v for k, v in state.items() if k != "groupBy"} != view_state())
 
 
 def group_view_by(client, experiment_id: str, tag: str) -> None:
-    """Make the experiment's key-metrics view group its runs by run tag `tag` (a campaign's `stage`)."""
+    """Make the experiment's key-metrics view group its runs by run tag `tag` (a campaign's `stage`), unless someone
+    changed that view in the UI."""
     key = SAVED_VIEW_PREFIX + KEY_METRICS_VIEW
-    if _state(client.get_experiment(experiment_id).tags.get(key)) != view_state(tag):
+    state, ours = _envelope(client.get_experiment(experiment_id).tags.get(key))
+    if ours and state != view_state(tag):
         client.set_experiment_tag(experiment_id, key, experiment_view_tags(group_by=tag)[key])
 
 

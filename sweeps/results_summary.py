@@ -229,7 +229,7 @@ def log_summary(c, out: Path, text: str) -> str | None:
         run_id = client.create_run(eid, run_name=f"campaign {c.name}: summary",
                                    tags={SUMMARY_RUN_TAG: c.name, "dflash.kind": "campaign"}).info.run_id
     label_cell_runs(client, eid, c)
-    group_view_by(client, eid, "stage")  # the key-metrics view: one group per stage, best τ first within it
+    group_view_by(client, eid, "stage", c.objective)  # the key-metrics view: a group per stage, best τ first
     client.set_tag(run_id, "mlflow.note.content", text)
     client.log_text(run_id, text, "results_summary.md")
     client.set_terminated(run_id)

@@ -268,8 +268,9 @@ def test_the_report_the_notebook_and_mlflow_give_the_same_numbers(campaign_store
                 # the key-metrics view's τ column: the objective with its interval, rounded
                 assert r.data.tags[TAU_TAG].startswith(f"{r.data.metrics['eval/tau_vanilla']:.3f} ["), x["cell"]
         view = client.get_experiment_by_name(c.experiment).tags[f"{SAVED_VIEW_PREFIX}{KEY_METRICS_VIEW}"]
-        assert json.loads(json.loads(view)["state"])["groupBy"]["groupByKeys"] == [{"mode": "tag",
-                                                                                  "groupByData": "stage"}]
+        state = json.loads(json.loads(view)["state"])
+        assert state["groupBy"]["groupByKeys"] == [{"mode": "tag", "groupByData": "stage"}]
+        assert state["orderByKey"] == "metrics.`eval/tau_vanilla`"  # the store's objective, best first
 
 
 def test_the_notebooks_summary_pairs_the_buffer_stage_on_the_pin(campaign_store, tmp_path):

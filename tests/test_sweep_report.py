@@ -227,8 +227,8 @@ def test_a_training_metric_objective_and_a_pruned_trial(tmp_path):
               create_trial(state=TrialState.PRUNED, params={"trainer.lr": 1e-5}, distributions=lr,
                            intermediate_values={4: 5.5321})]
     for i, t in enumerate(trials):
-        rid = tracker.create_child(parent, "smoke", i, run_name=f"trial_{i:05d}",
-                                   tags={"mlflow.note.content": "python -m experiments.run ...", "dflash.kind": "train"})
+        rid = tracker.create_child(parent, "smoke", i, run_name=f"trial_{i:05d}", tags={
+            "mlflow.note.content": "python -m experiments.run ...", "dflash.kind": "train"})
         tracker.client.set_terminated(rid, "FAILED")  # as the trainer left it: finish_child sets what it means
         folder = tmp_path / "smoke" / f"trial_{i:05d}"
         folder.mkdir(parents=True)

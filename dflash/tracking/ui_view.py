@@ -96,29 +96,30 @@ def _column(kind: str, name: str) -> str:
 
 
 # the widest value each display column shows ("+0.313 [+0.251, +0.371]"); other columns fit their header
-_VALUE_CHARS = {TAU_TAG: 20, PL_TAG: 20, DELTA_PL_TAG: 23, GREEDY_TAG: 20, TREE_TAG: 27,
+_VALUE_CHARS = {TAU_TAG: 20, PL_TAG: 20, DELTA_PL_TAG: 23, GREEDY_TAG: 20, TREE_TAG: 27, "option": 16,
                 "data/consumed_tokens": 11}
 
 
-def view_state(group_by: str | None = None) -> dict:
+def view_state(group_by: str | None = None, objective: str = "eval/tau_served") -> dict:
     """The runs table's state the saved view opens with: stage, option, the display tags, seed, consumed tokens;
-    every column wide enough for its header and its values; best τ first; grouped by run tag `group_by` (a
-    campaign's `stage`: its groups open, best τ first within each)."""
+    every column wide enough for its header and its values; best `objective` first; grouped by run tag `group_by` (a
+    campaign's `stage`: its groups open, best first within each)."""
     names = [("tags", t) for t in KEY_TAG_COLUMNS] + [("params", "seed")] + \
         [("metrics", m) for m in KEY_METRIC_COLUMNS]
     cols = [_column("attributes", "Source")] + [_column(k, n) for k, n in names]
     widths = {_column(k, n): 24 + 8 * max(len(n), _VALUE_CHARS.get(n, 0)) for k, n in names}
     state = {"selectedColumns": cols, "columnOrder": cols[1:], "columnWidths": widths,
-             "orderByKey": _column("metrics", "eval/tau_served"), "orderByAsc": False}
+             "orderByKey": _column("metrics", objective), "orderByAsc": False}
     if group_by:
         state["groupBy"] = {"aggregateFunction": "average", "groupByKeys": [{"mode": "tag", "groupByData": group_by}]}
     return state
 
 
-def experiment_view_tags(now_ms: int | None = None, group_by: str | None = None) -> dict[str, str]:
+def experiment_view_tags(now_ms: int | None = None, group_by: str | None = None,
+                         objective: str = "eval/tau_served") -> dict[str, str]:
     """The experiment tags that open it in MLflow 3's training view with the key-metrics runs table."""
     now = int(time.time() * 1000) if now_ms is None else now_ms
-    view = {"name": VIEW_NAME, "createdAt": now, "updatedAt": now, "state": json.dumps(view_state(group_by))}
+    view = {"name": VIEW_NAME, "createdAt": now, "updatedAt": now, "state": json.dumps(view_state(group_by, objective))}
     return {EXPERIMENT_KIND_TAG: ML_EXPERIMENT_KIND, SAVED_VIEW_PREFIX + KEY_METRICS_VIEW: json.dumps(view)}
 
 
@@ -139,18 +140,20 @@ def _envelope(value: str | None) -> tuple[dict | None, bool]:
 
 def stale_view(value: str | None) -> bool:
     """Whether an experiment's key-metrics view tag is missing or an older dflash state, ours to replace; a view
-    someone changed in the UI is theirs. Its grouping is the campaign's (`group_view_by`): kept."""
+    someone changed in the UI is theirs. Its grouping and order are the campaign's (`group_view_by`): kept."""
     state, ours = _envelope(value)
-    return ours and (state is None or {k: v for k, v in state.items() if k != "groupBy"} != view_state())
+    own = ("groupBy", "orderByKey")
+    return ours and (state is None or {k: v for k, v in state.items() if k not in own}
+                     != {k: v for k, v in view_state().items() if k not in own})
 
 
-def group_view_by(client, experiment_id: str, tag: str) -> None:
-    """Make the experiment's key-metrics view group its runs by run tag `tag` (a campaign's `stage`), unless someone
-    changed that view in the UI."""
+def group_view_by(client, experiment_id: str, tag: str, objective: str = "eval/tau_served") -> None:
+    """Make the experiment's key-metrics view group its runs by run tag `tag` (a campaign's `stage`), best
+    `objective` first (a legacy store's `eval/tau_vanilla`), unless someone changed that view in the UI."""
     key = SAVED_VIEW_PREFIX + KEY_METRICS_VIEW
     state, ours = _envelope(client.get_experiment(experiment_id).tags.get(key))
-    if ours and state != view_state(tag):
-        client.set_experiment_tag(experiment_id, key, experiment_view_tags(group_by=tag)[key])
+    if ours and state != view_state(tag, objective):
+        client.set_experiment_tag(experiment_id, key, experiment_view_tags(group_by=tag, objective=objective)[key])
 
 
 def ui_run_url(base: str, experiment_id: str, run_id: str) -> str:

@@ -96,7 +96,7 @@ def _column(kind: str, name: str) -> str:
 
 
 # the widest value each display column shows ("+0.313 [+0.251, +0.371]"); other columns fit their header
-_VALUE_CHARS = {TAU_TAG: 20, PL_TAG: 20, DELTA_PL_TAG: 23, GREEDY_TAG: 20, TREE_TAG: 27, "option": 16,
+_VALUE_CHARS = {TAU_TAG: 20, PL_TAG: 20, DELTA_PL_TAG: 23, GREEDY_TAG: 20, TREE_TAG: 27, "stage": 9, "option": 16,
                 "data/consumed_tokens": 11}
 
 

@@ -250,18 +250,32 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 # -- B: a second drafter on the same ground truth -------------------------------------------------------
+def _target_model(client, cfg: RunConfig) -> str:
+    """The registered model `champion` names: the configured target's (`<promote.model_name>-<fingerprint>`,
+    dflash.serving.promotion.registry_name), else `promote.model_name` itself (a store from before one registered
+    model per target)."""
+    from dflash.serving.promotion import registry_name
+    from dflash.target.model import target_fingerprint
+    try:
+        name = registry_name(cfg.promote.model_name, target_fingerprint(cfg.target))
+        client.get_registered_model(name)
+        return name
+    except Exception:  # noqa: BLE001 - no such model (or no target files to fingerprint): the configured name
+        return cfg.promote.model_name
+
+
 def _resolve_other(other: str, overrides: list[str], cfg: RunConfig, ml: dict):
     """(a loader of drafter B for a device, its label), resolved before the target loads: a run dir / serving
     folder / checkpoint, or the registry's alias holder (looked up and fetched now: a missing `champion` is
     bad input found in seconds)."""
     from dflash.serving.export import load_drafter
     if other.startswith(("models:/", "@")) or other == "champion":
-        name, alias = cfg.promote.model_name, other.lstrip("@")
-        if other.startswith("models:/"):
-            name, _, alias = other.removeprefix("models:/").partition("@")
         uri = cfg.promote.tracking_uri or ml.get("tracking_uri") or cfg.tracking.tracking_uri
         from mlflow.artifacts import download_artifacts
         client = open_client(uri, registry=True)  # a dead or silent server: ConnectionError within seconds
+        name, alias = _target_model(client, cfg), other.lstrip("@")
+        if other.startswith("models:/"):
+            name, _, alias = other.removeprefix("models:/").partition("@")
         try:
             mv = client.get_model_version_by_alias(name, alias)
             folder = download_artifacts(artifact_uri=mv.source, tracking_uri=uri)

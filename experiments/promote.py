@@ -90,7 +90,8 @@ def build_parser() -> ArgParser:
     p.add_argument("--ci-level", default=str(d.ci_level), help="level of the paired Δτ intervals")
     p.add_argument("--bootstrap", default=str(d.bootstrap), help="bootstrap replicates of those intervals")
     p.add_argument("--alias", default=d.alias)
-    p.add_argument("--model-name", default=d.model_name)
+    p.add_argument("--model-name", default=d.model_name,
+                   help="registered model stem: the run registers under <name>-<its target fingerprint>")
     p.add_argument("--metric", default=d.metric, help="gate metric (default %(default)s)")
     p.add_argument("--tracking-uri", default="", help="default: the run's own (mlflow_run.json)")
     return p

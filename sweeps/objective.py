@@ -4,8 +4,8 @@ The trial's training run is the MLflow child of the study's parent run: it is cr
 `mlflow.parentRunId`, `optuna.study_name`, `optuna.trial_number`, `optuna.state=RUNNING`) before training
 starts and the trainer logs into it (`dflash.app.run.train(..., run_id=…)`). When the trial ends, the
 Optuna callback `TrialEnd` writes `optuna.state` (COMPLETE / PRUNED / FAIL), `optuna.pruned_step`,
-`optuna.value`, sets the run status (FINISHED / KILLED / FAILED) and refreshes the parent (best value,
-params, run, checkpoint; trial counts).
+`optuna.value`, sets the run status (FINISHED, a pruned trial too: its tag and Description say pruned; FAILED)
+and refreshes the parent (best value, params, run, checkpoint; trial counts).
 
 Names: a trial's run folder is `<out>/<study>/trial_00012-<loss>-<noise>-<buffer>-s<seed>` and its MLflow run
 has the same name; its Description holds the `python -m experiments.run …` line that trains it again. The
@@ -27,7 +27,7 @@ from typing import Any
 
 from dflash.config import ConfigError, RunConfig
 from dflash.run_dir import RunDir
-from dflash.tracking.run_info import ML_WORKFLOW
+from dflash.tracking.ui_view import ML_WORKFLOW
 from sweeps.support import TAG_PRUNED_STEP, TAG_VALUE, EvalPruned, PruningEvaluator, SweepTracker
 from sweeps.space import SweepDef, SweepError, merge_overrides, suggest
 
@@ -459,7 +459,7 @@ def reconcile_children(study, tracker: SweepTracker | None, parent_id: str | Non
         r = runs[rid]
         want_status = RUN_STATUS[t.state.name]
         if r.data.tags.get(TAG_STATE) != t.state.name or r.info.status != want_status:
-            tracker.finish_child(rid, t.state.name, _outcome_tags(t))
+            tracker.finish_child(rid, t.state.name, _outcome_tags(t), t.user_attrs.get(ATTR_RUN_DIR))
             fixed += 1
     return fixed
 
@@ -494,7 +494,7 @@ class TrialEnd:
     def _report(self, study, t) -> None:
         rid = t.user_attrs.get(ATTR_RUN_ID)
         if self.tracker is not None and rid:
-            self.tracker.finish_child(rid, t.state.name, _outcome_tags(t))
+            self.tracker.finish_child(rid, t.state.name, _outcome_tags(t), t.user_attrs.get(ATTR_RUN_DIR))
         summary = update_parent(study, self.tracker, self.parent_id, finished=t)
         if t.state.name == "COMPLETE" and t.value is not None:
             what = f"value={t.value:.6g}"

@@ -2,10 +2,14 @@
 (the chain of winners) reaches against prompt lookup and against the campaign's first cell.
 
     python -m sweeps.results_summary benchmarks/ABLATIONS.md out=campaign_out [campaign.KEY=VALUE] reference_64m …
+        [sweeps_out=sweeps_out sweep=recipe_reference …]
 
 rewrites the generated blocks of each named campaign in the markdown file from the store under `out`: its summary
 (between `<!-- results-summary:NAME -->` and `<!-- /results-summary:NAME -->`, added at the top when absent) and,
-where the file has one, its report without the summary (`<!-- report:NAME -->` … `<!-- /report:NAME -->`). The
+where the file has one, its report without the summary (`<!-- report:NAME -->` … `<!-- /report:NAME -->`). Each
+`sweep=NAME` gets its block `results-summary:sweep:NAME` from the sweep store under `sweeps_out` (its study and
+trial folders): the best trial's settings and τ [CI], prompt lookup's with the paired Δ, the trials tied with it,
+how the trials ended (`sweeps.sweep_report.summary_lines`). The
 campaign report (`python -m sweeps.campaign NAME report`) opens with the same lines, writes them to
 `<out>/<NAME>/SUMMARY.md` and logs them on the campaign's summary run in its MLflow experiment (`log_summary`).
 
@@ -22,6 +26,7 @@ from typing import Any
 from dflash.atomic import atomic_write_text
 from dflash.evaluation.pairing import metric_columns
 from dflash.evaluation.stats import paired_delta_ci
+from dflash.tracking.ui_view import display_tags, group_view_by
 from sweeps.campaign_report import (BELOW_PL, CI_LEVEL, _by_option, _delta, _fmt, _objective_suite, _stacked,
                                     below_prompt_lookup, pooled, shared_seeds, stage_call)
 
@@ -167,7 +172,8 @@ def render_summary(c, summary: dict, level: int = 2) -> list[str]:
 
 def label_cell_runs(client, experiment_id: str, c) -> int:
     """Tag every cell run of the campaign's experiment (named by its cell id) with `campaign`, `stage` ("1 noise":
-    sorts and groups by stage), `option` and `seed`, and log them as params `campaign.name`, `campaign.stage`,
+    sorts and groups by stage), `option`, `seed` and the key-metrics view's figures of the campaign's objective
+    (`dflash.tracking.ui_view.display_tags`), and log them as params `campaign.name`, `campaign.stage`,
     `campaign.option` (parallel coordinates plot params): so the runs table groups by stage and option, where its
     run names alone (`s1-noise-uniform-seed0`) cannot. A param a run already has with another value is left as it
     is (MLflow's params are write-once). Returns how many runs were labelled."""
@@ -181,7 +187,8 @@ def label_cell_runs(client, experiment_id: str, c) -> int:
         if m is None:
             continue
         stage, factor, option, seed = int(m[1]), m[2], m[3], m[4]
-        tags = {"campaign": c.name, "stage": f"{stage} {factor}", "option": option, "seed": seed}
+        tags = {"campaign": c.name, "stage": f"{stage} {factor}", "option": option, "seed": seed,
+                **display_tags(run.data.metrics, c.objective)}  # the key-metrics view's rounded τ [CI] columns
         params = {"campaign.name": c.name, "campaign.stage": f"{stage} {factor}", "campaign.option": option}
         if all(run.data.tags.get(k) == v for k, v in tags.items()) and all(
                 run.data.params.get(k) == v for k, v in params.items()):
@@ -200,8 +207,9 @@ def label_cell_runs(client, experiment_id: str, c) -> int:
 def log_summary(c, out: Path, text: str) -> str | None:
     """Log `text` as `results_summary.md` and the Description of the campaign's summary run (tagged
     `dflash.campaign_summary`, `dflash.kind=campaign`: not a training run) in the campaign's experiment of
-    `<out>/mlflow.db`, label its cell runs (`label_cell_runs`), and give the experiment the campaign's description
-    where it has none. Returns the run id; None where the store or the experiment is not there."""
+    `<out>/mlflow.db`, label its cell runs (`label_cell_runs`), group the experiment's key-metrics view by stage,
+    and give the experiment the campaign's description where it has none. Returns the run id; None where the store
+    or the experiment is not there."""
     db = Path(out) / "mlflow.db"
     if not db.is_file():
         return None
@@ -221,6 +229,7 @@ def log_summary(c, out: Path, text: str) -> str | None:
         run_id = client.create_run(eid, run_name=f"campaign {c.name}: summary",
                                    tags={SUMMARY_RUN_TAG: c.name, "dflash.kind": "campaign"}).info.run_id
     label_cell_runs(client, eid, c)
+    group_view_by(client, eid, "stage", c.objective)  # the key-metrics view: a group per stage, best τ first
     client.set_tag(run_id, "mlflow.note.content", text)
     client.log_text(run_id, text, "results_summary.md")
     client.set_terminated(run_id)
@@ -248,6 +257,24 @@ def update_block(body: str, key: str, text: str, add: bool) -> str:
     return f"{title}\n\n{block}\n{rest}"
 
 
+def sweep_summary(name: str, sweeps_out: Path) -> str:
+    """The summary block of sweep `name` (conf/sweep/<name>.yaml) from its study in `<sweeps_out>/<name>.journal`
+    and its trials' folders (`sweeps.sweep_report.summary_lines`)."""
+    import optuna
+
+    from sweeps.space import SweepError, load_sweep
+    from sweeps.storage import make_storage
+    from sweeps.sweep_report import summary_lines
+    sweep = load_sweep(name)
+    journal = sweeps_out / f"{name}.journal"
+    if not journal.is_file():
+        raise SweepError(f"sweep={name}: no study storage {journal} (sweeps_out={sweeps_out}; the recipe sweep's "
+                         f"store: python -m dflash.tracking.packed_store unpack benchmarks/sweeps/sweeps_out.tar.xz)")
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    study = optuna.load_study(study_name=name, storage=make_storage(str(journal)))
+    return "\n".join(summary_lines(study, sweep, sweeps_out.resolve(), level=3))
+
+
 def main(argv: list[str] | None = None) -> dict[str, str]:
     argv = list(sys.argv[1:] if argv is None else argv)
     if len(argv) < 2 or argv[0] in ("-h", "--help"):
@@ -257,19 +284,30 @@ def main(argv: list[str] | None = None) -> dict[str, str]:
     if not md.is_file():
         print(f"{md}: no such markdown file (the file whose summary blocks to rewrite)", file=sys.stderr)
         raise SystemExit(2)
-    out = Path(next((a.partition("=")[2] for a in argv[1:] if a.startswith("out=")), "campaign_out"))
+
+    def value(key: str, default: str) -> str:
+        return next((a.partition("=")[2] for a in argv[1:] if a.startswith(f"{key}=")), default)
+    out, sweeps_out = Path(value("out", "campaign_out")), Path(value("sweeps_out", "sweeps_out"))
     edits = [a for a in argv[1:] if a.startswith("campaign.")]  # e.g. a legacy store's campaign.objective
     from sweeps.campaign import load_campaign
     from sweeps.campaign_report import load_summary
+    from sweeps.space import SweepError
     body = md.read_text()
     texts = {}
-    for name in [a for a in argv[1:] if not a.startswith(("out=", "campaign."))]:
+    try:
+        for name in [a.partition("=")[2] for a in argv[1:] if a.startswith("sweep=")]:
+            texts[f"sweep:{name}"] = sweep_summary(name, sweeps_out)
+            body = update_block(body, f"results-summary:sweep:{name}", texts[f"sweep:{name}"], add=True)
+    except SweepError as e:
+        print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(2) from e
+    for name in [a for a in argv[1:] if not a.startswith(("out=", "campaign.", "sweep=", "sweeps_out="))]:
         c = load_campaign(name, edits)
         summary = load_summary(c, out)
         texts[name] = "\n".join(render_summary(c, summary, level=3))
         body = update_block(body, f"results-summary:{name}", texts[name], add=True)
         body = update_block(body, f"report:{name}", report_block(c, summary), add=False)
-    atomic_write_text(md, body)  # every campaign read before the file is touched
+    atomic_write_text(md, body)  # every campaign and sweep read before the file is touched
     return texts
 
 

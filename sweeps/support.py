@@ -33,16 +33,19 @@ TAG_STUDY = "optuna.study_name"
 TAG_TRIAL = "optuna.trial_number"
 TAG_STATE = "optuna.state"
 TAG_PRUNED_STEP = "optuna.pruned_step"
-# The MLflow run status a finished trial's child run ends with.
-RUN_STATUS = {"COMPLETE": "FINISHED", "PRUNED": "KILLED", "FAIL": "FAILED"}
+# The MLflow run status a finished trial's child run ends with. A pruned trial did what the study asked of it (the
+# pruner stopped it): FINISHED, not MLflow's KILLED with its red ✗; its `optuna.state` tag (a column of the
+# key-metrics view) and its Description say pruned. MLflow has no status of that name.
+RUN_STATUS = {"COMPLETE": "FINISHED", "PRUNED": "FINISHED", "FAIL": "FAILED"}
+PRUNED_NOTE = "**Pruned**"  # the head of a pruned trial's Description
 TAG_VALUE = "optuna.value"
 
 
 class EvalPruned(optuna.TrialPruned):
-    """Raised from inside `train()` when the pruner stops a trial. `run_status` is the MLflow status the
-    run should end with (the trainer closes it FAILED today; `SweepTracker.finish_child` fixes that)."""
+    """Raised from inside `train()` when the pruner stops a trial. `run_status` is the MLflow status the trainer
+    closes the run with (`RUN_STATUS`: a pruned trial is not a failure)."""
 
-    run_status = "KILLED"
+    run_status = RUN_STATUS["PRUNED"]
 
     def __init__(self, step: int, value: float, metric: str):
         super().__init__(f"pruned at step {step}: {metric}={value:.6g}")
@@ -232,12 +235,26 @@ class SweepTracker:
         """A child run taken over by a continuing trial: it now stands for that trial, RUNNING again."""
         self._tags(run_id, {TAG_TRIAL: str(trial_number), TAG_STATE: "RUNNING", **(tags or {})})
 
-    def finish_child(self, run_id: str, state: str, tags: Mapping[str, Any] | None = None) -> None:
+    def finish_child(self, run_id: str, state: str, tags: Mapping[str, Any] | None = None,
+                     run_dir: str | os.PathLike | None = None) -> None:
         """Trial outcome on the child: `optuna.state`, extra tags, and the run status it implies
-        (COMPLETE → FINISHED, PRUNED → KILLED, FAIL → FAILED) when it is not that already."""
-        self._tags(run_id, {TAG_STATE: state, **(tags or {})})
-        want = RUN_STATUS.get(state)
+        (COMPLETE and PRUNED → FINISHED, FAIL → FAILED) when it is not that already; a pruned trial's Description
+        opens with what stopped it. The trial's run folder (`run_dir`, where it is on this machine) gets the same
+        tags in its tags.json: the folder says what MLflow shows."""
+        tags = dict(tags or {})
         run = self._retry("get child", self.client.get_run, run_id)
+        if state == "PRUNED" and run is not None:
+            note = run.data.tags.get("mlflow.note.content", "")
+            if not note.startswith(PRUNED_NOTE):
+                step = tags.get(TAG_PRUNED_STEP)
+                at = f" at step {step}" if step is not None else ""
+                tags["mlflow.note.content"] = (f"{PRUNED_NOTE}{at}: the sweep's pruner stopped this trial (Optuna "
+                                               f"state PRUNED; not a failure).\n\n{note}").rstrip()
+        self._tags(run_id, {TAG_STATE: state, **tags})
+        if run_dir and (Path(run_dir) / "tags.json").is_file():
+            from dflash.tracking.loggers import merge_json
+            merge_json(Path(run_dir) / "tags.json", {TAG_STATE: state, **tags})
+        want = RUN_STATUS.get(state)
         if want and run is not None and run.info.status != want:
             self.end(run_id, want)
 

@@ -10,7 +10,8 @@ at its last logged rate, and, where its checkpoint is on this machine, what the 
 the costs this study measured for starting it and for the final eval: what that job must leave room for; without
 its checkpoint here it cannot continue, and the row says so), the searched params,
 the steps and consumed tokens it trained, the objective at every in-training eval (its consumed-token milestones,
-`eval/subset/...`), the final τ with its 95% CI pooled over the prompts, the paired Δτ against the best trial
+`eval/subset/...`), the final τ with its 95% CI pooled over the prompts (an objective that is no τ, e.g.
+`train/loss`: the study's value, a pruned trial's last report with its step), the paired Δτ against the best trial
 (prompt for prompt on the same ground truth; an interval holding 0 is a tie), DDTree τ at the largest node budget,
 prompt lookup's τ on the same ground truth, and the wall seconds of its jobs. Under the table: the parent run, the
 ground truth, and every promotion-gate decision (`experiments.promote`) recorded on the study's runs.
@@ -123,6 +124,17 @@ def _pooled(table: dict, sum_col: str, count_col: str) -> str:
     return f"{iv.value:.3f} [{iv.low:.3f}, {iv.high:.3f}]"
 
 
+def _study_value(trial) -> str:
+    """A trial's objective as the study holds it: a complete trial's value; a pruned one's last report to the pruner
+    (the figure it was pruned on) with its step."""
+    if trial.state.name == "COMPLETE" and trial.value is not None:
+        return f"{trial.value:.4g}"
+    if trial.state.name == "PRUNED" and trial.intermediate_values:
+        step = max(trial.intermediate_values)
+        return f"{trial.intermediate_values[step]:.4g} at step {step}"
+    return ""
+
+
 def trial_row(chain, out_dir: Path, objective: str, best_table: dict | None, costs: dict) -> dict[str, Any]:
     """What the table shows of one trial (module doc), as strings and numbers; `best_table`: the best trial's task
     table to pair with (None for the best trial itself); `costs`: `job_costs` for a cut trial's estimate."""
@@ -143,7 +155,10 @@ def trial_row(chain, out_dir: Path, objective: str, best_table: dict | None, cos
                            "value": last.value, "seconds": _seconds(chain), "run_id": last.user_attrs.get(ATTR_RUN_ID),
                            "ground_truth": ground_truth_of(table) if table else None}
     cols = metric_columns(objective)
-    if table is None or cols is None:
+    if cols is None:  # a training metric (cpu_smoke's train/loss): no task table to pool, the study's own figure
+        row["ci"] = _study_value(last)
+        return row
+    if table is None:
         return row
     row["ci"] = _pooled(table, cols.sum_col, cols.count_col)
     methods = task_methods(table)
@@ -202,24 +217,33 @@ def _fmt_params(params: dict, keys: list[str]) -> list[str]:
     return [f"{params[k]:.3g}" if isinstance(params.get(k), float) else str(params.get(k, "")) for k in keys]
 
 
-def render(study, sweep, out_root: Path) -> str:
-    """The report (module doc) of `study`, run from `sweep`'s definition, its folders under `out_root`."""
+def _study_rows(study, sweep, out_root: Path) -> dict[str, Any]:
+    """What the report and the summary read of `study`: its objective, its trials as the study counts them (chains),
+    the best chain (Optuna's best, by the study's own direction) and its task table, and one `trial_row` each."""
     # the objective the study ran under (a store keeps its meaning: studies before sampled evaluation optimized
     # eval/tau_vanilla, the old greedy protocol), else the definition's
     objective = study.user_attrs.get("sweep.objective") or sweep.objective.metric
     out_dir = out_root / study.study_name
-    trials = study.get_trials(deepcopy=False)
-    groups = chains(trials)
+    groups = chains(study.get_trials(deepcopy=False))
     complete = [c for c in groups if c[-1].state.name == "COMPLETE"]
-    best_number = study.best_trial.number if complete else None  # Optuna's best, by the study's own direction
+    best_number = study.best_trial.number if complete else None
     best = next((c for c in complete if c[-1].number == best_number), None)
     best_folder = run_folder(best[-1], out_dir) if best else None
     best_table = trial_table(str(best_folder) if best_folder else None, objective)
     costs = job_costs(study, out_dir)
     rows = [trial_row(c, out_dir, objective, None if c is best else best_table, costs) for c in groups]
+    return {"objective": objective, "groups": groups, "complete": complete, "best": best, "best_table": best_table,
+            "rows": rows}
+
+
+def render(study, sweep, out_root: Path) -> str:
+    """The report (module doc) of `study`, run from `sweep`'s definition, its folders under `out_root`."""
+    got = _study_rows(study, sweep, out_root)
+    objective, groups, complete, best, rows = (got[k] for k in ("objective", "groups", "complete", "best", "rows"))
     keys = [p.key for p in sweep.space]
     head = ["trial", "state", *[k.split(".")[-1] for k in keys], "steps", "consumed tokens", "in-training evals",
-            f"{objective} [95% CI]", "Δ vs best, paired", "DDTree", "prompt lookup", "wall s"]
+            f"{objective} [95% CI]" if metric_columns(objective) else objective, "Δ vs best, paired", "DDTree",
+            "prompt lookup", "wall s"]
     lines = [f"# Sweep `{study.study_name}` ({sweep.name}): {len(groups)} trials, {len(complete)} complete",
              "", f"Objective: {sweep.objective.direction} `{objective}`"
              + (" (the old protocol: greedy, fixed-length ground truth that loops; measured before sampled "
@@ -240,3 +264,49 @@ def render(study, sweep, out_root: Path) -> str:
               f"MLflow parent run: `{study.user_attrs.get('mlflow.parent_run_id', 'none')}`", "",
               "Promotion gate:", *_promotions([c[-1] for c in groups], _tracking_uri(study, out_root))]
     return "\n".join(lines) + "\n"
+
+
+def summary_lines(study, sweep, out_root: Path, level: int = 3) -> list[str]:
+    """The sweep's answer for a results summary (`python -m sweeps.results_summary … sweep=NAME`): the best trial's
+    settings and objective τ [95% CI], prompt lookup's on the same prompts with the paired Δ, the trials tied with it,
+    and how the trials ended (a continued trial counted once, as the report counts it)."""
+    from dflash.evaluation.pairing import NotPaired
+    got = _study_rows(study, sweep, out_root)
+    objective, groups, best, table = got["objective"], got["groups"], got["best"], got["best_table"]
+    ends: dict[str, int] = {"complete": 0, "pruned": 0}  # said even when none: a sweep that pruned nothing says so
+    for r in got["rows"]:
+        state = r["state"]
+        end = "cut by a job's limit" if state.startswith("cut") else state.split(" ")[0].lower()
+        ends[end] = ends.get(end, 0) + 1
+    suite = ((table or {}).get("info") or {}).get("suite_label", "?")
+    legacy = " (the old protocol: greedy, fixed-length ground truth that loops)" if objective == "eval/tau_vanilla" \
+        else ""
+    lines = [f"{'#' * level} Results summary: sweep `{study.study_name}`", "",
+             f"Objective: {sweep.objective.direction} `{objective}`{legacy} on suite `{suite}`; fixed "
+             f"`{' '.join(sweep.fixed)}`; {TIE_LEVEL:.0%} CI over prompts, Δ paired prompt for prompt; a tie is a Δ "
+             f"interval containing 0 (`python -m sweeps.launch {sweep.name} report` lists every trial).", ""]
+    counts = ", ".join(f"{n} {end}" for end, n in ends.items())
+    trials = f"{len(groups)} trials ({counts})"
+    if best is None:
+        return [*lines, f"- No complete trial: {trials}.", ""]
+    row = got["rows"][groups.index(best)]
+    keys = [p.key for p in sweep.space]
+    params = ", ".join(f"{k.split('.')[-1]} {v}" for k, v in zip(keys, _fmt_params(row["params"], keys)))
+    again = best[0].user_attrs.get(ATTR_RERUN_OF)
+    head = f"trial {best[-1].number}" + (f" (trained again from scratch with trial {again}'s settings)"
+                                         if again is not None else "")
+    tokens = f"; {row['tokens']:,.0f} consumed tokens" if row["tokens"] else ""
+    parts = [f"- **Best: {head}** ({params}{tokens}): τ **{row.get('ci') or _study_value(best[-1])}**"]
+    cols = metric_columns(objective)
+    if table is not None and cols is not None and row.get("prompt_lookup"):
+        try:
+            d = paired_delta(table, table, (cols.sum_col, cols.count_col),
+                             ("tau_sum_prompt_lookup", "rounds_prompt_lookup"), TIE_LEVEL)
+            parts.append(f"prompt lookup {row['prompt_lookup']}, paired Δ {d.value:+.3f} [{d.low:+.3f}, "
+                         f"{d.high:+.3f}]" + (" (below prompt lookup)" if d.high < 0 else ""))
+        except NotPaired as e:
+            parts.append(f"prompt lookup {row['prompt_lookup']} (not paired: {e})")
+    tied = [f"trial {r['trial']} ({r['delta'].removesuffix(' tie')})" for r in got["rows"]
+            if str(r.get("delta", "")).endswith(" tie")]
+    parts.append("tied with " + ", ".join(tied) if tied else "no trial tied with it")
+    return [*lines, "; ".join(parts) + ".", f"- {trials}.", ""]

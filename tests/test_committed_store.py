@@ -1,6 +1,7 @@
 """The committed campaign store (`benchmarks/ablations/campaign_out.tar.xz`) read as a researcher reads it: unpacked
 anywhere (`python -m dflash.tracking.packed_store unpack`), its artifacts show; the ablation table's interval is the
 campaign report's pooled one."""
+import json
 import sqlite3
 import tarfile
 from pathlib import Path
@@ -233,6 +234,7 @@ def test_the_report_the_notebook_and_mlflow_give_the_same_numbers(campaign_store
 
     from sweeps.campaign import load_campaign
     from sweeps.campaign_report import load_summary, summary_from_mlflow, write_report
+    from dflash.tracking.ui_view import KEY_METRICS_VIEW, SAVED_VIEW_PREFIX, TAU_TAG
     from sweeps.results_summary import SUMMARY_RUN_TAG, render_summary, stage_answer
     uri = f"sqlite:///{campaign_store / 'mlflow.db'}"
     client = MlflowClient(uri)
@@ -263,6 +265,12 @@ def test_the_report_the_notebook_and_mlflow_give_the_same_numbers(campaign_store
                 assert (r.data.tags["campaign"], r.data.tags["stage"], r.data.tags["option"], r.data.tags["seed"]) \
                     == (name, f"{x['stage']} {x['factor']}", x["option"], str(x["seed"])), x["cell"]
                 assert r.data.params["campaign.option"] == x["option"]
+                # the key-metrics view's τ column: the objective with its interval, rounded
+                assert r.data.tags[TAU_TAG].startswith(f"{r.data.metrics['eval/tau_vanilla']:.3f} ["), x["cell"]
+        view = client.get_experiment_by_name(c.experiment).tags[f"{SAVED_VIEW_PREFIX}{KEY_METRICS_VIEW}"]
+        state = json.loads(json.loads(view)["state"])
+        assert state["groupBy"]["groupByKeys"] == [{"mode": "tag", "groupByData": "stage"}]
+        assert state["orderByKey"] == "metrics.`eval/tau_vanilla`"  # the store's objective, best first
 
 
 def test_the_notebooks_summary_pairs_the_buffer_stage_on_the_pin(campaign_store, tmp_path):

@@ -87,6 +87,29 @@ def store(tmp_path, empty_db):
     return Store(tmp_path, empty_db)
 
 
+def test_one_registered_model_per_target(store):
+    """Drafters of two targets never share a registered model: each goes to `<model_name>-<fingerprint>` (the run's
+    `dflash.target_fingerprint`), whose @champion is weighed only against drafters of its own target."""
+    from dflash.serving.promotion import TARGET_FP, registry_name
+
+    def run(tau: float, fp: str) -> str:
+        rid = store.run(tau)
+        store.client.set_tag(rid, TARGET_FP, fp)
+        return rid
+    fa, fb = "aaaa000000000000", "bbbb000000000000"
+    first_a = promote(run(3.0, fa), PromoteConfig(), store.uri)
+    other = promote(run(2.0, fb), PromoteConfig(), store.uri)  # lower τ, another target: not weighed against A's
+    assert first_a.model_name == registry_name(MODEL, fa) == f"{MODEL}-{fa}" and other.model_name == f"{MODEL}-{fb}"
+    assert first_a.promoted and other.promoted and "no current @champion holder" in other.reason
+    for d, fp in ((first_a, fa), (other, fb)):
+        model = store.client.get_registered_model(d.model_name)
+        assert model.aliases["champion"] == 1 and model.tags[TARGET_FP] == fp and fp in model.description
+        assert store.client.get_run(d.run_id).data.tags["dflash.promotion.model"] == d.model_name
+    worse_a = promote(run(2.5, fa), PromoteConfig(), store.uri)  # A's champion is A's alone
+    assert not worse_a.promoted and worse_a.version == "2" and worse_a.holder_version == "1"
+    assert store.holder() is None  # nothing registered under the bare name: every run here records its target
+
+
 def test_first_promotion_wins_and_records_everything(store):
     rid = store.run(3.0)
     d = promote(rid, PromoteConfig(), store.uri)
@@ -221,8 +244,8 @@ def test_race_threads_exactly_one_winner(store, monkeypatch):
     real = promotion._current_holder
     barrier = threading.Barrier(2)
 
-    def slow_holder(client, cfg):
-        out = real(client, cfg)
+    def slow_holder(client, cfg, name):
+        out = real(client, cfg, name)
         time.sleep(0.3)
         return out
 
@@ -355,8 +378,12 @@ def test_training_run_then_promote_and_export(fast_cfg, tmp_path, capsys):
     assert not d.promoted and "no eval/tau_served" in d.reason  # not evaluated: refused
     client.log_metric(res.run_id, "eval/tau_served", 1.7, step=cfg.trainer.max_steps)
     d = promote_main([str(res.run_dir)])
-    assert d.promoted and client.get_model_version_by_alias(MODEL, "champion").run_id == res.run_id
-    mv = client.get_model_version(MODEL, d.version)
+    fp = client.get_run(res.run_id).data.tags["dflash.target_fingerprint"]
+    assert d.model_name == f"{MODEL}-{fp}"  # the registered model of this run's target
+    assert d.promoted and client.get_model_version_by_alias(d.model_name, "champion").run_id == res.run_id
+    from experiments.eval import _target_model
+    assert _target_model(client, cfg) == d.model_name  # `eval … champion` reads the configured target's model
+    mv = client.get_model_version(d.model_name, d.version)
     assert mv.tags["dflash.loss"] == cfg.loss.name and mv.tags["dflash.run_name"] == res.run_dir.name
     assert not any(k.startswith(("eval/task/", "eval/acc_pos")) for k in mv.tags)  # a short, readable set
     served = export_main([str(res.run_dir), "--out", str(tmp_path / "served")])

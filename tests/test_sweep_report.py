@@ -166,6 +166,18 @@ def test_committed_sweep_store_reprints_the_results(tmp_path):
     results = (ROOT / "benchmarks" / "log" / "2026-12-03.md").read_text()
     table = [line for line in text.splitlines() if line.startswith("| ")]
     assert len(table) == 23 and all(line in results for line in table)  # the log quotes the store's table
+    # ABLATIONS.md's first screen carries the sweep's summary as the store renders it now (sweeps.results_summary
+    # sweep=recipe_reference), with the report's own figures: the best trial, prompt lookup, the tie, the counts
+    from sweeps.results_summary import sweep_summary
+    summary = sweep_summary("recipe_reference", tmp_path / "sweeps_out")
+    ablations = (ROOT / "benchmarks" / "ABLATIONS.md").read_text()
+    key = "results-summary:sweep:recipe_reference"
+    block = ablations.split(f"<!-- {key} -->\n", 1)[1].split(f"\n<!-- /{key} -->")[0]
+    assert block == summary.rstrip() and block in "\n".join(ablations.splitlines()[:60])
+    assert "**Best: trial 32 (trained again from scratch with trial 30's settings)**" in block
+    assert "τ **7.251 [6.656, 7.872]**; prompt lookup 6.160 [5.795, 6.560], paired Δ +1.091" in block
+    assert "tied with trial 30 ← 26 (-0.041 [-0.209, +0.126])" in block
+    assert "- 21 trials (9 complete, 0 pruned, 12 cut by a job's limit)." in block
 
 
 def test_job_costs_place_trial_starts_with_the_launch_machines_offset(tmp_path):
@@ -190,3 +202,60 @@ def test_job_costs_place_trial_starts_with_the_launch_machines_offset(tmp_path):
     study.add_trial(trial)
     costs = job_costs(study, tmp_path)
     assert costs["launch"] == pytest.approx(30) and costs["resume"] == pytest.approx(12)
+
+
+def test_a_training_metric_objective_and_a_pruned_trial(tmp_path):
+    """A fresh CPU sweep minimizing `train/loss` (cpu_smoke): its objective column holds each trial's figure (a
+    pruned trial's last report, with its step), not blanks; a pruned trial's run closes FINISHED (not KILLED, MLflow's
+    red ✗), tagged and described as pruned, and the notebooks' rows still count it apart."""
+    from mlflow.tracking import MlflowClient
+
+    from dflash.tracking import analysis as A
+    from sweeps.objective import ATTR_RUN_DIR, ATTR_RUN_ID, _outcome_tags
+    from sweeps.space import parse_sweep
+    from sweeps.storage import make_storage
+    from sweeps.sweep_report import render
+    from sweeps.support import SweepTracker
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    tracker = SweepTracker(uri, "sweeps")
+    parent = tracker.ensure_parent("smoke", None, {}, {})
+    study = optuna.create_study(study_name="smoke", direction="minimize",
+                                storage=make_storage(str(tmp_path / "smoke.journal")))
+    lr = {"trainer.lr": FloatDistribution(1e-5, 1e-2, log=True)}
+    trials = [create_trial(state=TrialState.COMPLETE, value=4.91234, params={"trainer.lr": 1e-2}, distributions=lr,
+                           intermediate_values={4: 5.1}),
+              create_trial(state=TrialState.PRUNED, params={"trainer.lr": 1e-5}, distributions=lr,
+                           intermediate_values={4: 5.5321})]
+    for i, t in enumerate(trials):
+        rid = tracker.create_child(parent, "smoke", i, run_name=f"trial_{i:05d}", tags={
+            "mlflow.note.content": "python -m experiments.run ...", "dflash.kind": "train"})
+        tracker.client.set_terminated(rid, "FAILED")  # as the trainer left it: finish_child sets what it means
+        folder = tmp_path / "smoke" / f"trial_{i:05d}"
+        folder.mkdir(parents=True)
+        (folder / "tags.json").write_text(json.dumps({"mlflow.note.content": "python -m experiments.run ..."}))
+        t.user_attrs.update({ATTR_RUN_ID: rid, ATTR_RUN_DIR: str(folder)})
+        study.add_trial(t)
+        tracker.finish_child(rid, t.state.name, _outcome_tags(study.trials[-1]), folder)
+    sweep = parse_sweep({"name": "smoke", "fixed": [], "space": {"trainer.lr": {"type": "float", "low": 1e-5,
+                                                                                "high": 1e-2, "log": True}},
+                         "objective": {"metric": "train/loss", "direction": "minimize"}})
+    text = render(study, sweep, tmp_path)
+    head = next(line for line in text.splitlines() if line.startswith("| trial"))
+    assert "| train/loss |" in head and "[95% CI]" not in head  # a loss has no interval over prompts here
+    rows = {line.split(" | ")[0].strip("| "): line.split(" | ") for line in text.splitlines()
+            if line.startswith("| ") and not line.startswith(("| trial", "| ---"))}
+    col = head.split(" | ").index("train/loss")
+    assert rows["0"][col] == "4.912" and rows["1"][col] == "5.532 at step 4"
+    client = MlflowClient(uri)
+    pruned = client.get_run(study.trials[1].user_attrs[ATTR_RUN_ID])
+    assert pruned.info.status == "FINISHED" and pruned.data.tags["optuna.state"] == "PRUNED"
+    assert pruned.data.tags["mlflow.note.content"].startswith("**Pruned** at step 4: ")
+    assert pruned.data.tags["mlflow.note.content"].endswith("python -m experiments.run ...")  # kept below
+    folder_tags = json.loads((tmp_path / "smoke" / "trial_00001" / "tags.json").read_text())
+    assert folder_tags["mlflow.note.content"] == pruned.data.tags["mlflow.note.content"]  # the folder says the same
+    assert folder_tags["optuna.state"] == "PRUNED"
+    tracker.finish_child(pruned.info.run_id, "PRUNED", {"optuna.pruned_step": 4})  # again (reconcile): said once
+    assert client.get_run(pruned.info.run_id).data.tags["mlflow.note.content"].count("**Pruned**") == 1
+    assert client.get_run(study.trials[0].user_attrs[ATTR_RUN_ID]).info.status == "FINISHED"
+    df = A.load_runs(uri, "sweeps", study="smoke").set_index("trial")  # what the notebooks call finished
+    assert df.loc[1, "status"] == "PRUNED" and df.loc[0, "status"] == "FINISHED"

@@ -206,7 +206,7 @@ def test_pruning_evaluator_reports_and_prunes(tmp_path):
     assert ev(None, None, 3, True) == {"eval/x": 1.0}  # final: not reported
     with pytest.raises(EvalPruned) as e:
         ev(None, None, 3, False)
-    assert isinstance(e.value, optuna.TrialPruned) and e.value.step == 3 and e.value.run_status == "KILLED"
+    assert isinstance(e.value, optuna.TrialPruned) and e.value.step == 3 and e.value.run_status == "FINISHED"
     # an eval/ objective is read, during training, from the subset evaluation's own name
     ev2 = PruningEvaluator(trial, "eval/x", tmp_path, base=lambda *a: {"eval/subset/x": 0.1})
     ev2(None, None, 4, False, logger=object())  # the trainer's logger argument is passed through
@@ -278,9 +278,10 @@ def test_sweep_two_workers_pruning_resume_and_mlflow(tmp_path, eval_cache):
         assert r.data.tags["optuna.state"] == t.state.name and r.data.tags["optuna.study_name"] == "cpu_smoke"
         assert r.data.params["loss.name"] == t.params["loss"]  # the child IS the training run
         assert float(r.data.params["trainer.lr"]) == t.params["trainer.lr"]
-        if t.state == TrialState.PRUNED:
-            assert r.info.status == "KILLED" and r.data.tags["optuna.pruned_step"] == "4"
-            assert "train/loss" in r.data.metrics
+        if t.state == TrialState.PRUNED:  # stopped by the pruner, not killed: FINISHED, and it says pruned
+            assert r.info.status == "FINISHED" and r.data.tags["optuna.pruned_step"] == "4"
+            assert r.data.tags["mlflow.note.content"].startswith("**Pruned** at step 4: ")
+            assert "train/loss" in r.data.metrics and "eval/tau_served" not in r.data.metrics
         else:
             assert r.info.status == "FINISHED" and float(r.data.tags["optuna.value"]) == pytest.approx(t.value)
             assert r.data.metrics["train/loss"] == pytest.approx(t.value)
@@ -317,11 +318,17 @@ def test_sweep_two_workers_pruning_resume_and_mlflow(tmp_path, eval_cache):
     # the study as one table, from the store (sweeps/sweep_report.py: its arithmetic in tests/test_sweep_report.py)
     text = main(["cpu_smoke", "report", f"out={tmp_path / 'out'}"])["report"]
     assert "6 trials, 4 complete" in text and text.count("| PRUNED |") == 2 and text.count("| COMPLETE |") == 4
+    col = next(line for line in text.splitlines() if line.startswith("| trial")).split(" | ").index("train/loss")
+    for t in trials:  # the objective column: each trial's figure, a pruned one's at its step (never blank)
+        row = next(line for line in text.splitlines() if line.startswith(f"| {t.number} |")).split(" | ")
+        assert row[col] == (f"{t.value:.4g}" if t.state == TrialState.COMPLETE
+                            else f"{t.intermediate_values[4]:.4g} at step 4"), row
     assert "- no trial went through the promotion gate" in text
 
     # the notebooks' view of the study
     df = A.load_runs(f"sqlite:///{tmp_path / 'mlflow.db'}", "sweeps", study="cpu_smoke")
     assert len(df) == 6 and set(df.loc[df["trial_state"] == "PRUNED", "trial"]) == {1, 2}
+    assert set(df.loc[df["status"] == "PRUNED", "trial"]) == {1, 2}  # the analyses' "finished" leaves them out
     A.plot_study(df, "train/loss", "minimize").savefig(tmp_path / "study.png")
 
 

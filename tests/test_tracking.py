@@ -396,10 +396,18 @@ def test_run_name_is_the_run_folder_and_the_run_says_what_it_is(tmp_path, monkey
     state = json.loads(view["state"])
     cols = state["selectedColumns"]
     from dflash.evaluation.protocol import OBJECTIVE  # the objective's name: one place
-    assert f"metrics.`{OBJECTIVE}`" in cols and state["orderByKey"] == f"metrics.`{OBJECTIVE}`"
+    from dflash.tracking.ui_view import TAU_TAG
+    assert f"tags.`{TAU_TAG}`" in cols and state["orderByKey"] == f"metrics.`{OBJECTIVE}`"
     assert "tags.`stage`" in cols and "tags.`option`" in cols  # a campaign's labels (sweeps.results_summary)
-    # the CI bounds' headers are wide enough to read (the table's default 100 px cuts both to the metric's name)
-    assert all(state["columnWidths"][c] >= 8 * len(c.split("`")[1]) for c in cols)
+    # every header distinct and wide enough to read: the UI widens only the columns `columnOrder` names (the
+    # table's default 100 px cuts `eval/tau_served_ci_low` and `_ci_high` to one name)
+    headers = [c.split("`")[1] for c in cols]
+    assert len(set(headers)) == len(headers)
+    assert all(state["columnWidths"][c] >= 8 * len(c.split("`")[1]) for c in state["columnOrder"])
+    assert set(cols) - set(state["columnOrder"]) == {"attributes.`Source`"}
+    if OBJECTIVE in run.data.metrics:  # the run's τ [CI] as the view shows it: three decimals, one cell
+        m = run.data.metrics
+        assert t[TAU_TAG] == f"{m[OBJECTIVE]:.3f} [{m[OBJECTIVE + '_ci_low']:.3f}, {m[OBJECTIVE + '_ci_high']:.3f}]"
     # only the active variants' knobs: streak reads alpha and gamma, not another loss's temperature
     p = run.data.params
     assert {"loss.alpha", "loss.gamma", "noise.start", "noise.end", "target.random.hidden_size"} <= set(p)

@@ -272,7 +272,7 @@ class TrainingRun:
                 result.metrics = t.run(hooks, around_step)
             result.checkpoint = hooks.final_dir
             status = "FINISHED"
-        except BaseException as e:  # a pruned sweep trial and a signal carry run_status="KILLED"
+        except BaseException as e:  # a signal carries run_status="KILLED", a pruned sweep trial "FINISHED"
             status = getattr(e, "run_status", "KILLED" if isinstance(e, KeyboardInterrupt) else "FAILED")
             raise
         finally:

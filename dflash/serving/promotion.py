@@ -8,7 +8,10 @@ Rules, in order:
    setting, docs/evaluation.md) and a finite value,
    and have a `checkpoint` artifact. Otherwise the decision is "refused", nothing is registered, and the
    reason is written on the *run* as tags (`dflash.promotion.decision` / `dflash.promotion.reason`).
-2. Otherwise a model version is registered (source = the run's `checkpoint` artifact URI, `run_id` set)
+2. Otherwise a model version is registered under the registered model of the run's target, `<model_name>-<target
+   fingerprint>` (`registry_name`: the run's `dflash.target_fingerprint` tag; a run that records none, from before
+   fingerprints were kept, under `model_name` itself), so that one registered model and its `@champion` never mix
+   drafters of different targets (source = the run's `checkpoint` artifact URI, `run_id` set)
    with a short set of tags: the headline `eval/` metrics (τ per budget and prompt lookup's τ; intervals,
    per-task and per-position figures stay on the run), the run's name, loss / noise / buffer / target, links
    to the per-task table and the run's config, and the decision (decision, reason, holder, and the whole
@@ -73,7 +76,7 @@ _HEADLINE_EVAL = ("eval/tau", "eval/real/lossless", "eval/real/speedup")
 
 @dataclass
 class PromoteConfig:
-    model_name: str = "dflash-drafter"
+    model_name: str = "dflash-drafter"  # the stem: a run registers under `<model_name>-<target fingerprint>`
     alias: str = "champion"
     # the objective: τ at the target's served sampling setting (dflash.evaluation.protocol)
     metric: str = "eval/tau_served"
@@ -140,6 +143,13 @@ def check_store(uri: str) -> None:
     if db is not None and not db.is_file():
         raise PromotionError(f"tracking store {uri!r}: no database file at {db} (pass the URI the run "
                              f"was tracked with, e.g. sqlite:////abs/path/mlflow.db)")
+
+
+def registry_name(model_name: str, target_fp: str | None) -> str:
+    """The registered model a drafter of target fingerprint `target_fp` goes to: one per target, so a champion is
+    only ever weighed against drafters of its own target (`dflash-drafter-1f0c…`); `model_name` itself without a
+    fingerprint (a run from before they were recorded)."""
+    return f"{model_name}-{target_fp}" if target_fp else model_name
 
 
 def _lock_path(uri: str) -> Path:
@@ -230,11 +240,11 @@ def _get_run(client, run_id: str, uri: str):
         raise
 
 
-def _current_holder(client, cfg: PromoteConfig) -> tuple[Any | None, float | None]:
-    """(holder ModelVersion or None, its recorded metric value or None)."""
+def _current_holder(client, cfg: PromoteConfig, name: str) -> tuple[Any | None, float | None]:
+    """(holder ModelVersion of registered model `name` or None, its recorded metric value or None)."""
     from mlflow.exceptions import MlflowException
     try:
-        model = client.get_registered_model(cfg.model_name)
+        model = client.get_registered_model(name)
     except MlflowException as e:
         if _error_code(e) == "RESOURCE_DOES_NOT_EXIST":
             return None, None
@@ -242,7 +252,7 @@ def _current_holder(client, cfg: PromoteConfig) -> tuple[Any | None, float | Non
     version = (model.aliases or {}).get(cfg.alias)
     if version is None:
         return None, None
-    holder = client.get_model_version(cfg.model_name, str(version))
+    holder = client.get_model_version(name, str(version))
     value = _as_float(holder.tags.get(cfg.metric))
     if value is None and holder.run_id:  # tag missing (e.g. aliased by hand): the holder's run metric
         with contextlib.suppress(Exception):
@@ -477,18 +487,22 @@ def _tag_run(client, run_id: str, tags: dict[str, str]) -> None:
         log.warning("could not tag run %s with the promotion decision: %s", run_id, e)
 
 
-def _register(client, cfg: PromoteConfig, run, tags: dict[str, str]):
+def _register(client, cfg: PromoteConfig, name: str, run, tags: dict[str, str]):
     from mlflow.exceptions import MlflowException
+    fp = run.data.tags.get(TARGET_FP)
+    target = run.data.tags.get("target")
+    of = (f" of target {target + ' ' if target else ''}(fingerprint {fp}, `{TARGET_FP}`)" if fp
+          else " whose runs record no target fingerprint")
     try:
         client.create_registered_model(
-            cfg.model_name, description=f"DFlash drafters. Serve the version @{cfg.alias} points at: the alias moves "
-                                        "only through the gate, and a later version may be a refused one (each "
-                                        "version's description says which)")
+            name, tags={TARGET_FP: fp} if fp else None,
+            description=f"DFlash drafters{of}. Serve the version @{cfg.alias} points at: the alias moves only through "
+                        "the gate, and a later version may be a refused one (each version's description says which)")
     except MlflowException as e:
         if _error_code(e) != "RESOURCE_ALREADY_EXISTS":
             raise
     source = f"{run.info.artifact_uri.rstrip('/')}/checkpoint"
-    return client.create_model_version(cfg.model_name, source, run_id=run.info.run_id, tags=tags)
+    return client.create_model_version(name, source, run_id=run.info.run_id, tags=tags)
 
 
 # ------------------------------------------------------------------------------------------- API
@@ -507,7 +521,8 @@ def promote(run_id: str, cfg: PromoteConfig, tracking_uri: str | None, dry_run: 
     check_store(uri)
     client = _client(uri)
     run = _get_run(client, run_id, uri)
-    base = dict(run_id=run_id, model_name=cfg.model_name, alias=cfg.alias, metric=cfg.metric, dry_run=dry_run)
+    name = registry_name(cfg.model_name, run.data.tags.get(TARGET_FP))  # one registered model per target
+    base = dict(run_id=run_id, model_name=name, alias=cfg.alias, metric=cfg.metric, dry_run=dry_run)
 
     refusal, value = _eligibility(client, run, cfg)
     if refusal is not None:
@@ -518,7 +533,7 @@ def promote(run_id: str, cfg: PromoteConfig, tracking_uri: str | None, dry_run: 
         return d
 
     if dry_run:
-        holder, holder_value = _current_holder(client, cfg)
+        holder, holder_value = _current_holder(client, cfg, name)
         if holder is not None and holder.run_id == run_id:
             return Decision(False, f"run already holds @{cfg.alias} (v{holder.version})", None, value,
                             str(holder.version), holder_value, **base, holds_alias=True)
@@ -527,7 +542,7 @@ def promote(run_id: str, cfg: PromoteConfig, tracking_uri: str | None, dry_run: 
         return _record(Decision(ok, reason, None, value, holder and str(holder.version), holder_value, **base), ev)
 
     with registry_lock(uri, timeout=lock_timeout):
-        holder, holder_value = _current_holder(client, cfg)  # read inside the lock: the re-check
+        holder, holder_value = _current_holder(client, cfg, name)  # read inside the lock: the re-check
         hv = None if holder is None else str(holder.version)
         if holder is not None and holder.run_id == run_id:
             d = Decision(False, f"run already holds @{cfg.alias} (v{hv}); nothing registered", None, value,
@@ -536,22 +551,22 @@ def promote(run_id: str, cfg: PromoteConfig, tracking_uri: str | None, dry_run: 
             return d
         ev = _evidence(client, run, holder, cfg)
         ok, reason = _compare(value, holder, holder_value, cfg, ev, run.data.tags.get(TARGET_FP))
-        mv = _register(client, cfg, run, _version_tags(client, run, cfg, value))
+        mv = _register(client, cfg, name, run, _version_tags(client, run, cfg, value))
         version = str(mv.version)
         d = _record(Decision(ok, reason, version, value, hv, holder_value, **base), ev)
         if ok:
-            client.set_registered_model_alias(cfg.model_name, cfg.alias, version)
-            now = client.get_registered_model(cfg.model_name).aliases.get(cfg.alias)
+            client.set_registered_model_alias(name, cfg.alias, version)
+            now = client.get_registered_model(name).aliases.get(cfg.alias)
             if str(now) != version:  # only possible if something bypassed the lock
                 d.promoted = False
                 d.reason = f"lost a race: @{cfg.alias} points at v{now} after setting it; {reason}"
             elif holder is not None:
                 with contextlib.suppress(Exception):
-                    client.set_model_version_tag(cfg.model_name, hv, PREFIX + "superseded_by", version)
+                    client.set_model_version_tag(name, hv, PREFIX + "superseded_by", version)
         for k, v in _decision_tags(d, cfg).items():
-            client.set_model_version_tag(cfg.model_name, version, k, v)
-        client.update_model_version(cfg.model_name, version, description=version_description(d, run.info.run_name))
-        _tag_run(client, run_id, _run_decision_tags(d, version, cfg.model_name))
+            client.set_model_version_tag(name, version, k, v)
+        client.update_model_version(name, version, description=version_description(d, run.info.run_name))
+        _tag_run(client, run_id, _run_decision_tags(d, version, name))
     log.info(d.summary())
     return d
 
@@ -574,4 +589,4 @@ def auto_promote(run_id: str | None, cfg: PromoteConfig, tracking_uri: str | Non
 
 
 __all__ = ["PromoteConfig", "Decision", "PromotionError", "promote", "auto_promote", "registry_lock",
-           "check_store", "DECISION_TAG", "REASON_TAG", "VERSION_TAG"]
+           "registry_name", "check_store", "DECISION_TAG", "REASON_TAG", "VERSION_TAG"]

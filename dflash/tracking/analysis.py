@@ -18,12 +18,12 @@ steps, consumed tokens) and one interval: τ pooled over the row's runs with its
 pairs, from the runs' eval task tables (as the campaign report; one run: its logged `<metric>_ci_low/_high`),
 never the mean of per-run bounds; and prompt-lookup's τ (`eval/tau_prompt_lookup`) as the baseline.
 
-`load_runs` returns one row per training run (tag `dflash.kind=train`): ids, status, times, the grouping
-tags (`loss`, `noise`, `buffer`, `target`), `seed`, sweep tags (`trial`, `trial_state`, `pruned_step`), the
-budget (`steps`, `tokens`), every param as `p.<key>` and every metric's latest value under its own key.
-Eval runs made later by `python -m experiments.eval` (tag `dflash.evaluated_run`) fill a training run's
-missing `eval/*` values. Figures (`dflash.tracking.figures`, re-exported here) are `matplotlib.figure.Figure`
-objects not managed by pyplot. Only `MlflowClient` is used.
+`load_runs` returns one row per training run (tag `dflash.kind=train`): ids, status (PRUNED for a pruned sweep
+trial, `run_status`), times, the grouping tags (`loss`, `noise`, `buffer`, `target`), `seed`, sweep tags
+(`trial`, `trial_state`, `pruned_step`), the budget (`steps`, `tokens`), every param as `p.<key>` and every
+metric's latest value under its own key. Eval runs made later by `python -m experiments.eval` (tag
+`dflash.evaluated_run`) fill a training run's missing `eval/*` values. Figures (`dflash.tracking.figures`,
+re-exported here) are `matplotlib.figure.Figure` objects not managed by pyplot. Only `MlflowClient` is used.
 """
 from __future__ import annotations
 
@@ -109,13 +109,19 @@ def _last_step(r) -> float:
     return float(max(steps)) if steps else float("nan")
 
 
+def run_status(r) -> str:
+    """A run's status as the analyses read it: MLflow's, except PRUNED for a sweep trial the pruner stopped (its
+    run closes FINISHED, `sweeps.support.RUN_STATUS`, but it never reached its final evaluation)."""
+    return "PRUNED" if r.data.tags.get("optuna.state") == "PRUNED" else r.info.status
+
+
 def _row(r, tracking_uri: str = "") -> dict[str, Any]:
     from dflash.tracking.run_info import local_artifact_dir
     t, p = r.data.tags, r.data.params
     start = pd.to_datetime(r.info.start_time, unit="ms") if r.info.start_time else pd.NaT
     end = pd.to_datetime(r.info.end_time, unit="ms") if r.info.end_time else pd.NaT
     row: dict[str, Any] = {
-        "run_id": r.info.run_id, "run_name": r.info.run_name, "status": r.info.status,
+        "run_id": r.info.run_id, "run_name": r.info.run_name, "status": run_status(r),
         "start_time": start, "duration_s": (end - start).total_seconds() if end is not pd.NaT and start is not pd.NaT
         else float("nan"),
         "loss": t.get("loss", p.get("loss.name")), "noise": t.get("noise", p.get("noise.name")),
@@ -147,7 +153,7 @@ def load_runs(tracking_uri: str, experiment: str | Sequence[str] | None = "dflas
     runs = _search(c, ids, f)
     if statuses is not None:
         keep = set(statuses)
-        runs = [r for r in runs if r.info.status in keep]
+        runs = [r for r in runs if run_status(r) in keep]
     df = pd.DataFrame([_row(r, tracking_uri) for r in runs])
     if df.empty:
         return pd.DataFrame(columns=["run_id", "run_name", "status", "loss", "noise", "buffer", "seed"])

@@ -48,6 +48,20 @@ def read_jsonl_metrics(run_dir: str | os.PathLike) -> list[dict[str, Any]]:
     return read_metric_records(run_dir)
 
 
+def merge_json(p: Path, d: Mapping[str, Any]) -> None:
+    """Merge `d` (values as strings) into the JSON object file `p` (a run folder's params.json / tags.json), whole."""
+    cur: dict[str, Any] = {}
+    if p.exists():
+        try:
+            cur = json.loads(p.read_text(encoding="utf-8"))
+        except json.JSONDecodeError:
+            cur = {}
+    cur.update({str(k): param_str(v) for k, v in d.items()})
+    tmp = p.with_suffix(p.suffix + ".tmp")
+    tmp.write_text(json.dumps(cur, indent=1, sort_keys=True), encoding="utf-8")
+    os.replace(tmp, p)
+
+
 class JsonlLogger(Logger):
     """Appends ``{"step", "time", **metrics}`` per ``log`` call to ``run_dir/metrics.jsonl``.
 
@@ -72,17 +86,7 @@ class JsonlLogger(Logger):
         self._f.flush()
 
     def _merge_json(self, name: str, d: Mapping[str, Any]) -> None:
-        p = self.run_dir / name
-        cur: dict[str, Any] = {}
-        if p.exists():
-            try:
-                cur = json.loads(p.read_text(encoding="utf-8"))
-            except json.JSONDecodeError:
-                cur = {}
-        cur.update({str(k): param_str(v) for k, v in d.items()})
-        tmp = p.with_suffix(p.suffix + ".tmp")
-        tmp.write_text(json.dumps(cur, indent=1, sort_keys=True), encoding="utf-8")
-        os.replace(tmp, p)
+        merge_json(self.run_dir / name, d)
 
     def log_params(self, params: Mapping[str, Any]) -> None:
         if params:

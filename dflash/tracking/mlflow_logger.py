@@ -20,6 +20,7 @@ from dflash.tracking.run_info import (MAX_METRICS_PER_BATCH, MAX_PARAM_VAL_LENGT
                                       sanitize_key, to_float, default_run_name, flatten_config,
                                       get_or_create_experiment, quiet_library_logs, truncate)
 from dflash.tracking.transport import HEARTBEAT_TAG, heartbeat_tags, prepare_store, utc_now
+from dflash.tracking.ui_view import display_tags
 
 _VALID_STATUSES = ("FINISHED", "FAILED", "KILLED")
 # Per-prompt τ (any `task/` segment under eval/, whatever the evaluation's naming of settings and suites): one key
@@ -207,6 +208,8 @@ class MLflowLogger(Logger):
             if not self._call("log_batch(metrics) failed", self.client.log_batch, self._run_id, metrics=list(chunk),
                               tags=beat):
                 return
+        # an evaluation's objective: its figures as the runs table's rounded, distinctly named columns
+        self.set_tags(display_tags(metrics))
 
     def log_params(self, params: Mapping[str, Any]) -> None:
         if not self._active or not params:

@@ -21,6 +21,9 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
+from dflash.tracking.ui_view import (KEY_METRICS_VIEW, SAVED_VIEW_PREFIX, experiment_view_tags, stale_view,
+                                     ui_run_url, ui_runs_table_url)
+
 
 # MLflow limits (mirrors mlflow.utils.validation; the real values are read when mlflow loads).
 MAX_PARAMS_TAGS_PER_BATCH = 100
@@ -294,54 +297,16 @@ def get_or_create_experiment(client, name: str, tracking_uri: str) -> str:
         # sweep's first trials lost theirs that way (they went to the GPU machine's repo root): pin it beside the db.
         relocate_artifacts(db, relative=False)
     have = dict(getattr(exp, "tags", {}) or {})
+    view = SAVED_VIEW_PREFIX + KEY_METRICS_VIEW
     for k, v in experiment_view_tags().items():
-        if k not in have:  # an experiment made before these tags (or by hand): add them, never overwrite
+        # an experiment made before these tags (or by hand) gets them; its kind is never overwritten, dflash's
+        # own saved view is replaced when it is an older one (`stale_view`)
+        if k not in have or (k == view and stale_view(have[k])):
             try:
                 client.set_experiment_tag(exp.experiment_id, k, v)
             except MlflowException:
                 pass
     return exp.experiment_id
-
-
-# --------------------------------------------------------------------------- the MLflow 3 UI
-# MLflow 3's UI opens an experiment in its GenAI view unless the URL asks for the training one
-# (`workflowType=machine_learning`, mlflow/server/js in MLflow 3.17) or the experiment's kind says so
-# (tag `mlflow.experimentKind` = `custom_model_development`). Its runs table shows Source / Models / Dataset
-# until columns are picked by hand; a saved view (experiment tag `mlflow.sharedViewState.<key>`, opened by
-# `?viewStateShareKey=<key>`) picks the key metrics with headers wide enough to tell the CI bounds apart.
-ML_WORKFLOW = "workflowType=machine_learning"
-EXPERIMENT_KIND_TAG, ML_EXPERIMENT_KIND = "mlflow.experimentKind", "custom_model_development"
-SAVED_VIEW_PREFIX = "mlflow.sharedViewState."
-KEY_METRICS_VIEW = "dflash-key-metrics"
-KEY_METRIC_COLUMNS = ("eval/tau_served", "eval/tau_served_ci_low", "eval/tau_served_ci_high",
-                      "eval/tau_served_prompt_lookup", "eval/t0/tau_vanilla", "eval/t0/tau_tree_64",
-                      "eval/subset/tau_served", "train/tau_rounds",
-                      "data/consumed_tokens", "perf/consumed_tok_s")
-# a campaign's report labels its cell runs with stage and option (sweeps.results_summary.label_cell_runs)
-KEY_TAG_COLUMNS = ("stage", "option", "loss", "noise", "buffer")
-
-
-def _column(kind: str, name: str) -> str:
-    return f"{kind}.`{name}`"  # the runs table's column id (its canonical sort key)
-
-
-def experiment_view_tags() -> dict[str, str]:
-    """The experiment tags that open it in MLflow 3's training view with the key-metrics runs table."""
-    cols = [_column("attributes", "Source"), *(_column("tags", t) for t in KEY_TAG_COLUMNS),
-            _column("params", "seed"), *(_column("metrics", m) for m in KEY_METRIC_COLUMNS)]
-    state = {"selectedColumns": cols, "columnWidths": {c: 12 + 8 * len(c.split("`")[1]) for c in cols},
-             "orderByKey": _column("metrics", "eval/tau_served"), "orderByAsc": False}
-    now = int(time.time() * 1000)
-    view = {"name": "dflash: key metrics", "createdAt": now, "updatedAt": now, "state": json.dumps(state)}
-    return {EXPERIMENT_KIND_TAG: ML_EXPERIMENT_KIND, SAVED_VIEW_PREFIX + KEY_METRICS_VIEW: json.dumps(view)}
-
-
-def ui_run_url(base: str, experiment_id: str, run_id: str) -> str:
-    return f"{base}/#/experiments/{experiment_id}/runs/{run_id}?{ML_WORKFLOW}"
-
-
-def ui_runs_table_url(base: str, experiment_id: str) -> str:
-    return f"{base}/#/experiments/{experiment_id}/runs?viewStateShareKey={KEY_METRICS_VIEW}&{ML_WORKFLOW}"
 
 
 # --------------------------------------------------------------------------- what a run is

@@ -1,0 +1,164 @@
+"""How MLflow 3's UI opens a dflash experiment: its training view, and a saved runs-table view of the key figures.
+
+MLflow 3's UI opens an experiment in its GenAI view unless the URL asks for the training one
+(`workflowType=machine_learning`, mlflow/server/js in MLflow 3.17) or the experiment's kind says so (tag
+`mlflow.experimentKind` = `custom_model_development`). Its runs table shows Source / Models / Dataset until
+columns are picked by hand; a saved view picks them: experiment tag `mlflow.sharedViewState.<key>`, opened by
+`?viewStateShareKey=<key>`, whose value is the envelope `{name, createdAt, updatedAt, state}` with `state` the
+runs table's state as JSON (`selectedColumns`, `columnOrder`, `columnWidths`, `orderByKey`, ...). The UI applies a
+width only to a column named in `columnOrder`.
+
+Two things the open-source runs table cannot do: it heads a metric column with the metric's key in a 100 px
+column (`eval/tau_served`, `eval/tau_served_ci_low` and `eval/tau_served_ci_high` all read `eval/tau_se…`) and it
+prints a metric's float in full (`2.4132180213928223`). So the view shows the answer as run tags written beside
+the metrics (`display_tags`): one column per figure, its interval in the same cell, three decimals. The metrics
+stay as they are, for charts, sorting and the API.
+"""
+from __future__ import annotations
+
+import json
+import math
+import time
+from collections.abc import Mapping
+
+ML_WORKFLOW = "workflowType=machine_learning"
+EXPERIMENT_KIND_TAG, ML_EXPERIMENT_KIND = "mlflow.experimentKind", "custom_model_development"
+SAVED_VIEW_PREFIX = "mlflow.sharedViewState."
+KEY_METRICS_VIEW = "dflash-key-metrics"
+VIEW_NAME = "dflash: key metrics"
+
+# The display tags (run tags, read by people; the metrics they come from are the record). MLflow's tag keys allow
+# letters (τ, Δ), digits, spaces and `_-.:/`, no brackets.
+TAU_TAG = "τ"  # the objective (eval/tau_served; a legacy store's eval/tau_vanilla) with its CI: "2.413 [2.361, 2.466]"
+PL_TAG = "τ prompt lookup"  # prompt lookup's τ on the same prompts and ground truth, with its CI
+DELTA_PL_TAG = "Δτ vs prompt lookup"  # paired over prompts: "+0.313 [+0.251, +0.371]"
+GREEDY_TAG = "τ greedy"  # T = 0 beside a sampled served setting, with its CI
+TREE_TAG = "τ DDTree"  # DDTree at T = 0 at its largest node budget, with its CI: "4.123 [4.001, 4.250] at 64"
+DISPLAY_TAGS = (TAU_TAG, DELTA_PL_TAG, PL_TAG, GREEDY_TAG, TREE_TAG)
+DIGITS = 3
+
+# a campaign's report labels its cell runs with stage and option (sweeps.results_summary.label_cell_runs); a
+# sweep trial carries its Optuna state (COMPLETE / PRUNED / FAIL)
+KEY_TAG_COLUMNS = ("stage", "option", "optuna.state", *DISPLAY_TAGS, "loss", "noise", "buffer")
+KEY_METRIC_COLUMNS = ("data/consumed_tokens",)  # whole numbers: they print as they are
+
+
+def _num(metrics: Mapping[str, float], key: str) -> float | None:
+    v = metrics.get(key)
+    try:
+        v = float(v)
+    except (TypeError, ValueError):
+        return None
+    return v if math.isfinite(v) else None
+
+
+def _with_ci(metrics: Mapping[str, float], key: str, signed: bool = False) -> str | None:
+    """`key`'s value with its interval (`<key>_ci_low` / `_ci_high`) where it has one, rounded for reading."""
+    v = _num(metrics, key)
+    if v is None:
+        return None
+    fmt = f"{{:+.{DIGITS}f}}" if signed else f"{{:.{DIGITS}f}}"
+    lo, hi = _num(metrics, f"{key}_ci_low"), _num(metrics, f"{key}_ci_high")
+    return fmt.format(v) + (f" [{fmt.format(lo)}, {fmt.format(hi)}]" if lo is not None and hi is not None else "")
+
+
+def display_tags(metrics: Mapping[str, float], objective: str = "eval/tau_served") -> dict[str, str]:
+    """The key-metrics view's run tags (module doc) from a run's metrics: the objective's τ [CI], prompt lookup's,
+    the paired Δ against it, greedy τ beside a sampled served setting, DDTree's at its largest budget. Empty
+    without the objective."""
+    tau = _with_ci(metrics, objective)
+    if tau is None:
+        return {}
+    out = {TAU_TAG: tau}
+    if objective == "eval/tau_served":  # its setting's own keys: eval/<label>/... (dflash.evaluation.protocol)
+        from dflash.evaluation.protocol import served_label
+        label = served_label(metrics)
+        pre = f"eval/{label}/"
+        greedy = _with_ci(metrics, "eval/t0/tau_vanilla") if label != "t0" else None
+    else:  # a legacy objective (eval/tau_vanilla, eval/tau_tree_64): the unlabelled keys of its one setting
+        pre, greedy = "eval/", None
+    for tag, key, signed in ((PL_TAG, "tau_prompt_lookup", False), (DELTA_PL_TAG, "delta_prompt_lookup", True)):
+        text = _with_ci(metrics, pre + key, signed)
+        if text is not None:
+            out[tag] = text
+    if greedy is not None:
+        out[GREEDY_TAG] = greedy
+    tree = "eval/t0/" if objective == "eval/tau_served" else "eval/"  # trees run greedy only
+    budgets = [int(k[len(tree) + 9:]) for k in metrics
+               if k.startswith(tree + "tau_tree_") and k[len(tree) + 9:].isdigit()]
+    if budgets:
+        out[TREE_TAG] = f"{_with_ci(metrics, f'{tree}tau_tree_{max(budgets)}')} at {max(budgets)}"
+    return out
+
+
+def _column(kind: str, name: str) -> str:
+    return f"{kind}.`{name}`"  # the runs table's column id (its canonical sort key)
+
+
+# the widest value each display column shows ("+0.313 [+0.251, +0.371]"); other columns fit their header
+_VALUE_CHARS = {TAU_TAG: 20, PL_TAG: 20, DELTA_PL_TAG: 23, GREEDY_TAG: 20, TREE_TAG: 27, "stage": 9, "option": 16,
+                "data/consumed_tokens": 11}
+
+
+def view_state(group_by: str | None = None, objective: str = "eval/tau_served") -> dict:
+    """The runs table's state the saved view opens with: stage, option, the display tags, seed, consumed tokens;
+    every column wide enough for its header and its values; best `objective` first; grouped by run tag `group_by` (a
+    campaign's `stage`: its groups open, best first within each)."""
+    names = [("tags", t) for t in KEY_TAG_COLUMNS] + [("params", "seed")] + \
+        [("metrics", m) for m in KEY_METRIC_COLUMNS]
+    cols = [_column("attributes", "Source")] + [_column(k, n) for k, n in names]
+    widths = {_column(k, n): 24 + 8 * max(len(n), _VALUE_CHARS.get(n, 0)) for k, n in names}
+    state = {"selectedColumns": cols, "columnOrder": cols[1:], "columnWidths": widths,
+             "orderByKey": _column("metrics", objective), "orderByAsc": False}
+    if group_by:
+        state["groupBy"] = {"aggregateFunction": "average", "groupByKeys": [{"mode": "tag", "groupByData": group_by}]}
+    return state
+
+
+def experiment_view_tags(now_ms: int | None = None, group_by: str | None = None,
+                         objective: str = "eval/tau_served") -> dict[str, str]:
+    """The experiment tags that open it in MLflow 3's training view with the key-metrics runs table."""
+    now = int(time.time() * 1000) if now_ms is None else now_ms
+    view = {"name": VIEW_NAME, "createdAt": now, "updatedAt": now, "state": json.dumps(view_state(group_by, objective))}
+    return {EXPERIMENT_KIND_TAG: ML_EXPERIMENT_KIND, SAVED_VIEW_PREFIX + KEY_METRICS_VIEW: json.dumps(view)}
+
+
+def _envelope(value: str | None) -> tuple[dict | None, bool]:
+    """(the view's state, whether the view is as dflash wrote it): the UI's "Override saved view" keeps the key,
+    may compress the state and moves `updatedAt` past `createdAt`, which dflash writes equal."""
+    try:
+        env = json.loads(value or "")
+        created = env["createdAt"]
+    except (ValueError, KeyError, TypeError):
+        return None, True  # no view (or not one the UI could open): ours to write
+    ours = env.get("updatedAt", created) == created
+    try:
+        return json.loads(env["state"]), ours
+    except (ValueError, KeyError, TypeError):
+        return None, ours
+
+
+def stale_view(value: str | None) -> bool:
+    """Whether an experiment's key-metrics view tag is missing or an older dflash state, ours to replace; a view
+    someone changed in the UI is theirs. Its grouping and order are the campaign's (`group_view_by`): kept."""
+    state, ours = _envelope(value)
+    own = ("groupBy", "orderByKey")
+    return ours and (state is None or {k: v for k, v in state.items() if k not in own}
+                     != {k: v for k, v in view_state().items() if k not in own})
+
+
+def group_view_by(client, experiment_id: str, tag: str, objective: str = "eval/tau_served") -> None:
+    """Make the experiment's key-metrics view group its runs by run tag `tag` (a campaign's `stage`), best
+    `objective` first (a legacy store's `eval/tau_vanilla`), unless someone changed that view in the UI."""
+    key = SAVED_VIEW_PREFIX + KEY_METRICS_VIEW
+    state, ours = _envelope(client.get_experiment(experiment_id).tags.get(key))
+    if ours and state != view_state(tag, objective):
+        client.set_experiment_tag(experiment_id, key, experiment_view_tags(group_by=tag, objective=objective)[key])
+
+
+def ui_run_url(base: str, experiment_id: str, run_id: str) -> str:
+    return f"{base}/#/experiments/{experiment_id}/runs/{run_id}?{ML_WORKFLOW}"
+
+
+def ui_runs_table_url(base: str, experiment_id: str) -> str:
+    return f"{base}/#/experiments/{experiment_id}/runs?viewStateShareKey={KEY_METRICS_VIEW}&{ML_WORKFLOW}"

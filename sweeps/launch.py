@@ -357,11 +357,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     base_overrides = with_truth_pin(base_overrides, out_dir / "truth")  # trials of every launch pair
     storage_desc = describe(storage)
     base_cfg = validate(sweep, base_overrides, out_dir)
-    check_memory(args, sweep, base_cfg)
     if args.check:
         print(f"sweep {sweep.name}: OK ({len(sweep.space)} parameters; objective "
               f"{sweep.objective.direction} {sweep.objective.metric}; overrides {base_overrides})")
         return {"check": "ok", "sweep": sweep.name}
+    check_memory(args, sweep, base_cfg)  # this machine's memory: not a property of the sweep (--check skips it)
 
     study, n_before, launch_no = _open_study(sweep, study_name, storage, storage_desc, started)
     again = rerun_params(study, args.rerun)  # a bad rerun number stops the launch before its parent run exists

@@ -18,6 +18,10 @@
 - `study`: default the sweep's `name`.
 - `out`: where trial run dirs (`<out>/<study>/trial_00012-<loss>-<noise>-<buffer>-s<seed>`), worker logs and
   the default journal go (look at a study with `optuna-dashboard <out>/<study>.journal`).
+- `memory_check`: with trials on the CPU (no GPU), a worker's peak memory is estimated from the run config
+  (`sweeps.memory`) before anything starts: `workers` is lowered to what this machine's available memory (or its
+  cgroup limit) holds, with one warning, or the launch stops (exit 2) when not one worker fits.
+  `memory_check=false` launches anyway.
 - `rerun=[N, ...]`: train trials N, ... again from scratch with their params, before anything new is sampled (each
   counts against `n_trials`): for a trial whose drafter is gone (a GPU machine goes back with its run folders) when
   the promotion gate needs one. The rerun is a trial of its own, tagged `sweep.rerun_of` = N; the GPU job gates it
@@ -72,7 +76,7 @@ from sweeps.launcher import detect_gpus
 from sweeps.space import SweepError
 
 DEFAULT_OUT = "sweeps_out"
-LAUNCH_KEYS = {"n_trials", "workers", "storage", "study", "out", "timeout", "gpus", "rerun"}
+LAUNCH_KEYS = {"n_trials", "workers", "storage", "study", "out", "timeout", "gpus", "rerun", "memory_check"}
 
 log = logging.getLogger("sweeps.launch")
 
@@ -88,6 +92,7 @@ class LaunchArgs:
     timeout: float | None = None
     gpus: list[str] | None = None
     rerun: list[int] = dataclasses.field(default_factory=list)
+    memory_check: bool = True  # CPU trials: fewer workers, or exit 2, when their estimated memory does not fit
     sweep_overrides: list[str] = dataclasses.field(default_factory=list)
     overrides: list[str] = dataclasses.field(default_factory=list)
     check: bool = False
@@ -175,6 +180,18 @@ def warn_cpu_budget(args, sweep, cfg) -> bool:
           f"run on the CPU: expect hours per trial. The sweep is meant for a GPU; to check the machinery on a CPU "
           f"in minutes: python -m sweeps.launch cpu_smoke n_trials=2 workers=1", file=sys.stderr, flush=True)
     return True
+
+
+def check_memory(args, sweep, cfg) -> None:
+    """Trials on this machine's CPU: `args.workers` lowered to the workers whose estimated peak fits the available
+    memory (one warning), or SweepError (exit 2) when not one fits (`sweeps.memory`)."""
+    from dflash.devices import resolve_device
+    if not args.memory_check or args.launcher.backend != "local" or args.n_trials < 1:
+        return
+    if (args.gpus if args.gpus is not None else detect_gpus()) or resolve_device(cfg.trainer.device).type != "cpu":
+        return
+    from sweeps import memory
+    args.workers = memory.fit_workers(args.workers, memory.worker_peak(cfg), memory.available_bytes(), sweep.name)
 
 
 def validate(sweep, base_overrides: list[str], out_dir: Path):
@@ -344,6 +361,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         print(f"sweep {sweep.name}: OK ({len(sweep.space)} parameters; objective "
               f"{sweep.objective.direction} {sweep.objective.metric}; overrides {base_overrides})")
         return {"check": "ok", "sweep": sweep.name}
+    check_memory(args, sweep, base_cfg)  # this machine's memory: not a property of the sweep (--check skips it)
 
     study, n_before, launch_no = _open_study(sweep, study_name, storage, storage_desc, started)
     again = rerun_params(study, args.rerun)  # a bad rerun number stops the launch before its parent run exists

@@ -22,7 +22,7 @@ def test_resolve_auto_gives_what_runs_and_what_was_asked(fast_cfg, tmp_path):
     seq_len = cfg.data.online_seq_len()
     assert ran.data.online.write_batch == auto_write_batch(target, seq_len) > 0
     assert ran.data.online.reuse == 1 and ran.data.online.seq_len == seq_len  # CPU: one view each
-    assert ran.loss.chunk_size == resolve_chunk(0, target.lm_head_weight().shape[0])
+    assert ran.loss.chunk_size == resolve_chunk(0, target.lm_head_weight().shape[0], "cpu")
     assert ran.drafter.rope_theta == 1234.0 and ran.trainer.device == "cpu" and ran.trainer.autocast == "off"
     assert ran.trainer.producer_mode == "thread"  # a CPU drafter: auto never runs the target inline
     assert asked["data.online.write_batch"] == "0" and asked["data.online.reuse"] == "0"

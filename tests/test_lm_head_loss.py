@@ -291,10 +291,12 @@ def test_fused_soft_labels_head_matmuls(temperature, fused_per_chunk):
 
 def test_auto_chunk_size():
     """0 = auto: a power of two of positions whose [chunk, V] logits hold at most 2**28 values; the production
-    vocabulary keeps the old fixed 1,024, the reference target's gets 65,536; an explicit size is kept."""
+    vocabulary keeps the old fixed 1,024, the reference target's gets 65,536 (on the CPU 2**25 values: 8,192); an
+    explicit size is kept."""
     from dflash.target.lm_head import resolve_chunk
     assert resolve_chunk(0, 248_320) == 1024
     assert resolve_chunk(0, 4096) == 65_536
+    assert resolve_chunk(0, 4096, "cpu") == 8192
     assert resolve_chunk(0, 10**9) == 64  # never below 64
     assert resolve_chunk(7, 4096) == 7
     hidden, lm_head, labels, soft_vals, soft_idx = make_problem()

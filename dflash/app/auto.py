@@ -34,8 +34,8 @@ def resolve_auto(cfg: RunConfig, target, device, target_rope_theta: float) -> tu
         data = r(data, online=r(resolve_online_config(data.online, target, seq_len), seq_len=seq_len))
     ran = r(cfg, trainer=trainer, data=data,
             drafter=cfg.drafter.for_target(target_rope_theta),
-            loss=r(cfg.loss, chunk_size=resolve_chunk(cfg.loss.chunk_size, vocab)),
-            target=r(cfg.target, lm_head_chunk=resolve_chunk(cfg.target.lm_head_chunk, vocab)))
+            loss=r(cfg.loss, chunk_size=resolve_chunk(cfg.loss.chunk_size, vocab, device)),
+            target=r(cfg.target, lm_head_chunk=resolve_chunk(cfg.target.lm_head_chunk, vocab, target.device)))
     asked, runs = flatten_config(to_dict(cfg)), flatten_config(to_dict(ran))
     return ran, {k: v for k, v in asked.items() if runs.get(k) != v}
 

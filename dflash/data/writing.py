@@ -40,15 +40,19 @@ CPU_WRITE_ROWS = 1024  # the CPU's auto (the default before auto; not measured t
 
 
 def cache_bytes_per_row(target, seq_len: int) -> int:
-    """A written row's cache at `seq_len` tokens: each Gated-DeltaNet layer's recurrent state (value heads x
+    """A written row's cache at `seq_len` tokens on the loaded `target` (`cache_row_bytes`)."""
+    return cache_row_bytes(_text_config(target), torch.finfo(target.dtype).bits // 8, seq_len)
+
+
+def cache_row_bytes(cfg, elt: int, seq_len: int) -> int:
+    """A written row's cache at `seq_len` tokens for a target of text config `cfg` (attributes as in its
+    config.json) whose weights are `elt` bytes each: each Gated-DeltaNet layer's recurrent state (value heads x
     key dim x value dim, float32, counted twice) and conv state, each attention layer's keys and values."""
-    cfg = _text_config(target)
     types = list(getattr(cfg, "layer_types", None) or ["full_attention"] * cfg.num_hidden_layers)
     linear, attn = types.count("linear_attention"), len(types) - types.count("linear_attention")
     vh, dk, dv = (int(getattr(cfg, k, 0) or 0) for k in
                   ("linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim"))
     kh, kernel = int(getattr(cfg, "linear_num_key_heads", 0) or 0), int(getattr(cfg, "linear_conv_kernel_dim", 0) or 0)
-    elt = torch.finfo(target.dtype).bits // 8
     # the recurrent state twice: a step computes the new state beside the old before it replaces it (transformers'
     # cache and the static decoder's graph alike)
     gdn = 2 * vh * dk * dv * 4 + (2 * kh * dk + vh * dv) * kernel * elt

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections import abc
 from pathlib import Path
 from typing import Sequence
 
@@ -184,7 +185,8 @@ class SuiteEvaluator:
 
     def use_train_sequences(self, sequences: Sequence) -> None:
         """The trainer's hook: sequences the run trains on, for `eval/<served>/tau_train`."""
-        self._train_sequences = list(sequences)
+        # kept as given: a prompt pool's TokenLists made into a list would be a list of Python lists again
+        self._train_sequences = sequences if isinstance(sequences, abc.Sequence) else list(sequences)
         self._train_suite = None
 
     def train_suite(self, tokenizer) -> Suite | None:

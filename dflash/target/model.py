@@ -401,7 +401,7 @@ class Target:
         flat = last_BTH.reshape(B * T, -1)
         k = min(soft_top_k, self.vocab_size)
         labels, vals, idx = [], [], []
-        chunk = resolve_chunk(self.cfg.lm_head_chunk, head.shape[0])
+        chunk = resolve_chunk(self.cfg.lm_head_chunk, head.shape[0], head.device)
         for s in range(0, B * T, chunk):
             logits = flat[s:s + chunk] @ head.T
             labels.append(logits.argmax(-1))

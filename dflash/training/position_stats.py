@@ -135,7 +135,7 @@ def compute_position_stats(
         raise ValueError(f"loss.temperature must be > 0 and finite, got {temperature}")
     if chunk_size < 0:
         raise ValueError(f"chunk_size must be >= 0 (0: auto), got {chunk_size}")
-    chunk_size = resolve_chunk(chunk_size, lm_head_VD.shape[0])
+    chunk_size = resolve_chunk(chunk_size, lm_head_VD.shape[0], lm_head_VD.device)
     LM_HEAD_GRADS.check(lm_head_grad)
     LM_HEAD_KERNELS.check(lm_head_kernel)
     if lm_head_VD.requires_grad:  # only the recompute path differentiates the head

@@ -347,10 +347,11 @@ def evaluate(drafter, target, cfg: EvalConfig, tasks: Sequence[Task] | None = No
             metrics.update(human_metrics(target, suite, truths, bs, cfg, spec))
         metrics["eval/gt_mean_tokens"] = sum(t.n_new for t in truths) / len(truths)
         texts = _prompt_texts(suite, truths)
-        why = end_reasons(target, truths, spec, texts)
-        for row, w in zip(table, why):
-            row["gt_end"] = w
-        metrics.update({f"eval/gt_end_{r}": why.count(r) / len(why) for r in END_REASONS})
+        if spec.ends:  # which rule ended each continuation (a fixed-length ground truth has none)
+            why = end_reasons(target, truths, spec, texts)
+            for row, w in zip(table, why):
+                row["gt_end"] = w
+            metrics.update({f"eval/gt_end_{r}": why.count(r) / len(why) for r in END_REASONS})
         if cfg.real_decode if real_decode is None else real_decode:
             if sampling.greedy:
                 metrics.update(_real_decode(drafter, target, truths, results, table))

@@ -6,6 +6,9 @@ Metrics (all floats):
   (only the positions some round reached: an unreached position has no acceptance, not 0.0);
 - `eval/task/{name}/tau_vanilla`, `eval/task/{name}/tau_tree_{b}`;
 - `eval/num_tasks`, `eval/rounds`, `eval/gt_consistency`, `eval/seconds`;
+- the ground truth's degeneracy (`eval/gt_repeat4`, `eval/gt_in_repeat16`, `eval/gt_cycle_share`,
+  `eval/gt_mean_tokens`; a suite cut from files also its human continuation's, `eval/human_*`) and, where it ends
+  (`TruthSpec.ends`), which rule ended its continuations: `eval/gt_end_{eos,stop,dedent,length}` (shares);
 - `eval/gt_copy_rate`: the mean over tasks of the fraction of the continuation's 8-grams that already occur
   earlier in prompt + continuation (`prompt_lookup.copy_rate`): how copyable the target's output is, the ceiling
   prompt lookup works against;

@@ -253,12 +253,8 @@ def end_reasons(target, truths: list[TaskTruth], spec: TruthSpec, texts: list[st
     """Which rule ended each continuation (`dflash.data.stops.END_REASONS`: eos, stop, dedent, length = the cap
     or no rule), read again from its tokens with the cut that wrote it. `texts`: each truth's prompt string."""
     ends = _text_ends(target, spec, [t.prompt_ids.tolist() for t in truths], texts)
-    out = []
-    for t, e in zip(truths, ends):
-        cont = t.continuation.tolist()
-        n, why = first_end(cont, 0, spec.stop_ids, e) if spec.ends else (len(cont), "length")
-        out.append(why)
-    return out
+    return [first_end(t.continuation.tolist(), 0, spec.stop_ids, e)[1] if spec.ends else "length"
+            for t, e in zip(truths, ends)]
 
 
 @torch.no_grad()

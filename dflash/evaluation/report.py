@@ -55,7 +55,7 @@ from dflash.evaluation.stats import paired_delta_ci, pooled_ci
 from dflash.data.degeneracy import summarize
 from dflash.data.stops import END_REASONS
 from dflash.data.writing import first_end
-from dflash.evaluation.ground_truth import (TaskTruth, TruthSpec, decoder, end_reasons, load_or_build_ground_truth)
+from dflash.evaluation.ground_truth import TaskTruth, TruthSpec, decoder, end_reasons, load_or_build_ground_truth
 from dflash.evaluation.sampled_decode import sampled_speculative_decode
 from dflash.target.sampling import Sampling
 from dflash.evaluation.prompts import Suite, Task, resolve_suite, suite_label, suite_stop

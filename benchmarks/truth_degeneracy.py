@@ -39,7 +39,8 @@ def suite_figures(target, cfg, suite, spec) -> dict:
     by_name = {t.name: t.prompt for t in suite.tasks}
     why = end_reasons(target, truths, spec, [by_name[t.group] for t in truths])
     out.update({f"gt_end_{r}": why.count(r) for r in END_REASONS})
-    out.update({k.removeprefix("eval/"): v for k, v in human_metrics(target, suite, truths, bs, cfg.eval, spec).items()})
+    human = human_metrics(target, suite, truths, bs, cfg.eval, spec)
+    out.update({k.removeprefix("eval/"): v for k, v in human.items()})
     return out
 
 

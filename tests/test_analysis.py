@@ -159,8 +159,8 @@ def _served_run(i, loss="hard_ce", seed=0, tau=2.0, pl=1.3, **extra):
     row = _run(i, loss=loss, seed=seed, tau=tau, **extra)
     del row["eval/tau_vanilla"]
     row.update({"eval/tau_served": tau, "eval/tau_served_ci_low": tau - 0.1, "eval/tau_served_ci_high": tau + 0.1,
-                "eval/tau_served_prompt_lookup": pl, "eval/t1/tau_vanilla": tau, "eval/t1/tau_vanilla_ci_low": tau - 0.1,
-                "eval/t1/tau_vanilla_ci_high": tau + 0.1, "eval/t1/tau_prompt_lookup": pl,
+                "eval/tau_served_prompt_lookup": pl, "eval/t1/tau_vanilla": tau,
+                "eval/t1/tau_vanilla_ci_low": tau - 0.1, "eval/t1/tau_vanilla_ci_high": tau + 0.1, "eval/t1/tau_prompt_lookup": pl,
                 "eval/t1/tau_over_prompt_lookup": tau / pl, "eval/t0/tau_vanilla": tau + 1.0,
                 "eval/t0/tau_prompt_lookup": pl + 2.0, "eval/t0/tau_tree_16": tau + 1.5,
                 "eval/suite/heldout/t1/tau_vanilla": tau - 0.5, "eval/suite/heldout/t0/tau_vanilla": tau + 0.5,

@@ -8,8 +8,9 @@ evaluates every cell on the same tokens; only the target features are recomputed
 
 A pin file is `<truth_dir>/<key[:24]>.json`, key = sha256 of what decides the ground truth apart from numerics:
 pin format, target identity, task names with their prompt tokens, max_new_tokens, and the protocol the tokens were
-written under (sampling setting, samples, seed, stop tokens, a code suite's stop sequences / dedent; absent for the legacy greedy fixed-length pins, whose
-keys are unchanged), not the feature layers: a pin holds tokens only. It records, per task, its name, the sha256 of its prompt tokens and its continuation,
+written under (sampling setting, samples, seed, stop tokens, a code suite's stop sequences / dedent; absent for
+the legacy greedy fixed-length pins, whose keys are unchanged), not the feature layers: a pin holds tokens only.
+It records, per task, its name, the sha256 of its prompt tokens and its continuation,
 and a sha256 over the task list, so a hand edit or a torn file is caught. A pin that cannot be read, fails its
 checksum or disagrees with the suite is an error naming the file, never silently replaced: its tokens are
 what the user asked the evaluation to run on.

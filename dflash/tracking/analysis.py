@@ -53,7 +53,7 @@ GROUP_COLS = ["loss", "noise", "buffer"]
 CURVE_KEYS = ["train/acc", "train/anchor_streak", "train/tau_rounds", "train/ce", "eval/subset/tau_served",
               "eval/subset/tau_vanilla"]
 BASELINE_METRIC = "eval/tau_prompt_lookup"  # legacy: prompt lookup's τ beside eval/tau_vanilla
-# prompt lookup's τ on the same ground truth as the τ columns: the objective's, else the legacy one (`baseline_metric`)
+# prompt lookup's τ on the τ columns' ground truth: the objective's, else the legacy one (`baseline_metric`)
 BASELINES = (OBJECTIVE_PROMPT_LOOKUP, BASELINE_METRIC)
 CI_SUFFIXES = ("_ci_low", "_ci_high")
 CI_LEVEL = 0.95  # the rows' pooled intervals (the campaign report's level)

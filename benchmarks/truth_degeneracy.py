@@ -4,7 +4,8 @@ shipped reference target, the held-out suite at `+eval=full` size: 128 prompts x
 
 Prints, per setting (the target's served one, `eval.sampling`; and greedy), the held-out suite's ground truth:
 4-gram repeat share, share of tokens inside a repeated 16-gram, share of prompts ending in a cycle, mean length,
-prompt lookup's τ on it; beside them the same figures of the human continuations (the held-out files' own text)
+prompt lookup's τ on it, and how many continuations ended by which rule (EOS, stop sequence, dedent: `eval.stop`,
+length cap); beside them the same figures of the human continuations (the held-out files' own text)
 and prompt lookup's τ there, and the ratio of the two τ. Then the training data the online writer writes with the
 run's defaults (`data.online.*`; `--rows N` sequences, default 200): the same degeneracy figures and the share of
 rows that end at a stop token. No drafter is needed; the ground truth is built through the evaluation's cache.
@@ -20,9 +21,11 @@ import torch
 
 def suite_figures(target, cfg, suite, spec) -> dict:
     from dflash.evaluation.acceptance import simulate
-    from dflash.evaluation.ground_truth import load_or_build_ground_truth
+    from dflash.data.stops import END_REASONS
+    from dflash.evaluation.ground_truth import end_reasons, load_or_build_ground_truth
     from dflash.evaluation.prompt_lookup import PromptLookupProposer
     from dflash.evaluation.report import _sums, degeneracy_metrics, human_metrics
+    spec = spec.for_suite(suite)  # the suite's own code stop rule (eval.stop)
     truths, _ = load_or_build_ground_truth(target, suite.tasks, suite.max_new_tokens, cfg.eval.cache_dir, "",
                                            suite.name, spec)
     bs = cfg.drafter.block_size
@@ -32,8 +35,12 @@ def suite_figures(target, cfg, suite, spec) -> dict:
     s, n = _sums(pl)
     out["gt_tau_prompt_lookup"] = sum(s) / max(sum(n), 1)
     out["gt_mean_tokens"] = sum(t.n_new for t in truths) / len(truths)
-    out["gt_ended_share"] = sum(int(t.continuation[-1]) in spec.stop_ids for t in truths) / len(truths)
-    out.update({k.removeprefix("eval/"): v for k, v in human_metrics(target, suite, truths, bs, cfg.eval).items()})
+    out["gt_count"] = len(truths)
+    by_name = {t.name: t.prompt for t in suite.tasks}
+    why = end_reasons(target, truths, spec, [by_name[t.group] for t in truths])
+    out.update({f"gt_end_{r}": why.count(r) for r in END_REASONS})
+    human = human_metrics(target, suite, truths, bs, cfg.eval, spec)
+    out.update({k.removeprefix("eval/"): v for k, v in human.items()})
     return out
 
 
@@ -72,7 +79,8 @@ def main(argv: list[str] | None = None) -> None:
     if len(specs) == 1 and not specs[0].sampling.greedy:
         specs.append(TruthSpec(stop_ids=specs[0].stop_ids))
     print(f"target {cfg.target.name}; held-out suite {len(suite.tasks)} prompts x <= {suite.max_new_tokens} tokens; "
-          f"stop tokens {list(specs[0].stop_ids)}")
+          f"stop tokens {list(specs[0].stop_ids)}; code stop: "
+          f"{suite.stop.describe() if suite.stop else 'none'} (eval.stop)")
     for spec in specs:
         t0 = time.perf_counter()
         f = suite_figures(target, cfg, suite, spec)
@@ -80,8 +88,9 @@ def main(argv: list[str] | None = None) -> None:
               f"({time.perf_counter() - t0:.0f} s)")
         print(f"  ground truth: 4-gram repeats {f['gt_repeat4']:.3f}, tokens in repeated 16-grams "
               f"{f['gt_in_repeat16']:.3f}, cycles {100 * f['gt_cycle_share']:.1f}%, mean {f['gt_mean_tokens']:.0f} "
-              f"tokens, {100 * f['gt_ended_share']:.0f}% end at a stop token, prompt-lookup τ "
-              f"{f['gt_tau_prompt_lookup']:.3f}")
+              f"tokens, prompt-lookup τ {f['gt_tau_prompt_lookup']:.3f}")
+        print(f"  ends: {f['gt_end_eos']} at EOS, {f['gt_end_stop']} at a stop sequence, {f['gt_end_dedent']} at "
+              f"the dedent, {f['gt_end_length']} at the length cap (of {f['gt_count']:.0f})")
         if "human_tau_prompt_lookup" in f:
             ratio = f["gt_tau_prompt_lookup"] / f["human_tau_prompt_lookup"]
             print(f"  human (first {suite.max_new_tokens} tokens of {f['human_prompts']:.0f}): 4-gram repeats "

@@ -96,18 +96,28 @@ def parse_value(raw: str, declared: Any, where: str = "value") -> Any:
             if not isinstance(items, list):
                 raise ValueError(raw)
             elem = args[0] if args else Any
-            return origin(parse_value(str(x) if not isinstance(x, str) else x, elem, where) for x in items)
+            return origin(_parsed(x, elem, where) for x in items)
         if origin is dict:
             value = _yaml(raw)
             if not isinstance(value, dict):
                 raise ValueError(raw)
             kt, vt = args if len(args) == 2 else (Any, Any)
-            return {parse_value(str(k), kt, where): parse_value(str(v), vt, where) for k, v in value.items()}
+            return {_parsed(k, kt, where): _parsed(v, vt, where) for k, v in value.items()}
     except OverrideError:  # an element of a list or mapping: its own message
         raise
     except ValueError:
         raise OverrideError(f"{where}: expected {_type_name(declared)}, got {raw!r}") from None
     return _yaml(raw)
+
+
+def _parsed(x: Any, declared: Any, where: str) -> Any:
+    """An element YAML already parsed, as `declared`: a string or scalar through `parse_value`, a list element by
+    element (so a string inside keeps what YAML made of it: '\\n' in double quotes is a newline)."""
+    origin = typing.get_origin(declared)
+    if isinstance(x, list) and origin in (list, tuple):
+        args = typing.get_args(declared)
+        return origin(_parsed(e, args[0] if args else Any, where) for e in x)
+    return parse_value(x if isinstance(x, str) else str(x), declared, where)
 
 
 def _yaml(raw: str) -> Any:

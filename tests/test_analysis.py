@@ -151,3 +151,55 @@ def test_position_acceptance_leaves_unreached_positions_empty():
     pos = A.position_acceptance(runs)
     assert list(pos.columns) == [1, 2, 3, 4, 5]
     assert pos.loc["r00", 1] == 0.5 and pos.loc["r00", 3:].isna().all()
+
+
+def _served_run(i, loss="hard_ce", seed=0, tau=2.0, pl=1.3, **extra):
+    """A run of the current protocol: the objective eval/tau_served, every setting's eval/<setting>/..., no
+    eval/tau_vanilla (never written any more)."""
+    row = _run(i, loss=loss, seed=seed, tau=tau, **extra)
+    del row["eval/tau_vanilla"]
+    row.update({"eval/tau_served": tau, "eval/tau_served_ci_low": tau - 0.1, "eval/tau_served_ci_high": tau + 0.1,
+                "eval/tau_served_prompt_lookup": pl, "eval/t1/tau_vanilla": tau,
+                "eval/t1/tau_vanilla_ci_low": tau - 0.1, "eval/t1/tau_vanilla_ci_high": tau + 0.1, "eval/t1/tau_prompt_lookup": pl,
+                "eval/t1/tau_over_prompt_lookup": tau / pl, "eval/t0/tau_vanilla": tau + 1.0,
+                "eval/t0/tau_prompt_lookup": pl + 2.0, "eval/t0/tau_tree_16": tau + 1.5,
+                "eval/suite/heldout/t1/tau_vanilla": tau - 0.5, "eval/suite/heldout/t0/tau_vanilla": tau + 0.5,
+                "eval/subset/t1/tau_vanilla": 9.0})
+    return row
+
+
+def test_current_names_and_the_legacy_ones_are_read_apart():
+    """A store's current names (eval/tau_served, eval/t1/..., eval/t0/...) are what the tables read; the legacy
+    eval/tau_vanilla and eval/tau_prompt_lookup mean the old protocol and stand apart under their own setting."""
+    served = pd.DataFrame([_served_run(0, seed=0, tau=2.0, pl=1.3), _served_run(1, seed=1, tau=2.2, pl=1.5)])
+    assert A.tau_metrics(served) == ["eval/tau_served", "eval/t0/tau_tree_16"]
+    assert A.baseline_metric(served.columns) == "eval/tau_served_prompt_lookup"
+    table = A.ablation_table(served, by=["loss"])
+    assert table.loc["hard_ce", ("eval/tau_served_prompt_lookup", "mean")] == pytest.approx(1.4)
+    assert ("eval/tau_prompt_lookup", "mean") not in table.columns
+    assert A.format_table(table).loc["hard_ce", "prompt lookup τ"] == "1.400"
+    fig = A.plot_tau_table(table)
+    assert "prompt lookup" in [t.get_text() for lg in fig.legends for t in lg.get_texts()]
+
+    t = A.ci_table(served.iloc[:1])
+    got = [(r.suite, r.setting, r.tau_vanilla, r.tau_prompt_lookup) for r in t.itertuples()]
+    assert got == [("objective", "t0", "3.00", "3.30"), ("heldout", "t0", "2.50", ""),
+                   ("objective", "t1", "2.00 [1.90, 2.10]", "1.30"), ("heldout", "t1", "1.50", "")]
+    assert t.iloc[2]["tau_over_prompt_lookup"] == f"{2.0 / 1.3:.2f}"
+
+    legacy = pd.DataFrame([_run(2, tau=1.05, **{"eval/tau_prompt_lookup": 1.4,
+                                                "eval/suite/heldout/tau_vanilla": 1.2})])
+    assert A.baseline_metric(legacy.columns) == "eval/tau_prompt_lookup"
+    t = A.ci_table(legacy)
+    assert [(r.suite, r.setting, r.tau_vanilla) for r in t.itertuples()] == [
+        ("objective", "legacy", "1.05"), ("heldout", "legacy", "1.20")]
+    both = A.ci_table(pd.concat([served.iloc[:1], legacy], ignore_index=True))
+    assert set(both["setting"]) == {"t0", "t1", "legacy"} and len(both) == 6  # nothing read under another name
+
+    keys = A.summary_keys(served.iloc[0].to_dict())
+    assert keys[:2] == ["eval/tau_served", "eval/tau_served_prompt_lookup"]
+    assert keys[2:] == ["eval/t0/tau_vanilla", "eval/t0/tau_prompt_lookup", "eval/t1/tau_vanilla",
+                        "eval/t1/tau_prompt_lookup", "eval/t0/tau_tree_16"]
+    assert A.summary_keys(legacy.iloc[0].to_dict()) == ["eval/tau_vanilla", "eval/tau_prompt_lookup"]
+    frame = A.summary_frame({"metrics": served.iloc[0].to_dict()})
+    assert frame.loc["eval/tau_served", "ci_low"] == pytest.approx(1.9)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from dflash.drafter.model import DrafterConfig, build_drafter
-from dflash.evaluation import EvalConfig, HeldoutSuiteConfig, validate_eval_config
+from dflash.evaluation import EvalConfig, HeldoutSuiteConfig, StopConfig, validate_eval_config
 from dflash.evaluation.evaluator import SuiteEvaluator
 from dflash.evaluation.heldout import build_heldout_tasks, corpus_config, heldout_tasks
 from dflash.evaluation.prompts import Task, resolve_suite
@@ -58,7 +58,8 @@ def test_evaluator_extra_suites_and_train_gap(reference_target, tmp_path, caplog
     target = reference_target
     cfg = EvalConfig(max_new_tokens=6, tree_budgets=[2], subset=1, cache_dir=str(tmp_path / "gt"),
                      extra_suites=["heldout"], heldout=SMALL, train_tasks=2, bootstrap=200,
-                     sampling=SamplingConfig(1.0, 1.0, 0), samples=2)
+                     sampling=SamplingConfig(1.0, 1.0, 0), samples=2,
+                     stop=StopConfig(dedent=[]))  # random bytes leave a body at once: one token, no rounds
     ev = SuiteEvaluator(cfg, tasks=[Task("a", "def a(x):\n"), Task("b", "class B:\n")])
     ev.use_train_sequences([torch.tensor(target.tokenizer.encode("import os\n\ndef f(x):\n    return x\n"))] * 3)
     d = _drafter(target.cfg, 0)

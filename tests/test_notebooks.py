@@ -23,8 +23,10 @@ def store(tmp_path_factory):
     d = tmp_path_factory.mktemp("nbstore")
     uri = f"sqlite:///{d / 'mlflow.db'}"
     try:
-        from dflash.evaluation import EvalConfig, make_evaluator
-        evaluator = make_evaluator(EvalConfig(subset=1, max_new_tokens=16, cache_dir=str(d / "cache")))
+        from dflash.evaluation import EvalConfig, StopConfig, make_evaluator
+        # no dedent rule (eval.stop): the random target's bytes leave coding10's bodies at once (one token, no rounds)
+        evaluator = make_evaluator(EvalConfig(subset=1, max_new_tokens=16, cache_dir=str(d / "cache"),
+                                              stop=StopConfig(dedent=[])))
     except ImportError:
         evaluator = None
     ids = []

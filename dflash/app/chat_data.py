@@ -31,7 +31,7 @@ from dflash.data.conversation_data import (
 from dflash.data.conversation_report import report
 from dflash.data.pool import PromptPool
 from dflash.data.turn_writer import TurnWriter
-from dflash.evaluation.prompts import Suite, Task, load_suite
+from dflash.evaluation.prompts import Suite, Task, load_suite, suite_stop
 from dflash.training.datastream import TrainingData, build_training_data
 
 log = logging.getLogger(__name__)
@@ -56,14 +56,16 @@ def chat_suites(cs: ConversationSet, tokenizer, cfg) -> list[Suite]:
             break
         i = row["heldout_turns"][0]
         tasks.append(Task(f"chat{len(tasks):04d}", render_prompt(tokenizer, row["messages"][:i], d.chat, row["tools"])))
-    suites = [Suite("chat_heldout", tasks, c.eval_tokens)] if tasks else []
+    # each ends where eval.stop names it to (by default neither: a chat answer is prose and fenced code)
+    suites = [Suite("chat_heldout", tasks, c.eval_tokens, suite_stop(cfg.eval, "chat_heldout"))] if tasks else []
     if not tasks and c.eval_prompts:
         log.warning("data.conversations: the held-out split has no conversation with an assistant turn; no "
                     "chat_heldout suite (raise data.conversations.heldout_per_10k)")
     if c.coding10_chat:
         coding = [Task(t.name, render_prompt(tokenizer, [{"role": "user", "content": t.prompt}], d.chat))
                   for t in load_suite("coding10")]
-        suites.append(Suite("coding10_chat", coding, int(cfg.eval.max_new_tokens)))
+        suites.append(Suite("coding10_chat", coding, int(cfg.eval.max_new_tokens),
+                            suite_stop(cfg.eval, "coding10_chat")))
     return suites
 
 

@@ -12,12 +12,16 @@ both write through here.
 from __future__ import annotations
 
 import contextlib
+from typing import TYPE_CHECKING
 
 import torch
 
 from dflash.target.cache import cache_kwarg, new_hf_cache
 from dflash.target.sampling import GREEDY, Sampling, draw, warp
 from dflash.target.model import target_lock
+
+if TYPE_CHECKING:
+    from dflash.data.stops import TextEnd
 
 # graph: static states, each token one CUDA-graph replay (dflash.target.static_decode; eager off the GPU);
 # static: the same states and step, run op by op; cache: transformers' own cache (the reference path).
@@ -186,11 +190,25 @@ def _write_static(target, seq, in_prompt_BT, p0: int, temperature, generator, gr
             seq[:, t] = tok
 
 
-def ends_at_stop(tokens: list[int], start: int, stop_ids) -> int:
-    """The length of `tokens` up to and including the first stop token at or after `start` (the continuation's
-    natural end: EOS / end of turn); len(tokens) when none."""
+def ends_at_stop(tokens: list[int], start: int, stop_ids, text_end: "TextEnd | None" = None) -> int:
+    """The length of `tokens` up to and including its natural end at or after `start` (`first_end`); len(tokens)
+    when it has none."""
+    return first_end(tokens, start, stop_ids, text_end)[0]
+
+
+def first_end(tokens: list[int], start: int, stop_ids, text_end: "TextEnd | None" = None) -> tuple[int, str]:
+    """(length, why): the one cut of every writer. The first stop token at or after `start` (EOS / end of turn, kept:
+    why 'eos'); with `text_end` (a code suite's rule, `dflash.data.stops`), the token completing a stop sequence or
+    the dedent below the prompt's body, when it comes before that stop token ('stop' / 'dedent'); else
+    (len(tokens), 'length')."""
     stops = set(int(t) for t in stop_ids)
+    n, why = len(tokens), "length"
     for i in range(start, len(tokens)):
         if int(tokens[i]) in stops:
-            return i + 1
-    return len(tokens)
+            n, why = i + 1, "eos"
+            break
+    if text_end is not None:  # the text before the stop token: a decoded end token must not read as a dedent
+        hit = text_end.cut(tokens[start:n - 1 if why == "eos" else n])
+        if hit is not None:
+            n, why = start + hit[0], hit[1]
+    return n, why

@@ -26,6 +26,17 @@ from dflash.target.sampling import SamplingConfig, validate_sampling_config
 
 
 @dataclass
+class StopConfig:
+    """Where a code suite's continuation ends besides EOS (docs/evaluation.md, "Ground truth that ends";
+    `dflash.data.stops`), by suite name (eval/suite/<name>); a suite named in neither ends at EOS or the cap."""
+    # suites that end at the first non-empty line indented below the prompt's body: where the function being
+    # written ends (both prompts are a def/class header and its docstring)
+    dedent: list[str] = field(default_factory=lambda: ["heldout", "coding10"])
+    # suite -> stop sequences, e.g. HumanEval's ["\ndef ", "\nclass ", "\nif __name__", "\nprint(", "\n#"]
+    sequences: dict[str, list[str]] = field(default_factory=dict)
+
+
+@dataclass
 class EvalConfig:
     enabled: bool = True
     # The objective suite: its figures are eval/tau_* (what sweeps and the promotion gate read). A built-in
@@ -62,6 +73,9 @@ class EvalConfig:
     # ground truth that ends: after the target's EOS / end-of-turn tokens (capped at max_new_tokens); false: the
     # legacy fixed-length ground truth (greedy only; what stores before sampling measured, eval/tau_vanilla)
     stop_at_eos: bool = True
+    # a code suite's own ends besides EOS: the dedent below the prompt's body, stop sequences (needs stop_at_eos;
+    # without it every continuation is fixed-length)
+    stop: StopConfig = field(default_factory=StopConfig)
 
 
 def validate_eval_config(cfg: EvalConfig) -> None:
@@ -91,6 +105,7 @@ def validate_eval_config(cfg: EvalConfig) -> None:
     from dflash.evaluation.acceptance import DRAFTER_PROPOSERS
     DRAFTER_PROPOSERS.check(cfg.proposer)
     validate_prompt_lookup(cfg.prompt_lookup)
+    validate_stop(cfg.stop)
     names = [suite_label(s) for s in [cfg.suite, *cfg.extra_suites]]
     if len(set(names)) != len(names):
         raise ValueError(f"eval.suite and eval.extra_suites name a suite twice: {names}")
@@ -98,6 +113,16 @@ def validate_eval_config(cfg: EvalConfig) -> None:
         for s in [cfg.suite, *cfg.extra_suites]:
             if s not in generated_suites() and s not in DATA_SUITES:
                 load_suite(s)  # raises FileNotFoundError / ValueError naming eval.suite
+
+
+def validate_stop(stop: StopConfig) -> None:
+    if not isinstance(stop.dedent, (list, tuple)) or not all(isinstance(s, str) and s for s in stop.dedent):
+        raise ValueError(f"eval.stop.dedent must be a list of suite names, got {stop.dedent!r}")
+    if not isinstance(stop.sequences, dict):
+        raise ValueError(f"eval.stop.sequences must map suite names to lists of stop strings, got {stop.sequences!r}")
+    for name, seqs in stop.sequences.items():
+        if not isinstance(seqs, (list, tuple)) or not all(isinstance(x, str) and x for x in seqs):
+            raise ValueError(f"eval.stop.sequences.{name} must be a list of non-empty strings, got {seqs!r}")
 
 
 def _check_truth_dir(truth_dir) -> None:
@@ -130,6 +155,6 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'dflash.evaluation' has no attribute {name!r}")
 
 
-__all__ = ["EvalConfig", "HeldoutSuiteConfig", "PromptLookupConfig", "validate_eval_config",
+__all__ = ["EvalConfig", "StopConfig", "HeldoutSuiteConfig", "PromptLookupConfig", "validate_eval_config",
            "evaluate_suites", "merged_metrics", "evaluate", "make_evaluator", "EvalReport", "load_suite",
            "Task", "speculative_decode", "greedy_decode", "load_or_build_ground_truth", "TaskTruth"]

@@ -31,8 +31,8 @@ from typing import Sequence
 from dflash.evaluation import EvalConfig
 from dflash.evaluation.ground_truth import TaskTruth, TruthSpec, cache_key, load_or_build_ground_truth
 from dflash.evaluation.protocol import labelled, objective_metrics, served_label, table_places, truth_specs
-from dflash.evaluation.prompts import DATA_SUITES, Suite, Task, resolve_suite, suite_label
-from dflash.evaluation.report import EvalReport, evaluate
+from dflash.evaluation.prompts import DATA_SUITES, Suite, Task, resolve_suite, suite_label, suite_stop
+from dflash.evaluation.report import EvalReport, end_counts, evaluate
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +51,8 @@ def subset_key(metric: str) -> str:
 
 def config_suites(cfg: EvalConfig, tasks: Sequence[Task] | None = None) -> list[Suite]:
     """[objective, *extra] as resolved Suites (`tasks` replaces the objective's tasks)."""
-    objective = Suite(suite_label(cfg.suite), list(tasks), int(cfg.max_new_tokens)) if tasks is not None \
+    label = suite_label(cfg.suite)
+    objective = Suite(label, list(tasks), int(cfg.max_new_tokens), suite_stop(cfg, label)) if tasks is not None \
         else resolve_suite(cfg.suite, cfg)
     return [objective, *(resolve_suite(s, cfg) for s in cfg.extra_suites)]
 
@@ -65,7 +66,10 @@ class TruthMemo:
         self.truth_dir = truth_dir
         self._memo: dict[str, list[TaskTruth]] = {}
 
-    def get(self, target, suite: Suite, spec: TruthSpec = TruthSpec()) -> list[TaskTruth]:
+    def get(self, target, suite: Suite, spec: TruthSpec | None = None) -> list[TaskTruth]:
+        """`spec`: the setting, with the suite's own code stop rule put in (`TruthSpec.for_suite`); None: the
+        legacy protocol (fixed length)."""
+        spec = TruthSpec() if spec is None else spec.for_suite(suite)
         key = cache_key(target, suite.tasks, suite.max_new_tokens, "", spec)
         if key not in self._memo:
             self._memo[key], _ = load_or_build_ground_truth(target, suite.tasks, suite.max_new_tokens,
@@ -104,7 +108,8 @@ def merged_metrics(reports: Sequence[EvalReport]) -> dict[str, float]:
 def summary_table(metrics: dict[str, float], level: float = 0.95) -> str:
     """One markdown row per suite and setting (`eval/suite/<name>/<label>/...`): τ vanilla and prompt lookup's
     with their intervals, the paired Δ, the ground truth's degeneracy, and at T = 0 every tree budget's τ with
-    its verify cost (nodes per round). The served setting's rows come first."""
+    its verify cost (nodes per round), and how many continuations ended by which rule (EOS, stop sequence, dedent,
+    length cap). The served setting's rows come first."""
     import math
     import re
     rows = [(m[1], m[2]) for k in metrics if (m := re.match(r"^eval/suite/([^/]+)/([^/]+)/tau_vanilla$", k))]
@@ -120,7 +125,8 @@ def summary_table(metrics: dict[str, float], level: float = 0.95) -> str:
         return f"{v:{sign}.3f}" + ("" if math.isnan(lo) else f" [{lo:{sign}.3f}, {hi:{sign}.3f}]")
     pct = f"{100 * level:g}%"
     head = ["suite", "setting", "prompts", f"τ vanilla [{pct} CI]", "τ prompt-lookup", "Δ vs prompt-lookup", "ratio",
-            "GT 4-gram rep.", "GT in rep. 16-gram", "GT cycles", "human in rep. 16-gram", "human τ prompt-lookup"]
+            "GT 4-gram rep.", "GT in rep. 16-gram", "GT cycles", "human in rep. 16-gram", "human τ prompt-lookup",
+            "GT ends"]
     head += [f"τ tree-{b} nodes (nodes/round; T=0 only)" for b in budgets]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     f3 = lambda v: "-" if math.isnan(v) else f"{v:.3f}"  # noqa: E731
@@ -130,7 +136,8 @@ def summary_table(metrics: dict[str, float], level: float = 0.95) -> str:
         cells = [s, label + (" (served)" if label == served else ""), f"{g('num_prompts'):.0f}",
                  ci(pre, "tau_vanilla"), ci(pre, "tau_prompt_lookup"), ci(pre, "delta_prompt_lookup", "+"),
                  f3(g("tau_over_prompt_lookup")), f3(g("gt_repeat4")), f3(g("gt_in_repeat16")),
-                 f3(g("gt_cycle_share")), f3(g("human_in_repeat16")), f3(g("human_tau_prompt_lookup"))]
+                 f3(g("gt_cycle_share")), f3(g("human_in_repeat16")), f3(g("human_tau_prompt_lookup")),
+                 end_counts(metrics, pre) if pre + "gt_end_length" in metrics else "-"]
         cells += [f"{ci(pre, f'tau_tree_{b}')} ({g(f'tree_nodes_{b}'):.1f})" if label == "t0" else "-"
                   for b in budgets]
         lines.append("| " + " | ".join(cells) + " |")

@@ -5,9 +5,11 @@
   tokens as `greedy_decode` of each alone);
 - sampled (T > 0): `samples` continuations per prompt, drawn at the setting (seeded; the target's own sampling
   law, `dflash.target.sampling.warp`); each is a task of its own (`<name>#s<i>`), grouped by prompt for the CIs;
-- ends: with `stop_ids` a continuation ends after its first stop token (EOS / end of turn), capped at
-  `max_new_tokens`; without (the legacy protocol, pins and caches made before sampling existed) it is exactly
-  `max_new_tokens` long whatever the target writes.
+- ends: with `stop_ids` a continuation ends after its first stop token (EOS / end of turn), and with `code_stop`
+  (a code suite's `eval.stop`: `dflash.data.stops`) at a stop sequence or the dedent below the prompt's body,
+  whichever comes first (`dflash.data.writing.first_end`, the one cut of every writer), capped at
+  `max_new_tokens`; without either (the legacy protocol, pins and caches made before sampling existed) it is
+  exactly `max_new_tokens` long whatever the target writes. `end_reasons` says which rule ended each.
 Then ONE `target.forward_features` over prompt + continuation for the features the drafter conditions on, and at
 T > 0 the target's warped probability of each continuation token (`TaskTruth.path_p`: the p of the rejection rule).
 
@@ -31,12 +33,14 @@ import logging
 import os
 import time
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 
 from dflash.atomic import load_checked, save_checked
+from dflash.data.stops import CodeStop, TextEnd
+from dflash.data.writing import first_end
 from dflash.evaluation.prompts import Task
 from dflash.evaluation.truth_pin import PinnedSuite
 from dflash.target.sampling import GREEDY, Sampling, warp
@@ -54,10 +58,24 @@ class TruthSpec:
     samples: int = 1  # continuations per prompt (greedy: always 1)
     seed: int = 0  # the sampled continuations' generator
     stop_ids: tuple[int, ...] = ()  # empty: no natural end (legacy)
+    code_stop: CodeStop | None = None  # the suite's stop sequences / dedent (`for_suite`); None: none
 
     @property
     def legacy(self) -> bool:
-        return self.sampling.greedy and not self.stop_ids
+        return self.sampling.greedy and not self.ends
+
+    @property
+    def ends(self) -> bool:
+        """Continuations end before the cap where a rule fires (any length 1..max_new_tokens)."""
+        return bool(self.stop_ids) or bool(self.code_stop)
+
+    def for_suite(self, suite) -> "TruthSpec":
+        """This setting with `suite`'s own code stop rule (`Suite.stop`, from `eval.stop`)."""
+        stop = getattr(suite, "stop", None)
+        return self if stop == self.code_stop else replace(self, code_stop=stop or None)
+
+    def text_end(self, prompt: str, decode) -> TextEnd | None:
+        return self.code_stop.for_prompt(prompt, decode) if self.code_stop else None
 
     @property
     def per_prompt(self) -> int:
@@ -67,8 +85,11 @@ class TruthSpec:
         """What enters cache and pin keys (None for the legacy protocol: its old keys stay valid)."""
         if self.legacy:
             return None
-        return {"sampling": self.sampling.as_dict(), "samples": self.per_prompt,
-                "seed": int(self.seed) if not self.sampling.greedy else 0, "stop_ids": sorted(self.stop_ids)}
+        out = {"sampling": self.sampling.as_dict(), "samples": self.per_prompt,
+               "seed": int(self.seed) if not self.sampling.greedy else 0, "stop_ids": sorted(self.stop_ids)}
+        if self.code_stop:  # only then: ground truth that ends at EOS alone keeps the key it was written under
+            out["code_stop"] = self.code_stop.key()
+        return out
 
 
 @dataclass
@@ -202,16 +223,38 @@ def truths_from_tokens(target, tasks: list[Task], prompts: list[list[int]], cont
     return out
 
 
-def write_truth_tokens(target, prompts: list[list[int]], max_new_tokens: int, spec: TruthSpec) -> list[list[int]]:
-    """The continuations of `prompts` (already expanded per sample) under `spec`, each cut at its end."""
+def decoder(target):
+    """Token ids -> text, as the code stop rules read a continuation."""
+    return lambda ids: target.tokenizer.decode([int(i) for i in ids])
+
+
+def write_truth_tokens(target, prompts: list[list[int]], max_new_tokens: int, spec: TruthSpec,
+                       texts: list[str] | None = None) -> list[list[int]]:
+    """The continuations of `prompts` (already expanded per sample; `texts`: their prompt strings, which the
+    code stop rules read) under `spec`, each cut at its end (`first_end`)."""
     gen = None
     if not spec.sampling.greedy:
         gen = torch.Generator(device=target.device).manual_seed(int(spec.seed))
     conts = greedy_continuations(target, prompts, max_new_tokens, sampling=spec.sampling, generator=gen)
-    if spec.stop_ids:
-        from dflash.data.writing import ends_at_stop
-        conts = [c[:ends_at_stop(c, 0, spec.stop_ids)] for c in conts]
+    if spec.ends:
+        ends = _text_ends(target, spec, prompts, texts)
+        conts = [c[:first_end(c, 0, spec.stop_ids, e)[0]] for c, e in zip(conts, ends)]
     return conts
+
+
+def _text_ends(target, spec: TruthSpec, prompts: list[list[int]], texts: list[str] | None) -> list[TextEnd | None]:
+    if not spec.code_stop:
+        return [None] * len(prompts)
+    dec = decoder(target)
+    return [spec.text_end(text, dec) for text in (texts or [dec(p) for p in prompts])]
+
+
+def end_reasons(target, truths: list[TaskTruth], spec: TruthSpec, texts: list[str] | None = None) -> list[str]:
+    """Which rule ended each continuation (`dflash.data.stops.END_REASONS`: eos, stop, dedent, length = the cap
+    or no rule), read again from its tokens with the cut that wrote it. `texts`: each truth's prompt string."""
+    ends = _text_ends(target, spec, [t.prompt_ids.tolist() for t in truths], texts)
+    return [first_end(t.continuation.tolist(), 0, spec.stop_ids, e)[1] if spec.ends else "length"
+            for t, e in zip(truths, ends)]
 
 
 @torch.no_grad()
@@ -219,7 +262,8 @@ def build_ground_truth(target, tasks: list[Task], max_new_tokens: int,
                        spec: TruthSpec = TruthSpec()) -> list[TaskTruth]:
     tasks = expand_tasks(tasks, spec)
     prompts = prompt_token_ids(target, tasks)
-    return truths_from_tokens(target, tasks, prompts, write_truth_tokens(target, prompts, max_new_tokens, spec),
+    conts = write_truth_tokens(target, prompts, max_new_tokens, spec, [t.prompt for t in tasks])
+    return truths_from_tokens(target, tasks, prompts, conts,
                               "greedy" if spec.sampling.greedy else "sampled", spec.sampling)
 
 
@@ -249,7 +293,7 @@ def _validate(truths: list[TaskTruth], target, tasks: list[Task], max_new_tokens
             raise ValueError(f"{tr.name}: prompt tokens differ")
         n = int(tr.continuation.numel())
         if tr.continuation.dtype != torch.long or tr.continuation.dim() != 1 \
-                or not (n == max_new_tokens or (spec.stop_ids and 1 <= n <= max_new_tokens)):
+                or not (n == max_new_tokens or (spec.ends and 1 <= n <= max_new_tokens)):
             raise ValueError(f"{tr.name}: continuation shape {tuple(tr.continuation.shape)}")
         if tr.features.shape != (len(ids) + n, L, H):
             raise ValueError(f"{tr.name}: features shape {tuple(tr.features.shape)}")

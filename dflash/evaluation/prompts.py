@@ -8,12 +8,15 @@ them as a `Suite` (its label for metric keys, its tasks and the continuation len
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 from typing import Any, Callable
+
+from dflash.data.stops import CodeStop
 
 
 @dataclass(frozen=True)
@@ -83,6 +86,16 @@ class Suite:
     name: str  # label in metric keys (eval/suite/<name>/...): a built-in or generated name, a file's stem
     tasks: list[Task]
     max_new_tokens: int  # length of the target's greedy continuation for this suite
+    stop: CodeStop | None = None  # where a continuation ends besides EOS (`eval.stop`, `suite_stop`)
+
+
+def suite_stop(cfg, name: str) -> CodeStop | None:
+    """Suite `name`'s code stop rule from `eval.stop` (`cfg`: the EvalConfig); None without one, or when
+    `eval.stop_at_eos` is off (fixed-length ground truth: no end at all)."""
+    if not getattr(cfg, "stop_at_eos", True):
+        return None
+    rule = CodeStop(tuple(cfg.stop.sequences.get(name, ())), name in cfg.stop.dedent)
+    return rule or None
 
 
 # Generated suites by name: (eval config) -> Suite; `dflash.evaluation.heldout` registers `heldout`.
@@ -110,7 +123,9 @@ def resolve_suite(suite: str, cfg) -> Suite:
     """Any suite name or path of `eval.suite` / `eval.extra_suites` as a Suite (`cfg`: the EvalConfig)."""
     gen = generated_suites()
     if suite in gen:
-        return gen[suite](cfg)
+        s = gen[suite](cfg)
+        return dataclasses.replace(s, stop=suite_stop(cfg, s.name))
     if suite in DATA_SUITES:
         return Suite(suite, [], int(cfg.max_new_tokens))  # the data fills it in
-    return Suite(suite_label(suite), load_suite(suite), int(cfg.max_new_tokens))
+    label = suite_label(suite)
+    return Suite(label, load_suite(suite), int(cfg.max_new_tokens), suite_stop(cfg, label))

@@ -22,6 +22,7 @@ from dflash.evaluation.ground_truth import TruthSpec
 from dflash.target.sampling import Sampling, resolve_sampling, target_folder
 
 OBJECTIVE = "eval/tau_served"
+OBJECTIVE_PROMPT_LOOKUP = "eval/tau_served_prompt_lookup"  # prompt lookup beside the objective, same ground truth
 LEGACY_OBJECTIVE = "eval/tau_vanilla"  # stores before sampled evaluation: greedy, fixed-length ground truth
 LEGACY_NOTE = "eval/tau_vanilla: the old protocol (greedy, fixed-length ground truth that loops)"
 
@@ -66,7 +67,7 @@ def objective_metrics(metrics: dict[str, float], served: Sampling) -> dict[str, 
     out = {f"{OBJECTIVE}{suffix}": metrics[f"{pre}tau_vanilla{suffix}"] for suffix in ("", "_ci_low", "_ci_high")
            if f"{pre}tau_vanilla{suffix}" in metrics}
     if f"{pre}tau_prompt_lookup" in metrics:
-        out["eval/tau_served_prompt_lookup"] = metrics[f"{pre}tau_prompt_lookup"]
+        out[OBJECTIVE_PROMPT_LOOKUP] = metrics[f"{pre}tau_prompt_lookup"]
     out.update({"eval/served_temperature": served.temperature, "eval/served_top_p": served.top_p,
                 "eval/served_top_k": float(served.top_k)})
     return out

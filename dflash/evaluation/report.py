@@ -6,6 +6,9 @@ Metrics (all floats):
   (only the positions some round reached: an unreached position has no acceptance, not 0.0);
 - `eval/task/{name}/tau_vanilla`, `eval/task/{name}/tau_tree_{b}`;
 - `eval/num_tasks`, `eval/rounds`, `eval/gt_consistency`, `eval/seconds`;
+- the ground truth's degeneracy (`eval/gt_repeat4`, `eval/gt_in_repeat16`, `eval/gt_cycle_share`,
+  `eval/gt_mean_tokens`; a suite cut from files also its human continuation's, `eval/human_*`) and, where it ends
+  (`TruthSpec.ends`), which rule ended its continuations: `eval/gt_end_{eos,stop,dedent,length}` (shares);
 - `eval/gt_copy_rate`: the mean over tasks of the fraction of the continuation's 8-grams that already occur
   earlier in prompt + continuation (`prompt_lookup.copy_rate`): how copyable the target's output is, the ceiling
   prompt lookup works against;
@@ -50,10 +53,12 @@ from dflash.evaluation.acceptance import DRAFTER_PROPOSERS, Proposer, TaskResult
 from dflash.evaluation.prompt_lookup import PromptLookupProposer, copy_rate
 from dflash.evaluation.stats import paired_delta_ci, pooled_ci
 from dflash.data.degeneracy import summarize
-from dflash.evaluation.ground_truth import TaskTruth, TruthSpec, load_or_build_ground_truth
+from dflash.data.stops import END_REASONS
+from dflash.data.writing import first_end
+from dflash.evaluation.ground_truth import TaskTruth, TruthSpec, decoder, end_reasons, load_or_build_ground_truth
 from dflash.evaluation.sampled_decode import sampled_speculative_decode
 from dflash.target.sampling import Sampling
-from dflash.evaluation.prompts import Suite, Task, resolve_suite, suite_label
+from dflash.evaluation.prompts import Suite, Task, resolve_suite, suite_label, suite_stop
 from dflash.evaluation.speculative import greedy_decode, speculative_decode
 
 log = logging.getLogger(__name__)
@@ -161,6 +166,8 @@ class EvalReport:
             if "eval/human_in_repeat16" in m:
                 out += (f" (human continuation: {m['eval/human_repeat4']:.2f}, {m['eval/human_in_repeat16']:.2f}, "
                         f"{100 * m['eval/human_cycle_share']:.0f}%, prompt-lookup τ {m['eval/human_tau_prompt_lookup']:.3f})")
+        if "eval/gt_end_length" in self.metrics:
+            out += f"; ends: {end_counts(self.metrics)}"
         if not self.budgets and self.info.get("setting", "t0") != "t0":
             out += "; trees: T=0 only (verified greedily)"
         per = self.info.get("samples_per_prompt", 1)
@@ -292,20 +299,21 @@ def evaluate(drafter, target, cfg: EvalConfig, tasks: Sequence[Task] | None = No
     is written, its sampling setting the one the rounds are verified at (default: the legacy greedy protocol;
     `protocol.truth_spec` builds the configured ones). `limit` counts prompts (a sampled ground truth has
     several tasks a prompt). The drafter is put in eval mode and restored to its previous mode."""
-    spec = spec or TruthSpec()
-    sampling = spec.sampling
     t0 = time.perf_counter()
     if suite is None:
-        suite = Suite(suite_label(cfg.suite), list(tasks), int(cfg.max_new_tokens)) if tasks is not None \
+        label = suite_label(cfg.suite)
+        suite = Suite(label, list(tasks), int(cfg.max_new_tokens), suite_stop(cfg, label)) if tasks is not None \
             else resolve_suite(cfg.suite, cfg)
     elif tasks is not None:
-        suite = Suite(suite.name, list(tasks), suite.max_new_tokens)
+        suite = Suite(suite.name, list(tasks), suite.max_new_tokens, suite.stop)
+    spec = TruthSpec() if spec is None else spec.for_suite(suite)  # the suite's own code stop rule
+    sampling = spec.sampling
     info: dict[str, Any] = {"suite": cfg.suite if suite.name == suite_label(cfg.suite) else suite.name,
                             "suite_label": suite.name, "max_new_tokens": suite.max_new_tokens,
                             "target": str(getattr(target, "identity", "")), "ci_level": cfg.ci_level,
                             "bootstrap": cfg.bootstrap, "setting": sampling.label, "sampling": sampling.describe(),
                             "sampling_setting": sampling.as_dict(),
-                            "ends": "at a stop token" if spec.stop_ids else "fixed length (legacy)",
+                            "ends": _ends_text(spec),
                             "samples_per_prompt": spec.per_prompt}
     if truths is None:
         truths, hit = load_or_build_ground_truth(target, suite.tasks, suite.max_new_tokens, cfg.cache_dir,
@@ -339,13 +347,20 @@ def evaluate(drafter, target, cfg: EvalConfig, tasks: Sequence[Task] | None = No
         metrics["eval/gt_copy_rate"] = sum(rates) / len(rates) if rates else math.nan
         metrics.update(degeneracy_metrics("eval/gt_", [t.continuation.tolist() for t in truths]))
         if cfg.prompt_lookup.enabled:
-            metrics.update(human_metrics(target, suite, truths, bs, cfg))
+            metrics.update(human_metrics(target, suite, truths, bs, cfg, spec))
         metrics["eval/gt_mean_tokens"] = sum(t.n_new for t in truths) / len(truths)
+        texts = _prompt_texts(suite, truths)
+        if spec.ends:  # which rule ended each continuation (a fixed-length ground truth has none)
+            why = end_reasons(target, truths, spec, texts)
+            for row, w in zip(table, why):
+                row["gt_end"] = w
+            metrics.update({f"eval/gt_end_{r}": why.count(r) / len(why) for r in END_REASONS})
         if cfg.real_decode if real_decode is None else real_decode:
             if sampling.greedy:
                 metrics.update(_real_decode(drafter, target, truths, results, table))
             else:
-                metrics.update(_real_sampled(drafter, target, truths, results, spec, suite.max_new_tokens, cfg))
+                metrics.update(_real_sampled(drafter, target, truths, results, spec, suite.max_new_tokens, cfg,
+                                             texts))
     finally:
         drafter.train(was_training)
     stats = _stats(results, baseline, budgets, cfg)
@@ -355,6 +370,29 @@ def evaluate(drafter, target, cfg: EvalConfig, tasks: Sequence[Task] | None = No
     return EvalReport(metrics, table, acc, reached, bs, budgets, info, results, stats, baseline)
 
 
+def _ends_text(spec: TruthSpec) -> str:
+    if not spec.ends:
+        return "fixed length (legacy)"
+    rules = (["at a stop token"] if spec.stop_ids else []) + ([f"at {spec.code_stop.describe()}"] if spec.code_stop
+                                                              else [])
+    return " or ".join(rules)
+
+
+def _prompt_texts(suite: Suite, truths: Sequence[TaskTruth]) -> list[str] | None:
+    """Each truth's prompt string (a sampled truth's is its prompt's); None when a truth's task is not the
+    suite's (the prompt tokens are decoded then)."""
+    by_name = {t.name: t.prompt for t in suite.tasks}
+    texts = [by_name.get(t.group) for t in truths]
+    return None if any(x is None for x in texts) else texts
+
+
+def end_counts(metrics: dict[str, float], pre: str = "eval/") -> str:
+    """'5 EOS, 0 stop sequence, 3 dedent, 0 length cap' from a suite's `gt_end_*` shares (their tasks' count)."""
+    n = metrics.get(f"{pre}num_tasks", 0.0)
+    names = {"eos": "EOS", "stop": "stop sequence", "dedent": "dedent", "length": "length cap"}
+    return ", ".join(f"{round(metrics.get(f'{pre}gt_end_{r}', 0.0) * n)} {names[r]}" for r in END_REASONS)
+
+
 def degeneracy_metrics(prefix: str, continuations) -> dict[str, float]:
     """`dflash.data.degeneracy.summarize` under `prefix`: repeat4, in_repeat16, cycle_share."""
     d = summarize(continuations)
@@ -362,10 +400,11 @@ def degeneracy_metrics(prefix: str, continuations) -> dict[str, float]:
             f"{prefix}cycle_share": d["cycle_share"]}
 
 
-def human_metrics(target, suite: Suite, truths: Sequence[TaskTruth], bs: int, cfg: EvalConfig) -> dict[str, float]:
+def human_metrics(target, suite: Suite, truths: Sequence[TaskTruth], bs: int, cfg: EvalConfig,
+                  spec: TruthSpec | None = None) -> dict[str, float]:
     """For a suite cut from files (tasks with a `reference`): the human continuation's degeneracy and prompt
-    lookup's τ on it (its first max_new_tokens tokens), beside the target's ground truth: does the target write
-    like a human? Empty for suites without references."""
+    lookup's τ on it (its first max_new_tokens tokens, cut by the suite's code stop rule as the ground truth is),
+    beside the target's ground truth: does the target write like a human? Empty for suites without references."""
     names = {t.group for t in truths}
     tasks = [t for t in suite.tasks if t.reference and t.name in names]
     if not tasks:
@@ -374,6 +413,8 @@ def human_metrics(target, suite: Suite, truths: Sequence[TaskTruth], bs: int, cf
     for t in tasks:
         ids = list(target.tokenizer.encode(t.prompt))
         cont = list(target.tokenizer.encode(t.prompt + t.reference))[len(ids):len(ids) + suite.max_new_tokens]
+        if spec is not None and spec.code_stop:
+            cont = cont[:first_end(cont, 0, (), spec.text_end(t.prompt, decoder(target)))[0]]
         if len(cont) >= 2:
             human.append(TaskTruth(t.name, torch.tensor(ids, dtype=torch.long), torch.tensor(cont, dtype=torch.long),
                                    torch.empty(0)))
@@ -388,15 +429,16 @@ def human_metrics(target, suite: Suite, truths: Sequence[TaskTruth], bs: int, cf
 
 
 def _real_sampled(drafter, target, truths: Sequence[TaskTruth], results: Sequence[TaskResult], spec: TruthSpec,
-                  max_new_tokens: int, cfg: EvalConfig) -> dict[str, float]:
+                  max_new_tokens: int, cfg: EvalConfig, texts: Sequence[str] | None = None) -> dict[str, float]:
     """The real loop at the sampled setting (`sampled_decode`), one seeded run per truth: its τ with the CI over
     prompts, beside the simulated τ (the two have the same law; `eval/real/tau_in_sim_ci` says whether the real
     τ lies inside the simulated τ's interval)."""
     by_group: dict[str, list[int]] = {}
     for i, truth in enumerate(truths):
         gen = torch.Generator(device=target.device).manual_seed(int(cfg.seed) * 1_000_003 + 7_919 * i + 1)
+        prompt = texts[i] if texts else decoder(target)(truth.prompt_ids.tolist())
         r = sampled_speculative_decode(drafter, target, truth.prompt_ids, max_new_tokens, spec.sampling, gen,
-                                       spec.stop_ids)
+                                       spec.stop_ids, text_end=spec.text_end(prompt, decoder(target)))
         by_group.setdefault(truth.group, []).extend(r.taus)
     sums = [sum(v) for v in by_group.values()]
     counts = [len(v) for v in by_group.values()]

@@ -2,7 +2,9 @@
 draft → verify → commit with exact speculative sampling (`dflash.evaluation.rejection.accept_round`). A DFlash 2
 drafter drafts by its selector walk and its q is the walk's softmax over the k candidates (docs/dflash2.md).
 
-Both stop after a stop token (EOS / end of turn; the stop token is kept) or at `max_new_tokens`. At T = 0 the
+Both stop after a stop token (EOS / end of turn; the stop token is kept), with `text_end` (a code suite's rule,
+`dflash.data.stops`) after the token completing a stop sequence or the dedent below the prompt's body, or at
+`max_new_tokens`: where the ground truth ends (`dflash.data.writing.first_end`, the one cut). At T = 0 the
 speculative loop is the greedy one of `speculative.speculative_decode` (point masses everywhere) and reproduces
 `speculative.greedy_decode` token for token in float32.
 
@@ -17,18 +19,23 @@ from typing import Sequence
 
 import torch
 
+from dflash.data.stops import TextEnd
+from dflash.data.writing import first_end
 from dflash.evaluation.rejection import accept_round
 from dflash.evaluation.speculative import DecodeResult, TargetSession, _sync, drafter_autocast
 from dflash.target.sampling import Sampling, draw, warp
 
 
-def _first_stop(tokens: Sequence[int], stop_ids: frozenset[int]) -> int | None:
-    return next((i for i, t in enumerate(tokens) if t in stop_ids), None)
+def _end(tokens: list[int], stop_ids: frozenset[int], text_end: TextEnd | None) -> int | None:
+    """The continuation's length when `tokens` (all of it so far) has reached its end, else None."""
+    n, why = first_end(tokens, 0, stop_ids, text_end)
+    return None if why == "length" else n
 
 
 @torch.no_grad()
 def sample_decode(target, prompt_ids, max_new_tokens: int, sampling: Sampling,
-                  generator: torch.Generator | None, stop_ids: Sequence[int] = ()) -> DecodeResult:
+                  generator: torch.Generator | None, stop_ids: Sequence[int] = (),
+                  text_end: TextEnd | None = None) -> DecodeResult:
     """The target's own continuation at `sampling`: prefill, then one token per forward, drawn from `generator`."""
     stops = frozenset(int(t) for t in stop_ids)
     sess = TargetSession(target, need_features=False)
@@ -39,7 +46,7 @@ def sample_decode(target, prompt_ids, max_new_tokens: int, sampling: Sampling,
     while True:
         tok = draw(warp(logits[-1], sampling), generator).view(1)
         out.append(int(tok.item()))
-        if out[-1] in stops or len(out) >= max_new_tokens:
+        if out[-1] in stops or len(out) >= max_new_tokens or _end(out, stops, text_end) is not None:
             break
         _, logits = sess.forward_logits(tok, features=False)
     _sync(target.device)
@@ -49,7 +56,7 @@ def sample_decode(target, prompt_ids, max_new_tokens: int, sampling: Sampling,
 @torch.no_grad()
 def sampled_speculative_decode(drafter, target, prompt_ids, max_new_tokens: int, sampling: Sampling,
                                generator: torch.Generator | None, stop_ids: Sequence[int] = (),
-                               autocast: bool | None = None) -> DecodeResult:
+                               autocast: bool | None = None, text_end: TextEnd | None = None) -> DecodeResult:
     """Draft (each of the bs−1 positions drawn from the drafter's q_k, warped by `sampling`; its argmax when
     greedy) → verify (one target forward over anchor + drafts, warped into p) → `accept_round` → commit. The
     drafter's context features are the verify forward's hidden states of the committed tokens."""
@@ -63,7 +70,7 @@ def sampled_speculative_decode(drafter, target, prompt_ids, max_new_tokens: int,
     feats, logits = sess.forward_logits(prompt)
     anchor = draw(warp(logits[-1], sampling), generator).view(1)
     out = [int(anchor.item())]
-    limit = 1 if out[0] in stops else int(max_new_tokens)  # the continuation's end: a stop token or the cap
+    limit = _end(out, stops, text_end) or int(max_new_tokens)  # the continuation's end: a rule or the cap
     dcache = drafter.new_cache()
     with drafter_autocast(drafter, autocast):
         drafter.extend_context(dcache, feats.to(dev), 0)
@@ -85,9 +92,9 @@ def sampled_speculative_decode(drafter, target, prompt_ids, max_new_tokens: int,
         feats, logits = sess.forward_logits(block)
         m, tok = accept_round(warp(logits, sampling), draft, None if sampling.greedy else q_KV, generator)
         drafted = draft.tolist()
-        j = _first_stop(drafted[:m] + [tok], stops)
-        if j is not None:
-            limit = min(limit, len(out) + j + 1)
+        end = _end(out + drafted[:m] + [tok], stops, text_end)
+        if end is not None:
+            limit = min(limit, end)
         a = min(m, limit - len(out))  # drafts the round may keep before the continuation's end
         nxt = drafted[a] if a < m else tok
         sess.commit(snap, block, a + 1)

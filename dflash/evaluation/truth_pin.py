@@ -8,8 +8,9 @@ evaluates every cell on the same tokens; only the target features are recomputed
 
 A pin file is `<truth_dir>/<key[:24]>.json`, key = sha256 of what decides the ground truth apart from numerics:
 pin format, target identity, task names with their prompt tokens, max_new_tokens, and the protocol the tokens were
-written under (sampling setting, samples, seed, stop tokens; absent for the legacy greedy fixed-length pins, whose
-keys are unchanged), not the feature layers: a pin holds tokens only. It records, per task, its name, the sha256 of its prompt tokens and its continuation,
+written under (sampling setting, samples, seed, stop tokens, a code suite's stop sequences / dedent; absent for
+the legacy greedy fixed-length pins, whose keys are unchanged), not the feature layers: a pin holds tokens only.
+It records, per task, its name, the sha256 of its prompt tokens and its continuation,
 and a sha256 over the task list, so a hand edit or a torn file is caught. A pin that cannot be read, fails its
 checksum or disagrees with the suite is an error naming the file, never silently replaced: its tokens are
 what the user asked the evaluation to run on.
@@ -55,15 +56,16 @@ class PinnedSuite:
     prompts: tuple[tuple[int, ...], ...]  # each task's prompt tokens
     max_new_tokens: int
     vocab_size: int = 0  # pinned tokens must lie below it (0: unchecked); not part of the key
-    # how the tokens were written (`ground_truth.TruthSpec.key()`: sampling setting, samples, seed, stop tokens);
+    # how the tokens were written (`ground_truth.TruthSpec.key()`: sampling setting, samples, seed, stop tokens,
+    # the suite's code stop rule);
     # None = the legacy greedy fixed-length protocol, whose pins keep their old keys (and are never read for
     # any other protocol: the key differs)
     protocol: dict | None = None
 
     @property
     def ends(self) -> bool:
-        """Continuations end at a stop token: any length 1..max_new_tokens."""
-        return bool(self.protocol and self.protocol.get("stop_ids"))
+        """Continuations end at a stop token or a code suite's stop rule: any length 1..max_new_tokens."""
+        return bool(self.protocol and (self.protocol.get("stop_ids") or self.protocol.get("code_stop")))
 
     def key(self) -> str:
         payload = {"format": PIN_FORMAT, "target": self.target, "max_new_tokens": int(self.max_new_tokens),

@@ -32,20 +32,29 @@ from typing import Any, Iterable, Sequence
 
 import pandas as pd
 
-from dflash.evaluation.protocol import LEGACY_OBJECTIVE, OBJECTIVE
+from dflash.evaluation.protocol import LEGACY_OBJECTIVE, OBJECTIVE, OBJECTIVE_PROMPT_LOOKUP
 from dflash.evaluation.stats import Interval
 
-# the τ columns of stores written before evaluation named its setting (greedy, fixed-length ground truth)
-TAU_METRICS = [LEGACY_OBJECTIVE, "eval/tau_tree_16", "eval/tau_tree_64", "eval/tau_tree_256"]  # tree: nodes
+# Metric names (dflash.evaluation.protocol): a store's runs wrote either the current ones (the objective
+# eval/tau_served beside eval/tau_served_prompt_lookup; every setting's eval/<setting>/..., setting t1, t0, ...) or,
+# before evaluation named its setting, the legacy ones (eval/tau_vanilla beside eval/tau_prompt_lookup), which mean
+# the legacy protocol: greedy, fixed-length ground truth that loops. One name never reads as the other.
+TAU_METRICS = [LEGACY_OBJECTIVE, "eval/tau_tree_16", "eval/tau_tree_64", "eval/tau_tree_256"]  # legacy; tree: nodes
+LEGACY_SETTING = "legacy"  # ci_table's setting of the legacy names: greedy, fixed-length ground truth
 _SETTING_TREE_RE = re.compile(r"^eval/(?P<label>t[^/]+)/tau_tree_(?P<b>\d+)$")
-_SUITE_RE = re.compile(r"^eval/suite/(?P<suite>[^/]+)/tau_vanilla$")
+_SETTING_RE = re.compile(r"^eval/(?:suite/(?P<suite>[^/]+)/)?(?P<label>t[^/]+)/tau_vanilla$")
+_SUITE_RE = re.compile(r"^eval/suite/(?P<suite>[^/]+)/tau_vanilla$")  # legacy
 GROUP_COLS = ["loss", "noise", "buffer"]
 # Curves whose scale does not depend on the loss: comparable between runs of different losses
 # (train/loss of soft_kl is T²-scaled KL, 11-34 where CE reads ~5.5).
-# τ during training is the eval subset's (`eval/subset/...`); the full suite's `eval/tau_vanilla` is one final value.
+# τ during training is the eval subset's: `eval/subset/tau_served` (the served setting); stores before it logged the
+# legacy protocol's `eval/subset/tau_vanilla` (older ones `eval/tau_vanilla`: LEGACY_KEYS). The full suite's τ is one
+# final value.
 CURVE_KEYS = ["train/acc", "train/anchor_streak", "train/tau_rounds", "train/ce", "eval/subset/tau_served",
               "eval/subset/tau_vanilla"]
-BASELINE_METRIC = "eval/tau_prompt_lookup"  # τ of prompt-lookup decoding on the same ground truth
+BASELINE_METRIC = "eval/tau_prompt_lookup"  # legacy: prompt lookup's τ beside eval/tau_vanilla
+# prompt lookup's τ on the τ columns' ground truth: the objective's, else the legacy one (`baseline_metric`)
+BASELINES = (OBJECTIVE_PROMPT_LOOKUP, BASELINE_METRIC)
 CI_SUFFIXES = ("_ci_low", "_ci_high")
 CI_LEVEL = 0.95  # the rows' pooled intervals (the campaign report's level)
 # Config keys (and prefixes, ending in ".") that change neither what is trained nor what is measured: the
@@ -283,11 +292,18 @@ def tau_metrics(runs: pd.DataFrame) -> list[str]:
     return [OBJECTIVE, *(c for _, _, c in trees)]
 
 
+def baseline_metric(columns: Iterable[Any]) -> str:
+    """Prompt lookup's τ beside the τ columns `tau_metrics` picks: `eval/tau_served_prompt_lookup` where the runs
+    logged the objective, else the legacy `eval/tau_prompt_lookup`."""
+    return OBJECTIVE_PROMPT_LOOKUP if OBJECTIVE in set(columns) else BASELINE_METRIC
+
+
 def ablation_table(runs: pd.DataFrame, by: Sequence[str] = GROUP_COLS, metrics: Sequence[str] | None = None,
                    finished_only: bool = True, pool: Sequence[str] = ()) -> pd.DataFrame:
     """One row per set of comparable runs (module doc, `comparable_groups`): index `by` (+ `other`),
     columns (metric, mean|std|n|pooled|ci_low|ci_high) (pooled τ and its CI: `_pooled_interval`), (budget, steps|tokens), (runs, seeds), and
-    (BASELINE_METRIC, mean) when logged. `pool`: keys allowed to vary inside a row."""
+    (prompt lookup's τ, mean) when logged (`baseline_metric`: the objective's, else the legacy one). `pool`: keys
+    allowed to vary inside a row."""
     df = runs[runs["status"] == "FINISHED"] if finished_only and "status" in runs else runs
     metrics = [m for m in (tau_metrics(runs) if metrics is None else metrics) if m in df.columns]
     if df.empty or not metrics:
@@ -304,8 +320,9 @@ def ablation_table(runs: pd.DataFrame, by: Sequence[str] = GROUP_COLS, metrics: 
             parts[(m, "pooled")] = pooled.map(lambda iv: iv.value if isinstance(iv, Interval) else float("nan"))
             parts[(m, "ci_low")] = pooled.map(lambda iv: iv.low if isinstance(iv, Interval) else float("nan"))
             parts[(m, "ci_high")] = pooled.map(lambda iv: iv.high if isinstance(iv, Interval) else float("nan"))
-    if BASELINE_METRIC in df.columns and BASELINE_METRIC not in metrics:
-        parts[(BASELINE_METRIC, "mean")] = g[BASELINE_METRIC].mean()
+    base = baseline_metric(df.columns)
+    if base in df.columns and base not in metrics:
+        parts[(base, "mean")] = g[base].mean()
     for col in ("steps", "tokens"):
         if col in df.columns:
             parts[("budget", col)] = g[col].mean()
@@ -360,21 +377,38 @@ def _pooled_interval(group: pd.DataFrame, m: str, level: float = CI_LEVEL) -> An
     return pooled_ci(sums, counts, level) if sum(counts) else None
 
 
+def ci_prefixes(columns: Iterable[Any]) -> list[tuple[str, str, str]]:
+    """(suite, setting, metric prefix) of every τ the runs logged: the current names' objective suite
+    (`eval/<setting>/`) and suites (`eval/suite/<name>/<setting>/`), then the legacy names' (`eval/`,
+    `eval/suite/<name>/`; setting `LEGACY_SETTING`)."""
+    cols = [str(c) for c in columns]
+    found = {(m["suite"] or "", m["label"]) for c in cols if (m := _SETTING_RE.match(c))}
+    labels = sorted({lab for _, lab in found})
+    out = []
+    for lab in labels:
+        if ("", lab) in found:
+            out.append(("objective", lab, f"eval/{lab}/"))
+        out += [(s, lab, f"eval/suite/{s}/{lab}/") for s in sorted(s for s, la in found if s and la == lab)]
+    legacy = sorted({m["suite"] for c in cols if (m := _SUITE_RE.match(c))})
+    if LEGACY_OBJECTIVE in cols:
+        out.append(("objective", LEGACY_SETTING, "eval/"))
+    return out + [(s, LEGACY_SETTING, f"eval/suite/{s}/") for s in legacy]
+
+
 def ci_table(runs: pd.DataFrame, metrics: Sequence[str] = ("tau_vanilla", "tau_prompt_lookup"),
              digits: int = 2, label_cols: Sequence[str] = ("run_name", "loss", "noise", "buffer", "seed")
              ) -> pd.DataFrame:
-    """One row per run and suite: each τ metric as `value [ci_low, ci_high]` (the eval's bootstrap interval
-    over prompts, keys `<metric>_ci_low/_ci_high`) and `eval/tau_over_prompt_lookup`. Suites: the objective
-    (`eval/...`, suite "objective") and every `eval/suite/<name>/...` the runs logged."""
-    suites = sorted({m["suite"] for c in runs.columns if (m := _SUITE_RE.match(str(c)))})
-    prefixes = [("objective", "eval/")] + [(s, f"eval/suite/{s}/") for s in suites]
+    """One row per run, suite and setting: each τ metric as `value [ci_low, ci_high]` (the eval's bootstrap interval
+    over prompts, keys `<metric>_ci_low/_ci_high`) and `tau_over_prompt_lookup`. Suites: the objective and every
+    `eval/suite/<name>/...` the runs logged, at each setting (`t1`, `t0`, ...: `eval/<setting>/...`), and under the
+    legacy names (`eval/tau_vanilla`, setting `legacy`: greedy, fixed-length ground truth): `ci_prefixes`."""
     rows = []
     for _, r in runs.iterrows():
-        for suite, pre in prefixes:
+        for suite, setting, pre in ci_prefixes(runs.columns):
             if pd.isna(r.get(pre + "tau_vanilla")):
                 continue
             row = {c: r.get(c) for c in label_cols if c in runs.columns}
-            row["suite"] = suite
+            row["suite"], row["setting"] = suite, setting
             for m in metrics:
                 v, lo, hi = r.get(pre + m), r.get(f"{pre}{m}_ci_low"), r.get(f"{pre}{m}_ci_high")
                 row[m] = "" if pd.isna(v) else (f"{v:.{digits}f}" if pd.isna(lo) else
@@ -392,12 +426,12 @@ def format_table(table: pd.DataFrame, digits: int = 3) -> pd.DataFrame:
         return table
     out = pd.DataFrame(index=table.index)
     tops = dict.fromkeys(c[0] for c in table.columns)
-    for m in [t for t in tops if t not in ("runs", "budget", "pooled", BASELINE_METRIC)
-              or (t == BASELINE_METRIC and (t, "n") in table.columns)]:
+    for m in [t for t in tops if t not in ("runs", "budget", "pooled", *BASELINES)
+              or (t in BASELINES and (t, "n") in table.columns)]:
         out[m] = table.apply(lambda row, m=m: _fmt_cell(row, m, digits), axis=1)
-    if (BASELINE_METRIC, "mean") in table.columns and (BASELINE_METRIC, "n") not in table.columns:
-        base = table[(BASELINE_METRIC, "mean")]
-        out["prompt lookup τ"] = base.map(lambda v: "" if pd.isna(v) else f"{v:.{digits}f}")
+    for b in BASELINES:
+        if (b, "mean") in table.columns and (b, "n") not in table.columns:
+            out["prompt lookup τ"] = table[(b, "mean")].map(lambda v: "" if pd.isna(v) else f"{v:.{digits}f}")
     if ("budget", "steps") in table.columns:
         out["steps"] = table[("budget", "steps")].map(lambda v: "" if pd.isna(v) else f"{v:.0f}")
     if ("budget", "tokens") in table.columns:
@@ -526,12 +560,26 @@ def sweep_parent(tracking_uri: str, study: str, experiment: str | None = "dflash
             "params": dict(r.data.params), "metrics": dict(r.data.metrics)}
 
 
-def summary_frame(info: dict[str, Any], keys: Sequence[str] = ("train/acc", "train/anchor_streak", "train/ce",
-                                                               "train/loss", OBJECTIVE, *TAU_METRICS, BASELINE_METRIC)
-                  ) -> pd.DataFrame:
-    """Final values of the headline metrics of one run (`run_info(...)`), each τ with the evaluation's
-    confidence interval (`ci_low`, `ci_high`; empty where none was logged)."""
+HEADLINE_KEYS = ("train/acc", "train/anchor_streak", "train/ce", "train/loss")
+
+
+def summary_keys(metrics: Iterable[str]) -> list[str]:
+    """The headline metrics a run logged: training's, the objective with prompt lookup beside it, each setting's
+    τ, prompt lookup and trees on the objective suite (`eval/<setting>/...`), then the legacy names."""
+    ms = set(metrics)
+    settings = sorted({m["label"] for k in ms if (m := _SETTING_RE.match(k)) and not m["suite"]})
+    per = [f"eval/{lab}/{what}" for lab in settings for what in ("tau_vanilla", "tau_prompt_lookup")]
+    trees = sorted((m["label"], int(m["b"]), k) for k in ms if (m := _SETTING_TREE_RE.match(k)))
+    keys = [*HEADLINE_KEYS, OBJECTIVE, OBJECTIVE_PROMPT_LOOKUP, *per, *(k for *_, k in trees), *TAU_METRICS,
+            BASELINE_METRIC]
+    return [k for k in keys if k in ms]
+
+
+def summary_frame(info: dict[str, Any], keys: Sequence[str] | None = None) -> pd.DataFrame:
+    """Final values of the headline metrics of one run (`run_info(...)`; `keys` default: `summary_keys`), each τ
+    with the evaluation's confidence interval (`ci_low`, `ci_high`; empty where none was logged)."""
     m = info["metrics"]
+    keys = summary_keys(m) if keys is None else keys
     shown = [k for k in keys if k in m]
     lo, hi = CI_SUFFIXES
     return pd.DataFrame({"metric": shown, "value": [m[k] for k in shown],

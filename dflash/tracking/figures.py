@@ -222,10 +222,10 @@ def plot_tau_table(table: pd.DataFrame, metrics: Sequence[str] | None = None, ti
     """Grouped bars rising from τ = 1 (no drafter), error bars from the evaluation's CI (else the spread
     over seeds), prompt-lookup's τ as a black tick per row when logged; the y-axis fits the data.
     `metrics`: default the table's τ columns."""
-    from dflash.tracking.analysis import BASELINE_METRIC
+    from dflash.tracking.analysis import BASELINES
     if metrics is None:  # the table's own τ columns (`analysis.tau_metrics` chose them)
         metrics = [m for m in dict.fromkeys(table.columns.get_level_values(0))
-                   if isinstance(m, str) and m.startswith("eval/") and m != BASELINE_METRIC]
+                   if isinstance(m, str) and m.startswith("eval/") and m not in BASELINES]
     labels = [_row_label(table.index.names, i, sep="\n") for i in table.index]  # one factor a line: no overlap
     extra = max([lab.count("\n") for lab in labels] or [0])
     fig, axes = _fig(w=max(6.0, 1.6 * max(len(table), 1) + 2), h=4.0 + 0.18 * extra)
@@ -247,8 +247,9 @@ def plot_tau_table(table: pd.DataFrame, metrics: Sequence[str] | None = None, ti
                             fontsize=7, color="dimgray")
         lows.append(float((mean - below).min()))
         highs.append(float((mean + above).max()))
-    if (BASELINE_METRIC, "mean") in table.columns and table[(BASELINE_METRIC, "mean")].notna().any():
-        base = table[(BASELINE_METRIC, "mean")]
+    shown = [b for b in BASELINES if (b, "mean") in table.columns and table[(b, "mean")].notna().any()]
+    if shown:  # prompt lookup beside the objective (its own name, or the legacy one)
+        base = table[(shown[0], "mean")]
         ax.hlines(base, [i - 0.45 for i in range(len(table))], [i + 0.45 for i in range(len(table))],
                   colors="black", linewidth=2, label="prompt lookup")
         lows.append(float(base.min()))

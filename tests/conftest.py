@@ -58,6 +58,21 @@ def reference_target():
         return Target(TargetConfig(device="cpu"))
 
 
+@pytest.fixture(scope="session")
+def byte_target():
+    """A tiny random hybrid target over a byte tokenizer (readable text, every byte a token), built once for the
+    session (read-only use): the sampled-evaluation and stop-rule tests' target."""
+    import warnings
+
+    from dflash.target.model import Target, TargetConfig, TinyTargetSpec
+    spec = TinyTargetSpec(hidden_size=64, num_layers=4, num_heads=2, num_kv_heads=1, head_dim=32,
+                          intermediate_size=128, linear_num_key_heads=1, linear_num_value_heads=2,
+                          linear_head_dim=16, seed=7)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return Target(TargetConfig(device="cpu", random=spec, layer_ids=[0, 2], tokenizer="bytes"))
+
+
 class LenCache:
     """The cache of a scripted test drafter: only the committed length (DrafterCache's crop contract)."""
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import itertools
 import json
-import warnings
 
 import pytest
 import torch
@@ -110,17 +109,6 @@ def test_accept_round_point_mass_accepts_with_the_targets_probability():
     assert all(tok == 1 for m, tok in ms if m == 0)  # the residual of a point mass at 0: p without token 0
 
 
-@pytest.fixture(scope="module")
-def tiny_target():
-    from dflash.target.model import Target, TargetConfig, TinyTargetSpec
-    spec = TinyTargetSpec(hidden_size=64, num_layers=4, num_heads=2, num_kv_heads=1, head_dim=32,
-                          intermediate_size=128, linear_num_key_heads=1, linear_num_value_heads=2,
-                          linear_head_dim=16, seed=7)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return Target(TargetConfig(device="cpu", random=spec, layer_ids=[0, 2], tokenizer="bytes"))
-
-
 def _drafter(target, bs=4, seed=0):
     torch.manual_seed(seed)
     d = build_drafter(DrafterConfig(num_layers=1, head_dim=16, intermediate_size=64, block_size=bs),
@@ -169,18 +157,18 @@ class SupportDrafter(torch.nn.Module):
 
 
 @pytest.mark.parametrize("runs", [250, pytest.param(1000, marks=pytest.mark.slow)])
-def test_speculative_sampling_is_lossless_on_a_tiny_target(tiny_target, runs):
+def test_speculative_sampling_is_lossless_on_a_byte_target(byte_target, runs):
     """The first 3 committed tokens of the real loop against the target's exact law at T=1, top_k=2 (8
     outcomes), over `runs` seeds (the fast run 250, ~25 s; the slow one 1,000); the target's own sampler (the
     sampled ground truth's) likewise in the slow run."""
     s, prompt, n = Sampling(1.0, 1.0, 2), [5, 17, 33, 2, 9], 3
-    law = _exact_law(tiny_target, prompt, s, n)
+    law = _exact_law(byte_target, prompt, s, n)
     likely = sorted({t for seq in law for t in seq})
-    drafter = SupportDrafter(likely[:3] + [200], tiny_target.vocab_size, bs=4)
+    drafter = SupportDrafter(likely[:3] + [200], byte_target.vocab_size, bs=4)
     counts = dict.fromkeys(law, 0)
     taus = []
     for seed in range(runs):
-        r = sampled_speculative_decode(drafter, tiny_target, prompt, n, s, torch.Generator().manual_seed(seed))
+        r = sampled_speculative_decode(drafter, byte_target, prompt, n, s, torch.Generator().manual_seed(seed))
         counts[tuple(r.tokens)] += 1
         taus += r.taus
     keys = sorted(law)
@@ -190,30 +178,30 @@ def test_speculative_sampling_is_lossless_on_a_tiny_target(tiny_target, runs):
         return
     own = dict.fromkeys(law, 0)
     for seed in range(runs):
-        own[tuple(sample_decode(tiny_target, prompt, n, s, torch.Generator().manual_seed(seed)).tokens)] += 1
+        own[tuple(sample_decode(byte_target, prompt, n, s, torch.Generator().manual_seed(seed)).tokens)] += 1
     assert _pvalue([own[k] for k in keys], [law[k] for k in keys]) > ALPHA
 
 
-def test_greedy_setting_reproduces_greedy_decoding(tiny_target):
-    drafter = _drafter(tiny_target, seed=3)
+def test_greedy_setting_reproduces_greedy_decoding(byte_target):
+    drafter = _drafter(byte_target, seed=3)
     for prompt in ([5, 17, 33], [1, 2, 3, 4, 5, 6]):
-        g = greedy_decode(tiny_target, prompt, 20)
-        s = sampled_speculative_decode(drafter, tiny_target, prompt, 20, GREEDY, None)
+        g = greedy_decode(byte_target, prompt, 20)
+        s = sampled_speculative_decode(drafter, byte_target, prompt, 20, GREEDY, None)
         assert s.tokens == g.tokens
 
 
-def test_stop_tokens_end_the_continuation(tiny_target):
-    drafter = _drafter(tiny_target, seed=3)
-    g = greedy_decode(tiny_target, [5, 17, 33], 20).tokens
+def test_stop_tokens_end_the_continuation(byte_target):
+    drafter = _drafter(byte_target, seed=3)
+    g = greedy_decode(byte_target, [5, 17, 33], 20).tokens
     stop = g[6]
     first = g.index(stop)
-    s = sampled_speculative_decode(drafter, tiny_target, [5, 17, 33], 20, GREEDY, None, stop_ids=[stop])
+    s = sampled_speculative_decode(drafter, byte_target, [5, 17, 33], 20, GREEDY, None, stop_ids=[stop])
     assert s.tokens == g[:first + 1]
-    assert sample_decode(tiny_target, [5, 17, 33], 20, GREEDY, None, stop_ids=[stop]).tokens == g[:first + 1]
+    assert sample_decode(byte_target, [5, 17, 33], 20, GREEDY, None, stop_ids=[stop]).tokens == g[:first + 1]
     assert list(itertools.accumulate(s.taus))[-1] >= first
 
 
-def test_simulated_tau_at_t1_agrees_with_the_real_loop(tiny_target):
+def test_simulated_tau_at_t1_agrees_with_the_real_loop(byte_target):
     """The evaluator's τ at T=1 (rounds simulated on sampled paths with the rule's acceptance coins) against the
     real draft → verify → commit loop's measured τ on the same prompts (independent seeds): the real τ lies inside
     the simulated τ's 95% CI over prompts (`eval/real/tau_in_sim_ci`), and their intervals overlap."""
@@ -227,8 +215,8 @@ def test_simulated_tau_at_t1_agrees_with_the_real_loop(tiny_target):
                      sampling=SamplingConfig(1.0, 1.0, 0))
     tasks = [Task(f"p{i}", text) for i, text in enumerate(["def f(x):", "import os\n", "class A:\n  ", "# sum\n",
                                                              "for i in", "x = [1, 2"])]
-    rep = evaluate(_drafter(tiny_target, bs=4, seed=5), tiny_target, cfg, tasks,
-                   spec=TruthSpec(s, 4, 0, stop_ids(tiny_target)))
+    rep = evaluate(_drafter(byte_target, bs=4, seed=5), byte_target, cfg, tasks,
+                   spec=TruthSpec(s, 4, 0, stop_ids(byte_target)))
     m, st = rep.metrics, rep.stats
     assert 1.2 < m["eval/tau_vanilla"] < 3.5  # drafts are accepted and rejected: the comparison has content
     assert m["eval/real/tau_in_sim_ci"] == 1.0, (m["eval/real/tau"], st["eval/tau_vanilla_ci_low"],

@@ -5,12 +5,11 @@ target whose continuations end where the rules say."""
 from __future__ import annotations
 
 import random
-import warnings
 
 import pytest
 import torch
 
-from dflash.data.stops import END_REASONS, CodeStop, TextEnd, body_indent
+from dflash.data.stops import END_REASONS, CodeStop, body_indent
 from dflash.data.writing import ends_at_stop, first_end
 
 # A toy vocabulary of text pieces: indentation, newlines, keywords, a multi-byte character split in two
@@ -146,23 +145,12 @@ def test_keys_and_pins_carry_the_rule(tmp_path):
         PinnedSuite("t", ("a",), ((1, 2),), 4, 0, eos.key()).read(path)
 
 
-@pytest.fixture(scope="module")
-def byte_target():
-    from dflash.target.model import Target, TargetConfig, TinyTargetSpec
-    spec = TinyTargetSpec(hidden_size=64, num_layers=4, num_heads=2, num_kv_heads=1, head_dim=32,
-                          intermediate_size=128, linear_num_key_heads=1, linear_num_value_heads=2,
-                          linear_head_dim=16, seed=7)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return Target(TargetConfig(device="cpu", random=spec, layer_ids=[0, 2], tokenizer="bytes"))
-
-
 def test_ground_truth_ends_where_the_rule_says(byte_target, tmp_path):
     """End to end on a tiny random target at T=1 and T=0: each continuation under a stop sequence (a byte the target
     writes often) is the uncut one up to the reference cut; the evaluation's table and metrics count the ends; the
     real sampled loop stops where the rule says."""
     from dflash.drafter.model import DrafterConfig, build_drafter
-    from dflash.evaluation import EvalConfig, StopConfig
+    from dflash.evaluation import EvalConfig
     from dflash.evaluation.ground_truth import TruthSpec, build_ground_truth, decoder, end_reasons
     from dflash.evaluation.prompts import Suite, Task
     from dflash.evaluation.protocol import stop_ids

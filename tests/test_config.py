@@ -37,7 +37,8 @@ def _keys(cls, prefix=""):
 def _flat(d, prefix=""):
     out = set()
     for k, v in d.items():
-        out |= _flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {prefix + k}
+        # an empty mapping is a value (eval.stop.sequences: {}), not a group without keys
+        out |= _flat(v, f"{prefix}{k}.") if isinstance(v, dict) and v else {prefix + k}
     return out
 
 

@@ -117,8 +117,8 @@ def agreement_section(c, out: Path | None, i: int, cells: list[dict], suite: str
                                   option_means(other, suite), served))
     if not rows and not missing:
         return []
-    lines = [f"Rank agreement with the served order (T=1; Kendall's τ-b over the options both orders have; winner = "
-             f"highest mean, loser = lowest). Served order: "
+    lines = ["Rank agreement with the served order (T=1; Kendall's τ-b over the options both orders have; winner = "
+             "highest mean, loser = lowest). Served order: "
              + ", ".join(f"{o} {v:.3f}" for o, v in sorted(served.items(), key=lambda kv: -kv[1])) + ".", "",
              "| ordering | options | Kendall τ-b | winner | loser | agrees |", "|---|---|---|---|---|---|"]
     for r in rows:

@@ -135,7 +135,7 @@ def _reference_walk(d, hidden_KH, logits_KV, anchor):
 def test_selector_walk_matches_a_plain_reference_and_q_is_softmax_of_scores():
     d = _dflash2()
     with torch.no_grad():
-        for p in (d.candidate_selector.parameters()):
+        for p in d.candidate_selector.parameters():
             p.normal_()  # pair scores as large as the unary ones: the walk must differ from the argmax
     hidden = torch.randn(3, 5, 32, dtype=torch.float64)
     anchors = torch.tensor([3, 7, 11])
@@ -162,7 +162,7 @@ def test_logits_are_scaled_then_soft_capped():
 def test_path_probs_are_the_sampled_walks_q_along_its_own_path():
     d = _dflash2()
     with torch.no_grad():
-        for p in (d.candidate_selector.parameters()):
+        for p in d.candidate_selector.parameters():
             p.normal_()
     hidden = torch.randn(3, 5, 32, dtype=torch.float64)
     anchors = torch.tensor([3, 7, 11])

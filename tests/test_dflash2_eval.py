@@ -17,7 +17,7 @@ HIDDEN, L, V, BS = 32, 3, 50, 4
 
 def _strong_selector(d):
     with torch.no_grad():  # pair scores as large as the unary ones: the walk departs from the argmax
-        for p in (d.candidate_selector.parameters()):
+        for p in d.candidate_selector.parameters():
             p.normal_(std=1.0)
     return d
 
@@ -142,7 +142,7 @@ def test_dflash2_speculative_sampling_is_lossless_on_a_tiny_target(tiny_target):
     law = _exact_law(tiny_target, prompt, s, n)
     d = _dflash2_on(tiny_target)
     with torch.no_grad():  # pair scores of order 1: q spread over the candidates, not one of them
-        for p in (d.candidate_selector.parameters()):
+        for p in d.candidate_selector.parameters():
             p.normal_(std=0.5)
     # unary logits that leave exactly three candidates: the two tokens the target samples at the first drafted
     # position and one it never samples; drafts are accepted, rejected for a residual draw, and rejected outright

@@ -1,8 +1,8 @@
 """The DFlash 2 serving folder: export → load_drafter round trip; the tensor names of the published DFlash 2
 checkpoints; a re-implementation of z-lab's DFlash2DraftModel (z-lab/dflash `dflash/model.py` at 07ebd93: its conv
 offsets, selector modules and the key mapping its from_pretrained applies), written here, loads our folder strictly
-and gives our logits and selector scores within 1e-4 and our greedy walk; a folder with z-lab's / the trainers' field names loads; mismatched block size or
-mask id are refused by name."""
+and gives our logits and selector scores within 1e-4 and our greedy walk; a folder with z-lab's / the trainers'
+field names loads; mismatched block size or mask id are refused by name."""
 from __future__ import annotations
 
 import json

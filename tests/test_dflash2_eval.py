@@ -88,7 +88,7 @@ def test_dflash2_decoding_is_lossless_and_matches_the_simulation(reference_targe
 
 
 # ------------------------------------------------------------------ sampled (T > 0): the walk's q, exact rejection
-from tests.test_eval_sampling import ALPHA, _exact_law, _pvalue, tiny_target  # noqa: E402,F401 (fixture)
+from tests.test_eval_sampling import ALPHA, _exact_law, _pvalue  # noqa: E402
 
 
 def _sampled_truth(d):
@@ -133,26 +133,26 @@ def _dflash2_on(target, bs=4):
     return _strong_selector(d).eval()
 
 
-def test_dflash2_speculative_sampling_is_lossless_on_a_tiny_target(tiny_target):
+def test_dflash2_speculative_sampling_is_lossless_on_a_tiny_target(byte_target):
     """The real loop with the selector's sampled walk as the draft and its q in the rejection rule: the first 3
     committed tokens against the target's exact law at T=1, top_k=2, over 250 seeds (~25 s)."""
     from dflash.evaluation.sampled_decode import sampled_speculative_decode
     from dflash.target.sampling import Sampling
     s, prompt, n = Sampling(1.0, 1.0, 2), [5, 17, 33, 2, 9], 3
-    law = _exact_law(tiny_target, prompt, s, n)
-    d = _dflash2_on(tiny_target)
+    law = _exact_law(byte_target, prompt, s, n)
+    d = _dflash2_on(byte_target)
     with torch.no_grad():  # pair scores of order 1: q spread over the candidates, not one of them
         for p in d.candidate_selector.parameters():
             p.normal_(std=0.5)
     # unary logits that leave exactly three candidates: the two tokens the target samples at the first drafted
     # position and one it never samples; drafts are accepted, rejected for a residual draw, and rejected outright
     second = sorted({seq[1] for seq in law})
-    row = torch.full((tiny_target.vocab_size,), -1e4)
+    row = torch.full((byte_target.vocab_size,), -1e4)
     row[second + [200]] = 0.0
     d.logits = lambda hidden: row.expand(*hidden.shape[:-1], row.numel()).clone()
     counts, taus = dict.fromkeys(law, 0), []
     for seed in range(250):
-        r = sampled_speculative_decode(d, tiny_target, prompt, n, s, torch.Generator().manual_seed(seed))
+        r = sampled_speculative_decode(d, byte_target, prompt, n, s, torch.Generator().manual_seed(seed))
         counts[tuple(r.tokens)] += 1
         taus += r.taus
     keys = sorted(law)

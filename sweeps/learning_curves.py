@@ -116,22 +116,37 @@ def _reference(budgets: Sequence[str]) -> str | None:
     return evals[-1] if evals else None
 
 
+def order_agreement(order: dict[str, float], reference: dict[str, float]) -> dict | None:
+    """How `order` ({option: mean}) ranks the options against `reference`: Kendall's τ-b over the options both
+    have, its winner (highest mean) and loser (lowest), and whether they are the reference's; None below two options
+    in common. The one comparison of two orders: a budget against the final one here, a setting or an older
+    campaign against the served order (sweeps/protocol_agreement.py)."""
+    opts = sorted(set(order) & set(reference))
+    if len(opts) < 2:
+        return None
+    top = lambda d, pick: pick(opts, key=lambda o: d[o])  # noqa: E731
+    win, lose = top(order, max), top(order, min)
+    return {"n": len(opts), "kendall_tau_b": kendall_tau_b([order[o] for o in opts], [reference[o] for o in opts]),
+            "winner": win, "loser": lose, "winner_agrees": win == top(reference, max),
+            "loser_agrees": lose == top(reference, min)}
+
+
+def agrees_word(row: dict) -> str:
+    """"yes", "winner only", "loser only" or "no": an `order_agreement` row's winner and loser against the
+    reference's."""
+    if row["winner_agrees"] and row["loser_agrees"]:
+        return "yes"
+    return "winner only" if row["winner_agrees"] else "loser only" if row["loser_agrees"] else "no"
+
+
 def agreement_rows(curves: dict[str, dict[str, float]]) -> list[dict]:
     """Per budget: Kendall's τ-b with the final budget's order, and whether winner / loser agree."""
     budgets = _budgets(curves)
-    final, opts = _reference(budgets), sorted(curves)
+    final = _reference(budgets)
     if len(curves) < 2 or final is None:
         return []
-    ref = [curves[o][final] for o in opts]
-    best, worst = max(opts, key=lambda o: curves[o][final]), min(opts, key=lambda o: curves[o][final])
-    rows = []
-    for b in budgets:
-        vals = [curves[o][b] for o in opts]
-        rows.append({"budget": b, "kendall_tau_b": kendall_tau_b(vals, ref),
-                     "winner": max(opts, key=lambda o: curves[o][b]), "loser": min(opts, key=lambda o: curves[o][b]),
-                     "winner_agrees": max(opts, key=lambda o: curves[o][b]) == best,
-                     "loser_agrees": min(opts, key=lambda o: curves[o][b]) == worst})
-    return rows
+    ref = {o: c[final] for o, c in curves.items()}
+    return [{"budget": b, **order_agreement({o: c[b] for o, c in curves.items()}, ref)} for b in budgets]
 
 
 def smallest_agreeing_budget(rows: Sequence[dict]) -> str | None:
@@ -163,9 +178,7 @@ def curve_section(cells: Sequence[dict], objective: str, factor: str) -> list[st
     lines += ["", "Rank agreement with the final budget's order (Kendall's τ-b over the options; winner = highest "
               "mean, loser = lowest):", "", "| ordering by | Kendall τ-b | winner | loser | agrees |", "|---|---|---|---|---|"]
     for r in rows:
-        agree = "yes" if r["winner_agrees"] and r["loser_agrees"] else (
-            "winner only" if r["winner_agrees"] else "loser only" if r["loser_agrees"] else "no")
-        lines.append(f"| {r['budget']} | {r['kendall_tau_b']:+.2f} | {r['winner']} | {r['loser']} | {agree} |")
+        lines.append(f"| {r['budget']} | {r['kendall_tau_b']:+.2f} | {r['winner']} | {r['loser']} | {agrees_word(r)} |")
     if FINAL in budgets:  # a shared milestone is no short run of the longer option: no smallest budget to read
         return lines + ["", "The options trained at different budgets: `final` is each one's last evaluation, and a "
                         "shared milestone is mid-schedule for the longer run (its LR has not decayed there), so no "

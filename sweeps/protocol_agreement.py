@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from sweeps.learning_curves import kendall_tau_b
+from sweeps.learning_curves import agrees_word, order_agreement
 
 SETTING_NAMES = {"served": "at the served setting", "t0": "greedy (T=0)"}
 
@@ -71,17 +71,12 @@ def option_means(cells: list[dict], suite: str, setting: str = "served") -> dict
 
 
 def agreement_row(name: str, order: dict[str, float], served: dict[str, float]) -> dict:
-    """Kendall's τ-b of `order` against the served order over the options both have, and whether its winner and
-    loser (highest and lowest mean) are the served order's."""
-    common = sorted(set(order) & set(served))
-    if len(common) < 2:
-        return {"ordering": name, "n": len(common)}
-    tau = kendall_tau_b([order[o] for o in common], [served[o] for o in common])
-    top = lambda d, f: f(common, key=lambda o: d[o])  # noqa: E731
-    win, lose = top(order, max), top(order, min)
-    agrees = [w for w, ok in (("winner", win == top(served, max)), ("loser", lose == top(served, min))) if ok]
-    return {"ordering": name, "n": len(common), "tau_b": tau, "winner": win, "loser": lose,
-            "agrees": "yes" if len(agrees) == 2 else (f"{agrees[0]} only" if agrees else "no")}
+    """`order` against the served order (`learning_curves.order_agreement`), named and with its agreement in words;
+    only `ordering` and `n` below two options in common."""
+    row = order_agreement(order, served)
+    if row is None:
+        return {"ordering": name, "n": len(set(order) & set(served))}
+    return {"ordering": name, **row, "tau_b": row["kendall_tau_b"], "agrees": agrees_word(row)}
 
 
 def _other_stage_cells(name: str, out: Path | None, factor: str) -> tuple[list[dict] | None, str]:

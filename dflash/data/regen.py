@@ -82,20 +82,23 @@ def greedy_generate(target, prompt_ids_BP: torch.Tensor, max_new_tokens: int,
 
 
 # -- conversations, turn by turn ----------------------------------------------------------------------------
+def _stop_ids(end) -> tuple[int, ...]:
+    """`end` (the end-of-turn id, several stop ids, or None) as a tuple of ids."""
+    return () if end is None else (end,) if isinstance(end, int) else tuple(end)
+
+
 def until_end(tokens: list[int], end) -> list[int]:
     """A response up to and including its first end token (the whole of it when there is none): the one cut of
     every writer (`dflash.data.writing.ends_at_stop`). `end`: the end-of-turn id, several stop ids, or None."""
     from dflash.data.writing import ends_at_stop
-    stops = () if end is None else (end,) if isinstance(end, int) else tuple(end)
-    return tokens[:ends_at_stop(tokens, 0, stops)]
+    return tokens[:ends_at_stop(tokens, 0, _stop_ids(end))]
 
 
 def turn_text(tokenizer, tokens: list[int], end) -> str:
     """A written turn's content: its tokens up to its first end token (`until_end`), that token dropped
     (reasoning and calls as the model wrote them, in the text)."""
     turn = until_end(list(tokens), end)
-    stops = () if end is None else {end} if isinstance(end, int) else set(end)
-    return tokenizer.decode(turn[:-1] if turn and turn[-1] in stops else turn)
+    return tokenizer.decode(turn[:-1] if turn and turn[-1] in _stop_ids(end) else turn)
 
 
 def target_responder(target, end_id: int | None, max_new_tokens: int, batch_size: int = 16,

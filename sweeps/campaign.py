@@ -94,6 +94,9 @@ class Campaign:
     # earlier campaigns (their names, in the same `out` store) whose stages of the same factor the report ranks this
     # one's against: the served campaign's loss stage against the old protocol's (sweeps/protocol_agreement.py)
     compare_with: list[str] = dataclasses.field(default_factory=list)
+    # factors whose cells start first where stages share one pool of workers (`stage_groups`), in this order: the
+    # slowest cells (more layers, uncompiled) first, so the pool's last wave is short cells, not one long straggler
+    start_first: list[str] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass
@@ -155,7 +158,17 @@ def parse_campaign(raw: Any, where: str) -> Campaign:
     if not isinstance(c.seeds, list) or not all(isinstance(s, int) and not isinstance(s, bool) for s in c.seeds) \
             or not c.seeds or len(set(c.seeds)) != len(c.seeds):
         raise ConfigError(f"{where}: seeds={c.seeds!r}; expected a non-empty list of distinct integers")
+    factors = [st.factor for st in c.stages]
+    if not isinstance(c.start_first, list) or not set(c.start_first) <= set(factors):
+        raise ConfigError(f"{where}: start_first={c.start_first!r}; expected a list of the stages' factors {factors}")
     return c
+
+
+def start_order(c: Campaign, cells: Sequence[Cell], runs: Sequence[int]) -> list[int]:
+    """`runs` (indices into `cells`) in the order a pool starts them: the factors of `c.start_first` first, in
+    that order, then the rest as listed (a stable sort)."""
+    rank = {f: i for i, f in enumerate(c.start_first)}
+    return sorted(runs, key=lambda i: rank.get(cells[i].factor, len(rank)))
 
 
 def _options(raw: Any, where: str) -> tuple[list[str], dict[str, list[str]] | None]:
@@ -513,7 +526,7 @@ def _run_stage(c: Campaign, cells: list[Cell], out: Path, done: dict[str, dict],
 
     runner = launcher or LocalLauncher(LauncherConfig())
 
-    runs = sorted(set(first.values()))
+    runs = start_order(c, cells, sorted(set(first.values())))
     with ThreadPoolExecutor(max_workers=c.workers) as pool:
         ran = dict(zip(runs, pool.map(one, runs)))
     results = []

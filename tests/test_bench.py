@@ -325,3 +325,16 @@ def test_drafter_step_bench_of_a_dflash2_drafter_with_muon_counts_its_modules(fa
     plain = DrafterStepBench(fast_cfg(), target, BenchConfig(seq_len=48, anchors=4, warmup=1, iters=1))
     assert bench.useful_flops() > plain.useful_flops()  # convs, selector and the top-k's logits on top
     assert torch.isfinite(torch.tensor(bench.run()["flops_per_tok"]))
+
+
+def test_each_drafter_steps_own_peak_memory_is_printed_where_measured():
+    """A GPU bench records every drafter step's own peak (DFlash 1 beside DFlash 2 in one process); a CPU one has
+    none, and its rows say nothing of memory."""
+    from dflash.bench.runner import format_table
+    side = {"tok_s": 1000.0, "flops_per_tok": 2e9, "sec_per_step": 0.5, "mfu": 0.5}
+    out = {"device": "H200", "kernels": "fla", "drafter": {**side, "peak_mem_gb": 61.25},
+           "drafter_variants": {"drafter.architecture=dflash2": {**side, "peak_mem_gb": 70.04}, "cpu": side}}
+    rows = {line.split("  ")[0]: line for line in format_table(out).splitlines()}
+    assert "peak 61.2 GiB" in rows["drafter tok/s"]
+    assert "peak 70.0 GiB" in rows["drafter tok/s [drafter.architecture=dflash2]"]
+    assert "GiB" not in rows["drafter tok/s [cpu]"]

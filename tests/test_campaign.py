@@ -116,6 +116,25 @@ def test_one_pool_runs_each_distinct_config_once(monkeypatch, tmp_path):
     assert results[1]["value"] == results[0]["value"]
 
 
+def test_a_shared_pool_starts_the_start_first_factors_first(monkeypatch, tmp_path):
+    import sweeps.campaign as campaign
+    c = load_campaign("served", ["campaign.workers=1"])  # one worker: the start order is the run order
+    assert c.start_first == ["recipe", "drafter"] and stage_groups(c) == [[0, 1, 2]]
+    cells = [x for i in range(len(c.stages)) for x in stage_cells(c, i, {})]
+    ran = []
+
+    def fake_run(c_, cell, out, gpu=None, share=0):
+        ran.append(cell.factor)
+        return {**cell.labels(), "value": 1.0, "consumed_tokens": 1}
+    monkeypatch.setattr(campaign, "run_cell", fake_run)
+    monkeypatch.setattr(campaign, "prepare_store", lambda *a: None)
+    campaign._run_stage(c, cells, tmp_path, {}, None)
+    # 2 recipe cells, 8 drafter cells less dflash1_adamw's two (the loss stage's hard_ce runs: same config), 12 loss
+    assert ran == ["recipe"] * 2 + ["drafter"] * 6 + ["loss"] * 12
+    with pytest.raises(ConfigError, match="start_first"):
+        load_campaign("served", ["campaign.start_first=[noise]"])
+
+
 def _fake_cells_that_keep_their_records(monkeypatch, campaign, earlier: dict) -> list:
     """run_cell records value 3.0 with the cell's overrides into `earlier`, where a later launch's cell_result finds
     it by run folder name; returns the list of cell ids run."""

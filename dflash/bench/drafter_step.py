@@ -103,13 +103,17 @@ class DrafterStepBench:
         return {k: v / steps for k, v in ev.times.items()}
 
     def run(self) -> dict:
+        cuda = self.device.type == "cuda"
+        if cuda:  # this drafter's own peak (the target's weights resident included), apart from other variants'
+            torch.cuda.reset_peak_memory_stats(self.device)
         flops = self.useful_flops()
         for _ in range(self.b.warmup):
             self.step()
         sec = timed(self.step, self.b.iters, self.device)
-        cuda = self.device.type == "cuda"
         data_tokens = self.b.drafter_batch * self.b.seq_len
         out = {"tok_s": data_tokens / sec, "flops_per_tok": flops / data_tokens, "sec_per_step": sec, "phases": {}}
+        if cuda:
+            out["peak_mem_gb"] = torch.cuda.max_memory_allocated(self.device) / 2**30
         try:  # a breakdown that fails (a hook a compiled module refuses) must not cost the step's figure
             out["phases"] = self.phases() if cuda else {}
         except Exception as e:  # noqa: BLE001

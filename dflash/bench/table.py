@@ -10,7 +10,7 @@ def _sides(out: dict) -> list[tuple[str, str, str]]:
         if side in out:
             s = out[side]
             rows.append((f"{side} tok/s", f"{s['tok_s']:,.0f}",
-                         f"{s['flops_per_tok'] / 1e9:.1f} GFLOP/tok, MFU {s.get('mfu', 0):.0%}"))
+                         f"{s['flops_per_tok'] / 1e9:.1f} GFLOP/tok, MFU {s.get('mfu', 0):.0%}{_peak(s)}"))
     base = out.get("target", {}).get("tok_s", 0.0)
     for label, s in out.get("target_variants", {}).items():
         if "error" in s:
@@ -26,6 +26,11 @@ def _sides(out: dict) -> list[tuple[str, str, str]]:
     return rows
 
 
+def _peak(s: dict) -> str:
+    """A drafter step's own peak GPU memory (DrafterStepBench), where it was measured."""
+    return f", peak {s['peak_mem_gb']:.1f} GiB" if "peak_mem_gb" in s else ""
+
+
 def _drafter_variants(out: dict) -> list[tuple[str, str, str]]:
     rows, base = [], out.get("drafter", {}).get("tok_s", 0.0)
     for label, s in out.get("drafter_variants", {}).items():
@@ -34,7 +39,7 @@ def _drafter_variants(out: dict) -> list[tuple[str, str, str]]:
             continue
         ratio = f"{s['tok_s'] / base:.2f}x the default, " if base else ""
         rows.append((f"drafter tok/s [{label}]", f"{s['tok_s']:,.0f}",
-                     f"{ratio}{s['sec_per_step'] * 1e3:.1f} ms/step, MFU {s.get('mfu', 0):.0%}"))
+                     f"{ratio}{s['sec_per_step'] * 1e3:.1f} ms/step, MFU {s.get('mfu', 0):.0%}{_peak(s)}"))
     if "back_to_back_tok_s" in out:
         rows.append(("back-to-back tok/s", f"{out['back_to_back_tok_s']:,.0f}",
                      f"MFU {out.get('back_to_back_mfu', 0):.0%} (serial sum of the two sides)"))

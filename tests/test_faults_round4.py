@@ -108,6 +108,30 @@ def test_a_damaged_store_with_runs_exits_2_with_its_repair_before_any_work(tmp_p
     assert not (tmp_path / "r").exists()
 
 
+def test_a_store_left_with_a_hot_journal_by_a_kill_is_rolled_back_and_tracks(tmp_path):
+    """A process killed inside a write transaction (kill -9, the OOM killer, a lost machine) leaves a hot journal
+    beside the store; the next run's check rolls it back and tracks, where a read-only check had refused the store
+    as unreadable ("attempt to write a readonly database") and a resume after a kill could not start."""
+    db = tmp_path / "mlflow.db"
+    uri = f"sqlite:///{db}"
+    first = _healthy_logger(uri)
+    # a tiny page cache spills the uncommitted rows into the file, so the journal is hot when the process dies
+    code = ("import os, sqlite3, sys; con = sqlite3.connect(sys.argv[1], isolation_level=None); "
+            "con.execute('PRAGMA cache_size=1'); con.execute('BEGIN'); "
+            "[con.execute('INSERT INTO tags (key, value, run_uuid) VALUES (?, ?, ?)', (f'k{i}', 'x' * 200, 'r')) "
+            "for i in range(3000)]; os._exit(0)")
+    subprocess.run([sys.executable, "-c", code, str(db)], check=True, timeout=120)
+    assert (tmp_path / "mlflow.db-journal").is_file()
+    from dflash.tracking.store import check_tracking_uri
+    check_tracking_uri(uri)  # refused before the fix
+    assert not (tmp_path / "mlflow.db-journal").exists()
+    second = _healthy_logger(uri)
+    assert second.healthy and second.run_id != first.run_id
+    con = sqlite3.connect(db)
+    assert con.execute("SELECT COUNT(*) FROM tags WHERE run_uuid = 'r'").fetchone()[0] == 0  # rolled back
+    con.close()
+
+
 # ------------------------------------------------------------------ row 9: a URI that cannot be tracked
 def test_an_untrackable_uri_exits_2_before_any_work(tmp_path):
     out = subprocess.run([sys.executable, "-m", "experiments.run", *FAST, f"run_dir={tmp_path / 'r'}",

@@ -88,8 +88,11 @@ def _head_revision() -> str:
 
 
 def store_state(db: Path) -> tuple[str | None, int | None]:
-    """(the schema revision, the number of runs) of a sqlite store, None where the table is missing."""
-    con = sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=30)
+    """(the schema revision, the number of runs) of a sqlite store, None where the table is missing. Opened
+    read-write (never created): a process killed inside a transaction (SIGKILL, OOM, a lost machine) leaves a hot
+    journal, which sqlite rolls back on the next open, and a read-only connection cannot: it failed with "attempt to
+    write a readonly database", and a resume after a kill -9 was refused as an unreadable store."""
+    con = sqlite3.connect(f"file:{db}?mode=rw", uri=True, timeout=30)
     try:
         tables = {r[0] for r in con.execute("SELECT name FROM sqlite_master WHERE type='table'")}
         rev = con.execute("SELECT version_num FROM alembic_version").fetchone() if "alembic_version" in tables \

@@ -338,3 +338,19 @@ def test_each_drafter_steps_own_peak_memory_is_printed_where_measured():
     assert "peak 61.2 GiB" in rows["drafter tok/s"]
     assert "peak 70.0 GiB" in rows["drafter tok/s [drafter.architecture=dflash2]"]
     assert "GiB" not in rows["drafter tok/s [cpu]"]
+
+
+def test_the_dflash2_bench_variant_is_the_27b_dflash2_drafter():
+    """docs/dflash2.md measures DFlash 2 at 27B shapes as overrides of the published drafter in one process (one
+    target built): those overrides must compose exactly conf/drafter/dflash2_qwen3_6_27b.yaml."""
+    import re
+    from pathlib import Path
+
+    from dflash.bench.config import variant_configs
+    from experiments.bench import compose_config, parse_bench_args
+    doc = (Path(__file__).resolve().parent.parent / "docs" / "dflash2.md").read_text()
+    d2 = re.search(r'D2="([^"]+)"', doc).group(1).replace("$L", "sliding_attention")
+    base = ["+target=qwen3_6_27b_random", "+trainer=gpu", "+tracking=off"]
+    b, overrides, _ = parse_bench_args([*base, "+drafter=published", f"bench.drafter_variants={d2}", "results="])
+    variant = variant_configs(compose_config(overrides), b.drafter_variants, "drafter_variants")[d2]
+    assert variant.drafter == compose_config([*base, "+drafter=dflash2_qwen3_6_27b"]).drafter

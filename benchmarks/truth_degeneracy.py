@@ -24,7 +24,7 @@ def suite_figures(target, cfg, suite, spec) -> dict:
     from dflash.data.stops import END_REASONS
     from dflash.evaluation.ground_truth import end_reasons, load_or_build_ground_truth
     from dflash.evaluation.prompt_lookup import PromptLookupProposer
-    from dflash.evaluation.report import _sums, degeneracy_metrics, human_metrics
+    from dflash.evaluation.report import _sums, degeneracy_metrics, human_metrics, prompt_texts
     spec = spec.for_suite(suite)  # the suite's own code stop rule (eval.stop)
     truths, _ = load_or_build_ground_truth(target, suite.tasks, suite.max_new_tokens, cfg.eval.cache_dir, "",
                                            suite.name, spec)
@@ -36,8 +36,7 @@ def suite_figures(target, cfg, suite, spec) -> dict:
     out["gt_tau_prompt_lookup"] = sum(s) / max(sum(n), 1)
     out["gt_mean_tokens"] = sum(t.n_new for t in truths) / len(truths)
     out["gt_count"] = len(truths)
-    by_name = {t.name: t.prompt for t in suite.tasks}
-    why = end_reasons(target, truths, spec, [by_name[t.group] for t in truths])
+    why = end_reasons(target, truths, spec, prompt_texts(suite, truths))
     out.update({f"gt_end_{r}": why.count(r) for r in END_REASONS})
     human = human_metrics(target, suite, truths, bs, cfg.eval, spec)
     out.update({k.removeprefix("eval/"): v for k, v in human.items()})

@@ -31,7 +31,7 @@ from typing import Sequence
 from dflash.evaluation import EvalConfig
 from dflash.evaluation.ground_truth import TaskTruth, TruthSpec, cache_key, load_or_build_ground_truth
 from dflash.evaluation.protocol import labelled, objective_metrics, served_label, table_places, truth_specs
-from dflash.evaluation.prompts import DATA_SUITES, Suite, Task, resolve_suite, suite_label, suite_stop
+from dflash.evaluation.prompts import DATA_SUITES, Suite, Task, objective_suite, resolve_suite
 from dflash.evaluation.report import EvalReport, end_counts, evaluate
 
 log = logging.getLogger(__name__)
@@ -51,10 +51,7 @@ def subset_key(metric: str) -> str:
 
 def config_suites(cfg: EvalConfig, tasks: Sequence[Task] | None = None) -> list[Suite]:
     """[objective, *extra] as resolved Suites (`tasks` replaces the objective's tasks)."""
-    label = suite_label(cfg.suite)
-    objective = Suite(label, list(tasks), int(cfg.max_new_tokens), suite_stop(cfg, label)) if tasks is not None \
-        else resolve_suite(cfg.suite, cfg)
-    return [objective, *(resolve_suite(s, cfg) for s in cfg.extra_suites)]
+    return [objective_suite(cfg, tasks), *(resolve_suite(s, cfg) for s in cfg.extra_suites)]
 
 
 class TruthMemo:

@@ -71,8 +71,7 @@ class TruthSpec:
 
     def for_suite(self, suite) -> "TruthSpec":
         """This setting with `suite`'s own code stop rule (`Suite.stop`, from `eval.stop`)."""
-        stop = getattr(suite, "stop", None)
-        return self if stop == self.code_stop else replace(self, code_stop=stop or None)
+        return self if suite.stop == self.code_stop else replace(self, code_stop=suite.stop or None)
 
     def text_end(self, prompt: str, decode) -> TextEnd | None:
         return self.code_stop.for_prompt(prompt, decode) if self.code_stop else None

@@ -129,3 +129,12 @@ def resolve_suite(suite: str, cfg) -> Suite:
         return Suite(suite, [], int(cfg.max_new_tokens))  # the data fills it in
     label = suite_label(suite)
     return Suite(label, load_suite(suite), int(cfg.max_new_tokens), suite_stop(cfg, label))
+
+
+def objective_suite(cfg, tasks=None) -> Suite:
+    """`eval.suite` as a Suite (`cfg`: the EvalConfig); `tasks` (a list of Task) replaces its tasks, under its
+    label and with its code stop rule."""
+    if tasks is None:
+        return resolve_suite(cfg.suite, cfg)
+    label = suite_label(cfg.suite)
+    return Suite(label, list(tasks), int(cfg.max_new_tokens), suite_stop(cfg, label))

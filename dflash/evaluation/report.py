@@ -58,7 +58,7 @@ from dflash.data.writing import first_end
 from dflash.evaluation.ground_truth import TaskTruth, TruthSpec, decoder, end_reasons, load_or_build_ground_truth
 from dflash.evaluation.sampled_decode import sampled_speculative_decode
 from dflash.target.sampling import Sampling
-from dflash.evaluation.prompts import Suite, Task, resolve_suite, suite_label, suite_stop
+from dflash.evaluation.prompts import Suite, Task, objective_suite, suite_label
 from dflash.evaluation.speculative import greedy_decode, speculative_decode
 
 log = logging.getLogger(__name__)
@@ -301,9 +301,7 @@ def evaluate(drafter, target, cfg: EvalConfig, tasks: Sequence[Task] | None = No
     several tasks a prompt). The drafter is put in eval mode and restored to its previous mode."""
     t0 = time.perf_counter()
     if suite is None:
-        label = suite_label(cfg.suite)
-        suite = Suite(label, list(tasks), int(cfg.max_new_tokens), suite_stop(cfg, label)) if tasks is not None \
-            else resolve_suite(cfg.suite, cfg)
+        suite = objective_suite(cfg, tasks)
     elif tasks is not None:
         suite = Suite(suite.name, list(tasks), suite.max_new_tokens, suite.stop)
     spec = TruthSpec() if spec is None else spec.for_suite(suite)  # the suite's own code stop rule
@@ -349,7 +347,7 @@ def evaluate(drafter, target, cfg: EvalConfig, tasks: Sequence[Task] | None = No
         if cfg.prompt_lookup.enabled:
             metrics.update(human_metrics(target, suite, truths, bs, cfg, spec))
         metrics["eval/gt_mean_tokens"] = sum(t.n_new for t in truths) / len(truths)
-        texts = _prompt_texts(suite, truths)
+        texts = prompt_texts(suite, truths)
         if spec.ends:  # which rule ended each continuation (a fixed-length ground truth has none)
             why = end_reasons(target, truths, spec, texts)
             for row, w in zip(table, why):
@@ -378,7 +376,7 @@ def _ends_text(spec: TruthSpec) -> str:
     return " or ".join(rules)
 
 
-def _prompt_texts(suite: Suite, truths: Sequence[TaskTruth]) -> list[str] | None:
+def prompt_texts(suite: Suite, truths: Sequence[TaskTruth]) -> list[str] | None:
     """Each truth's prompt string (a sampled truth's is its prompt's); None when a truth's task is not the
     suite's (the prompt tokens are decoded then)."""
     by_name = {t.name: t.prompt for t in suite.tasks}

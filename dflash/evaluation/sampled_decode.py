@@ -46,7 +46,7 @@ def sample_decode(target, prompt_ids, max_new_tokens: int, sampling: Sampling,
     while True:
         tok = draw(warp(logits[-1], sampling), generator).view(1)
         out.append(int(tok.item()))
-        if out[-1] in stops or len(out) >= max_new_tokens or _end(out, stops, text_end) is not None:
+        if len(out) >= max_new_tokens or _end(out, stops, text_end) is not None:
             break
         _, logits = sess.forward_logits(tok, features=False)
     _sync(target.device)

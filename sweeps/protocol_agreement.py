@@ -76,7 +76,7 @@ def agreement_row(name: str, order: dict[str, float], served: dict[str, float]) 
     row = order_agreement(order, served)
     if row is None:
         return {"ordering": name, "n": len(set(order) & set(served))}
-    return {"ordering": name, **row, "tau_b": row["kendall_tau_b"], "agrees": agrees_word(row)}
+    return {"ordering": name, **row, "agrees": agrees_word(row)}
 
 
 def _other_stage_cells(name: str, out: Path | None, factor: str) -> tuple[list[dict] | None, str]:
@@ -117,10 +117,10 @@ def agreement_section(c, out: Path | None, i: int, cells: list[dict], suite: str
              + ", ".join(f"{o} {v:.3f}" for o, v in sorted(served.items(), key=lambda kv: -kv[1])) + ".", "",
              "| ordering | options | Kendall τ-b | winner | loser | agrees |", "|---|---|---|---|---|---|"]
     for r in rows:
-        if "tau_b" not in r:
+        if "kendall_tau_b" not in r:
             lines.append(f"| {r['ordering']} | {r['n']} | — | — | — | too few options in common |")
         else:
-            lines.append(f"| {r['ordering']} | {r['n']} | {r['tau_b']:+.2f} | {r['winner']} | {r['loser']} | "
+            lines.append(f"| {r['ordering']} | {r['n']} | {r['kendall_tau_b']:+.2f} | {r['winner']} | {r['loser']} | "
                          f"{r['agrees']} |")
     if missing:
         lines += ["", "Not compared: " + "; ".join(missing) + "."]

@@ -55,10 +55,10 @@ def test_agreement_row_names_the_changed_winner_and_the_kendall_tau():
     greedy = {"a": 2.0, "b": 3.0, "c": 1.0, "d": 0.4}  # a and b swap: the winner changes, the loser holds
     row = agreement_row("t0", greedy, served)
     keys = sorted(served)
-    assert abs(row["tau_b"] - _kendall_by_hand([greedy[k] for k in keys], [served[k] for k in keys])) < 1e-12
+    assert abs(row["kendall_tau_b"] - _kendall_by_hand([greedy[k] for k in keys], [served[k] for k in keys])) < 1e-12
     assert (row["winner"], row["loser"], row["agrees"]) == ("b", "d", "loser only")
     assert agreement_row("same", served, served)["agrees"] == "yes"
-    assert "tau_b" not in agreement_row("one", {"a": 1.0, "z": 2.0}, served)  # one option in common: no order
+    assert "kendall_tau_b" not in agreement_row("one", {"a": 1.0, "z": 2.0}, served)  # one option in common: no order
 
 
 def test_report_shows_greedy_beside_served_and_ranks_against_the_old_protocol(tmp_path):

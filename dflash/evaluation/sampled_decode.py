@@ -62,7 +62,7 @@ def sampled_speculative_decode(drafter, target, prompt_ids, max_new_tokens: int,
     drafter's context features are the verify forward's hidden states of the committed tokens."""
     stops = frozenset(int(t) for t in stop_ids)
     prompt = torch.as_tensor(prompt_ids, dtype=torch.long)
-    P, bs = prompt.numel(), drafter.block_size
+    P = prompt.numel()
     dev = next(drafter.parameters()).device
     sess = TargetSession(target, need_features=True)
     _sync(target.device)

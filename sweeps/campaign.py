@@ -39,6 +39,7 @@ the pin trains its reference again under it when that reference ran before pinni
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import logging
 import os
@@ -329,22 +330,38 @@ def run_cell(c: Campaign, cell: Cell, out: Path, gpu: str | None = None, share: 
     start_tokens = tokens_at_resume(run_dir)
     log.info("cell %s: %s", cell.id, " ".join(cmd[1:]))
     t0 = time.time()
-    with open(run_dir.parent / f"{cell.id}.log", "a") as logf:
+    log_path = run_dir.parent / f"{cell.id}.log"
+    with open(log_path, "a") as logf:
+        leg_start = logf.tell()
         rc = call(cmd, gpu, stdout=logf, stderr=subprocess.STDOUT, env=cell_env(share or c.workers))
     if rc != 0:  # recorded for this launch only (no cell.json): the next launch runs it again
-        log.error("cell %s exited %d; see %s", cell.id, rc, run_dir.parent / f"{cell.id}.log")
-        return {**cell.labels(), "run_dir": str(run_dir), "value": None, "consumed_tokens": None, "failed": rc}
+        log.error("cell %s exited %d; see %s", cell.id, rc, log_path)
+        oom = {"oom": True} if ran_out_of_gpu_memory(log_path, leg_start) else {}
+        return {**cell.labels(), "run_dir": str(run_dir), "value": None, "consumed_tokens": None, "failed": rc, **oom}
     result = {**cell.labels(), "overrides": cell.overrides, "run_dir": str(run_dir),
               "objective": c.objective, "value": last_logged(run_dir, c.objective),
               "consumed_tokens": last_logged(run_dir, "data/consumed_tokens"),
               "leg_tokens": (last_logged(run_dir, "data/consumed_tokens") or 0.0) - start_tokens,
               "epochs": last_logged(run_dir, "data/epochs"),
               "consumed_tok_s": last_logged(run_dir, "perf/consumed_tok_s"),
+              "gpu_reserved_peak_gb": last_logged(run_dir, "perf/gpu_reserved_peak_gb"),
               "phases_s": {k.removeprefix("sys/"): last_logged(run_dir, k) for k in PHASES},
               "wall_s_this_leg": round(time.time() - t0, 1), "resumed": any(a.startswith("resume=") for a in cmd),
               "target_fingerprint": trained_for(run_dir)}
     atomic_write_text(run_dir / "cell.json", json.dumps(result, indent=2))
     return result
+
+
+OOM_MARKS = (b"CUDA out of memory", b"OutOfMemoryError")  # torch's CUDA allocator error, its message and its type
+
+
+def ran_out_of_gpu_memory(log_path: Path, offset: int) -> bool:
+    """Whether the cell's log from `offset` on (this leg's output) ends in a GPU out-of-memory error: its last
+    64 KiB hold the traceback."""
+    with open(log_path, "rb") as f:
+        f.seek(max(offset, f.seek(0, os.SEEK_END) - (64 << 10)))
+        tail = f.read()
+    return any(m in tail for m in OOM_MARKS)
 
 
 def trained_for(run_dir: Path) -> str | None:
@@ -520,9 +537,22 @@ def _run_stage(c: Campaign, cells: list[Cell], out: Path, done: dict[str, dict],
             log.warning("cell %s not started: the campaign's deadline has passed (run again to continue)",
                         cells[i].id)
             return None
-        before_run()
         share = c.workers if isinstance(runner, LocalLauncher) else 1
-        return runner.run(CellTask(c, cells[i], out, share), cells[i].id)
+        for again in itertools.count():
+            before_run()
+            r = runner.run(CellTask(c, cells[i], out, share), cells[i].id)
+            if again:
+                r = {**r, "oom_restarts": again}
+            # out of GPU memory beside other cells: the launcher lets fewer share that GPU (LocalLauncher), and the
+            # cell starts again (from its checkpoint, if it saved one) once there is room; alone, it does not fit
+            if not (r.get("oom") and r.get("at_once", 1) > 1):
+                return r
+            if deadline is not None and time.time() > deadline:
+                log.warning("cell %s ran out of GPU memory and is not started again: the campaign's deadline has "
+                            "passed (run again to continue)", cells[i].id)
+                return r
+            log.warning("cell %s ran out of GPU memory with %d cells on its GPU: it starts again when fewer share it",
+                        cells[i].id, r["at_once"])
 
     runner = launcher or LocalLauncher(LauncherConfig())
 

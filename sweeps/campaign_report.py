@@ -308,9 +308,30 @@ def _speed_lines(summary: dict) -> list[str]:
                    f"{mean.get('setup_s', 0):.0f} s, training {mean.get('loop_s', 0):.0f} s, saving "
                    f"{mean.get('save_s', 0):.0f} s, final evaluation {mean.get('final_eval_s', 0):.0f} s (the rest: "
                    f"process start and imports).")
+    out += _gpu_memory_lines(summary.get("cells", []))
     if not summary.get("complete", True):
         out.append("**The campaign is not complete**: the stages below are what it finished.")
     return [*(f"- {x}" for x in out), ""] if out else []
+
+
+def _gpu_memory_lines(cells: list[dict]) -> list[str]:
+    """The GPU memory the cells' processes reserved at their peak, the largest per option (what sizes `workers`
+    on another GPU), and the cells that ran out of it beside others and started again with fewer at once."""
+    peaks: dict[str, float] = {}
+    for x in cells:
+        if x.get("gpu_reserved_peak_gb") and not x.get("reused_from"):
+            k = f"{x['factor']}/{x['option']}"
+            peaks[k] = max(peaks.get(k, 0.0), x["gpu_reserved_peak_gb"])
+    lines = []
+    if peaks:
+        lines.append("GPU memory a cell reserved at its peak (`perf/gpu_reserved_peak_gb`, the largest of its seeds), "
+                     "the sum of the cells that ran at once is what their GPU had to hold: " + ", ".join(
+                         f"{k} {v:.1f} GiB" for k, v in sorted(peaks.items(), key=lambda kv: -kv[1])) + ".")
+    again = [f"{x['cell']} ({x['oom_restarts']}×)" for x in cells if x.get("oom_restarts")]
+    if again:
+        lines.append("Started again after running out of GPU memory beside other cells, with fewer at once "
+                     "(`sweeps.launcher.LocalLauncher`): " + ", ".join(again) + ".")
+    return lines
 
 
 def _target_line(cells: list[dict]) -> str:

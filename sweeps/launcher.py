@@ -16,6 +16,7 @@ environment's; Slurm sets CUDA_VISIBLE_DEVICES for a job's own GPUs) and returni
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 import os
 import signal
@@ -27,6 +28,7 @@ from typing import Any, Callable, Iterator
 
 from dflash.config import ConfigError
 
+log = logging.getLogger(__name__)
 BACKENDS = ("local", "slurm")
 
 
@@ -77,30 +79,66 @@ def detect_gpus() -> list[str]:
 
 
 class LocalLauncher:
-    """Tasks in the caller's thread, each on the GPU with the fewest tasks at that moment (thread-safe)."""
+    """Tasks in the caller's thread, each on the GPU with the fewest tasks at that moment (thread-safe).
+
+    A task whose result says it ran out of GPU memory (`oom`, a campaign cell's CUDA out-of-memory error) lowers
+    its GPU's limit to one task fewer than shared it then, and the result says how many did (`at_once`): the
+    caller may run it again, and it waits until the GPU has room. Ten cells at the served campaign's shapes held
+    119.6 GiB of an H200 (benchmarks/log/2026-12-04.md), more than an H100 has, so `workers=10` there would
+    otherwise lose the cells that did not fit instead of running them in fewer at once."""
 
     def __init__(self, cfg: LauncherConfig):
         self.gpus = cfg.gpus if cfg.gpus is not None else detect_gpus()
         self._busy = {g: 0 for g in self.gpus}
-        self._lock = threading.Lock()
+        self.limit: dict[str, int | None] = {g: None for g in self.gpus}  # None: as many as the caller starts
+        self._most: dict[str, list[list[int]]] = {g: [] for g in self.gpus}  # per running task: most beside it
+        self._room = threading.Condition()
 
     @contextmanager
     def placed(self) -> Iterator[str | None]:
-        if not self.gpus:
-            yield None
-            return
-        with self._lock:
-            gpu = min(self.gpus, key=lambda g: self._busy[g])
-            self._busy[gpu] += 1
-        try:
+        with self._placed() as (gpu, _):
             yield gpu
+
+    @contextmanager
+    def _placed(self) -> Iterator[tuple[str | None, list[int]]]:
+        """(the GPU a task runs on, [the most tasks that GPU held at once while it ran])."""
+        if not self.gpus:
+            yield None, [1]
+            return
+        with self._room:
+            while not (open_ := [g for g in self.gpus if self.limit[g] is None or self._busy[g] < self.limit[g]]):
+                self._room.wait()
+            gpu = min(open_, key=lambda g: self._busy[g])
+            self._busy[gpu] += 1
+            most = [0]
+            self._most[gpu].append(most)
+            for m in self._most[gpu]:
+                m[0] = max(m[0], self._busy[gpu])
+        try:
+            yield gpu, most
         finally:
-            with self._lock:
+            with self._room:
                 self._busy[gpu] -= 1
+                self._most[gpu].remove(most)
+                self._room.notify_all()
 
     def run(self, task: Callable[[str | None], Any], name: str) -> Any:
-        with self.placed() as gpu:
-            return task(gpu)
+        with self._placed() as (gpu, most):
+            result = task(gpu)
+        if gpu is not None and isinstance(result, dict) and result.get("oom"):
+            result = {**result, "at_once": self._fewer_at_once(gpu, most[0], name)}
+        return result
+
+    def _fewer_at_once(self, gpu: str, at_once: int, name: str) -> int:
+        """Lower `gpu`'s limit to one task fewer than the `at_once` that shared it while `name` ran out of its
+        memory; returns `at_once`. Strictly fewer each time: a task runs again under the limit, so it terminates."""
+        with self._room:
+            lower = max(1, at_once - 1)
+            if self.limit[gpu] is None or lower < self.limit[gpu]:
+                self.limit[gpu] = lower
+                log.warning("%s ran out of GPU %s's memory with up to %d task(s) on that GPU: at most %d at once "
+                            "there from now on", name, gpu, at_once, lower)
+            return at_once
 
 
 class SlurmLauncher:

@@ -32,10 +32,14 @@ def test_fla_forward_matches_torch_fallback():
     assert torch.allclose(fast, slow, atol=2e-2, rtol=2e-2), (fast - slow).abs().max()
 
 
-def test_gpu_training_steps(fast_cfg):
+def test_gpu_training_steps(fast_cfg, tmp_path):
     from dflash.app.run import train
+    from sweeps.support import last_logged
     res = train(fast_cfg("trainer.device=cuda", "target.device=cuda", "+loss=soft_kl"))
     assert res.metrics["train/loss"] == res.metrics["train/loss"]  # not NaN
+    # what a campaign cell records of its GPU memory (sweeps/campaign.py: cell.json's gpu_reserved_peak_gb)
+    peak = last_logged(tmp_path / "run", "perf/gpu_reserved_peak_gb")
+    assert peak is not None and 0 < peak <= torch.cuda.get_device_properties(0).total_memory / 2**30
 
 
 V, H, B, T, N, bs = 512, 256, 2, 300, 12, 16  # the kernel tests' shapes

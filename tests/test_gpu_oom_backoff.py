@@ -1,0 +1,114 @@
+"""Campaign cells that run out of GPU memory beside each other start again with fewer cells sharing the GPU
+(sweeps.launcher.LocalLauncher's per-GPU limit, sweeps.campaign's restart), instead of being lost for the launch:
+on a GPU with room for two cells, four started together all finish, and no more than two run at once afterwards."""
+from __future__ import annotations
+
+import threading
+import time
+
+from sweeps.campaign import load_campaign, ran_out_of_gpu_memory, run_cell, stage_cells
+from sweeps.campaign_report import _gpu_memory_lines
+from sweeps.launcher import LauncherConfig, LocalLauncher
+
+TORCH_OOM = ("Traceback (most recent call last):\n  File \"experiments/run.py\", line 1\n"
+             "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity "
+             "of 79.19 GiB of which 1.06 GiB is free.\n")
+
+
+class TwoCellGpu:
+    """A fake GPU with room for two cells: a cell that had more than two resident beside it while it allocated
+    (its first `settle_s`) runs out of memory and leaves; one that fits trains for `train_s`."""
+
+    def __init__(self, settle_s: float = 0.15, train_s: float = 0.1):
+        self.lock, self.settle_s, self.train_s = threading.Lock(), settle_s, train_s
+        self.allocating: list[list[int]] = []  # per cell allocating now: [the most resident meanwhile]
+        self.resident = 0
+        self.finished_beside: list[int] = []  # the most resident while each finished cell allocated
+
+    def run_cell(self, c, cell, out, gpu=None, share=0) -> dict:
+        assert gpu == "0"
+        most = [0]
+        with self.lock:
+            self.resident += 1
+            self.allocating.append(most)
+            for m in self.allocating:
+                m[0] = max(m[0], self.resident)
+        time.sleep(self.settle_s)
+        with self.lock:
+            self.allocating.remove(most)
+        if most[0] > 2:
+            with self.lock:
+                self.resident -= 1
+            return {**cell.labels(), "value": None, "consumed_tokens": None, "failed": 1, "oom": True}
+        time.sleep(self.train_s)
+        with self.lock:
+            self.resident -= 1
+            self.finished_beside.append(most[0])
+        return {**cell.labels(), "value": 2.0, "consumed_tokens": 1}
+
+
+def _four_cells(monkeypatch, workers: int = 4):
+    """Four loss cells (two losses, two seeds: four distinct runs), keyed by their overrides: composing each
+    cell's config would take longer than the deadline test's tenth of a second."""
+    import sweeps.campaign as campaign
+    monkeypatch.setattr(campaign, "config_key", lambda overrides: " ".join(overrides))
+    c = load_campaign("served", [f"campaign.workers={workers}"])
+    return c, stage_cells(c, 0, {})[:4]
+
+
+def test_cells_out_of_gpu_memory_together_start_again_fewer_at_once_and_all_finish(monkeypatch, tmp_path):
+    import sweeps.campaign as campaign
+    c, cells = _four_cells(monkeypatch)
+    gpu = TwoCellGpu()
+    monkeypatch.setattr(campaign, "run_cell", gpu.run_cell)
+    launcher = LocalLauncher(LauncherConfig(gpus=["0"]))
+    results = campaign._run_stage(c, cells, tmp_path, {}, None, launcher=launcher)
+    assert [r["value"] for r in results] == [2.0] * 4 and not any(r.get("failed") for r in results)
+    assert launcher.limit["0"] == 2  # lowered from four at once until two fit
+    assert len(gpu.finished_beside) == 4 and max(gpu.finished_beside) <= 2
+    assert all(r.get("oom_restarts", 0) >= 1 for r in results)  # all four started together and ran out
+    lines = "\n".join(_gpu_memory_lines([{**r, "gpu_reserved_peak_gb": 11.5} for r in results]))
+    assert "Started again after running out of GPU memory" in lines and "s0-loss-hard_ce-seed0 (" in lines
+    assert "loss/hard_ce 11.5 GiB" in lines
+
+
+def test_a_cell_that_runs_out_of_gpu_memory_alone_or_after_the_deadline_is_not_started_again(monkeypatch, tmp_path):
+    import sweeps.campaign as campaign
+    c, cells = _four_cells(monkeypatch, workers=1)
+    starts = []
+
+    def alone_oom(c_, cell, out, gpu=None, share=0):
+        starts.append(cell.id)
+        return {**cell.labels(), "value": None, "consumed_tokens": None, "failed": 1, "oom": True}
+    monkeypatch.setattr(campaign, "run_cell", alone_oom)
+    launcher = LocalLauncher(LauncherConfig(gpus=["0"]))
+    results = campaign._run_stage(c, cells[:1], tmp_path, {}, None, launcher=launcher)
+    assert starts == [cells[0].id] and results[0]["oom"] and results[0]["at_once"] == 1  # alone: it does not fit
+    assert launcher.limit["0"] == 1
+
+    c, cells = _four_cells(monkeypatch)
+    gpu = TwoCellGpu(settle_s=0.3)
+    monkeypatch.setattr(campaign, "run_cell", gpu.run_cell)
+    results = campaign._run_stage(c, cells, tmp_path, {}, time.time() + 0.1,
+                                  launcher=LocalLauncher(LauncherConfig(gpus=["0"])))
+    assert all(r["oom"] and "oom_restarts" not in r for r in results)  # out of memory after the deadline: left
+
+
+def test_run_cell_says_a_leg_ran_out_of_gpu_memory_from_its_own_log_only(monkeypatch, tmp_path):
+    import sweeps.campaign as campaign
+    c, cells = _four_cells(monkeypatch)
+    legs = iter([TORCH_OOM, "Traceback (most recent call last):\nValueError: a bad batch\n"])
+
+    def fake_call(cmd, gpu, stdout=None, **kw):
+        stdout.write(next(legs))
+        stdout.flush()
+        return 1
+    monkeypatch.setattr(campaign, "call", fake_call)
+    first = run_cell(c, cells[0], tmp_path, gpu="0")
+    assert first["failed"] == 1 and first["oom"] is True
+    second = run_cell(c, cells[0], tmp_path, gpu="0")  # the same log, appended: its earlier OOM is not this leg's
+    assert second["failed"] == 1 and "oom" not in second
+    log = tmp_path / "a.log"
+    log.write_bytes(b"x" * (100 << 10) + TORCH_OOM.encode())
+    assert ran_out_of_gpu_memory(log, 0) and not ran_out_of_gpu_memory(log, log.stat().st_size)
+

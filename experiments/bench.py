@@ -92,11 +92,12 @@ def main(argv: list[str] | None = None) -> dict:
     table = format_table(out)
     print(table, flush=True)
     shapes = {k: str(v) for k, v in out.get("shapes", {}).items()}
-    ml = MLflowLogger(cfg.tracking, flatten_config({**to_dict(cfg), "bench": dataclasses.asdict(bench)}),
-                      {"dflash.kind": "bench", **shapes, "target": cfg.target.name})
-    ml.log({**headline(out), **_flat_numbers(out)}, 0)
-    ml.log_dict(out, "bench.json")
-    ml.close()
+    if cfg.tracking.enabled:  # +tracking=off: the table and the results log only, no store touched
+        ml = MLflowLogger(cfg.tracking, flatten_config({**to_dict(cfg), "bench": dataclasses.asdict(bench)}),
+                          {"dflash.kind": "bench", **shapes, "target": cfg.target.name})
+        ml.log({**headline(out), **_flat_numbers(out)}, 0)
+        ml.log_dict(out, "bench.json")
+        ml.close()
     if results:
         launcher = (f"torchrun --nproc_per_node={os.environ['LOCAL_WORLD_SIZE']} -m" if "LOCAL_WORLD_SIZE" in os.environ
                     else "python -m")

@@ -2,6 +2,8 @@
 
 import dataclasses
 
+import pytest
+
 from experiments.bench import main
 from tests.conftest import FAST
 
@@ -354,3 +356,38 @@ def test_the_dflash2_bench_variant_is_the_27b_dflash2_drafter():
     b, overrides, _ = parse_bench_args([*base, "+drafter=published", f"bench.drafter_variants={d2}", "results="])
     variant = variant_configs(compose_config(overrides), b.drafter_variants, "drafter_variants")[d2]
     assert variant.drafter == compose_config([*base, "+drafter=dflash2_qwen3_6_27b"]).drafter
+
+
+def test_a_drafter_only_bench_releases_the_targets_layers_and_its_steps_still_run(tmp_path, monkeypatch):
+    """bench.sections=peak,drafter runs no target forward: the target's decoder layers are freed (a 27B target's
+    50 GiB, so a drafter step fits beside its embedding and head on an 80 GiB GPU), the steps of DFlash 1 and of a
+    DFlash 2 variant still run on what is kept, the table says what was left out, and a forward through the
+    released target fails by name instead of running a decoder without layers."""
+    import torch
+
+    from dflash.target.model import Target
+    from experiments.config import compose_config
+    d2 = ("drafter.architecture=dflash2&drafter.layer_types=[sliding_attention]&drafter.sliding_window=64"
+          "&drafter.block_size=8")
+    monkeypatch.chdir(tmp_path)  # +tracking=off: no store made, not even the default sqlite:///mlflow.db here
+    out = main([*FAST, "bench.seq_len=48", "bench.anchors=4", "bench.iters=1", "bench.warmup=1",
+                "bench.sections=peak,drafter", f"bench.drafter_variants={d2}", "drafter.num_layers=1",
+                f"results={tmp_path / 'RESULTS.md'}", f"run_dir={tmp_path / 'run'}", "+tracking=off"])
+    assert not list(tmp_path.glob("mlflow.db*"))
+    assert out["target_released_gb"] > 0 and out["drafter"]["tok_s"] > 0
+    assert out["drafter_variants"][d2]["tok_s"] > 0 and "error" not in out["drafter_variants"][d2]
+    assert "target layers released" in (tmp_path / "RESULTS.md").read_text()
+
+    target = Target(compose_config(FAST).target)
+    kept = [target.embed_weight().clone(), target.lm_head_weight().clone()]
+    layers = sum(p.numel() * p.element_size() for p in target.decoder.layers.parameters())
+    assert target.release_decoder_layers() == pytest.approx(layers / 2**30)
+    assert not list(target.decoder.layers.parameters())
+    assert torch.equal(target.embed_weight(), kept[0]) and torch.equal(target.lm_head_weight(), kept[1])
+    with pytest.raises(RuntimeError, match="decoder layer 0 was released"):
+        target.forward_features(torch.zeros(1, 8, dtype=torch.long))
+
+    full = main([*FAST, "bench.seq_len=48", "bench.anchors=4", "bench.iters=1", "bench.warmup=1",
+                 "bench.target_batch=1", "bench.sections=target,drafter", "+tracking=off",
+                 f"results={tmp_path / 'RESULTS2.md'}", f"run_dir={tmp_path / 'run2'}"])
+    assert "target_released_gb" not in full and full["target"]["tok_s"] > 0  # a section runs the target: kept

@@ -104,7 +104,7 @@ class DrafterStepBench:
 
     def run(self) -> dict:
         cuda = self.device.type == "cuda"
-        if cuda:  # this drafter's own peak (the target's weights resident included), apart from other variants'
+        if cuda:  # this drafter's own peak (the target's resident weights included), apart from other variants'
             torch.cuda.reset_peak_memory_stats(self.device)
         flops = self.useful_flops()
         for _ in range(self.b.warmup):

@@ -95,6 +95,10 @@ def _breakdowns(out: dict) -> list[tuple[str, str, str]]:
                              f"{what} of GPU time by kernel family"))
     if "peak_mem_gb" in out:
         rows.append(("peak GPU memory", f"{out['peak_mem_gb']:.1f} GiB", ""))
+    if "target_released_gb" in out:
+        rows.append(("target layers released", f"{out['target_released_gb']:.1f} GiB",
+                     "no section ran the target: the peaks above leave its decoder layers out (one GPU that trains "
+                     "holds them too)"))
     return rows
 
 

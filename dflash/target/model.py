@@ -245,6 +245,18 @@ def build_random_model(spec: TinyTargetSpec, device: torch.device | None = None,
         return AutoModelForCausalLM.from_config(hf_cfg, dtype=dtype)
 
 
+class _ReleasedLayer(torch.nn.Module):
+    """A decoder layer whose weights `Target.release_decoder_layers` freed."""
+
+    def __init__(self, index: int):
+        super().__init__()
+        self.index = index
+
+    def forward(self, *args, **kwargs):
+        raise RuntimeError(f"target decoder layer {self.index} was released (Target.release_decoder_layers): this "
+                           f"target serves a drafter-only bench and runs no forward")
+
+
 class Target:
     def __init__(self, cfg: TargetConfig):
         self.cfg = cfg
@@ -268,6 +280,21 @@ class Target:
         self._own_masks_failed = False  # `causal_masks` met a create_causal_mask it cannot call
         self.busy_s, self.tokens_done = 0.0, 0  # forward time and tokens, for perf/target_tok_s
         self._timings: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []  # GPU forwards not yet timed
+
+    def release_decoder_layers(self) -> float:
+        """Frees the decoder layers' weights and keeps the embedding, the final norm and the LM head: all that a
+        drafter's training step reads of its target when its features are given (the drafter-only bench,
+        dflash/bench/runner.py). A 27B target's layers are 50 GiB of a GPU that the drafter's step then has to
+        itself. Any later forward through the decoder raises. Returns the GiB freed."""
+        layers = self.decoder.layers
+        freed = sum(p.numel() * p.element_size() for p in layers.parameters()) / 2**30
+        self.fused.remove()  # its saved forwards hold the layers' modules
+        self.fused = FusedForward(self.model, "off")
+        for i in range(len(layers)):
+            layers[i] = _ReleasedLayer(i)
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        return freed
 
     def set_fused_ops(self, name: str) -> None:
         """`target.fused_ops` changed in place (the bench's before / after on one target's weights)."""

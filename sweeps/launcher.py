@@ -83,9 +83,9 @@ class LocalLauncher:
 
     A task whose result says it ran out of GPU memory (`oom`, a campaign cell's CUDA out-of-memory error) lowers
     its GPU's limit to one task fewer than shared it then, and the result says how many did (`at_once`): the
-    caller may run it again, and it waits until the GPU has room. Ten cells at the served campaign's shapes held
-    119.6 GiB of an H200 (benchmarks/log/2026-12-04.md), more than an H100 has, so `workers=10` there would
-    otherwise lose the cells that did not fit instead of running them in fewer at once."""
+    caller may run it again, and it waits until the GPU has room. Ten 2-layer campaign cells at the GPU shapes
+    (64 x 320 tokens) held 119.6 GiB of an H200 (benchmarks/log/2026-12-04.md), more than an H100 has, so
+    `workers=10` there would otherwise lose the cells that did not fit instead of running them in fewer at once."""
 
     def __init__(self, cfg: LauncherConfig):
         self.gpus = cfg.gpus if cfg.gpus is not None else detect_gpus()

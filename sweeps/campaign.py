@@ -352,7 +352,9 @@ def run_cell(c: Campaign, cell: Cell, out: Path, gpu: str | None = None, share: 
     return result
 
 
-OOM_MARKS = (b"CUDA out of memory", b"OutOfMemoryError")  # torch's CUDA allocator error, its message and its type
+# torch's caching allocator (its message and its type), then allocations outside it that fail the same way (a
+# CUDA context or a kernel's own buffer: "CUDA error: out of memory"; cuBLAS's workspace)
+OOM_MARKS = (b"CUDA out of memory", b"OutOfMemoryError", b"CUDA error: out of memory", b"CUBLAS_STATUS_ALLOC_FAILED")
 
 
 def ran_out_of_gpu_memory(log_path: Path, offset: int) -> bool:

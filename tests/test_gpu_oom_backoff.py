@@ -111,4 +111,9 @@ def test_run_cell_says_a_leg_ran_out_of_gpu_memory_from_its_own_log_only(monkeyp
     log = tmp_path / "a.log"
     log.write_bytes(b"x" * (100 << 10) + TORCH_OOM.encode())
     assert ran_out_of_gpu_memory(log, 0) and not ran_out_of_gpu_memory(log, log.stat().st_size)
+    for message in ("RuntimeError: CUDA error: out of memory", "CUBLAS_STATUS_ALLOC_FAILED when calling cublasCreate"):
+        log.write_text(f"Traceback (most recent call last):\n{message}\n")
+        assert ran_out_of_gpu_memory(log, 0)
+    log.write_text("triton.runtime.errors.OutOfResources: out of resource: shared memory\n")  # a kernel's limit
+    assert not ran_out_of_gpu_memory(log, 0)
 

@@ -498,3 +498,40 @@ def test_a_cell_run_on_another_winner_is_named(tmp_path, caplog):
     assert with_recorded_cells(c, tmp_path, summary)["cells"] == []
     summary["winners"]["loss"] = "streak"
     assert [x["cell"] for x in with_recorded_cells(c, tmp_path, summary)["cells"]] == [on_streak.id]
+
+
+SERVED_TINY = ["campaign.seeds=[0]", "campaign.budget_tokens=1280", "campaign.max_steps=2", "trainer.sequences_per_step=2",
+               "trainer.num_anchors=8", "trainer.producer_batch=2", "trainer.compile=false", "trainer.warmup_steps=1",
+               "trainer.tau_probe.every=0", "data.pool.size=64", "data.online.write_batch=8",
+               "eval.heldout.num_prompts=4", "eval.subset=4", "eval.heldout.max_new_tokens=24", "eval.max_new_tokens=16",
+               "eval.samples=1", "eval.bootstrap=200", "eval.tree_budgets=[16]"]
+
+
+@pytest.mark.slow
+def test_the_served_campaigns_drafter_stage_runs_end_to_end_and_reports_both_settings(tmp_path):
+    """The served campaign as the GPU job runs it (`benchmarks/leased_gpu/campaign.sh served`), its drafter stage
+    at tiny shapes on the CPU: DFlash 1 and 2 cells with AdamW and Muon train on data written at T = 1, evaluate
+    at T = 1 and T = 0 on ground truth that ends, and the report prints both tables with their ground truth's
+    degeneracy and the rank agreement of T = 0 with T = 1. dflash1_adamw is the loss stage's hard_ce run."""
+    out = tmp_path / "out"
+    args = ["served", f"out={out}", "only=[drafter]", "workers=2", f"tracking.tracking_uri=sqlite:///{tmp_path / 'm.db'}",
+            *SERVED_TINY]
+    cwd = os.getcwd()
+    os.chdir(ROOT)
+    try:
+        summary = main(args)
+        report = Path(main(["served", "report", f"out={out}", "campaign.seeds=[0]"])["report"]).read_text()
+    finally:
+        os.chdir(cwd)
+    drafter = {x["option"]: x for x in summary["cells"] if x["factor"] == "drafter"}
+    assert set(drafter) == {"dflash1_adamw", "dflash1_muon", "dflash2_adamw", "dflash2_muon"}
+    assert all(x["value"] is not None and x["consumed_tokens"] >= 1280 for x in drafter.values())
+    assert drafter["dflash1_adamw"]["reused_from"] == "s0-loss-hard_ce-seed0"
+    stage = report[report.index("## Stage 1: drafter"):report.index("## Stage 2")]
+    served = stage[stage.index("### suite `heldout`, sampled at T=1"):stage.index("### suite `heldout`, greedy (T=0)")]
+    greedy = stage[stage.index("### suite `heldout`, greedy (T=0)"):]
+    for table in (served, greedy):
+        assert "Ground truth" in table and "tokens in repeated 16-grams" in table
+        assert all(f"| {o} | 1 |" in table for o in drafter)
+    assert "τ tree" not in served  # trees at T = 0 only (DFlash 2 cells have none: DFlash 1 only)
+    assert "| greedy (T=0), the same runs | 4 |" in stage

@@ -59,6 +59,21 @@ def common_methods(by_opt: dict[str, dict[int, dict]], seeds: list[int]) -> list
     return [m for m in per_table[0] if all(m in other for other in per_table[1:])] if per_table else []
 
 
+def _left_out_methods(by_opt: dict[str, dict[int, dict]], seeds: list[int], methods: list) -> list[str]:
+    """A line naming the drafting methods some options have but the table leaves out (`common_methods`), and
+    which options have them: a stage of DFlash 1 and DFlash 2 drafters has DDTree τ for DFlash 1 alone."""
+    have: dict[tuple, set[str]] = {}  # in task_methods order
+    for opt, seeds_of in by_opt.items():
+        for m in (m for s, t in seeds_of.items() if s in seeds for m in task_methods(t)):
+            have.setdefault(m, set()).add(opt)
+    gone = [m for m in have if m not in methods]
+    if not gone:
+        return []
+    owners = sorted(set().union(*(have[m] for m in gone)))
+    return ["", "Left out, since not every option has it: " + ", ".join(f"τ {m[0]}" for m in gone) + " (only "
+            + ", ".join(owners) + "; DDTree runs for DFlash 1 drafters only, docs/dflash2.md)."]
+
+
 def _stacked(tables: list[dict], sum_col: str, count_col: str) -> tuple[list[float], list[float]]:
     sums, counts = [], []
     for t in tables:
@@ -192,6 +207,7 @@ def stage_table(cells: list[dict], suite: str, reference: str,
         if base is not None:
             cols += ["—", "baseline"] if seeds == base else list(_delta(seeds, base))
         rows.append("| " + " | ".join([opt, str(len(shared)), *cols]) + " |")
+    rows += _left_out_methods(by_opt, shared, methods)
     extra = {o: sorted(set(s) - set(shared)) for o, s in by_opt.items() if set(s) - set(shared)}
     if extra:
         rows += ["", "Pooled over seed " + ", ".join(map(str, shared)) + ", the seeds every option has; also run, "

@@ -533,5 +533,7 @@ def test_the_served_campaigns_drafter_stage_runs_end_to_end_and_reports_both_set
     for table in (served, greedy):
         assert "Ground truth" in table and "tokens in repeated 16-grams" in table
         assert all(f"| {o} | 1 |" in table for o in drafter)
-    assert "τ tree" not in served  # trees at T = 0 only (DFlash 2 cells have none: DFlash 1 only)
+    assert "τ tree" not in served  # trees at T = 0 only, and for DFlash 1 drafters only: said where left out
+    assert ("Left out, since not every option has it: τ tree 16 nodes (only dflash1_adamw, dflash1_muon; DDTree runs "
+            "for DFlash 1 drafters only" in greedy)
     assert "| greedy (T=0), the same runs | 4 |" in stage

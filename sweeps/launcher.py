@@ -119,7 +119,7 @@ class LocalLauncher:
         finally:
             with self._room:
                 self._busy[gpu] -= 1
-                self._most[gpu].remove(most)
+                self._most[gpu] = [m for m in self._most[gpu] if m is not most]  # this one: equal lists are not it
                 self._room.notify_all()
 
     def run(self, task: Callable[[str | None], Any], name: str) -> Any:

@@ -137,6 +137,17 @@ def exit_on_help(argv: list[str], doc: str, **kw) -> None:
         raise SystemExit(0)
 
 
+def _ignore_stop_signals() -> None:
+    """The stop is done and the process exits: SIGTERM / SIGINT ignored from here. A copy of the stop's signal still
+    on the way (`timeout` and batch schedulers send one to the child, then one to its process group) would otherwise
+    land in Python's finalization, which gives every handler Python set back to SIG_DFL (not SIG_IGN), and end the
+    process as killed by the signal instead of exiting 128 + signal with its run checkpointed and closed: a small
+    run stopped within the 50 ms between two copies did (tests/test_run_lifecycle.py)."""
+    import signal
+    for s in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(s, signal.SIG_IGN)
+
+
 def run_cli(main) -> None:
     """`python -m experiments.X`: logging on, bad input → `error: …` on stderr and exit status 2."""
     import logging
@@ -171,9 +182,11 @@ def run_cli(main) -> None:
         print(f"error: the tracking store does not answer: {e}", file=sys.stderr)
         sys.exit(1)
     except RunInterrupted as e:  # the trainer checkpointed and closed its run KILLED
+        _ignore_stop_signals()
         print(f"{e}", file=sys.stderr)
         sys.exit(e.exit_code)
     except KeyboardInterrupt:  # Ctrl-C before a run began (while composing the config): nothing to keep
+        _ignore_stop_signals()
         print("stopped by SIGINT before the run started", file=sys.stderr)
         sys.exit(130)
     except DeadDrafterError as e:  # closed FAILED

@@ -117,6 +117,27 @@ def test_two_sigterms_at_once_still_checkpoint_through_the_cli(tmp_path):
     assert (run_dir / "checkpoints" / "latest.json").is_file()
 
 
+def test_a_copy_of_the_stop_signal_landing_while_the_process_exits_keeps_its_exit_status(tmp_path):
+    """A stopped run's process exits 128 + signal even when a copy of the signal lands as it exits (a small run
+    can stop and exit between `timeout`'s two copies): from the CLI's stop on, SIGTERM and SIGINT are ignored, and
+    SIG_IGN outlives Python's finalization, which puts the handlers it set back to SIG_DFL (a death by the signal,
+    returncode -15: seen once in the test above under a full suite's load). The copy is sent from an exit hook,
+    after the CLI has chosen its exit status."""
+    script = textwrap.dedent("""
+        import atexit, os, signal, sys, time
+        from experiments.config import run_cli
+        from dflash.training.interrupts import RunInterrupted
+        atexit.register(lambda: (os.kill(os.getpid(), signal.SIGTERM), time.sleep(0.2)))
+        def main():
+            raise RunInterrupted(signal.SIGTERM, 4, "ckpt")
+        run_cli(main)
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.returncode == 128 + signal.SIGTERM, proc.stderr[-2000:]
+    assert "stopped by SIGTERM after step 4; checkpoint ckpt" in proc.stderr
+
+
 # ------------------------------------------------------------------ Ctrl-C during the final evaluation
 def test_one_ctrl_c_during_the_final_eval_stops_it_killed(fast_cfg, tmp_path):
     from dflash.training.interrupts import RunInterrupted

@@ -137,15 +137,14 @@ def exit_on_help(argv: list[str], doc: str, **kw) -> None:
         raise SystemExit(0)
 
 
-def _ignore_stop_signals() -> None:
-    """The stop is done and the process exits: SIGTERM / SIGINT ignored from here. A copy of the stop's signal still
-    on the way (`timeout` and batch schedulers send one to the child, then one to its process group) would otherwise
-    land in Python's finalization, which gives every handler Python set back to SIG_DFL (not SIG_IGN), and end the
-    process as killed by the signal instead of exiting 128 + signal with its run checkpointed and closed: a small
-    run stopped within the 50 ms between two copies did (tests/test_run_lifecycle.py)."""
+def _ignore_late_sigterm() -> None:
+    """The stop is done and the process exits: SIGTERM ignored from here. `timeout` and batch schedulers send one
+    copy to the child, then one to its process group, and the second may land in Python's finalization, which gives
+    every handler Python set back to SIG_DFL (not SIG_IGN): the process then died by the signal instead of exiting
+    128 + signal with its run checkpointed and closed (a small run stopped within the 50 ms between two copies did,
+    tests/test_run_lifecycle.py). Ctrl-C keeps working on an exit that hangs."""
     import signal
-    for s in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(s, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
 def run_cli(main) -> None:
@@ -182,11 +181,10 @@ def run_cli(main) -> None:
         print(f"error: the tracking store does not answer: {e}", file=sys.stderr)
         sys.exit(1)
     except RunInterrupted as e:  # the trainer checkpointed and closed its run KILLED
-        _ignore_stop_signals()
+        _ignore_late_sigterm()
         print(f"{e}", file=sys.stderr)
         sys.exit(e.exit_code)
     except KeyboardInterrupt:  # Ctrl-C before a run began (while composing the config): nothing to keep
-        _ignore_stop_signals()
         print("stopped by SIGINT before the run started", file=sys.stderr)
         sys.exit(130)
     except DeadDrafterError as e:  # closed FAILED

@@ -119,8 +119,8 @@ def test_two_sigterms_at_once_still_checkpoint_through_the_cli(tmp_path):
 
 def test_a_copy_of_the_stop_signal_landing_while_the_process_exits_keeps_its_exit_status(tmp_path):
     """A stopped run's process exits 128 + signal even when a copy of the signal lands as it exits (a small run
-    can stop and exit between `timeout`'s two copies): from the CLI's stop on, SIGTERM and SIGINT are ignored, and
-    SIG_IGN outlives Python's finalization, which puts the handlers it set back to SIG_DFL (a death by the signal,
+    can stop and exit between `timeout`'s two copies): from the CLI's stop on, SIGTERM is ignored, and SIG_IGN
+    outlives Python's finalization, which puts the handlers it set back to SIG_DFL (a death by the signal,
     returncode -15: seen once in the test above under a full suite's load). The copy is sent from an exit hook,
     after the CLI has chosen its exit status."""
     script = textwrap.dedent("""

@@ -227,7 +227,8 @@ def main(argv: list[str] | None = None) -> dict:
             print(report.console_table(), flush=True)
             report.log_artifacts(loggers, prefix)
             saved = report.save(out / "report" / folder)
-            paths = saved if i == 0 else paths
+            if i == 0:  # the objective's tables: what the lines below point to
+                paths = saved
         print(summary_table(metrics, ecfg.ci_level), flush=True)
         if other_drafter is not None:
             metrics.update(_compare(reports, evaluate_suites(other_drafter, target, ecfg), ecfg, path.name,

@@ -19,7 +19,7 @@ class TwoCellGpu:
     """A fake GPU with room for two cells: a cell that had more than two resident beside it while it allocated
     (its first `settle_s`) runs out of memory and leaves; one that fits trains for `train_s`."""
 
-    def __init__(self, settle_s: float = 0.15, train_s: float = 0.1):
+    def __init__(self, settle_s: float = 0.3, train_s: float = 0.1):
         self.lock, self.settle_s, self.train_s = threading.Lock(), settle_s, train_s
         self.allocating: list[list[int]] = []  # per cell allocating now: [the most resident meanwhile]
         self.resident = 0
@@ -49,7 +49,7 @@ class TwoCellGpu:
 
 def _four_cells(monkeypatch, workers: int = 4):
     """Four loss cells (two losses, two seeds: four distinct runs), keyed by their overrides: composing each
-    cell's config would take longer than the deadline test's tenth of a second."""
+    cell's config would take longer than the deadline test's half second."""
     import sweeps.campaign as campaign
     monkeypatch.setattr(campaign, "config_key", lambda overrides: " ".join(overrides))
     c = load_campaign("served", [f"campaign.workers={workers}"])
@@ -87,9 +87,9 @@ def test_a_cell_that_runs_out_of_gpu_memory_alone_or_after_the_deadline_is_not_s
     assert launcher.limit["0"] == 1
 
     c, cells = _four_cells(monkeypatch)
-    gpu = TwoCellGpu(settle_s=0.3)
+    gpu = TwoCellGpu(settle_s=1.0)
     monkeypatch.setattr(campaign, "run_cell", gpu.run_cell)
-    results = campaign._run_stage(c, cells, tmp_path, {}, time.time() + 0.1,
+    results = campaign._run_stage(c, cells, tmp_path, {}, time.time() + 0.5,
                                   launcher=LocalLauncher(LauncherConfig(gpus=["0"])))
     assert all(r["oom"] and "oom_restarts" not in r for r in results)  # out of memory after the deadline: left
 

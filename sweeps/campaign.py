@@ -58,7 +58,7 @@ from dflash.config import ConfigError
 from dflash.overrides import apply_overrides, split_override
 from sweeps.launcher import LocalLauncher, LauncherConfig, call, launcher_config, make_launcher
 from sweeps.shared_inputs import make_shared_inputs, sets_truth_dir, with_truth_pin
-from sweeps.support import last_logged
+from sweeps.support import is_gpu_oom, last_logged
 
 CAMPAIGN_DIR = Path(__file__).resolve().parent.parent / "conf" / "campaign"
 DEFAULT_OUT = "campaign_out"
@@ -352,18 +352,13 @@ def run_cell(c: Campaign, cell: Cell, out: Path, gpu: str | None = None, share: 
     return result
 
 
-# torch's caching allocator (its message and its type), then allocations outside it that fail the same way (a
-# CUDA context or a kernel's own buffer: "CUDA error: out of memory"; cuBLAS's workspace)
-OOM_MARKS = (b"CUDA out of memory", b"OutOfMemoryError", b"CUDA error: out of memory", b"CUBLAS_STATUS_ALLOC_FAILED")
-
-
 def ran_out_of_gpu_memory(log_path: Path, offset: int) -> bool:
     """Whether the cell's log from `offset` on (this leg's output) ends in a GPU out-of-memory error: its last
     64 KiB hold the traceback."""
     with open(log_path, "rb") as f:
         f.seek(max(offset, f.seek(0, os.SEEK_END) - (64 << 10)))
         tail = f.read()
-    return any(m in tail for m in OOM_MARKS)
+    return is_gpu_oom(tail.decode(errors="replace"))
 
 
 def trained_for(run_dir: Path) -> str | None:

@@ -482,8 +482,10 @@ class TrialEnd:
         self.tracker, self.parent_id, self.worker = tracker, parent_id, worker
         self.console = console or sys.stderr
         self.consecutive_failures = 0
+        self.last = None  # the trial this worker told last
 
     def __call__(self, study, t) -> None:
+        self.last = t
         self.consecutive_failures = self.consecutive_failures + 1 if t.state.name == "FAIL" else 0
         try:
             self._report(study, t)

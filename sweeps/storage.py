@@ -76,16 +76,16 @@ def describe(desc: str) -> str:
 
 
 class Lease:
-    """An exclusive flock held for the life of a worker process."""
+    """An exclusive flock held for the life of a worker process; its file says the host, the pid and the GPU."""
 
-    def __init__(self, lease_dir: str | os.PathLike):
+    def __init__(self, lease_dir: str | os.PathLike, gpu: str | None = None):
         d = Path(lease_dir)
         d.mkdir(parents=True, exist_ok=True)
         self.host, self.pid = socket.gethostname(), os.getpid()
         self.path = (d / f"{self.host}-{self.pid}-{secrets.token_hex(3)}.lease").resolve()
         self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        os.write(self._fd, json.dumps({"host": self.host, "pid": self.pid,
+        os.write(self._fd, json.dumps({"host": self.host, "pid": self.pid, "gpu": gpu,
                                        "since": _dt.datetime.now().isoformat()}).encode())
 
     def attrs(self) -> dict[str, Any]:
@@ -117,6 +117,18 @@ def lease_alive(path: str | os.PathLike) -> bool:
         return False
     finally:
         os.close(fd)
+
+
+def workers_on_gpu(lease_dir: str | os.PathLike, gpu: str) -> int:
+    """How many live workers of this host hold a lease on `gpu` (`Lease`), the caller's own included."""
+    host, n = socket.gethostname(), 0
+    for path in Path(lease_dir).glob("*.lease"):
+        try:
+            info = json.loads(path.read_text() or "{}")
+        except (OSError, ValueError):  # a lease being written or gone: not counted
+            continue
+        n += info.get("host") == host and info.get("gpu") == gpu and lease_alive(path)
+    return n
 
 
 def reap_stale(study, tracker=None) -> list[int]:

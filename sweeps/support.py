@@ -52,6 +52,17 @@ class EvalPruned(optuna.TrialPruned):
         self.step, self.value, self.metric = step, value, metric
 
 
+# torch's caching allocator (its message and its type), then allocations outside it that fail the same way (a CUDA
+# context or a kernel's own buffer: "CUDA error: out of memory"; cuBLAS's workspace); a Triton shared-memory limit
+# ("out of resource") is a kernel's, not the GPU's
+GPU_OOM_MARKS = ("CUDA out of memory", "OutOfMemoryError", "CUDA error: out of memory", "CUBLAS_STATUS_ALLOC_FAILED")
+
+
+def is_gpu_oom(text: str) -> bool:
+    """Whether an error's text (a traceback, an exception's `Type: message`) says the GPU ran out of memory."""
+    return any(m in text for m in GPU_OOM_MARKS)
+
+
 def last_logged(run_dir: str | os.PathLike, key: str, max_step: int | None = None) -> float | None:
     """The latest value of `key` in `<run_dir>/metrics.jsonl` (at a step <= max_step), or None."""
     for rec in reversed(read_jsonl_metrics(run_dir)):

@@ -38,6 +38,15 @@ class Tickets:
             self._n -= 1
             return True
 
+    def give_back(self) -> None:
+        """A trial taken but to run again later (`fewer_on_this_gpu`): its ticket back for whoever runs it."""
+        if self._v is not None:
+            with self._v.get_lock():
+                self._v.value += 1
+            return
+        with self._lock:
+            self._n += 1
+
     @property
     def left(self) -> int:
         return self._v.value if self._v is not None else self._n
@@ -104,7 +113,7 @@ def worker_main(spec: WorkerSpec, tickets: Tickets, in_process: bool = False) ->
                               sampler=build_sampler(spec.sweep.sampler, spec.seed_offset),
                               pruner=build_pruner(spec.sweep.pruner))
     tracker = SweepTracker(spec.tracking_uri, spec.experiment) if spec.tracking_uri else None
-    lease = Lease(spec.lease_dir)
+    lease = Lease(spec.lease_dir, gpu=spec.gpu)
     ctx = TrialContext(sweep=spec.sweep, base_overrides=spec.base_overrides, out_dir=spec.out_dir,
                        study_name=spec.study_name, parent_run_id=spec.parent_run_id,
                        lease_attrs=lease.attrs(), worker=spec.index)
@@ -120,6 +129,8 @@ def worker_main(spec: WorkerSpec, tickets: Tickets, in_process: bool = False) ->
             study.optimize(lambda trial: run_trial(trial, ctx, tracker), n_trials=1, catch=(Exception,),
                            callbacks=[end], gc_after_trial=True)
             ran += 1
+            if fewer_on_this_gpu(study, end.last, spec, tickets, console):
+                break
             if end.consecutive_failures >= MAX_CONSECUTIVE_FAILURES:
                 print(f"[sweep {spec.study_name} w{spec.index}] {end.consecutive_failures} trials failed in a "
                       f"row; this worker stops (see {spec.log_file or 'the log above'})", file=console, flush=True)
@@ -127,6 +138,27 @@ def worker_main(spec: WorkerSpec, tickets: Tickets, in_process: bool = False) ->
     finally:
         lease.release()
     return ran
+
+
+def fewer_on_this_gpu(study, t, spec: WorkerSpec, tickets: Tickets, console=sys.stderr) -> bool:
+    """Whether this worker stops because its trial `t` ran out of GPU memory beside other workers on the GPU: the
+    trial's params go back into the study (the same trial, run again by a worker that stays) with its ticket, and
+    one worker fewer shares the GPU. Alone there, the trial stays failed: it does not fit the GPU at all. The
+    campaign's cells back off the same way (sweeps.launcher.LocalLauncher)."""
+    from sweeps.objective import ATTR_ERROR
+    from sweeps.storage import workers_on_gpu
+    from sweeps.support import is_gpu_oom
+    if t is None or t.state.name != "FAIL" or spec.gpu is None or not is_gpu_oom(str(t.user_attrs.get(ATTR_ERROR, ""))):
+        return False
+    beside = workers_on_gpu(spec.lease_dir, spec.gpu) - 1
+    if beside < 1:
+        return False
+    study.enqueue_trial(t.params, user_attrs={"sweep.oom_retry_of": t.number}, skip_if_exists=False)
+    tickets.give_back()
+    print(f"[sweep {spec.study_name} w{spec.index}] trial {t.number} ran out of GPU {spec.gpu}'s memory beside "
+          f"{beside} other worker(s): its params are queued again and this worker stops, so fewer share the GPU",
+          file=console, flush=True)
+    return True
 
 
 @dataclass

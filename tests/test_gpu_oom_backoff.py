@@ -117,3 +117,53 @@ def test_run_cell_says_a_leg_ran_out_of_gpu_memory_from_its_own_log_only(monkeyp
     log.write_text("triton.runtime.errors.OutOfResources: out of resource: shared memory\n")  # a kernel's limit
     assert not ran_out_of_gpu_memory(log, 0)
 
+
+
+def _failed_trial(study, error: str):
+    """A trial of `study` told FAIL with the error text run_trial records (`sweep.error`)."""
+    from optuna.trial import TrialState
+
+    from sweeps.objective import ATTR_ERROR
+    trial = study.ask()
+    trial.suggest_float("lr", 1e-4, 1e-2, log=True)
+    trial.set_user_attr(ATTR_ERROR, error)
+    study.tell(trial, state=TrialState.FAIL)
+    return study.trials[-1]
+
+
+def test_a_sweep_worker_out_of_gpu_memory_beside_others_requeues_its_trial_and_stops(tmp_path):
+    """A GPU sweep's workers share a GPU like a campaign's cells: a worker whose trial ran out of its memory while
+    another worker lives on that GPU queues the same params again (with the trial's ticket) and stops, so one
+    fewer shares the GPU; alone there, or failed for another reason, or on another GPU, it goes on."""
+    import io
+
+    import optuna
+    from optuna.trial import TrialState
+
+    from sweeps.storage import Lease, workers_on_gpu
+    from sweeps.worker import Tickets, WorkerSpec, fewer_on_this_gpu
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    study = optuna.create_study(direction="maximize")
+    leases = tmp_path / "leases"
+    spec = WorkerSpec(index=1, sweep=None, base_overrides=[], storage="", study_name="s", out_dir=str(tmp_path),
+                      lease_dir=str(leases), parent_run_id=None, tracking_uri=None, experiment="e", gpu="0")
+    mine = Lease(leases, gpu="0")
+    tickets, console = Tickets(0), io.StringIO()
+    oom = _failed_trial(study, "OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB")
+    assert workers_on_gpu(leases, "0") == 1 and not fewer_on_this_gpu(study, oom, spec, tickets, console)  # alone
+    other_gpu = Lease(leases, gpu="1")
+    assert not fewer_on_this_gpu(study, oom, spec, tickets, console)
+    beside = Lease(leases, gpu="0")
+    assert workers_on_gpu(leases, "0") == 2
+    assert not fewer_on_this_gpu(study, _failed_trial(study, "ValueError: a bad batch"), spec, tickets, console)
+    assert tickets.left == 0 and not study.get_trials(states=(TrialState.WAITING,))
+    assert fewer_on_this_gpu(study, oom, spec, tickets, console)
+    waiting = study.get_trials(states=(TrialState.WAITING,))
+    assert [w.user_attrs["sweep.oom_retry_of"] for w in waiting] == [oom.number] and tickets.left == 1
+    again = study.ask()  # the next worker's trial: the same params
+    assert again.suggest_float("lr", 1e-4, 1e-2, log=True) == oom.params["lr"]
+    assert "ran out of GPU 0's memory beside 1 other worker(s)" in console.getvalue()
+    beside.release()
+    assert workers_on_gpu(leases, "0") == 1  # a worker gone is not counted
+    for lease in (mine, other_gpu):
+        lease.release()

@@ -83,10 +83,24 @@ class Lease:
         d.mkdir(parents=True, exist_ok=True)
         self.host, self.pid = socket.gethostname(), os.getpid()
         self.path = (d / f"{self.host}-{self.pid}-{secrets.token_hex(3)}.lease").resolve()
+        self.lease_dir, self.gpu = d, gpu
         self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        os.write(self._fd, json.dumps({"host": self.host, "pid": self.pid, "gpu": gpu,
-                                       "since": _dt.datetime.now().isoformat()}).encode())
+        self._info = {"host": self.host, "pid": self.pid, "gpu": gpu, "since": _dt.datetime.now().isoformat()}
+        os.write(self._fd, json.dumps(self._info).encode())
+
+    def leave_gpu_if_others_stay(self) -> int:
+        """How many other live workers stay on this worker's GPU; where one or more do, this worker is marked as
+        leaving it (no longer counted by `workers_on_gpu`). Decided under the GPU's lock in the lease folder, so
+        workers that run out of memory together cannot all leave and strand the trials they queued again."""
+        from dflash.tracking.store import exclusive
+        with exclusive(self.lease_dir / f"gpu-{self.gpu}.lock", timeout=60):
+            staying = workers_on_gpu(self.lease_dir, self.gpu) - 1
+            if staying >= 1:
+                self._info["leaving"] = True
+                os.ftruncate(self._fd, 0)
+                os.pwrite(self._fd, json.dumps(self._info).encode(), 0)
+            return staying
 
     def attrs(self) -> dict[str, Any]:
         return {ATTR_LEASE: str(self.path), ATTR_HOST: self.host, ATTR_PID: self.pid}
@@ -120,14 +134,16 @@ def lease_alive(path: str | os.PathLike) -> bool:
 
 
 def workers_on_gpu(lease_dir: str | os.PathLike, gpu: str) -> int:
-    """How many live workers of this host hold a lease on `gpu` (`Lease`), the caller's own included."""
+    """How many live workers of this host hold a lease on `gpu` (`Lease`) and stay there, the caller's own
+    included (not those leaving it: `Lease.leave_gpu_if_others_stay`)."""
     host, n = socket.gethostname(), 0
     for path in Path(lease_dir).glob("*.lease"):
         try:
             info = json.loads(path.read_text() or "{}")
         except (OSError, ValueError):  # a lease being written or gone: not counted
             continue
-        n += info.get("host") == host and info.get("gpu") == gpu and lease_alive(path)
+        n += (info.get("host") == host and info.get("gpu") == gpu and not info.get("leaving")
+              and lease_alive(path))
     return n
 
 

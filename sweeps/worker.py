@@ -129,7 +129,7 @@ def worker_main(spec: WorkerSpec, tickets: Tickets, in_process: bool = False) ->
             study.optimize(lambda trial: run_trial(trial, ctx, tracker), n_trials=1, catch=(Exception,),
                            callbacks=[end], gc_after_trial=True)
             ran += 1
-            if fewer_on_this_gpu(study, end.last, spec, tickets, console):
+            if fewer_on_this_gpu(study, end.last, spec, lease, tickets, console):
                 break
             if end.consecutive_failures >= MAX_CONSECUTIVE_FAILURES:
                 print(f"[sweep {spec.study_name} w{spec.index}] {end.consecutive_failures} trials failed in a "
@@ -140,24 +140,23 @@ def worker_main(spec: WorkerSpec, tickets: Tickets, in_process: bool = False) ->
     return ran
 
 
-def fewer_on_this_gpu(study, t, spec: WorkerSpec, tickets: Tickets, console=sys.stderr) -> bool:
+def fewer_on_this_gpu(study, t, spec: WorkerSpec, lease, tickets: Tickets, console=sys.stderr) -> bool:
     """Whether this worker stops because its trial `t` ran out of GPU memory beside other workers on the GPU: the
     trial's params go back into the study (the same trial, run again by a worker that stays) with its ticket, and
-    one worker fewer shares the GPU. Alone there, the trial stays failed: it does not fit the GPU at all. The
-    campaign's cells back off the same way (sweeps.launcher.LocalLauncher)."""
+    one worker fewer shares the GPU. Alone there (or the last to stay), the trial stays failed: it does not fit.
+    The campaign's cells back off the same way (sweeps.launcher.LocalLauncher)."""
     from sweeps.objective import ATTR_ERROR
-    from sweeps.storage import workers_on_gpu
     from sweeps.support import is_gpu_oom
     if t is None or t.state.name != "FAIL" or spec.gpu is None or not is_gpu_oom(str(t.user_attrs.get(ATTR_ERROR, ""))):
         return False
-    beside = workers_on_gpu(spec.lease_dir, spec.gpu) - 1
-    if beside < 1:
+    staying = lease.leave_gpu_if_others_stay()
+    if staying < 1:
         return False
     study.enqueue_trial(t.params, user_attrs={"sweep.oom_retry_of": t.number}, skip_if_exists=False)
     tickets.give_back()
     print(f"[sweep {spec.study_name} w{spec.index}] trial {t.number} ran out of GPU {spec.gpu}'s memory beside "
-          f"{beside} other worker(s): its params are queued again and this worker stops, so fewer share the GPU",
-          file=console, flush=True)
+          f"{staying} other worker(s) that stay: its params are queued again and this worker stops, so fewer share "
+          f"the GPU", file=console, flush=True)
     return True
 
 

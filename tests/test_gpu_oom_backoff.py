@@ -3,6 +3,7 @@
 on a GPU with room for two cells, four started together all finish, and no more than two run at once afterwards."""
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 
@@ -133,8 +134,9 @@ def _failed_trial(study, error: str):
 
 def test_a_sweep_worker_out_of_gpu_memory_beside_others_requeues_its_trial_and_stops(tmp_path):
     """A GPU sweep's workers share a GPU like a campaign's cells: a worker whose trial ran out of its memory while
-    another worker lives on that GPU queues the same params again (with the trial's ticket) and stops, so one
-    fewer shares the GPU; alone there, or failed for another reason, or on another GPU, it goes on."""
+    another worker stays on that GPU queues the same params again (with the trial's ticket) and stops, so one
+    fewer shares the GPU; alone there, or failed for another reason, it goes on. Of two that run out together,
+    one stays: the queued trials still have a worker."""
     import io
 
     import optuna
@@ -150,20 +152,23 @@ def test_a_sweep_worker_out_of_gpu_memory_beside_others_requeues_its_trial_and_s
     mine = Lease(leases, gpu="0")
     tickets, console = Tickets(0), io.StringIO()
     oom = _failed_trial(study, "OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB")
-    assert workers_on_gpu(leases, "0") == 1 and not fewer_on_this_gpu(study, oom, spec, tickets, console)  # alone
-    other_gpu = Lease(leases, gpu="1")
-    assert not fewer_on_this_gpu(study, oom, spec, tickets, console)
+    other_gpu = Lease(leases, gpu="1")  # a worker on another GPU is no company
+    assert workers_on_gpu(leases, "0") == 1 and not fewer_on_this_gpu(study, oom, spec, mine, tickets, console)
     beside = Lease(leases, gpu="0")
     assert workers_on_gpu(leases, "0") == 2
-    assert not fewer_on_this_gpu(study, _failed_trial(study, "ValueError: a bad batch"), spec, tickets, console)
+    bad_batch = _failed_trial(study, "ValueError: a bad batch")
+    assert not fewer_on_this_gpu(study, bad_batch, spec, mine, tickets, console)
     assert tickets.left == 0 and not study.get_trials(states=(TrialState.WAITING,))
-    assert fewer_on_this_gpu(study, oom, spec, tickets, console)
+    assert fewer_on_this_gpu(study, oom, spec, mine, tickets, console)
     waiting = study.get_trials(states=(TrialState.WAITING,))
     assert [w.user_attrs["sweep.oom_retry_of"] for w in waiting] == [oom.number] and tickets.left == 1
     again = study.ask()  # the next worker's trial: the same params
     assert again.suggest_float("lr", 1e-4, 1e-2, log=True) == oom.params["lr"]
-    assert "ran out of GPU 0's memory beside 1 other worker(s)" in console.getvalue()
+    assert "ran out of GPU 0's memory beside 1 other worker(s) that stay" in console.getvalue()
+    # the worker beside ran out too: the one that left no longer counts, so this one stays for the queued trials
+    assert workers_on_gpu(leases, "0") == 1
+    assert not fewer_on_this_gpu(study, oom, dataclasses.replace(spec, index=2), beside, tickets, console)
     beside.release()
-    assert workers_on_gpu(leases, "0") == 1  # a worker gone is not counted
+    assert workers_on_gpu(leases, "0") == 0  # a worker gone is not counted
     for lease in (mine, other_gpu):
         lease.release()

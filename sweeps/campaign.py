@@ -307,9 +307,10 @@ class CellTask:
     cell: Cell
     out: Path
     share: int
+    oom_restarts: int = 0  # starts of this launch after it ran out of GPU memory beside other cells
 
     def __call__(self, gpu: str | None) -> dict:
-        return run_cell(self.campaign, self.cell, self.out, gpu, self.share)
+        return run_cell(self.campaign, self.cell, self.out, gpu, self.share, self.oom_restarts)
 
     def lost(self, reason: str) -> dict:
         """The record of a cell whose job died (this launch only: the next one resumes it from its checkpoint)."""
@@ -318,9 +319,11 @@ class CellTask:
                 "consumed_tokens": None, "failed": reason}
 
 
-def run_cell(c: Campaign, cell: Cell, out: Path, gpu: str | None = None, share: int = 0) -> dict:
+def run_cell(c: Campaign, cell: Cell, out: Path, gpu: str | None = None, share: int = 0,
+             oom_restarts: int = 0) -> dict:
     """Run (or resume) one cell to its end in a subprocess (on `gpu` when given); record its final metrics in
-    `cell.json`. `share`: cells splitting this machine's cores (default: the campaign's workers)."""
+    `cell.json`. `share`: cells splitting this machine's cores (default: the campaign's workers); `oom_restarts`:
+    how often it started again after running out of GPU memory, recorded with it."""
     run_dir = cell_dir(out, c, cell)
     done = cell_result(run_dir)
     if done is not None:
@@ -337,7 +340,8 @@ def run_cell(c: Campaign, cell: Cell, out: Path, gpu: str | None = None, share: 
     if rc != 0:  # recorded for this launch only (no cell.json): the next launch runs it again
         log.error("cell %s exited %d; see %s", cell.id, rc, log_path)
         oom = {"oom": True} if ran_out_of_gpu_memory(log_path, leg_start) else {}
-        return {**cell.labels(), "run_dir": str(run_dir), "value": None, "consumed_tokens": None, "failed": rc, **oom}
+        return {**cell.labels(), "run_dir": str(run_dir), "value": None, "consumed_tokens": None, "failed": rc, **oom,
+                **({"oom_restarts": oom_restarts} if oom_restarts else {})}
     result = {**cell.labels(), "overrides": cell.overrides, "run_dir": str(run_dir),
               "objective": c.objective, "value": last_logged(run_dir, c.objective),
               "consumed_tokens": last_logged(run_dir, "data/consumed_tokens"),
@@ -347,7 +351,7 @@ def run_cell(c: Campaign, cell: Cell, out: Path, gpu: str | None = None, share: 
               "gpu_reserved_peak_gb": last_logged(run_dir, "perf/gpu_reserved_peak_gb"),
               "phases_s": {k.removeprefix("sys/"): last_logged(run_dir, k) for k in PHASES},
               "wall_s_this_leg": round(time.time() - t0, 1), "resumed": any(a.startswith("resume=") for a in cmd),
-              "target_fingerprint": trained_for(run_dir)}
+              "target_fingerprint": trained_for(run_dir), **({"oom_restarts": oom_restarts} if oom_restarts else {})}
     atomic_write_text(run_dir / "cell.json", json.dumps(result, indent=2))
     return result
 
@@ -537,9 +541,7 @@ def _run_stage(c: Campaign, cells: list[Cell], out: Path, done: dict[str, dict],
         share = c.workers if isinstance(runner, LocalLauncher) else 1
         for again in itertools.count():
             before_run()
-            r = runner.run(CellTask(c, cells[i], out, share), cells[i].id)
-            if again:
-                r = {**r, "oom_restarts": again}
+            r = runner.run(CellTask(c, cells[i], out, share, again), cells[i].id)
             # out of GPU memory beside other cells: the launcher lets fewer share that GPU (LocalLauncher), and the
             # cell starts again (from its checkpoint, if it saved one) once there is room; alone, it does not fit
             if not (r.get("oom") and r.get("at_once", 1) > 1):

@@ -100,7 +100,7 @@ def test_one_pool_runs_each_distinct_config_once(monkeypatch, tmp_path):
     c = load_campaign("cpu_smoke", ["campaign.workers=4"])
     ran = []
 
-    def fake_run(c_, cell, out, gpu=None, share=0):
+    def fake_run(c_, cell, out, gpu=None, share=0, oom_restarts=0):
         ran.append(cell.id)
         return {**cell.labels(), "value": float(len(ran)), "consumed_tokens": 1}
     monkeypatch.setattr(campaign, "run_cell", fake_run)
@@ -123,7 +123,7 @@ def test_a_shared_pool_starts_the_start_first_factors_first(monkeypatch, tmp_pat
     cells = [x for i in range(len(c.stages)) for x in stage_cells(c, i, {})]
     ran = []
 
-    def fake_run(c_, cell, out, gpu=None, share=0):
+    def fake_run(c_, cell, out, gpu=None, share=0, oom_restarts=0):
         ran.append(cell.factor)
         return {**cell.labels(), "value": 1.0, "consumed_tokens": 1}
     monkeypatch.setattr(campaign, "run_cell", fake_run)
@@ -140,7 +140,7 @@ def _fake_cells_that_keep_their_records(monkeypatch, campaign, earlier: dict) ->
     it by run folder name; returns the list of cell ids run."""
     ran = []
 
-    def fake_run(c_, cell, out, gpu=None, share=0):
+    def fake_run(c_, cell, out, gpu=None, share=0, oom_restarts=0):
         ran.append(cell.id)
         earlier[cell.id] = {**cell.labels(), "value": 3.0, "overrides": cell.overrides}
         return earlier[cell.id]
@@ -223,7 +223,7 @@ def test_only_starts_the_listed_cells_and_a_shared_run_if_one_of_its_cells_is_li
     import sweeps.campaign as campaign
     c = load_campaign("cpu_smoke", ["campaign.seeds=[0]"])
     ran = []
-    monkeypatch.setattr(campaign, "run_cell", lambda c_, cell, out, gpu=None, share=0: ran.append(cell.id) or
+    monkeypatch.setattr(campaign, "run_cell", lambda c_, cell, out, gpu=None, share=0, oom_restarts=0: ran.append(cell.id) or
                         {**cell.labels(), "value": 1.0, "overrides": cell.overrides})
     monkeypatch.setattr(campaign, "config_key", lambda ov: "ref" if {"+noise=none", "+buffer=r10_20"} & set(ov)
                         else " ".join(ov))
@@ -251,7 +251,7 @@ def test_every_cell_and_the_shared_inputs_pin_the_ground_truth_under_the_campaig
     monkeypatch.setattr(write_ahead, "write_ahead",
                         lambda cfg, more_cfgs=(): made.append(cfg) or {"sys/write_ahead_s": 0.0})
 
-    def fake_run(c_, cell, out_, gpu=None, share=0):
+    def fake_run(c_, cell, out_, gpu=None, share=0, oom_restarts=0):
         assert len(made) == 1  # the shared inputs, once, before the first cell that starts
         ran.append(cell)
         return {**cell.labels(), "value": float(cell.option == "soft_kl"), "consumed_tokens": 1,

@@ -4,8 +4,10 @@ on a GPU with room for two cells, four started together all finish, and no more 
 from __future__ import annotations
 
 import dataclasses
+import json
 import threading
 import time
+from pathlib import Path
 
 from sweeps.campaign import load_campaign, ran_out_of_gpu_memory, run_cell, stage_cells
 from sweeps.campaign_report import _gpu_memory_lines
@@ -26,8 +28,9 @@ class TwoCellGpu:
         self.resident = 0
         self.finished_beside: list[int] = []  # the most resident while each finished cell allocated
 
-    def run_cell(self, c, cell, out, gpu=None, share=0) -> dict:
+    def run_cell(self, c, cell, out, gpu=None, share=0, oom_restarts=0) -> dict:
         assert gpu == "0"
+        restarts = {"oom_restarts": oom_restarts} if oom_restarts else {}
         most = [0]
         with self.lock:
             self.resident += 1
@@ -40,12 +43,12 @@ class TwoCellGpu:
         if most[0] > 2:
             with self.lock:
                 self.resident -= 1
-            return {**cell.labels(), "value": None, "consumed_tokens": None, "failed": 1, "oom": True}
+            return {**cell.labels(), "value": None, "consumed_tokens": None, "failed": 1, "oom": True, **restarts}
         time.sleep(self.train_s)
         with self.lock:
             self.resident -= 1
             self.finished_beside.append(most[0])
-        return {**cell.labels(), "value": 2.0, "consumed_tokens": 1}
+        return {**cell.labels(), "value": 2.0, "consumed_tokens": 1, **restarts}
 
 
 def _four_cells(monkeypatch, workers: int = 4):
@@ -78,7 +81,7 @@ def test_a_cell_that_runs_out_of_gpu_memory_alone_or_after_the_deadline_is_not_s
     c, cells = _four_cells(monkeypatch, workers=1)
     starts = []
 
-    def alone_oom(c_, cell, out, gpu=None, share=0):
+    def alone_oom(c_, cell, out, gpu=None, share=0, oom_restarts=0):
         starts.append(cell.id)
         return {**cell.labels(), "value": None, "consumed_tokens": None, "failed": 1, "oom": True}
     monkeypatch.setattr(campaign, "run_cell", alone_oom)
@@ -98,17 +101,21 @@ def test_a_cell_that_runs_out_of_gpu_memory_alone_or_after_the_deadline_is_not_s
 def test_run_cell_says_a_leg_ran_out_of_gpu_memory_from_its_own_log_only(monkeypatch, tmp_path):
     import sweeps.campaign as campaign
     c, cells = _four_cells(monkeypatch)
-    legs = iter([TORCH_OOM, "Traceback (most recent call last):\nValueError: a bad batch\n"])
+    legs = iter([(TORCH_OOM, 1), ("Traceback (most recent call last):\nValueError: a bad batch\n", 1),
+                 ("trained\n", 0)])
 
     def fake_call(cmd, gpu, stdout=None, **kw):
-        stdout.write(next(legs))
+        text, rc = next(legs)
+        stdout.write(text)
         stdout.flush()
-        return 1
+        return rc
     monkeypatch.setattr(campaign, "call", fake_call)
     first = run_cell(c, cells[0], tmp_path, gpu="0")
     assert first["failed"] == 1 and first["oom"] is True
     second = run_cell(c, cells[0], tmp_path, gpu="0")  # the same log, appended: its earlier OOM is not this leg's
     assert second["failed"] == 1 and "oom" not in second
+    done = run_cell(c, cells[0], tmp_path, gpu="0", oom_restarts=1)  # its record keeps the restart for later reports
+    assert json.loads((Path(done["run_dir"]) / "cell.json").read_text())["oom_restarts"] == 1
     log = tmp_path / "a.log"
     log.write_bytes(b"x" * (100 << 10) + TORCH_OOM.encode())
     assert ran_out_of_gpu_memory(log, 0) and not ran_out_of_gpu_memory(log, log.stat().st_size)
@@ -117,7 +124,6 @@ def test_run_cell_says_a_leg_ran_out_of_gpu_memory_from_its_own_log_only(monkeyp
         assert ran_out_of_gpu_memory(log, 0)
     log.write_text("triton.runtime.errors.OutOfResources: out of resource: shared memory\n")  # a kernel's limit
     assert not ran_out_of_gpu_memory(log, 0)
-
 
 
 def _failed_trial(study, error: str):

@@ -337,11 +337,12 @@ def run_cell(c: Campaign, cell: Cell, out: Path, gpu: str | None = None, share: 
     with open(log_path, "a") as logf:
         leg_start = logf.tell()
         rc = call(cmd, gpu, stdout=logf, stderr=subprocess.STDOUT, env=cell_env(share or c.workers))
+    restarts = {"oom_restarts": oom_restarts} if oom_restarts else {}
     if rc != 0:  # recorded for this launch only (no cell.json): the next launch runs it again
         log.error("cell %s exited %d; see %s", cell.id, rc, log_path)
         oom = {"oom": True} if ran_out_of_gpu_memory(log_path, leg_start) else {}
         return {**cell.labels(), "run_dir": str(run_dir), "value": None, "consumed_tokens": None, "failed": rc, **oom,
-                **({"oom_restarts": oom_restarts} if oom_restarts else {})}
+                **restarts}
     result = {**cell.labels(), "overrides": cell.overrides, "run_dir": str(run_dir),
               "objective": c.objective, "value": last_logged(run_dir, c.objective),
               "consumed_tokens": last_logged(run_dir, "data/consumed_tokens"),
@@ -351,7 +352,7 @@ def run_cell(c: Campaign, cell: Cell, out: Path, gpu: str | None = None, share: 
               "gpu_reserved_peak_gb": last_logged(run_dir, "perf/gpu_reserved_peak_gb"),
               "phases_s": {k.removeprefix("sys/"): last_logged(run_dir, k) for k in PHASES},
               "wall_s_this_leg": round(time.time() - t0, 1), "resumed": any(a.startswith("resume=") for a in cmd),
-              "target_fingerprint": trained_for(run_dir), **({"oom_restarts": oom_restarts} if oom_restarts else {})}
+              "target_fingerprint": trained_for(run_dir), **restarts}
     atomic_write_text(run_dir / "cell.json", json.dumps(result, indent=2))
     return result
 

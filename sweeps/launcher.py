@@ -95,12 +95,7 @@ class LocalLauncher:
         self._room = threading.Condition()
 
     @contextmanager
-    def placed(self) -> Iterator[str | None]:
-        with self._placed() as (gpu, _):
-            yield gpu
-
-    @contextmanager
-    def _placed(self) -> Iterator[tuple[str | None, list[int]]]:
+    def placed(self) -> Iterator[tuple[str | None, list[int]]]:
         """(the GPU a task runs on, [the most tasks that GPU held at once while it ran])."""
         if not self.gpus:
             yield None, [1]
@@ -123,7 +118,7 @@ class LocalLauncher:
                 self._room.notify_all()
 
     def run(self, task: Callable[[str | None], Any], name: str) -> Any:
-        with self._placed() as (gpu, most):
+        with self.placed() as (gpu, most):
             result = task(gpu)
         if gpu is not None and isinstance(result, dict) and result.get("oom"):
             result = {**result, "at_once": self._fewer_at_once(gpu, most[0], name)}

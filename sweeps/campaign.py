@@ -42,8 +42,6 @@ import dataclasses
 import itertools
 import json
 import logging
-import os
-import subprocess
 import sys
 import threading
 import time
@@ -51,170 +49,18 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-import yaml
-
 from dflash.atomic import atomic_write_text
 from dflash.config import ConfigError
-from dflash.overrides import apply_overrides, split_override
-from sweeps.launcher import LocalLauncher, LauncherConfig, call, launcher_config, make_launcher
-from sweeps.shared_inputs import make_shared_inputs, sets_truth_dir, with_truth_pin
-from sweeps.support import is_gpu_oom, last_logged
+from dflash.overrides import apply_overrides
+from sweeps.campaign_report import stage_call, write_report
+from sweeps.campaign_spec import Campaign, Cell, best_option, check_only, load_campaign, stage_cells, start_order
+from sweeps.cells import (CellTask, cell_dir, cell_result, composed_config_key, config_key, pinned, stale_records,
+                          trained_for)
+from sweeps.launcher import LocalLauncher, LauncherConfig, launcher_config, make_launcher
+from sweeps.shared_inputs import make_shared_inputs, with_truth_pin
 
-CAMPAIGN_DIR = Path(__file__).resolve().parent.parent / "conf" / "campaign"
 DEFAULT_OUT = "campaign_out"
-PHASES = ("sys/setup_s", "sys/loop_s", "sys/save_s", "sys/final_eval_s")  # a cell's wall time, by the trainer
 log = logging.getLogger("sweeps.campaign")
-
-
-@dataclasses.dataclass
-class Stage:
-    factor: str  # a config group (loss, noise, buffer, ...) or, with `sets`, any name for what varies
-    options: list[str]
-    on_best: list[str] = dataclasses.field(default_factory=list)  # earlier factors whose winner this stage uses
-    # option name -> the run overrides that make it (the campaign file's `options:` as a mapping), for a factor that
-    # is not one config group, e.g. how many views of how many distinct sequences; None: option = `+factor=option`
-    sets: dict[str, list[str]] | None = None
-
-    def overrides(self, option: str) -> list[str]:
-        """The run overrides that select `option` of this stage's factor."""
-        return list(self.sets[option]) if self.sets is not None else [f"+{self.factor}={option}"]
-
-
-@dataclasses.dataclass
-class Campaign:
-    name: str
-    experiment: str
-    budget_tokens: int
-    max_steps: int  # the LR schedule's length: the same for every cell, longer than the budget needs
-    seeds: list[int]
-    objective: str
-    base: list[str]
-    stages: list[Stage]
-    workers: int = 1
-    description: str = ""
-    # earlier campaigns (their names, in the same `out` store) whose stages of the same factor the report ranks this
-    # one's against: the served campaign's loss stage against the old protocol's (sweeps/protocol_agreement.py)
-    compare_with: list[str] = dataclasses.field(default_factory=list)
-    # factors whose cells start first where stages share one pool of workers (`stage_groups`), in this order: the
-    # slowest cells (more layers, uncompiled) first, so the pool's last wave is short cells, not one long straggler
-    start_first: list[str] = dataclasses.field(default_factory=list)
-
-
-@dataclasses.dataclass
-class Cell:
-    stage: int
-    factor: str
-    option: str
-    seed: int
-    overrides: list[str]
-
-    @property
-    def id(self) -> str:
-        return f"s{self.stage}-{self.factor}-{self.option}-seed{self.seed}"
-
-    def labels(self) -> dict[str, Any]:
-        """What names this cell in a result record (`cell.json`, `summary.json`)."""
-        return {"cell": self.id, "stage": self.stage, "factor": self.factor, "option": self.option,
-                "seed": self.seed}
-
-
-def _fields(cls) -> dict[str, Any]:
-    return {f.name: f for f in dataclasses.fields(cls)}
-
-
-def _strict(cls, raw: Any, where: str):
-    if not isinstance(raw, dict):
-        raise ConfigError(f"{where}: expected a mapping, got {type(raw).__name__}")
-    unknown = sorted(set(raw) - set(_fields(cls)))
-    if unknown:
-        raise ConfigError(f"{where}: unknown key(s) {unknown}; expected {sorted(_fields(cls))}")
-    missing = [n for n, f in _fields(cls).items() if n not in raw and f.default is dataclasses.MISSING
-               and f.default_factory is dataclasses.MISSING]
-    if missing:
-        raise ConfigError(f"{where}: missing key(s) {missing}")
-    return raw
-
-
-def parse_campaign(raw: Any, where: str) -> Campaign:
-    d = dict(_strict(Campaign, raw, where))
-    stages = []
-    for i, s in enumerate(d.pop("stages")):
-        s = _strict(Stage, s, f"{where}: stages[{i}]")
-        if "sets" in s:
-            raise ConfigError(f"{where}: stages[{i}]: unknown key 'sets' (named overrides are `options:` as a mapping)")
-        stage = Stage(factor=str(s["factor"]), options=[], on_best=[str(f) for f in s.get("on_best", [])])
-        stage.options, stage.sets = _options(s["options"], f"{where}: stages[{i}].options")
-        earlier = {st.factor for st in stages}
-        if not set(stage.on_best) <= earlier:
-            raise ConfigError(f"{where}: stages[{i}].on_best {stage.on_best}: not all are factors of earlier "
-                              f"stages {sorted(earlier)}")
-        if not stage.options:
-            raise ConfigError(f"{where}: stages[{i}].options is empty")
-        stages.append(stage)
-    c = Campaign(stages=stages, **d)
-    for key in ("budget_tokens", "max_steps", "workers"):
-        v = getattr(c, key)
-        if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
-            raise ConfigError(f"{where}: {key}={v!r}; expected a positive integer")
-    if not isinstance(c.seeds, list) or not all(isinstance(s, int) and not isinstance(s, bool) for s in c.seeds) \
-            or not c.seeds or len(set(c.seeds)) != len(c.seeds):
-        raise ConfigError(f"{where}: seeds={c.seeds!r}; expected a non-empty list of distinct integers")
-    factors = [st.factor for st in c.stages]
-    if not isinstance(c.start_first, list) or not set(c.start_first) <= set(factors):
-        raise ConfigError(f"{where}: start_first={c.start_first!r}; expected a list of the stages' factors {factors}")
-    return c
-
-
-def start_order(c: Campaign, cells: Sequence[Cell], runs: Sequence[int]) -> list[int]:
-    """`runs` (indices into `cells`) in the order a pool starts them: the factors of `c.start_first` first, in
-    that order, then the rest as listed (a stable sort)."""
-    rank = {f: i for i, f in enumerate(c.start_first)}
-    return sorted(runs, key=lambda i: rank.get(cells[i].factor, len(rank)))
-
-
-def _options(raw: Any, where: str) -> tuple[list[str], dict[str, list[str]] | None]:
-    """A stage's options: a list of a config group's option names, or a mapping of option name -> run overrides
-    (a list of `key=value` strings; an empty list is the base config itself)."""
-    if isinstance(raw, list):
-        return [str(o) for o in raw], None
-    if not isinstance(raw, dict):
-        raise ConfigError(f"{where}: expected a list of option names or a mapping name -> [overrides], "
-                          f"got {type(raw).__name__}")
-    sets = {}
-    for name, ovr in raw.items():
-        if not isinstance(ovr, list) or not all(isinstance(o, str) and "=" in o for o in ovr):
-            raise ConfigError(f"{where}.{name}: expected a list of key=value overrides, got {ovr!r}")
-        sets[str(name)] = list(ovr)
-    return list(sets), sets
-
-
-def load_campaign(ref: str, edits: list[str] = ()) -> Campaign:
-    """A campaign by name (conf/campaign/<name>.yaml) or path, with `campaign.KEY=VALUE` edits on top."""
-    path = Path(ref) if ref.endswith((".yaml", ".yml")) else CAMPAIGN_DIR / f"{ref}.yaml"
-    if not path.is_file():
-        known = sorted(p.stem for p in CAMPAIGN_DIR.glob("*.yaml"))
-        raise ConfigError(f"campaign {ref!r}: no file {path} (known: {known})")
-    raw = yaml.safe_load(path.read_text())
-    for edit in edits:
-        key, value = split_override(edit.removeprefix("campaign."), "argument")
-        if key not in _fields(Campaign) or key == "stages":
-            raise ConfigError(f"{edit!r}: campaign has no editable key {key!r}")
-        raw[key] = yaml.safe_load(value)
-    return parse_campaign(raw, str(path))
-
-
-def stage_cells(c: Campaign, index: int, winners: dict[str, str]) -> list[Cell]:
-    """The cells of stage `index`, built on the winners of the factors it names in `on_best`."""
-    stage = c.stages[index]
-    by_factor = {st.factor: st for st in c.stages}
-    fixed = [o for f in stage.on_best for o in by_factor[f].overrides(winners[f])]
-    budget = [f"trainer.token_budget={c.budget_tokens}", f"trainer.max_steps={c.max_steps}",
-              f"tracking.experiment={c.experiment}"]
-    # the option last: one that names its own budget (reference_recipe's `budget` stage: what 30 H200-minutes
-    # allow, against the campaign's 131 M) trains at it; every other option trains at the campaign's
-    return [Cell(index, stage.factor, opt, seed,
-                 [*c.base, *fixed, f"seed={seed}", *budget, *stage.overrides(opt)])
-            for opt in stage.options for seed in c.seeds]
 
 
 def with_truth_dir(c: Campaign, out: Path, extra: list[str]) -> list[str]:
@@ -223,153 +69,6 @@ def with_truth_dir(c: Campaign, out: Path, extra: list[str]) -> list[str]:
     there. The same for every cell of a launch: `config_key` still tells identical cells apart only by what they
     train."""
     return with_truth_pin(extra, out / c.name / "truth")
-
-
-def cell_dir(out: Path, c: Campaign, cell: Cell) -> Path:
-    return out / c.name / "runs" / cell.id
-
-
-def cell_result(run_dir: Path) -> dict | None:
-    f = run_dir / "cell.json"
-    return json.loads(f.read_text()) if f.is_file() else None
-
-
-def _lacking_overrides(record: dict, cell: Cell) -> list[str]:
-    """The overrides of `cell` as the campaign composes it now (the base, the winners it builds on, its option, seed
-    and budget) that a finished cell's record (`cell.json`) lacks. None lacking for a record that names no
-    overrides (it cannot say) or one reused from another cell's run (`reused_from`: the same composed config, under
-    that cell's overrides, matched by its composed config)."""
-    if "overrides" not in record or record.get("reused_from"):
-        return []
-    have = set(record["overrides"])
-    return [o for o in cell.overrides if o not in have]
-
-
-def record_matches(record: dict, cell: Cell) -> bool:
-    """Whether a finished cell's record is a run of `cell` as the campaign composes it now."""
-    return not _lacking_overrides(record, cell)
-
-
-def stale_records(c: Campaign, out: Path, cells: list[Cell]) -> list[str]:
-    """The folders of `cells` that hold a finished run of other overrides than the cell needs now, each with the
-    overrides it lacks; logged as a warning.
-
-    A cell's folder is named by its stage, option and seed, not by the winners it builds on: when a later launch
-    calls an earlier stage's winner differently (seed 1 put dpace ahead of seed 0's streak at 64 M; a
-    resumed near-tie can flip on the CPU smoke campaign), the later stage's finished cells were trained on the old
-    winner, and the campaign reuses them by their folder. Said, not refused: the launch goes on, and moving such a
-    folder away makes the next launch train the cell on the new winner."""
-    stale = []
-    for cell in cells:
-        record = cell_result(cell_dir(out, c, cell))
-        missing = _lacking_overrides(record, cell) if record is not None else []
-        if missing:
-            stale.append(f"{cell_dir(out, c, cell)} (needs {', '.join(missing)})")
-    if stale:
-        log.warning("campaign %s: these folders hold finished runs of other overrides than their cells need now "
-                    "(an earlier stage's winner or the campaign file changed since they ran), reused as they are: "
-                    "%s. Move them away to train the cells as they are now", c.name, "; ".join(stale))
-    return stale
-
-
-def tokens_at_resume(run_dir: Path) -> float:
-    """Consumed tokens at the newest checkpoint a cut cell resumes from (0 for a new cell): the tokens this launch
-    trains are the rest, and a launch's consumed tok/s counts only those (a resumed cell's whole budget over one
-    launch's wall time overstated the rate)."""
-    from dflash.run_dir import RunDir
-    step = RunDir(run_dir).newest_checkpoint_step()
-    return 0.0 if step is None else (last_logged(run_dir, "data/consumed_tokens", max_step=step) or 0.0)
-
-
-def cell_command(cell: Cell, run_dir: Path) -> list[str]:
-    from dflash.run_dir import RunDir
-    if RunDir(run_dir).newest_checkpoint_step() is not None:
-        return [sys.executable, "-m", "experiments.run", f"resume={run_dir}"]
-    return [sys.executable, "-m", "experiments.run", *cell.overrides, f"run_dir={run_dir}"]
-
-
-def cell_env(workers: int) -> dict[str, str]:
-    """A cell's environment: unbuffered output, and its share of the CPU's cores for torch's and the BLAS's
-    thread pools unless the caller set them (every process defaults to all cores: `workers` cells at once would
-    run workers × cores threads through their CPU parts, the evaluation's bootstrap and process start)."""
-    share = str(max(1, (os.cpu_count() or 1) // max(1, workers)))
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
-        env.setdefault(var, share)
-    return env
-
-
-@dataclasses.dataclass
-class CellTask:
-    """One cell as a launcher task (`sweeps.launcher`): picklable, so a Slurm job runs it; `share` is how many
-    cells split this machine's cores (1 in a job of its own)."""
-    campaign: Campaign
-    cell: Cell
-    out: Path
-    share: int
-    oom_restarts: int = 0  # starts of this launch after it ran out of GPU memory beside other cells
-
-    def __call__(self, gpu: str | None) -> dict:
-        return run_cell(self.campaign, self.cell, self.out, gpu, self.share, self.oom_restarts)
-
-    def lost(self, reason: str) -> dict:
-        """The record of a cell whose job died (this launch only: the next one resumes it from its checkpoint)."""
-        log.error("cell %s: %s", self.cell.id, reason)
-        return {**self.cell.labels(), "run_dir": str(cell_dir(self.out, self.campaign, self.cell)), "value": None,
-                "consumed_tokens": None, "failed": reason}
-
-
-def run_cell(c: Campaign, cell: Cell, out: Path, gpu: str | None = None, share: int = 0,
-             oom_restarts: int = 0) -> dict:
-    """Run (or resume) one cell to its end in a subprocess (on `gpu` when given); record its final metrics in
-    `cell.json`. `share`: cells splitting this machine's cores (default: the campaign's workers); `oom_restarts`:
-    how often it started again after running out of GPU memory, recorded with it."""
-    run_dir = cell_dir(out, c, cell)
-    done = cell_result(run_dir)
-    if done is not None:
-        return done
-    run_dir.parent.mkdir(parents=True, exist_ok=True)
-    cmd = cell_command(cell, run_dir)
-    start_tokens = tokens_at_resume(run_dir)
-    log.info("cell %s: %s", cell.id, " ".join(cmd[1:]))
-    t0 = time.time()
-    log_path = run_dir.parent / f"{cell.id}.log"
-    with open(log_path, "a") as logf:
-        leg_start = logf.tell()
-        rc = call(cmd, gpu, stdout=logf, stderr=subprocess.STDOUT, env=cell_env(share or c.workers))
-    restarts = {"oom_restarts": oom_restarts} if oom_restarts else {}
-    if rc != 0:  # recorded for this launch only (no cell.json): the next launch runs it again
-        log.error("cell %s exited %d; see %s", cell.id, rc, log_path)
-        oom = {"oom": True} if ran_out_of_gpu_memory(log_path, leg_start) else {}
-        return {**cell.labels(), "run_dir": str(run_dir), "value": None, "consumed_tokens": None, "failed": rc, **oom,
-                **restarts}
-    result = {**cell.labels(), "overrides": cell.overrides, "run_dir": str(run_dir),
-              "objective": c.objective, "value": last_logged(run_dir, c.objective),
-              "consumed_tokens": last_logged(run_dir, "data/consumed_tokens"),
-              "leg_tokens": (last_logged(run_dir, "data/consumed_tokens") or 0.0) - start_tokens,
-              "epochs": last_logged(run_dir, "data/epochs"),
-              "consumed_tok_s": last_logged(run_dir, "perf/consumed_tok_s"),
-              "gpu_reserved_peak_gb": last_logged(run_dir, "perf/gpu_reserved_peak_gb"),
-              "phases_s": {k.removeprefix("sys/"): last_logged(run_dir, k) for k in PHASES},
-              "wall_s_this_leg": round(time.time() - t0, 1), "resumed": any(a.startswith("resume=") for a in cmd),
-              "target_fingerprint": trained_for(run_dir), **restarts}
-    atomic_write_text(run_dir / "cell.json", json.dumps(result, indent=2))
-    return result
-
-
-def ran_out_of_gpu_memory(log_path: Path, offset: int) -> bool:
-    """Whether the cell's log from `offset` on (this leg's output) ends in a GPU out-of-memory error: its last
-    64 KiB hold the traceback."""
-    with open(log_path, "rb") as f:
-        f.seek(max(offset, f.seek(0, os.SEEK_END) - (64 << 10)))
-        tail = f.read()
-    return is_gpu_oom(tail.decode(errors="replace"))
-
-
-def trained_for(run_dir: Path) -> str | None:
-    """The target fingerprint a run folder's drafter was trained for (its `dflash.target_fingerprint` tag)."""
-    f = Path(run_dir) / "tags.json"
-    return json.loads(f.read_text()).get("dflash.target_fingerprint") if f.is_file() else None
 
 
 def check_same_target(c: Campaign, out: Path, extra: list[str]) -> str:
@@ -388,14 +87,6 @@ def check_same_target(c: Campaign, out: Path, extra: list[str]) -> str:
                           f"but the target is now {now}; continue with the target those cells used "
                           f"(target.path=...), or start this campaign afresh in another out= folder")
     return now
-
-
-def best_option(results: list[dict]) -> str:
-    """The option with the highest mean objective over its seeds (ties: the first listed)."""
-    by_opt: dict[str, list[float]] = {}
-    for r in results:
-        by_opt.setdefault(r["option"], []).append(float(r["value"]) if r["value"] is not None else float("-inf"))
-    return max(by_opt, key=lambda o: sum(by_opt[o]) / len(by_opt[o]))
 
 
 def _option_cells(c: Campaign, winners: dict[str, str]) -> list[Cell]:
@@ -432,23 +123,6 @@ def prepare_store(c: Campaign, extra: list[str]) -> None:
     get_or_create_experiment(open_client(uri), c.experiment, uri)  # bounded: a dead server is one line in seconds
 
 
-def config_key(overrides: list[str]) -> str:
-    """What a cell trains, as a hash of its composed config (its run folder aside): two cells with the same key
-    are the same run, e.g. `+noise=none` on the best loss and that loss's own cell of the loss stage."""
-    from experiments.config import compose_config
-    return _key_of(compose_config(overrides))
-
-
-def _key_of(cfg) -> str:
-    import hashlib
-
-    from dflash.config import to_dict
-    d = to_dict(cfg)
-    for k in ("run_dir", "resume"):
-        d.pop(k, None)
-    return hashlib.sha256(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()
-
-
 def configs_to_train(c: Campaign, extra: list[str], out: Path, previous: dict) -> list:
     """The composed configs of the options a launch after `previous` (the last summary.json, {} if none) may still
     train: stages it did not decide, on its winners (an undecided factor's first option stands in), less cells with
@@ -460,7 +134,7 @@ def configs_to_train(c: Campaign, extra: list[str], out: Path, previous: dict) -
                if r.get("value") is not None and not r.get("failed") and r.get("overrides")}
     todo = [compose_config([*cell.overrides, *extra]) for cell in _option_cells(c, previous.get("winners", {}))
             if cell_result(cell_dir(out, c, cell)) is None]
-    return [cfg for cfg in todo if _key_of(cfg) not in trained]
+    return [cfg for cfg in todo if composed_config_key(cfg) not in trained]
 
 
 def shared_inputs(c: Campaign, extra: list[str], out: Path, previous: dict | None = None) -> dict[str, float]:
@@ -470,22 +144,6 @@ def shared_inputs(c: Campaign, extra: list[str], out: Path, previous: dict | Non
     if not cfgs:
         return {"sys/write_ahead_s": 0.0}
     return make_shared_inputs(cfgs[0], cfgs[1:], out / c.name / "write_ahead.json")
-
-
-def pinned(result: dict) -> bool:
-    """Whether a cell ran on the campaign's pinned ground truth (`eval.truth_dir` among its overrides). Cells of
-    launches before pinning (`reference_64m`'s first loss, noise and data cells) evaluated on tokens of their own
-    machine, so their τ does not pair, prompt for prompt, with cells evaluated on the pin."""
-    return sets_truth_dir(result.get("overrides", []))
-
-
-def check_only(c: Campaign, only: Sequence[str]) -> None:
-    """`only=` names factors or factor/option pairs of the campaign (a typo would start nothing, silently)."""
-    known = {st.factor for st in c.stages} | {f"{st.factor}/{o}" for st in c.stages for o in st.options}
-    unknown = [o for o in only if o not in known]
-    if unknown:
-        raise ConfigError(f"only={list(only)}: {unknown} name no factor or factor/option of campaign {c.name} "
-                          f"(known: {sorted(known)})")
 
 
 def _run_stage(c: Campaign, cells: list[Cell], out: Path, done: dict[str, dict], deadline: float | None,
@@ -658,7 +316,6 @@ def run_campaign(c: Campaign, out: Path, extra: list[str], deadline_s: float = 0
                 cut = True  # a deadline or a failed cell: this stage's winner is not known yet (the next launch)
                 continue
             summary["winners"][c.stages[i].factor] = best_option(mine)
-            from sweeps.campaign_report import stage_call
             summary.setdefault("calls", {})[c.stages[i].factor] = stage_call(
                 [r for r in mine if not r.get("failed")], c.objective, summary["winners"][c.stages[i].factor])
             log.info("stage %d (%s): best %s", i, c.stages[i].factor, summary["winners"][c.stages[i].factor])
@@ -707,7 +364,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     extra = [a for a in rest if not a.startswith(("campaign.", "workers=", *own))]
     c = load_campaign(ref, edits)
     if report:
-        from sweeps.campaign_report import write_report
         return write_report(c, out)
     extra = with_truth_dir(c, out, extra)
     check_only(c, args.only)

@@ -17,9 +17,11 @@ from pathlib import Path
 from typing import Any
 
 from dflash.atomic import atomic_write_text
-from sweeps.learning_curves import curve_section
 from dflash.evaluation.pairing import NotPaired, ground_truth_of, per_task
 from dflash.evaluation.stats import paired_delta_ci, pooled_ci
+from sweeps.campaign_spec import best_option, stage_cells
+from sweeps.cells import cell_dir, cell_result, config_key, record_matches, trained_for
+from sweeps.learning_curves import curve_section
 
 CI_LEVEL = 0.95
 
@@ -352,7 +354,6 @@ def _gpu_memory_lines(cells: list[dict]) -> list[str]:
 
 def _target_line(cells: list[dict]) -> str:
     """Which target the cells' drafters were trained for (a campaign's comparisons hold for that target)."""
-    from sweeps.campaign import trained_for
     fps: dict[str, int] = {}
     for x in cells:
         if not x.get("reused_from"):
@@ -427,7 +428,6 @@ def _stage_verdict(c, summary: dict, i: int, cells: list[dict]) -> str:
                f"winner among these." if tied else "")
         return (f"Highest mean objective: **{winners[stage.factor]}** (a winner only where its Δ interval below "
                 f"excludes 0).{tie}")
-    from sweeps.campaign import best_option
     left = ", ".join(o if len(c.seeds) == 1 else f"{o} (seed {s})"
                      for o in stage.options for s in c.seeds if (o, s) not in ran)
     return (f"**Stage incomplete**: {len(cells)} of {len(stage.options) * len(c.seeds)} cells; highest mean "
@@ -451,7 +451,6 @@ def with_recorded_cells(c, out: Path, summary: dict) -> dict:
     `summary.json` holds the cells of its last launch only: a launch with `campaign.seeds=[1]` writes seed 1's,
     and cells copied in from another store (`dflash.tracking.copy_runs`) are in no summary until the
     next launch. The records on disk are what ran; a winner called on one seed is called again on both."""
-    from sweeps.campaign import best_option, cell_dir, cell_result, record_matches, stage_cells
     cells = [_found_here(out, c, x) for x in summary["cells"] if int(x["seed"]) in c.seeds]
     listed = {x["cell"] for x in cells}
     grid_winners = dict(summary.get("winners") or {})  # what later stages' runs were built on
@@ -573,13 +572,12 @@ def summary_from_mlflow(c, tracking_uri: str, work_dir: Path) -> dict[str, Any]:
     """A summary like `summary.json`, rebuilt from the campaign's MLflow experiment alone: its finished runs
     (named by cell id), their eval task tables (artifacts, copied under `work_dir`), the winners recomputed with
     the campaign's rule, and each cell that had no run of its own (the same config as an earlier cell,
-    `sweeps.campaign.config_key`) pointed at that cell's run: the earliest one on the pinned ground truth where the
+    `sweeps.cells.config_key`) pointed at that cell's run: the earliest one on the pinned ground truth where the
     stage's runs of that seed are pinned, as the campaign chose it (`sweeps.campaign._run_stage`). Before, it was the
     earliest run: the buffer stage's seed-0 reference became the loss stage's run from before the pin, and the
     notebook showed the buffer stage "not paired"."""
     from mlflow.tracking import MlflowClient
 
-    from sweeps.campaign import best_option, config_key, stage_cells
     client = MlflowClient(tracking_uri)
     exp = client.get_experiment_by_name(c.experiment)
     if exp is None:

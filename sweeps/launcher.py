@@ -234,7 +234,7 @@ except ImportError:  # submitit is a dependency; without it only the local backe
 class Requeueable(_Checkpointable):
     """A task as a submitit job that requeues on a timeout or preemption: `checkpoint()` stops the task's
     training process (SIGTERM: it saves its checkpoint and exits) and resubmits the same task, which resumes it
-    (a cell from its run folder's checkpoint, `sweeps.campaign.cell_command`)."""
+    (a cell from its run folder's checkpoint, `sweeps.cells.cell_command`)."""
 
     def __init__(self, task: Callable[[str | None], Any]):
         self.task = task

@@ -82,7 +82,7 @@ def agreement_row(name: str, order: dict[str, float], served: dict[str, float]) 
 def _other_stage_cells(name: str, out: Path | None, factor: str) -> tuple[list[dict] | None, str]:
     """(the cells of campaign `name`'s stage of `factor` in the store `out`, why not: '' where that campaign has no
     such stage, so there is nothing to compare)."""
-    from sweeps.campaign import load_campaign
+    from sweeps.campaign_spec import load_campaign
     from sweeps.campaign_report import load_summary
     other = load_campaign(name)
     idx = [i for i, st in enumerate(other.stages) if st.factor == factor]

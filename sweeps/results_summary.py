@@ -71,7 +71,7 @@ def stage_answer(c, summary: dict, i: int) -> dict[str, Any]:
     use = [x for x in cells if int(x["seed"]) in shared]
     ran = {(x["option"], int(x["seed"])) for x in cells}
     out["complete"] = all((o, s) in ran for o in stage.options for s in c.seeds)
-    from sweeps.campaign import best_option
+    from sweeps.campaign_spec import best_option
     # the campaign's call where it made one (later stages were built on it; an open stage's call is of the seeds
     # it had then), else the highest mean over the shared seeds; ties against it over the shared seeds
     winner = (summary.get("winners") or {}).get(stage.factor) or best_option(use)
@@ -289,7 +289,7 @@ def main(argv: list[str] | None = None) -> dict[str, str]:
         return next((a.partition("=")[2] for a in argv[1:] if a.startswith(f"{key}=")), default)
     out, sweeps_out = Path(value("out", "campaign_out")), Path(value("sweeps_out", "sweeps_out"))
     edits = [a for a in argv[1:] if a.startswith("campaign.")]  # e.g. a legacy store's campaign.objective
-    from sweeps.campaign import load_campaign
+    from sweeps.campaign_spec import load_campaign
     from sweeps.campaign_report import load_summary
     from sweeps.space import SweepError
     body = md.read_text()

@@ -10,7 +10,10 @@ from pathlib import Path
 import pytest
 
 from dflash.config import ConfigError
-from sweeps.campaign import Campaign, best_option, cell_env, load_campaign, main, stage_cells, stage_groups
+import sweeps.cells as sweep_cells
+from sweeps.campaign import main, stage_groups
+from sweeps.campaign_spec import Cell, Stage, best_option, check_only, load_campaign, stage_cells
+from sweeps.cells import cell_env
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -76,7 +79,7 @@ def test_a_stage_of_named_override_sets(tmp_path):
 
 
 def test_a_resumed_cell_counts_only_the_tokens_of_its_own_launch(tmp_path):
-    from sweeps.campaign import tokens_at_resume
+    from sweeps.cells import tokens_at_resume
     run = tmp_path / "cell"
     assert tokens_at_resume(run) == 0.0  # a new cell trains its whole budget in this launch
     (run / "checkpoints").mkdir(parents=True)
@@ -103,12 +106,12 @@ def test_one_pool_runs_each_distinct_config_once(monkeypatch, tmp_path):
     def fake_run(c_, cell, out, gpu=None, share=0, oom_restarts=0):
         ran.append(cell.id)
         return {**cell.labels(), "value": float(len(ran)), "consumed_tokens": 1}
-    monkeypatch.setattr(campaign, "run_cell", fake_run)
+    monkeypatch.setattr(sweep_cells, "run_cell", fake_run)
     monkeypatch.setattr(campaign, "config_key", lambda ov: "same" if "+noise=none" in ov or "+buffer=fifo" in ov
                         else " ".join(ov))
     noise = stage_cells(c, 1, {"loss": "hard_ce"})[:1]
-    buffer = [campaign.Cell(2, "buffer", "fifo", 0, ["+buffer=fifo"])]
-    other = [campaign.Cell(2, "buffer", "r10_20", 0, ["+buffer=r10_20"])]
+    buffer = [Cell(2, "buffer", "fifo", 0, ["+buffer=fifo"])]
+    other = [Cell(2, "buffer", "r10_20", 0, ["+buffer=r10_20"])]
     results = campaign._run_stage(c, [*noise, *buffer, *other], tmp_path, {}, None)
     # the fifo cell is the noise cell's run: trained once (the two runs go in parallel, in either order)
     assert sorted(ran) == sorted([noise[0].id, other[0].id])
@@ -126,7 +129,7 @@ def test_a_shared_pool_starts_the_start_first_factors_first(monkeypatch, tmp_pat
     def fake_run(c_, cell, out, gpu=None, share=0, oom_restarts=0):
         ran.append(cell.factor)
         return {**cell.labels(), "value": 1.0, "consumed_tokens": 1}
-    monkeypatch.setattr(campaign, "run_cell", fake_run)
+    monkeypatch.setattr(sweep_cells, "run_cell", fake_run)
     monkeypatch.setattr(campaign, "prepare_store", lambda *a: None)
     campaign._run_stage(c, cells, tmp_path, {}, None)
     # 2 recipe cells, 8 drafter cells less dflash1_adamw's two (the loss stage's hard_ce runs: same config), 12 loss
@@ -144,7 +147,7 @@ def _fake_cells_that_keep_their_records(monkeypatch, campaign, earlier: dict) ->
         ran.append(cell.id)
         earlier[cell.id] = {**cell.labels(), "value": 3.0, "overrides": cell.overrides}
         return earlier[cell.id]
-    monkeypatch.setattr(campaign, "run_cell", fake_run)
+    monkeypatch.setattr(sweep_cells, "run_cell", fake_run)
     monkeypatch.setattr(campaign, "cell_result", lambda run_dir: earlier.get(Path(run_dir).name))
     return ran
 
@@ -156,8 +159,8 @@ def test_a_stage_with_pinned_cells_trains_its_reference_again_under_the_pin(monk
     import sweeps.campaign as campaign
     c = load_campaign("cpu_smoke", ["campaign.seeds=[0]", "campaign.workers=1"])
     pin = ["eval.truth_dir=/pins"]
-    cells = {o: campaign.Cell(1, "noise", o, 0, [f"+noise={o}", *pin]) for o in ("none", "uniform")}
-    buffers = {o: campaign.Cell(2, "buffer", o, 0, [f"+buffer={o}", *pin]) for o in ("r10_20", "fifo")}
+    cells = {o: Cell(1, "noise", o, 0, [f"+noise={o}", *pin]) for o in ("none", "uniform")}
+    buffers = {o: Cell(2, "buffer", o, 0, [f"+buffer={o}", *pin]) for o in ("r10_20", "fifo")}
     monkeypatch.setattr(campaign, "config_key", lambda ov: "ref" if {"+noise=none", "+buffer=r10_20"} & set(ov)
                         else " ".join(ov))
     old_ref = {"cell": "s0-loss-hard_ce-seed0", "value": 1.0, "overrides": ["+loss=hard_ce"]}  # no pin
@@ -171,7 +174,7 @@ def test_a_stage_with_pinned_cells_trains_its_reference_again_under_the_pin(monk
         assert by[buffers["r10_20"].id]["value"] == 3.0  # the buffer stage's reference: the pinned run
         assert "reused_from" not in by[buffers["r10_20"].id]  # its own run (launch 1: its own record)
         assert sorted(ran) == sorted([buffers["r10_20"].id, buffers["fifo"].id])  # trained in launch 0 only
-    assert campaign.pinned({"overrides": ["+eval.truth_dir=/p"]}) and not campaign.pinned(old_ref)
+    assert sweep_cells.pinned({"overrides": ["+eval.truth_dir=/p"]}) and not sweep_cells.pinned(old_ref)
 
 
 def test_the_pin_is_decided_per_seed_so_an_unpinned_seed_keeps_its_unpinned_reference(monkeypatch, tmp_path):
@@ -181,7 +184,7 @@ def test_the_pin_is_decided_per_seed_so_an_unpinned_seed_keeps_its_unpinned_refe
     import sweeps.campaign as campaign
     c = load_campaign("cpu_smoke", ["campaign.seeds=[0,1]", "campaign.workers=1"])
     pin = ["eval.truth_dir=/pins"]
-    cells = [campaign.Cell(1, "noise", o, s, [f"+noise={o}", f"seed={s}", *pin])
+    cells = [Cell(1, "noise", o, s, [f"+noise={o}", f"seed={s}", *pin])
              for s in (0, 1) for o in ("none", "uniform")]
     monkeypatch.setattr(campaign, "config_key", lambda ov: (f"ref{ov[1]}" if "+noise=none" in ov else " ".join(ov)))
     old_ref0 = {"cell": "s0-loss-streak-seed0", "value": 1.0, "overrides": ["+loss=streak"]}  # before the pin
@@ -191,7 +194,7 @@ def test_the_pin_is_decided_per_seed_so_an_unpinned_seed_keeps_its_unpinned_refe
     ran = _fake_cells_that_keep_their_records(monkeypatch, campaign, earlier)
     done = {"ref" + "seed=0": old_ref0, "ref" + "seed=1": ref1}
     # the pinned twin of seed 0's reference is a record of this group (a later stage's own cell, the same config)
-    twin = campaign.Cell(2, "data", "views4", 0, ["+noise=none", "seed=0", *pin])
+    twin = Cell(2, "data", "views4", 0, ["+noise=none", "seed=0", *pin])
     earlier[twin.id] = {**twin.labels(), **pinned_twin0}
     results = campaign._run_stage(c, [*cells, twin], tmp_path, done, None)
     by = {r["cell"]: r for r in results}
@@ -207,7 +210,7 @@ def test_only_starts_a_listed_cells_reference_too_where_it_has_no_run_on_the_pin
     import sweeps.campaign as campaign
     c = load_campaign("cpu_smoke", ["campaign.seeds=[0]", "campaign.workers=1"])
     pin = ["eval.truth_dir=/pins"]
-    cells = [campaign.Cell(2, "buffer", o, 0, [f"+buffer={o}", *pin]) for o in ("r10_20", "fifo", "proportional")]
+    cells = [Cell(2, "buffer", o, 0, [f"+buffer={o}", *pin]) for o in ("r10_20", "fifo", "proportional")]
     monkeypatch.setattr(campaign, "config_key", lambda ov: "ref" if "+buffer=r10_20" in ov else " ".join(ov))
     old_ref = {"cell": "s0-loss-hard_ce-seed0", "value": 1.0, "overrides": ["+loss=hard_ce"]}  # no pin
     ran = _fake_cells_that_keep_their_records(monkeypatch, campaign, {})
@@ -223,19 +226,19 @@ def test_only_starts_the_listed_cells_and_a_shared_run_if_one_of_its_cells_is_li
     import sweeps.campaign as campaign
     c = load_campaign("cpu_smoke", ["campaign.seeds=[0]"])
     ran = []
-    monkeypatch.setattr(campaign, "run_cell", lambda c_, cell, out, gpu=None, share=0, oom_restarts=0: ran.append(cell.id) or
+    monkeypatch.setattr(sweep_cells, "run_cell", lambda c_, cell, out, gpu=None, share=0, oom_restarts=0: ran.append(cell.id) or
                         {**cell.labels(), "value": 1.0, "overrides": cell.overrides})
     monkeypatch.setattr(campaign, "config_key", lambda ov: "ref" if {"+noise=none", "+buffer=r10_20"} & set(ov)
                         else " ".join(ov))
-    cells = [campaign.Cell(stage, factor, o, 0, [f"+{factor}={o}"])
+    cells = [Cell(stage, factor, o, 0, [f"+{factor}={o}"])
              for stage, factor, o in ((1, "noise", "none"), (1, "noise", "uniform"), (2, "buffer", "r10_20"),
                                       (2, "buffer", "fifo"))]
     results = campaign._run_stage(c, cells, tmp_path, {}, None, ["buffer"])
     assert sorted(ran) == ["s1-noise-none-seed0", "s2-buffer-fifo-seed0"]  # r10_20's run is noise/none's
     assert results[1] is None and results[2]["reused_from"] == "s1-noise-none-seed0"
     with pytest.raises(ConfigError, match="buffr"):
-        campaign.check_only(c, ["buffr"])
-    campaign.check_only(c, ["noise", "loss/soft_kl"])
+        check_only(c, ["buffr"])
+    check_only(c, ["noise", "loss/soft_kl"])
 
 
 def test_every_cell_and_the_shared_inputs_pin_the_ground_truth_under_the_campaign(monkeypatch, tmp_path):
@@ -256,7 +259,7 @@ def test_every_cell_and_the_shared_inputs_pin_the_ground_truth_under_the_campaig
         ran.append(cell)
         return {**cell.labels(), "value": float(cell.option == "soft_kl"), "consumed_tokens": 1,
                 "run_dir": str(tmp_path / cell.id), "overrides": cell.overrides}  # as run_cell records them
-    monkeypatch.setattr(campaign, "run_cell", fake_run)
+    monkeypatch.setattr(sweep_cells, "run_cell", fake_run)
     summary = campaign.run_campaign(c, out, ["tracking.enabled=false"])
     assert made[0].eval.truth_dir == str(out / "cpu_smoke" / "truth") and len(made) == 1
     assert len(ran) == 3 and all(cell.overrides.count(pinned) == 1 for cell in ran)
@@ -266,7 +269,7 @@ def test_every_cell_and_the_shared_inputs_pin_the_ground_truth_under_the_campaig
     # data) and only the new stage's cells train
     monkeypatch.setattr(campaign, "cell_result", lambda run_dir: next(
         ({**r, "earlier_launch": True} for r in summary["cells"] if r["cell"] == Path(run_dir).name), None))
-    c.stages.append(campaign.Stage("buffer", ["r10_20", "fifo"], ["loss"]))
+    c.stages.append(Stage("buffer", ["r10_20", "fifo"], ["loss"]))
     made.clear(), ran.clear()
     again = campaign.run_campaign(c, out, ["tracking.enabled=false"])
     assert len(made) == 1 and again["complete"] and [cell.option for cell in ran] == ["fifo"]
@@ -448,7 +451,7 @@ def test_the_best_recipe_is_the_campaigns_best_cell():
     """`+recipe=best_reference` trains exactly what the reference_recipe campaign's winning cell (t262: 8 layers with
     the recipe sweep's best LR and streak settings at 262 M tokens, header cuts in a 224,000-prompt pool) trained
     (benchmarks/ABLATIONS.md, "The recipe")."""
-    from sweeps.campaign import config_key
+    from sweeps.cells import config_key
     c = load_campaign("reference_recipe")
     winners = {"depth": "layers8_sweep30", "prompts": "headers"}
     cell = next(x for x in stage_cells(c, 2, winners) if x.option == "t262" and x.seed == 0)
@@ -460,7 +463,7 @@ def test_the_best_recipe_is_the_campaigns_best_cell():
 def test_an_option_may_train_at_its_own_budget():
     """reference_recipe's `budget` stage: t131 is the 131 M winner itself (the same composed config: reused, not
     trained again), t262 sets its own budget, which wins over the campaign's (the option's overrides come last)."""
-    from sweeps.campaign import config_key
+    from sweeps.cells import config_key
     from experiments.config import compose_config
     c = load_campaign("reference_recipe")
     winners = {"depth": "layers8_sweep30", "prompts": "headers"}
@@ -480,7 +483,7 @@ def test_a_cell_run_on_another_winner_is_named(tmp_path, caplog):
     """A cell's folder is named by stage, option and seed only. When an earlier stage's winner changes (seed 1 put
     dpace ahead of seed 0's streak at 64 M), a noise cell trained on streak is not one on dpace: the campaign names
     the folder and the overrides it lacks, and the report does not take that record for the cell."""
-    from sweeps.campaign import load_campaign, record_matches, stage_cells, stale_records
+    from sweeps.cells import record_matches, stale_records
     c = load_campaign("reference_64m")
     on_streak = stage_cells(c, 1, {"loss": "streak"})[0]
     on_dpace = stage_cells(c, 1, {"loss": "dpace"})[0]

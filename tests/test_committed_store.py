@@ -75,7 +75,7 @@ def test_report_names_the_cells_not_run_yet(campaign_store):
     """reference_64m runs seeds [0, 1]; every stage has run seed 0 and the loss stage seed 1 too: read with both
     seeds, the loss stage is called on both and every later stage is incomplete and names its seed-1 cells and the
     command, instead of calling a winner on half its cells."""
-    from sweeps.campaign import load_campaign
+    from sweeps.campaign_spec import load_campaign
     from sweeps.campaign_report import write_report
     c = load_campaign("reference_64m", [LEGACY])
     assert c.seeds == [0, 1]
@@ -104,7 +104,7 @@ def test_a_summary_of_one_seed_does_not_hide_the_other(campaign_store):
     seed 0's cells by their own records (cell.json) and calls the loss stage's winner again from them."""
     import json
 
-    from sweeps.campaign import load_campaign
+    from sweeps.campaign_spec import load_campaign
     from sweeps.campaign_report import write_report
     f = campaign_store / "reference_64m" / "summary.json"
     kept = f.read_text()  # the store is the module's: put back for the tests after this one
@@ -126,7 +126,7 @@ def test_a_reused_reference_is_in_its_stages_learning_curve(campaign_store):
     """reference_64m's buffer stage reuses the data stage's views4 run as its r10_20 reference (the same
     composed config) and the noise stage the loss stage's streak run as `none`: both are rows of their stage's
     learning curve, so the rank agreement ranks every option, and the report says whose run they are."""
-    from sweeps.campaign import load_campaign
+    from sweeps.campaign_spec import load_campaign
     from sweeps.campaign_report import write_report
     write_report(load_campaign("reference_64m", [LEGACY, "campaign.seeds=[0]"]), campaign_store)
     text = (campaign_store / "reference_64m" / "ABLATIONS.md").read_text()
@@ -173,7 +173,7 @@ def test_the_recipe_quotes_the_stores_figures(campaign_store):
     import json
 
     from mlflow.tracking import MlflowClient
-    from sweeps.campaign import load_campaign
+    from sweeps.campaign_spec import load_campaign
     from sweeps.campaign_report import write_report
     summary = json.loads((campaign_store / "reference_recipe" / "summary.json").read_text())
     cell = next(c for c in summary["cells"] if c["cell"] == "s2-budget-t262-seed0")
@@ -205,7 +205,7 @@ def test_ablations_first_screen_is_the_stores_summary(campaign_store):
     """benchmarks/ABLATIONS.md opens with each campaign's results summary and holds each campaign's report, both as
     the committed store renders them now (`python -m sweeps.results_summary`): not a copy that can go stale. The
     summaries fit the first screen (60 lines) and say for every stage which option won, by how much, how sure."""
-    from sweeps.campaign import load_campaign
+    from sweeps.campaign_spec import load_campaign
     from sweeps.campaign_report import load_summary
     from sweeps.results_summary import render_summary, report_block
     text = (ROOT / "benchmarks" / "ABLATIONS.md").read_text()
@@ -232,7 +232,7 @@ def test_the_report_the_notebook_and_mlflow_give_the_same_numbers(campaign_store
     on the campaign's summary run is its SUMMARY.md."""
     from mlflow.tracking import MlflowClient
 
-    from sweeps.campaign import load_campaign
+    from sweeps.campaign_spec import load_campaign
     from sweeps.campaign_report import load_summary, summary_from_mlflow, write_report
     from dflash.tracking.ui_view import KEY_METRICS_VIEW, SAVED_VIEW_PREFIX, TAU_TAG
     from sweeps.results_summary import SUMMARY_RUN_TAG, render_summary, stage_answer
@@ -278,7 +278,7 @@ def test_the_notebooks_summary_pairs_the_buffer_stage_on_the_pin(campaign_store,
     the campaign did: the buffer stage's seed-0 cells ran on the pin, so their `r10_20` is the data stage's pinned
     `views4` run, not the loss stage's run from before the pin (which left every buffer Δ "not paired"); the noise
     stage's seed-0 cells ran before the pin and keep the loss stage's run."""
-    from sweeps.campaign import load_campaign
+    from sweeps.campaign_spec import load_campaign
     from sweeps.campaign_report import render_report, summary_from_mlflow
     c = load_campaign("reference_64m", [LEGACY, "campaign.seeds=[0]"])
     summary = summary_from_mlflow(c, f"sqlite:///{campaign_store / 'mlflow.db'}", tmp_path / "nb")
@@ -291,7 +291,7 @@ def test_the_notebooks_summary_pairs_the_buffer_stage_on_the_pin(campaign_store,
 def test_each_stage_figure_shows_the_reports_numbers(campaign_store, tmp_path):
     """The loss stage's figure, from the report's summary and from the notebook's alike: one curve per run ending at
     its final τ, prompt lookup's band, and each option's paired Δ against the winner with the report's tie call."""
-    from sweeps.campaign import load_campaign
+    from sweeps.campaign_spec import load_campaign
     from sweeps.campaign_report import load_summary, summary_from_mlflow
     from sweeps.stage_figures import stage_figure_data
     c = load_campaign("reference_64m", [LEGACY])

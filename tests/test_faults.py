@@ -11,7 +11,6 @@ import stat
 import subprocess
 import sys
 import time
-import warnings
 from pathlib import Path
 
 import pytest

@@ -8,13 +8,11 @@ import ast
 import errno
 import json
 import os
-import shutil
 import socket
 import subprocess
 import sys
 import textwrap
 import time
-import warnings
 from pathlib import Path
 
 import pytest

@@ -381,7 +381,7 @@ def test_pruner_type_none_drops_the_old_pruners_options():
 def test_campaign_seeds_that_are_not_integers_are_named():
     import yaml
 
-    from sweeps.campaign import parse_campaign
+    from sweeps.campaign_spec import parse_campaign
     raw = yaml.safe_load((ROOT / "conf/campaign/reference.yaml").read_text())
     with pytest.raises(ConfigError, match=r"seeds='abc'; expected a non-empty list of distinct integers"):
         parse_campaign({**raw, "seeds": "abc"}, "campaign")

@@ -9,7 +9,9 @@ import threading
 import time
 from pathlib import Path
 
-from sweeps.campaign import load_campaign, ran_out_of_gpu_memory, run_cell, stage_cells
+import sweeps.cells as sweep_cells
+from sweeps.campaign_spec import load_campaign, stage_cells
+from sweeps.cells import ran_out_of_gpu_memory, run_cell
 from sweeps.campaign_report import _gpu_memory_lines
 from sweeps.launcher import LauncherConfig, LocalLauncher
 
@@ -64,7 +66,7 @@ def test_cells_out_of_gpu_memory_together_start_again_fewer_at_once_and_all_fini
     import sweeps.campaign as campaign
     c, cells = _four_cells(monkeypatch)
     gpu = TwoCellGpu()
-    monkeypatch.setattr(campaign, "run_cell", gpu.run_cell)
+    monkeypatch.setattr(sweep_cells, "run_cell", gpu.run_cell)
     launcher = LocalLauncher(LauncherConfig(gpus=["0"]))
     results = campaign._run_stage(c, cells, tmp_path, {}, None, launcher=launcher)
     assert [r["value"] for r in results] == [2.0] * 4 and not any(r.get("failed") for r in results)
@@ -84,7 +86,7 @@ def test_a_cell_that_runs_out_of_gpu_memory_alone_or_after_the_deadline_is_not_s
     def alone_oom(c_, cell, out, gpu=None, share=0, oom_restarts=0):
         starts.append(cell.id)
         return {**cell.labels(), "value": None, "consumed_tokens": None, "failed": 1, "oom": True}
-    monkeypatch.setattr(campaign, "run_cell", alone_oom)
+    monkeypatch.setattr(sweep_cells, "run_cell", alone_oom)
     launcher = LocalLauncher(LauncherConfig(gpus=["0"]))
     results = campaign._run_stage(c, cells[:1], tmp_path, {}, None, launcher=launcher)
     assert starts == [cells[0].id] and results[0]["oom"] and results[0]["at_once"] == 1  # alone: it does not fit
@@ -92,14 +94,13 @@ def test_a_cell_that_runs_out_of_gpu_memory_alone_or_after_the_deadline_is_not_s
 
     c, cells = _four_cells(monkeypatch)
     gpu = TwoCellGpu(settle_s=1.0)
-    monkeypatch.setattr(campaign, "run_cell", gpu.run_cell)
+    monkeypatch.setattr(sweep_cells, "run_cell", gpu.run_cell)
     results = campaign._run_stage(c, cells, tmp_path, {}, time.time() + 0.5,
                                   launcher=LocalLauncher(LauncherConfig(gpus=["0"])))
     assert all(r["oom"] and "oom_restarts" not in r for r in results)  # out of memory after the deadline: left
 
 
 def test_run_cell_says_a_leg_ran_out_of_gpu_memory_from_its_own_log_only(monkeypatch, tmp_path):
-    import sweeps.campaign as campaign
     c, cells = _four_cells(monkeypatch)
     legs = iter([(TORCH_OOM, 1), ("Traceback (most recent call last):\nValueError: a bad batch\n", 1),
                  ("trained\n", 0)])
@@ -109,7 +110,7 @@ def test_run_cell_says_a_leg_ran_out_of_gpu_memory_from_its_own_log_only(monkeyp
         stdout.write(text)
         stdout.flush()
         return rc
-    monkeypatch.setattr(campaign, "call", fake_call)
+    monkeypatch.setattr(sweep_cells, "call", fake_call)
     first = run_cell(c, cells[0], tmp_path, gpu="0")
     assert first["failed"] == 1 and first["oom"] is True
     second = run_cell(c, cells[0], tmp_path, gpu="0")  # the same log, appended: its earlier OOM is not this leg's

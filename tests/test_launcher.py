@@ -93,7 +93,8 @@ def _tables(c, summary) -> list[str]:
 def test_a_campaign_through_submitit_gives_the_local_results_table(tmp_path, monkeypatch):
     """4 CPU cells (3 runs) on this machine and as submitit jobs (its local executor): the same winners, values
     and report tables. Prints both tables (the comparison issue 58 asks for)."""
-    from sweeps.campaign import load_campaign, main
+    from sweeps.campaign import main
+    from sweeps.campaign_spec import load_campaign
     monkeypatch.chdir(ROOT)
     local = main(_campaign(tmp_path / "local"))
     jobs = main(_campaign(tmp_path / "slurm", "launcher=slurm", "launcher.executor=local"))

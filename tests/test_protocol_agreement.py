@@ -7,7 +7,7 @@ import json
 from itertools import combinations
 from pathlib import Path
 
-from sweeps.campaign import load_campaign
+from sweeps.campaign_spec import load_campaign
 from sweeps.protocol_agreement import agreement_row, agreement_section, greedy_section, ground_truth_lines
 
 TASKS = [f"mod.f{i}" for i in range(6)]

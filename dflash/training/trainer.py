@@ -402,7 +402,7 @@ class _Window:
                "perf/target_tok_s": (prod_tokens - self.prod0[0]) / max(prod_busy - self.prod0[1], 1e-9),
                "perf/consumer_wait_frac": waited / wall, "buffer/max_depth": max_depth}
         if torch.cuda.is_initialized():  # what this process holds of its GPU so far (the allocator's count: no sync);
-            # a campaign's cells share one GPU, and this sizes how many fit (sweeps/campaign.py records it per cell)
+            # a campaign's cells share one GPU, and this sizes how many fit (sweeps/cells.py records it per cell)
             out["perf/gpu_reserved_peak_gb"] = torch.cuda.max_memory_reserved() / 2**30
         if self.dist.enabled:  # throughput (and tokens) of all ranks together
             keys = [k for k in out if k.endswith("_tok_s")]

@@ -1,0 +1,184 @@
+"""A campaign file (`conf/campaign/*.yaml`): its stages, their cells, and the winner of a stage.
+
+What `sweeps.campaign` runs and `sweeps.campaign_report` reads; the format is described in `sweeps/campaign.py`'s
+docstring and docs/sweeps.md."""
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any, Sequence
+
+import yaml
+
+from dflash.config import ConfigError
+from dflash.overrides import split_override
+
+CAMPAIGN_DIR = Path(__file__).resolve().parent.parent / "conf" / "campaign"
+
+
+@dataclasses.dataclass
+class Stage:
+    factor: str  # a config group (loss, noise, buffer, ...) or, with `sets`, any name for what varies
+    options: list[str]
+    on_best: list[str] = dataclasses.field(default_factory=list)  # earlier factors whose winner this stage uses
+    # option name -> the run overrides that make it (the campaign file's `options:` as a mapping), for a factor that
+    # is not one config group, e.g. how many views of how many distinct sequences; None: option = `+factor=option`
+    sets: dict[str, list[str]] | None = None
+
+    def overrides(self, option: str) -> list[str]:
+        """The run overrides that select `option` of this stage's factor."""
+        return list(self.sets[option]) if self.sets is not None else [f"+{self.factor}={option}"]
+
+
+@dataclasses.dataclass
+class Campaign:
+    name: str
+    experiment: str
+    budget_tokens: int
+    max_steps: int  # the LR schedule's length: the same for every cell, longer than the budget needs
+    seeds: list[int]
+    objective: str
+    base: list[str]
+    stages: list[Stage]
+    workers: int = 1
+    description: str = ""
+    # earlier campaigns (their names, in the same `out` store) whose stages of the same factor the report ranks this
+    # one's against: the served campaign's loss stage against the old protocol's (sweeps/protocol_agreement.py)
+    compare_with: list[str] = dataclasses.field(default_factory=list)
+    # factors whose cells start first where stages share one pool of workers (`stage_groups`), in this order: the
+    # slowest cells (more layers, uncompiled) first, so the pool's last wave is short cells, not one long straggler
+    start_first: list[str] = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass
+class Cell:
+    stage: int
+    factor: str
+    option: str
+    seed: int
+    overrides: list[str]
+
+    @property
+    def id(self) -> str:
+        return f"s{self.stage}-{self.factor}-{self.option}-seed{self.seed}"
+
+    def labels(self) -> dict[str, Any]:
+        """What names this cell in a result record (`cell.json`, `summary.json`)."""
+        return {"cell": self.id, "stage": self.stage, "factor": self.factor, "option": self.option,
+                "seed": self.seed}
+
+
+def _fields(cls) -> dict[str, Any]:
+    return {f.name: f for f in dataclasses.fields(cls)}
+
+
+def _strict(cls, raw: Any, where: str):
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{where}: expected a mapping, got {type(raw).__name__}")
+    unknown = sorted(set(raw) - set(_fields(cls)))
+    if unknown:
+        raise ConfigError(f"{where}: unknown key(s) {unknown}; expected {sorted(_fields(cls))}")
+    missing = [n for n, f in _fields(cls).items() if n not in raw and f.default is dataclasses.MISSING
+               and f.default_factory is dataclasses.MISSING]
+    if missing:
+        raise ConfigError(f"{where}: missing key(s) {missing}")
+    return raw
+
+
+def parse_campaign(raw: Any, where: str) -> Campaign:
+    d = dict(_strict(Campaign, raw, where))
+    stages = []
+    for i, s in enumerate(d.pop("stages")):
+        s = _strict(Stage, s, f"{where}: stages[{i}]")
+        if "sets" in s:
+            raise ConfigError(f"{where}: stages[{i}]: unknown key 'sets' (named overrides are `options:` as a mapping)")
+        stage = Stage(factor=str(s["factor"]), options=[], on_best=[str(f) for f in s.get("on_best", [])])
+        stage.options, stage.sets = _options(s["options"], f"{where}: stages[{i}].options")
+        earlier = {st.factor for st in stages}
+        if not set(stage.on_best) <= earlier:
+            raise ConfigError(f"{where}: stages[{i}].on_best {stage.on_best}: not all are factors of earlier "
+                              f"stages {sorted(earlier)}")
+        if not stage.options:
+            raise ConfigError(f"{where}: stages[{i}].options is empty")
+        stages.append(stage)
+    c = Campaign(stages=stages, **d)
+    for key in ("budget_tokens", "max_steps", "workers"):
+        v = getattr(c, key)
+        if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+            raise ConfigError(f"{where}: {key}={v!r}; expected a positive integer")
+    if not isinstance(c.seeds, list) or not all(isinstance(s, int) and not isinstance(s, bool) for s in c.seeds) \
+            or not c.seeds or len(set(c.seeds)) != len(c.seeds):
+        raise ConfigError(f"{where}: seeds={c.seeds!r}; expected a non-empty list of distinct integers")
+    factors = [st.factor for st in c.stages]
+    if not isinstance(c.start_first, list) or not set(c.start_first) <= set(factors):
+        raise ConfigError(f"{where}: start_first={c.start_first!r}; expected a list of the stages' factors {factors}")
+    return c
+
+
+def _options(raw: Any, where: str) -> tuple[list[str], dict[str, list[str]] | None]:
+    """A stage's options: a list of a config group's option names, or a mapping of option name -> run overrides
+    (a list of `key=value` strings; an empty list is the base config itself)."""
+    if isinstance(raw, list):
+        return [str(o) for o in raw], None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{where}: expected a list of option names or a mapping name -> [overrides], "
+                          f"got {type(raw).__name__}")
+    sets = {}
+    for name, ovr in raw.items():
+        if not isinstance(ovr, list) or not all(isinstance(o, str) and "=" in o for o in ovr):
+            raise ConfigError(f"{where}.{name}: expected a list of key=value overrides, got {ovr!r}")
+        sets[str(name)] = list(ovr)
+    return list(sets), sets
+
+
+def load_campaign(ref: str, edits: list[str] = ()) -> Campaign:
+    """A campaign by name (conf/campaign/<name>.yaml) or path, with `campaign.KEY=VALUE` edits on top."""
+    path = Path(ref) if ref.endswith((".yaml", ".yml")) else CAMPAIGN_DIR / f"{ref}.yaml"
+    if not path.is_file():
+        known = sorted(p.stem for p in CAMPAIGN_DIR.glob("*.yaml"))
+        raise ConfigError(f"campaign {ref!r}: no file {path} (known: {known})")
+    raw = yaml.safe_load(path.read_text())
+    for edit in edits:
+        key, value = split_override(edit.removeprefix("campaign."), "argument")
+        if key not in _fields(Campaign) or key == "stages":
+            raise ConfigError(f"{edit!r}: campaign has no editable key {key!r}")
+        raw[key] = yaml.safe_load(value)
+    return parse_campaign(raw, str(path))
+
+
+def stage_cells(c: Campaign, index: int, winners: dict[str, str]) -> list[Cell]:
+    """The cells of stage `index`, built on the winners of the factors it names in `on_best`."""
+    stage = c.stages[index]
+    by_factor = {st.factor: st for st in c.stages}
+    fixed = [o for f in stage.on_best for o in by_factor[f].overrides(winners[f])]
+    budget = [f"trainer.token_budget={c.budget_tokens}", f"trainer.max_steps={c.max_steps}",
+              f"tracking.experiment={c.experiment}"]
+    # the option last: one that names its own budget (reference_recipe's `budget` stage: what 30 H200-minutes
+    # allow, against the campaign's 131 M) trains at it; every other option trains at the campaign's
+    return [Cell(index, stage.factor, opt, seed,
+                 [*c.base, *fixed, f"seed={seed}", *budget, *stage.overrides(opt)])
+            for opt in stage.options for seed in c.seeds]
+
+
+def start_order(c: Campaign, cells: Sequence[Cell], runs: Sequence[int]) -> list[int]:
+    """`runs` (indices into `cells`) in the order a pool starts them: the factors of `c.start_first` first, in
+    that order, then the rest as listed (a stable sort)."""
+    rank = {f: i for i, f in enumerate(c.start_first)}
+    return sorted(runs, key=lambda i: rank.get(cells[i].factor, len(rank)))
+
+
+def best_option(results: list[dict]) -> str:
+    """The option with the highest mean objective over its seeds (ties: the first listed)."""
+    by_opt: dict[str, list[float]] = {}
+    for r in results:
+        by_opt.setdefault(r["option"], []).append(float(r["value"]) if r["value"] is not None else float("-inf"))
+    return max(by_opt, key=lambda o: sum(by_opt[o]) / len(by_opt[o]))
+
+
+def check_only(c: Campaign, only: Sequence[str]) -> None:
+    """`only=` names factors or factor/option pairs of the campaign (a typo would start nothing, silently)."""
+    known = {st.factor for st in c.stages} | {f"{st.factor}/{o}" for st in c.stages for o in st.options}
+    unknown = [o for o in only if o not in known]
+    if unknown:
+        raise ConfigError(f"only={list(only)}: {unknown} name no factor or factor/option of campaign {c.name} "
+                          f"(known: {sorted(known)})")

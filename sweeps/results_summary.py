@@ -180,7 +180,7 @@ def label_cell_runs(client, experiment_id: str, c) -> int:
     from mlflow.entities import Param, RunTag
     from mlflow.exceptions import MlflowException
 
-    from sweeps.campaign_report import CELL_NAME
+    from sweeps.campaign_mlflow import CELL_NAME
     n = 0
     for run in client.search_runs([experiment_id], max_results=10000):
         m = CELL_NAME.match(run.info.run_name or "")

@@ -327,7 +327,8 @@ def _check_report_from_mlflow(tmp_path, summary):
     file after the run folders are gone) are the campaign report's."""
     import shutil
 
-    from sweeps.campaign_report import render_report, summary_from_mlflow
+    from sweeps.campaign_mlflow import summary_from_mlflow
+    from sweeps.campaign_report import render_report
     c = load_campaign("cpu_smoke", ["campaign.seeds=[0]"])
     from_folders = render_report(c, summary)
     assert "| hard_ce | 1 |" in from_folders and "Δτ vanilla vs hard_ce" in from_folders  # stage 1 vs baseline

@@ -233,7 +233,8 @@ def test_the_report_the_notebook_and_mlflow_give_the_same_numbers(campaign_store
     from mlflow.tracking import MlflowClient
 
     from sweeps.campaign_spec import load_campaign
-    from sweeps.campaign_report import load_summary, summary_from_mlflow, write_report
+    from sweeps.campaign_mlflow import summary_from_mlflow
+    from sweeps.campaign_report import load_summary, write_report
     from dflash.tracking.ui_view import KEY_METRICS_VIEW, SAVED_VIEW_PREFIX, TAU_TAG
     from sweeps.results_summary import SUMMARY_RUN_TAG, render_summary, stage_answer
     uri = f"sqlite:///{campaign_store / 'mlflow.db'}"
@@ -279,7 +280,8 @@ def test_the_notebooks_summary_pairs_the_buffer_stage_on_the_pin(campaign_store,
     `views4` run, not the loss stage's run from before the pin (which left every buffer Δ "not paired"); the noise
     stage's seed-0 cells ran before the pin and keep the loss stage's run."""
     from sweeps.campaign_spec import load_campaign
-    from sweeps.campaign_report import render_report, summary_from_mlflow
+    from sweeps.campaign_mlflow import summary_from_mlflow
+    from sweeps.campaign_report import render_report
     c = load_campaign("reference_64m", [LEGACY, "campaign.seeds=[0]"])
     summary = summary_from_mlflow(c, f"sqlite:///{campaign_store / 'mlflow.db'}", tmp_path / "nb")
     reused = {x["cell"]: x["reused_from"] for x in summary["cells"] if x.get("reused_from")}
@@ -292,7 +294,8 @@ def test_each_stage_figure_shows_the_reports_numbers(campaign_store, tmp_path):
     """The loss stage's figure, from the report's summary and from the notebook's alike: one curve per run ending at
     its final τ, prompt lookup's band, and each option's paired Δ against the winner with the report's tie call."""
     from sweeps.campaign_spec import load_campaign
-    from sweeps.campaign_report import load_summary, summary_from_mlflow
+    from sweeps.campaign_mlflow import summary_from_mlflow
+    from sweeps.campaign_report import load_summary
     from sweeps.stage_figures import stage_figure_data
     c = load_campaign("reference_64m", [LEGACY])
     d = stage_figure_data(c, load_summary(c, campaign_store), 0)

@@ -370,6 +370,7 @@ def render_report(c, summary: dict, with_summary: bool = True, figures: dict[int
     `figures`: {stage index: image path relative to the report}, shown after the stage's call; `out`: the store,
     where the campaigns of `c.compare_with` are read for the protocol agreement (sweeps/protocol_agreement.py)."""
     from sweeps.protocol_agreement import agreement_section, ground_truth_lines, greedy_section, setting_title
+    from sweeps.least_degenerate import least_degenerate_section
     lines = [f"# Ablation campaign `{c.name}`", "", c.description, "",
              f"Command: `python -m sweeps.campaign {c.name}` (then `… {c.name} report`). Budget: "
              f"{c.budget_tokens:,} consumed training tokens per run, seeds {c.seeds}, objective `{c.objective}`. "
@@ -403,8 +404,12 @@ def render_report(c, summary: dict, with_summary: bool = True, figures: dict[int
             deltas = delta_table(cells, suite, stage.options[0])
             if len(deltas) > 2:
                 lines += ["Paired Δτ per drafting method:", "", *deltas, ""]
-            if suite == objective_suite:
-                lines += greedy_section(cells, suite, stage.options[0], baseline)
+            if suite == objective_suite:  # the ranking again where the ground truth repeats itself least
+                lines += least_degenerate_section(cells, suite, stage.options[0])
+                greedy = greedy_section(cells, suite, stage.options[0], baseline)
+                lines += greedy
+                if greedy:
+                    lines += least_degenerate_section(cells, suite, stage.options[0], "t0")
                 lines += agreement_section(c, out, i, cells, suite)
         # every option of the stage, its reference too where that is an earlier stage's run (reused, not trained
         # again): left out, the rank agreement ranked the other options only (the noise stage's table had no `none`

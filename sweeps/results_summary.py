@@ -84,6 +84,8 @@ def stage_answer(c, summary: dict, i: int) -> dict[str, Any]:
     won = {s: by_opt[winner][s] for s in shared}
     out.update(winner=winner, tied=tied, tau=pooled(list(won.values()), cols.sum_col, cols.count_col),
                below_pl=below_prompt_lookup(list(won.values())), tables=won)
+    from sweeps.least_degenerate import order_check
+    out["least_degenerate"] = order_check(use, suite, stage.options[0])
     others = [o for o in stage.options if o != winner]
     if others:
         runner = max(others, key=lambda o: means[o])
@@ -137,7 +139,17 @@ def _stage_line(i: int, a: dict, c) -> str:
         d, verdict = a["delta"]
         d = f"not paired ({verdict})" if d == "not paired" else _signed(d)
         delta = f"; vs {a['runner_up']} (runner-up) {d} {_verdict_word(verdict)}".rstrip()
-    return f"{head} ({_seeds(a['seeds'])}, {a['runs']} runs{open_}): **{a['winner']}** τ {tau}{tie}{delta}."
+    return (f"{head} ({_seeds(a['seeds'])}, {a['runs']} runs{open_}): **{a['winner']}** τ {tau}{tie}{delta}"
+            f"{_least_degenerate_clause(a.get('least_degenerate'))}.")
+
+
+def _least_degenerate_clause(check: dict | None) -> str:
+    """Whether the stage's order holds on its least-degenerate prompt samples (`sweeps.least_degenerate`)."""
+    if check is None:
+        return ""
+    words = check["words"].replace("The ", "the ", 1)
+    return (f"; on the {check['kept']} of {check['total']} least-degenerate prompt samples {words} (Kendall τ-b "
+            f"{check['kendall_tau_b']:+.2f})")
 
 
 def _recipe_line(r: dict) -> str:

@@ -220,7 +220,8 @@ def test_ablations_first_screen_is_the_stores_summary(campaign_store):
         report = text.split(f"<!-- report:{name} -->\n", 1)[1].split(f"\n<!-- /report:{name} -->")[0]
         assert report == report_block(c, summary).rstrip()
     assert "- Stage 0 **loss** (seeds 0, 1, 12 runs): **streak** τ 3.938 [3.709, 4.192] ↓PL; tied with dpace, " \
-           "soft_kl_streak; vs dpace (runner-up) +0.090 [-0.016, +0.193] tie." in first_screen
+           "soft_kl_streak; vs dpace (runner-up) +0.090 [-0.016, +0.193] tie; on the 64 of 256 least-degenerate " \
+           "prompt samples **the winner changes**, to soft_kl_streak (Kendall τ-b +0.60)." in first_screen
     assert "τ **8.543 [8.003, 9.081]**; prompt lookup 6.160 [5.795, 6.560], paired Δ +2.384 [+2.026, +2.756]" \
            in first_screen
 

@@ -114,6 +114,27 @@ def test_bare_serving_folder_takes_the_target_from_overrides(workdir):
         eval_cli.main([str(folder), "tracking.enabled=false", "--into-run"])
 
 
+def test_the_real_loop_at_the_sampled_setting_is_reported_beside_the_simulated_tau(workdir, capsys):
+    """`eval.real_decode=true` at T=1 (the reference target's served setting): the real loop's τ on its own samples,
+    with its CI and whether it lies inside the simulated τ's, in the metrics, the console table and the report. It
+    once ran the whole evaluation and then failed printing the table (it looked for the greedy loop's lossless
+    column)."""
+    folder = workdir / "published"
+    _drafter_folder(folder, TargetConfig())
+    out = workdir / "out"
+    metrics = eval_cli.main([str(folder), "+target=tiny_random", "tracking.enabled=false", "target.device=cpu",
+                             *_eval_overrides(workdir), "eval.real_decode=true", "eval.sampling.temperature=1.0",
+                             "eval.sampling.top_p=1.0", "eval.sampling.top_k=0", "eval.bootstrap=200",
+                             f"--out={out}"])
+    assert metrics["eval/t1/real/tau"] >= 1.0 and metrics["eval/t1/real/tau_in_sim_ci"] in (0.0, 1.0)
+    assert metrics["eval/t1/real/tau_ci_low"] <= metrics["eval/t1/real/tau"] <= metrics["eval/t1/real/tau_ci_high"]
+    assert metrics["eval/t1/real/tok_s"] > 0 and not any(k.startswith("eval/t0/real/") for k in metrics)  # served only
+    printed = capsys.readouterr().out
+    assert "τ real (own samples)" in printed and "the real loop's τ" in printed and "inside the simulated" in printed
+    rows = json.loads((out / "report" / "served" / "tasks.json").read_text())["tasks"]
+    assert all(r["real_tau"] >= 1.0 and "lossless" not in r for r in rows)
+
+
 def test_run_without_final_uses_its_latest_checkpoint(workdir):
     from dflash.training.checkpoint import save_checkpoint
     run_dir = workdir / "crashed"

@@ -6,7 +6,9 @@ With B: both drafters run on the SAME ground truth (A's config: target, suites, 
 gets the paired Δτ = τ_A − τ_B with its `eval.ci_level` bootstrap interval over prompts (vanilla and per
 tree budget; trees at T = 0 only), printed, logged as `eval/<setting>/compare/delta_<metric>[_ci_low|_ci_high]`
 (and per suite `eval/suite/<name>/<setting>/compare/...`; setting `t1`, `t0`: docs/evaluation.md) and written to
-`compare.json` / `compare.md`. B can be a published drafter
+`compare.json` / `compare.md`, with the vanilla Δ again on the least-degenerate rows
+(`.../compare/least_degenerate/delta_tau_vanilla`: the ground truths that repeat the fewest of their 8-grams, at least
+a quarter; `dflash.evaluation.pairing.least_degenerate_tasks`). B can be a published drafter
 (a serving folder `dflash.serving.export.load_drafter` reads): that is the published baseline. Prompt lookup
 (the zero-cost baseline) stands beside τ in every table, with or without B.
 
@@ -48,7 +50,7 @@ from dflash.overrides import apply_overrides
 from dflash.evaluation import validate_eval_config
 from dflash.evaluation.evaluator import evaluate_suites, merged_metrics, summary_table
 from dflash.evaluation.protocol import table_places
-from dflash.evaluation.pairing import NotPaired, paired_delta
+from dflash.evaluation.pairing import NotPaired, least_degenerate_tasks, paired_delta, restricted
 from dflash.target.model import Target
 from dflash.devices import check_device, resolve_device
 from dflash.safe_load import verify_manifest
@@ -313,6 +315,16 @@ def _compare(reports_a, reports_b, ecfg, label_a: str, label_b: str, out: Path, 
             for pre in ([f"eval/{label}/compare/"] if first else []) + [f"eval/suite/{suite}/{label}/compare/"]:
                 metrics.update({f"{pre}delta_{key}": d.value, f"{pre}delta_{key}_ci_low": d.low,
                                 f"{pre}delta_{key}_ci_high": d.high})
+        chosen = least_degenerate_tasks(ta)  # the ranking again where the ground truth repeats itself least
+        if chosen is not None:
+            d = paired_delta(restricted(ta, chosen[0]), restricted(tb, chosen[0]), *[("tau_sum_vanilla", "rounds")] * 2,
+                             ecfg.ci_level, ecfg.bootstrap)
+            row["least_degenerate"] = {"tasks": len(chosen[0]), "copy_rate_at_most": chosen[1],
+                                       "tau_vanilla": [d.value, d.low, d.high]}
+            for pre in ([f"eval/{label}/compare/"] if first else []) + [f"eval/suite/{suite}/{label}/compare/"]:
+                metrics.update({f"{pre}least_degenerate/delta_tau_vanilla": d.value,
+                                f"{pre}least_degenerate/delta_tau_vanilla_ci_low": d.low,
+                                f"{pre}least_degenerate/delta_tau_vanilla_ci_high": d.high})
         rows.append(row)
     text = _compare_table(rows, reports_a[0].budgets, ecfg.ci_level, label_a, label_b)
     print(text, flush=True)
@@ -330,6 +342,7 @@ def _compare_table(rows: list[dict], budgets: list[int], level: float, a: str, b
         return f"{v[0]:+.3f} [{v[1]:+.3f}, {v[2]:+.3f}]"
     head = ["suite", "setting", "tasks", "τ A", "τ B", "τ prompt-lookup", "Δ vanilla"]
     head += [f"Δ tree-{x} nodes" for x in budgets]
+    head += ["Δ vanilla, least-degenerate rows (tasks; 8-gram copy rate ≤)"]
     lines = [f"paired Δτ = A − B, {100 * level:g}% bootstrap CI over prompts, same ground truth "
              f"(A = {a}, B = {b})", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
@@ -337,8 +350,12 @@ def _compare_table(rows: list[dict], budgets: list[int], level: float, a: str, b
         cells = [r["suite"], r["setting"], str(r["prompts"]), f"{r['tau_a']:.3f}", f"{r['tau_b']:.3f}",
                  "-" if pl is None else f"{pl:.3f}", ci(r["tau_vanilla"])]
         cells += [ci(r[f"tau_tree_{x}"]) if f"tau_tree_{x}" in r else "- (T=0 only)" for x in budgets]
+        ld = r.get("least_degenerate")
+        cells.append(f"{ci(ld['tau_vanilla'])} ({ld['tasks']}; {ld['copy_rate_at_most']:.3f})" if ld else "-")
         lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+    return "\n".join(lines + ["A ranking should hold on the least-degenerate rows too: those whose ground truth repeats "
+                               "the fewest of its 8-grams, at least a quarter of them (a τ on text that loops measures "
+                               "loop copying)."])
 
 
 if __name__ == "__main__":

@@ -6,9 +6,9 @@ while on the most degenerate quartile the order flipped and the seeds disagreed 
 checks every stage's ranking again on the least-degenerate part of its objective suite.
 
 What counts as least degenerate: the prompt samples (task rows) whose ground truth has the lowest `gt_copy_rate`,
-the share of its 8-grams already seen earlier in the prompt or the continuation. That share bounds what copying can
-accept. At least `SHARE` of the rows are kept, with every row tied at the cut, so the subset never depends on the
-order the rows were listed in. A continuation too short to hold an 8-gram repeats none and counts as 0.
+the share of its 8-grams already seen earlier in the prompt or the continuation, which bounds what copying can
+accept; at least a quarter of the rows, every row tied at the cut included
+(`dflash.evaluation.pairing.least_degenerate_tasks`).
 
 The rows are chosen on each table's own ground truth. The options of a stage evaluate on one pinned ground truth, so
 the same rows are kept for each of them, and τ and Δ pair seed for seed and prompt for prompt as the stage table
@@ -16,33 +16,10 @@ does (`sweeps.campaign_report._delta`); a run on other ground truth is not paire
 """
 from __future__ import annotations
 
-import math
-
+from dflash.evaluation.pairing import LEAST_DEGENERATE_SHARE as SHARE
+from dflash.evaluation.pairing import least_degenerate_tasks, restricted
 from sweeps.campaign_report import _by_option, _delta, _fmt, pooled, shared_seeds
 from sweeps.learning_curves import order_agreement
-
-SHARE = 0.25
-
-
-def _rate(row: dict) -> float:
-    r = row.get("gt_copy_rate")
-    return 0.0 if r is None or math.isnan(float(r)) else float(r)
-
-
-def least_degenerate_tasks(table: dict, share: float = SHARE) -> tuple[set[str], float] | None:
-    """(the task ids of at least `share` of the table's rows with the lowest ground-truth copy rate, every row tied at
-    the cut included; that cut); None for a table whose rows carry no `gt_copy_rate`."""
-    rows = table.get("tasks") or []
-    if not rows or any("gt_copy_rate" not in r for r in rows):
-        return None
-    rates = sorted(_rate(r) for r in rows)
-    cut = rates[max(1, math.ceil(share * len(rows))) - 1]
-    return {str(r["task"]) for r in rows if _rate(r) <= cut}, cut
-
-
-def restricted(table: dict, tasks: set[str]) -> dict:
-    """The table with only the rows of `tasks`, in their order (so two restricted tables still pair by position)."""
-    return {**table, "tasks": [r for r in table.get("tasks") or [] if str(r["task"]) in tasks]}
 
 
 def least_degenerate_options(cells: list[dict], suite: str, reference: str, setting: str = "served",

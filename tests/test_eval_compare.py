@@ -108,6 +108,12 @@ def test_compare_two_drafters_on_one_ground_truth(tmp_path):
     saved = json.loads((tmp_path / "o2" / "report" / "compare.json").read_text())
     assert saved["suites"][0]["prompts"] == 4
     assert "Δ tree-2 nodes" in (tmp_path / "o2" / "report" / "compare.md").read_text()
+    # the least-degenerate rows: at least a quarter of the tasks, the same for both drafters (one ground truth)
+    assert same["eval/t0/compare/least_degenerate/delta_tau_vanilla"] == 0.0
+    ld = saved["suites"][0]["least_degenerate"]
+    assert 1 <= ld["tasks"] <= 4 and ld["tau_vanilla"][1] <= ld["tau_vanilla"][0] <= ld["tau_vanilla"][2]
+    assert other["eval/t0/compare/least_degenerate/delta_tau_vanilla"] == ld["tau_vanilla"][0]
+    assert "least-degenerate rows" in (tmp_path / "o2" / "report" / "compare.md").read_text()
 
 
 def test_notebook_ci_table_reads_the_interval_keys():

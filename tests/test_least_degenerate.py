@@ -8,7 +8,8 @@ import math
 import random
 from pathlib import Path
 
-from sweeps.least_degenerate import least_degenerate_section, least_degenerate_tasks, order_check, restricted
+from dflash.evaluation.pairing import least_degenerate_tasks, restricted
+from sweeps.least_degenerate import least_degenerate_section, order_check
 from sweeps.results_summary import _least_degenerate_clause
 
 

@@ -10,6 +10,7 @@ are paired only when their keys and task names agree; otherwise `NotPaired` says
 """
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 
@@ -74,6 +75,36 @@ def per_task(table: dict, sum_col: str, count_col: str) -> tuple[list[str], list
 
 def ground_truth_of(table: dict) -> str:
     return str((table.get("info") or {}).get("ground_truth_key") or "")
+
+
+LEAST_DEGENERATE_SHARE = 0.25  # the part of a table's rows a ranking is checked on again
+
+
+def _copy_rate(row: dict) -> float:
+    r = row.get("gt_copy_rate")
+    return 0.0 if r is None or math.isnan(float(r)) else float(r)
+
+
+def least_degenerate_tasks(table: dict, share: float = LEAST_DEGENERATE_SHARE) -> tuple[set[str], float] | None:
+    """(the task ids of at least `share` of the table's rows whose ground truth repeats itself least, every row tied
+    at the cut included; that cut), None for a table whose rows carry no `gt_copy_rate`.
+
+    How much a ground truth repeats itself is its `gt_copy_rate`, the share of its 8-grams already seen earlier in the
+    prompt or the continuation (`prompt_lookup.copy_rate`); a continuation too short to hold an 8-gram repeats none.
+    A τ on text that loops measures loop copying, so a ranking is checked again on these rows
+    (`sweeps/least_degenerate.py`, `experiments.eval A B`). Ties at the cut are all kept, so the rows never depend on
+    the order they were listed in. Tables on one ground truth keep the same rows, so they still pair."""
+    rows = table.get("tasks") or []
+    if not rows or any("gt_copy_rate" not in r for r in rows):
+        return None
+    rates = sorted(_copy_rate(r) for r in rows)
+    cut = rates[max(1, math.ceil(share * len(rows))) - 1]
+    return {str(r["task"]) for r in rows if _copy_rate(r) <= cut}, cut
+
+
+def restricted(table: dict, tasks: set[str]) -> dict:
+    """The table with only the rows of `tasks`, in their order (two restricted tables still pair by position)."""
+    return {**table, "tasks": [r for r in table.get("tasks") or [] if str(r["task"]) in tasks]}
 
 
 def paired_delta(table_a: dict, table_b: dict, cols_a: tuple[str, str], cols_b: tuple[str, str],

@@ -106,3 +106,28 @@ def test_different_ground_truth_is_refused_and_dead_drafter_below_default_floor(
     assert PromoteConfig().floor > 1.0
     d = promote(run(None, tau=1.0), PromoteConfig(margin=-5.0), uri, dry_run=True)
     assert not d.promoted and "below the floor" in d.reason
+
+
+def test_a_candidate_that_wins_by_copying_loops_is_refused(store):
+    """Paired with the holder, the candidate must not be worse on the least-degenerate prompt samples (the quarter of
+    prompts whose ground truth repeats the fewest 8-grams): one that gains on looping ground truth and loses on the
+    rest wins by copying loops."""
+    uri, c, run = store
+    holder = table(0.0, 0.05, seed=1)
+    for i, r in enumerate(holder["tasks"]):
+        r["gt_copy_rate"] = 0.0 if i < PROMPTS // 4 else 0.8  # the first quarter does not loop
+    assert promote(run(holder), PromoteConfig(), uri).promoted
+    copier = json.loads(json.dumps(holder))
+    for i, r in enumerate(copier["tasks"]):
+        r["tau_sum_vanilla"] += -6 if i < PROMPTS // 4 else 20  # −0.3 τ where it does not loop, +1.0 where it does
+    d = promote(run(copier), PromoteConfig(), uri)
+    assert not d.promoted and d.delta_ci_low > 0  # it does win overall
+    assert d.delta_least_degenerate == pytest.approx(-0.3) and d.delta_least_degenerate_ci_high < 0
+    assert "but is worse on the 15 least-degenerate prompt samples" in d.reason and "repeats itself" in d.reason
+    record = json.loads(c.get_model_version("dflash-drafter", d.version).tags[PREFIX + "record"])
+    assert record["delta_least_degenerate"] == pytest.approx(-0.3)
+    reader = json.loads(json.dumps(holder))
+    for r in reader["tasks"]:
+        r["tau_sum_vanilla"] += 6  # +0.3 everywhere
+    d = promote(run(reader), PromoteConfig(), uri)
+    assert d.promoted and "on the 15 least-degenerate prompt samples Δ +0.3000" in d.reason

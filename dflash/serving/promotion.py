@@ -27,7 +27,10 @@ Rules, in order:
      `promote.ci_level` bootstrap interval of Δ = candidate − holder must exceed `margin`; two tables on
      different ground truth refuse (re-evaluate both on one: `python -m experiments.eval <candidate>
      champion`); when either run has no per-prompt table, the recorded values decide
-     (`value > holder + margin`; the holder's value is its version tag, else its run metric).
+     (`value > holder + margin`; the holder's value is its version tag, else its run metric);
+   - paired with the holder, it is not worse on the least-degenerate rows: the Δ interval on the prompt samples whose
+     ground truth repeats the fewest of its 8-grams (at least a quarter, `dflash.evaluation.pairing`) must not lie
+     wholly below 0. A candidate that wins overall but loses there wins by copying loops. A tie there is noted.
    Without a holder the holder rule is skipped.
 4. The decision, its reason, Δ vs the holder and vs prompt lookup (with their intervals) are written on
    the version (and on the run) either way, and the version's description is that decision in one line
@@ -106,6 +109,10 @@ class Decision:
     delta_ci_low: float | None = None
     delta_ci_high: float | None = None
     prompt_lookup: float | None = None  # the candidate's prompt-lookup baseline τ on the same suite
+    # candidate − holder on the least-degenerate prompt samples (paired; dflash.evaluation.pairing)
+    delta_least_degenerate: float | None = None
+    delta_least_degenerate_ci_low: float | None = None
+    delta_least_degenerate_ci_high: float | None = None
     delta_prompt_lookup_ci_low: float | None = None
     delta_prompt_lookup_ci_high: float | None = None
     holds_alias: bool = False  # the run already holds the alias: nothing to do, not a refusal
@@ -294,6 +301,8 @@ class Evidence:
     different_truth: bool = False  # both tables exist but ran on different ground truth: refuse
     baseline: float | None = None  # the candidate's prompt-lookup τ
     baseline_delta: Any = None  # Interval of candidate − prompt lookup, or None
+    least_degenerate: Any = None  # Interval of candidate − holder on the least-degenerate rows (paired), or None
+    least_degenerate_rows: int = 0  # how many rows those are
 
 
 def _task_table(client, run_id: str, artifact: str) -> dict | None:
@@ -306,7 +315,8 @@ def _task_table(client, run_id: str, artifact: str) -> dict | None:
 
 
 def _evidence(client, run, holder, cfg: PromoteConfig) -> Evidence:
-    from dflash.evaluation.pairing import DifferentGroundTruth, NotPaired, metric_columns, paired_delta
+    from dflash.evaluation.pairing import (DifferentGroundTruth, NotPaired, least_degenerate_tasks, metric_columns,
+                                           paired_delta, restricted)
     ev = Evidence()
     cols = metric_columns(cfg.metric)
     table = _task_table(client, run.info.run_id, cols.artifact) if cols else None
@@ -328,6 +338,12 @@ def _evidence(client, run, holder, cfg: PromoteConfig) -> Evidence:
         ev.delta = paired_delta(table, holder_table, (cols.sum_col, cols.count_col),
                                 (cols.sum_col, cols.count_col), cfg.ci_level, cfg.bootstrap)
         ev.comparison = "paired"
+        chosen = least_degenerate_tasks(table)  # one ground truth: the holder's table keeps the same rows
+        if chosen is not None:
+            ev.least_degenerate = paired_delta(restricted(table, chosen[0]), restricted(holder_table, chosen[0]),
+                                               (cols.sum_col, cols.count_col), (cols.sum_col, cols.count_col),
+                                               cfg.ci_level, cfg.bootstrap)
+            ev.least_degenerate_rows = len(chosen[0])
     except NotPaired as e:
         ev.comparison, ev.not_paired = "point", str(e)
         ev.different_truth = isinstance(e, DifferentGroundTruth)
@@ -374,8 +390,15 @@ def _compare(value: float, holder, holder_value: float | None, cfg: PromoteConfi
         elif d is not None and math.isfinite(d.low):
             text = (f"Δ {d.value:+.4f} vs holder {hv}, {lvl} CI [{d.low:+.4f}, {d.high:+.4f}], margin "
                     f"{_fmt(cfg.margin)}")
-            if d.low > cfg.margin:
-                notes.append(f"beats holder {hv}: {text}")
+            ld = ev.least_degenerate
+            ld_text = "" if ld is None or not math.isfinite(ld.low) else (
+                f"on the {ev.least_degenerate_rows} least-degenerate prompt samples Δ {ld.value:+.4f}, {lvl} CI "
+                f"[{ld.low:+.4f}, {ld.high:+.4f}]")
+            if d.low > cfg.margin and ld_text and ld.high < 0:
+                fails.append(f"beats holder {hv} overall ({text}) but is worse {ld_text}, wholly below 0: the gain "
+                             f"comes from ground truth that repeats itself")
+            elif d.low > cfg.margin:
+                notes.append(f"beats holder {hv}: {text}" + (f"; {ld_text}" if ld_text else ""))
             else:
                 fails.append(f"does not beat holder {hv}: the lower end of the interval does not clear the "
                              f"margin ({text})")
@@ -398,6 +421,10 @@ def _record(d: Decision, ev: Evidence) -> Decision:
     d.comparison = ev.comparison
     if ev.delta is not None:
         d.delta, d.delta_ci_low, d.delta_ci_high = ev.delta.value, ev.delta.low, ev.delta.high
+    if ev.least_degenerate is not None:
+        ld = ev.least_degenerate
+        d.delta_least_degenerate, d.delta_least_degenerate_ci_low, d.delta_least_degenerate_ci_high = \
+            ld.value, ld.low, ld.high
     elif d.holder_value is not None and d.candidate_value is not None:
         d.delta = d.candidate_value - d.holder_value
     d.prompt_lookup = ev.baseline
@@ -447,7 +474,9 @@ def _version_tags(client, run, cfg: PromoteConfig, value: float) -> dict[str, st
 def decision_record(d: Decision, cfg: PromoteConfig) -> dict[str, Any]:
     """Everything the gate weighed, as one record (the version's `dflash.promotion.record` tag, JSON)."""
     num = {k: getattr(d, k) for k in ("holder_value", "delta", "delta_ci_low", "delta_ci_high", "prompt_lookup",
-                                      "delta_prompt_lookup_ci_low", "delta_prompt_lookup_ci_high")}
+                                      "delta_prompt_lookup_ci_low", "delta_prompt_lookup_ci_high",
+                                      "delta_least_degenerate", "delta_least_degenerate_ci_low",
+                                      "delta_least_degenerate_ci_high")}
     return {"alias": cfg.alias, "metric": cfg.metric, "margin": float(cfg.margin), "floor": float(cfg.floor),
             "ci_level": float(cfg.ci_level), "comparison": d.comparison, "holder_version": d.holder_version,
             **{k: None if v is None else float(v) for k, v in num.items()},

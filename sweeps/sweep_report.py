@@ -12,7 +12,9 @@ its checkpoint here it cannot continue, and the row says so), the searched param
 the steps and consumed tokens it trained, the objective at every in-training eval (its consumed-token milestones,
 `eval/subset/...`), the final τ with its 95% CI pooled over the prompts (an objective that is no τ, e.g.
 `train/loss`: the study's value, a pruned trial's last report with its step), the paired Δτ against the best trial
-(prompt for prompt on the same ground truth; an interval holding 0 is a tie), DDTree τ at the largest node budget,
+(prompt for prompt on the same ground truth; an interval holding 0 is a tie), the same Δ on the least-degenerate
+rows alone (`dflash.evaluation.pairing.least_degenerate_tasks`: a ranking should hold where the ground truth does not
+repeat itself), DDTree τ at the largest node budget,
 prompt lookup's τ on the same ground truth, and the wall seconds of its jobs. Under the table: the parent run, the
 ground truth, and every promotion-gate decision (`experiments.promote`) recorded on the study's runs.
 """
@@ -23,7 +25,8 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from dflash.evaluation.pairing import NotPaired, ground_truth_of, metric_columns, paired_delta, per_task
+from dflash.evaluation.pairing import (NotPaired, ground_truth_of, least_degenerate_tasks, metric_columns, paired_delta,
+                                      per_task, restricted)
 from dflash.evaluation.stats import pooled_ci
 from dflash.serving.promotion import DECISION_TAG, REASON_TAG, VERSION_TAG
 from sweeps.campaign_report import task_methods
@@ -174,6 +177,14 @@ def trial_row(chain, out_dir: Path, objective: str, best_table: dict | None, cos
             row["delta"] = f"{d.value:+.3f} [{d.low:+.3f}, {d.high:+.3f}]" + (" tie" if d.low <= 0 <= d.high else "")
         except NotPaired as e:
             row["delta"] = f"not paired ({e})"
+            return row
+        chosen = least_degenerate_tasks(best_table)  # the same rows of both: one ground truth
+        if chosen is not None:
+            d = paired_delta(restricted(table, chosen[0]), restricted(best_table, chosen[0]),
+                             (cols.sum_col, cols.count_col), (cols.sum_col, cols.count_col), TIE_LEVEL)
+            row["least_degenerate"] = {"rows": len(chosen[0]), "delta": d,
+                                       "text": f"{d.value:+.3f} [{d.low:+.3f}, {d.high:+.3f}]"
+                                               + (" tie" if d.low <= 0 <= d.high else "")}
     return row
 
 
@@ -242,8 +253,8 @@ def render(study, sweep, out_root: Path) -> str:
     objective, groups, complete, best, rows = (got[k] for k in ("objective", "groups", "complete", "best", "rows"))
     keys = [p.key for p in sweep.space]
     head = ["trial", "state", *[k.split(".")[-1] for k in keys], "steps", "consumed tokens", "in-training evals",
-            f"{objective} [95% CI]" if metric_columns(objective) else objective, "Δ vs best, paired", "DDTree",
-            "prompt lookup", "wall s"]
+            f"{objective} [95% CI]" if metric_columns(objective) else objective, "Δ vs best, paired",
+            "Δ vs best, least-degenerate rows", "DDTree", "prompt lookup", "wall s"]
     lines = [f"# Sweep `{study.study_name}` ({sweep.name}): {len(groups)} trials, {len(complete)} complete",
              "", f"Objective: {sweep.objective.direction} `{objective}`"
              + (" (the old protocol: greedy, fixed-length ground truth that loops; measured before sampled "
@@ -254,8 +265,9 @@ def render(study, sweep, out_root: Path) -> str:
         curve = ", ".join(f"{_tokens(tok)}: {v:.3f}" for tok, v in r["curve"])
         tree = f"{r['tree'][1]} ({r['tree'][0]})" if r.get("tree") else ""
         delta = "best" if c is best else r.get("delta", "")
+        clean = "best" if c is best else (r.get("least_degenerate") or {}).get("text", "")
         cells = [r["trial"], r["state"], *_fmt_params(r["params"], keys), f"{r['steps']:,}",
-                 f"{r['tokens']:,.0f}" if r["tokens"] else "", curve, r.get("ci", ""), delta, tree,
+                 f"{r['tokens']:,.0f}" if r["tokens"] else "", curve, r.get("ci", ""), delta, clean, tree,
                  r.get("prompt_lookup", ""), f"{r['seconds']:.0f}" if r["seconds"] is not None else ""]
         lines.append("| " + " | ".join(cells) + " |")
     truths = {r["ground_truth"] for r in rows if r["ground_truth"]}
@@ -309,4 +321,22 @@ def summary_lines(study, sweep, out_root: Path, level: int = 3) -> list[str]:
     tied = [f"trial {r['trial']} ({r['delta'].removesuffix(' tie')})" for r in got["rows"]
             if str(r.get("delta", "")).endswith(" tie")]
     parts.append("tied with " + ", ".join(tied) if tied else "no trial tied with it")
+    parts += _least_degenerate_part(got["rows"], groups, best)
     return [*lines, "; ".join(parts) + ".", f"- {trials}.", ""]
+
+
+def _least_degenerate_part(rows: list[dict], groups: list, best) -> list[str]:
+    """Whether the best trial stays best on the least-degenerate prompt samples (the rows whose ground truth repeats
+    the fewest 8-grams, `dflash.evaluation.pairing.least_degenerate_tasks`): the complete trials ahead of it there,
+    each with its paired Δ; [] where no trial was paired there."""
+    paired = [(r, r["least_degenerate"]) for c, r in zip(groups, rows)
+              if c is not best and c[-1].state.name == "COMPLETE" and r.get("least_degenerate")]
+    if not paired:
+        return []
+    where = f"on the {paired[0][1]['rows']} least-degenerate prompt samples"
+    ahead = sorted((x for x in paired if x[1]["delta"].value > 0), key=lambda x: -x[1]["delta"].value)
+    if not ahead:
+        return [f"{where} no trial is ahead of it"]
+    return [f"{where} " + ", ".join(f"trial {r['trial']} is ahead, {ld['text'].removesuffix(' tie')}"
+                                    + (" (tie)" if ld["text"].endswith(" tie") else " (**better**)")
+                                    for r, ld in ahead)]

@@ -27,6 +27,7 @@ pruner: {type: none}
 
 LAUNCH = datetime.datetime(2026, 12, 2, 17, 10, 38)  # the continuing job's start, naive local as Optuna's
 T0 = LAUNCH.timestamp() - 1000  # the first job's rows: a step a second, long before it
+CLEAN = 6  # a quarter of the 24 prompts: the least-degenerate rows
 
 
 def _run_folder(folder: Path, sums: list[int], steps: int, tree: list[int] | None = None,
@@ -41,7 +42,9 @@ def _run_folder(folder: Path, sums: list[int], steps: int, tree: list[int] | Non
         rows.append({"step": steps, "eval/tau_vanilla": sum(sums) / (20 * len(sums))})
         rows.append({"step": steps, "sys/final_eval_s": final_eval_s})
         tasks = [{"task": f"p{i}", "rounds": 20, "tau_sum_vanilla": s, "rounds_tree_64": 10, "tau_sum_tree_64": t,
-                  "rounds_prompt_lookup": 15, "tau_sum_prompt_lookup": 30} for i, (s, t) in enumerate(zip(sums, tree))]
+                  "rounds_prompt_lookup": 15, "tau_sum_prompt_lookup": 30,
+                  "gt_copy_rate": 0.0 if i < CLEAN else 0.5}  # the first CLEAN prompts' ground truth does not loop
+                 for i, (s, t) in enumerate(zip(sums, tree))]
         (folder / "eval").mkdir()
         (folder / "eval" / "tasks.json").write_text(json.dumps({"tasks": tasks,
                                                                 "info": {"ground_truth_key": "gt-A"}}))
@@ -129,9 +132,11 @@ def test_report_rows_against_per_prompt_arithmetic(store):
     assert b[6] == f"{iv.value:.3f} [{iv.low:.3f}, {iv.high:.3f}]" and b[7] == "best"
     d = paired_delta_ci(worse, [20] * len(worse), best, [20] * len(best), 0.95)
     assert w[7].startswith(f"{d.value:+.3f} [{d.low:+.3f}, {d.high:+.3f}]") and d.high < 0  # 1 is worse
+    clean = paired_delta_ci(worse[:CLEAN], [20] * CLEAN, best[:CLEAN], [20] * CLEAN, 0.95)
+    assert b[8] == "best" and w[8].startswith(f"{clean.value:+.3f} [{clean.low:+.3f}, {clean.high:+.3f}]")
     tree = pooled_ci([s + 5 for s in best], [10] * len(best), 0.95)
-    assert b[8] == f"{tree.value:.3f} [{tree.low:.3f}, {tree.high:.3f}] (tree 64 nodes)"
-    assert b[9].startswith("2.000 [2.000, 2.000]")  # prompt lookup: 30 over 15 rounds on every prompt
+    assert b[9] == f"{tree.value:.3f} [{tree.low:.3f}, {tree.high:.3f}] (tree 64 nodes)"
+    assert b[10].startswith("2.000 [2.000, 2.000]")  # prompt lookup: 30 over 15 rounds on every prompt
     # 30 steps of 1,000 tokens to go at 2,000 tok/s: 15 s; and what trial 2 measured of continuing: 30 s from its
     # job's start to its own, 12 s to its first step; the final evals 8 and 10 s: what the next job needs in all
     assert rows["3"][1] == ("cut at step 30 of 60 (the next job needs ~66 s: ~30 s to start it, ~12 s to its first "
@@ -164,8 +169,11 @@ def test_committed_sweep_store_reprints_the_results(tmp_path):
             "continue here)") in text and "**refused** as version 1" in text
     assert "- trial 32 (run `4d5c3bd44ea74bc0b97747ea1754542e`): **promoted** as version 2" in text
     results = (ROOT / "benchmarks" / "log" / "2026-12-03.md").read_text()
-    table = [line for line in text.splitlines() if line.startswith("| ")]
-    assert len(table) == 23 and all(line in results for line in table)  # the log quotes the store's table
+    table = [line.split(" | ") for line in text.splitlines() if line.startswith("| ")]
+    clean = table[0].index("Δ vs best, least-degenerate rows")  # a column the report gained after that log
+    assert "+0.011 [-0.147, +0.196] tie" == table[[r[0] for r in table].index("| 30 ← 26")][clean]
+    quoted = [" | ".join(r[:clean] + r[clean + 1:]) for r in table]
+    assert len(table) == 23 and all(line in results for line in quoted)  # the log quotes the store's table
     # ABLATIONS.md's first screen carries the sweep's summary as the store renders it now (sweeps.results_summary
     # sweep=recipe_reference), with the report's own figures: the best trial, prompt lookup, the tie, the counts
     from sweeps.results_summary import sweep_summary

@@ -47,7 +47,6 @@ Only `mlflow.tracking.MlflowClient` is used (mlflow-skinny compatible); mlflow i
 from __future__ import annotations
 
 import contextlib
-import errno
 import hashlib
 import json
 import logging
@@ -171,30 +170,18 @@ def _lock_path(uri: str) -> Path:
 def registry_lock(uri: str, timeout: float = 300.0, stale_after: float = 600.0) -> Iterator[Path]:
     """Exclusive lock around the read-compare-set of one registry.
 
-    sqlite store: `fcntl.flock` on `<db>.promote.lock` (released by the kernel if the process dies).
+    sqlite store: `fcntl.flock` on `<db>.promote.lock` (`dflash.tracking.store.exclusive`: released by the kernel if
+    the process dies).
     Other stores: an atomic `mkdir` lock directory in the temp dir (this host only), broken when older
     than `stale_after` seconds; the alias is also read back after it is set.
     """
     path = _lock_path(uri)
     deadline = time.monotonic() + timeout
     if sqlite_db_path(uri) is not None:
-        import fcntl
+        from dflash.tracking.store import exclusive
         path.parent.mkdir(parents=True, exist_ok=True)
-        with open(path, "a+") as f:
-            while True:
-                try:
-                    fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-                    break
-                except OSError as e:
-                    if e.errno not in (errno.EAGAIN, errno.EACCES):
-                        raise
-                    if time.monotonic() > deadline:
-                        raise TimeoutError(f"promotion lock {path} still held after {timeout:.0f} s") from e
-                    time.sleep(0.05)
-            try:
-                yield path
-            finally:
-                fcntl.flock(f.fileno(), fcntl.LOCK_UN)
+        with exclusive(path, timeout):
+            yield path
         return
     while True:
         try:

@@ -87,10 +87,10 @@ def least_degenerate_section(cells: list[dict], suite: str, reference: str, sett
     if any(not t["tasks"] for seeds in sub.values() for t in seeds.values()):
         return []
     has_pl = "tau_sum_prompt_lookup" in sub[reference][d["seeds"][0]]["tasks"][0]
-    lines = [f"On the least-degenerate rows of `{suite}`, {setting_words(everything[reference][d['seeds'][0]], setting)}: "
-             f"{d['kept']} of "
-             f"{d['total']} prompt samples, those whose ground truth repeats at most {d['cut']:.3f} of its 8-grams "
-             f"(at least the {SHARE:.0%} that repeat least). A ranking should hold here too.", "",
+    where = setting_words(everything[reference][d["seeds"][0]], setting)
+    lines = [f"On the least-degenerate rows of `{suite}`, {where}: {d['kept']} of {d['total']} prompt samples, those "
+             f"whose ground truth repeats at most {d['cut']:.3f} of its 8-grams (at least the {SHARE:.0%} that repeat "
+             "least). A ranking should hold here too.", "",
              f"| option | τ vanilla | {'τ prompt-lookup | ' if has_pl else ''}Δτ vanilla vs {reference} | verdict |",
              "|---|---|---|---|" + ("---|" if has_pl else "")]
     for opt, seeds in sub.items():

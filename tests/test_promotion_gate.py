@@ -131,3 +131,16 @@ def test_a_candidate_that_wins_by_copying_loops_is_refused(store):
         r["tau_sum_vanilla"] += 6  # +0.3 everywhere
     d = promote(run(reader), PromoteConfig(), uri)
     assert d.promoted and "on the 15 least-degenerate prompt samples Δ +0.3000" in d.reason
+
+
+def test_a_paired_decision_records_the_paired_delta_not_the_point_difference(store):
+    """With both task tables on one ground truth (and no copy rates in them), the recorded Δ is the paired one over
+    prompts, not the difference of the two runs' recorded values (a misplaced branch once overwrote it)."""
+    uri, _, run = store
+    holder = table(0.0, 0.05, seed=1)
+    assert promote(run(holder), PromoteConfig(), uri).promoted
+    cand = json.loads(json.dumps(holder))
+    for r in cand["tasks"]:
+        r["tau_sum_vanilla"] += 6  # +0.3 on every prompt
+    d = promote(run(cand, tau=9.0), PromoteConfig(), uri, dry_run=True)  # a recorded value far from its table's
+    assert d.comparison == "paired" and d.delta == pytest.approx(0.3) and d.delta_least_degenerate is None

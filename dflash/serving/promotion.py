@@ -408,12 +408,12 @@ def _record(d: Decision, ev: Evidence) -> Decision:
     d.comparison = ev.comparison
     if ev.delta is not None:
         d.delta, d.delta_ci_low, d.delta_ci_high = ev.delta.value, ev.delta.low, ev.delta.high
+    elif d.holder_value is not None and d.candidate_value is not None:
+        d.delta = d.candidate_value - d.holder_value
     if ev.least_degenerate is not None:
         ld = ev.least_degenerate
         d.delta_least_degenerate, d.delta_least_degenerate_ci_low, d.delta_least_degenerate_ci_high = \
             ld.value, ld.low, ld.high
-    elif d.holder_value is not None and d.candidate_value is not None:
-        d.delta = d.candidate_value - d.holder_value
     d.prompt_lookup = ev.baseline
     if ev.baseline_delta is not None:
         d.delta_prompt_lookup_ci_low, d.delta_prompt_lookup_ci_high = ev.baseline_delta.low, ev.baseline_delta.high

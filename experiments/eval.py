@@ -50,7 +50,7 @@ from dflash.overrides import apply_overrides
 from dflash.evaluation import validate_eval_config
 from dflash.evaluation.evaluator import evaluate_suites, merged_metrics, summary_table
 from dflash.evaluation.protocol import table_places
-from dflash.evaluation.pairing import NotPaired, least_degenerate_tasks, paired_delta, restricted
+from dflash.evaluation.pairing import NotPaired, least_degenerate_delta, paired_delta
 from dflash.target.model import Target
 from dflash.devices import check_device, resolve_device
 from dflash.safe_load import verify_manifest
@@ -315,11 +315,11 @@ def _compare(reports_a, reports_b, ecfg, label_a: str, label_b: str, out: Path, 
             for pre in ([f"eval/{label}/compare/"] if first else []) + [f"eval/suite/{suite}/{label}/compare/"]:
                 metrics.update({f"{pre}delta_{key}": d.value, f"{pre}delta_{key}_ci_low": d.low,
                                 f"{pre}delta_{key}_ci_high": d.high})
-        chosen = least_degenerate_tasks(ta)  # the ranking again where the ground truth repeats itself least
-        if chosen is not None:
-            d = paired_delta(restricted(ta, chosen[0]), restricted(tb, chosen[0]), *[("tau_sum_vanilla", "rounds")] * 2,
-                             ecfg.ci_level, ecfg.bootstrap)
-            row["least_degenerate"] = {"tasks": len(chosen[0]), "copy_rate_at_most": chosen[1],
+        vanilla = ("tau_sum_vanilla", "rounds")
+        ld = least_degenerate_delta(ta, tb, vanilla, vanilla, ecfg.ci_level, ecfg.bootstrap)  # the ranking again
+        if ld is not None:  # where the ground truth repeats itself least
+            d = ld.delta
+            row["least_degenerate"] = {"tasks": ld.rows, "copy_rate_at_most": ld.copy_rate_at_most,
                                        "tau_vanilla": [d.value, d.low, d.high]}
             for pre in ([f"eval/{label}/compare/"] if first else []) + [f"eval/suite/{suite}/{label}/compare/"]:
                 metrics.update({f"{pre}least_degenerate/delta_tau_vanilla": d.value,

@@ -47,13 +47,18 @@ def _means(by_opt: dict[str, dict[int, dict]]) -> dict[str, float]:
     return {o: pooled(list(seeds.values())).value for o, seeds in by_opt.items()}
 
 
+def _order_row(d: dict) -> dict | None:
+    """The least-degenerate order of `least_degenerate_options` against the order on all rows (`order_agreement`)."""
+    return order_agreement(_means(d["by_option"]), _means(d["all"]))
+
+
 def order_check(cells: list[dict], suite: str, reference: str, setting: str = "served") -> dict | None:
     """The least-degenerate order against the order on all prompts (`order_agreement`, with `words`), plus `kept` /
     `total` rows; None where the tables cannot say."""
     d = least_degenerate_options(cells, suite, reference, setting)
     if d is None:
         return None
-    row = order_agreement(_means(d["by_option"]), _means(d["all"]))
+    row = _order_row(d)
     return None if row is None else {**row, "words": order_words(row), "kept": d["kept"], "total": d["total"]}
 
 
@@ -100,7 +105,7 @@ def least_degenerate_section(cells: list[dict], suite: str, reference: str, sett
             cols.append(_fmt(pooled(tables, "tau_sum_prompt_lookup", "rounds_prompt_lookup")))
         cols += ["—", "reference"] if opt == reference else list(_delta(seeds, sub[reference]))
         lines.append("| " + " | ".join([opt, *cols]) + " |")
-    row = order_agreement(_means(sub), _means(everything))
+    row = _order_row(d)
     if row is not None:
         lines += ["", f"{order_words(row)}: Kendall's τ-b {row['kendall_tau_b']:+.2f} over {row['n']} options, "
                   "against the order on all prompt samples."]

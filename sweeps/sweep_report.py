@@ -25,8 +25,8 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from dflash.evaluation.pairing import (NotPaired, ground_truth_of, least_degenerate_tasks, metric_columns, paired_delta,
-                                      per_task, restricted)
+from dflash.evaluation.pairing import (NotPaired, ground_truth_of, least_degenerate_delta, metric_columns, paired_delta,
+                                      per_task)
 from dflash.evaluation.stats import pooled_ci
 from dflash.serving.promotion import DECISION_TAG, REASON_TAG, VERSION_TAG
 from sweeps.campaign_report import task_methods
@@ -178,11 +178,11 @@ def trial_row(chain, out_dir: Path, objective: str, best_table: dict | None, cos
         except NotPaired as e:
             row["delta"] = f"not paired ({e})"
             return row
-        chosen = least_degenerate_tasks(best_table)  # the same rows of both: one ground truth
-        if chosen is not None:
-            d = paired_delta(restricted(table, chosen[0]), restricted(best_table, chosen[0]),
-                             (cols.sum_col, cols.count_col), (cols.sum_col, cols.count_col), TIE_LEVEL)
-            row["least_degenerate"] = {"rows": len(chosen[0]), "delta": d,
+        ld = least_degenerate_delta(table, best_table, (cols.sum_col, cols.count_col), (cols.sum_col, cols.count_col),
+                                    TIE_LEVEL)  # paired above: one ground truth, so the same rows of both
+        if ld is not None:
+            d = ld.delta
+            row["least_degenerate"] = {"rows": ld.rows, "delta": d,
                                        "text": f"{d.value:+.3f} [{d.low:+.3f}, {d.high:+.3f}]"
                                                + (" tie" if d.low <= 0 <= d.high else "")}
     return row

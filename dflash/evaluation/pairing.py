@@ -123,5 +123,24 @@ def paired_delta(table_a: dict, table_b: dict, cols_a: tuple[str, str], cols_b: 
     return paired_delta_ci(sa, ca, sb, cb, level, n_boot)
 
 
+@dataclass(frozen=True)
+class LeastDegenerateDelta:
+    delta: Interval  # A − B on those rows alone
+    rows: int  # how many rows
+    copy_rate_at_most: float  # the cut
+
+
+def least_degenerate_delta(table_a: dict, table_b: dict, cols_a: tuple[str, str], cols_b: tuple[str, str],
+                           level: float = 0.95, n_boot: int = 2000) -> LeastDegenerateDelta | None:
+    """`paired_delta` on the least-degenerate rows of A's ground truth (`least_degenerate_tasks`; B, on the same
+    ground truth, keeps the same rows); None where A's rows carry no copy rate. Raises NotPaired as `paired_delta`."""
+    chosen = least_degenerate_tasks(table_a)
+    if chosen is None:
+        return None
+    tasks, cut = chosen
+    d = paired_delta(restricted(table_a, tasks), restricted(table_b, tasks), cols_a, cols_b, level, n_boot)
+    return LeastDegenerateDelta(d, len(tasks), cut)
+
+
 __all__ = ["MetricColumns", "NotPaired", "DifferentGroundTruth", "metric_columns", "per_task", "paired_delta",
            "ground_truth_of", "table_file"]

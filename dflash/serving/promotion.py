@@ -288,8 +288,7 @@ class Evidence:
     different_truth: bool = False  # both tables exist but ran on different ground truth: refuse
     baseline: float | None = None  # the candidate's prompt-lookup τ
     baseline_delta: Any = None  # Interval of candidate − prompt lookup, or None
-    least_degenerate: Any = None  # Interval of candidate − holder on the least-degenerate rows (paired), or None
-    least_degenerate_rows: int = 0  # how many rows those are
+    least_degenerate: Any = None  # LeastDegenerateDelta of candidate − holder (paired), or None
 
 
 def _task_table(client, run_id: str, artifact: str) -> dict | None:
@@ -302,8 +301,8 @@ def _task_table(client, run_id: str, artifact: str) -> dict | None:
 
 
 def _evidence(client, run, holder, cfg: PromoteConfig) -> Evidence:
-    from dflash.evaluation.pairing import (DifferentGroundTruth, NotPaired, least_degenerate_tasks, metric_columns,
-                                           paired_delta, restricted)
+    from dflash.evaluation.pairing import (DifferentGroundTruth, NotPaired, least_degenerate_delta, metric_columns,
+                                           paired_delta)
     ev = Evidence()
     cols = metric_columns(cfg.metric)
     table = _task_table(client, run.info.run_id, cols.artifact) if cols else None
@@ -325,12 +324,8 @@ def _evidence(client, run, holder, cfg: PromoteConfig) -> Evidence:
         ev.delta = paired_delta(table, holder_table, (cols.sum_col, cols.count_col),
                                 (cols.sum_col, cols.count_col), cfg.ci_level, cfg.bootstrap)
         ev.comparison = "paired"
-        chosen = least_degenerate_tasks(table)  # one ground truth: the holder's table keeps the same rows
-        if chosen is not None:
-            ev.least_degenerate = paired_delta(restricted(table, chosen[0]), restricted(holder_table, chosen[0]),
-                                               (cols.sum_col, cols.count_col), (cols.sum_col, cols.count_col),
-                                               cfg.ci_level, cfg.bootstrap)
-            ev.least_degenerate_rows = len(chosen[0])
+        ev.least_degenerate = least_degenerate_delta(table, holder_table, (cols.sum_col, cols.count_col),
+                                                     (cols.sum_col, cols.count_col), cfg.ci_level, cfg.bootstrap)
     except NotPaired as e:
         ev.comparison, ev.not_paired = "point", str(e)
         ev.different_truth = isinstance(e, DifferentGroundTruth)
@@ -377,9 +372,9 @@ def _compare(value: float, holder, holder_value: float | None, cfg: PromoteConfi
         elif d is not None and math.isfinite(d.low):
             text = (f"Δ {d.value:+.4f} vs holder {hv}, {lvl} CI [{d.low:+.4f}, {d.high:+.4f}], margin "
                     f"{_fmt(cfg.margin)}")
-            ld = ev.least_degenerate
+            ld = ev.least_degenerate.delta if ev.least_degenerate is not None else None
             ld_text = "" if ld is None or not math.isfinite(ld.low) else (
-                f"on the {ev.least_degenerate_rows} least-degenerate prompt samples Δ {ld.value:+.4f}, {lvl} CI "
+                f"on the {ev.least_degenerate.rows} least-degenerate prompt samples Δ {ld.value:+.4f}, {lvl} CI "
                 f"[{ld.low:+.4f}, {ld.high:+.4f}]")
             if d.low > cfg.margin and ld_text and ld.high < 0:
                 fails.append(f"beats holder {hv} overall ({text}) but is worse {ld_text}, wholly below 0: the gain "
@@ -411,7 +406,7 @@ def _record(d: Decision, ev: Evidence) -> Decision:
     elif d.holder_value is not None and d.candidate_value is not None:
         d.delta = d.candidate_value - d.holder_value
     if ev.least_degenerate is not None:
-        ld = ev.least_degenerate
+        ld = ev.least_degenerate.delta
         d.delta_least_degenerate, d.delta_least_degenerate_ci_low, d.delta_least_degenerate_ci_high = \
             ld.value, ld.low, ld.high
     d.prompt_lookup = ev.baseline

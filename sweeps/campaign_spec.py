@@ -161,10 +161,14 @@ def stage_cells(c: Campaign, index: int, winners: dict[str, str]) -> list[Cell]:
 
 
 def start_order(c: Campaign, cells: Sequence[Cell], runs: Sequence[int]) -> list[int]:
-    """`runs` (indices into `cells`) in the order a pool starts them: the factors of `c.start_first` first, in
-    that order, then the rest as listed (a stable sort)."""
+    """`runs` (indices into `cells`) in the order a pool starts them: seed by seed (every option's first seed
+    before any second seed), and within a seed the factors of `c.start_first` first, in that order, then the rest
+    as listed (a stable sort). A launch its deadline cuts short then leaves whole single-seed stages to compare,
+    not some options with both seeds and others with none."""
     rank = {f: i for i, f in enumerate(c.start_first)}
-    return sorted(runs, key=lambda i: rank.get(cells[i].factor, len(rank)))
+    seed_rank = {s: i for i, s in enumerate(c.seeds)}
+    return sorted(runs, key=lambda i: (seed_rank.get(cells[i].seed, len(seed_rank)),
+                                       rank.get(cells[i].factor, len(rank))))
 
 
 def best_option(results: list[dict]) -> str:

@@ -127,13 +127,15 @@ def test_a_shared_pool_starts_the_start_first_factors_first(monkeypatch, tmp_pat
     ran = []
 
     def fake_run(c_, cell, out, gpu=None, share=0, oom_restarts=0):
-        ran.append(cell.factor)
+        ran.append((cell.seed, cell.factor))
         return {**cell.labels(), "value": 1.0, "consumed_tokens": 1}
     monkeypatch.setattr(sweep_cells, "run_cell", fake_run)
     monkeypatch.setattr(campaign, "prepare_store", lambda *a: None)
     campaign._run_stage(c, cells, tmp_path, {}, None)
-    # 2 recipe cells, 8 drafter cells less dflash1_adamw's two (the loss stage's hard_ce runs: same config), 12 loss
-    assert ran == ["recipe"] * 2 + ["drafter"] * 6 + ["loss"] * 12
+    # seed by seed, the slow factors first within each: 1 recipe cell, 4 drafter cells less dflash1_adamw's
+    # (the loss stage's hard_ce run: same config), 6 loss cells
+    one_seed = ["recipe"] + ["drafter"] * 3 + ["loss"] * 6
+    assert ran == [(0, f) for f in one_seed] + [(1, f) for f in one_seed]
     with pytest.raises(ConfigError, match="start_first"):
         load_campaign("served", ["campaign.start_first=[noise]"])
 

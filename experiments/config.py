@@ -147,6 +147,15 @@ def _ignore_late_sigterm() -> None:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
+def _quiet_stdout() -> None:
+    """stdout onto /dev/null: the interpreter's flush at exit would raise BrokenPipeError again (Python's
+    documented recipe, library/signal.html "Note on SIGPIPE")."""
+    import os
+    import sys
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+
+
 def run_cli(main) -> None:
     """`python -m experiments.X`: logging on, bad input → `error: …` on stderr and exit status 2."""
     import logging
@@ -177,6 +186,9 @@ def run_cli(main) -> None:
     except (ConfigError, UnsafeFileError, StoreError) as e:  # bad input: a value, a damaged file, a store
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
+    except BrokenPipeError:  # the reader went away (`... --help | head`): no error of ours, nothing more to write
+        _quiet_stdout()
+        sys.exit(141)  # 128 + SIGPIPE, as a shell reports a writer the pipe's end killed
     except ConnectionError as e:  # a tracking server a command needs, dead or silent (bounded: seconds)
         print(f"error: the tracking store does not answer: {e}", file=sys.stderr)
         sys.exit(1)

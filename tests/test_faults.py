@@ -316,6 +316,22 @@ def test_help_on_every_entry_point(module, argv, capsys):
     assert "usage" in out.lower() or "keys" in out.lower()
 
 
+def test_a_reader_that_goes_away_is_no_error_of_the_cli():
+    """`python -m experiments.X --help | head`: the pipe's reader exits, the CLI's next write raises
+    BrokenPipeError, a ConnectionError, which run_cli once reported as "the tracking store does not answer"."""
+    script = ("from experiments.config import run_cli\n"
+              "def main():\n"
+              "    for i in range(100000):\n"
+              "        print('line', i)\n"
+              "run_cli(main)\n")
+    proc = subprocess.Popen([sys.executable, "-c", script], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.stdout.readline() == b"line 0\n"
+    proc.stdout.close()  # the reader goes away with the writer blocked on a full pipe (100,000 lines > 64 KiB)
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=60) == 141 and err == "", err
+
+
 # ------------------------------------------------------------------------------- dead drafter
 def test_dead_drafter_warns_and_ends_failed(tmp_path):
     from dflash.training.health import DeadDrafterError

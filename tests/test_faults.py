@@ -301,7 +301,7 @@ def test_nan_lr_on_the_cli_exits_2_and_leaves_no_run_folder(tmp_path):
 @pytest.mark.parametrize("module, argv", [
     ("experiments.run", ["--help"]), ("experiments.eval", ["--help"]), ("experiments.bench", ["--help"]),
     ("experiments.pretrain_target", ["--help"]), ("sweeps.launch", ["--help"]),
-    ("experiments.export", ["--help"]), ("experiments.promote", ["--help"]),
+    ("experiments.export", ["--help"]), ("experiments.promote", ["--help"]), ("experiments.size", ["--help"]),
 ])
 def test_help_on_every_entry_point(module, argv, capsys):
     import importlib
@@ -311,7 +311,7 @@ def test_help_on_every_entry_point(module, argv, capsys):
     out = capsys.readouterr().out
     if module in ("experiments.run", "experiments.eval", "experiments.bench", "sweeps.launch"):
         assert "loss: " in out and "hard_ce*" in out and "buffer: " in out  # the groups and their options
-    if module in ("experiments.run", "experiments.eval", "experiments.bench"):
+    if module in ("experiments.run", "experiments.eval", "experiments.bench", "experiments.size"):
         assert "trainer.lr=" in out  # and the keys
     assert "usage" in out.lower() or "keys" in out.lower()
 

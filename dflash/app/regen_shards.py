@@ -11,7 +11,6 @@ is skipped without being read: a killed regen resumes where it was, and a finish
 """
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 import logging

@@ -28,7 +28,6 @@ import os
 from pathlib import Path
 from typing import Callable
 
-from dflash.data.chat import ROLES
 from dflash.registry import Registry
 
 FILE_SUFFIXES = (".jsonl", ".json", ".parquet")

@@ -588,6 +588,6 @@ def summary_frame(info: dict[str, Any], keys: Sequence[str] | None = None) -> pd
 
 
 from dflash.tracking.figures import (  # noqa: E402  (the figures read this module's constants)
-    RunStyles, plot_buffer_depths, plot_curves, plot_perf, plot_position_acceptance, plot_study, plot_tau_table,
+    plot_buffer_depths, plot_curves, plot_perf, plot_position_acceptance, plot_study, plot_tau_table,
     run_colors, run_styles,
 )

@@ -39,7 +39,6 @@ def part_of(name: str) -> str:
 @dataclass
 class DrafterSize:
     parameters: dict[str, int]  # trainable parameters by part
-    weight_bytes: int  # trainable weights (their gradients take as much again)
     state_bytes: dict[str, int]  # weights + gradients + optimizer state, by optimizer name
 
     @property
@@ -47,18 +46,22 @@ class DrafterSize:
         return sum(self.parameters.values())
 
 
+def _bytes(params) -> int:
+    return sum(p.numel() * p.element_size() for p in params)
+
+
 def drafter_size(drafter: nn.Module) -> DrafterSize:
     parts: dict[str, int] = {}
-    trainable = [(n, p) for n, p in drafter.named_parameters() if p.requires_grad]
-    for name, p in trainable:
-        parts[part_of(name)] = parts.get(part_of(name), 0) + p.numel()
-    weights = sum(p.numel() * p.element_size() for _, p in trainable)
-    muon, adamw = muon_parameters(drafter)
-    in_muon = sum(p.numel() * p.element_size() for p in muon)
-    in_adamw = sum(p.numel() * p.element_size() for p in adamw)
-    state = {"adamw": 2 * weights + OPTIMIZER_SLOTS["adamw"] * weights,
-             "muon": 2 * weights + OPTIMIZER_SLOTS["muon"] * in_muon + OPTIMIZER_SLOTS["adamw"] * in_adamw}
-    return DrafterSize(parts, weights, state)
+    for name, p in drafter.named_parameters():
+        if p.requires_grad:
+            part = part_of(name)
+            parts[part] = parts.get(part, 0) + p.numel()
+    muon, adamw = muon_parameters(drafter)  # the trainable ones, split as trainer.optimizer=muon splits them
+    in_muon, in_adamw = _bytes(muon), _bytes(adamw)
+    weights_and_grads = 2 * (in_muon + in_adamw)
+    state = {"adamw": weights_and_grads + OPTIMIZER_SLOTS["adamw"] * (in_muon + in_adamw),
+             "muon": weights_and_grads + OPTIMIZER_SLOTS["muon"] * in_muon + OPTIMIZER_SLOTS["adamw"] * in_adamw}
+    return DrafterSize(parts, state)
 
 
 def meta_drafter(cfg) -> nn.Module:

@@ -12,7 +12,7 @@ import torch
 
 from dflash.drafter.selector import CandidateSelector
 from dflash.training.losses import LOSSES, LossConfig, build_loss
-from dflash.training.selector_loss import SelectorLoss, selector_metrics, selector_terms
+from dflash.training.selector_loss import SelectorLoss, selector_metrics, selector_terms, unary_topk
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -38,6 +38,26 @@ def _problem(N=4, K=5, H=8, V=23, k=4, seed=0):
 
 def _shape(x):  # an output multiplier of 0.7 and a soft cap of 5, to test that both reach the unary scores
     return 5.0 * torch.tanh(0.7 * x / 5.0)
+
+
+
+def test_candidates_of_a_bfloat16_head_are_its_own_top_k_and_differ_from_float32_only_at_near_ties():
+    """The top-k runs in the head's dtype (an engine's bfloat16 logits), not as a float32 product (the float32 rate
+    and a float32 copy of the head): a candidate the float32 top-k would not have picked is one whose float32 logit
+    lies within the bfloat16 rounding of the float32 k-th best."""
+    g = torch.Generator().manual_seed(3)
+    S, H, V, k = 96, 64, 3000, 16
+    hidden = torch.randn(S, H, generator=g).bfloat16()
+    head = (torch.randn(V, H, generator=g) / 8).bfloat16()
+    got = unary_topk(hidden, head, k, _shape)
+    assert torch.equal(got, _shape((hidden @ head.T).float()).topk(k, dim=-1).indices)
+    exact = _shape(hidden.float() @ head.float().T)
+    kth = exact.topk(k, dim=-1).values[:, -1:]
+    picked = exact.gather(-1, got)
+    tol = 2 ** -7 * exact.abs().amax(-1, keepdim=True)  # bfloat16 keeps 8 significant bits
+    assert (picked >= kth - tol).all()
+    same = sum(len(set(a.tolist()) & set(b.tolist())) for a, b in zip(got, exact.topk(k, dim=-1).indices))
+    assert same / (S * k) > 0.95  # near-ties are rare: nearly every candidate is the float32 product's too
 
 
 def _reference(hidden, head, labels, anchors, sel):

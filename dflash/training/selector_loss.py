@@ -26,10 +26,17 @@ TOPK_LOGITS_BYTES = 1 << 30  # float32 logits per no-grad top-k chunk (1 GiB, as
 
 @torch.no_grad()
 def unary_topk(hidden_SH: Tensor, lm_head_VH: Tensor, k: int, shape_logits) -> Tensor:
-    """Candidate ids [S, k]: the top-k of `shape_logits(h · W)` per row, in row chunks of TOPK_LOGITS_BYTES."""
+    """Candidate ids [S, k]: the top-k of `shape_logits(h · W)` per row, in row chunks of TOPK_LOGITS_BYTES.
+
+    The product runs in the head's own dtype, as an engine computes the logits it takes the top-k of (bfloat16 for a
+    bfloat16 target): only the choice of candidates comes from it, their scores are float32 (`CandidateLogits`).
+    It used to be a float32 product: for a bfloat16 head that ran at the GPU's float32 rate (2·S·H·V = 10.4 TFLOP a
+    step on the 27B-shape bench, at least 0.16 s at an H100's 67 TFLOP/s, of the 0.23 s by which DFlash 2's loss
+    phase exceeded DFlash 1's) and copied the whole head to float32 for every chunk (4.7 GiB at V = 248,320,
+    H = 5,120; benchmarks/log/2026-12-05.md)."""
     rows = max(1, TOPK_LOGITS_BYTES // (4 * lm_head_VH.shape[0]))
-    dt = _at_least_f32(hidden_SH.dtype)
-    out = [shape_logits(h.to(dt) @ lm_head_VH.to(dt).T).topk(k, dim=-1).indices
+    dt = _at_least_f32(lm_head_VH.dtype)
+    out = [shape_logits((h.to(lm_head_VH.dtype) @ lm_head_VH.T).to(dt)).topk(k, dim=-1).indices
            for h in hidden_SH.split(rows)]
     return torch.cat(out)
 

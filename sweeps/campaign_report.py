@@ -356,7 +356,7 @@ def _target_line(cells: list[dict]) -> str:
     """Which target the cells' drafters were trained for (a campaign's comparisons hold for that target)."""
     fps: dict[str, int] = {}
     for x in cells:
-        if not x.get("reused_from"):
+        if not x.get("reused_from") and x.get("value") is not None:  # a failed cell trained no drafter to count
             fp = x.get("target_fingerprint") or trained_for(Path(x["run_dir"])) or "not recorded"
             fps[fp] = fps.get(fp, 0) + 1
     return "- Target fingerprint (`dflash.target_fingerprint`) of the runs: " + ", ".join(
@@ -433,11 +433,19 @@ def _stage_verdict(c, summary: dict, i: int, cells: list[dict]) -> str:
                f"winner among these." if tied else "")
         return (f"Highest mean objective: **{winners[stage.factor]}** (a winner only where its Δ interval below "
                 f"excludes 0).{tie}")
-    left = ", ".join(o if len(c.seeds) == 1 else f"{o} (seed {s})"
-                     for o in stage.options for s in c.seeds if (o, s) not in ran)
-    return (f"**Stage incomplete**: {len(cells)} of {len(stage.options) * len(c.seeds)} cells; highest mean "
-            f"objective so far: {best_option(cells)} (not a winner until every option has run). Not run yet: "
-            f"{left} (`python -m sweeps.campaign {c.name} only=[{stage.factor}]`).")
+    name = (lambda o, s: o) if len(c.seeds) == 1 else (lambda o, s: f"{o} (seed {s})")
+    left = ", ".join(name(o, s) for o in stage.options for s in c.seeds if (o, s) not in ran)
+    # a cell that ran and failed (no objective) is neither finished nor "not run": it is named with its cause
+    failed = [x for x in cells if x.get("value") is None]
+    fail = "; ".join(f"{name(x['option'], int(x['seed']))}: " + (
+        f"out of GPU memory beside {x['at_once'] - 1} other cells" if x.get("oom") and x.get("at_once", 1) > 1
+        else "out of GPU memory" if x.get("oom") else f"exit status {x.get('failed')}") for x in failed)
+    finished = [x for x in cells if x.get("value") is not None]
+    return (f"**Stage incomplete**: {len(finished)} of {len(stage.options) * len(c.seeds)} cells finished; highest "
+            f"mean objective so far: {best_option(finished) if finished else 'none'} (not a winner until every "
+            f"option has run)." + (f" Failed (run again to retry): {fail}." if failed else "")
+            + (f" Not run yet: {left}." if left else "")
+            + f" (`python -m sweeps.campaign {c.name} only=[{stage.factor}]`)")
 
 
 def _found_here(out: Path, c, cell: dict) -> dict:

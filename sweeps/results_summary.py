@@ -64,8 +64,9 @@ def stage_answer(c, summary: dict, i: int) -> dict[str, Any]:
     by_opt = _by_option(cells, suite) if suite else {}
     missing = [o for o in stage.options if o not in by_opt]
     shared = shared_seeds(by_opt)
+    failed = sorted({x["option"] for x in summary["cells"] if x["stage"] == i and x.get("failed")} & set(missing))
     out: dict[str, Any] = {"index": i, "factor": stage.factor, "missing": missing, "seeds": shared, "runs": len(cells),
-                           "suite": suite}
+                           "suite": suite, "failed": failed}
     if missing or not shared or cols is None:
         return out
     use = [x for x in cells if int(x["seed"]) in shared]
@@ -129,7 +130,9 @@ def _stage_line(i: int, a: dict, c) -> str:
     head = f"- Stage {i} **{a['factor']}**"
     if a["missing"] or not a["seeds"]:
         what = ", ".join(a["missing"]) or "a seed every option shares"
-        return f"{head}: not called, no run of {what} (`python -m sweeps.campaign {c.name} only=[{a['factor']}]`)."
+        failed = f"; {', '.join(a['failed'])} ran and failed" if a.get("failed") else ""
+        return (f"{head}: not called, no finished run of {what}{failed} (`python -m sweeps.campaign {c.name} "
+                f"only=[{a['factor']}]`).")
     left = sorted(set(c.seeds) - set(a["seeds"]))
     open_ = "" if a["complete"] else f"; **open**: {_seeds(left)} not run for every option"
     tau = _fmt(a["tau"]) + (f" {BELOW_PL}" if a["below_pl"] else "")

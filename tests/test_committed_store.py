@@ -44,10 +44,11 @@ def test_relocate_artifacts_absolute_for_any_working_folder(tmp_path):
     from dflash.tracking.run_info import relocate_artifacts
     unpack(STORE, tmp_path)
     db = tmp_path / "campaign_out" / "mlflow.db"
-    # three campaign experiments, 57 runs (three loss cells of seed 1 copied in: dflash.tracking.copy_runs), 7
-    # registered model versions (the gate's: the 8-layer champion v3 among them, a refused buffer cell, the refused
-    # cuts8 cell, the refused soft_kl_streak cell of seed 1, t262, the champion now)
-    assert relocate_artifacts(db, relative=False) == 68
+    # 69 runs (three loss cells of seed 1 copied in: dflash.tracking.copy_runs; the served campaign's ten cells of
+    # seed 0, one failed, and its summary run), four experiments' locations, 7 registered model versions (the
+    # gate's: the 8-layer champion v3 among them, a refused buffer cell, the refused cuts8 cell, the refused
+    # soft_kl_streak cell of seed 1, t262, the champion now)
+    assert relocate_artifacts(db, relative=False) == 80
     c = MlflowClient(f"sqlite:///{db}")
     r = c.search_runs([c.get_experiment_by_name("dflash-ablation").experiment_id], max_results=1)[0]
     assert r.info.artifact_uri == (db.parent / "mlartifacts").as_uri() + f"/{r.info.run_id}/artifacts"
@@ -202,16 +203,20 @@ def test_the_committed_stores_hold_their_database_as_sql(archive, dump):
 
 
 def test_ablations_first_screen_is_the_stores_summary(campaign_store):
-    """benchmarks/ABLATIONS.md opens with each campaign's results summary and holds each campaign's report, both as
-    the committed store renders them now (`python -m sweeps.results_summary`): not a copy that can go stale. The
-    summaries fit the first screen (60 lines) and say for every stage which option won, by how much, how sure."""
+    """benchmarks/ABLATIONS.md opens with the served protocol's results summary, and the old protocol's section with
+    each old campaign's; it holds each campaign's report; all as the committed store renders them now
+    (`python -m sweeps.results_summary`): not a copy that can go stale. Each summary fits its section's first
+    screen and says for every stage which option won, by how much, how sure, or what is left to run."""
     from sweeps.campaign_spec import load_campaign
     from sweeps.campaign_report import load_summary
     from sweeps.results_summary import render_summary, report_block
     text = (ROOT / "benchmarks" / "ABLATIONS.md").read_text()
-    first_screen = "\n".join(text.splitlines()[:60])
-    for name in ["reference_recipe", "reference_64m"]:
-        c = load_campaign(name, [LEGACY])
+    old = text.split("\n## The old protocol: measured on looping greedy ground truth\n", 1)[1]
+    screens = {"served": "\n".join(text.splitlines()[:40]), "old": "\n".join(old.splitlines()[:45])}
+    for name, overrides, screen in [("served", [], "served"), ("reference_recipe", [LEGACY], "old"),
+                                    ("reference_64m", [LEGACY], "old")]:
+        first_screen = screens[screen]
+        c = load_campaign(name, overrides)
         summary = load_summary(c, campaign_store)
         lines = render_summary(c, summary, level=3)
         block = text.split(f"<!-- results-summary:{name} -->\n", 1)[1].split(f"\n<!-- /results-summary:{name} -->")[0]
@@ -219,6 +224,7 @@ def test_ablations_first_screen_is_the_stores_summary(campaign_store):
         assert sum(line.startswith("- Stage ") for line in lines) == len(c.stages)
         report = text.split(f"<!-- report:{name} -->\n", 1)[1].split(f"\n<!-- /report:{name} -->")[0]
         assert report == report_block(c, summary).rstrip()
+    first_screen = screens["old"]
     assert "- Stage 0 **loss** (seeds 0, 1, 12 runs): **streak** τ 3.938 [3.709, 4.192] ↓PL; tied with dpace, " \
            "soft_kl_streak; vs dpace (runner-up) +0.090 [-0.016, +0.193] tie; on the 64 of 256 least-degenerate " \
            "prompt samples **the winner changes**, to soft_kl_streak (Kendall τ-b +0.60)." in first_screen
@@ -307,3 +313,22 @@ def test_each_stage_figure_shows_the_reports_numbers(campaign_store, tmp_path):
     assert round(d.prompt_lookup[0], 3) == 6.16
     nb = stage_figure_data(c, summary_from_mlflow(c, f"sqlite:///{campaign_store / 'mlflow.db'}", tmp_path), 0)
     assert nb.deltas == d.deltas and nb.prompt_lookup == d.prompt_lookup
+
+
+def test_a_cell_that_failed_is_named_failed_not_finished(campaign_store):
+    """The served campaign's streak cell of seed 0 ran out of GPU memory beside five other cells on an 80 GiB card
+    (2026-12-05): its stage counts it neither as finished nor as not run, names it with its cause, and the target
+    line counts only the runs that trained a drafter."""
+    from sweeps.campaign_spec import load_campaign
+    from sweeps.campaign_report import load_summary, write_report
+    from sweeps.results_summary import render_summary
+    c = load_campaign("served")
+    write_report(c, campaign_store)
+    text = (campaign_store / "served" / "ABLATIONS.md").read_text()
+    loss = text.split("\n## Stage 0: loss", 1)[1].split("\n## Stage ", 1)[0]
+    assert "**Stage incomplete**: 5 of 12 cells finished" in loss
+    assert "Failed (run again to retry): streak (seed 0): out of GPU memory beside 5 other cells." in loss
+    assert "Not run yet: hard_ce (seed 1), " in loss and "streak (seed 0)" not in loss.split("Not run yet")[1]
+    assert "`bead276919cb7b82` (9 runs)." in text and "not recorded" not in text
+    lines = render_summary(c, load_summary(c, campaign_store))
+    assert "- Stage 0 **loss**: not called, no finished run of streak; streak ran and failed" in "\n".join(lines)

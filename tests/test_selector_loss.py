@@ -170,3 +170,29 @@ def test_run_trains_a_dflash2_drafter_on_the_cpu(tmp_path):
     assert cfg["architectures"] == ["DFlash2DraftModel"]
     from dflash.serving.export import load_drafter
     assert load_drafter(run / "final").candidate_selector is not None
+
+
+@pytest.mark.slow
+def test_a_compiled_dflash2_drafter_trains_to_the_eager_losses(fast_cfg):
+    """`trainer.compile=true` on a DFlash 2 drafter: inductor (its CPU backend here) compiles the forward, the
+    convolutions' block-boundary resets included, in one graph per shape (no graph break), and four steps train to
+    the eager run's losses. The GPU campaign trains DFlash 2 eager until its compiled step is benchmarked."""
+    from torch._dynamo.utils import counters
+
+    from dflash.app.run import train
+    from dflash.tracking.loggers import read_jsonl_metrics
+
+    def losses(*overrides, run):
+        res = train(fast_cfg("+drafter=dflash2", "drafter.num_layers=2", "trainer.max_steps=4", "trainer.pad_multiple=32",
+                             "trainer.checkpoint_every=100", "trainer.producer_mode=inline", *overrides, run=run))
+        return [r["train/loss"] for r in read_jsonl_metrics(res.run_dir) if "train/loss" in r]
+    eager = losses("trainer.compile=false", run="eager")
+    torch._dynamo.reset()
+    counters.clear()
+    try:
+        compiled = losses("trainer.compile=true", run="compiled")
+        assert not counters["graph_break"], dict(counters["graph_break"])
+        assert counters["stats"]["unique_graphs"] >= 1
+    finally:
+        torch._dynamo.reset()
+    assert len(eager) == 4 and compiled == pytest.approx(eager, rel=1e-4)

@@ -54,8 +54,8 @@ from dflash.config import ConfigError
 from dflash.overrides import apply_overrides
 from sweeps.campaign_report import stage_call, write_report
 from sweeps.campaign_spec import Campaign, Cell, best_option, check_only, load_campaign, stage_cells, start_order
-from sweeps.cells import (CellTask, cell_dir, cell_result, composed_config_key, config_key, pinned, stale_records,
-                          trained_for)
+from sweeps.cells import (CellTask, cell_dir, cell_result, composed_config_key, config_key, expected_need_gib, pinned,
+                          stale_records, trained_for)
 from sweeps.launcher import LocalLauncher, LauncherConfig, launcher_config, make_launcher
 from sweeps.shared_inputs import make_shared_inputs, with_truth_pin
 
@@ -197,10 +197,13 @@ def _run_stage(c: Campaign, cells: list[Cell], out: Path, done: dict[str, dict],
             log.warning("cell %s not started: the campaign's deadline has passed (run again to continue)",
                         cells[i].id)
             return None
-        share = c.workers if isinstance(runner, LocalLauncher) else 1
+        local = isinstance(runner, LocalLauncher)
+        share = c.workers if local else 1
+        # the memory its option held in an earlier launch: the launcher starts it where that fits (LocalLauncher)
+        need = {"need_gib": expected_need_gib(c, out, cells[i])} if local else {}
         for again in itertools.count():
             before_run()
-            r = runner.run(CellTask(c, cells[i], out, share, again), cells[i].id)
+            r = runner.run(CellTask(c, cells[i], out, share, again), cells[i].id, **need)
             # out of GPU memory beside other cells: the launcher lets fewer share that GPU (LocalLauncher), and the
             # cell starts again (from its checkpoint, if it saved one) once there is room; alone, it does not fit
             if not (r.get("oom") and r.get("at_once", 1) > 1):

@@ -30,6 +30,26 @@ def cell_result(run_dir: Path) -> dict | None:
     return json.loads(f.read_text()) if f.is_file() else None
 
 
+CONTEXT_GIB = 0.8  # a cell process's GPU memory outside torch's reserve (CUDA context, cuBLAS workspaces): 0.74-0.80 GiB
+# between the recorded peaks and nvidia-smi's per-process figures of the served campaign's cells (2026-12-05)
+
+
+def expected_need_gib(c: Campaign, out: Path, cell: Cell) -> float | None:
+    """The GPU memory `cell` is expected to hold (GiB): the largest peak (`gpu_reserved_peak_gb`) that its option
+    recorded in this store on any seed, else the largest of its stage's options, plus CONTEXT_GIB; None where its
+    stage recorded none (the launcher then places it by count alone: `sweeps.launcher.LocalLauncher`)."""
+    peaks: dict[str, float] = {}
+    for f in (out / c.name / "runs").glob("*/cell.json"):
+        try:
+            r = json.loads(f.read_text())
+        except (OSError, ValueError):
+            continue
+        if r.get("stage") == cell.stage and r.get("gpu_reserved_peak_gb"):
+            peaks[r["option"]] = max(peaks.get(r["option"], 0.0), float(r["gpu_reserved_peak_gb"]))
+    peak = peaks.get(cell.option, max(peaks.values(), default=None))
+    return None if peak is None else peak + CONTEXT_GIB
+
+
 def _lacking_overrides(record: dict, cell: Cell) -> list[str]:
     """The overrides of `cell` as the campaign composes it now (the base, the winners it builds on, its option, seed
     and budget) that a finished cell's record (`cell.json`) lacks. None lacking for a record that names no

@@ -36,6 +36,9 @@ BACKENDS = ("local", "slurm")
 class LauncherConfig:
     backend: str = "local"  # local | slurm
     gpus: list[str] | None = None  # local: the GPUs to place tasks on (None: CUDA_VISIBLE_DEVICES or all)
+    # local: GiB of each GPU that tasks of known need may fill (a campaign cell's recorded peak; 0: nvidia-smi's total
+    # less RESERVE_GIB; < 0: place by count alone)
+    gpu_memory_gib: float = 0.0
     executor: str = "slurm"  # slurm backend: "slurm" submits to the cluster, "local" runs submitit's local executor
     folder: str = ""  # submitit's job files and logs (default: <out>/<name>/submitit)
     partition: str = ""
@@ -60,11 +63,28 @@ def launcher_config(args: list[str]) -> tuple[LauncherConfig, list[str]]:
         raise ConfigError(f"launcher.executor={cfg.executor!r}: expected slurm or local (submitit's local executor)")
     if cfg.timeout_min <= 0 or cfg.gpus_per_job < 0 or cfg.cpus_per_job < 1:
         raise ConfigError("launcher.timeout_min must be > 0, launcher.cpus_per_job >= 1 and launcher.gpus_per_job >= 0")
-    if cfg.backend == "local" and any(a.startswith("launcher.") and not a.startswith("launcher.gpus=") for a in ours
-                                      if not a.startswith("launcher.backend=")):
-        raise ConfigError(f"{[a for a in ours if not a.startswith(('launcher.backend=', 'launcher.gpus='))]}: "
+    local_keys = ("launcher.backend=", "launcher.gpus=", "launcher.gpu_memory_gib=")
+    if cfg.backend == "local" and any(not a.startswith(local_keys) for a in ours):
+        raise ConfigError(f"{[a for a in ours if not a.startswith(local_keys)]}: "
                           f"Slurm settings, but launcher=local (give launcher=slurm)")
     return cfg, [a for a in args if not a.startswith(("launcher=", "launcher."))]
+
+
+RESERVE_GIB = 0.5  # of a GPU's total that no task's need may fill (the driver's own; nvidia-smi counts it in)
+
+
+def gpu_memory_gib(gpus: list[str]) -> dict[str, float]:
+    """Each GPU's total memory in GiB less RESERVE_GIB, by nvidia-smi (no CUDA context in this process); {} when
+    it cannot tell (no nvidia-smi, no GPU)."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=index,memory.total", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=30, check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return {}
+    # `gpus` name devices as CUDA_VISIBLE_DEVICES does (detect_gpus): nvidia-smi's indices; a GPU named otherwise
+    # (a UUID) is left out, and its tasks are placed by count alone
+    total = {i.strip(): float(m) / 1024 for i, m in (line.split(",") for line in out.strip().splitlines() if "," in line)}
+    return {g: total[g] - RESERVE_GIB for g in gpus if g in total}
 
 
 def detect_gpus() -> list[str]:
@@ -85,7 +105,13 @@ class LocalLauncher:
     its GPU's limit to one task fewer than shared it then, and the result says how many did (`at_once`): the
     caller may run it again, and it waits until the GPU has room. Ten 2-layer campaign cells at the GPU shapes
     (64 x 320 tokens) held 119.6 GiB of an H200 (benchmarks/log/2026-12-04.md), more than an H100 has, so
-    `workers=10` there would otherwise lose the cells that did not fit instead of running them in fewer at once."""
+    `workers=10` there would otherwise lose the cells that did not fit instead of running them in fewer at once.
+
+    A task of known need (`run(..., need_gib=)`: a campaign cell whose option recorded its peak in an earlier launch)
+    starts on a GPU only where it fits beside the needs of the tasks running there (`gpu_memory_gib`), or where the
+    GPU is idle; otherwise it waits. On an H100 the served campaign's streak cell started beside five cells that
+    held 76.4 GiB of 79.2 and ran out of memory (benchmarks/log/2026-12-05.md): their recorded peaks would have
+    kept it waiting for the first of them to end."""
 
     def __init__(self, cfg: LauncherConfig):
         self.gpus = cfg.gpus if cfg.gpus is not None else detect_gpus()
@@ -93,18 +119,29 @@ class LocalLauncher:
         self.limit: dict[str, int | None] = {g: None for g in self.gpus}  # None: as many as the caller starts
         self._most: dict[str, list[list[int]]] = {g: [] for g in self.gpus}  # per running task: most beside it
         self._room = threading.Condition()
+        self._held = {g: 0.0 for g in self.gpus}  # the needs of the tasks running on each GPU (GiB)
+        m = cfg.gpu_memory_gib
+        self.memory: dict[str, float] = ({} if m < 0 or not self.gpus else {g: m for g in self.gpus} if m > 0
+                                         else gpu_memory_gib(self.gpus))
+
+    def _fits(self, gpu: str, need_gib: float | None) -> bool:
+        if self.limit[gpu] is not None and self._busy[gpu] >= self.limit[gpu]:
+            return False
+        cap = self.memory.get(gpu)
+        return need_gib is None or cap is None or self._busy[gpu] == 0 or self._held[gpu] + need_gib <= cap
 
     @contextmanager
-    def placed(self) -> Iterator[tuple[str | None, list[int]]]:
+    def placed(self, need_gib: float | None = None) -> Iterator[tuple[str | None, list[int]]]:
         """(the GPU a task runs on, [the most tasks that GPU held at once while it ran])."""
         if not self.gpus:
             yield None, [1]
             return
         with self._room:
-            while not (open_ := [g for g in self.gpus if self.limit[g] is None or self._busy[g] < self.limit[g]]):
+            while not (open_ := [g for g in self.gpus if self._fits(g, need_gib)]):
                 self._room.wait()
             gpu = min(open_, key=lambda g: self._busy[g])
             self._busy[gpu] += 1
+            self._held[gpu] += need_gib or 0.0
             most = [0]
             self._most[gpu].append(most)
             for m in self._most[gpu]:
@@ -114,11 +151,12 @@ class LocalLauncher:
         finally:
             with self._room:
                 self._busy[gpu] -= 1
+                self._held[gpu] -= need_gib or 0.0
                 self._most[gpu] = [m for m in self._most[gpu] if m is not most]  # this one: equal lists are not it
                 self._room.notify_all()
 
-    def run(self, task: Callable[[str | None], Any], name: str) -> Any:
-        with self.placed() as (gpu, most):
+    def run(self, task: Callable[[str | None], Any], name: str, need_gib: float | None = None) -> Any:
+        with self.placed(need_gib) as (gpu, most):
             result = task(gpu)
         if gpu is not None and isinstance(result, dict) and result.get("oom"):
             result = {**result, "at_once": self._fewer_at_once(gpu, most[0], name)}
@@ -159,8 +197,8 @@ class SlurmLauncher:
         self._lock = threading.Lock()
         self.jobs: dict[str, Any] = {}
 
-    def run(self, task: Callable[[str | None], Any], name: str) -> Any:
-        """The task's result; a job that died without one (killed, node lost, out of requeues): the task's
+    def run(self, task: Callable[[str | None], Any], name: str, need_gib: float | None = None) -> Any:
+        """The task's result (`need_gib` is the local launcher's: a job has its GPUs to itself); a job that died without one (killed, node lost, out of requeues): the task's
         `lost(reason)` when it has one (a campaign cell: a failed record, left for the next launch), else raises."""
         with self._lock:  # update_parameters + submit as one step: the job's name is the task's
             if self.cfg.executor == "slurm":

@@ -140,6 +140,50 @@ def test_a_shared_pool_starts_the_start_first_factors_first(monkeypatch, tmp_pat
         load_campaign("served", ["campaign.start_first=[noise]"])
 
 
+
+def test_cells_start_where_the_memory_their_options_held_before_fits(monkeypatch, tmp_path):
+    """Seed 1 of the served campaign after seed 0 recorded each option's peak (the H100's figures, 2026-12-05) on a
+    GPU of 26 GiB, three workers: the two DFlash 2 cells (18.1 GiB each) and the 8-layer recipe (15.0) never run
+    beside each other, and the small cells still share the GPU."""
+    import json
+    import threading
+    import time
+
+    import sweeps.campaign as campaign
+    from sweeps.cells import CONTEXT_GIB
+    from sweeps.launcher import LauncherConfig, LocalLauncher
+    c = load_campaign("served", ["campaign.workers=3", "campaign.seeds=[1]"])
+    peaks = {(0, "hard_ce"): 5.4, (0, "dpace"): 5.4, (0, "lk"): 7.1, (0, "soft_kl"): 8.1, (0, "soft_kl_streak"): 8.1,
+             (1, "dflash1_muon"): 5.4, (1, "dflash2_adamw"): 18.1, (1, "dflash2_muon"): 18.1,
+             (2, "layers8_streak"): 15.0}
+    for (stage, option), peak in peaks.items():
+        d = tmp_path / c.name / "runs" / f"s{stage}-x-{option}-seed0"
+        d.mkdir(parents=True)
+        (d / "cell.json").write_text(json.dumps({"stage": stage, "option": option, "gpu_reserved_peak_gb": peak}))
+    running, together, lock = {}, [], threading.Lock()
+
+    def fake_run(c_, cell, out, gpu=None, share=0, oom_restarts=0):
+        need = peaks.get((cell.stage, cell.option), 8.1) + CONTEXT_GIB  # streak: the loss stage's largest
+        with lock:
+            running[cell.id] = need
+            together.append(dict(running))
+        time.sleep(0.05)
+        with lock:
+            running.pop(cell.id)
+        return {**cell.labels(), "value": 1.0, "consumed_tokens": 1}
+    monkeypatch.setattr(sweep_cells, "run_cell", fake_run)
+    monkeypatch.setattr(campaign, "prepare_store", lambda *a: None)
+    cells = [x for i in range(len(c.stages)) for x in stage_cells(c, i, {})]
+    launcher = LocalLauncher(LauncherConfig(gpus=["0"], gpu_memory_gib=26))
+    results = campaign._run_stage(c, cells, tmp_path, {}, None, launcher=launcher)
+    assert all(r is not None and r["value"] == 1.0 for r in results)
+    assert all(sum(t.values()) <= 26 for t in together if len(t) > 1), together
+    assert max(len(t) for t in together) >= 2  # still packed
+    big = {f"s{s}-{f}-{o}-seed1" for (s, o), f in zip([(1, "dflash2_adamw"), (1, "dflash2_muon"), (2, "layers8_streak")],
+                                                       ["drafter", "drafter", "recipe"])}
+    assert not any(len(big & set(t)) > 1 for t in together)
+
+
 def _fake_cells_that_keep_their_records(monkeypatch, campaign, earlier: dict) -> list:
     """run_cell records value 3.0 with the cell's overrides into `earlier`, where a later launch's cell_result finds
     it by run folder name; returns the list of cell ids run."""

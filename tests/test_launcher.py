@@ -57,6 +57,68 @@ def test_local_tasks_get_one_gpu_each_and_share_when_there_are_more_tasks():
     assert rc == 0
 
 
+
+def test_a_task_of_known_need_waits_until_it_fits_beside_the_running_ones():
+    """With 20 GiB to fill: two 8 GiB tasks run together, a third waits for one of them to end; a task of unknown
+    need is placed by count alone; an idle GPU takes even a task larger than itself (it would otherwise wait for
+    ever, and alone it may still fit: the need is an earlier run's peak)."""
+    launcher = L.LocalLauncher(L.LauncherConfig(gpus=["0"], gpu_memory_gib=20))
+    running, most, lock = set(), [], threading.Lock()
+    release = {n: threading.Event() for n in ("a", "b", "c", "u")}
+
+    def task(name):
+        def run(gpu):
+            with lock:
+                running.add(name)
+                most.append(frozenset(running))
+            release[name].wait(timeout=20)
+            with lock:
+                running.discard(name)
+            return name
+        return run
+    threads = {n: threading.Thread(target=launcher.run, args=(task(n), n), kwargs={"need_gib": need})
+               for n, need in (("a", 8.0), ("b", 8.0), ("c", 8.0), ("u", None))}
+    for n in ("a", "b", "c", "u"):
+        threads[n].start()
+        time.sleep(0.2)
+    assert running == {"a", "b", "u"} and launcher._held["0"] == 16.0  # c waits: 16 + 8 > 20
+    release["a"].set()
+    threads["a"].join(timeout=10)
+    for _ in range(100):
+        if "c" in running:
+            break
+        time.sleep(0.05)
+    assert running == {"b", "c", "u"}
+    for n in ("b", "c", "u"):
+        release[n].set()
+        threads[n].join(timeout=10)
+    assert launcher._held["0"] == 0.0 and launcher._busy["0"] == 0
+    assert not any({"a", "b", "c"} <= m for m in most)
+    big = L.LocalLauncher(L.LauncherConfig(gpus=["0"], gpu_memory_gib=20))
+    assert big.run(lambda gpu: gpu, "alone", need_gib=30.0) == "0"
+    # place by count alone: gpu_memory_gib < 0, or no figure for the GPU
+    assert L.LocalLauncher(L.LauncherConfig(gpus=["0"], gpu_memory_gib=-1)).memory == {}
+    assert L.launcher_config(["launcher.gpu_memory_gib=70"])[0].gpu_memory_gib == 70
+
+
+def test_a_cell_is_expected_to_hold_what_its_option_held_before(tmp_path):
+    """A cell's need is the largest peak its option recorded in the store (any seed), else its stage's largest,
+    plus the CUDA context; None where its stage recorded none."""
+    from sweeps.campaign_spec import Cell, load_campaign
+    from sweeps.cells import CONTEXT_GIB, expected_need_gib
+    c = load_campaign("served")
+    runs = tmp_path / c.name / "runs"
+    for cell_id, stage, option, peak in (("s0-loss-dpace-seed0", 0, "dpace", 5.4), ("s0-loss-lk-seed0", 0, "lk", 7.1),
+                                         ("s0-loss-lk-seed1", 0, "lk", 7.3), ("s0-loss-x-seed0", 0, "x", None)):
+        (runs / cell_id).mkdir(parents=True)
+        (runs / cell_id / "cell.json").write_text(json.dumps({"stage": stage, "option": option,
+                                                               "gpu_reserved_peak_gb": peak}))
+    need = lambda stage, option: expected_need_gib(c, tmp_path, Cell(stage, "f", option, 1, []))  # noqa: E731
+    assert need(0, "lk") == pytest.approx(7.3 + CONTEXT_GIB)
+    assert need(0, "streak") == pytest.approx(7.3 + CONTEXT_GIB)  # none of its own: the stage's largest
+    assert need(1, "dflash2_adamw") is None
+
+
 def test_a_preempted_job_stops_its_training_process_and_requeues_the_same_task(tmp_path):
     """submitit calls `checkpoint()` on the job's signal (timeout or preemption): the training process gets SIGTERM
     (the trainer saves its checkpoint on it) and the same task is resubmitted, which resumes it."""

@@ -391,7 +391,7 @@ def render_report(c, summary: dict, with_summary: bool = True, figures: dict[int
             lines += [f"**Not run yet**: 0 of {len(stage.options) * len(c.seeds)} cells ({', '.join(stage.options)}; "
                       f"`python -m sweeps.campaign {c.name} only=[{stage.factor}]`).", ""]
             continue
-        lines += [_stage_verdict(c, summary, i, cells), "", _budget_line(cells), ""]
+        lines += [_stage_verdict(c, summary, i, cells), "", _budget_line(cells), "", *_data_lines(cells)]
         if figures and i in figures:
             lines += [f"![stage {i}: {stage.factor}]({figures[i]})", ""]
         baseline = None if i == 0 else (first, [x for x in summary["cells"] if x["stage"] == 0])
@@ -417,6 +417,21 @@ def render_report(c, summary: dict, with_summary: bool = True, figures: dict[int
         lines += curve_section(cells, c.objective, stage.factor)
         lines += _reused_lines(cells)
     return "\n".join(lines) + "\n"
+
+
+def _data_lines(cells: list[dict]) -> list[str]:
+    """A stage whose finished cells read different online data (`data_digest`): said before its tables, since a Δ
+    between them carries the data's difference too. Sampled data (T > 0) written again in a later launch, on another
+    machine, need not repeat bit for bit; cells recorded before digests were kept are a group of their own."""
+    groups: dict[str, list[str]] = {}
+    for x in cells:
+        if x.get("value") is not None and not x.get("reused_from"):
+            groups.setdefault(x.get("data_digest") or "not recorded", []).append(x["cell"])
+    if len(groups) < 2:
+        return []
+    return ["**Not one data set**: the stage's cells read different online data (written again in another launch), "
+            "so a Δ between cells of different data carries that difference too: " + "; ".join(
+                f"data `{d}`: {', '.join(sorted(ids))}" for d, ids in groups.items()) + ".", ""]
 
 
 def _stage_verdict(c, summary: dict, i: int, cells: list[dict]) -> str:

@@ -168,9 +168,19 @@ def run_cell(c: Campaign, cell: Cell, out: Path, gpu: str | None = None, share: 
               "gpu_reserved_peak_gb": last_logged(run_dir, "perf/gpu_reserved_peak_gb"),
               "phases_s": {k.removeprefix("sys/"): last_logged(run_dir, k) for k in PHASES},
               "wall_s_this_leg": round(time.time() - t0, 1), "resumed": any(a.startswith("resume=") for a in cmd),
-              "target_fingerprint": trained_for(run_dir), **restarts}
+              "target_fingerprint": trained_for(run_dir), "data_digest": data_digest(out, c), **restarts}
     atomic_write_text(run_dir / "cell.json", json.dumps(result, indent=2))
     return result
+
+
+def data_digest(out: Path, c: Campaign) -> str | None:
+    """The digest of the online data this launch's cells read (`data/digest` of `write_ahead.json`, the shared
+    inputs made before they started; None without online data or a record of it)."""
+    f = out / c.name / "write_ahead.json"
+    try:
+        return json.loads(f.read_text()).get("data/digest") if f.is_file() else None
+    except (OSError, ValueError):
+        return None
 
 
 def ran_out_of_gpu_memory(log_path: Path, offset: int) -> bool:

@@ -589,3 +589,29 @@ def test_the_served_campaigns_drafter_stage_runs_end_to_end_and_reports_both_set
     assert ("Left out, since not every option has it: τ tree 16 nodes (only dflash1_adamw, dflash1_muon; DDTree runs "
             "for DFlash 1 drafters only" in greedy)
     assert "| greedy (T=0), the same runs | 4 |" in stage
+
+
+def test_a_cell_records_the_data_it_read_and_the_report_says_when_a_stage_mixes_two(monkeypatch, tmp_path):
+    """A cell's record carries the digest of the online data its launch wrote or read (`write_ahead.json`); a stage
+    whose cells read different data (sampled data written again on another machine, or recorded before digests)
+    says so before its tables; one data set says nothing."""
+    import json
+
+    from sweeps.campaign_report import _data_lines
+    c = load_campaign("cpu_smoke", ["campaign.seeds=[0]"])
+    cell = stage_cells(c, 0, {})[0]
+    (tmp_path / c.name).mkdir()
+    (tmp_path / c.name / "write_ahead.json").write_text(json.dumps({"data/digest": "abc123"}))
+    monkeypatch.setattr(sweep_cells, "call", lambda *a, **k: 0)  # the training process "ran"
+    monkeypatch.setattr(sweep_cells, "last_logged", lambda run_dir, key: 1.0)
+    rec = sweep_cells.run_cell(c, cell, tmp_path)
+    assert rec["data_digest"] == "abc123"
+    assert json.loads((sweep_cells.cell_dir(tmp_path, c, cell) / "cell.json").read_text())["data_digest"] == "abc123"
+    same = [{"cell": f"c{i}", "value": 1.0, "data_digest": "abc123"} for i in range(3)]
+    assert _data_lines(same) == []
+    mixed = [*same, {"cell": "late", "value": 1.0, "data_digest": "fff000"}, {"cell": "old", "value": 1.0},
+             {"cell": "failed", "value": None, "data_digest": "999"}, {"cell": "reused", "value": 1.0,
+                                                                        "data_digest": "999", "reused_from": "c0"}]
+    line = _data_lines(mixed)[0]
+    assert line.startswith("**Not one data set**") and "data `abc123`: c0, c1, c2" in line
+    assert "data `fff000`: late" in line and "data `not recorded`: old" in line and "999" not in line

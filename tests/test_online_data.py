@@ -195,6 +195,8 @@ def test_writer_reuses_shards_rewrites_corrupt_ones_and_seeds_sampling(target, t
     b = OnlineWriter(target, pool, cfg, seq_len=24)  # a later run / another trial: reads, never writes
     assert all(torch.equal(b.sequence(g), s) for g, s in enumerate(seqs))
     assert b.written_batches == 0 and b.shard_reads == 2
+    # the text's digest: the same read as written; None for batches not read here
+    assert a.digest(2) is not None and b.digest(2) == a.digest(2) and a.digest(3) is None
     a.shard_path(0).write_bytes(a.shard_path(0).read_bytes()[:-9])  # torn
     c = OnlineWriter(target, pool, cfg, seq_len=24)
     assert torch.equal(c.sequence(1), seqs[1]) and c.written_batches == 1
@@ -203,6 +205,9 @@ def test_writer_reuses_shards_rewrites_corrupt_ones_and_seeds_sampling(target, t
     s2 = [OnlineWriter(target, pool, hot, 24).sequence(g) for g in range(4)]
     assert all(torch.equal(x, y) for x, y in zip(s1, s2))  # seeded per written batch
     assert any(not torch.equal(x, y) for x, y in zip(s1, seqs))  # and not the greedy continuation
+    other_text = OnlineWriter(target, pool, hot, 24)
+    other_text.sequence(0)
+    assert other_text.digest(1) != a.digest(1)  # other tokens, another digest
     assert OnlineWriter(target, pool, hot, 24).fingerprint != a.fingerprint
 
 
@@ -314,6 +319,7 @@ def test_write_ahead_makes_the_shards_a_run_then_only_reads(fast_cfg, tmp_path):
     assert len(list((tmp_path / "shards").rglob("*.pt"))) == 5
     again = write_ahead(cfg)
     assert again["data/written_batches"] == 0 and again["data/shard_reads"] == 5
+    assert len(stats["data/digest"]) == 16 and again["data/digest"] == stats["data/digest"]  # the same text
     res = train(cfg)
     last = [r for r in _rows(res.run_dir) if "data/written_batches" in r][-1]
     assert last["data/written_batches"] == 0 and last["data/shard_reads"] >= 3

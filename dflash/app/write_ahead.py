@@ -35,7 +35,7 @@ def items_needed(cfg, data) -> int:
     return planned_items(cfg, data, 1) + cfg.buffer.max_depth + t.producer_batch * max(1, t.producers)
 
 
-def write_ahead(cfg, items: int | None = None, more_cfgs=()) -> dict[str, float]:
+def write_ahead(cfg, items: int | None = None, more_cfgs=()) -> dict[str, float | str | None]:
     """Make the shared inputs of runs like `cfg` (module doc). `items`: online items to have written
     (default: the most that `cfg` or any of `more_cfgs`, e.g. other buffer settings, can claim)."""
     from dflash.app.auto import resolve_auto
@@ -46,7 +46,7 @@ def write_ahead(cfg, items: int | None = None, more_cfgs=()) -> dict[str, float]
     from dflash.app.chat_data import build_run_data
     from dflash.training.datastream import uses_online
     from dflash.training.distributed import DistInfo
-    out: dict[str, float] = {}
+    out: dict[str, float | str | None] = {}
     t0 = time.perf_counter()
     target = Target(cfg.target)
     out["sys/write_ahead_target_load_s"] = time.perf_counter() - t0
@@ -66,6 +66,8 @@ def write_ahead(cfg, items: int | None = None, more_cfgs=()) -> dict[str, float]
             w.sequence(b * per_batch)
         w.close()  # the batch the writer started ahead finishes its shard (the runs read it) before this returns
         out.update(w.stats())
+        # which text the runs read (a string among the figures: JSON records only, never an MLflow metric)
+        out["data/digest"] = w.digest(batches)
         out.update({"data/write_ahead_items": batches * per_batch, "data/write_ahead_batches": batches,
                     "sys/write_ahead_data_s": time.perf_counter() - t2, "data/pool_prompts": len(w.pool)})
         log.info("write-ahead: %d online batches of %d (%d read from shards, %d written, %.0f written tok/s)",

@@ -125,6 +125,10 @@ class Written(NamedTuple):
     prompt_lens: list[int]
 
 
+def _tokens_digest(tokens: torch.Tensor) -> str:
+    return hashlib.sha256(tokens.detach().cpu().contiguous().numpy().tobytes()).hexdigest()[:16]
+
+
 class OnlineWriter:
     """Key → written sequence, by written batches (memory → shard → the target writes it). Thread-safe."""
 
@@ -151,6 +155,7 @@ class OnlineWriter:
         self.write_s = 0.0
         self.stop_ids = stop_token_ids(target)
         self._degeneracy: dict[str, float] = {}  # sums over the rows measured (`_measure`)
+        self.batch_digests: dict[int, str] = {}  # written batch -> sha256 of its tokens (read or written: `digest`)
         # an inference server that writes the responses instead of this process's target
         # (`dflash.data.responders.ServerResponder`; `python -m experiments.regen backend=openai`); the shards are
         # the same, keyed alike, since the server serves this target with the same sampling settings
@@ -321,14 +326,25 @@ class OnlineWriter:
                     raise ValueError(f"shape {tuple(tokens.shape)}")
                 lens = data.get("prompt_lens") or self._prompt_lens(b)  # (shards written before they were kept)
                 self.shard_reads += 1
+                self.batch_digests[b] = _tokens_digest(tokens)
                 return Written(tokens, [int(n) for n in lens])
             except Exception as e:  # noqa: BLE001 - torn, corrupt or foreign: write it again
                 log.warning("online data: shard %s unusable (%s); writing it again", path, e)
         written = self._write(b)
         if path is not None:
             save_checked(path, _MAGIC, FORMAT_VERSION, key, written._asdict())
+        self.batch_digests[b] = _tokens_digest(written.tokens)
         self._measure(written)
         return written
+
+    def digest(self, batches: int) -> str | None:
+        """One digest of written batches 0 … batches−1, as read or written here; None when one of them was not.
+        Runs whose digests differ trained on different text under the same settings: sampled data (T > 0) written
+        again on another machine need not repeat bit for bit, unlike the key of its shards."""
+        parts = [self.batch_digests.get(b) for b in range(batches)]
+        if batches < 1 or None in parts:
+            return None
+        return hashlib.sha256(":".join(parts).encode()).hexdigest()[:16]
 
     def _prompt_lens(self, b: int) -> list[int]:
         return [len(self.pool.prompts[self.prompt_index(g)]) for g in self.batch_keys(b)]

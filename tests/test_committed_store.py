@@ -332,3 +332,19 @@ def test_a_cell_that_failed_is_named_failed_not_finished(campaign_store):
     assert "`bead276919cb7b82` (9 runs)." in text and "not recorded" not in text
     lines = render_summary(c, load_summary(c, campaign_store))
     assert "- Stage 0 **loss**: not called, no finished run of streak; streak ran and failed" in "\n".join(lines)
+
+
+def test_the_summary_says_when_a_stage_read_two_data_sets(campaign_store):
+    """The served drafter stage read by the summary as if DFlash 2 + Muon's cell had read other online text than
+    the others (as a later launch's would: `data_digest`): its line says so; read as it is, it does not."""
+    from sweeps.campaign_spec import load_campaign
+    from sweeps.campaign_report import load_summary
+    from sweeps.results_summary import render_summary
+    c = load_campaign("served")
+    summary = load_summary(c, campaign_store)
+    line = lambda s: next(x for x in render_summary(c, s) if x.startswith("- Stage 1 **drafter**"))  # noqa: E731
+    assert "not one data set" not in line(summary)
+    for x in summary["cells"]:
+        if x["cell"] == "s1-drafter-dflash2_muon-seed0":
+            x["data_digest"] = "0123456789abcdef"
+    assert line(summary).endswith("; **not one data set** (the report names the cells).")

@@ -419,14 +419,21 @@ def render_report(c, summary: dict, with_summary: bool = True, figures: dict[int
     return "\n".join(lines) + "\n"
 
 
-def _data_lines(cells: list[dict]) -> list[str]:
-    """A stage whose finished cells read different online data (`data_digest`): said before its tables, since a Δ
-    between them carries the data's difference too. Sampled data (T > 0) written again in a later launch, on another
-    machine, need not repeat bit for bit; cells recorded before digests were kept are a group of their own."""
+def data_sets(cells: list[dict]) -> dict[str, list[str]]:
+    """The finished cells' ids by the digest of the online data they read (`data_digest`; cells recorded before
+    digests were kept: "not recorded"). Sampled data (T > 0) written again in a later launch, on another machine,
+    need not repeat bit for bit."""
     groups: dict[str, list[str]] = {}
     for x in cells:
         if x.get("value") is not None and not x.get("reused_from"):
             groups.setdefault(x.get("data_digest") or "not recorded", []).append(x["cell"])
+    return groups
+
+
+def _data_lines(cells: list[dict]) -> list[str]:
+    """A stage whose finished cells read more than one data set (`data_sets`): said before its tables, since a Δ
+    between them carries the data's difference too."""
+    groups = data_sets(cells)
     if len(groups) < 2:
         return []
     return ["**Not one data set**: the stage's cells read different online data (written again in another launch), "
@@ -452,15 +459,21 @@ def _stage_verdict(c, summary: dict, i: int, cells: list[dict]) -> str:
     left = ", ".join(name(o, s) for o in stage.options for s in c.seeds if (o, s) not in ran)
     # a cell that ran and failed (no objective) is neither finished nor "not run": it is named with its cause
     failed = [x for x in cells if x.get("value") is None]
-    fail = "; ".join(f"{name(x['option'], int(x['seed']))}: " + (
-        f"out of GPU memory beside {x['at_once'] - 1} other cells" if x.get("oom") and x.get("at_once", 1) > 1
-        else "out of GPU memory" if x.get("oom") else f"exit status {x.get('failed')}") for x in failed)
+    fail = "; ".join(f"{name(x['option'], int(x['seed']))}: {_failure_cause(x)}" for x in failed)
     finished = [x for x in cells if x.get("value") is not None]
     return (f"**Stage incomplete**: {len(finished)} of {len(stage.options) * len(c.seeds)} cells finished; highest "
             f"mean objective so far: {best_option(finished) if finished else 'none'} (not a winner until every "
             f"option has run)." + (f" Failed (run again to retry): {fail}." if failed else "")
             + (f" Not run yet: {left}." if left else "")
             + f" (`python -m sweeps.campaign {c.name} only=[{stage.factor}]`)")
+
+
+def _failure_cause(cell: dict) -> str:
+    """Why a cell that ran has no objective, from its record (`sweeps.cells.run_cell`)."""
+    if cell.get("oom"):
+        beside = cell.get("at_once", 1) - 1
+        return f"out of GPU memory beside {beside} other cells" if beside > 0 else "out of GPU memory"
+    return f"exit status {cell.get('failed')}"
 
 
 def _found_here(out: Path, c, cell: dict) -> dict:

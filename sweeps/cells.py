@@ -40,10 +40,7 @@ def expected_need_gib(c: Campaign, out: Path, cell: Cell) -> float | None:
     stage recorded none (the launcher then places it by count alone: `sweeps.launcher.LocalLauncher`)."""
     peaks: dict[str, float] = {}
     for f in (out / c.name / "runs").glob("*/cell.json"):
-        try:
-            r = json.loads(f.read_text())
-        except (OSError, ValueError):
-            continue
+        r = cell_result(f.parent)
         if r.get("stage") == cell.stage and r.get("gpu_reserved_peak_gb"):
             peaks[r["option"]] = max(peaks.get(r["option"], 0.0), float(r["gpu_reserved_peak_gb"]))
     peak = peaks.get(cell.option, max(peaks.values(), default=None))

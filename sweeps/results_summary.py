@@ -27,8 +27,8 @@ from dflash.atomic import atomic_write_text
 from dflash.evaluation.pairing import metric_columns
 from dflash.evaluation.stats import paired_delta_ci
 from dflash.tracking.ui_view import display_tags, group_view_by
-from sweeps.campaign_report import (BELOW_PL, CI_LEVEL, _by_option, _data_lines, _delta, _fmt, _objective_suite,
-                                    _stacked, below_prompt_lookup, pooled, shared_seeds, stage_call)
+from sweeps.campaign_report import (BELOW_PL, CI_LEVEL, _by_option, _delta, _fmt, _objective_suite, _stacked,
+                                    below_prompt_lookup, data_sets, pooled, shared_seeds, stage_call)
 
 PL_COLUMNS = ("tau_sum_prompt_lookup", "rounds_prompt_lookup")
 SUMMARY_RUN_TAG = "dflash.campaign_summary"  # the tag naming the campaign whose summary run this is
@@ -70,7 +70,7 @@ def stage_answer(c, summary: dict, i: int) -> dict[str, Any]:
     if missing or not shared or cols is None:
         return out
     use = [x for x in cells if int(x["seed"]) in shared]
-    out["mixed_data"] = bool(_data_lines(use))  # cells that read different online text (the report names them)
+    out["mixed_data"] = len(data_sets(use)) > 1  # cells that read different online text (the report names them)
     ran = {(x["option"], int(x["seed"])) for x in cells}
     out["complete"] = all((o, s) in ran for o in stage.options for s in c.seeds)
     from sweeps.campaign_spec import best_option

@@ -473,7 +473,10 @@ def _failure_cause(cell: dict) -> str:
     if cell.get("oom"):
         beside = cell.get("at_once", 1) - 1
         return f"out of GPU memory beside {beside} other cells" if beside > 0 else "out of GPU memory"
-    return f"exit status {cell.get('failed')}"
+    failed = cell.get("failed")
+    if isinstance(failed, str):  # a job that died without a result (`CellTask.lost`): its reason, cut short
+        return f"job lost: {failed[:200]}"
+    return f"exit status {failed}"
 
 
 def _found_here(out: Path, c, cell: dict) -> dict:

@@ -615,3 +615,14 @@ def test_a_cell_records_the_data_it_read_and_the_report_says_when_a_stage_mixes_
     line = _data_lines(mixed)[0]
     assert line.startswith("**Not one data set**") and "data `abc123`: c0, c1, c2" in line
     assert "data `fff000`: late" in line and "data `not recorded`: old" in line and "999" not in line
+
+
+def test_a_failed_cell_is_named_with_its_cause():
+    """A cell's failure as the stage line names it: out of memory (beside how many), an exit status, or a lost job's
+    reason (not "exit status <reason>")."""
+    from sweeps.campaign_report import _failure_cause
+    assert _failure_cause({"failed": 1, "oom": True, "at_once": 6}) == "out of GPU memory beside 5 other cells"
+    assert _failure_cause({"failed": 1, "oom": True}) == "out of GPU memory"
+    assert _failure_cause({"failed": 2}) == "exit status 2"
+    lost = _failure_cause({"failed": "job 7 (/x/submitit): UncompletedJobError: " + "x" * 500})
+    assert lost.startswith("job lost: job 7 (/x/submitit): UncompletedJobError") and len(lost) <= 210

@@ -449,7 +449,8 @@ def _stage_verdict(c, summary: dict, i: int, cells: list[dict]) -> str:
     stages done with seed 1 of none of them run."""
     stage, winners = c.stages[i], summary.get("winners", {})
     ran = {(x["option"], int(x["seed"])) for x in cells}
-    if stage.factor in winners and all((o, s) in ran for o in stage.options for s in c.seeds):
+    done = {(x["option"], int(x["seed"])) for x in cells if x.get("value") is not None}  # a failed cell ran, undone
+    if stage.factor in winners and all((o, s) in done for o in stage.options for s in c.seeds):
         tied = ((summary.get("calls") or {}).get(stage.factor) or {}).get("tied") or []
         tie = (f" **Tied with it: {', '.join(tied)}** (their paired Δ interval against it contains 0): no "
                f"winner among these." if tied else "")

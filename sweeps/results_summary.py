@@ -64,15 +64,17 @@ def stage_answer(c, summary: dict, i: int) -> dict[str, Any]:
     by_opt = _by_option(cells, suite) if suite else {}
     missing = [o for o in stage.options if o not in by_opt]
     shared = shared_seeds(by_opt)
-    failed = sorted({x["option"] for x in summary["cells"] if x["stage"] == i and x.get("failed")} & set(missing))
+    finished = {(x["option"], int(x["seed"])) for x in cells}
+    failed_cells = sorted({(x["option"], int(x["seed"])) for x in summary["cells"]
+                           if x["stage"] == i and x.get("failed")} - finished)  # not trained again since
     out: dict[str, Any] = {"index": i, "factor": stage.factor, "missing": missing, "seeds": shared, "runs": len(cells),
-                           "suite": suite, "failed": failed}
+                           "suite": suite, "failed": sorted({o for o, _ in failed_cells} & set(missing)),
+                           "failed_cells": failed_cells}
     if missing or not shared or cols is None:
         return out
     use = [x for x in cells if int(x["seed"]) in shared]
     out["mixed_data"] = len(data_sets(use)) > 1  # cells that read different online text (the report names them)
-    ran = {(x["option"], int(x["seed"])) for x in cells}
-    out["complete"] = all((o, s) in ran for o in stage.options for s in c.seeds)
+    out["complete"] = all((o, s) in finished for o in stage.options for s in c.seeds)
     from sweeps.campaign_spec import best_option
     # the campaign's call where it made one (later stages were built on it; an open stage's call is of the seeds
     # it had then), else the highest mean over the shared seeds; ties against it over the shared seeds
@@ -135,7 +137,9 @@ def _stage_line(i: int, a: dict, c) -> str:
         return (f"{head}: not called, no finished run of {what}{failed} (`python -m sweeps.campaign {c.name} "
                 f"only=[{a['factor']}]`).")
     left = sorted(set(c.seeds) - set(a["seeds"]))
-    open_ = "" if a["complete"] else f"; **open**: {_seeds(left)} not run for every option"
+    failed = ", ".join(f"{o} (seed {s})" for o, s in a.get("failed_cells") or [])
+    open_ = "" if a["complete"] else (f"; **open**: {_seeds(left)} not run for every option"
+                                      + (f" ({failed} ran and failed)" if failed else ""))
     tau = _fmt(a["tau"]) + (f" {BELOW_PL}" if a["below_pl"] else "")
     tie = f"; tied with {', '.join(a['tied'])}" if a["tied"] else "; no tie"
     delta = ""

@@ -37,7 +37,8 @@ class LauncherConfig:
     backend: str = "local"  # local | slurm
     gpus: list[str] | None = None  # local: the GPUs to place tasks on (None: CUDA_VISIBLE_DEVICES or all)
     # local: GiB of each GPU that tasks of known need may fill (a campaign cell's recorded peak; 0: nvidia-smi's total
-    # less RESERVE_GIB; < 0: place by count alone)
+    # less what other processes hold, read whenever none of the tasks runs there, less RESERVE_GIB; < 0: place by
+    # count alone)
     gpu_memory_gib: float = 0.0
     executor: str = "slurm"  # slurm backend: "slurm" submits to the cluster, "local" runs submitit's local executor
     folder: str = ""  # submitit's job files and logs (default: <out>/<name>/submitit)
@@ -74,17 +75,28 @@ RESERVE_GIB = 0.5  # of a GPU's total that no task's need may fill (the driver's
 
 
 def gpu_memory_gib(gpus: list[str]) -> dict[str, float]:
-    """Each GPU's total memory in GiB less RESERVE_GIB, by nvidia-smi (no CUDA context in this process); {} when
-    it cannot tell (no nvidia-smi, no GPU)."""
+    """Each GPU's memory in GiB that tasks placed now may fill, by nvidia-smi (no CUDA context in this process): its
+    total less what processes hold on it now, less RESERVE_GIB; {} when it cannot tell (no nvidia-smi, no GPU).
+    Read while none of the launcher's tasks runs there, "what processes hold" is what is not the tasks': on an H100
+    the campaign's own process held 6.1 GiB after making the shared inputs, and a cell placed against the total
+    ran out of memory beside five others (2026-12-05)."""
     try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=index,memory.total", "--format=csv,noheader,nounits"],
+        out = subprocess.run(["nvidia-smi", "--query-gpu=index,memory.total,memory.used",
+                              "--format=csv,noheader,nounits"],
                              capture_output=True, text=True, timeout=30, check=True).stdout
     except (OSError, subprocess.SubprocessError):
         return {}
     # `gpus` name devices as CUDA_VISIBLE_DEVICES does (detect_gpus): nvidia-smi's indices; a GPU named otherwise
     # (a UUID) is left out, and its tasks are placed by count alone
-    total = {i.strip(): float(m) / 1024 for i, m in (line.split(",") for line in out.strip().splitlines() if "," in line)}
-    return {g: total[g] - RESERVE_GIB for g in gpus if g in total}
+    room = {}
+    for line in out.strip().splitlines():
+        fields = [f.strip() for f in line.split(",")]
+        if len(fields) == 3:
+            try:
+                room[fields[0]] = (float(fields[1]) - float(fields[2])) / 1024
+            except ValueError:  # "[N/A]" on some devices: no figure, placed by count
+                continue
+    return {g: room[g] - RESERVE_GIB for g in gpus if g in room}
 
 
 def detect_gpus() -> list[str]:
@@ -121,6 +133,7 @@ class LocalLauncher:
         self._room = threading.Condition()
         self._held = {g: 0.0 for g in self.gpus}  # the needs of the tasks running on each GPU (GiB)
         m = cfg.gpu_memory_gib
+        self._measure = m == 0  # read each GPU's room again whenever none of the tasks runs on it
         self.memory: dict[str, float] = ({} if m < 0 or not self.gpus else {g: m for g in self.gpus} if m > 0
                                          else gpu_memory_gib(self.gpus))
 
@@ -140,6 +153,9 @@ class LocalLauncher:
             while not (open_ := [g for g in self.gpus if self._fits(g, need_gib)]):
                 self._room.wait()
             gpu = min(open_, key=lambda g: self._busy[g])
+            if self._measure and self._busy[gpu] == 0 and gpu in self.memory:
+                # idle of our tasks: what is held there now is another process's (the campaign's own, a neighbour)
+                self.memory[gpu] = gpu_memory_gib([gpu]).get(gpu, self.memory[gpu])
             self._busy[gpu] += 1
             self._held[gpu] += need_gib or 0.0
             most = [0]

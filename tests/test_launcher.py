@@ -216,3 +216,21 @@ def test_sweep_workers_as_submitit_jobs_share_the_trials(tmp_path, monkeypatch):
     study = optuna.load_study(study_name="cpu_smoke", storage=make_storage(res["storage"]))
     assert sorted(t.number for t in study.trials) == [0, 1, 2]
     assert len(list((tmp_path / "out" / "cpu_smoke" / "submitit").glob("*_submitted.pkl"))) == 2
+
+
+def test_the_room_is_what_other_processes_leave_read_again_when_idle(tmp_path, monkeypatch):
+    """By default a GPU's room is nvidia-smi's total less what processes hold there (the campaign's own process kept
+    6.1 GiB after the shared inputs), read again whenever none of the tasks runs on it; a set figure is kept."""
+    smi = tmp_path / "nvidia-smi"
+    used = tmp_path / "used"
+    used.write_text("6240")
+    smi.write_text(f'#!/bin/sh\necho "0, 81559, $(cat {used})"\necho "1, [N/A], [N/A]"\n')
+    smi.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+    assert L.gpu_memory_gib(["0", "1", "2"]) == {"0": (81559 - 6240) / 1024 - L.RESERVE_GIB}
+    launcher = L.LocalLauncher(L.LauncherConfig(gpus=["0"]))
+    assert launcher.memory["0"] == (81559 - 6240) / 1024 - L.RESERVE_GIB
+    used.write_text("1024")  # the campaign's process gave its cache back
+    assert launcher.run(lambda gpu: launcher.memory[gpu], "first", need_gib=5.0) == (81559 - 1024) / 1024 - L.RESERVE_GIB
+    fixed = L.LocalLauncher(L.LauncherConfig(gpus=["0"], gpu_memory_gib=20))
+    assert fixed.run(lambda gpu: fixed.memory[gpu], "t", need_gib=5.0) == 20

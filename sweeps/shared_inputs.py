@@ -47,9 +47,9 @@ def make_shared_inputs(cfg, more_cfgs: Sequence = (), record: Path | None = None
 
 
 def _release_gpu_cache() -> None:
-    """Give the runs that follow the memory the shared inputs cached: write_ahead empties the CUDA cache while its
-    evaluator and data still hold tensors, and the campaign's process then kept 6.1 GiB of an H100 beside its cells
-    (2026-12-05); once write_ahead has returned, nothing holds them."""
+    """Give the runs that follow the memory the shared inputs cached. write_ahead empties the CUDA cache before its
+    evaluator and data go out of scope, and the campaign's process still held 6.1 GiB of an H100 beside its cells
+    (2026-12-05, nvidia-smi at a cell's out-of-memory error); once write_ahead has returned, what they held is free."""
     import gc
 
     import torch

@@ -200,10 +200,10 @@ def _run_stage(c: Campaign, cells: list[Cell], out: Path, done: dict[str, dict],
         local = isinstance(runner, LocalLauncher)
         share = c.workers if local else 1
         # the memory its option held in an earlier launch: the launcher starts it where that fits (LocalLauncher)
-        need = {"need_gib": expected_need_gib(c, out, cells[i])} if local else {}
+        need = expected_need_gib(c, out, cells[i]) if local else None
         for again in itertools.count():
             before_run()
-            r = runner.run(CellTask(c, cells[i], out, share, again), cells[i].id, **need)
+            r = runner.run(CellTask(c, cells[i], out, share, again), cells[i].id, need_gib=need)
             # out of GPU memory beside other cells: the launcher lets fewer share that GPU (LocalLauncher), and the
             # cell starts again (from its checkpoint, if it saved one) once there is room; alone, it does not fit
             if not (r.get("oom") and r.get("at_once", 1) > 1):

@@ -449,7 +449,8 @@ def _stage_verdict(c, summary: dict, i: int, cells: list[dict]) -> str:
     stages done with seed 1 of none of them run."""
     stage, winners = c.stages[i], summary.get("winners", {})
     ran = {(x["option"], int(x["seed"])) for x in cells}
-    done = {(x["option"], int(x["seed"])) for x in cells if x.get("value") is not None}  # a failed cell ran, undone
+    finished = [x for x in cells if x.get("value") is not None]  # a failed cell ran but is not finished
+    done = {(x["option"], int(x["seed"])) for x in finished}
     if stage.factor in winners and all((o, s) in done for o in stage.options for s in c.seeds):
         tied = ((summary.get("calls") or {}).get(stage.factor) or {}).get("tied") or []
         tie = (f" **Tied with it: {', '.join(tied)}** (their paired Δ interval against it contains 0): no "
@@ -461,7 +462,6 @@ def _stage_verdict(c, summary: dict, i: int, cells: list[dict]) -> str:
     # a cell that ran and failed (no objective) is neither finished nor "not run": it is named with its cause
     failed = [x for x in cells if x.get("value") is None]
     fail = "; ".join(f"{name(x['option'], int(x['seed']))}: {_failure_cause(x)}" for x in failed)
-    finished = [x for x in cells if x.get("value") is not None]
     return (f"**Stage incomplete**: {len(finished)} of {len(stage.options) * len(c.seeds)} cells finished; highest "
             f"mean objective so far: {best_option(finished) if finished else 'none'} (not a winner until every "
             f"option has run)." + (f" Failed (run again to retry): {fail}." if failed else "")

@@ -30,8 +30,9 @@ def cell_result(run_dir: Path) -> dict | None:
     return json.loads(f.read_text()) if f.is_file() else None
 
 
-CONTEXT_GIB = 0.8  # a cell process's GPU memory outside torch's reserve (CUDA context, cuBLAS workspaces): 0.74-0.80 GiB
-# between the recorded peaks and nvidia-smi's per-process figures of the served campaign's cells (2026-12-05)
+# a cell process's GPU memory outside torch's reserve (CUDA context, cuBLAS workspaces): 0.74-0.80 GiB between the
+# recorded peaks and nvidia-smi's per-process figures of the served campaign's cells (2026-12-05)
+CONTEXT_GIB = 0.8
 
 
 def expected_need_gib(c: Campaign, out: Path, cell: Cell) -> float | None:

@@ -214,8 +214,9 @@ class SlurmLauncher:
         self.jobs: dict[str, Any] = {}
 
     def run(self, task: Callable[[str | None], Any], name: str, need_gib: float | None = None) -> Any:
-        """The task's result (`need_gib` is the local launcher's: a job has its GPUs to itself); a job that died without one (killed, node lost, out of requeues): the task's
-        `lost(reason)` when it has one (a campaign cell: a failed record, left for the next launch), else raises."""
+        """The task's result (`need_gib` is the local launcher's: a job has its GPUs to itself); a job that died
+        without one (killed, node lost, out of requeues): the task's `lost(reason)` when it has one (a campaign cell:
+        a failed record, left for the next launch), else raises."""
         with self._lock:  # update_parameters + submit as one step: the job's name is the task's
             if self.cfg.executor == "slurm":
                 self.executor.update_parameters(job_name=name)

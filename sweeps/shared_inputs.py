@@ -39,22 +39,8 @@ def make_shared_inputs(cfg, more_cfgs: Sequence = (), record: Path | None = None
     how far to write), with what it did written to `record`."""
     from dflash.app.write_ahead import write_ahead
     stats = write_ahead(cfg, more_cfgs=list(more_cfgs))
-    _release_gpu_cache()
     if record is not None:
         atomic_write_text(record, json.dumps(stats, indent=2))
     log.info("shared inputs made in %.0f s: %s", stats["sys/write_ahead_s"], stats)
     return stats
 
-
-def _release_gpu_cache() -> None:
-    """Give the runs that follow the memory the shared inputs cached. write_ahead empties the CUDA cache before its
-    evaluator and data go out of scope, and the campaign's process still held 6.1 GiB of an H100 beside its cells
-    (2026-12-05, nvidia-smi at a cell's out-of-memory error); once write_ahead has returned, what they held is free."""
-    import gc
-
-    import torch
-    gc.collect()
-    if torch.cuda.is_initialized():
-        torch.cuda.empty_cache()
-        log.info("after the shared inputs this process holds %.2f GiB of GPU memory",
-                 torch.cuda.memory_reserved() / 2**30)

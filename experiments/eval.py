@@ -295,11 +295,30 @@ def _resolve_other(other: str, overrides: list[str], cfg: RunConfig, ml: dict):
     return load_b, str(p)
 
 
+def report_pairs(reports_a, reports_b) -> list[tuple]:
+    """(A's report, B's report, the setting label of their Δ) for each suite and setting both evaluated. Reports
+    of one setting, suite and proposal policy pair (`t1/argmax` with `t1/argmax`); at a sampled setting the two
+    objective reports pair too when each drafter kind was scored under its engine's own policy (DFlash 1's argmax
+    drafts against DFlash 2's sampled walk under vllm): that pair's label names the engine (`t1/vllm`)."""
+    key = lambda r: (r.info["suite_label"], r.info["setting"])  # noqa: E731
+    by_b = {key(r): r for r in reports_b}
+    out = []
+    for i, ra in enumerate(reports_a):
+        if key(ra) in by_b:
+            out.append((ra, by_b[key(ra)], ra.info["setting"]))
+        elif i < len(reports_b) and i == 0:  # the objectives, each under its engine's policy for its kind
+            rb = reports_b[0]
+            sa, sb = ra.info["setting"].partition("/"), rb.info["setting"].partition("/")
+            if sa[0] == sb[0] and ra.info["suite_label"] == rb.info["suite_label"]:
+                out.append((ra, rb, f"{sa[0]}/{ra.info.get('engine', 'engine')}"))
+    return out
+
+
 def _compare(reports_a, reports_b, ecfg, label_a: str, label_b: str, out: Path, loggers) -> dict[str, float]:
     """Paired Δτ = A − B per suite and method; printed, logged as eval/compare/..., saved as compare.*"""
     metrics, rows, seen = {}, [], set()
-    for ra, rb in zip(reports_a, reports_b):
-        ta, tb, suite, label = ra.to_dict(), rb.to_dict(), ra.info["suite_label"], ra.info["setting"]
+    for ra, rb, label in report_pairs(reports_a, reports_b):
+        ta, tb, suite = ra.to_dict(), rb.to_dict(), ra.info["suite_label"]
         first = label not in seen
         seen.add(label)
         row = {"suite": suite, "setting": label, "prompts": len(ra.table), "tau_a": ra.metrics["eval/tau_vanilla"],

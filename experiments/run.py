@@ -33,6 +33,16 @@ def main(argv: list[str] | None = None) -> dict:
     return result.metrics
 
 
+def policy_line(metrics: dict, cfg) -> str:
+    """'engine vllm, argmax drafts' (the policy the objective was scored under; docs/evaluation.md)."""
+    from dflash.evaluation.engines import policy_name
+    from dflash.evaluation.protocol import served_policy
+    policy = served_policy(metrics)
+    if policy == "greedy":
+        return "greedy"
+    return f"engine {cfg.eval.engine}, {policy_name(policy, cfg.drafter.is_dflash2)}"
+
+
 def closing_lines(metrics: dict, cfg) -> str:
     """The run's τ at the served setting and at T = 0, each beside prompt lookup's, and three lines: what τ is, what
     to expect of a short CPU run, what to try next (docs/evaluation.md)."""
@@ -44,8 +54,12 @@ def closing_lines(metrics: dict, cfg) -> str:
     served = served_label(metrics)
     lines = []
     if OBJECTIVE in metrics:
-        lines.append(f"{OBJECTIVE} = τ at the target's sampling setting ({served}, lossless rejection sampling): "
-                     f"{pair(f'eval/{served}/')}")
+        lines.append(f"{OBJECTIVE} = τ at the target's sampling setting ({served}: {policy_line(metrics, cfg)}, "
+                     f"lossless verification): {pair(f'eval/{served}/')}")
+        other = served.rpartition("/")[0] + "/" + ("sampled" if served.endswith("/argmax") else "argmax")
+        if "/" in served and f"eval/{other}/tau_vanilla" in metrics:
+            lines.append(f"eval/{other}/tau_vanilla = τ under the other proposal policy, same ground truth: "
+                         f"{pair(f'eval/{other}/')}")
         if served != "t0" and "eval/t0/tau_vanilla" in metrics:
             lines.append(f"eval/t0/tau_vanilla = τ when the target decodes greedily (T=0): {pair('eval/t0/')}")
     steps = cfg.trainer.max_steps

@@ -70,6 +70,13 @@ class EvalConfig:
     samples: int = 2  # sampled continuations per prompt at T > 0 (CIs resample prompts, pooling their samples)
     seed: int = 0  # the sampled ground truth's and the acceptance coins' seed (paired runs share them)
     greedy_beside: bool = True  # also evaluate at T = 0 (eval/t0/...) when the served setting samples
+    # The engine a user serves with (engines.ENGINES: vllm, sglang, llamacpp, zlab; textbook = drafts sampled from
+    # q, no engine's DFlash 1 policy). At T > 0 it decides how a draft is proposed (DFlash 1: argmax or sampled;
+    # DFlash 2: best-path or sampled walk), so which τ is served: eval/<setting>/<policy>/..., e.g.
+    # eval/t1/argmax/tau_vanilla; `proposal` (argmax / sampled) overrides the engine's policy.
+    engine: str = "vllm"
+    proposal: str = "auto"
+    both_policies: bool = True  # at T > 0 also score the objective suite under the other policy, side by side
     # ground truth that ends: after the target's EOS / end-of-turn tokens (capped at max_new_tokens); false: the
     # legacy fixed-length ground truth (greedy only; what stores before sampling measured, eval/tau_vanilla)
     stop_at_eos: bool = True
@@ -104,6 +111,8 @@ def validate_eval_config(cfg: EvalConfig) -> None:
                          f"got {cfg.samples!r}")
     from dflash.evaluation.acceptance import DRAFTER_PROPOSERS
     DRAFTER_PROPOSERS.check(cfg.proposer)
+    from dflash.evaluation.engines import resolve_policy
+    resolve_policy(cfg.engine, cfg.proposal, dflash2=False)  # raises naming eval.engine / eval.proposal
     validate_prompt_lookup(cfg.prompt_lookup)
     validate_stop(cfg.stop)
     names = [suite_label(s) for s in [cfg.suite, *cfg.extra_suites]]

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Sequence
 
 from dflash.evaluation import EvalConfig
+from dflash.evaluation.engines import is_dflash2, other_policy, resolve_policy
 from dflash.evaluation.ground_truth import TaskTruth, TruthSpec, cache_key, load_or_build_ground_truth
 from dflash.evaluation.protocol import labelled, objective_metrics, served_label, table_places, truth_specs
 from dflash.evaluation.prompts import DATA_SUITES, Suite, Task, objective_suite, resolve_suite
@@ -80,9 +81,15 @@ def evaluate_suites(drafter, target, cfg: EvalConfig, suites: Sequence[Suite] | 
     when beside it (`protocol.truth_specs`); `merged_metrics(reports)` flattens them under each setting's label."""
     suites = list(suites) if suites is not None else config_suites(cfg)
     memo = memo or TruthMemo(cfg.cache_dir, cfg.truth_dir)
-    return [evaluate(drafter, target, cfg, truths=memo.get(target, s, spec), suite=s, spec=spec,
-                     real_decode=real_decode if i == 0 and j == 0 else False)
-            for j, spec in enumerate(truth_specs(cfg, target)) for i, s in enumerate(suites)]
+    reports = []
+    for j, spec in enumerate(truth_specs(cfg, target)):
+        reports += [evaluate(drafter, target, cfg, truths=memo.get(target, s, spec), suite=s, spec=spec,
+                             real_decode=real_decode if i == 0 and j == 0 else False) for i, s in enumerate(suites)]
+        if j == 0 and not spec.sampling.greedy and cfg.both_policies:  # the other policy beside it, same truths
+            other = other_policy(resolve_policy(cfg.engine, cfg.proposal, is_dflash2(drafter)))
+            reports.append(evaluate(drafter, target, cfg, truths=memo.get(target, suites[0], spec), suite=suites[0],
+                                    spec=spec, real_decode=False, policy=other))
+    return reports
 
 
 def merged_metrics(reports: Sequence[EvalReport]) -> dict[str, float]:
@@ -98,7 +105,7 @@ def merged_metrics(reports: Sequence[EvalReport]) -> dict[str, float]:
             out.update(labelled(r.all_metrics(), label))
         out.update(labelled(r.suite_metrics(), label))
     first = reports[0]
-    out.update(objective_metrics(out, first.sampling))
+    out.update(objective_metrics(out, first.sampling, first.info.get("setting"), first.info.get("policy")))
     return out
 
 
@@ -109,7 +116,7 @@ def summary_table(metrics: dict[str, float], level: float = 0.95) -> str:
     length cap). The served setting's rows come first."""
     import math
     import re
-    rows = [(m[1], m[2]) for k in metrics if (m := re.match(r"^eval/suite/([^/]+)/([^/]+)/tau_vanilla$", k))]
+    rows = [(m[1], m[2]) for k in metrics if (m := re.match(r"^eval/suite/([^/]+)/(.+)/tau_vanilla$", k))]
     served = served_label(metrics)
     rows.sort(key=lambda r: (r[1] != served, r[1], r[0]))
     budgets = sorted({int(m[1]) for k in metrics if (m := re.match(r"^eval/t0/tau_tree_(\d+)$", k))})
@@ -212,7 +219,7 @@ class SuiteEvaluator:
         rep = evaluate(drafter, target, self.cfg, truths=self.memo.get(target, self._train_suite, spec),
                        suite=self._train_suite, real_decode=False, spec=spec)
         tau_train = rep.metrics["eval/tau_vanilla"]
-        label = spec.sampling.label
+        label = rep.info["setting"]
         out = {f"eval/{label}/tau_train": tau_train, f"eval/{label}/tau_train_gap": tau_train - tau_heldout}
         if not final:
             self._warn_on_gap(step, tau_train, tau_heldout)
@@ -234,8 +241,8 @@ class SuiteEvaluator:
             obj, spec = self.suites[0], self.served_spec(target)
             rep = evaluate(drafter, target, cfg, truths=self.memo.get(target, obj, spec), suite=obj,
                            limit=cfg.subset, real_decode=False, spec=spec)
-            metrics = labelled(rep.all_metrics(), spec.sampling.label)
-            metrics.update(objective_metrics(metrics, spec.sampling))
+            metrics = labelled(rep.all_metrics(), rep.info["setting"])
+            metrics.update(objective_metrics(metrics, spec.sampling, rep.info["setting"], rep.info["policy"]))
         else:
             reports = evaluate_suites(drafter, target, cfg, self.suites, self.memo, cfg.real_decode)
             metrics = merged_metrics(reports)

@@ -23,6 +23,7 @@ from dflash.target.sampling import Sampling, resolve_sampling, target_folder
 
 OBJECTIVE = "eval/tau_served"
 OBJECTIVE_PROMPT_LOOKUP = "eval/tau_served_prompt_lookup"  # prompt lookup beside the objective, same ground truth
+SERVED_PROPOSAL = "eval/served_proposal"  # the objective's proposal policy at T > 0: 1 argmax, 0 sampled
 LEGACY_OBJECTIVE = "eval/tau_vanilla"  # stores before sampled evaluation: greedy, fixed-length ground truth
 LEGACY_NOTE = "eval/tau_vanilla: the old protocol (greedy, fixed-length ground truth that loops)"
 
@@ -61,15 +62,20 @@ def labelled(metrics: dict[str, float], label: str) -> dict[str, float]:
     return out
 
 
-def objective_metrics(metrics: dict[str, float], served: Sampling) -> dict[str, float]:
-    """`eval/tau_served` (+ CI) from the served setting's objective τ, and the setting it was measured at."""
-    pre = f"eval/{served.label}/"
+def objective_metrics(metrics: dict[str, float], served: Sampling, label: str | None = None,
+                      policy: str | None = None) -> dict[str, float]:
+    """`eval/tau_served` (+ CI) from the served setting's objective τ (under `label`, which names the proposal
+    policy at T > 0: `t1/argmax`), the setting it was measured at, and at T > 0 the policy
+    (`eval/served_proposal`: 1 argmax drafts / the best-path walk, 0 drafts sampled from q / the sampled walk)."""
+    pre = f"eval/{label or served.label}/"
     out = {f"{OBJECTIVE}{suffix}": metrics[f"{pre}tau_vanilla{suffix}"] for suffix in ("", "_ci_low", "_ci_high")
            if f"{pre}tau_vanilla{suffix}" in metrics}
     if f"{pre}tau_prompt_lookup" in metrics:
         out[OBJECTIVE_PROMPT_LOOKUP] = metrics[f"{pre}tau_prompt_lookup"]
     out.update({"eval/served_temperature": served.temperature, "eval/served_top_p": served.top_p,
                 "eval/served_top_k": float(served.top_k)})
+    if not served.greedy and policy is not None:
+        out[SERVED_PROPOSAL] = float(policy == "argmax")
     return out
 
 
@@ -92,9 +98,22 @@ def table_places(reports) -> list[tuple[str, str]]:
 
 
 def served_label(metrics: dict[str, float]) -> str:
-    """The served setting's label from a run's `eval/served_*` metrics ('t0' without them)."""
+    """The served setting's label from a run's `eval/served_*` metrics ('t0' without them): `t1/argmax` with
+    the policy it was scored under; plain `t1` for stores made before the policy was recorded (their drafts were
+    sampled from q)."""
     t = metrics.get("eval/served_temperature")
     if t is None or t <= 0:
         return "t0"
-    return Sampling(float(t), float(metrics.get("eval/served_top_p", 1.0)),
-                    int(metrics.get("eval/served_top_k", 0))).label
+    label = Sampling(float(t), float(metrics.get("eval/served_top_p", 1.0)),
+                     int(metrics.get("eval/served_top_k", 0))).label
+    if SERVED_PROPOSAL not in metrics:
+        return label
+    return f"{label}/{'argmax' if metrics[SERVED_PROPOSAL] == 1.0 else 'sampled'}"
+
+
+def served_policy(metrics: dict[str, float]) -> str:
+    """'argmax' / 'sampled' at T > 0 ('sampled' for stores before the policy was recorded), 'greedy' at T = 0."""
+    t = metrics.get("eval/served_temperature")
+    if t is None or t <= 0:
+        return "greedy"
+    return "argmax" if metrics.get(SERVED_PROPOSAL) == 1.0 else "sampled"

@@ -58,8 +58,9 @@ from dflash.data.degeneracy import summarize
 from dflash.data.stops import END_REASONS
 from dflash.data.writing import first_end
 from dflash.evaluation.ground_truth import TaskTruth, TruthSpec, decoder, end_reasons, load_or_build_ground_truth
+from dflash.evaluation.engines import is_dflash2, policy_info, resolve_policy, setting_label
 from dflash.evaluation.sampled_decode import sampled_speculative_decode
-from dflash.target.sampling import Sampling
+from dflash.target.sampling import GREEDY, Sampling
 from dflash.evaluation.prompts import Suite, Task, objective_suite, suite_label
 from dflash.evaluation.speculative import greedy_decode, speculative_decode
 
@@ -151,8 +152,8 @@ class EvalReport:
         """One line: the suite, τ with its interval, and beside it prompt lookup's and the paired Δ."""
         st, lvl = self.stats, self.info.get("ci_level", 0.95)
         out = (f"suite {self.info.get('suite_label', self.info.get('suite', ''))} "
-               f"[{self.info.get('setting', 't0')}: {self.info.get('sampling', 'greedy (T=0)')}, ends "
-               f"{self.info.get('ends', 'fixed length (legacy)')}]: "
+               f"[{self.info.get('setting', 't0')}: {self.info.get('sampling', 'greedy (T=0)')}{self._policy_text()}, "
+               f"ends {self.info.get('ends', 'fixed length (legacy)')}]: "
                f"τ vanilla {self.metrics.get('eval/tau_vanilla', math.nan):.3f}")
         if "eval/tau_vanilla_ci_low" in st and not math.isnan(st["eval/tau_vanilla_ci_low"]):
             out += f" ({100 * lvl:.0f}% CI {st['eval/tau_vanilla_ci_low']:.3f}–{st['eval/tau_vanilla_ci_high']:.3f})"
@@ -183,6 +184,12 @@ class EvalReport:
         per = self.info.get("samples_per_prompt", 1)
         return out + (f"; {len(self.table) // max(per, 1)} prompts × {per} samples × ≤ "
                       f"{self.info.get('max_new_tokens', '?')} tokens")
+
+    def _policy_text(self) -> str:
+        """', engine vllm, argmax drafts (vllm's policy)' at T > 0; '' at T = 0 and in stores without it."""
+        if "policy_name" not in self.info or self.info.get("setting", "t0") == "t0":
+            return ""
+        return f", engine {self.info['engine']}: {self.info['policy_name']}"
 
     def to_markdown(self) -> str:
         cols = self._columns()
@@ -299,7 +306,7 @@ def _real_decode(drafter, target, truths: Sequence[TaskTruth], results: Sequence
 def evaluate(drafter, target, cfg: EvalConfig, tasks: Sequence[Task] | None = None, *,
              truths: Sequence[TaskTruth] | None = None, limit: int | None = None,
              proposer: Proposer | None = None, real_decode: bool | None = None,
-             suite: Suite | None = None, spec: TruthSpec | None = None) -> EvalReport:
+             suite: Suite | None = None, spec: TruthSpec | None = None, policy: str | None = None) -> EvalReport:
     """Ground truth (cached) → simulated vanilla / DDTree rounds (and prompt lookup's) → metrics, stats,
     per-task table.
 
@@ -308,7 +315,9 @@ def evaluate(drafter, target, cfg: EvalConfig, tasks: Sequence[Task] | None = No
     the drafter's (`eval.proposer`; tests); `real_decode`: default `cfg.real_decode`; `spec`: how the ground truth
     is written, its sampling setting the one the rounds are verified at (default: the legacy greedy protocol;
     `protocol.truth_spec` builds the configured ones). `limit` counts prompts (a sampled ground truth has
-    several tasks a prompt). The drafter is put in eval mode and restored to its previous mode."""
+    several tasks a prompt). `policy`: how drafts are proposed at a sampled setting (`engines`: argmax or sampled;
+    default the configured engine's for this drafter kind); the report's setting label then names it
+    (`t1/argmax`). The drafter is put in eval mode and restored to its previous mode."""
     t0 = time.perf_counter()
     if suite is None:
         suite = objective_suite(cfg, tasks)
@@ -316,13 +325,15 @@ def evaluate(drafter, target, cfg: EvalConfig, tasks: Sequence[Task] | None = No
         suite = Suite(suite.name, list(tasks), suite.max_new_tokens, suite.stop)
     spec = TruthSpec() if spec is None else spec.for_suite(suite)  # the suite's own code stop rule
     sampling = spec.sampling
+    dflash2 = is_dflash2(drafter)
+    policy = policy or resolve_policy(cfg.engine, cfg.proposal, dflash2)
     info: dict[str, Any] = {"suite": cfg.suite if suite.name == suite_label(cfg.suite) else suite.name,
                             "suite_label": suite.name, "max_new_tokens": suite.max_new_tokens,
                             "target": str(getattr(target, "identity", "")), "ci_level": cfg.ci_level,
-                            "bootstrap": cfg.bootstrap, "setting": sampling.label, "sampling": sampling.describe(),
-                            "sampling_setting": sampling.as_dict(),
+                            "bootstrap": cfg.bootstrap, "setting": setting_label(sampling, policy),
+                            "sampling": sampling.describe(), "sampling_setting": sampling.as_dict(),
                             "ends": _ends_text(spec),
-                            "samples_per_prompt": spec.per_prompt}
+                            "samples_per_prompt": spec.per_prompt, **policy_info(cfg, sampling, policy, dflash2)}
     if truths is None:
         truths, hit = load_or_build_ground_truth(target, suite.tasks, suite.max_new_tokens, cfg.cache_dir,
                                                  cfg.truth_dir, suite.name, spec)
@@ -334,7 +345,6 @@ def evaluate(drafter, target, cfg: EvalConfig, tasks: Sequence[Task] | None = No
     # DDTree's tree is verified greedily (the deepest node matching the target's tokens); no lossless rule for a
     # tree at T > 0 is implemented, so trees are reported at T = 0 only (docs/evaluation.md). And DDTree is DFlash 1
     # only: a DFlash 2 draft is its selector's walk, and no tree over selector paths is defined
-    dflash2 = getattr(drafter, "candidate_selector", None) is not None
     budgets = [int(b) for b in cfg.tree_budgets] if sampling.greedy and not dflash2 else []
     if dflash2 and cfg.tree_budgets:
         info["ddtree"] = "not run: DDTree is DFlash 1 only (a DFlash 2 draft is its selector walk)"
@@ -343,8 +353,10 @@ def evaluate(drafter, target, cfg: EvalConfig, tasks: Sequence[Task] | None = No
     try:
         check_compatible(drafter, target)
         bs = drafter.block_size
-        proposer = proposer or DRAFTER_PROPOSERS.build(cfg.proposer, drafter, proposal_width(budgets), sampling)
-        results = simulate(truths, proposer, bs, budgets, sampling, cfg.seed)
+        # argmax drafts are point masses: matched against the path's tokens, the T = 0 rule on the sampled path
+        scored = GREEDY if policy == "argmax" else sampling
+        proposer = proposer or DRAFTER_PROPOSERS.build(cfg.proposer, drafter, proposal_width(budgets), scored)
+        results = simulate(truths, proposer, bs, budgets, scored, cfg.seed)
         baseline = simulate(truths, PromptLookupProposer(bs, cfg.prompt_lookup.min_n, cfg.prompt_lookup.max_n),
                             bs, (), sampling, cfg.seed) if cfg.prompt_lookup.enabled else []
         table = [_row(tr, r, budgets, base) for tr, r, base in
@@ -368,7 +380,7 @@ def evaluate(drafter, target, cfg: EvalConfig, tasks: Sequence[Task] | None = No
                 metrics.update(_real_decode(drafter, target, truths, results, table))
             else:
                 metrics.update(_real_sampled(drafter, target, truths, results, spec, suite.max_new_tokens, cfg,
-                                             texts, table))
+                                             texts, table, policy))
     finally:
         drafter.train(was_training)
     stats = _stats(results, baseline, budgets, cfg)
@@ -438,7 +450,7 @@ def human_metrics(target, suite: Suite, truths: Sequence[TaskTruth], bs: int, cf
 
 def _real_sampled(drafter, target, truths: Sequence[TaskTruth], results: Sequence[TaskResult], spec: TruthSpec,
                   max_new_tokens: int, cfg: EvalConfig, texts: Sequence[str] | None = None,
-                  table: list[dict] | None = None) -> dict[str, float]:
+                  table: list[dict] | None = None, policy: str = "sampled") -> dict[str, float]:
     """The real loop at the sampled setting (`sampled_decode`), one seeded run per truth: its τ with the CI over
     prompts, beside the simulated τ (the two have the same law; `eval/real/tau_in_sim_ci` says whether the real
     τ lies inside the simulated τ's interval), and its tokens/s. Each truth's `table` row gets its run's τ."""
@@ -448,7 +460,8 @@ def _real_sampled(drafter, target, truths: Sequence[TaskTruth], results: Sequenc
         gen = torch.Generator(device=target.device).manual_seed(int(cfg.seed) * 1_000_003 + 7_919 * i + 1)
         prompt = texts[i] if texts else decoder(target)(truth.prompt_ids.tolist())
         r = sampled_speculative_decode(drafter, target, truth.prompt_ids, max_new_tokens, spec.sampling, gen,
-                                       spec.stop_ids, text_end=spec.text_end(prompt, decoder(target)))
+                                       spec.stop_ids, text_end=spec.text_end(prompt, decoder(target)),
+                                       proposal=policy)
         by_group.setdefault(truth.group, []).extend(r.taus)
         seconds, tokens = seconds + r.seconds, tokens + len(r.tokens)
         if table is not None:

@@ -56,10 +56,15 @@ def sample_decode(target, prompt_ids, max_new_tokens: int, sampling: Sampling,
 @torch.no_grad()
 def sampled_speculative_decode(drafter, target, prompt_ids, max_new_tokens: int, sampling: Sampling,
                                generator: torch.Generator | None, stop_ids: Sequence[int] = (),
-                               autocast: bool | None = None, text_end: TextEnd | None = None) -> DecodeResult:
+                               autocast: bool | None = None, text_end: TextEnd | None = None,
+                               proposal: str = "sampled") -> DecodeResult:
     """Draft (each of the bs−1 positions drawn from the drafter's q_k, warped by `sampling`; its argmax when
-    greedy) → verify (one target forward over anchor + drafts, warped into p) → `accept_round` → commit. The
+    greedy or when `proposal` is "argmax", the engines' policy (`engines` module doc), then verified as a point
+    mass; DFlash 2: the sampled or the best-path walk) → verify (one target forward over anchor + drafts, warped into p) → `accept_round` → commit. The
     drafter's context features are the verify forward's hidden states of the committed tokens."""
+    if proposal not in ("argmax", "sampled"):
+        raise ValueError(f"proposal={proposal!r}; expected argmax or sampled")
+    point_mass = sampling.greedy or proposal == "argmax"  # the draft is the argmax, verified as a point mass
     stops = frozenset(int(t) for t in stop_ids)
     prompt = torch.as_tensor(prompt_ids, dtype=torch.long)
     P = prompt.numel()
@@ -80,17 +85,17 @@ def sampled_speculative_decode(drafter, target, prompt_ids, max_new_tokens: int,
         with drafter_autocast(drafter, autocast):
             hidden = drafter.draft_hidden(dcache, anchor.to(dev))
         if getattr(drafter, "candidate_selector", None) is not None:  # DFlash 2: the selector walk, q over its candidates
-            walk = drafter.draft(hidden, anchor.to(dev), 0.0 if sampling.greedy else sampling.temperature, generator)
+            walk = drafter.draft(hidden, anchor.to(dev), 0.0 if point_mass else sampling.temperature, generator)
             draft = walk.tokens[0].to(target.device)
-            q_KV = None if sampling.greedy else walk.dense_q(int(drafter.lm_head_VH.shape[0]),
-                                                             sampling.temperature)[0].to(target.device)
+            q_KV = None if point_mass else walk.dense_q(int(drafter.lm_head_VH.shape[0]),
+                                                        sampling.temperature)[0].to(target.device)
         else:
             q_KV = warp(drafter.logits(hidden)[0], sampling).to(target.device)
-            draft = q_KV.argmax(-1) if sampling.greedy else draw(q_KV, generator)
+            draft = q_KV.argmax(-1) if point_mass else draw(q_KV, generator)
         block = torch.cat([anchor.to(target.device), draft])
         snap = sess.snapshot()
         feats, logits = sess.forward_logits(block)
-        m, tok = accept_round(warp(logits, sampling), draft, None if sampling.greedy else q_KV, generator)
+        m, tok = accept_round(warp(logits, sampling), draft, None if point_mass else q_KV, generator)
         drafted = draft.tolist()
         end = _end(out + drafted[:m] + [tok], stops, text_end)
         if end is not None:

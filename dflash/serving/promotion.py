@@ -234,6 +234,7 @@ class Evidence:
     baseline: float | None = None  # the candidate's prompt-lookup τ
     baseline_delta: Any = None  # Interval of candidate − prompt lookup, or None
     least_degenerate: Any = None  # LeastDegenerateDelta of candidate − holder (paired), or None
+    different_policy: str = ""  # both measured at T > 0 under different engines' proposal policies: refuse
 
 
 def _task_table(client, run_id: str, artifact: str) -> dict | None:
@@ -265,6 +266,7 @@ def _evidence(client, run, holder, cfg: PromoteConfig) -> Evidence:
         ev.comparison = "point"
         ev.not_paired = "no per-prompt task table for " + ("the candidate" if table is None else "the holder")
         return ev
+    ev.different_policy = policy_mismatch(table, holder_table)
     try:
         ev.delta = paired_delta(table, holder_table, (cols.sum_col, cols.count_col),
                                 (cols.sum_col, cols.count_col), cfg.ci_level, cfg.bootstrap)
@@ -275,6 +277,18 @@ def _evidence(client, run, holder, cfg: PromoteConfig) -> Evidence:
         ev.comparison, ev.not_paired = "point", str(e)
         ev.different_truth = isinstance(e, DifferentGroundTruth)
     return ev
+
+
+def policy_mismatch(table: dict, holder_table: dict) -> str:
+    """Why two task tables' τ do not compare as served (docs/evaluation.md, "The engine's proposal policy"): both
+    sampled, scored for different engines (or with a different `eval.proposal` override); '' when they compare.
+    A table from before `eval.engine` recorded its policy drew DFlash 1's drafts from q (`textbook`)."""
+    from dflash.evaluation.engines import serving_identity
+    infos = [t.get("info", {}) for t in (table, holder_table)]
+    if any(i.get("setting", "t0") == "t0" for i in infos):  # greedy: one rule for every engine
+        return ""
+    a, b = (i.get("serving", serving_identity("textbook", "auto")) for i in infos)
+    return "" if a == b else f"the candidate was scored for {a!r}, the holder for {b!r}"
 
 
 def _compare(value: float, holder, holder_value: float | None, cfg: PromoteConfig,
@@ -311,6 +325,10 @@ def _compare(value: float, holder, holder_value: float | None, cfg: PromoteConfi
         if target_fp and holder_fp != target_fp:  # a champion of another target: its τ does not compare
             notes.append(f"holder {hv} was trained for target {holder_fp or 'unrecorded'}, this run for "
                          f"{target_fp}: the champion is replaced")
+        elif ev.different_policy:
+            fails.append(f"cannot compare with holder {hv}: {ev.different_policy}, and τ depends on how drafts are "
+                         f"proposed; re-evaluate both with one eval.engine (python -m experiments.eval <candidate> "
+                         f"{cfg.alias})")
         elif ev.different_truth:
             fails.append(f"cannot compare with holder {hv}: {ev.not_paired}; re-evaluate both on one ground "
                          f"truth (python -m experiments.eval <candidate> {cfg.alias})")

@@ -190,6 +190,8 @@ def validate(cfg: RunConfig) -> None:
         build_noise(cfg.noise, cfg.trainer.max_steps)
         validate_target_config(cfg.target)
         validate_eval_config(cfg.eval)
+        from dflash.evaluation.engines import resolve_policy
+        resolve_policy(cfg.eval.engine, cfg.eval.proposal, cfg.drafter.is_dflash2)  # zlab serves no DFlash 2
         for key, name in (("trainer.device", cfg.trainer.device), ("target.device", cfg.target.device),
                           ("eval.device", cfg.eval.device)):
             check_device(key, name)

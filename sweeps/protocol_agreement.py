@@ -70,6 +70,32 @@ def option_means(cells: list[dict], suite: str, setting: str = "served") -> dict
     return {o: pooled([seeds[s] for s in shared]).value for o, seeds in by_opt.items()} if shared else {}
 
 
+def policy_table(run_dir: Path, suite: str, policy: str) -> dict | None:
+    """The run's task table of `suite` scored under proposal `policy` at its sampled served setting (docs/
+    evaluation.md, "The engine's proposal policy"): the served table when that was its policy, else the one the
+    evaluator scored beside it (`eval/<label>/<policy>/`); None when the run has neither (a run from before
+    `eval.engine` recorded only drafts sampled from q, its served tables)."""
+    from sweeps.campaign_report import _tables
+    served = _tables(run_dir, "served").get(suite)
+    info = (served or {}).get("info") or {}
+    if served is not None and info.get("policy", "sampled") == policy and info.get("setting", "t0") != "t0":
+        return served
+    label = str(info.get("setting", "")).partition("/")[0]
+    return _tables(run_dir, f"{label}/{policy}").get(suite) if label and label != "t0" else None
+
+
+def policy_option_means(cells: list[dict], suite: str, policy: str) -> dict[str, float]:
+    """{option: pooled vanilla τ over the seeds every option has} with every cell scored under `policy`."""
+    from sweeps.campaign_report import pooled, shared_seeds
+    by_opt: dict[str, dict[int, dict]] = {}
+    for c in cells:
+        t = policy_table(Path(c["run_dir"]), suite, policy)
+        if t is not None:
+            by_opt.setdefault(c["option"], {})[int(c["seed"])] = t
+    shared = shared_seeds(by_opt)
+    return {o: pooled([seeds[s] for s in shared]).value for o, seeds in by_opt.items()} if shared else {}
+
+
 def agreement_row(name: str, order: dict[str, float], served: dict[str, float]) -> dict:
     """`order` against the served order (`learning_curves.order_agreement`), named and with its agreement in words;
     only `ordering` and `n` below two options in common."""
@@ -102,6 +128,11 @@ def agreement_section(c, out: Path | None, i: int, cells: list[dict], suite: str
     factor = c.stages[i].factor
     greedy = option_means(cells, suite, "t0")  # none where the served setting is itself greedy
     rows = [agreement_row("greedy (T=0), the same runs", greedy, served)] if greedy else []
+    engine_scored = any(((_info(cells, suite, "served").get("info") or {}).get("engine"),))
+    sampled = policy_option_means(cells, suite, "sampled") if engine_scored else {}
+    if sampled and sampled != served:  # the served order is the engine's policy: against drafts sampled from q
+        rows.append(agreement_row("drafts sampled from q (every cell; the objective before eval.engine), the same "
+                                  "runs", sampled, served))
     missing = []
     for name in c.compare_with:
         other, why = _other_stage_cells(name, out, factor)

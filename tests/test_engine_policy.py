@@ -23,6 +23,8 @@ def test_each_engine_names_its_policy_per_drafter_kind():
     assert resolve_policy("sglang", "auto", dflash2=False) == "argmax"
     assert resolve_policy("llamacpp", "auto", dflash2=True) == "argmax"
     assert resolve_policy("textbook", "auto", dflash2=False) == "sampled"
+    with pytest.raises(ValueError, match="serves no DFlash 2"):
+        resolve_policy("zlab", "auto", dflash2=True)
     assert resolve_policy("llamacpp", "sampled", dflash2=True) == "sampled"  # the override wins
     assert all(rule.source for rule in ENGINES.values())
     assert setting_label(Sampling(1.0), "argmax") == "t1/argmax" and setting_label(GREEDY, "sampled") == "t0"

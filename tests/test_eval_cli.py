@@ -126,9 +126,9 @@ def test_the_real_loop_at_the_sampled_setting_is_reported_beside_the_simulated_t
                              *_eval_overrides(workdir), "eval.real_decode=true", "eval.sampling.temperature=1.0",
                              "eval.sampling.top_p=1.0", "eval.sampling.top_k=0", "eval.bootstrap=200",
                              f"--out={out}"])
-    assert metrics["eval/t1/real/tau"] >= 1.0 and metrics["eval/t1/real/tau_in_sim_ci"] in (0.0, 1.0)
-    assert metrics["eval/t1/real/tau_ci_low"] <= metrics["eval/t1/real/tau"] <= metrics["eval/t1/real/tau_ci_high"]
-    assert metrics["eval/t1/real/tok_s"] > 0 and not any(k.startswith("eval/t0/real/") for k in metrics)  # served only
+    assert metrics["eval/t1/argmax/real/tau"] >= 1.0 and metrics["eval/t1/argmax/real/tau_in_sim_ci"] in (0.0, 1.0)
+    assert metrics["eval/t1/argmax/real/tau_ci_low"] <= metrics["eval/t1/argmax/real/tau"] <= metrics["eval/t1/argmax/real/tau_ci_high"]
+    assert metrics["eval/t1/argmax/real/tok_s"] > 0 and not any(k.startswith("eval/t0/real/") for k in metrics)  # served only
     printed = capsys.readouterr().out
     assert "τ real (own samples)" in printed and "the real loop's τ" in printed and "inside the simulated" in printed
     rows = json.loads((out / "report" / "served" / "tasks.json").read_text())["tasks"]

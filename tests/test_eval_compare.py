@@ -65,27 +65,27 @@ def test_evaluator_extra_suites_and_train_gap(reference_target, tmp_path, caplog
     d = _drafter(target.cfg, 0)
     d.attach_target_head(target.embed_weight(), target.lm_head_weight())
     m = ev(d, target, 1, False)  # in training: the subset at the served setting, under its own names
-    assert m["eval/subset/t1/num_prompts"] == 1 and m["eval/subset/t1/num_tasks"] == 2
+    assert m["eval/subset/t1/argmax/num_prompts"] == 1 and m["eval/subset/t1/argmax/num_tasks"] == 2
     assert not any(k.startswith(("eval/suite/", "eval/subset/t0/")) for k in m)
-    assert m["eval/subset/tau_served"] == m["eval/subset/t1/tau_vanilla"]
-    assert m["eval/subset/t1/tau_train_gap"] == pytest.approx(m["eval/subset/t1/tau_train"]
+    assert m["eval/subset/tau_served"] == m["eval/subset/t1/argmax/tau_vanilla"]
+    assert m["eval/subset/t1/argmax/tau_train_gap"] == pytest.approx(m["eval/subset/t1/argmax/tau_train"]
                                                               - m["eval/subset/tau_served"])
-    for k in ("eval/subset/t1/tau_vanilla_ci_low", "eval/subset/t1/tau_prompt_lookup",
-              "eval/subset/t1/tau_over_prompt_lookup", "eval/subset/t1/gt_in_repeat16"):
+    for k in ("eval/subset/t1/argmax/tau_vanilla_ci_low", "eval/subset/t1/argmax/tau_prompt_lookup",
+              "eval/subset/t1/argmax/tau_over_prompt_lookup", "eval/subset/t1/argmax/gt_in_repeat16"):
         assert k in m
-    assert "eval/subset/t1/tree_nodes_2" not in m  # trees: T=0 only
+    assert "eval/subset/t1/argmax/tree_nodes_2" not in m  # trees: T=0 only
     m = ev(d, target, 2, True)
-    assert m["eval/t1/num_prompts"] == 2 and m["eval/suite/heldout/t1/num_prompts"] == 3
-    assert m["eval/suite/heldout/t1/num_tasks"] == 6 and m["eval/suite/heldout/t0/num_tasks"] == 3
-    assert m["eval/suite/coding10/t1/tau_vanilla"] == m["eval/t1/tau_vanilla"] == m["eval/tau_served"]
-    assert "eval/t0/tree_nodes_2" in m and "eval/t1/tree_nodes_2" not in m
+    assert m["eval/t1/argmax/num_prompts"] == 2 and m["eval/suite/heldout/t1/argmax/num_prompts"] == 3
+    assert m["eval/suite/heldout/t1/argmax/num_tasks"] == 6 and m["eval/suite/heldout/t0/num_tasks"] == 3
+    assert m["eval/suite/coding10/t1/argmax/tau_vanilla"] == m["eval/t1/argmax/tau_vanilla"] == m["eval/tau_served"]
+    assert "eval/t0/tree_nodes_2" in m and "eval/t1/argmax/tree_nodes_2" not in m
     assert m["eval/served_temperature"] == 1.0 and "eval/tau_vanilla" not in m
-    lo, hi = m["eval/suite/heldout/t1/tau_vanilla_ci_low"], m["eval/suite/heldout/t1/tau_vanilla_ci_high"]
-    assert lo <= m["eval/suite/heldout/t1/tau_vanilla"] <= hi
+    lo, hi = m["eval/suite/heldout/t1/argmax/tau_vanilla_ci_low"], m["eval/suite/heldout/t1/argmax/tau_vanilla_ci_high"]
+    assert lo <= m["eval/suite/heldout/t1/argmax/tau_vanilla"] <= hi
     # the gap warning: in-training held-out τ falls while the train τ holds
-    ev._history = [(0, m["eval/t1/tau_train"], m["eval/tau_served"] + 1.0)]
+    ev._history = [(0, m["eval/t1/argmax/tau_train"], m["eval/tau_served"] + 1.0)]
     with caplog.at_level(logging.WARNING, logger="dflash.evaluation.evaluator"):
-        ev._warn_on_gap(3, m["eval/t1/tau_train"], m["eval/tau_served"])
+        ev._warn_on_gap(3, m["eval/t1/argmax/tau_train"], m["eval/tau_served"])
     assert "generalization gap grows" in caplog.text
 
 

@@ -212,7 +212,7 @@ def test_simulated_tau_at_t1_agrees_with_the_real_loop(byte_target):
     from dflash.evaluation.report import evaluate
     s = Sampling(1.0, 1.0, 0)
     cfg = EvalConfig(max_new_tokens=16, tree_budgets=[], samples=4, cache_dir="", bootstrap=500, real_decode=True,
-                     sampling=SamplingConfig(1.0, 1.0, 0))
+                     sampling=SamplingConfig(1.0, 1.0, 0), engine="textbook")  # drafts sampled from q: coins
     tasks = [Task(f"p{i}", text) for i, text in enumerate(["def f(x):", "import os\n", "class A:\n  ", "# sum\n",
                                                              "for i in", "x = [1, 2"])]
     rep = evaluate(_drafter(byte_target, bs=4, seed=5), byte_target, cfg, tasks,

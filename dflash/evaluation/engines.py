@@ -20,8 +20,10 @@ What each engine does, read in its source (`ENGINES`, `EngineRule.source`):
 - llama.cpp proposes the drafter's top choice for DFlash 1 and the selector's best path for DFlash 2 at every
   temperature, and accepts a draft token when it equals the target's sample (`src/models/dflash.cpp`,
   `common/speculative.cpp`, as vendored in llama-cpp-python 0.3.36); `experiments.serve_check` runs it.
-- z-lab's reference `dflash_generate` proposes argmax; its mlx path moved from per-position sampling to argmax
-  in z-lab/dflash PR #169 (sampling collapsed acceptance on a 30B target: 1.16 accepted a step against 2.96).
+- z-lab's reference `dflash_generate` proposes argmax and accepts a draft while it equals the target's sample
+  (an open pull request, e423446, would sample the drafts at the temperature instead); its mlx path moved from
+  per-position sampling to argmax in z-lab/dflash PR #169 (sampling collapsed acceptance on a 30B target: 1.16
+  accepted a step against 2.96). It has no DFlash 2 path.
 - `textbook`: drafts sampled from q for both kinds, no engine's policy for DFlash 1: the evaluator's rule before
   `eval.engine` existed, kept to read and reproduce those figures.
 """
@@ -36,7 +38,7 @@ AUTO = "auto"
 @dataclass(frozen=True)
 class EngineRule:
     dflash1: str  # the proposal policy for a DFlash 1 drafter at T > 0
-    dflash2: str  # for a DFlash 2 drafter: argmax = the best-path (greedy) walk, sampled = the sampled walk
+    dflash2: str | None  # DFlash 2: argmax = the best-path (greedy) walk, sampled = the sampled walk; None: none served
     source: str  # where the policy was read
 
 
@@ -50,8 +52,10 @@ ENGINES: dict[str, EngineRule] = {
     "llamacpp": EngineRule("argmax", "argmax",
                            "llama.cpp src/models/dflash.cpp, common/speculative.cpp (the copy vendored in "
                            "llama-cpp-python 0.3.36); checked end to end by experiments.serve_check"),
-    "zlab": EngineRule("argmax", "argmax",
-                       "z-lab/dflash dflash_generate (argmax); mlx path argmax since z-lab/dflash PR #169"),
+    "zlab": EngineRule("argmax", None,
+                       "z-lab/dflash dflash/model.py @ 44947fb: dflash_generate drafts sample(draft_logits) at "
+                       "temperature 0 (argmax) and accepts while they equal sample(target logits, T); no DFlash 2 "
+                       "path there; its mlx path moved to argmax in z-lab/dflash PR #169"),
     "textbook": EngineRule("sampled", "sampled",
                            "drafts sampled from q, accepted with min(1, p/q) (Leviathan et al. 2023): the "
                            "evaluator's rule before eval.engine; no engine serves DFlash 1 this way"),
@@ -72,6 +76,9 @@ def resolve_policy(engine: str, proposal: str, dflash2: bool) -> str:
             raise ValueError(f"eval.proposal={proposal!r}; expected auto (the engine's), argmax or sampled")
         return proposal
     rule = ENGINES[engine]
+    if dflash2 and rule.dflash2 is None:
+        raise ValueError(f"eval.engine={engine!r} serves no DFlash 2 drafter ({rule.source}); use one of "
+                         f"{sorted(k for k, r in ENGINES.items() if r.dflash2)} or set eval.proposal")
     return rule.dflash2 if dflash2 else rule.dflash1
 
 
@@ -103,7 +110,8 @@ def policy_info(cfg, sampling, policy: str, dflash2: bool) -> dict:
     if sampling.greedy:
         return {"engine": cfg.engine, "policy": "argmax", "policy_name": "greedy (the same for every engine)",
                 "serving": serving_identity(cfg.engine, cfg.proposal)}
-    auto = cfg.proposal == AUTO and policy == resolve_policy(cfg.engine, AUTO, dflash2)
-    who = f"{cfg.engine}'s policy" if auto else f"not {cfg.engine}'s policy"
+    rule = ENGINES[cfg.engine]
+    engines_own = rule.dflash2 if dflash2 else rule.dflash1
+    who = f"{cfg.engine}'s policy" if policy == engines_own else f"not {cfg.engine}'s policy"
     return {"engine": cfg.engine, "policy": policy, "policy_name": f"{policy_name(policy, dflash2)} ({who})",
             "serving": serving_identity(cfg.engine, cfg.proposal)}

@@ -42,7 +42,7 @@ from dflash.evaluation.stats import Interval
 TAU_METRICS = [LEGACY_OBJECTIVE, "eval/tau_tree_16", "eval/tau_tree_64", "eval/tau_tree_256"]  # legacy; tree: nodes
 LEGACY_SETTING = "legacy"  # ci_table's setting of the legacy names: greedy, fixed-length ground truth
 _SETTING_TREE_RE = re.compile(r"^eval/(?P<label>t[^/]+)/tau_tree_(?P<b>\d+)$")
-_SETTING_RE = re.compile(r"^eval/(?:suite/(?P<suite>[^/]+)/)?(?P<label>t[^/]+)/tau_vanilla$")
+_SETTING_RE = re.compile(r"^eval/(?:suite/(?P<suite>[^/]+)/)?(?P<label>t[^/]+(?:/(?:argmax|sampled))?)/tau_vanilla$")
 _SUITE_RE = re.compile(r"^eval/suite/(?P<suite>[^/]+)/tau_vanilla$")  # legacy
 GROUP_COLS = ["loss", "noise", "buffer"]
 # Curves whose scale does not depend on the loss: comparable between runs of different losses
@@ -514,7 +514,7 @@ def eval_position_prefix(runs: pd.DataFrame) -> str:
     """Where the final evaluation's per-position acceptance is: `eval/acc_pos` (stores before evaluation named its
     setting), else the first setting's `eval/<setting>/acc_pos` the runs logged (`dflash.evaluation.protocol`)."""
     found = sorted({m["prefix"] for c in runs.columns if (m := _POS_RE.match(str(c)))
-                    and re.match(r"^eval/(t[^/]+/)?acc_pos$", m["prefix"])})
+                    and re.match(r"^eval/(t[^/]+/(?:(?:argmax|sampled)/)?)?acc_pos$", m["prefix"])})
     return "eval/acc_pos" if "eval/acc_pos" in found or not found else found[0]
 
 

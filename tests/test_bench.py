@@ -391,3 +391,27 @@ def test_a_drafter_only_bench_releases_the_targets_layers_and_its_steps_still_ru
                  "bench.target_batch=1", "bench.sections=target,drafter", "+tracking=off",
                  f"results={tmp_path / 'RESULTS2.md'}", f"run_dir={tmp_path / 'run2'}"])
     assert "target_released_gb" not in full and full["target"]["tok_s"] > 0  # a section runs the target: kept
+
+
+def test_a_pipeline_variant_is_held_to_the_serial_sum_of_its_own_drafter_step():
+    """A DFlash 2 pipeline beside the DFlash 1 default: its ratio to the serial sum is against the target and the
+    DFlash 2 drafter step (the drafter variant of the same overrides), not the default drafter's; a pipeline variant
+    with no drafter variant of its own keeps the default's."""
+    from dflash.bench.runner import derive, format_table
+    d2 = "drafter.architecture=dflash2"
+    pipe = {"consumed_tok_s": 300.0, "stock_credited_tok_s": 300.0, "spread": 0.0, "perf/consumed_tok_s": 300.0,
+            "measured_steps": 4, "repeats": 2}
+    out = derive({"device": "H100", "kernels": "fla", "peak_flops": 1e15,
+                  "target": {"tok_s": 1000.0, "flops_per_tok": 1e9},
+                  "drafter": {"tok_s": 1000.0, "flops_per_tok": 1e9, "sec_per_step": 0.1},
+                  "drafter_variants": {d2: {"tok_s": 500.0, "flops_per_tok": 2e9, "sec_per_step": 0.2}},
+                  "pipeline": dict(pipe, consumed_tok_s=500.0),
+                  "pipeline_variants": {d2: dict(pipe), "trainer.producer_mode=inline": dict(pipe)}})
+    assert out["pipeline"]["of_serial_sum"] == pytest.approx(1.0)  # 1 / (1/1000 + 1/1000) = 500
+    own = out["pipeline_variants"][d2]
+    assert own["serial_sum_tok_s"] == pytest.approx(1 / (1 / 1000 + 1 / 500)) and own["of_serial_sum"] == pytest.approx(0.9)
+    assert own["mfu"] == pytest.approx(300 * 3e9 / 1e15)
+    assert out["pipeline_variants"]["trainer.producer_mode=inline"]["of_serial_sum"] == pytest.approx(0.6)
+    rows = {line.split("  ")[0]: line for line in format_table(out).splitlines()}
+    assert "0.900 of its serial sum 333" in rows[f"pipeline tok/s [{d2}]"]
+    assert "0.50x the default" in rows[f"drafter tok/s [{d2}]"]

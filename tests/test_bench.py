@@ -358,6 +358,22 @@ def test_the_dflash2_bench_variant_is_the_27b_dflash2_drafter():
     assert variant.drafter == compose_config([*base, "+drafter=dflash2_qwen3_6_27b"]).drafter
 
 
+def test_the_reference_shape_dflash2_bench_variant_is_the_dflash2_drafter():
+    """docs/dflash2.md's reference-shape side by side: its R2 overrides of the default drafter compose exactly
+    +drafter=dflash2 (one process, one target)."""
+    import re
+    from pathlib import Path
+
+    from dflash.bench.config import variant_configs
+    from experiments.bench import compose_config, parse_bench_args
+    doc = (Path(__file__).resolve().parent.parent / "docs" / "dflash2.md").read_text()
+    r2 = re.search(r'R2="([^"]+)"', doc).group(1).replace("$L", "sliding_attention")
+    b, overrides, _ = parse_bench_args(["+trainer=gpu", "+tracking=off", f"bench.drafter_variants={r2}", "results="])
+    variant = variant_configs(compose_config(overrides), b.drafter_variants, "drafter_variants")[r2]
+    assert variant.drafter == compose_config(["+trainer=gpu", "+tracking=off", "+drafter=dflash2"]).drafter
+    assert variant.trainer.compile
+
+
 def test_a_drafter_only_bench_releases_the_targets_layers_and_its_steps_still_run(tmp_path, monkeypatch):
     """bench.sections=peak,drafter runs no target forward: the target's decoder layers are freed (a 27B target's
     50 GiB, so a drafter step fits beside its embedding and head on an 80 GiB GPU), the steps of DFlash 1 and of a

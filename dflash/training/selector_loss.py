@@ -4,8 +4,8 @@ z-lab did not publish DFlash 2's objective; the public trainers (speculators' `d
 converge on this one (docs/dflash2.md):
 - candidates: each position's unary top-k (the drafter's logits, no gradient through the choice), taken in the
   block loss's own chunked pass over the vocabulary, from the logits it computes anyway, in the head's dtype
-  (`PositionStats.top_k_idx`): no second full-vocabulary product. At the 27B shapes that second pass (a
-  2·S·H·V = 10.4 TFLOP product and a top-k over [S, V]) made DFlash 2's loss phase 58.6 ms against DFlash 1's
+  (`PositionStats.top_k_idx`): no second full-vocabulary product. At the 27B shapes, with that second pass (a
+  2·S·H·V = 10.4 TFLOP product and a top-k over [S, V]), DFlash 2's loss phase took 58.6 ms against DFlash 1's
   26.5 (benchmarks/log/2026-12-05.md). `candidates="recompute"` keeps it (`unary_topk`): the plain reference;
 - the gold token (the target's greedy label) is injected in place of the last candidate when the top-k misses it,
   so the CE always has a target;

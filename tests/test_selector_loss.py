@@ -242,7 +242,8 @@ def test_run_trains_a_dflash2_drafter_on_the_cpu(tmp_path):
 def test_a_compiled_dflash2_drafter_trains_to_the_eager_losses(fast_cfg):
     """`trainer.compile=true` on a DFlash 2 drafter: inductor (its CPU backend here) compiles the forward, the
     convolutions' block-boundary resets included, in one graph per shape (no graph break), and four steps train to
-    the eager run's losses. The served campaign trains DFlash 2 eager (its store's cells); served_compiled compiles it."""
+    the eager run's losses. The served campaign trains DFlash 2 eager (its store's cells); served_compiled
+    compiles it."""
     from torch._dynamo.utils import counters
 
     from dflash.app.run import train

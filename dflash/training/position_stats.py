@@ -31,7 +31,7 @@ class PositionStats:
     p_label: Tensor  # drafter probability of the label (detached)
     correct: Tensor  # bool, drafter argmax == label
     temperature: float = 1.0  # the T of kl / tv / overlap
-    top_k_idx: Tensor | None = None  # [N, K, k]: each position's top-k vocabulary ids (when asked: DFlash 2's candidates)
+    top_k_idx: Tensor | None = None  # [N, K, k]: each position's top-k vocabulary ids (asked for: DFlash 2's)
 
 
 def _hard_chunk(hidden_CD: Tensor, lm_head_VD: Tensor, labels_C: Tensor, top_k: int) -> tuple[Tensor, ...]:

@@ -358,6 +358,22 @@ def test_the_dflash2_bench_variant_is_the_27b_dflash2_drafter():
     assert variant.drafter == compose_config([*base, "+drafter=dflash2_qwen3_6_27b"]).drafter
 
 
+def test_the_reference_shape_dflash2_bench_variant_is_the_dflash2_drafter():
+    """docs/dflash2.md's reference-shape side by side: its R2 overrides of the default drafter compose exactly
+    +drafter=dflash2 (one process, one target)."""
+    import re
+    from pathlib import Path
+
+    from dflash.bench.config import variant_configs
+    from experiments.bench import compose_config, parse_bench_args
+    doc = (Path(__file__).resolve().parent.parent / "docs" / "dflash2.md").read_text()
+    r2 = re.search(r'R2="([^"]+)"', doc).group(1).replace("$L", "sliding_attention")
+    b, overrides, _ = parse_bench_args(["+trainer=gpu", "+tracking=off", f"bench.drafter_variants={r2}", "results="])
+    variant = variant_configs(compose_config(overrides), b.drafter_variants, "drafter_variants")[r2]
+    assert variant.drafter == compose_config(["+trainer=gpu", "+tracking=off", "+drafter=dflash2"]).drafter
+    assert variant.trainer.compile
+
+
 def test_a_drafter_only_bench_releases_the_targets_layers_and_its_steps_still_run(tmp_path, monkeypatch):
     """bench.sections=peak,drafter runs no target forward: the target's decoder layers are freed (a 27B target's
     50 GiB, so a drafter step fits beside its embedding and head on an 80 GiB GPU), the steps of DFlash 1 and of a
@@ -391,3 +407,28 @@ def test_a_drafter_only_bench_releases_the_targets_layers_and_its_steps_still_ru
                  "bench.target_batch=1", "bench.sections=target,drafter", "+tracking=off",
                  f"results={tmp_path / 'RESULTS2.md'}", f"run_dir={tmp_path / 'run2'}"])
     assert "target_released_gb" not in full and full["target"]["tok_s"] > 0  # a section runs the target: kept
+
+
+def test_a_pipeline_variant_is_held_to_the_serial_sum_of_its_own_drafter_step():
+    """A DFlash 2 pipeline beside the DFlash 1 default: its ratio to the serial sum is against the target and the
+    DFlash 2 drafter step (the drafter variant of the same overrides), not the default drafter's; a pipeline variant
+    with no drafter variant of its own keeps the default's."""
+    from dflash.bench.runner import derive, format_table
+    d2 = "drafter.architecture=dflash2"
+    pipe = {"consumed_tok_s": 300.0, "stock_credited_tok_s": 300.0, "spread": 0.0, "perf/consumed_tok_s": 300.0,
+            "measured_steps": 4, "repeats": 2}
+    out = derive({"device": "H100", "kernels": "fla", "peak_flops": 1e15,
+                  "target": {"tok_s": 1000.0, "flops_per_tok": 1e9},
+                  "drafter": {"tok_s": 1000.0, "flops_per_tok": 1e9, "sec_per_step": 0.1},
+                  "drafter_variants": {d2: {"tok_s": 500.0, "flops_per_tok": 2e9, "sec_per_step": 0.2}},
+                  "pipeline": dict(pipe, consumed_tok_s=500.0),
+                  "pipeline_variants": {d2: dict(pipe), "trainer.producer_mode=inline": dict(pipe)}})
+    assert out["pipeline"]["of_serial_sum"] == pytest.approx(1.0)  # 1 / (1/1000 + 1/1000) = 500
+    own = out["pipeline_variants"][d2]
+    assert own["serial_sum_tok_s"] == pytest.approx(1 / (1 / 1000 + 1 / 500))
+    assert own["of_serial_sum"] == pytest.approx(0.9)
+    assert own["mfu"] == pytest.approx(300 * 3e9 / 1e15)
+    assert out["pipeline_variants"]["trainer.producer_mode=inline"]["of_serial_sum"] == pytest.approx(0.6)
+    rows = {line.split("  ")[0]: line for line in format_table(out).splitlines()}
+    assert "0.900 of its serial sum 333" in rows[f"pipeline tok/s [{d2}]"]
+    assert "0.50x the default" in rows[f"drafter tok/s [{d2}]"]

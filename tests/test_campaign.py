@@ -626,3 +626,21 @@ def test_a_failed_cell_is_named_with_its_cause():
     assert _failure_cause({"failed": 2}) == "exit status 2"
     lost = _failure_cause({"failed": "job 7 (/x/submitit): UncompletedJobError: " + "x" * 500})
     assert lost.startswith("job lost: job 7 (/x/submitit): UncompletedJobError") and len(lost) <= 210
+
+
+def test_the_served_compiled_campaign_trains_dflash2_compiled_at_the_served_settings():
+    """conf/campaign/served_compiled.yaml: served's base, budget and seeds (its cells stand beside served's at the
+    same budget), and DFlash 2 cells whose composed config compiles the drafter, where served's stay eager."""
+    from experiments.config import compose_config
+    compiled, served = load_campaign("served_compiled"), load_campaign("served")
+    assert (compiled.base, compiled.budget_tokens, compiled.max_steps, compiled.seeds, compiled.objective) == (
+        served.base, served.budget_tokens, served.max_steps, served.seeds, served.objective)
+    cells = {cell.option: cell for cell in stage_cells(compiled, 0, {}) if cell.seed == 0}
+    assert set(cells) == {"dflash1_muon", "dflash2_adamw", "dflash2_muon"}
+    for option, cell in cells.items():
+        cfg = compose_config(cell.overrides)
+        assert cfg.trainer.compile, option
+        assert cfg.drafter.architecture == ("dflash2" if option.startswith("dflash2") else "dflash")
+    eager = {cell.option: compose_config(cell.overrides) for cell in stage_cells(served, 1, {}) if cell.seed == 0}
+    assert not eager["dflash2_muon"].trainer.compile and eager["dflash2_muon"].trainer.optimizer == "muon"
+    assert compose_config(cells["dflash2_muon"].overrides).trainer.optimizer == "muon"

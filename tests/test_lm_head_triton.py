@@ -20,7 +20,7 @@ pytestmark = pytest.mark.skipif(not lm_head_triton.triton_available(DEVICE),
 
 def _stats(kernel, hidden, head, labels, weights, chunk):
     h = hidden.detach().clone().requires_grad_()
-    ce, kl, _, _, p_label, correct = fused_position_stats(h, head, labels, None, None, temperature=1.0,
+    ce, kl, _, _, p_label, correct, _ = fused_position_stats(h, head, labels, None, None, temperature=1.0,
                                                           chunk_size=chunk, kernel=kernel)
     assert kl is None
     (ce * weights).sum().backward()
@@ -104,3 +104,19 @@ def test_explicit_triton_kernel_without_triton_names_the_key(monkeypatch):
 
 def test_interpreter_flag_is_what_enables_the_cpu():
     assert lm_head_triton.triton_available(torch.device("cpu")) == (os.environ.get("TRITON_INTERPRET") == "1")
+
+
+def test_triton_chunk_takes_the_top_k_of_its_bf16_logits_before_overwriting_them():
+    """DFlash 2's candidates from the Triton chunk: the top-k of the bf16 logits (the torch chunk's values), taken
+    before the CE coefficients are written over them, with the gradient as without it."""
+    gen = torch.Generator().manual_seed(4)
+    C, D, V, k = 24, 32, 5000, 16
+    head = (torch.randn(V, D, generator=gen) * 0.3).bfloat16().to(DEVICE)
+    hidden = torch.randn(C, D, generator=gen).to(DEVICE)
+    labels = torch.randint(0, V, (C,), generator=gen).to(DEVICE)
+    stats, grads = lm_head_triton.hard_label_chunk(hidden, head, labels, need_grad=True, top_k=k)
+    want = (hidden.to(head.dtype) @ head.T).topk(k, dim=-1)
+    got_vals = (hidden.to(head.dtype) @ head.T).gather(1, stats["top_k_idx"])
+    assert torch.equal(got_vals, want.values)  # the same values: ties may order their ids differently
+    _, plain = lm_head_triton.hard_label_chunk(hidden, head, labels, need_grad=True)
+    assert torch.equal(grads["ce"], plain["ce"])

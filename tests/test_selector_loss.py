@@ -144,6 +144,72 @@ def test_selector_loss_composes_with_every_block_loss(name):
     assert "selector_alpha" in loss_fn.config_keys and loss_fn.needs_soft == block.needs_soft
 
 
+def _batch(labels, anchors, soft, B, N):
+    return SimpleNamespace(labels_BNK=labels.view(B, N, -1), anchor_tokens_BN=anchors.view(B, N),
+                           soft_vals_BNKk=soft[0].view(B, N, *soft[0].shape[1:]),
+                           soft_idx_BNKk=soft[1].view(B, N, *soft[1].shape[1:]))
+
+
+@pytest.mark.parametrize("grad_path", ["fused", "recompute"])
+@pytest.mark.parametrize("name", sorted(LOSSES))
+def test_candidates_from_the_block_loss_pass_give_the_plain_references_losses_and_gradients(name, grad_path):
+    """The trainer's selector loss takes its candidates from the block loss's own chunked pass (no second
+    full-vocabulary product); the plain reference (`candidates="recompute"`: `unary_topk`, a pass of its own) gives
+    the same loss, metrics and gradients, in chunks smaller than the positions so that several chunks' top-k join."""
+    hidden, head, labels, anchors, sel = _problem(N=6, K=5, V=41, k=4, seed=2)
+    B, N = 2, 3
+    soft = (hidden.detach() @ head.T + 0.5).topk(6, dim=-1)
+    batch = _batch(labels, anchors, soft, B, N)
+    cfg = LossConfig(name=name, selector_alpha=0.3, lm_head_kernel="torch", lm_head_grad=grad_path, chunk_size=7,
+                     temperature=1.5)
+    params = [hidden, sel.predecessor_codebook, sel.successor_codebook, sel.hidden_projection.weight]
+    results = {}
+    for source in ("block", "recompute"):
+        loss_fn = SelectorLoss(build_loss(cfg), _drafter_stub(sel, 0.5), cfg.selector_alpha, candidates=source)
+        total, metrics = loss_fn(hidden.view(B, N, *hidden.shape[1:]), head, batch)
+        results[source] = total, metrics, torch.autograd.grad(total, params)
+    (total, metrics, grads), (ref_total, ref_metrics, ref_grads) = results["block"], results["recompute"]
+    assert 0 < float(ref_metrics["candidate_recall"]) < 1  # both branches: gold among the candidates, gold injected
+    torch.testing.assert_close(total, ref_total, rtol=1e-12, atol=1e-12)
+    assert metrics.keys() == ref_metrics.keys()
+    for key in metrics:
+        torch.testing.assert_close(metrics[key], ref_metrics[key], rtol=1e-12, atol=1e-12)
+    for a, b in zip(grads, ref_grads):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+
+
+def test_the_trainers_selector_loss_makes_no_second_vocabulary_pass(monkeypatch):
+    import dflash.training.selector_loss as selector_loss
+
+    def second_pass(*args):
+        raise AssertionError("unary_topk ran: a second full-vocabulary pass")
+    monkeypatch.setattr(selector_loss, "unary_topk", second_pass)
+    hidden, head, labels, anchors, sel = _problem()
+    batch = _batch(labels, anchors, (hidden.detach() @ head.T).topk(3, dim=-1), 2, 2)
+    loss_fn = SelectorLoss(build_loss(LossConfig(lm_head_kernel="torch")), _drafter_stub(sel), 1.0)
+    total, _ = loss_fn(hidden.view(2, 2, *hidden.shape[1:]), head, batch)
+    assert torch.isfinite(total)
+    with pytest.raises(AssertionError, match="second full-vocabulary pass"):
+        SelectorLoss(loss_fn.block, _drafter_stub(sel), 1.0, candidates="recompute")(
+            hidden.view(2, 2, *hidden.shape[1:]), head, batch)
+
+
+def test_block_pass_candidates_of_a_bfloat16_head_are_unary_topks():
+    """In the head's dtype: with a bfloat16 head the block loss's chunks take the top-k of the same bfloat16 product
+    `unary_topk` computes, so the candidates are the same ids, chunk size apart."""
+    from dflash.training.position_stats import compute_position_stats
+    g = torch.Generator().manual_seed(5)
+    N, K, H, V, k = 6, 7, 32, 500, 16
+    hidden = torch.randn(N, K, H, generator=g).bfloat16()
+    head = (torch.randn(V, H, generator=g) / 4).bfloat16()
+    labels = torch.randint(0, V, (N, K), generator=g)
+    for grad_path in ("fused", "recompute"):
+        stats = compute_position_stats(hidden, head, labels, chunk_size=9, lm_head_grad=grad_path,
+                                       lm_head_kernel="torch", top_k=k)
+        want = unary_topk(hidden.reshape(-1, H), head, k, lambda x: x).view(N, K, k)
+        assert torch.equal(stats.top_k_idx, want)
+
+
 def test_selector_alpha_below_zero_is_refused_by_name():
     from dflash.training.losses import validate_loss_config
     with pytest.raises(ValueError, match="loss.selector_alpha"):
@@ -176,7 +242,8 @@ def test_run_trains_a_dflash2_drafter_on_the_cpu(tmp_path):
 def test_a_compiled_dflash2_drafter_trains_to_the_eager_losses(fast_cfg):
     """`trainer.compile=true` on a DFlash 2 drafter: inductor (its CPU backend here) compiles the forward, the
     convolutions' block-boundary resets included, in one graph per shape (no graph break), and four steps train to
-    the eager run's losses. The GPU campaign trains DFlash 2 eager until its compiled step is benchmarked."""
+    the eager run's losses. The served campaign trains DFlash 2 eager (its store's cells); served_compiled
+    compiles it."""
     from torch._dynamo.utils import counters
 
     from dflash.app.run import train

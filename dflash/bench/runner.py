@@ -239,14 +239,23 @@ def derive(out: dict) -> dict:
         out["back_to_back_tok_s"] = serial
         if peak:
             out["back_to_back_mfu"] = serial * (t["flops_per_tok"] + d["flops_per_tok"]) / peak
-    pipes = ([out["pipeline"]] if "pipeline" in out else []) + list(out.get("pipeline_variants", {}).values())
+    pipes = ([(out["pipeline"], d)] if "pipeline" in out else []) + [
+        (p, _own_drafter(out, label, d)) for label, p in out.get("pipeline_variants", {}).items()]
     gpus = out.get("gpus", 1)
-    for p in (p for p in pipes if "error" not in p):
+    for p, pd in ((p, pd) for p, pd in pipes if "error" not in p):
         p["tok_s_per_gpu"] = p["consumed_tok_s"] / gpus
-        if t and d and peak:
-            per_tok = t["flops_per_tok"] + d["flops_per_tok"]
+        if t and pd and peak:
+            per_tok = t["flops_per_tok"] + pd["flops_per_tok"]
             p["mfu"] = p["consumed_tok_s"] * per_tok / (peak * gpus)
             p["stock_credited_mfu"] = p["stock_credited_tok_s"] * per_tok / (peak * gpus)
-        if t and d:  # the guard's figure: the pipeline against the serial sum of its own two sides, this process
-            p["of_serial_sum"] = p["tok_s_per_gpu"] / out["back_to_back_tok_s"]
+        if t and pd:  # the guard's figure: the pipeline against the serial sum of its own two sides, this process
+            p["serial_sum_tok_s"] = 1 / (1 / t["tok_s"] + 1 / pd["tok_s"])
+            p["of_serial_sum"] = p["tok_s_per_gpu"] / p["serial_sum_tok_s"]
     return out
+
+
+def _own_drafter(out: dict, label: str, default: dict | None) -> dict | None:
+    """The drafter step a pipeline variant's serial sum is made of: the drafter variant of the same overrides (a
+    DFlash 2 pipeline against the DFlash 2 step, not the default drafter's), else the default's."""
+    own = out.get("drafter_variants", {}).get(label)
+    return own if own and "tok_s" in own else default

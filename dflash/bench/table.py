@@ -53,7 +53,8 @@ def pipeline_row(name: str, p: dict, out: dict, base: float = 0.0) -> tuple[str,
         return name, "failed", p["error"]
     ratio = f"{p['consumed_tok_s'] / base:.2f}x the default; " if base else ""
     mfu = "n/a" if "mfu" not in p else format(p["mfu"], ".0%")
-    serial = f"{p['of_serial_sum']:.3f} of the serial sum; " if "of_serial_sum" in p else ""
+    serial = (f"{p['of_serial_sum']:.3f} of its serial sum {p['serial_sum_tok_s']:,.0f}; " if "of_serial_sum" in p
+              else "")
     return (name, f"{p['consumed_tok_s']:,.0f}",
             f"{ratio}{serial}trained-on, {p['measured_steps']} steps in {p['repeats']} windows, spread "
             f"{p['spread']:.1%}; trainer's perf/consumed_tok_s {p['perf/consumed_tok_s']:,.0f}; "

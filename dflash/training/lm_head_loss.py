@@ -118,12 +118,16 @@ def _chunk_forward(
     temperature: float,
     need_grad: bool,
     use_triton: bool = False,
+    top_k: int = 0,
 ) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
-    """Stats ({ce, p_label, correct} + {kl, tv, overlap} with soft labels) and, when ``need_grad``,
-    the [C, D] gradient of each differentiable stat wrt hidden ({ce} + {kl, tv}). ``use_triton``: hard labels
-    with a bf16 / fp16 head take ``lm_head_triton.hard_label_chunk`` (the same values, 6 bytes per logit)."""
+    """Stats ({ce, p_label, correct} + {kl, tv, overlap} with soft labels, + {top_k_idx} [C, top_k] when
+    ``top_k``) and, when ``need_grad``, the [C, D] gradient of each differentiable stat wrt hidden ({ce} + {kl, tv}).
+    ``use_triton``: hard labels with a bf16 / fp16 head take ``lm_head_triton.hard_label_chunk`` (the same values,
+    6 bytes per logit). ``top_k``: each row's top-k vocabulary ids, taken from these very logits (the head's dtype's
+    values) before they are overwritten: DFlash 2's selector candidates without a second pass over the vocabulary."""
     if use_triton and soft_vals_Ck is None and head_VD.dtype in _LOW_PRECISION and hidden_CD.dtype != torch.float64:
-        return lm_head_triton.hard_label_chunk(hidden_CD, head_VD, labels_C, need_grad)  # unlabelled rows: 0 coefficients
+        # unlabelled rows: 0 coefficients
+        return lm_head_triton.hard_label_chunk(hidden_CD, head_VD, labels_C, need_grad, top_k)
     logits_CV = chunk_logits(hidden_CD, head_VD)
     valid_C = labels_C != IGNORE_INDEX
     safe_labels_C = torch.where(valid_C, labels_C, 0)
@@ -136,6 +140,8 @@ def _chunk_forward(
         "p_label": torch.where(valid_C, torch.exp(-ce_C), 0.0),
         "correct": (logits_CV.argmax(dim=-1) == labels_C) & valid_C,
     }
+    if top_k:
+        stats["top_k_idx"] = logits_CV.topk(top_k, dim=-1).indices
     grads: dict[str, Tensor] = {}
     shared_T = temperature == 1.0  # q_T is the CE softmax: one dense product serves CE, KL and TV
     if soft_vals_Ck is not None:
@@ -167,12 +173,14 @@ def chunk_stats(
     soft_vals_Ck: Tensor | None = None,
     soft_idx_Ck: Tensor | None = None,
     temperature: float = 1.0,
+    top_k: int = 0,
 ) -> dict[str, Tensor]:
-    """One chunk's stats ({ce, p_label, correct}, + {kl, tv, overlap} with soft labels) in plain torch ops that
-    autograd differentiates: the one implementation of the CE / KL / TV maths. The fused path forms their
-    gradients by hand (``_chunk_forward`` with ``need_grad``); the recompute path (``position_stats``) runs this
-    under activation checkpointing."""
-    return _chunk_forward(hidden_CD, head_VD, labels_C, soft_vals_Ck, soft_idx_Ck, temperature, need_grad=False)[0]
+    """One chunk's stats ({ce, p_label, correct}, + {kl, tv, overlap} with soft labels, + {top_k_idx} when
+    ``top_k``) in plain torch ops that autograd differentiates: the one implementation of the CE / KL / TV maths.
+    The fused path forms their gradients by hand (``_chunk_forward`` with ``need_grad``); the recompute path
+    (``position_stats``) runs this under activation checkpointing."""
+    return _chunk_forward(hidden_CD, head_VD, labels_C, soft_vals_Ck, soft_idx_Ck, temperature, need_grad=False,
+                          top_k=top_k)[0]
 
 
 def _soft_stats_and_grads(
@@ -275,16 +283,17 @@ def _soft_grads_shared_softmax(
 # --------------------------------------------------------------------------
 
 _GRAD_STATS = ("ce", "kl", "tv")  # differentiable outputs, in output order
-_OUTPUTS = ("ce", "kl", "tv", "overlap", "p_label", "correct")
+_OUTPUTS = ("ce", "kl", "tv", "overlap", "p_label", "correct", "top_k_idx")
 
 
 class FusedLMHeadStats(torch.autograd.Function):
     """Per-position stats [P] (ce, kl, tv, overlap, p_label, correct; the soft ones None without soft
-    labels) whose backward is Σ_stat grad_stat · G_stat with G made in the forward."""
+    labels) and the top-k ids [P, top_k] (None at top_k 0), whose backward is Σ_stat grad_stat · G_stat with G made
+    in the forward."""
 
     @staticmethod
     def forward(ctx, hidden_PD, lm_head_VD, labels_P, soft_vals_Pk, soft_idx_Pk, temperature, chunk_size, need_grad,
-                kernel="torch"):
+                kernel="torch", top_k=0):
         out_dtype = torch.promote_types(hidden_PD.dtype, torch.float32)
         # A full-precision head is cast once per call, not once per chunk (a no-op in the usual cases).
         head_VD = lm_head_VD if lm_head_VD.dtype in _LOW_PRECISION else lm_head_VD.to(out_dtype)
@@ -297,7 +306,7 @@ class FusedLMHeadStats(torch.autograd.Function):
             stats, grads = _chunk_forward(
                 hidden_PD[sl], head_VD, labels_P[sl],
                 soft_vals_Pk[sl] if soft else None, soft_idx_Pk[sl] if soft else None,
-                temperature, need_grad, use_triton,
+                temperature, need_grad, use_triton, top_k,
             )
             for parts, chunk in ((stat_parts, stats), (grad_parts, grads)):
                 for name, t in chunk.items():
@@ -323,7 +332,7 @@ class FusedLMHeadStats(torch.autograd.Function):
             grad_hidden_PD = term_PD if grad_hidden_PD is None else grad_hidden_PD.add_(term_PD)
         if grad_hidden_PD is not None:
             grad_hidden_PD = grad_hidden_PD.to(ctx.hidden_dtype)
-        return grad_hidden_PD, None, None, None, None, None, None, None, None
+        return grad_hidden_PD, None, None, None, None, None, None, None, None, None
 
 
 def fused_position_stats(
@@ -336,8 +345,10 @@ def fused_position_stats(
     temperature: float,
     chunk_size: int,
     kernel: str = "auto",
+    top_k: int = 0,
 ) -> tuple[Tensor | None, ...]:
-    """(ce, kl, tv, overlap, p_label, correct), each [P] (soft ones None without soft labels).
+    """(ce, kl, tv, overlap, p_label, correct), each [P] (soft ones None without soft labels), and top_k_idx
+    [P, top_k] (None at top_k 0): each position's top-k ids of the logits the chunks compute anyway.
 
     The head is treated as frozen: no gradient flows to ``lm_head_VD``.  Gradients wrt hidden are
     only formed (and kept) when grad mode is on and ``hidden_PD`` requires grad. ``kernel``: LM_HEAD_KERNELS."""
@@ -345,5 +356,5 @@ def fused_position_stats(
         raise ValueError("soft_vals_Pk and soft_idx_Pk must be given together")
     need_grad = torch.is_grad_enabled() and hidden_PD.requires_grad
     return FusedLMHeadStats.apply(
-        hidden_PD, lm_head_VD, labels_P, soft_vals_Pk, soft_idx_Pk, temperature, chunk_size, need_grad, kernel
+        hidden_PD, lm_head_VD, labels_P, soft_vals_Pk, soft_idx_Pk, temperature, chunk_size, need_grad, kernel, top_k
     )

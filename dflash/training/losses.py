@@ -319,8 +319,10 @@ class Loss:
         stats, valid_NK = self.stats(hidden_BNKH, lm_head_VH, batch)
         return self.reduce(stats, valid_NK), block_metrics(stats, valid_NK)
 
-    def stats(self, hidden_BNKH: Tensor, lm_head_VH: Tensor, batch: LabelledBatch) -> tuple[PositionStats, Tensor]:
-        """Per-position stats [N, K] (all blocks flattened into N) and the valid mask."""
+    def stats(self, hidden_BNKH: Tensor, lm_head_VH: Tensor, batch: LabelledBatch,
+              top_k: int = 0) -> tuple[PositionStats, Tensor]:
+        """Per-position stats [N, K] (all blocks flattened into N) and the valid mask; `top_k` > 0 also gives
+        each position's top-k vocabulary ids from the same chunked pass (``PositionStats.top_k_idx``)."""
         K, H = hidden_BNKH.shape[-2:]
         labels_NK = batch.labels_BNK.reshape(-1, K)
         soft = self.needs_soft and batch.soft_vals_BNKk is not None
@@ -330,7 +332,7 @@ class Loss:
             soft_vals_NKk=batch.soft_vals_BNKk.flatten(0, -3) if soft else None,
             soft_idx_NKk=batch.soft_idx_BNKk.flatten(0, -3) if soft else None,
             temperature=c.temperature, chunk_size=c.chunk_size, need_soft=self.needs_soft,
-            lm_head_grad=c.lm_head_grad, lm_head_kernel=c.lm_head_kernel)
+            lm_head_grad=c.lm_head_grad, lm_head_kernel=c.lm_head_kernel, top_k=top_k)
         return stats, labels_NK != IGNORE_INDEX
 
     def reduce(self, stats: PositionStats, valid_NK: Tensor) -> Tensor:

@@ -31,12 +31,14 @@ class PositionStats:
     p_label: Tensor  # drafter probability of the label (detached)
     correct: Tensor  # bool, drafter argmax == label
     temperature: float = 1.0  # the T of kl / tv / overlap
+    top_k_idx: Tensor | None = None  # [N, K, k]: each position's top-k vocabulary ids (asked for: DFlash 2's)
 
 
-def _hard_chunk(hidden_CD: Tensor, lm_head_VD: Tensor, labels_C: Tensor) -> tuple[Tensor, Tensor]:
-    """CE and correctness for one chunk of positions (``lm_head_loss.chunk_stats``)."""
-    stats = chunk_stats(hidden_CD, lm_head_VD, labels_C)
-    return stats["ce"], stats["correct"]
+def _hard_chunk(hidden_CD: Tensor, lm_head_VD: Tensor, labels_C: Tensor, top_k: int) -> tuple[Tensor, ...]:
+    """CE, correctness and the top-k ids (an empty [C, 0] at top_k 0) for one chunk of positions
+    (``lm_head_loss.chunk_stats``)."""
+    stats = chunk_stats(hidden_CD, lm_head_VD, labels_C, top_k=top_k)
+    return stats["ce"], stats["correct"], _top_k_or_empty(stats, labels_C)
 
 
 def _soft_chunk(
@@ -46,11 +48,18 @@ def _soft_chunk(
     soft_vals_Ck: Tensor,
     soft_idx_Ck: Tensor,
     temperature: float,
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """CE, correctness, KL, TV and overlap (detached) against top-k soft labels for one chunk: the maths of
-    ``lm_head_loss.chunk_stats``, the one implementation both paths share."""
-    stats = chunk_stats(hidden_CD, lm_head_VD, labels_C, soft_vals_Ck, soft_idx_Ck, temperature)
-    return stats["ce"], stats["correct"], stats["kl"], stats["tv"], stats["overlap"].detach()
+    top_k: int,
+) -> tuple[Tensor, ...]:
+    """CE, correctness, the top-k ids, KL, TV and overlap (detached) against top-k soft labels for one chunk: the
+    maths of ``lm_head_loss.chunk_stats``, the one implementation both paths share."""
+    stats = chunk_stats(hidden_CD, lm_head_VD, labels_C, soft_vals_Ck, soft_idx_Ck, temperature, top_k)
+    return (stats["ce"], stats["correct"], _top_k_or_empty(stats, labels_C), stats["kl"], stats["tv"],
+            stats["overlap"].detach())
+
+
+def _top_k_or_empty(stats: dict[str, Tensor], labels_C: Tensor) -> Tensor:
+    """The chunk's top-k ids, or an empty [C, 0] (a checkpointed chunk returns tensors only)."""
+    return stats.get("top_k_idx", labels_C.new_empty(labels_C.shape[0], 0))
 
 
 def _maybe_checkpoint(fn: Callable, *args) -> tuple[Tensor, ...]:
@@ -72,9 +81,10 @@ def _recompute_position_stats(
     temperature: float,
     chunk_size: int,
     kernel: str = "torch",  # noqa: ARG001 - the fused path's option; the recompute chunks are torch only
+    top_k: int = 0,
 ) -> tuple[Tensor | None, ...]:
-    """(ce, kl, tv, overlap, p_label, correct), each [P]: chunks under activation checkpointing,
-    whose backward recomputes the chunk's logits (also differentiates a trainable head)."""
+    """(ce, kl, tv, overlap, p_label, correct), each [P], and top_k_idx [P, top_k] (None at 0): chunks under
+    activation checkpointing, whose backward recomputes the chunk's logits (also differentiates a trainable head)."""
     outputs = []
     for start in range(0, hidden_PD.shape[0], chunk_size):
         sl = slice(start, start + chunk_size)
@@ -82,19 +92,20 @@ def _recompute_position_stats(
             outputs.append(
                 _maybe_checkpoint(
                     _soft_chunk, hidden_PD[sl], lm_head_VD, labels_P[sl],
-                    soft_vals_Pk[sl], soft_idx_Pk[sl], temperature,
+                    soft_vals_Pk[sl], soft_idx_Pk[sl], temperature, top_k,
                 )
             )
         else:
-            outputs.append(_maybe_checkpoint(_hard_chunk, hidden_PD[sl], lm_head_VD, labels_P[sl]))
-    ce, correct, *soft = (torch.cat(parts) for parts in zip(*outputs))
+            outputs.append(_maybe_checkpoint(_hard_chunk, hidden_PD[sl], lm_head_VD, labels_P[sl], top_k))
+    ce, correct, top_k_idx, *soft = (torch.cat(parts) for parts in zip(*outputs))
     kl, tv, overlap = soft if soft else (None, None, None)
     p_label = torch.where(labels_P != IGNORE_INDEX, torch.exp(-ce.detach()), 0.0)
-    return ce, kl, tv, overlap, p_label, correct
+    return ce, kl, tv, overlap, p_label, correct, top_k_idx if top_k else None
 
 
 # loss.lm_head_grad -> per-position stats over flattened positions; both return
-# (ce, kl, tv, overlap, p_label, correct), each [P], the soft ones None without soft labels.
+# (ce, kl, tv, overlap, p_label, correct), each [P], the soft ones None without soft labels, and top_k_idx [P, k]
+# (None unless top_k is asked for).
 LM_HEAD_GRADS: Registry[Callable[..., tuple[Tensor | None, ...]]] = Registry("loss.lm_head_grad", {
     "fused": fused_position_stats,
     "recompute": _recompute_position_stats,
@@ -113,6 +124,7 @@ def compute_position_stats(
     need_soft: bool = False,
     lm_head_grad: str = "fused",
     lm_head_kernel: str = "auto",
+    top_k: int = 0,
 ) -> PositionStats:
     """Per-position CE / KL / TV stats of the drafter, computed in LM-head chunks.
 
@@ -126,7 +138,8 @@ def compute_position_stats(
     path treats the head as frozen).  Soft labels are the target's top-k logits
     (``soft_vals``) at vocabulary indices ``soft_idx``; they are only used when
     ``need_soft`` is set. ``lm_head_kernel`` (``lm_head_loss.LM_HEAD_KERNELS``): whether the fused path's
-    hard-label chunks run on Triton kernels.
+    hard-label chunks run on Triton kernels. ``top_k`` > 0 also gives each position's top-k vocabulary ids
+    (``PositionStats.top_k_idx``), taken in the same chunks from the same logits (DFlash 2's selector candidates).
     """
     N, K, D = hidden_NKD.shape
     if need_soft and (soft_vals_NKk is None or soft_idx_NKk is None):
@@ -148,8 +161,9 @@ def compute_position_stats(
         soft_idx_Pk = soft_idx_NKk.reshape(N * K, k)
     per_position = LM_HEAD_GRADS[lm_head_grad](
         hidden_NKD.reshape(N * K, D), lm_head_VD, labels_NK.reshape(N * K), soft_vals_Pk, soft_idx_Pk,
-        temperature=temperature, chunk_size=chunk_size, kernel=lm_head_kernel,
+        temperature=temperature, chunk_size=chunk_size, kernel=lm_head_kernel, top_k=top_k,
     )
-    ce, kl, tv, overlap, p_label, correct = (None if t is None else t.reshape(N, K) for t in per_position)
+    *scalars, top_k_idx = per_position
+    ce, kl, tv, overlap, p_label, correct = (None if t is None else t.reshape(N, K) for t in scalars)
     return PositionStats(ce=ce, kl=kl, tv=tv, overlap=overlap, p_label=p_label, correct=correct,
-                         temperature=temperature)
+                         temperature=temperature, top_k_idx=None if top_k_idx is None else top_k_idx.reshape(N, K, -1))

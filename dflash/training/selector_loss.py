@@ -2,7 +2,11 @@
 
 z-lab did not publish DFlash 2's objective; the public trainers (speculators' `dflash2`, SpecForge, ModelOpt)
 converge on this one (docs/dflash2.md):
-- candidates: each position's unary top-k (the drafter's logits, no gradient through the choice);
+- candidates: each position's unary top-k (the drafter's logits, no gradient through the choice), taken in the
+  block loss's own chunked pass over the vocabulary, from the logits it computes anyway, in the head's dtype
+  (`PositionStats.top_k_idx`): no second full-vocabulary product. At the 27B shapes, with that second pass (a
+  2·S·H·V = 10.4 TFLOP product and a top-k over [S, V]), DFlash 2's loss phase took 58.6 ms against DFlash 1's
+  26.5 (benchmarks/log/2026-12-05.md). `candidates="recompute"` keeps it (`unary_topk`): the plain reference;
 - the gold token (the target's greedy label) is injected in place of the last candidate when the top-k misses it,
   so the CE always has a target;
 - the predecessor is teacher-forced: the gold token of the previous position (the anchor before position 1;
@@ -20,6 +24,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from dflash.training.lm_head_loss import IGNORE_INDEX
+from dflash.training.losses import block_metrics
 
 TOPK_LOGITS_BYTES = 1 << 30  # float32 logits per no-grad top-k chunk (1 GiB, as the block loss's chunks)
 
@@ -76,14 +81,16 @@ def _gather_rows(k: int, H: int) -> int:
 
 
 def selector_terms(hidden_NKH: Tensor, lm_head_VH: Tensor, labels_NK: Tensor, anchor_N: Tensor, selector,
-                   shape_logits) -> dict[str, Tensor]:
+                   shape_logits, cand_NKk: Tensor | None = None) -> dict[str, Tensor]:
     """Per position [N, K]: the selector CE (with grad), gold-in-top-k, teacher-forced correctness; per block [N]:
-    the self-conditioned walk's matched prefix length. `shape_logits`: the drafter's output multiplier and cap."""
+    the self-conditioned walk's matched prefix length. `shape_logits`: the drafter's output multiplier and cap.
+    `cand_NKk`: the unary top-k ids if already taken (the block loss's pass); None takes them here (`unary_topk`)."""
     N, K, H = hidden_NKH.shape
     k = selector.top_k
     valid_NK = labels_NK != IGNORE_INDEX
     gold_NK = labels_NK.clamp_min(0)
-    cand_NKk = unary_topk(hidden_NKH.detach().reshape(-1, H), lm_head_VH, k, shape_logits).view(N, K, k)
+    if cand_NKk is None:
+        cand_NKk = unary_topk(hidden_NKH.detach().reshape(-1, H), lm_head_VH, k, shape_logits).view(N, K, k)
     hit_NK = (cand_NKk == gold_NK[..., None]).any(-1)
     injected = cand_NKk.clone()
     injected[..., -1] = torch.where(hit_NK, cand_NKk[..., -1], gold_NK)
@@ -115,15 +122,23 @@ def selector_metrics(terms: dict[str, Tensor]) -> dict[str, Tensor]:
             "selector_streak": (terms["matched"] * blocks).sum() / blocks.sum().clamp_min(1)}
 
 
+# Where the selector's candidates come from: "block", the block loss's chunked pass (the trainer's); "recompute", a
+# second no-grad pass over the vocabulary (`unary_topk`), the slow plain reference the tests hold "block" to.
+CANDIDATE_SOURCES = ("block", "recompute")
+
+
 class SelectorLoss:
     """A block loss (any of `LOSSES`) plus `alpha` × the selector CE of `drafter` (a DFlash 2 drafter). The block
     loss sees the hidden states times the output multiplier (logits = multiplier · h · W; a soft cap is refused
-    for training at composition). Same call and attributes as a `Loss`."""
+    for training at composition), and its chunks also take the selector's candidates, the top-k of those logits
+    (`candidates`: CANDIDATE_SOURCES). Same call and attributes as a `Loss`."""
 
-    def __init__(self, block_loss, drafter, alpha: float):
+    def __init__(self, block_loss, drafter, alpha: float, candidates: str = "block"):
         if drafter.candidate_selector is None:
             raise ValueError("SelectorLoss needs a drafter with a candidate selector (drafter.architecture=dflash2)")
-        self.block, self.drafter, self.alpha = block_loss, drafter, float(alpha)
+        if candidates not in CANDIDATE_SOURCES:
+            raise ValueError(f"SelectorLoss: candidates={candidates!r}; expected one of {CANDIDATE_SOURCES}")
+        self.block, self.drafter, self.alpha, self.candidates = block_loss, drafter, float(alpha), candidates
         self.needs_soft = block_loss.needs_soft
         self.config_keys = (*block_loss.config_keys, "selector_alpha")
         self.cfg = block_loss.cfg
@@ -131,10 +146,18 @@ class SelectorLoss:
     def __call__(self, hidden_BNKH: Tensor, lm_head_VH: Tensor, batch) -> tuple[Tensor, dict]:
         d = self.drafter
         m = d.cfg.output_multiplier
-        loss, metrics = self.block(hidden_BNKH * m if m != 1.0 else hidden_BNKH, lm_head_VH, batch)
+        scaled_BNKH = hidden_BNKH * m if m != 1.0 else hidden_BNKH
         K, H = hidden_BNKH.shape[-2:]
+        cand_NKk = None
+        if self.candidates == "block":
+            # the top-k of multiplier · h · W: the shaped logits' own top-k (the multiplier is > 0, and no cap trains)
+            stats, valid_NK = self.block.stats(scaled_BNKH, lm_head_VH, batch, top_k=d.candidate_selector.top_k)
+            loss, metrics = self.block.reduce(stats, valid_NK), block_metrics(stats, valid_NK)
+            cand_NKk = stats.top_k_idx
+        else:
+            loss, metrics = self.block(scaled_BNKH, lm_head_VH, batch)
         terms = selector_terms(hidden_BNKH.reshape(-1, K, H), lm_head_VH, batch.labels_BNK.reshape(-1, K),
-                               batch.anchor_tokens_BN.reshape(-1), d.candidate_selector, d.shape_logits)
+                               batch.anchor_tokens_BN.reshape(-1), d.candidate_selector, d.shape_logits, cand_NKk)
         sel = selector_metrics(terms)
         metrics.update(sel)
         return loss + self.alpha * sel["selector_ce"], metrics

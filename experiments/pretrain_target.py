@@ -106,7 +106,8 @@ def main(argv: list[str] | None = None) -> dict:
     if cfg.data == "math":
         from dflash.pretrain.math_quality import record_quality_bar
         m["quality_bar"] = record_quality_bar(result["out_dir"], cfg.bar_problems, cfg.bar_oracle_prompts,
-                                              cfg.bar_rollouts, cfg.device, cfg.results_path, command)
+                                              cfg.bar_rollouts, cfg.bar_max_new_tokens, cfg.device,
+                                              cfg.results_path, command)
     print(f"wrote {result['out_dir']}" + (f" and {cfg.results_path}" if cfg.results_path else ""))
     print(f"held-out test loss {m['test_loss']:.4f} (ppl {m['test_ppl']:.2f}) vs unigram ppl {m['unigram_ppl']:.1f}; "
           f"{m['params']:,} params, {m['bf16_bytes'] / 1e6:.1f} MB bf16; {m['tokens_per_s']:,.0f} tok/s; "

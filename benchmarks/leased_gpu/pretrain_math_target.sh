@@ -5,8 +5,10 @@
 # the math target's tokens cost the same per step), then the quality bar on the written folder (held-out accuracy,
 # entropy profile, ground-truth degeneracy, marginal oracle tau), the folder and its records tarred into 15 MB pieces
 # under $OUT (reassemble: cat $OUT/math_target.tar.* | tar x).
-# Usage (repo root, wheels installed): [RATE=...] [STEPS=N] [EXTRA=...] bash benchmarks/leased_gpu/pretrain_math_target.sh [TOTAL_S]
+# Needs only torch, transformers and tokenizers (MLflow off: the run's metrics.jsonl is the record).
+# Usage (repo root): [RATE=...] [STEPS=N] [EXTRA=...] bash benchmarks/leased_gpu/pretrain_math_target.sh [TOTAL_S]
 set -o pipefail
+source benchmarks/leased_gpu/wheels.sh   # the wheel folder the call carries, if any (README)
 TOTAL=${1:-480}; OUT=${OUT:-/tmp/pm_out}; T0=$(date +%s)
 W=/tmp/pm; mkdir -p $W $OUT
 BATCH=${BATCH:-128}; RATE=${RATE:-259853}
@@ -21,7 +23,7 @@ echo "math target: max_steps=$STEPS (batch $BATCH x 512) for ${TRAIN}s of traini
 python3 -m experiments.pretrain_target data=math max_steps=$STEPS batch_size=$BATCH warmup_steps=100 gdn_kernels=torch \
   token_cache_dir=$W/tokens state_dir=$W/state run_dir=$W/run out_dir=$W/reference_math_target \
   results_path=$W/reference_math_target.md time_budget_s=$(( LEFT - 40 )) finalize_reserve_s=60 eval_every=200 \
-  checkpoint_every=0 tracking.tracking_uri=sqlite:///$W/mlflow.db $EXTRA 2>&1 \
+  checkpoint_every=0 tracking.enabled=false $EXTRA 2>&1 \
   | grep -v "INFO dflash.tracking\|Writing model" | tee $W/pretrain.log
 cp $W/run/pretrain_result.json $W/run/metrics.jsonl $W/pretrain.log $W/reference_math_target/ 2>/dev/null
 cp $W/reference_math_target.md $W/reference_math_target/RESULTS.md 2>/dev/null

@@ -20,10 +20,11 @@ class PretrainConfig:
     math_eval_problems: int = 2000  # data=math: held-out problems in each of val and test
     math_seed: int = 0  # data=math: the generator's seed
     # data=math: the quality bar (dflash.pretrain.math_quality) on the written folder: held-out problems sampled,
-    # problems the marginal oracle decodes, rollouts per oracle round
+    # problems the marginal oracle decodes, rollouts per oracle round, tokens per solution at most
     bar_problems: int = 256
     bar_oracle_prompts: int = 16
     bar_rollouts: int = 64
+    bar_max_new_tokens: int = 160  # a solution's length cap (a worked solution is 40-120 tokens)
     # the setting the target is served at, written to its generation_config.json (serve_temperature 0: greedy)
     serve_temperature: float = 1.0
     serve_top_p: float = 1.0

@@ -50,6 +50,7 @@ def test_the_tiny_pretrain_writes_the_folder_and_its_quality_bar(tiny_math_targe
 def test_a_drafter_trains_on_the_tiny_math_target(tiny_math_target, tmp_path):
     d, _ = tiny_math_target
     out = subprocess.run([sys.executable, "-m", "experiments.run", "+target=reference_math", f"target.path={d / 'target'}",
+                          "target.layer_ids=[0,1,2]",
                           "trainer.max_steps=3", "trainer.num_anchors=4", "trainer.eval_every=0",
                           "data.num_sequences=16", "data.min_len=24", "data.max_len=64", "drafter.num_layers=1",
                           "eval.max_new_tokens=24", "eval.samples=1", "eval.tree_budgets=[16]", "eval.bootstrap=100",

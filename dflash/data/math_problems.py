@@ -1,6 +1,6 @@
 """Seeded GSM8K-like word problems with worked solutions: the second reference target's task (issue 75).
 
-A problem is a short story about one quantity (someone's marbles, a shop's money, pages read) changed by two to four
+A problem is a short story about one quantity (someone's marbles, cookies, stamps) changed by two to five
 operations. Its worked solution writes every step as one operation with its result ("3 × 4 = 12"), in a sentence
 fixed by the step's kind, and ends with the answer line ("Answer: 7"); the text a model sees is
 
@@ -12,8 +12,8 @@ fixed by the step's kind, and ends with the answer line ("Answer: 7"); the text 
 and, in training, the end-of-text token after it. The solution is a function of the problem, so a model that has
 learned the task writes it nearly deterministically at T=1 (the low-entropy regime served chain-of-thought targets
 are in), while the stories vary in names, objects, verbs and sentence forms, so learning them is language, not a
-lookup table. Numbers stay small (factors up to 12, sums under 1,000): a ~18 M-parameter model learns the arithmetic
-one digit token at a time.
+lookup table. Numbers stay small (products of factors up to 10, a multiple of at most 4 × 25, gains up to 20, results
+under 200): a ~18 M-parameter model learns the arithmetic one digit token at a time.
 
 Held-out split: a problem is held out when the hash of its text falls in `heldout_per_10k` of 10,000 buckets
 (`is_heldout`). `training_problems` never yields one; `heldout_problems` yields only those, from another seed.
@@ -78,11 +78,11 @@ def _start(rng: random.Random, name: str, pron: str, item: tuple) -> tuple[str, 
     """The story's first sentence, the solution's first line, its step (or None) and the starting quantity."""
     thing, plural, box, boxes = item
     if rng.random() < 0.35:
-        a = rng.randint(5, 40)
+        a = rng.randint(5, 30)
         story = rng.choice([f"{name} has {a} {plural}.", f"{name} starts with {a} {plural}.",
                             f"There are {a} {plural} in {name}'s room."])
         return story, f"{name} starts with {a} {plural}.", None, a
-    a, b = rng.randint(2, 12), rng.randint(2, 12)
+    a, b = rng.randint(2, 10), rng.randint(2, 10)
     story = rng.choice([f"{name} has {a} {boxes} of {plural} with {b} {plural} in each {box}.",
                         f"{name} buys {a} {boxes} of {plural}, and each {box} holds {b} {plural}.",
                         f"There are {a} {boxes} in {name}'s house, each with {b} {plural}."])
@@ -91,10 +91,10 @@ def _start(rng: random.Random, name: str, pron: str, item: tuple) -> tuple[str, 
 
 def _middle(rng: random.Random, name: str, pron: str, plural: str, x: int) -> tuple[str, str, tuple, int]:
     """A gain, a loss or a multiplication of the quantity `x`: (story sentence, solution line, step, new x)."""
-    kinds = ["gain", "loss", "times"] if x <= 80 else ["gain", "loss"]
+    kinds = ["gain", "loss", "times"] if x <= 25 else ["gain", "loss"]
     kind = rng.choice(kinds if x > 1 else ["gain", "times"])
     if kind == "gain":
-        b = rng.randint(1, 30)
+        b = rng.randint(1, 20)
         verb = rng.choice(GAIN_VERBS)
         story = rng.choice([f"Then {pron} {verb} {b} more {plural}.", f"Later {name} {verb} {b} {plural}.",
                             f"{_cap(pron)} {verb} {b} more."])
@@ -106,7 +106,7 @@ def _middle(rng: random.Random, name: str, pron: str, plural: str, x: int) -> tu
         story = rng.choice([f"Then {pron} {verb} {b} of them{tail}.", f"{_cap(pron)} {verb} {b} {plural}{tail}.",
                             f"After that, {name} {verb} {b}{tail}."])
         return story, f"{_cap(pron)} loses {b}, so {x} - {b} = {x - b} {plural}.", (x, "-", b, x - b), x - b
-    k = rng.randint(2, max(2, min(5, 400 // x)))
+    k = rng.randint(2, 4)
     word = {2: "doubles", 3: "triples"}.get(k)
     story = (rng.choice([f"Then {pron} {word} the number of {plural}.", f"{_cap(pron)} {word} {name}'s {plural}."])
              if word and rng.random() < 0.5 else
@@ -116,7 +116,7 @@ def _middle(rng: random.Random, name: str, pron: str, plural: str, x: int) -> tu
 
 
 def make_problem(rng: random.Random) -> MathProblem:
-    """One problem and its worked solution, drawn from `rng` (2 to 4 steps written out)."""
+    """One problem and its worked solution, drawn from `rng` (2 to 5 steps written out)."""
     name, pron = rng.choice(NAMES)
     item = rng.choice(ITEMS)
     plural = item[1]

@@ -5,7 +5,8 @@
 # the math target's tokens cost the same per step), then the quality bar on the written folder (held-out accuracy,
 # entropy profile, ground-truth degeneracy, marginal oracle tau), the folder and its records tarred into 15 MB pieces
 # under $OUT (reassemble: cat $OUT/math_target.tar.* | tar x).
-# Needs only torch, transformers and tokenizers (MLflow off: the run's metrics.jsonl is the record).
+# Needs the wheels every call installs (README: Hydra for the entry point); MLflow is off, the run's metrics.jsonl is
+# the record.
 # Usage (repo root): [RATE=...] [STEPS=N] [EXTRA=...] bash benchmarks/leased_gpu/pretrain_math_target.sh [TOTAL_S]
 set -o pipefail
 source benchmarks/leased_gpu/wheels.sh   # the wheel folder the call carries, if any (README)

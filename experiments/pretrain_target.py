@@ -19,6 +19,7 @@ import sys
 from dataclasses import asdict
 
 from dflash.data.corpus import CorpusConfig
+from dflash.pretrain.config import validate_pretrain_config
 from dflash.pretrain.recipe import PretrainConfig, pretrain
 from dflash.config import ConfigError
 from dflash.overrides import OverrideError, apply_overrides
@@ -89,6 +90,10 @@ def main(argv: list[str] | None = None) -> dict:
     from experiments.config import exit_on_help
     exit_on_help(argv, __doc__, run_keys=False, groups=False, extra={"": asdict(build_config([]))})
     cfg = build_config(argv)
+    try:  # bad input: exit 2 naming the key, before any work (pretrain() checks again as a library call)
+        validate_pretrain_config(cfg)
+    except (ValueError, FileNotFoundError) as e:
+        raise ConfigError(str(e)) from e
     if "--cfg" in argv:
         print(json.dumps(asdict(cfg), indent=1))
         return {}

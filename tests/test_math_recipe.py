@@ -60,3 +60,10 @@ def test_a_drafter_trains_on_the_tiny_math_target(tiny_math_target, tmp_path):
     cfg = (tmp_path / "run" / "config.yaml").read_text()
     assert "source: math" in cfg and "suite: math10" in cfg
     assert "tau_served" in out.stdout + out.stderr
+
+
+def test_a_wrong_data_kind_exits_2_naming_the_key(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "experiments.pretrain_target", "data=maths", "tracking.enabled=false",
+                          f"run_dir={tmp_path / 'run'}"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 2 and "pretrain.data='maths'" in out.stderr
+    assert not (tmp_path / "run").exists()

@@ -65,3 +65,19 @@ def test_the_eval_suite_loader_reads_them():
     tasks = load_suite("math10")
     assert len(tasks) == 10 and tasks[0].reference.startswith(tasks[0].reference.split()[0])
     assert [t.prompt for t in tasks] == [t.prompt for t in load_suite("math_heldout")[:10]]
+
+
+def test_the_math_data_source_gives_solutions_that_end_at_eos():
+    from types import SimpleNamespace
+    from dflash.data.sources import DataConfig, build_training_sequences
+    from dflash.target.model import ByteTokenizer
+    tok = ByteTokenizer()
+    cfg = DataConfig(source="math", num_sequences=12, min_len=64, max_len=320)
+    seqs = build_training_sequences(cfg, SimpleNamespace(tokenizer=tok), seed=0)
+    assert len(seqs) == 12 and all(64 <= len(s) <= 320 for s in seqs)
+    assert [s.tolist() for s in seqs] == [s.tolist() for s in build_training_sequences(cfg, SimpleNamespace(
+        tokenizer=tok), seed=0)]
+    flat = [t for s in seqs for t in s.tolist()]
+    assert flat.count(tok.eos_token_id) >= 5
+    first = tok.decode(flat[:flat.index(tok.eos_token_id)])
+    assert first.startswith("Problem: ") and first.endswith(f"Answer: {parse_answer(first)}")

@@ -59,7 +59,7 @@ def build_config(argv: list[str]) -> PretrainConfig:
                          corpus=CorpusConfig(scope="installed"), probes=dict(SHIPPED_PROBES), batch_size=128, lr=2e-3,
                          tokenizer_split_newlines=True)
     if "data=math" in argv:
-        # the math target (issue 75): word problems mixed with the standard library's code (a smaller corpus than
+        # the math target (docs/target.md): word problems mixed with the standard library's code (a smaller corpus than
         # every installed package: most of the tokens are problems), digits as single tokens, a BPE learnt from
         # 8 MB of the mix, served at T=1 with top_k=20, top_p=0.95 (Qwen3's served truncation: it cuts the tail
         # where a small model's wrong digit lives, leaving the forks of the text); no code probes

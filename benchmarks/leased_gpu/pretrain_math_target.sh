@@ -1,6 +1,6 @@
 #!/bin/bash
-# The math reference target's pretraining on one H100/H200 in one call of under 10 minutes (issue 75;
-# benchmarks/reference_math_target.md): experiments.pretrain_target data=math at the code reference's shape
+# The math reference target's pretraining on one H100/H200 in one call of under 10 minutes (docs/target.md;
+# its results file: benchmarks/reference_math_target.md): experiments.pretrain_target data=math at the code reference's shape
 # (h384_l8), max_steps sized to the time left at RATE tok/s (default: the code target's measured 259,853 at batch 128;
 # the math target's tokens cost the same per step), then the quality bar on the written folder (held-out accuracy,
 # entropy profile, ground-truth degeneracy, marginal oracle tau), the folder and its records tarred into 15 MB pieces

@@ -1,4 +1,4 @@
-"""Seeded GSM8K-like word problems with worked solutions: the second reference target's task (issue 75).
+"""Seeded GSM8K-like word problems with worked solutions: the math reference target's task (docs/target.md).
 
 A problem is a short story about one quantity (someone's marbles, cookies, stamps) changed by two to five
 operations. Its worked solution writes every step as one operation with its result ("3 × 4 = 12"), in a sentence

@@ -1,4 +1,4 @@
-"""The math target's quality bar (issue 75), measured on a written target folder at its served setting
+"""The math target's quality bar (docs/target.md), measured on a written target folder at its served setting
 (its generation_config.json):
 
 - held-out final-answer accuracy: the target's own sampled solutions to the frozen held-out suite, the first
@@ -32,7 +32,7 @@ from dflash.evaluation.rejection import accept_round
 from dflash.target.sampling import Sampling, warp
 
 LOW_ENTROPY_NATS = 0.1
-# the quality bar (issue 75): what `check_bar` holds the figures to
+# the quality bar: what `check_bar` holds the figures to
 BAR = {"accuracy": 0.90, "share_below_0.1": 0.5, "in_repeat16": 0.10, "cycle_share": 0.05, "eos_after_answer": 0.95,
        "oracle_tau": 6.0}
 

@@ -1,7 +1,9 @@
 """Pretrain the shipped reference target: `python -m experiments.pretrain_target [key=value ...] [--out DIR]`.
 
 Corpus → tokenizer → pretraining → `dflash/assets/reference_target/` (or `--out` / `out_dir=`) and the
-results file `benchmarks/reference_target.md` (`results_path=`; `results_path=` empty skips it). Keys are
+results file `benchmarks/reference_target.md` (`results_path=`; `results_path=` empty skips it). `data=math` trains
+the math target instead (its own defaults: `dflash/assets/reference_math_target/`,
+`benchmarks/reference_math_target.md`) and ends with its quality bar (`dflash.pretrain.math_quality`). Keys are
 `dflash.pretrain.recipe.PretrainConfig` fields, nested with dots: `time_budget_s=600`, `corpus.heldout_per_10k=500`,
 `tracking.enabled=false`; each value parses as its field's type (`dflash/overrides.py`, the parser of every
 entry point: numbers, true/false, lists `[1,3,5]`, mappings `{a: b}`, strings).
@@ -17,6 +19,7 @@ import sys
 from dataclasses import asdict
 
 from dflash.data.corpus import CorpusConfig
+from dflash.pretrain.config import validate_pretrain_config
 from dflash.pretrain.recipe import PretrainConfig, pretrain
 from dflash.config import ConfigError
 from dflash.overrides import OverrideError, apply_overrides
@@ -35,6 +38,7 @@ FALLBACK_PROMPTS = [
 
 
 def eval_prompts(suite: str = "coding10") -> list[tuple[str, str]]:
+    """The continuations' prompts: the suite's (math10 under data=math: `main` passes it)."""
     try:
         from dflash.evaluation import load_suite
         return [(t.name, t.prompt) for t in load_suite(suite)]
@@ -54,6 +58,16 @@ def build_config(argv: list[str]) -> PretrainConfig:
     cfg = PretrainConfig(results_path="benchmarks/reference_target.md", time_budget_s=480.0,
                          corpus=CorpusConfig(scope="installed"), probes=dict(SHIPPED_PROBES), batch_size=128, lr=2e-3,
                          tokenizer_split_newlines=True)
+    if "data=math" in argv:
+        # the math target (docs/target.md): word problems mixed with the standard library's code (a smaller corpus than
+        # every installed package: most of the tokens are problems), digits as single tokens, a BPE learnt from
+        # 8 MB of the mix, served at T=1 with top_k=20, top_p=0.95 (Qwen3's served truncation: it cuts the tail
+        # where a small model's wrong digit lives, leaving the forks of the text); no code probes
+        cfg = PretrainConfig(data="math", results_path="benchmarks/reference_math_target.md", time_budget_s=480.0,
+                             out_dir="dflash/assets/reference_math_target", corpus=CorpusConfig(scope="stdlib"),
+                             probe_stdlib_v1=False, batch_size=128, lr=2e-3, tokenizer_split_newlines=True,
+                             tokenizer_split_digits=True, tokenizer_sample_bytes=8_000_000, serve_temperature=1.0,
+                             serve_top_p=0.95, serve_top_k=20)
     args, i = [], 0
     while i < len(argv):
         a = argv[i]
@@ -76,12 +90,17 @@ def main(argv: list[str] | None = None) -> dict:
     from experiments.config import exit_on_help
     exit_on_help(argv, __doc__, run_keys=False, groups=False, extra={"": asdict(build_config([]))})
     cfg = build_config(argv)
+    try:  # bad input: exit 2 naming the key, before any work (pretrain() checks again as a library call)
+        validate_pretrain_config(cfg)
+    except (ValueError, FileNotFoundError) as e:
+        raise ConfigError(str(e)) from e
     if "--cfg" in argv:
         print(json.dumps(asdict(cfg), indent=1))
         return {}
     command = "python -m experiments.pretrain_target" + "".join(" " + shlex.quote(a) for a in argv)
     try:
-        result = pretrain(cfg, prompts=eval_prompts, command=command)
+        suite = "math10" if cfg.data == "math" else "coding10"
+        result = pretrain(cfg, prompts=lambda: eval_prompts(suite), command=command)
     except UnsafeFileError as e:  # a state file that is not plain data (or is torn): bad input, nothing ran
         raise ConfigError(str(e)) from e
     m = result["metrics"]
@@ -89,6 +108,11 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"intermediate job: step {m['steps']} of {m['max_steps']} ({m['stop_reason']}), "
               f"{m['tokens_per_s']:,.0f} tok/s over {m['jobs']} job(s); checkpoint {result['checkpoint']}")
         return m
+    if cfg.data == "math":
+        from dflash.pretrain.math_quality import record_quality_bar
+        m["quality_bar"] = record_quality_bar(result["out_dir"], cfg.bar_problems, cfg.bar_oracle_prompts,
+                                              cfg.bar_rollouts, cfg.bar_max_new_tokens, cfg.device,
+                                              cfg.results_path, command)
     print(f"wrote {result['out_dir']}" + (f" and {cfg.results_path}" if cfg.results_path else ""))
     print(f"held-out test loss {m['test_loss']:.4f} (ppl {m['test_ppl']:.2f}) vs unigram ppl {m['unigram_ppl']:.1f}; "
           f"{m['params']:,} params, {m['bf16_bytes'] / 1e6:.1f} MB bf16; {m['tokens_per_s']:,.0f} tok/s; "

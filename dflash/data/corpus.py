@@ -253,20 +253,25 @@ def load_corpus(cfg: CorpusConfig | None = None) -> Corpus:
 
 
 # -- tokenizer --------------------------------------------------------------------------------------
-def train_tokenizer(texts: list[str], vocab_size: int = 4096, min_frequency: int = 2, split_newlines: bool = False):
+def train_tokenizer(texts: list[str], vocab_size: int = 4096, min_frequency: int = 2, split_newlines: bool = False,
+                    split_digits: bool = False):
     """A byte-level BPE `tokenizers.Tokenizer` with SPECIAL_TOKENS at ids 0..2. Deterministic.
 
     `split_newlines`: every "\n" is a pre-token of its own. GPT-2's pre-tokenization glues a newline to the
     next line's indentation ("\n   " + " return"), so a prompt that ends with "\n" ends on a token that in
     training only ever precedes column-0 text — the model then starts a new top-level `def` instead of the
-    function body (seen in the shipped target's continuations, benchmarks/reference_target.md)."""
+    function body (seen in the shipped target's continuations, benchmarks/reference_target.md).
+
+    `split_digits`: every digit is a token of its own ("128" is 1, 2, 8), so arithmetic is learned one digit at a
+    time instead of over whatever digit groups the BPE happened to merge (the math target's tokenizer)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     if vocab_size < 256 + len(SPECIAL_TOKENS):
         raise ValueError(f"tokenizer vocab_size must be >= {256 + len(SPECIAL_TOKENS)}, got {vocab_size}")
     tok = Tokenizer(models.BPE())
     byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    tok.pre_tokenizer = (pre_tokenizers.Sequence([pre_tokenizers.Split("\n", behavior="isolated"), byte_level])
-                         if split_newlines else byte_level)
+    splits = ([pre_tokenizers.Split("\n", behavior="isolated")] if split_newlines else []) + \
+        ([pre_tokenizers.Digits(individual_digits=True)] if split_digits else [])
+    tok.pre_tokenizer = pre_tokenizers.Sequence(splits + [byte_level]) if splits else byte_level
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=min_frequency,
                                   special_tokens=list(SPECIAL_TOKENS), show_progress=False,

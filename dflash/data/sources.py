@@ -4,6 +4,8 @@ Sources (`data.source`):
 - `stdlib`: the running Python's standard-library sources (sorted file order, deterministic) — a real
   code corpus available on every machine with no download.
 - `text_files`: a file or a directory of text files (`data.path`, files matched by `data.glob`).
+- `math`: seeded word problems with worked solutions (`dflash.data.math_problems`, never a held-out one), each
+  ending at the target's EOS: the math target's task (`+target=reference_math` selects it).
 - `synthetic`: seeded random tokens (throughput and shape tests; acceptance on it means nothing).
 - `target_regen`: sequences of `regen_base` whose continuations the target itself regenerates (greedy,
   batched, cached by fingerprint): the drafter learns the target's behaviour on text that looks like what
@@ -111,6 +113,11 @@ def _corpus_sequences(cfg: DataConfig, target, seed: int) -> list[torch.Tensor]:
         tokens.extend(encode(f.read_text(encoding="utf-8", errors="replace")))
         if len(tokens) >= need:
             break
+    return _cut(cfg, tokens, lengths)
+
+
+def _cut(cfg: DataConfig, tokens: list[int], lengths: list[int]) -> list[torch.Tensor]:
+    """`tokens` (one stream) cut into sequences of `lengths`, wrapping round a stream shorter than their sum."""
     if len(tokens) < cfg.min_len:
         raise ValueError(f"data: the corpus holds {len(tokens)} tokens, fewer than data.min_len="
                          f"{cfg.min_len} (source={cfg.source!r}, path={cfg.path!r})")
@@ -122,6 +129,21 @@ def _corpus_sequences(cfg: DataConfig, target, seed: int) -> list[torch.Tensor]:
         out.append(flat[pos:pos + n].clone())
         pos += n
     return out
+
+
+def _math_sequences(cfg: DataConfig, target, seed: int) -> list[torch.Tensor]:
+    """Word problems with worked solutions (`dflash.data.math_problems`, training split only), each followed by the
+    target's end-of-text token, as one stream cut like a corpus: what the math target writes, EOS after the answer."""
+    from dflash.data.math_problems import training_problems
+    encode, eos = target.tokenizer.encode, target.tokenizer.eos_token_id
+    lengths = _lengths(cfg, seed)
+    need = sum(lengths)
+    tokens: list[int] = []
+    for problem in training_problems(seed):
+        tokens.extend(list(encode(problem.text)) + [eos])
+        if len(tokens) >= need:
+            break
+    return _cut(cfg, tokens, lengths)
 
 
 def _regenerated_sequences(cfg: DataConfig, target, seed: int) -> list[torch.Tensor]:
@@ -139,6 +161,7 @@ SOURCES: Registry[Callable[..., list[torch.Tensor]]] = Registry("data.source", {
     "stdlib": _corpus_sequences,
     "text_files": _corpus_sequences,
     "synthetic": _synthetic_sequences,
+    "math": _math_sequences,
     "target_regen": _regenerated_sequences,
 })
 REGEN_SOURCES = ("target_regen",)  # sources that need a base source (data.regen_base) of their own

@@ -8,14 +8,34 @@ from dflash.data.corpus import CorpusConfig, validate_corpus_config
 from dflash.tracking.loggers import TrackingConfig
 
 
+DATA_KINDS = ("code", "math")
+
+
 @dataclass
 class PretrainConfig:
+    # what the target learns: `code` (the corpus alone: the code reference target) or `math` (the corpus's code
+    # mixed with seeded word problems and their worked solutions, dflash.data.math_problems: the math target)
+    data: str = "code"
+    math_problems: int = 300_000  # data=math: training problems generated (held-out ones never among them)
+    math_eval_problems: int = 2000  # data=math: held-out problems in each of val and test
+    math_seed: int = 0  # data=math: the generator's seed
+    # data=math: the quality bar (dflash.pretrain.math_quality) on the written folder: held-out problems sampled,
+    # problems the marginal oracle decodes, rollouts per oracle round, tokens per solution at most
+    bar_problems: int = 256
+    bar_oracle_prompts: int = 16
+    bar_rollouts: int = 64
+    bar_max_new_tokens: int = 160  # a solution's length cap (a worked solution is 40-120 tokens)
+    # the setting the target is served at, written to its generation_config.json (serve_temperature 0: greedy)
+    serve_temperature: float = 1.0
+    serve_top_p: float = 1.0
+    serve_top_k: int = 0
     corpus: CorpusConfig = field(default_factory=CorpusConfig)
     # tokenizer
     vocab_size: int = 4096  # including the 3 special tokens
     tokenizer_min_frequency: int = 2
     tokenizer_file: str = ""  # a tokenizer.json to use instead of training one (e.g. a shipped target's)
     tokenizer_split_newlines: bool = False  # "\n" a token of its own (see dflash.data.corpus.train_tokenizer)
+    tokenizer_split_digits: bool = False  # every digit a token of its own (the math target's tokenizer)
     tokenizer_sample_bytes: int = 48_000_000  # train-split text the BPE learns from (0 = all of it)
     token_cache_dir: str = ".cache/dflash/tokens"  # encoded corpus, keyed by corpus + tokenizer ("" = off)
     # model: Qwen3.5 text config (every 4th layer full attention, the rest Gated DeltaNet)
@@ -91,6 +111,10 @@ _POSITIVE = ("vocab_size", "hidden_size", "num_layers", "intermediate_size", "nu
 
 
 def validate_pretrain_config(cfg: PretrainConfig) -> None:
+    if cfg.data not in DATA_KINDS:
+        raise ValueError(f"pretrain.data={cfg.data!r}; expected one of {', '.join(DATA_KINDS)}")
+    if cfg.data == "math" and (cfg.math_problems < 1 or cfg.math_eval_problems < 1):
+        raise ValueError("pretrain.math_problems and pretrain.math_eval_problems must be >= 1 with data=math")
     for k in _POSITIVE:
         if getattr(cfg, k) <= 0:
             raise ValueError(f"pretrain.{k} must be > 0, got {getattr(cfg, k)}")

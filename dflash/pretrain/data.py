@@ -4,6 +4,7 @@ window sampler over the training stream (resumable: its order is a function of s
 """
 from __future__ import annotations
 
+import hashlib
 import logging
 import time
 from pathlib import Path
@@ -11,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dflash.data.corpus import (EOS_TOKEN, MASK_TOKEN, PAD_TOKEN, Corpus, load_corpus, tokenize_corpus,
+from dflash.data.corpus import (EOS_TOKEN, MASK_TOKEN, PAD_TOKEN, Corpus, Document, load_corpus, tokenize_corpus,
                                 tokenizer_sample, train_tokenizer)
 from dflash.pretrain.config import PretrainConfig
 
@@ -37,10 +38,29 @@ def load_tokenizer_json(text: str):
     return Tokenizer.from_str(text)
 
 
+def math_corpus(cfg: PretrainConfig, code: Corpus) -> Corpus:
+    """The code corpus with the word problems of `dflash.data.math_problems` added as documents: training problems
+    in train, held-out problems (a hash split the training stream never yields) in val and test. Its fingerprint
+    covers the code corpus's and the generator's settings, so the token cache and a resume tell them apart."""
+    from dflash.data.math_problems import SPLIT_SALT, heldout_problems, take, training_problems
+    train = take(training_problems(cfg.math_seed), cfg.math_problems)
+    heldout = take(heldout_problems(cfg.math_seed), 2 * cfg.math_eval_problems)
+    docs = {"train": [Document(f"math/train/{i:07d}", p.text) for i, p in enumerate(train)],
+            "val": [Document(f"math/val/{i:07d}", p.text) for i, p in enumerate(heldout[0::2])],
+            "test": [Document(f"math/test/{i:07d}", p.text) for i, p in enumerate(heldout[1::2])]}
+    fingerprint = hashlib.sha256(f"{code.fingerprint}\0math\0{SPLIT_SALT}\0{cfg.math_seed}\0{cfg.math_problems}\0"
+                                 f"{cfg.math_eval_problems}".encode()).hexdigest()
+    return Corpus(code.root, docs["train"] + code.train, docs["val"] + code.val, docs["test"] + code.test,
+                  fingerprint, code.skipped, code.roots, f"{code.scope}+math")
+
+
 def prepare_data(cfg: PretrainConfig, tokenizer_json: str | None = None) -> PretrainData:
-    """Corpus, tokenizer (`tokenizer_json` from a checkpoint, else trained) and the three token streams."""
+    """Corpus (with the word problems under data=math), tokenizer (`tokenizer_json` from a checkpoint, else trained)
+    and the three token streams."""
     t0 = time.perf_counter()
     corpus = load_corpus(cfg.corpus)
+    if cfg.data == "math":
+        corpus = math_corpus(cfg, corpus)
     cstats = corpus.stats()
     log.info("corpus: %s", {k: v for k, v in cstats.items() if k not in ("fingerprint", "roots")})
     t1 = time.perf_counter()
@@ -50,7 +70,7 @@ def prepare_data(cfg: PretrainConfig, tokenizer_json: str | None = None) -> Pret
         tok = load_tokenizer_json(tokenizer_json)
     else:
         tok = train_tokenizer(tokenizer_sample(corpus, cfg.tokenizer_sample_bytes), cfg.vocab_size,
-                              cfg.tokenizer_min_frequency, cfg.tokenizer_split_newlines)
+                              cfg.tokenizer_min_frequency, cfg.tokenizer_split_newlines, cfg.tokenizer_split_digits)
     t2 = time.perf_counter()
     tstats: dict = {}
     streams = tokenize_corpus(corpus, tok, cfg.token_cache_dir or None, tstats)

@@ -33,7 +33,8 @@ log = logging.getLogger(__name__)
 
 CHECKPOINT_FORMAT = 1
 # settings a resumed job must share with the checkpoint (others — budgets, eval cadence, outputs — may change)
-RESUME_KEYS = ("vocab_size", "tokenizer_min_frequency", "tokenizer_sample_bytes", "tokenizer_split_newlines",
+RESUME_KEYS = ("data", "math_problems", "math_eval_problems", "math_seed", "tokenizer_split_digits",
+               "vocab_size", "tokenizer_min_frequency", "tokenizer_sample_bytes", "tokenizer_split_newlines",
                "hidden_size", "num_layers", "intermediate_size", "num_heads", "num_kv_heads", "head_dim",
                "linear_num_key_heads", "linear_num_value_heads", "linear_head_dim", "linear_conv_kernel_dim",
                "tie_word_embeddings", "seq_len", "batch_size", "max_steps", "lr", "min_lr_ratio", "warmup_steps",

@@ -97,7 +97,8 @@ def target_meta(cfg: PretrainConfig, model, data: PretrainData, metrics: dict, k
     from dflash.target.model import default_layer_ids
     hf_cfg, tok = model.config, data.tok
     meta = {
-        "format": FORMAT_VERSION, "name": "reference_target", "mask_token_id": data.mask_id,
+        "format": FORMAT_VERSION, "name": "reference_math_target" if cfg.data == "math" else "reference_target",
+        "mask_token_id": data.mask_id,
         "eos_token_id": data.eos_id, "pad_token_id": data.pad_id,
         "layer_ids": list(cfg.layer_ids) or default_layer_ids(cfg.num_layers),
         "model": {"model_type": hf_cfg.model_type, "num_layers": hf_cfg.num_hidden_layers,
@@ -120,6 +121,8 @@ def save_target(cfg: PretrainConfig, model, data: PretrainData, meta: dict) -> P
     gc = getattr(save_model, "generation_config", None)
     if gc is not None:
         gc.eos_token_id, gc.pad_token_id, gc.bos_token_id = data.eos_id, data.pad_id, None
+        gc.do_sample = cfg.serve_temperature > 0  # the served setting (dflash.target.sampling reads it back)
+        gc.temperature, gc.top_p, gc.top_k = cfg.serve_temperature or 1.0, cfg.serve_top_p, cfg.serve_top_k
 
     def write(tmp: Path) -> None:
         save_model.save_pretrained(str(tmp))

@@ -1,7 +1,8 @@
 """Evaluated acceptance (docs/DESIGN.md, "Evaluation and the gate"): the number a checkpoint is judged by.
 
 - `prompts`: eval suites (built-in `coding10`, generated `heldout`, or a JSON file of {name, prompt}).
-- `heldout`: the held-out suite, header + docstring prompts from the corpus's held-out files.
+- `heldout`: the held-out suite, header + docstring prompts from the corpus's held-out files;
+  `frozen_suite`: the same suite shipped as a file (the default), read the same on every machine.
 - `stats`: bootstrap confidence intervals over prompts, pooled and paired (Δτ).
 - `prompt_lookup`: the n-gram prompt-lookup proposer, the zero-cost baseline in every report.
 - `ground_truth`: the target's greedy continuation of each prompt plus its features, cached on disk.

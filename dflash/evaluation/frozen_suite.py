@@ -23,7 +23,7 @@ from importlib import resources
 from pathlib import Path
 
 from dflash.evaluation.prompts import Task, parse_suite
-from dflash.evaluation.truth_pin import tasks_digest
+from dflash.evaluation.truth_pin import read_checked_tasks, tasks_digest
 
 KIND = "dflash-frozen-suite"
 FORMAT = 1
@@ -47,16 +47,10 @@ def read_frozen(path: Path | None = None) -> FrozenSuite:
     unedited file of this format."""
     path = path or frozen_path()
     where = f"frozen held-out suite {path}"
-    try:
-        data = json.loads(Path(path).read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ValueError(f"{where}: unreadable ({type(e).__name__}: {e})") from e
-    if not isinstance(data, dict) or data.get("kind") != KIND or data.get("format") != FORMAT:
-        raise ValueError(f"{where}: not a {KIND} file of format {FORMAT}")
-    items = data.get("tasks")
-    if not isinstance(items, list) or data.get("sha256") != tasks_digest(items):
-        raise ValueError(f"{where}: checksum mismatch (edited by hand, or torn); make it again with "
-                         f"python -m experiments.freeze_heldout")
+
+    def bad(why: str) -> ValueError:
+        return ValueError(f"{where}: {why}; make it again with python -m experiments.freeze_heldout")
+    data, items = read_checked_tasks(path, KIND, FORMAT, bad)
     tasks = parse_suite(items, where)
     head = {k: v for k, v in data.items() if k != "tasks"}
     return FrozenSuite(head, tasks, [str(t.get("source", "")) for t in items])

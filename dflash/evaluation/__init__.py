@@ -38,6 +38,20 @@ class StopConfig:
 
 
 @dataclass
+class OracleConfig:
+    """The oracle τ beside every τ (docs/evaluation.md, "Headroom"; `dflash.evaluation.headroom`)."""
+    # target continuations per round that estimate the target's marginals (0 = no oracle τ); each round of the
+    # oracle costs a cached decode of `samples` rows × (block_size − 2) steps and one forward over them
+    samples: int = 0
+
+
+def validate_oracle(cfg: OracleConfig) -> None:
+    s = cfg.samples
+    if not isinstance(s, int) or isinstance(s, bool) or s < 0:
+        raise ValueError(f"eval.oracle.samples must be an integer >= 0 (0 = off), got {s!r}")
+
+
+@dataclass
 class EvalConfig:
     enabled: bool = True
     # The objective suite: its figures are eval/tau_* (what sweeps and the promotion gate read). A built-in
@@ -77,6 +91,8 @@ class EvalConfig:
     # a code suite's own ends besides EOS: the dedent below the prompt's body, stop sequences (needs stop_at_eos;
     # without it every continuation is fixed-length)
     stop: StopConfig = field(default_factory=StopConfig)
+    # the oracle τ beside every τ (dflash.evaluation.headroom): target samples per round estimating its marginals
+    oracle: OracleConfig = field(default_factory=OracleConfig)
 
 
 def validate_eval_config(cfg: EvalConfig) -> None:
@@ -106,6 +122,7 @@ def validate_eval_config(cfg: EvalConfig) -> None:
     from dflash.evaluation.acceptance import DRAFTER_PROPOSERS
     DRAFTER_PROPOSERS.check(cfg.proposer)
     validate_prompt_lookup(cfg.prompt_lookup)
+    validate_oracle(cfg.oracle)
     validate_stop(cfg.stop)
     names = [suite_label(s) for s in [cfg.suite, *cfg.extra_suites]]
     if len(set(names)) != len(names):
@@ -156,6 +173,6 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'dflash.evaluation' has no attribute {name!r}")
 
 
-__all__ = ["EvalConfig", "StopConfig", "HeldoutSuiteConfig", "PromptLookupConfig", "validate_eval_config",
+__all__ = ["EvalConfig", "StopConfig", "OracleConfig", "HeldoutSuiteConfig", "PromptLookupConfig", "validate_eval_config",
            "evaluate_suites", "merged_metrics", "evaluate", "make_evaluator", "EvalReport", "load_suite",
            "Task", "speculative_decode", "greedy_decode", "load_or_build_ground_truth", "TaskTruth"]

@@ -29,6 +29,10 @@ Uncertainty and baselines (`EvalReport.stats`; `all_metrics()` = metrics + stats
 - `eval/tau_prompt_lookup` (+ CI), `eval/tau_over_prompt_lookup` (ratio) and the paired
   `eval/delta_prompt_lookup` (+ CI): the prompt-lookup baseline on the same rounds' ground truth.
 
+Headroom (`dflash.evaluation.headroom`, in `stats`; not for the in-training subset): `eval/reach_posNN` (share of
+rounds reaching block position k), `eval/target_entropy_{mean,median,below_0.1}`, and with `eval.oracle.samples`
+the oracle τ `eval/tau_oracle` (+ CI), `eval/oracle/reach_posNN`, `eval/oracle_gap_closed`, `eval/oracle_seconds`.
+
 Losslessness is exact in exact arithmetic and holds token for token in float32 (tested). In bfloat16 a
 block-verify forward and a one-token forward round differently, so the target's own greedy output already
 depends on how it is chunked (`eval/gt_consistency` < 1 shows it); divergences there sit at near-ties.

@@ -19,7 +19,7 @@ from dflash.target.model import TargetConfig, read_target_info, resolve_layer_id
 pytest.importorskip("hydra")
 from experiments import eval as eval_cli  # noqa: E402
 
-SMALL = HeldoutSuiteConfig(num_prompts=3, max_new_tokens=5, max_prompt_chars=200)
+SMALL = HeldoutSuiteConfig(num_prompts=3, max_new_tokens=5, max_prompt_chars=200, source="corpus")
 
 
 def _drafter(tcfg: TargetConfig, seed: int, bs: int = 4):
@@ -31,7 +31,7 @@ def _drafter(tcfg: TargetConfig, seed: int, bs: int = 4):
 
 def test_heldout_suite_comes_from_heldout_files_and_is_cached(tmp_path):
     from dflash.data.corpus import load_corpus, split_of
-    cfg = HeldoutSuiteConfig(num_prompts=12)
+    cfg = HeldoutSuiteConfig(num_prompts=12, source="corpus")
     tasks = build_heldout_tasks(cfg)
     assert len(tasks) == 12 and len({t.name for t in tasks}) == 12
     heldout = {d.path.removesuffix(".py").replace("/", ".") for d in load_corpus(corpus_config(cfg)).heldout}

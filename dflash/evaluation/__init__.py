@@ -1,7 +1,8 @@
 """Evaluated acceptance (docs/DESIGN.md, "Evaluation and the gate"): the number a checkpoint is judged by.
 
 - `prompts`: eval suites (built-in `coding10`, generated `heldout`, or a JSON file of {name, prompt}).
-- `heldout`: the held-out suite, header + docstring prompts from the corpus's held-out files.
+- `heldout`: the held-out suite, header + docstring prompts from the corpus's held-out files;
+  `frozen_suite`: the same suite shipped as a file (the default), read the same on every machine.
 - `stats`: bootstrap confidence intervals over prompts, pooled and paired (Δτ).
 - `prompt_lookup`: the n-gram prompt-lookup proposer, the zero-cost baseline in every report.
 - `ground_truth`: the target's greedy continuation of each prompt plus its features, cached on disk.
@@ -34,6 +35,20 @@ class StopConfig:
     dedent: list[str] = field(default_factory=lambda: ["heldout", "coding10"])
     # suite -> stop sequences, e.g. HumanEval's ["\ndef ", "\nclass ", "\nif __name__", "\nprint(", "\n#"]
     sequences: dict[str, list[str]] = field(default_factory=dict)
+
+
+@dataclass
+class OracleConfig:
+    """The oracle τ beside every τ (docs/evaluation.md, "Headroom"; `dflash.evaluation.headroom`)."""
+    # target continuations per round that estimate the target's marginals (0 = no oracle τ); each round of the
+    # oracle costs a cached decode of `samples` rows × (block_size − 2) steps and one forward over them
+    samples: int = 0
+
+
+def validate_oracle(cfg: OracleConfig) -> None:
+    s = cfg.samples
+    if not isinstance(s, int) or isinstance(s, bool) or s < 0:
+        raise ValueError(f"eval.oracle.samples must be an integer >= 0 (0 = off), got {s!r}")
 
 
 @dataclass
@@ -83,6 +98,8 @@ class EvalConfig:
     # a code suite's own ends besides EOS: the dedent below the prompt's body, stop sequences (needs stop_at_eos;
     # without it every continuation is fixed-length)
     stop: StopConfig = field(default_factory=StopConfig)
+    # the oracle τ beside every τ (dflash.evaluation.headroom): target samples per round estimating its marginals
+    oracle: OracleConfig = field(default_factory=OracleConfig)
 
 
 def validate_eval_config(cfg: EvalConfig) -> None:
@@ -114,6 +131,7 @@ def validate_eval_config(cfg: EvalConfig) -> None:
     from dflash.evaluation.engines import resolve_policy
     resolve_policy(cfg.engine, cfg.proposal, dflash2=False)  # raises naming eval.engine / eval.proposal
     validate_prompt_lookup(cfg.prompt_lookup)
+    validate_oracle(cfg.oracle)
     validate_stop(cfg.stop)
     names = [suite_label(s) for s in [cfg.suite, *cfg.extra_suites]]
     if len(set(names)) != len(names):
@@ -164,6 +182,6 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'dflash.evaluation' has no attribute {name!r}")
 
 
-__all__ = ["EvalConfig", "StopConfig", "HeldoutSuiteConfig", "PromptLookupConfig", "validate_eval_config",
+__all__ = ["EvalConfig", "StopConfig", "OracleConfig", "HeldoutSuiteConfig", "PromptLookupConfig", "validate_eval_config",
            "evaluate_suites", "merged_metrics", "evaluate", "make_evaluator", "EvalReport", "load_suite",
            "Task", "speculative_decode", "greedy_decode", "load_or_build_ground_truth", "TaskTruth"]

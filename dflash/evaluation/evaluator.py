@@ -33,6 +33,7 @@ from dflash.evaluation.engines import is_dflash2, other_policy, resolve_policy
 from dflash.evaluation.ground_truth import TaskTruth, TruthSpec, cache_key, load_or_build_ground_truth
 from dflash.evaluation.protocol import labelled, objective_metrics, served_label, table_places, truth_specs
 from dflash.evaluation.prompts import DATA_SUITES, Suite, Task, objective_suite, resolve_suite
+from dflash.evaluation.headroom import SUMMARY_HEAD, summary_cells
 from dflash.evaluation.report import EvalReport, end_counts, evaluate
 
 log = logging.getLogger(__name__)
@@ -131,6 +132,7 @@ def summary_table(metrics: dict[str, float], level: float = 0.95) -> str:
     head = ["suite", "setting", "prompts", f"τ vanilla [{pct} CI]", "τ prompt-lookup", "Δ vs prompt-lookup", "ratio",
             "GT 4-gram rep.", "GT in rep. 16-gram", "GT cycles", "human in rep. 16-gram", "human τ prompt-lookup",
             "GT ends"]
+    head += SUMMARY_HEAD  # headroom: the oracle τ, the gap closed, the target's entropy
     head += [f"τ tree-{b} nodes (nodes/round; T=0 only)" for b in budgets]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     f3 = lambda v: "-" if math.isnan(v) else f"{v:.3f}"  # noqa: E731
@@ -142,6 +144,7 @@ def summary_table(metrics: dict[str, float], level: float = 0.95) -> str:
                  f3(g("tau_over_prompt_lookup")), f3(g("gt_repeat4")), f3(g("gt_in_repeat16")),
                  f3(g("gt_cycle_share")), f3(g("human_in_repeat16")), f3(g("human_tau_prompt_lookup")),
                  end_counts(metrics, pre) if pre + "gt_end_length" in metrics else "-"]
+        cells += summary_cells(g, lambda k: ci(pre, k))
         cells += [f"{ci(pre, f'tau_tree_{b}')} ({g(f'tree_nodes_{b}'):.1f})" if label == "t0" else "-"
                   for b in budgets]
         lines.append("| " + " | ".join(cells) + " |")

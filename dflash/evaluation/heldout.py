@@ -2,6 +2,14 @@
 prompt pool uses — a function or class header with its docstring (`dflash.data.prompts.header_prompts`) —
 continued for `max_new_tokens` (default 256) tokens, long enough for a drafter to show long streaks.
 
+Where its prompts come from (`eval.heldout.source`):
+- `frozen` (default): the shipped file `dflash/evaluation/suites/heldout.json` (`dflash.evaluation.frozen_suite`),
+  128 prompts with their human continuations, source files and licence, read the same on every machine, with
+  or without the corpus; `num_prompts` takes the first n of them in the selection's own order (below), so a
+  smaller suite is the one the corpus would pick too;
+- `corpus`: rebuilt from the local corpus as below (other standard libraries give other prompts: under Python
+  3.11.7 only 112 of the frozen 128 rebuild).
+
 Files: whatever `dflash.data.corpus.load_corpus(CorpusConfig(...))` — the corpus's own defaults, its root
 replaced by `corpus_root` when set — puts in `cfg.split` (`val`, `test`, or `heldout` = both); the split is a
 hash of each file's path, so the target never trained on these files. Prompts: every header prompt of
@@ -30,6 +38,7 @@ from dflash.evaluation.prompts import GENERATED, Suite, Task, parse_suite
 log = logging.getLogger(__name__)
 
 SPLITS = ("val", "test", "heldout")
+SOURCES = ("frozen", "corpus")
 
 
 @dataclass
@@ -41,6 +50,9 @@ class HeldoutSuiteConfig:
     max_prompt_chars: int = 1000  # longer headers cost target features (prompt + continuation are cached)
     max_per_file: int = 8  # spread the suite over many files
     corpus_root: str = ""  # empty: the corpus's default root (dflash.data.corpus.CorpusConfig)
+    # frozen: the shipped file (dflash/evaluation/suites/heldout.json), the same on every machine; corpus: rebuilt
+    # from the local corpus with the settings above
+    source: str = "frozen"
 
 
 def corpus_config(cfg: HeldoutSuiteConfig) -> CorpusConfig:
@@ -48,6 +60,8 @@ def corpus_config(cfg: HeldoutSuiteConfig) -> CorpusConfig:
 
 
 def validate_heldout(cfg: HeldoutSuiteConfig) -> None:
+    if cfg.source not in SOURCES:
+        raise ValueError(f"eval.heldout.source={cfg.source!r}; expected one of {', '.join(SOURCES)}")
     if cfg.split not in SPLITS:
         raise ValueError(f"eval.heldout.split={cfg.split!r}; expected one of {', '.join(SPLITS)}")
     for k in ("num_prompts", "max_per_file"):
@@ -58,21 +72,30 @@ def validate_heldout(cfg: HeldoutSuiteConfig) -> None:
     if not 1 <= cfg.min_prompt_chars <= cfg.max_prompt_chars:
         raise ValueError(f"eval.heldout.min_prompt_chars/max_prompt_chars must satisfy 1 <= min <= max, got "
                          f"{cfg.min_prompt_chars}/{cfg.max_prompt_chars}")
+    if cfg.source == "frozen":
+        from dflash.evaluation.frozen_suite import check_selection
+        check_selection(cfg)
 
 
 def build_heldout_tasks(cfg: HeldoutSuiteConfig) -> list[Task]:
-    """The suite's tasks (no cache); raises ValueError when the split yields no prompt at all."""
-    validate_heldout(cfg)
+    """The suite's tasks from the corpus (no cache); raises ValueError when the split yields no prompt at all."""
+    return select([t for t, _ in heldout_pool(cfg)], cfg.num_prompts)
+
+
+def heldout_pool(cfg: HeldoutSuiteConfig) -> list[tuple[Task, str]]:
+    """Every candidate prompt of the corpus's held-out split with its source file (the path the corpus splits
+    by), before the selection; raises ValueError when there is none."""
+    validate_heldout(dataclasses.replace(cfg, source="corpus"))
     corpus = load_corpus(corpus_config(cfg))
     docs = corpus.heldout if cfg.split == "heldout" else getattr(corpus, cfg.split)
-    pool: list[Task] = []
+    pool: list[tuple[Task, str]] = []
     for doc in docs:
         prefix = doc.path.removesuffix(".py").replace("/", ".") + "."
         kept = 0
         refs = human_continuations(doc.text, prefix)
         for name, prompt in header_prompts(doc.text, prefix):
             if cfg.min_prompt_chars <= len(prompt) <= cfg.max_prompt_chars and prompt.strip():
-                pool.append(Task(name, prompt, refs.get(name, "")))
+                pool.append((Task(name, prompt, refs.get(name, "")), doc.path))
                 kept += 1
                 if kept >= cfg.max_per_file:
                     break
@@ -82,7 +105,13 @@ def build_heldout_tasks(cfg: HeldoutSuiteConfig) -> list[Task]:
     if len(pool) < cfg.num_prompts:
         log.warning("eval.heldout: %d prompts available in split %r, fewer than num_prompts=%d",
                     len(pool), cfg.split, cfg.num_prompts)
-    pick = sorted(pool, key=lambda t: hashlib.sha256(t.name.encode()).hexdigest())[:cfg.num_prompts]
+    return pool
+
+
+def select(pool: list[Task], n: int) -> list[Task]:
+    """`n` tasks of `pool` chosen by sha256 of their name (seed-free; the first n of a larger pool are the first n
+    of any pool that holds them), in name order."""
+    pick = sorted(pool, key=lambda t: hashlib.sha256(t.name.encode()).hexdigest())[:n]
     return sorted(pick, key=lambda t: t.name)
 
 
@@ -107,7 +136,11 @@ def suite_key(cfg: HeldoutSuiteConfig) -> str:
 
 
 def heldout_tasks(cfg: HeldoutSuiteConfig, cache_dir: str = "") -> list[Task]:
-    """Cached `build_heldout_tasks`; a cache file that does not parse as a suite is rebuilt."""
+    """The frozen file's tasks (`source=frozen`), or the cached `build_heldout_tasks`; a cache file that does not
+    parse as a suite is rebuilt."""
+    if cfg.source == "frozen":
+        from dflash.evaluation.frozen_suite import frozen_heldout_tasks
+        return frozen_heldout_tasks(cfg)
     if not cache_dir:
         return build_heldout_tasks(cfg)
     path = Path(cache_dir) / "suites" / f"heldout-{suite_key(cfg)}.json"

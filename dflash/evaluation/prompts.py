@@ -2,7 +2,8 @@
 docstring, after any imports it needs) so that a code model continues it as code.
 
 A suite is a built-in name (a JSON file shipped in `dflash/evaluation/suites/`, e.g. `coding10`), a
-generated suite (`heldout`: built from the corpus's held-out files, `dflash.evaluation.heldout`) or a path
+generated suite (`heldout`: the shipped frozen file by default, or rebuilt from the corpus's held-out files,
+`dflash.evaluation.heldout`) or a path
 to a JSON file holding `[{"name": ..., "prompt": ...}, ...]`. `resolve_suite(name, eval_cfg)` gives any of
 them as a `Suite` (its label for metric keys, its tasks and the continuation length it is evaluated at).
 """

@@ -29,6 +29,10 @@ Uncertainty and baselines (`EvalReport.stats`; `all_metrics()` = metrics + stats
 - `eval/tau_prompt_lookup` (+ CI), `eval/tau_over_prompt_lookup` (ratio) and the paired
   `eval/delta_prompt_lookup` (+ CI): the prompt-lookup baseline on the same rounds' ground truth.
 
+Headroom (`dflash.evaluation.headroom`, in `stats`; not for the in-training subset): `eval/reach_posNN` (share of
+rounds reaching block position k), `eval/target_entropy_{mean,median,below_0.1}`, and with `eval.oracle.samples`
+the oracle τ `eval/tau_oracle` (+ CI), `eval/oracle/reach_posNN`, `eval/oracle_gap_closed`, `eval/oracle_seconds`.
+
 Losslessness is exact in exact arithmetic and holds token for token in float32 (tested). In bfloat16 a
 block-verify forward and a one-token forward round differently, so the target's own greedy output already
 depends on how it is chunked (`eval/gt_consistency` < 1 shows it); divergences there sit at near-ties.
@@ -92,7 +96,7 @@ class EvalReport:
     def suite_metrics(self) -> dict[str, float]:
         """The suite's summary figures under `eval/suite/<suite>/...` (no per-task or per-position keys)."""
         name = self.info.get("suite_label") or self.info.get("suite", "suite")
-        skip = ("eval/task/", "eval/acc_pos", "eval/real/", "eval/seconds")
+        skip = ("eval/task/", "eval/acc_pos", "eval/reach_pos", "eval/oracle/", "eval/real/", "eval/seconds")
         return {f"eval/suite/{name}/{k[5:]}": v for k, v in self.all_metrics().items()
                 if k.startswith("eval/") and not k.startswith(skip)}
 
@@ -163,6 +167,8 @@ class EvalReport:
             if not math.isnan(st.get("eval/delta_prompt_lookup_ci_low", math.nan)):
                 out += (f" [{st['eval/delta_prompt_lookup_ci_low']:+.3f}, "
                         f"{st['eval/delta_prompt_lookup_ci_high']:+.3f}]")
+        from dflash.evaluation.headroom import headline_part
+        out += headline_part(st)
         if not math.isnan(self.metrics.get("eval/gt_copy_rate", math.nan)):
             out += f"; the ground truth repeats {100 * self.metrics['eval/gt_copy_rate']:.0f}% of its 8-grams"
         if "eval/gt_in_repeat16" in self.metrics:
@@ -201,6 +207,9 @@ class EvalReport:
                   "|---|" + "---|" * len(self.acc_pos),
                   "| rate | " + " | ".join(self._rates()) + " |",
                   "| reached | " + " | ".join(str(n) for n in self.reached_pos) + " |"]
+        if any(k.startswith("eval/reach_pos") for k in self.stats):
+            from dflash.evaluation.headroom import reach_row
+            lines.append(reach_row(self.stats, len(self.acc_pos)))
         return "\n".join(lines) + "\n"
 
     def console_table(self) -> str:
@@ -384,6 +393,10 @@ def evaluate(drafter, target, cfg: EvalConfig, tasks: Sequence[Task] | None = No
     finally:
         drafter.train(was_training)
     stats = _stats(results, baseline, budgets, cfg)
+    if not limit:  # headroom beside τ (the in-training subset goes without): oracle, reach, entropy
+        from dflash.evaluation.headroom import headroom_figures
+        stats.update(headroom_figures(target, truths, results, metrics["eval/tau_vanilla"], stats, drafter.block_size,
+                                      cfg, sampling, info["ground_truth_key"]))
     metrics["eval/seconds"] = time.perf_counter() - t0
     acc, reached = _position_acceptance(results, bs)
     info["block_size"] = bs

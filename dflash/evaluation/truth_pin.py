@@ -48,6 +48,23 @@ def tasks_digest(tasks: list[dict]) -> str:
     return hashlib.sha256(json.dumps(tasks, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
+def read_checked_tasks(path, kind: str, fmt: int, bad) -> tuple[dict, list[dict]]:
+    """(the JSON object at `path`, its task list) when it is a `kind` file of format `fmt` whose `sha256` is its
+    tasks' digest; else raises `bad(why)` (pins and the frozen held-out suite share this shape)."""
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise bad(f"unreadable ({type(e).__name__}: {e})") from e
+    if not isinstance(data, dict) or data.get("kind") != kind or data.get("format") != fmt:
+        raise bad(f"not a {kind} file of format {fmt}")
+    tasks = data.get("tasks")
+    if not isinstance(tasks, list) or not all(isinstance(t, dict) for t in tasks):
+        raise bad("no task list")
+    if data.get("sha256") != tasks_digest(tasks):
+        raise bad("checksum mismatch (edited by hand, or torn)")
+    return data, tasks
+
+
 @dataclass(frozen=True)
 class PinnedSuite:
     """What decides a suite's ground truth apart from numerics; finds, reads and writes its pin."""
@@ -98,17 +115,7 @@ class PinnedSuite:
         def bad(why: str) -> PinError:
             return PinError(f"eval.truth_dir: pinned ground truth {path}: {why}; it is not used silently: fix or "
                             f"delete the file (a new pin is then written), or set another eval.truth_dir")
-        try:
-            data = json.loads(Path(path).read_text(encoding="utf-8"))
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise bad(f"unreadable ({type(e).__name__}: {e})") from e
-        if not isinstance(data, dict) or data.get("kind") != _KIND or data.get("format") != PIN_FORMAT:
-            raise bad(f"not a pin of format {PIN_FORMAT}")
-        tasks = data.get("tasks")
-        if not isinstance(tasks, list) or not all(isinstance(t, dict) for t in tasks):
-            raise bad("no task list")
-        if data.get("sha256") != tasks_digest(tasks):
-            raise bad("checksum mismatch (edited by hand, or torn)")
+        data, tasks = read_checked_tasks(path, _KIND, PIN_FORMAT, bad)
         self._match(data, tasks, bad)
         return Pin(Path(path), [list(t["continuation"]) for t in tasks], data["sha256"])
 

@@ -88,6 +88,7 @@ def test_a_sliding_window_speculator_bidirectional_in_the_block_is_refused(tmp_p
         load_drafter(speculators_folder(ours, tmp_path / "bidir", sliding_window_non_causal=True))
 
 
+@pytest.mark.slow
 def test_experiments_eval_takes_a_speculators_folder(tmp_path):
     """The same τ as our own folder of the same weights, on the same ground truth."""
     pytest.importorskip("hydra")

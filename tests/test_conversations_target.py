@@ -123,7 +123,7 @@ def test_turns_are_regenerated_in_rounds_each_prompted_with_the_earlier_answers(
     def prompt_ids(c, msgs):
         seen.setdefault(c, []).append([m["content"] for m in msgs])
         return [len(msgs)]
-    out = regenerate_turns(convs, respond, prompt_ids, lambda ids: f"round{ids[0]}:{ids[1]}")
+    out = regenerate_turns(convs, respond, prompt_ids, lambda c, p, ids: {"content": f"round{ids[0]}:{ids[1]}"})
     assert [len(r) for r in calls] == [2, 1]  # round 1: both conversations' first turns; round 2: the third turn
     assert [m["content"] for m in out[0] if m["role"] == "assistant"] == ["round1:2", "a2", "round2:6"]
     assert out[1][1]["content"] == "round1:1"

@@ -3,6 +3,7 @@
 the regen resumes, and a run trains on them with the framework's own target computing the hidden states."""
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 import socket
@@ -27,17 +28,21 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture
-def served_target(tmp_path, chat_cfg):
-    """The tiny chat target saved as a Hugging Face folder and served by `transformers serve` on the CPU:
-    (its folder, the endpoint's base URL)."""
-    pytest.importorskip("openai")  # transformers serve's own requirement (transformers[serving])
+def save_chat_target(tmp_path, chat_cfg) -> Path:
+    """The tiny chat target saved as a Hugging Face folder (weights, config, the tiny chat tokenizer)."""
     from dflash.target.model import ASSETS, build_random_model
     spec = chat_cfg().target.random
     ckpt = tmp_path / "ckpt"
     build_random_model(spec, torch.device("cpu"), torch.float32).save_pretrained(ckpt)
     for f in (ASSETS / "tiny_chat").iterdir():
         shutil.copy(f, ckpt / f.name)
+    return ckpt
+
+
+@contextlib.contextmanager
+def transformers_serve(ckpt: Path, tmp_path: Path):
+    """`transformers serve` of `ckpt` on the CPU at 127.0.0.1, up and answering: yields the endpoint's base URL."""
+    pytest.importorskip("openai")  # transformers serve's own requirement (transformers[serving])
     port = _free_port()
     log = open(tmp_path / "serve.log", "w")
     server = subprocess.Popen([sys.executable, "-c", "from transformers.cli.transformers import main; main()",
@@ -45,7 +50,7 @@ def served_target(tmp_path, chat_cfg):
                                "--dtype", "float32"], stdout=log, stderr=subprocess.STDOUT, cwd=tmp_path)
     url = f"http://127.0.0.1:{port}/v1"
     try:
-        for _ in range(240):
+        for _ in range(600):  # its imports and the model's load take minutes on busy shared cores
             try:
                 with urllib.request.urlopen(url + "/models", timeout=2) as r:
                     if json.loads(r.read())["data"]:
@@ -55,12 +60,21 @@ def served_target(tmp_path, chat_cfg):
             assert server.poll() is None, (tmp_path / "serve.log").read_text()[-3000:]
             time.sleep(0.5)
         else:
-            pytest.fail("transformers serve did not come up in 120 s")
-        yield ckpt, url
+            pytest.fail("transformers serve did not come up in 300 s")
+        yield url
     finally:
         server.terminate()
         server.wait(timeout=60)
         log.close()
+
+
+@pytest.fixture
+def served_target(tmp_path, chat_cfg):
+    """The tiny chat target saved as a Hugging Face folder and served by `transformers serve` on the CPU:
+    (its folder, the endpoint's base URL)."""
+    ckpt = save_chat_target(tmp_path, chat_cfg)
+    with transformers_serve(ckpt, tmp_path) as url:
+        yield ckpt, url
 
 
 @pytest.mark.slow

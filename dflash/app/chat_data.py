@@ -74,7 +74,10 @@ def conversation_writer(cfg, target, cs: ConversationSet, rank: int = 0, world: 
     figures. The turns' prompts with the dataset's history are rendered up front: a template that cannot render
     a record stops the run before any work, and they are the run's training examples for eval/tau_train."""
     d = cfg.data
-    prompts, stats, fingerprint = turn_prompts(cs, target.tokenizer, d)
+    try:  # a record the template refuses, or whose system prompt and tools exceed the prompt limit: exit 2
+        prompts, stats, fingerprint = turn_prompts(cs, target.tokenizer, d)
+    except ValueError as e:
+        raise ConfigError(str(e)) from e
     pool = PromptPool(prompts, [], fingerprint, cs.fingerprint, stats)  # type: ignore[arg-type] - read by index
     records, turns = [], []  # per conversation with a turn to rewrite: its TRAIN-split index, its turns kept
     for conv in prompts.ds["conversation"]:

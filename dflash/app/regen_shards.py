@@ -11,15 +11,11 @@ is skipped without being read: a killed regen resumes where it was, and a finish
 """
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
 import math
-import os
 import sys
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from dflash.config import ConfigError
 from dflash.data.responders import ServerConfig, validate_server
@@ -37,27 +33,29 @@ class RegenConfig:
     # server serving the same target: vLLM, SGLang, transformers serve; `server.*`, dflash.data.responders)
     backend: str = "target"
     server: ServerConfig = field(default_factory=ServerConfig)
-    # turn by turn: the conversations with every trained assistant turn rewritten by the target (each later turn
-    # prompted with its own earlier answers, each ending at its end-of-turn token), written to this .jsonl (then
-    # train on it with responses=dataset) instead of shards
+    # `out=`: the conversations with every trained assistant turn rewritten by the target, turn by turn (each later
+    # turn prompted with its own earlier answers, each ending at its end of turn), written to this .jsonl instead of
+    # shards (dflash.app.regen_turns; then train on it with responses=dataset)
     turns_out: str = ""
     turn_tokens: int = 0  # longest written turn (0: data.max_len)
 
 
 def validate_regen(cfg, regen: RegenConfig) -> None:
     d = cfg.data
-    if d.source != "conversations" or d.conversations.responses != "target":
+    if d.source != "conversations":
         raise ConfigError("experiments.regen writes the target's responses to a conversation dataset: give "
-                          "+data=conversations data.path=... data.conversations.responses=target")
-    if not d.online.shard_dir:
+                          "+data=conversations data.path=... (and data.conversations.responses=target for shards, "
+                          "or out=FILE.jsonl for a conversation file)")
+    if not regen.turns_out and d.conversations.responses != "target":
+        raise ConfigError("experiments.regen writes the shards of data.conversations.responses=target: give it "
+                          "(or out=FILE.jsonl to write a conversation file)")
+    if not regen.turns_out and not d.online.shard_dir:
         raise ConfigError("data.online.shard_dir is empty: experiments.regen has nowhere to write its shards")
     if regen.backend not in ("target", "openai"):
         raise ConfigError(f"backend={regen.backend!r}: expected target (this process writes) or openai (an "
                           f"inference server at url=...)")
     if regen.backend == "openai":
         validate_server(regen.server)
-        if regen.turns_out:  # the turn-by-turn writer generates with this process's target only, for now
-            raise ConfigError("backend=openai writes shards; regen.turns_out (turn by turn) needs backend=target")
     if regen.turns_out and not regen.turns_out.endswith(".jsonl"):
         raise ConfigError(f"regen.turns_out={regen.turns_out!r}: expected a .jsonl file to write")
     if regen.turn_tokens < 0:
@@ -74,93 +72,10 @@ def plan(num_prompts: int, write_batch: int, regen: RegenConfig) -> int:
     return math.ceil(regen.epochs * num_prompts / (write_batch * regen.train_world))
 
 
-def _openai_record(messages: list[dict], tools: str) -> dict:
-    """A normalized conversation as an OpenAI record our reader reads back (untrained turns: weight 0)."""
-    out = []
-    for m in messages:
-        msg = {"role": m["role"], "content": m["content"]}
-        if m.get("reasoning"):
-            msg["reasoning_content"] = m["reasoning"]
-        if m.get("tool_calls"):
-            msg["tool_calls"] = json.loads(m["tool_calls"])
-        for key in ("tool_call_id", "name"):
-            if m.get(key):
-                msg[key] = m[key]
-        if m["role"] == "assistant" and not m["train"]:
-            msg["weight"] = 0
-        out.append(msg)
-    return {"messages": out, **({"tools": json.loads(tools)} if tools else {})}
-
-
-TURNS_VERSION = 1  # what regen.turns_out writes (its rounds file is read back only at the same version)
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
-
-
-def _read_rounds(path: Path, key: str) -> tuple[int, list] | None:
-    """(rounds done, conversations) of an earlier regen of the same data and settings, or None."""
-    try:
-        saved = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-    if saved.get("key") != key:
-        return None
-    log.info("regen: resuming after round %d (%s)", saved["rounds"], path)
-    return int(saved["rounds"]), saved["conversations"]
-
-
-def run_regen_turns(cfg, regen: RegenConfig) -> dict[str, float]:
-    """`regen.turns_out`: the dataset's conversations with their trained assistant turns rewritten by the
-    target, turn by turn (`dflash.data.regen.regenerate_turns`), written atomically as OpenAI JSONL."""
-    from dflash.app.chat_data import load_set
-    from dflash.config import validate
-    from dflash.data.conversation_data import end_of_turn_id, prompt_tokens
-    from dflash.data.online import resolve_online_config
-    from dflash.data.regen import regenerate_turns, target_responder, turn_text
-    from dflash.target.sampling import Sampling
-    from dflash.target.model import Target
-    validate(cfg)
-    validate_regen(cfg, regen)
-    target = Target(cfg.target)
-    cs = load_set(cfg, target.tokenizer)
-    kept = cs.everything.filter(lambda s: not s, input_columns="skip")
-    tok, chat, n = target.tokenizer, cfg.data.chat, cfg.data.pool.max_prompt_len
-    tools, end_id = kept["tools"], end_of_turn_id(target.tokenizer)
-    max_new = regen.turn_tokens or cfg.data.max_len
-    # the data's sampling setting made what runs (-1 fields: the target's generation_config.json)
-    online = resolve_online_config(cfg.data.online, target, cfg.data.max_len)
-    sampling = Sampling(online.sampling.temperature, online.sampling.top_p, online.sampling.top_k)
-    respond = target_responder(target, end_id, max_new, online.write_batch or 16, sampling,
-                               online.stream_seed, online.decode)
-    out = Path(regen.turns_out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    # a killed regen resumes after its last finished round, when nothing that decides the answers changed
-    key = hashlib.sha256(json.dumps([cs.fingerprint, str(target.identity), str(target.dtype), max_new, n, end_id,
-                                     sampling.label, online.stream_seed, TURNS_VERSION]).encode()).hexdigest()
-    partial = out.with_name(f".{out.name}.rounds")
-    start = _read_rounds(partial, key)
-    t0 = time.perf_counter()
-    written = regenerate_turns(kept["messages"], respond,
-                               lambda c, msgs: prompt_tokens(tok, msgs, chat, tools[c], n)[0],
-                               lambda ids: turn_text(tok, ids, end_id),
-                               start=start, on_round=lambda k, convs: _write_atomic(
-                                   partial, json.dumps({"key": key, "rounds": k, "conversations": convs})))
-    _write_atomic(out, "".join(json.dumps(_openai_record(m, t), ensure_ascii=False) + "\n"
-                               for m, t in zip(written, tools)))
-    partial.unlink(missing_ok=True)
-    turns = sum(m["role"] == "assistant" and m["train"] for c in written for m in c)
-    log.info("regen: %d conversations, %d assistant turns rewritten turn by turn, in %s", len(written), turns, out)
-    return {"data/regen_conversations": float(len(written)), "data/regen_turns": float(turns),
-            "sys/regen_s": time.perf_counter() - t0}
-
-
 def run_regen(cfg, regen: RegenConfig) -> dict[str, float]:
     """Writes this process's share of the shards (module doc); returns data/ and perf/ figures of this rank."""
-    if regen.turns_out:
+    if regen.turns_out:  # a conversation file instead of shards
+        from dflash.app.regen_turns import run_regen_turns
         return run_regen_turns(cfg, regen)
     from dflash.target.model import Target
     from dflash.app.chat_data import conversation_writer, load_set
@@ -239,13 +154,14 @@ def _progress(total: int, show: bool, world: int):
                 desc="regen written" if world == 1 else f"regen written (rank 0 of {world})")
 
 
-SHORT_KEYS = {"backend=": "regen.backend=", "url=": "regen.server.url=", "server.": "regen.server."}
+SHORT_KEYS = {"backend=": "regen.backend=", "url=": "regen.server.url=", "server.": "regen.server.",
+              "out=": "regen.turns_out="}
 
 
 def regen_config_from(argv: list[str]) -> tuple[RegenConfig, list[str]]:
     """`regen.KEY=VALUE` arguments as a RegenConfig (through the one override parser, dflash/overrides.py); the
-    rest are run-config overrides. `backend=`, `url=` and `server.KEY=` are short for regen.backend,
-    regen.server.url and regen.server.KEY."""
+    rest are run-config overrides. `backend=`, `url=`, `server.KEY=` and `out=` are short for regen.backend,
+    regen.server.url, regen.server.KEY and regen.turns_out."""
     from dflash.overrides import apply_overrides
     argv = [next((long + a[len(short):] for short, long in SHORT_KEYS.items() if a.startswith(short)), a)
             for a in argv]

@@ -17,7 +17,9 @@ Where the assistant turns are (`render`):
   model's). Context and turns are tokenized piece by piece, as the target reads its prompt and then writes its
   turn, so no token straddles a boundary. When every turn's `upto` is a prefix of the whole conversation's render,
   the conversation is one row; when the template rewrites earlier turns (Qwen3 strips their reasoning), each
-  trained assistant turn becomes its own row over its own rendering (`head` + the turn), as SpecForge does.
+  trained assistant turn becomes its own row over its own rendering (`head` + the turn): what the target reads
+  when it writes that turn. (SpecForge's parser renders the conversation once and masks every assistant span in
+  it, so with such a template its earlier turns train as the template rewrote them.)
 
 `data.chat.template`: a .jinja file, or a shipped template by name (`TEMPLATES`: qwen3, qwen3_6, the official
 templates as the models ship them) replacing or supplying the tokenizer's. `data.chat.think`: keep or drop

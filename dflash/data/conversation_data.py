@@ -38,7 +38,7 @@ from dflash.data.chat import (
     template_name,
     template_text,
 )
-from dflash.data.conversations import read_conversations
+from dflash.data.conversations import message, read_conversations
 from dflash.registry import Registry
 
 log = logging.getLogger(__name__)
@@ -57,6 +57,10 @@ class ConversationsConfig:
     eval_prompts: int = 16  # the chat_heldout suite: its first N held-out conversations ...
     eval_tokens: int = 128  # ... each continued for M tokens by the target
     coding10_chat: bool = True  # also evaluate coding10's prompts as user messages through the chat template
+    # false: a record the chat template refuses stops the run (exit 2), and one empty assistant turn skips its whole
+    # record; true: the refused record is skipped and counted (data/skipped_template_error), an empty assistant turn
+    # becomes context (data/untrained_empty_turns) and the record's other turns still train
+    skip_bad: bool = False
 
 
 # data.conversations.overflow -> (ids, mask, max_len) -> windows of at most max_len tokens
@@ -131,7 +135,7 @@ def _tokenize(batch: dict, *, tokenizer, chat: ChatConfig, max_len: int, min_len
         try:
             rows = render(tokenizer, messages, chat, where=f"record {source}", tools=tools)
         except TemplateError as e:
-            row([], [], False, f"template_error: {e}", source)
+            row([], [], False, f"{TEMPLATE_ERROR}{e}", source)
             continue
         for ids, mask in rows:  # one row, or one per trained assistant turn (dflash.data.chat.render)
             kept = 0
@@ -160,16 +164,52 @@ def _num_proc(cfg: ConversationsConfig, rows: int) -> int | None:
     return n if n > 1 and rows >= 4 * n else None
 
 
+_WARNED: set[tuple[str, str]] = set()  # (data fingerprint, what): a warning given once per process
+
+
+def _warn_once(data: str, what: str, msg: str, *args) -> None:
+    """A warning about the data, given once per process however often the set is loaded (a regen's writer per
+    training rank, a campaign's write-ahead and then its runs)."""
+    if (data, what) not in _WARNED:
+        _WARNED.add((data, what))
+        log.warning(msg, *args)
+
+
 def _count_skips(normalized, stats: dict) -> None:
-    """data/skipped_<reason> of the records nobody trains on, and a warning naming the first of each reason."""
-    skips = Counter(normalized["skip"])
+    """data/skipped_<reason> of the records nobody trains on, data/untrained_empty_turns, and a warning naming the
+    first record of each."""
+    skips, data = Counter(normalized["skip"]), normalized._fingerprint
     for reason, n in sorted(skips.items()):
         if not reason:
             continue
         first = normalized[normalized["skip"].index(reason)]["source"]
         stats[f"data/skipped_{reason}"] = float(n)
-        log.warning("conversations: %d record(s) skipped (%s), the first %s", n, SKIP_REASONS.get(reason, reason),
-                    first)
+        _warn_once(data, reason, "conversations: %d record(s) skipped (%s), the first %s", n,
+                   SKIP_REASONS.get(reason, reason), first)
+    empty = normalized["empty_turns"]
+    if any(empty):
+        first = normalized[next(i for i, n in enumerate(empty) if n)]["source"]
+        stats["data/untrained_empty_turns"] = float(sum(empty))
+        _warn_once(data, "empty_turns", "conversations: %d empty assistant turn(s) kept as context, not trained on "
+                   "(data.conversations.skip_bad=true), the first in %s", sum(empty), first)
+
+
+TEMPLATE_ERROR = "template_error: "  # the status prefix of a record the chat template refuses
+
+
+def _refused(status: Counter, skip_bad: bool, stats: dict, data: str) -> None:
+    """Records the chat template refused (status `template_error: <why>`): TemplateError naming the first, or
+    with `skip_bad` counted as data/skipped_template_error with one warning naming the first."""
+    refused = [s for s in status if s.startswith(TEMPLATE_ERROR)]  # in the records' order
+    if not refused:
+        return
+    if not skip_bad:
+        raise TemplateError(refused[0].removeprefix(TEMPLATE_ERROR) + " (data.conversations.skip_bad=true skips "
+                            "and counts such records)")
+    n = sum(status[s] for s in refused)
+    stats["data/skipped_template_error"] = float(n)
+    _warn_once(data, "template_error", "conversations: %d record(s) skipped (the chat template refuses them), the "
+               "first: %s", n, refused[0].removeprefix(TEMPLATE_ERROR))
 
 
 SKIP_REASONS = {"image_parts": "content with image parts: a text drafter cannot train on it",
@@ -183,7 +223,7 @@ def load_conversation_set(data_cfg, tokenizer) -> ConversationSet:
     the training tokens, `turn_prompts`); ConversationInputError / TemplateError on bad input."""
     c, chat = data_cfg.conversations, data_cfg.chat
     tokenizer = prepare_tokenizer(tokenizer, chat)
-    normalized, formats = read_conversations(data_cfg.path, c.cache_dir, _num_proc(c, 0) or 1)
+    normalized, formats = read_conversations(data_cfg.path, c.cache_dir, _num_proc(c, 0) or 1, c.skip_bad)
     procs = _num_proc(c, len(normalized))
     split = normalized.map(_split, fn_kwargs={"salt": c.salt, "per_10k": c.heldout_per_10k}, num_proc=procs,
                            desc="conversations: split")
@@ -216,9 +256,7 @@ def _tokenize_train(cs: ConversationSet, data_cfg, tokenizer, procs) -> None:
                                           "min_len": data_cfg.min_len, "overflow": c.overflow},
                                num_proc=procs, new_fingerprint=cs.fingerprint[:32], desc="conversations: tokenize")
     status = Counter(tokenized["status"])
-    broken = next((s for s in status if s.startswith("template_error")), None)
-    if broken:
-        raise TemplateError(broken.removeprefix("template_error: "))
+    _refused(status, c.skip_bad, cs.stats, cs.fingerprint)
     ok = tokenized.filter(lambda s: s == "ok", input_columns="status", num_proc=procs)
     if c.limit:
         ok = ok.select(range(min(c.limit, len(ok))))
@@ -226,7 +264,7 @@ def _tokenize_train(cs: ConversationSet, data_cfg, tokenizer, procs) -> None:
         raise ValueError(f"data.path={data_cfg.path!r}: no training conversation has an assistant token to train on "
                          f"(statuses: {dict(status)}; data.min_len={data_cfg.min_len}, data.max_len={data_cfg.max_len})")
     cs.train = ok.remove_columns(["status", "truncated"])
-    skipped = {s: n for s, n in status.items() if s != "ok"}
+    skipped = {s: n for s, n in status.items() if s != "ok" and not s.startswith(TEMPLATE_ERROR)}
     cs.stats.update({"data/skipped": float(sum(skipped.values()) + sum(
         v for k, v in cs.stats.items() if k.startswith("data/skipped_"))),
         "data/truncated": float(sum(tokenized["truncated"])), "data/train_sequences": float(len(ok))})
@@ -259,31 +297,57 @@ def spread(seq, count: int) -> list:
 
 
 # -- responses=target: one prompt per assistant turn --------------------------------------------------------
-def prompt_tokens(tokenizer, messages: list[dict], chat: ChatConfig, tools: str,
-                  max_len: int) -> tuple[list[int], bool]:
+class PromptLimitError(ValueError):
+    """A prompt whose system prompt and tool schemas alone take `data.pool.max_prompt_len` tokens or more."""
+
+
+def _kept_text(tokenizer, messages: list[dict], chat: ChatConfig, tools: str, text: str) -> str:
+    """The start of a prompt's rendering `text` that a cut never touches: the system prompt and the tool schemas
+    the template writes there (up to the first character that depends on the turns after the system prompt:
+    what `text` has in common with the rendering of the system prompt and a one-character user turn)."""
+    head = [m for m in messages[:1] if m["role"] == "system"]
+    probe = render_prompt(tokenizer, head + [message("user", "\x00")], chat, tools)
+    return text[:len(os.path.commonprefix([text, probe]))]
+
+
+def prompt_tokens(tokenizer, messages: list[dict], chat: ChatConfig, tools: str, max_len: int,
+                  where: str = "a record") -> tuple[list[int], bool]:
     """Assistant turn len(messages)'s prompt as tokens (with the generation prompt), at most `max_len`, and
-    whether it was cut. A long history is cut from the middle, not the start: the system prompt (and the tool
-    schemas the template puts there) stays, the oldest turns after it go, whole, from a user turn on (a template
-    may need one); a prompt still too long keeps its first half of `max_len` and its last tokens."""
-    ids = tokenizer.encode(render_prompt(tokenizer, messages, chat, tools), add_special_tokens=False)
+    whether it was cut. The system prompt and the tool schemas (the template's start of the prompt) are kept
+    whole; a long history is cut after them, the oldest turns first, whole, from a user turn on (a template may
+    need one); a last user turn still too long keeps its first and last tokens around the cut. PromptLimitError
+    (naming `where` and data.pool.max_prompt_len) when the system prompt and tools alone do not fit."""
+    text = render_prompt(tokenizer, messages, chat, tools)
+    ids = tokenizer.encode(text, add_special_tokens=False)
     if len(ids) <= max_len:
         return ids, False
+    kept_text = _kept_text(tokenizer, messages, chat, tools, text)
+    kept = tokenizer.encode(kept_text, add_special_tokens=False)
+    if len(kept) >= max_len:
+        raise PromptLimitError(
+            f"data.pool.max_prompt_len={max_len}: the system prompt and tool schemas of {where} alone take "
+            f"{len(kept)} tokens, and a prompt is never cut inside them; raise data.pool.max_prompt_len above "
+            f"{len(kept)}")
     head = [m for m in messages[:1] if m["role"] == "system"]
     for k in range(len(head) + 1, len(messages)):
         if messages[k]["role"] != "user":
             continue
-        cut = tokenizer.encode(render_prompt(tokenizer, head + messages[k:], chat, tools), add_special_tokens=False)
+        text = render_prompt(tokenizer, head + messages[k:], chat, tools)
+        cut = tokenizer.encode(text, add_special_tokens=False)
         if len(cut) <= max_len:
             return cut, True
-    keep = max_len // 2
-    return ids[:keep] + ids[len(ids) - (max_len - keep):], True
+    rest = tokenizer.encode(text[len(kept_text):], add_special_tokens=False)
+    room = max_len - len(kept)
+    first = room // 2
+    return kept + rest[:first] + rest[len(rest) - (room - first):], True
 
 
 def _turn_prompts(batch: dict, indices: list[int], *, tokenizer, chat: ChatConfig, max_prompt_len: int) -> dict:
     """Each trained assistant turn's prompt with the dataset's earlier turns (`prompt_tokens`; the target writes
     the rest of the sequence), its conversation (the record's index in the TRAIN split) and its place among that
     conversation's trained turns. A conversation with no trained turn gives one empty row (status
-    no_assistant_turn), one the template cannot render an error row."""
+    no_assistant_turn); one the template cannot render, or whose system prompt and tools alone exceed the limit,
+    one error row (template_error / prompt_limit) and no prompt."""
     out: dict[str, list] = {"prompt_ids": [], "prompt_len": [], "truncated": [], "status": [], "conversation": [],
                             "turn": []}
 
@@ -292,24 +356,47 @@ def _turn_prompts(batch: dict, indices: list[int], *, tokenizer, chat: ChatConfi
         out["truncated"].append(truncated), out["status"].append(status)
         out["conversation"].append(conversation), out["turn"].append(turn)
     for messages, tools, source, index in zip(batch["messages"], batch["tools"], batch["source"], indices):
-        turns = [i for i, m in enumerate(messages) if m["role"] == "assistant" and m["train"]]
-        if not turns:
+        if not any(m["role"] == "assistant" and m["train"] for m in messages):
             row([], False, "no_assistant_turn", index, -1)
-        for k, i in enumerate(turns):
-            try:
-                ids, cut = prompt_tokens(tokenizer, messages[:i], chat, tools, max_prompt_len)
-            except Exception as e:  # noqa: BLE001 - jinja raises many types
-                row([], False, f"template_error: {template_name(chat)} does not render record {source}: "
-                               f"{type(e).__name__}: {e}", index, k)
-                break
+        prompts, status = record_prompts(tokenizer, messages, tools, source, chat, max_prompt_len)
+        if status:
+            row([], False, status, index, -1)
+        for k, (ids, cut) in enumerate(prompts):
             row(ids, cut, "ok", index, k)
     return out
+
+
+PROMPT_LIMIT = "prompt_limit: "  # the status prefix of a record whose system prompt and tools exceed the limit
+
+
+def record_prompts(tokenizer, messages: list[dict], tools: str, source: str, chat: ChatConfig,
+                   max_prompt_len: int) -> tuple[list[tuple[list[int], bool]], str]:
+    """(each trained assistant turn's prompt with the dataset's earlier turns and whether it was cut, ''), or
+    ([], why none): `prompt_limit: …` (the system prompt and tools alone exceed the limit) or `template_error: …`
+    (the template refuses the record). `check_prompt_statuses` turns the statuses into errors or counts."""
+    turns = [i for i, m in enumerate(messages) if m["role"] == "assistant" and m["train"]]
+    try:
+        return [prompt_tokens(tokenizer, messages[:i], chat, tools, max_prompt_len, where=f"record {source}")
+                for i in turns], ""
+    except PromptLimitError as e:
+        return [], f"{PROMPT_LIMIT}{e}"
+    except Exception as e:  # noqa: BLE001 - jinja raises many types
+        return [], f"{TEMPLATE_ERROR}{template_name(chat)} does not render record {source}: {type(e).__name__}: {e}"
+
+
+def check_prompt_statuses(status: Counter, skip_bad: bool, stats: dict, data: str) -> None:
+    """PromptLimitError for a record whose system prompt and tools exceed the limit (a setting to raise, never
+    skipped); records the template refuses as `_refused` says."""
+    over = next((s for s in status if s.startswith(PROMPT_LIMIT)), None)
+    if over:
+        raise PromptLimitError(over.removeprefix(PROMPT_LIMIT))
+    _refused(status, skip_bad, stats, data)
 
 
 def turn_prompts(cs: ConversationSet, tokenizer, data_cfg) -> tuple[ArrowColumn, dict[str, float], str]:
     """(prompts as token lists, data/ figures, fingerprint) of every assistant turn of the TRAIN split."""
     c, chat, n = data_cfg.conversations, data_cfg.chat, data_cfg.pool.max_prompt_len
-    fingerprint = hashlib.sha256(f"{cs.fingerprint}:turn-prompts-v4:{n}:{c.limit}".encode()).hexdigest()
+    fingerprint = hashlib.sha256(f"{cs.fingerprint}:turn-prompts-v5:{n}:{c.limit}:{c.skip_bad}".encode()).hexdigest()
     ds = cs.normalized.map(_turn_prompts, batched=True, batch_size=64, with_indices=True,
                            remove_columns=cs.normalized.column_names,
                            fn_kwargs={"tokenizer": prepare_tokenizer(tokenizer, chat), "chat": chat,
@@ -317,16 +404,16 @@ def turn_prompts(cs: ConversationSet, tokenizer, data_cfg) -> tuple[ArrowColumn,
                            num_proc=_num_proc(c, len(cs.normalized)), new_fingerprint=fingerprint[:32],
                            desc="conversations: turn prompts")
     status = Counter(ds["status"])
-    broken = next((s for s in status if s.startswith("template_error")), None)
-    if broken:
-        raise TemplateError(broken.removeprefix("template_error: "))
+    stats: dict[str, float] = {}
+    check_prompt_statuses(status, c.skip_bad, stats, cs.fingerprint)
     ok = ds.filter(lambda s: s == "ok", input_columns="status")
     if c.limit:
         ok = ok.select(range(min(c.limit, len(ok))))
     if not len(ok):
         raise ValueError(f"data.path={data_cfg.path!r}: no training conversation has an assistant turn to rewrite")
-    stats = {"data/prompts": float(len(ok)), "data/truncated": float(sum(ok["truncated"])),
-             "data/skipped": float(status.get("no_assistant_turn", 0))}
+    stats.update({"data/prompts": float(len(ok)), "data/truncated": float(sum(ok["truncated"])),
+                  "data/skipped": float(status.get("no_assistant_turn", 0) + stats.get("data/skipped_template_error",
+                                                                                      0))})
     return ArrowColumn(ok, "prompt_ids", None), stats, fingerprint
 
 

@@ -4,7 +4,8 @@
 `Dataset.save_to_disk`. Each file is read on its own (memory-mapped Arrow, cached by `datasets` under
 `data.conversations.cache_dir`) and its format is detected from its fields (`FORMATS`; a file that mixes formats: per record):
 
-- `openai`:   {"messages": [{"role": "system"|"user"|"assistant"|"tool", "content": "..."}, ...], "tools": [...]?}
+- `openai`:   {"messages": [{"role": "system"|"developer"|"user"|"assistant"|"tool", "content": "..."}, ...],
+              "tools": [...]?} (`developer` is read as `system`, as OpenAI documents it for its newer models)
               assistant turns may carry `tool_calls` (content null or ""), a legacy `function_call`, and
               `reasoning_content`; tool turns `tool_call_id` (role `function` is a tool turn)
 - `sharegpt`: {"conversations": [{"from": "system"|"human"|"gpt"|"function_call"|"observation", "value": "...",
@@ -14,7 +15,9 @@
 
 Every record becomes `messages` (role, content, reasoning, tool_calls as JSON text, tool_call_id, name, train),
 `tools` (JSON text), `skip` (why nobody trains on it: `image_parts`, `empty_assistant_turn`; counted as
-`data/skipped_<reason>`), `source` ("file#row"), `format`, `prompt_hashes` (per assistant turn, the sha256 of the
+`data/skipped_<reason>`), `empty_turns` (with `skip_bad`: the assistant turns with nothing in them, kept as
+untrained context so the record's other turns still train), `source` ("file#row"), `format`, `prompt_hashes` (per
+assistant turn, the sha256 of the
 conversation before it: the held-out split) and `error` (why it fits no format; "" when it does). A record whose
 JSON does not parse or that fits no format stops the run before any work (`ConversationInputError`, exit 2),
 naming the file, the line (the row, for parquet and saved datasets) and the field.
@@ -31,9 +34,11 @@ from typing import Callable
 from dflash.registry import Registry
 
 FILE_SUFFIXES = (".jsonl", ".json", ".parquet")
-NORMALIZE_VERSION = 2  # the normalized table's layout (tool calls, reasoning, train flags, prompt hashes)
-# role spellings of the formats users hold (ShareGPT: human / gpt; a few exports: bot, model, chatgpt)
-ROLE_NAMES = {"system": "system", "user": "user", "human": "user", "assistant": "assistant", "gpt": "assistant",
+NORMALIZE_VERSION = 3  # the normalized table's layout (tool calls, reasoning, train flags, prompt hashes, empty turns)
+# role spellings of the formats users hold (ShareGPT: human / gpt; a few exports: bot, model, chatgpt; OpenAI's
+# `developer` is its newer name for the system message)
+ROLE_NAMES = {"system": "system", "developer": "system", "user": "user", "human": "user", "assistant": "assistant",
+              "gpt": "assistant",
               "chatgpt": "assistant", "bot": "assistant", "model": "assistant", "tool": "tool", "function": "tool",
               "observation": "tool"}
 
@@ -188,8 +193,6 @@ def _turn(m: dict, field: str, role_key: str, content_key: str) -> tuple[dict | 
     content, err = _content(m.get(ck), f"{field}.{ck}", empty_ok=bool(extra.get("tool_calls")))
     if err:
         return None, err
-    if role == "assistant" and not (content.strip() or extra.get("tool_calls") or extra.get("reasoning", "").strip()):
-        raise Skip("empty_assistant_turn")
     for key in ("tool_call_id", "name"):
         if isinstance(m.get(key), str):
             extra[key] = m[key]
@@ -197,6 +200,19 @@ def _turn(m: dict, field: str, role_key: str, content_key: str) -> tuple[dict | 
     if weight is not None and role == "assistant":
         extra["train"] = bool(weight)
     return message(role, content, **extra), ""
+
+
+def _empty_turns(messages: list[dict], skip_bad: bool) -> int:
+    """The trained assistant turns with no content, reasoning or call. Without `skip_bad` one skips the whole
+    record (Skip); with it each becomes context (train false, never loss) and the record's other turns train.
+    An untrained empty turn (weight 0) is context either way."""
+    empty = [m for m in messages if m["role"] == "assistant" and m["train"]
+             and not (m["content"].strip() or m["tool_calls"] or m["reasoning"].strip())]
+    if empty and not skip_bad:
+        raise Skip("empty_assistant_turn")
+    for m in empty:
+        m["train"] = False
+    return len(empty)
 
 
 def _turns(record: dict, column: str, role_key: str, content_key: str) -> tuple[list[dict], str]:
@@ -345,20 +361,23 @@ def _line_numbers(path: Path) -> Callable[[int], str]:
     return lambda i: f"line {lines[i] if i < len(lines) else i + 1}"
 
 
-def _normalize(record: dict, index: int, *, formats: list[str], path: str) -> dict:
+def _normalize(record: dict, index: int, *, formats: list[str], path: str, skip_bad: bool = False,
+               version: int = NORMALIZE_VERSION) -> dict:
+    """One record → the normalized row (module doc); `version` only keys `datasets`' cache of this map."""
     fmt = next((f for f in formats if all(record.get(k) is not None for k in FORMATS[f][0])), formats[0])
-    skip = ""
+    skip, empty = "", 0
     try:
         messages, err = FORMATS[fmt][1](record)
         tools, err2 = _tools(record) if not err else ("", "")
         err = err or err2
+        empty = _empty_turns(messages, skip_bad) if not err else 0
     except Skip as s:
         messages, tools, err, skip = [], "", "", s.reason
     if err and len(formats) > 1:
         err = f"{fmt}: {err}"
     messages = messages if not err else []
-    return {"messages": messages, "tools": tools, "skip": skip, "error": err, "source": f"{path}#{index}",
-            "format": fmt, "prompt_hashes": prompt_hashes(messages, tools)}
+    return {"messages": messages, "tools": tools, "skip": skip, "empty_turns": empty, "error": err,
+            "source": f"{path}#{index}", "format": fmt, "prompt_hashes": prompt_hashes(messages, tools)}
 
 
 def features():
@@ -367,12 +386,13 @@ def features():
     text, flag = ds_lib.Value("string"), ds_lib.Value("bool")
     message = {"role": text, "content": text, "reasoning": text, "tool_calls": text, "tool_call_id": text,
                "name": text, "train": flag}
-    return ds_lib.Features({"messages": [message], "tools": text, "skip": text, "error": text, "source": text,
-                            "format": text, "prompt_hashes": [text]})
+    return ds_lib.Features({"messages": [message], "tools": text, "skip": text, "empty_turns": ds_lib.Value("int32"),
+                            "error": text, "source": text, "format": text, "prompt_hashes": [text]})
 
 
-def read_conversations(path: str, cache_dir: str = "", num_proc: int = 1):
-    """Every file of `data.path` normalized (module doc) and concatenated, in file order; (dataset, formats)."""
+def read_conversations(path: str, cache_dir: str = "", num_proc: int = 1, skip_bad: bool = False):
+    """Every file of `data.path` normalized (module doc) and concatenated, in file order; (dataset, formats).
+    `skip_bad`: an empty assistant turn becomes context instead of skipping its record (`_empty_turns`)."""
     ds_lib = _offline_datasets()
     parts, formats = [], {}
     for f in resolve_files(path):
@@ -380,9 +400,11 @@ def read_conversations(path: str, cache_dir: str = "", num_proc: int = 1):
         fmts = detect_formats(list(raw.column_names), str(f))
         formats[str(f)] = "+".join(fmts)
         # a saved dataset's own folder is the user's: our caches go under cache_dir (or stay in memory)
+        name = f"normalized-{NORMALIZE_VERSION}-{int(skip_bad)}-{raw._fingerprint}.arrow"
         where = {} if not f.is_dir() else {"keep_in_memory": True} if not cache_dir else {
-            "cache_file_name": str(Path(cache_dir) / f"normalized-{NORMALIZE_VERSION}-{raw._fingerprint}.arrow")}
-        norm = raw.map(_normalize, with_indices=True, fn_kwargs={"formats": fmts, "path": str(f)},
+            "cache_file_name": str(Path(cache_dir) / name)}
+        norm = raw.map(_normalize, with_indices=True,
+                       fn_kwargs={"formats": fmts, "path": str(f), "skip_bad": skip_bad, "version": NORMALIZE_VERSION},
                        remove_columns=raw.column_names, num_proc=num_proc if len(raw) >= 4 * num_proc else None,
                        features=features(), desc=f"conversations: {f.name}", **where)
         bad = norm.filter(lambda e: e != "", input_columns="error")

@@ -128,16 +128,16 @@ def target_responder(target, end_id: int | None, max_new_tokens: int, batch_size
     return respond
 
 
-def regenerate_turns(conversations: list[list[dict]], respond, prompt_ids, response_text,
+def regenerate_turns(conversations: list[list[dict]], respond, prompt_ids, written_turn,
                      start: tuple[int, list[list[dict]]] | None = None, on_round=None,
                      on_turn=None) -> list[list[dict]]:
     """Every conversation's trained assistant turns rewritten, in rounds: round k writes the k-th trained turn of
     every conversation that has one, all of them in one `respond` call (the one step that produces responses: the
     target here, an inference server elsewhere). A turn's prompt (`prompt_ids(conversation index, messages before
-    it)`) holds the
-    responses of the earlier rounds, so each later turn is prompted with the target's own earlier answers; user
-    turns, tool results and untrained turns stay as the dataset has them. `response_text(tokens)`: the turn's
-    content (the end-of-turn token dropped; reasoning and calls as the model wrote them, in the text).
+    it)`) holds the responses of the earlier rounds, so each later turn is prompted with the target's own earlier
+    answers; user turns, tool results and untrained turns stay as the dataset has them.
+    `written_turn(conversation index, prompt, tokens)`: the turn's message fields (`content`, and where the caller
+    splits them out, `reasoning` and `tool_calls`; those not given are emptied).
     `start` = (rounds done, the conversations after them) resumes; `on_round(rounds done, conversations)` is
     called after each round (to save them); `on_turn(conversation, message index, prompt, response)` after each
     written turn (the in-training writer keeps its rows, `dflash.data.turn_writer`)."""
@@ -150,7 +150,7 @@ def regenerate_turns(conversations: list[list[dict]], respond, prompt_ids, respo
         todo = [(c, t[k]) for c, t in enumerate(turns) if k < len(t)]
         prompts = [prompt_ids(c, convs[c][:i]) for c, i in todo]
         for (c, i), prompt, tokens in zip(todo, prompts, respond(prompts)):
-            convs[c][i] = {**convs[c][i], "content": response_text(tokens), "reasoning": "", "tool_calls": ""}
+            convs[c][i] = {**convs[c][i], "reasoning": "", "tool_calls": "", **written_turn(c, prompt, tokens)}
             if on_turn is not None:
                 on_turn(c, i, prompt, tokens)
         if on_round is not None:

@@ -1,14 +1,15 @@
 """Responses written by an inference server the user already runs (vLLM, SGLang, `transformers serve`): any
 OpenAI-compatible `/v1/completions` endpoint serving the target.
 
-`ServerResponder.continue_prompts(prompts, n_new, temperature, seed)` is the one call: token prompts in, exactly
-`n_new[i]` continuation tokens out for each, as the built-in writer returns them (`dflash.data.writing`). Prompts
-go out as text (the target's tokenizer decodes them; every engine takes text, not every one takes token ids) and
-the returned text is tokenized back with the same tokenizer. A row the server ends early (an end-of-turn token, a
+`ServerResponder.continue_prompts(prompts, n_new, temperature, seed)` is the call of the shard writers: token prompts
+in, exactly `n_new[i]` continuation tokens out for each, as the built-in writer returns them (`dflash.data.writing`).
+Prompts go out as text (the target's tokenizer decodes them; every engine takes text, not every one takes token ids)
+and the returned text is tokenized back with the same tokenizer. A row the server ends early (an end-of-turn token, a
 tokenization that comes back shorter) is continued with a further request from where it stopped until it has its
 length: like the built-in writer, a row never stops early. Requests run at once up to `concurrency`, shared by every
 caller of one responder (a regen writing several shards at once), and each is retried with backoff on connection
-errors, timeouts, 429 and 5xx, up to `retries` times.
+errors, timeouts, 429 and 5xx, up to `retries` times. `complete_turn(prompt text, max_new, ...)` is the call of the
+conversation-file regen (`dflash.app.regen_turns`): one assistant turn, ended where the server stops.
 
 Exact length in one request where the engine allows it: `min_tokens` and `ignore_eos` (vLLM, SGLang) or a
 `generation_config` with `min_new_tokens` (`transformers serve`); `engine` picks which (`auto` asks the server's
@@ -107,8 +108,9 @@ class ServerResponder:
         raise AssertionError("unreachable")
 
     def _complete(self, text: str, n: int, temperature: float, seed: int, top_p: float = 1.0,
-                  top_k: int = 0) -> tuple[str, str]:
-        """One completion of at most (and where the engine allows, exactly) n tokens: (text, finish_reason)."""
+                  top_k: int = 0, exact: bool = True) -> tuple[str, str]:
+        """One completion of at most n tokens (`exact`: where the engine allows, exactly n; else it ends at the
+        server's stop, its end-of-turn or end-of-text token): (text, finish_reason)."""
         body = {"model": self.model, "prompt": text, "max_tokens": n, "temperature": float(temperature),
                 "seed": int(seed) % (2 ** 31)}
         sampled = temperature > 0
@@ -116,9 +118,12 @@ class ServerResponder:
             body["top_p"] = float(top_p)
         top = {"top_k": int(top_k)} if sampled and top_k else {}
         if self.engine == "transformers":
-            body["generation_config"] = json.dumps({"min_new_tokens": n, "max_new_tokens": n, **top})
-        else:  # vLLM and SGLang sampling params
+            length = {"min_new_tokens": n} if exact else {}
+            body["generation_config"] = json.dumps({**length, "max_new_tokens": n, **top})
+        elif exact:  # vLLM and SGLang sampling params
             body.update(min_tokens=n, ignore_eos=True, **top)
+        else:
+            body.update(top)
         self.requests += 1
         choice = self._request("POST", "/completions", body)["choices"][0]
         return choice.get("text") or "", choice.get("finish_reason") or ""
@@ -143,6 +148,12 @@ class ServerResponder:
                 return out[:n_new]
         raise ServerError(f"{self.base}: a prompt of {len(prompt)} tokens got {len(out)} of {n_new} tokens after 8 "
                           f"requests")
+
+    def complete_turn(self, prompt_text: str, max_new: int, temperature: float = 0.0, seed: int = 0,
+                      top_p: float = 1.0, top_k: int = 0) -> tuple[str, str]:
+        """One assistant turn: `prompt_text` (the conversation through the chat template, with the generation
+        prompt) continued until the server stops (its end of turn) or `max_new` tokens: (text, finish_reason)."""
+        return self._complete(prompt_text, max_new, temperature, seed, top_p, top_k, exact=False)
 
     def continue_prompts(self, prompts: Sequence[Sequence[int]], n_new: Sequence[int], temperature: float = 0.0,
                          seed: int = 0, top_p: float = 1.0, top_k: int = 0) -> list[list[int]]:

@@ -162,7 +162,8 @@ class TurnWriter(OnlineWriter):
             turn_of.update({(j, i): k for k, i in enumerate(ks)})
         seed = ((self.cfg.stream_seed * 1_000_003 + self.world) * 1_000_033 + self.rank) * 7_919 + b
         t0 = time.perf_counter()
-        regenerate_turns(convs, self._respond(seed), prompt, lambda ids: turn_text(self.tokenizer, ids, self.stop_ids),
+        regenerate_turns(convs, self._respond(seed), prompt,
+                         lambda j, p, ids: {"content": turn_text(self.tokenizer, ids, self.stop_ids)},
                          on_turn=lambda j, i, p, cont: rows.__setitem__((j, turn_of[(j, i)]), (p, cont)))
         dt = time.perf_counter() - t0
         picked = [rows[(local[(e, c)], k)] for e, c, k in items]

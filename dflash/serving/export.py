@@ -1,7 +1,8 @@
 """The serving format (docs/serving.md): a folder with `config.json` (`DFlashDraftModel`, Qwen3 decoder fields,
 `block_size`, `num_target_layers`, `dflash_config`) and `model.safetensors` whose tensor names are those
 of the reference implementation (z-lab/dflash `dflash/model.py`), which our module names mirror.
-z-lab / SGLang / vLLM load such a folder; `load_drafter` reads it back (ours or a published one).
+z-lab / SGLang / vLLM load such a folder; `load_drafter` reads it back (ours, a published one, or one speculators
+wrote: `dflash.serving.speculators_folder`).
 
 What the engines read beyond the weights (checked against their source, docs/serving.md), and where it comes from:
 - `max_position_embeddings`: the target's context length (SGLang refuses a drafter shorter than its target;
@@ -35,6 +36,7 @@ from dflash.atomic import atomic_write, atomic_write_text, dir_mode
 from dflash.drafter.model import LAYER_TYPES, DFlashDrafter, DrafterConfig
 from dflash.safe_load import MANIFEST, load_tensors, verify_manifest, write_manifest
 from dflash.serving.dflash2_folder import dflash2_config_fields, dflash2_serving_fields, is_dflash2
+from dflash.serving.speculators_folder import VERIFIER_TENSORS, is_speculators, serving_config_from_speculators
 
 MODELING_FILE = "modeling_dflash.py"  # written into every complete folder; its source sits beside this module
 AUTO_MAP = {"AutoModel": "modeling_dflash.DFlashDraftModel"}
@@ -251,6 +253,8 @@ def read_serving_config(folder: str | os.PathLike) -> dict:
         raise ValueError(f"{f}: not valid JSON ({e})") from e
     if not isinstance(cfg, dict):
         raise ValueError(f"{f}: expected a JSON object, got {type(cfg).__name__}")
+    if is_speculators(cfg):  # trained or converted by speculators: its nested layout, read as ours
+        cfg = serving_config_from_speculators(cfg, str(f))
     arch = cfg.get("architectures") or []
     if arch and not any("DFlash" in a for a in arch):
         raise ValueError(f"{f}: architectures={arch}; expected [\"DFlashDraftModel\"] (is this a target "
@@ -363,8 +367,9 @@ def check_folder_against_target(cfg: dict, target: TargetFacts, f: Path) -> None
 
 def load_drafter(folder: str | os.PathLike, device: str | torch.device = "cpu",
                  dtype: torch.dtype = torch.float32, target: TargetFacts | None = None) -> DFlashDrafter:
-    """Loads a serving-format folder (ours or a published DFlash drafter). Errors name the file and
-    what was expected there; with `target`, also a folder that does not fit that target."""
+    """Loads a serving-format folder (ours, a published DFlash drafter, or speculators' DFlash folder:
+    `dflash.serving.speculators_folder`). Errors name the file and what was expected there; with `target`, also a
+    folder that does not fit that target."""
     folder = Path(folder)
     verify_manifest(folder)  # ours: every file as exported; a published folder: its structure is checked below
     cfg = read_serving_config(folder)
@@ -387,6 +392,8 @@ def load_drafter(folder: str | os.PathLike, device: str | torch.device = "cpu",
     origin: dict[str, Path] = {}
     for f in files:
         part = load_tensors(f)
+        if is_speculators(cfg):  # the verifier's embedding and LM head copied in: ours come from the target
+            part = {k: v for k, v in part.items() if k not in VERIFIER_TENSORS}
         state.update(part)
         origin.update(dict.fromkeys(part, f))
     expected = drafter.state_dict()

@@ -3,8 +3,8 @@ run dir, a serving folder or a checkpoint.pt; B may also be `champion` (any `@al
 `models:/<name>@<alias>`: the registry's holder, in A's tracking store).
 
 With B: both drafters run on the SAME ground truth (A's config: target, suites, lengths), and each suite
-gets the paired Δτ = τ_A − τ_B with its `eval.ci_level` bootstrap interval over prompts (vanilla and per
-tree budget; trees at T = 0 only), printed, logged as `eval/<setting>/compare/delta_<metric>[_ci_low|_ci_high]`
+gets the paired Δτ = τ_A − τ_B with its `eval.ci_level` prompt × sample bootstrap interval
+(`dflash.evaluation.stats.hierarchical_ci`; vanilla and per tree budget; trees at T = 0 only), printed, logged as `eval/<setting>/compare/delta_<metric>[_ci_low|_ci_high]`
 (and per suite `eval/suite/<name>/<setting>/compare/...`; setting `t1`, `t0`: docs/evaluation.md) and written to
 `compare.json` / `compare.md`, with the vanilla Δ again on the least-degenerate rows
 (`.../compare/least_degenerate/delta_tau_vanilla`: the ground truths that repeat the fewest of their 8-grams, at least
@@ -362,7 +362,7 @@ def _compare_table(rows: list[dict], budgets: list[int], level: float, a: str, b
     head = ["suite", "setting", "tasks", "τ A", "τ B", "τ prompt-lookup", "Δ vanilla"]
     head += [f"Δ tree-{x} nodes" for x in budgets]
     head += ["Δ vanilla, least-degenerate rows (tasks; 8-gram copy rate ≤)"]
-    lines = [f"paired Δτ = A − B, {100 * level:g}% bootstrap CI over prompts, same ground truth "
+    lines = [f"paired Δτ = A − B, {100 * level:g}% prompt × sample bootstrap interval, same ground truth "
              f"(A = {a}, B = {b})", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         pl = r["tau_prompt_lookup"]

@@ -53,7 +53,8 @@ from dflash.atomic import atomic_write_text
 from dflash.config import ConfigError
 from dflash.overrides import apply_overrides
 from sweeps.campaign_report import stage_call, write_report
-from sweeps.campaign_spec import Campaign, Cell, best_option, check_only, load_campaign, stage_cells, start_order
+from sweeps.campaign_spec import (Campaign, Cell, best_option, check_only, load_campaign, record_winner_lr, stage_cells,
+                                  start_order)
 from sweeps.cells import (CellTask, cell_dir, cell_result, composed_config_key, config_key, expected_need_gib, pinned,
                           stale_records, trained_for)
 from sweeps.launcher import LocalLauncher, LauncherConfig, launcher_config, make_launcher
@@ -298,7 +299,7 @@ def run_campaign(c: Campaign, out: Path, extra: list[str], deadline_s: float = 0
                 summary["write_ahead"] = shared_inputs(c, extra, out, previous)
     done: dict[str, dict] = {}
     for group in stage_groups(c):
-        per_stage = [stage_cells(c, i, summary["winners"]) for i in group]
+        per_stage = [stage_cells(c, i, summary["winners"], summary.get("winner_lrs")) for i in group]
         stale_records(c, out, [x for cells in per_stage for x in cells])
         for cell in (x for cells in per_stage for x in cells):
             cell.overrides += extra
@@ -319,6 +320,7 @@ def run_campaign(c: Campaign, out: Path, extra: list[str], deadline_s: float = 0
                 cut = True  # a deadline or a failed cell: this stage's winner is not known yet (the next launch)
                 continue
             summary["winners"][c.stages[i].factor] = best_option(mine)
+            record_winner_lr(summary, c.stages[i].factor, mine)
             summary.setdefault("calls", {})[c.stages[i].factor] = stage_call(
                 [r for r in mine if not r.get("failed")], c.objective, summary["winners"][c.stages[i].factor])
             log.info("stage %d (%s): best %s", i, c.stages[i].factor, summary["winners"][c.stages[i].factor])

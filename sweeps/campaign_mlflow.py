@@ -7,8 +7,8 @@ from pathlib import Path
 from typing import Any
 
 from sweeps.campaign_report import stage_call
-from sweeps.campaign_spec import best_option, stage_cells
-from sweeps.cells import config_key
+from sweeps.campaign_spec import best_option, record_winner_lr, stage_cells
+from sweeps.cells import cell_result, config_key
 
 CELL_NAME = re.compile(r"^s(\d+)-(\w+?)-(.+)-seed(-?\d+)$")  # the run name is the cell id (sweeps.campaign)
 
@@ -64,7 +64,21 @@ def _mlflow_cell(c, cell, run, tracking_uri: str, work_dir: Path) -> dict[str, A
     return {**cell.labels(), "run_dir": str(folder), "value": m.get(c.objective), "run_id": run.info.run_id,
             "consumed_tokens": m.get("data/consumed_tokens"), "epochs": m.get("data/epochs"),
             "target_fingerprint": run.data.tags.get("dflash.target_fingerprint"),
-            "pinned": bool(run.data.params.get("eval.truth_dir"))}
+            "pinned": bool(run.data.params.get("eval.truth_dir")), **_cost_fields(tracking_uri, c, cell.id)}
+
+
+# what sweeps.cost reads of a cell's record, and the leg's wall time the report's speed line reads beside its phases
+COST_FIELDS = ("phases_s", "wall_s_this_leg", "leg_tokens", "resumed", "gpus")
+
+
+def _cost_fields(tracking_uri: str, c, cell_id: str) -> dict[str, Any]:
+    """The cost fields of the cell's own record (`cell.json`) in its run folder beside the store, where it is
+    there: MLflow's metrics cannot tell a resumed run's legs apart, so without it the notebook shows no cost."""
+    if not tracking_uri.startswith("sqlite:///"):
+        return {}
+    folder = Path(tracking_uri.removeprefix("sqlite:///")).parent / c.name / "runs" / cell_id
+    record = cell_result(folder) if (folder / "cell.json").is_file() else None
+    return {k: record[k] for k in COST_FIELDS if k in record} if record else {}
 
 
 def summary_from_mlflow(c, tracking_uri: str, work_dir: Path) -> dict[str, Any]:
@@ -93,7 +107,7 @@ def summary_from_mlflow(c, tracking_uri: str, work_dir: Path) -> dict[str, Any]:
         if any(f not in summary["winners"] for f in stage.on_best):
             summary["complete"] = False
             break  # its cells' names depend on a winner not called yet (as `with_recorded_cells` reads a store)
-        grid = stage_cells(c, i, summary["winners"])
+        grid = stage_cells(c, i, summary["winners"], summary.get("winner_lrs"))
         keys = {cell.id: config_key(cell.overrides) for cell in grid}
         own = {cell.id: _mlflow_cell(c, cell, runs[cell.id], tracking_uri, work_dir) for cell in grid
                if cell.id in runs}
@@ -110,9 +124,10 @@ def summary_from_mlflow(c, tracking_uri: str, work_dir: Path) -> dict[str, Any]:
             else:
                 cells.append(src if cell.id in own else {**src, **cell.labels(), "reused_from": src["cell"]})
         summary["cells"] += cells
-        if len(cells) < len(stage.options) * len(c.seeds):
+        if len(cells) < len(grid):
             summary["complete"] = False
             continue  # an open stage calls no winner; later stages not built on it still read
         summary["winners"][stage.factor] = best_option(cells)
+        record_winner_lr(summary, stage.factor, cells)
         summary.setdefault("calls", {})[stage.factor] = stage_call(cells, c.objective, summary["winners"][stage.factor])
     return summary

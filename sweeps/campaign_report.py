@@ -1,13 +1,14 @@
 """`python -m sweeps.campaign <campaign> report`: the campaign's tables, from the run folders it wrote.
 
 One table per stage (factor) and suite: τ vanilla and DDTree τ per node budget, each the τ pooled over the
-stage's seeds with its bootstrap CI over (seed, prompt) pairs, prompt-lookup's τ on the same ground truth, and
-the paired Δτ against the stage's reference option (its first one: hard_ce for the loss stage, the winner
-carried in for later stages) — each option's run paired with the reference's run of the same seed, prompt
-for prompt. A comparison is a *win* only when its Δ interval excludes 0 and no seed's own Δ has the other sign;
-otherwise it is a tie bounded by that interval (the interval resamples prompts, not training seeds, and a seed
-moves a 64 M-token run by up to 0.52 τ: benchmarks/ABLATIONS.md). Budget, consumed tokens and epochs of
-data seen are printed with every table.
+stage's seeds with its seed × prompt × sample bootstrap interval (`dflash.evaluation.stats.hierarchical_ci`: the
+cells of one option at different seeds are its seed level), prompt-lookup's τ on the same ground truth, and the
+paired Δτ against the stage's reference option (its first one: hard_ce for the loss stage, the winner carried in
+for later stages) — each option's run paired with the reference's run of the same seed, prompt sample for prompt
+sample, resampled together. A comparison is a *win* only when its Δ interval excludes 0 and no seed's own Δ has the
+other sign; otherwise it is a tie bounded by that interval. A stage's order is stated only where this rule separates
+adjacent options (`stated_order`): "a ≈ b > c". Budget, consumed tokens and epochs of data seen are printed with
+every table.
 """
 from __future__ import annotations
 
@@ -17,10 +18,11 @@ from pathlib import Path
 from typing import Any
 
 from dflash.atomic import atomic_write_text
-from dflash.evaluation.pairing import NotPaired, ground_truth_of, per_task
-from dflash.evaluation.stats import paired_delta_ci, pooled_ci
-from sweeps.campaign_spec import best_option, stage_cells
+from dflash.evaluation.pairing import NotPaired, ground_truth_of, task_rows
+from dflash.evaluation.stats import Interval, Rows, hierarchical_ci
+from sweeps.campaign_spec import at_best_lr, best_option, lr_means, record_winner_lr, stage_cells
 from sweeps.cells import cell_dir, cell_result, record_matches, trained_for
+from sweeps.cost import cost_lines, equal_gpu_time_lines
 from sweeps.learning_curves import curve_section
 
 CI_LEVEL = 0.95
@@ -76,13 +78,27 @@ def _left_out_methods(by_opt: dict[str, dict[int, dict]], seeds: list[int], meth
             + ", ".join(owners) + "; DDTree runs for DFlash 1 drafters only, docs/dflash2.md)."]
 
 
-def _stacked(tables: list[dict], sum_col: str, count_col: str) -> tuple[list[float], list[float]]:
-    sums, counts = [], []
-    for t in tables:
-        _, s, c = per_task(t, sum_col, count_col)
-        sums += s
-        counts += c
-    return sums, counts
+def stacked_rows(tables: list[dict], sum_col: str, count_col: str) -> Rows:
+    """The rows of one option's tables, one table per training seed (in the order given, the same for every
+    option), keyed (seed, prompt) for `hierarchical_ci`: the cells of one option at different seeds are its seed
+    level."""
+    keys, sums, counts = [], [], []
+    for seed, t in enumerate(tables):
+        rows = task_rows(t, sum_col, count_col, seed)
+        keys += rows.keys
+        sums += rows.sums
+        counts += rows.counts
+    return Rows(keys, sums, counts)
+
+
+def paired_ci(tables_a: list[dict], tables_b: list[dict], cols_a: tuple[str, str], cols_b: tuple[str, str],
+           n_boot: int = 2000) -> Interval:
+    """Δ = τ_A − τ_B pooled over the tables, seed for seed (table i of A against table i of B) and prompt sample
+    for prompt sample, with its seed × prompt × sample interval (`hierarchical_ci`); n_boot = 0: the point alone."""
+    try:
+        return hierarchical_ci(stacked_rows(tables_a, *cols_a), stacked_rows(tables_b, *cols_b), CI_LEVEL, n_boot)
+    except ValueError as e:  # other prompts, in another order
+        raise NotPaired(str(e)) from e
 
 
 def _fmt(iv) -> str:
@@ -119,8 +135,7 @@ def _delta(seeds: dict[int, dict], ref: dict[int, dict], sum_col: str = "tau_sum
     if not same:
         return "not paired", "different ground truth"
     try:
-        delta = paired_delta_ci(*_stacked([seeds[s] for s in same], sum_col, count_col),
-                                *_stacked([ref[s] for s in same], sum_col, count_col), level=CI_LEVEL)
+        delta = paired_ci([seeds[s] for s in same], [ref[s] for s in same], (sum_col, count_col), (sum_col, count_col))
     except NotPaired as e:
         return "not paired", str(e)
     verdict = _verdict(delta)
@@ -138,8 +153,8 @@ def _seeds_disagree(seeds: dict[int, dict], ref: dict[int, dict], common: list[i
     seeds fixed, and a training seed moves a 64 M-token run by up to 0.52 τ (benchmarks/ABLATIONS.md:
     streak led dpace by +0.336 at seed 0 and trailed it by −0.126 at seed 1), so a difference one seed reverses is
     not a result."""
-    per_seed = {s: paired_delta_ci(*_stacked([seeds[s]], sum_col, count_col), *_stacked([ref[s]], sum_col, count_col),
-                                   n_boot=0).value for s in common}
+    per_seed = {s: paired_ci([seeds[s]], [ref[s]], (sum_col, count_col), (sum_col, count_col), n_boot=0).value
+                for s in common}
     if all(d * pooled > 0 for d in per_seed.values()):
         return None
     return "tie (the seeds disagree: " + ", ".join(f"seed {s} {d:+.3f}" for s, d in per_seed.items()) + ")"
@@ -165,8 +180,9 @@ def shared_seeds(by_opt: dict[str, dict[int, dict]]) -> list[int]:
 
 
 def pooled(tables: list[dict], sum_col: str = "tau_sum_vanilla", count_col: str = "rounds"):
-    """τ pooled over the tables' prompts (Σ τ-sums / Σ rounds) with its bootstrap CI over (seed, prompt) pairs."""
-    return pooled_ci(*_stacked(tables, sum_col, count_col), level=CI_LEVEL)
+    """τ pooled over the tables' prompt samples (Σ τ-sums / Σ rounds; one table per training seed) with its
+    seed × prompt × sample interval (`hierarchical_ci`)."""
+    return hierarchical_ci(stacked_rows(tables, sum_col, count_col), None, CI_LEVEL)
 
 
 def below_prompt_lookup(tables: list[dict]) -> bool:
@@ -267,6 +283,7 @@ def stage_call(cells: list[dict], objective: str, best: str) -> dict[str, Any]:
     containing 0 or is reversed by one seed's own run (`_delta`). `checked` is False where the task tables cannot
     say (then `tied` is empty)."""
     from dflash.evaluation.pairing import metric_columns
+    cells = at_best_lr(cells)  # an option with an lr grid is compared at its best lr
     cols = metric_columns(objective)
     suite = _objective_suite(cells, objective)
     by_opt = _by_option(cells, suite) if suite else {}
@@ -274,7 +291,32 @@ def stage_call(cells: list[dict], objective: str, best: str) -> dict[str, Any]:
         return {"best": best, "tied": [], "checked": False}
     tied = [opt for opt, seeds in by_opt.items() if opt != best
             and _delta(seeds, by_opt[best], cols.sum_col, cols.count_col)[1].startswith("tie")]
-    return {"best": best, "tied": tied, "checked": True}
+    return {"best": best, "tied": tied, "checked": True,
+            "order": stated_order(by_opt, _mean_values(cells), (cols.sum_col, cols.count_col))}
+
+
+def _mean_values(cells: list[dict]) -> dict[str, float]:
+    """Each option's mean objective over its finished cells (what `best_option` ranks by)."""
+    values: dict[str, list[float]] = {}
+    for x in cells:
+        if x.get("value") is not None:
+            values.setdefault(x["option"], []).append(float(x["value"]))
+    return {o: sum(v) / len(v) for o, v in values.items()}
+
+
+def stated_order(by_opt: dict[str, dict[int, dict]], means: dict[str, float], cols: tuple[str, str]) -> str:
+    """The options from the highest mean objective down, each adjacent pair joined by ">" only where the tie rule
+    separates them (their paired Δ interval excludes 0 and no seed reverses it, `_delta`), else by "≈" (tied
+    with): "dpace ≈ soft_kl_streak > soft_kl ≈ streak > hard_ce". A stated order is only what the rule separates;
+    "≈" is not transitive, so "a ≈ b ≈ c" may hold a and c apart."""
+    ranked = sorted((o for o in by_opt if o in means), key=lambda o: -means[o])
+    if not ranked:
+        return ""
+    out = [ranked[0]]
+    for upper, lower in zip(ranked, ranked[1:]):
+        verdict = _delta(by_opt[upper], by_opt[lower], *cols)[1]
+        out += [">" if verdict == "better" else "≈", lower]
+    return " ".join(out)
 
 
 def describe_calls(summary: dict) -> dict[str, str]:
@@ -290,6 +332,24 @@ def describe_calls(summary: dict) -> dict[str, str]:
         else:
             out[factor] = best if call.get("checked") else f"{best} (highest mean; ties not checked)"
     return out
+
+
+def lr_lines(stage, cells: list[dict]) -> list[str]:
+    """Where a stage's options carry an `lr_grid`: that each is compared at its best of it, and the mean objective
+    over seeds at every lr, so a reader sees how far from the grid's edge the best lies."""
+    if not stage.lr_grid:
+        return []
+    means = lr_means(cells)
+    said = []
+    for opt, grid in stage.lr_grid.items():
+        got = means.get(opt, {})
+        if not got:
+            continue
+        best = max(got, key=lambda lr: got[lr])
+        said.append(f"{opt} at lr {best:g} of {{{', '.join(f'{lr:g}' for lr in grid)}}} ("
+                    + ", ".join(f"{lr:g}: {got[lr]:.3f}" if lr in got else f"{lr:g}: not run" for lr in grid) + ")")
+    return ["**Learning rate**: each option with an lr grid at its best of it (the highest mean objective over its "
+            "seeds; the tables, Δs and the call compare it there): " + "; ".join(said) + ".", ""]
 
 
 def _budget_line(cells: list[dict]) -> str:
@@ -374,7 +434,7 @@ def render_report(c, summary: dict, with_summary: bool = True, figures: dict[int
     lines = [f"# Ablation campaign `{c.name}`", "", c.description, "",
              f"Command: `python -m sweeps.campaign {c.name}` (then `… {c.name} report`). Budget: "
              f"{c.budget_tokens:,} consumed training tokens per run, seeds {c.seeds}, objective `{c.objective}`. "
-             f"τ: pooled over seeds with its {CI_LEVEL:.0%} bootstrap CI over (seed, prompt) pairs; Δτ paired "
+             f"τ: pooled over seeds with its {CI_LEVEL:.0%} seed × prompt × sample bootstrap interval; Δτ paired "
              f"with the reference option's run of the same seed; a tie is a Δ interval containing 0, or a Δ that one "
              f"seed's own run reverses.", ""]
     from sweeps.results_summary import render_summary
@@ -384,14 +444,16 @@ def render_report(c, summary: dict, with_summary: bool = True, figures: dict[int
     objective_suite = _objective_suite(summary["cells"], c.objective)
     first = c.stages[0].options[0]
     for i, stage in enumerate(c.stages):
-        cells = [x for x in summary["cells"] if x["stage"] == i]
+        grid = [x for x in summary["cells"] if x["stage"] == i]
+        cells = at_best_lr(grid)  # the tables compare each option at its best lr; `lr_lines` shows the grid
         on = f" (on best {', '.join(f'{f}={winners.get(f)}' for f in stage.on_best)})" if stage.on_best else ""
         lines += [f"## Stage {i}: {stage.factor}{on}", ""]
         if not cells:  # a stage not started (or one the campaign file gained after a run): said, not left out
             lines += [f"**Not run yet**: 0 of {len(stage.options) * len(c.seeds)} cells ({', '.join(stage.options)}; "
                       f"`python -m sweeps.campaign {c.name} only=[{stage.factor}]`).", ""]
             continue
-        lines += [_stage_verdict(c, summary, i, cells), "", _budget_line(cells), "", *_data_lines(cells)]
+        lines += [_stage_verdict(c, summary, i, grid), "", *lr_lines(stage, grid), _budget_line(grid), "",
+                  *_data_lines(grid)]
         if figures and i in figures:
             lines += [f"![stage {i}: {stage.factor}]({figures[i]})", ""]
         baseline = None if i == 0 else (first, [x for x in summary["cells"] if x["stage"] == 0])
@@ -415,6 +477,7 @@ def render_report(c, summary: dict, with_summary: bool = True, figures: dict[int
         # again): left out, the rank agreement ranked the other options only (the noise stage's table had no `none`
         # row)
         lines += curve_section(cells, c.objective, stage.factor)
+        lines += [*cost_lines(cells), *equal_gpu_time_lines(cells, c.objective)]
         lines += _reused_lines(cells)
     return "\n".join(lines) + "\n"
 
@@ -455,8 +518,11 @@ def _stage_verdict(c, summary: dict, i: int, cells: list[dict]) -> str:
         tied = ((summary.get("calls") or {}).get(stage.factor) or {}).get("tied") or []
         tie = (f" **Tied with it: {', '.join(tied)}** (their paired Δ interval against it contains 0): no "
                f"winner among these." if tied else "")
+        order = ((summary.get("calls") or {}).get(stage.factor) or {}).get("order")
+        said = f" Order, adjacent options separated only where the tie rule does (≈: tied with): {order}." if order \
+            else ""
         return (f"Highest mean objective: **{winners[stage.factor]}** (a winner only where its Δ interval below "
-                f"excludes 0).{tie}")
+                f"excludes 0).{tie}{said}")
     name = (lambda o, s: o) if len(c.seeds) == 1 else (lambda o, s: f"{o} (seed {s})")
     left = ", ".join(name(o, s) for o in stage.options for s in c.seeds if (o, s) not in ran)
     # a cell that ran and failed (no objective) is neither finished nor "not run": it is named with its cause
@@ -500,26 +566,29 @@ def with_recorded_cells(c, out: Path, summary: dict) -> dict:
     listed = {x["cell"] for x in cells}
     grid_winners = dict(summary.get("winners") or {})  # what later stages' runs were built on
     winners, calls = {}, dict(summary.get("calls") or {})
+    lrs = dict(summary.get("winner_lrs") or {})
     complete = True  # every stage called on every seed of the campaign (the launch's flag was for its own seeds)
     for i, stage in enumerate(c.stages):
         if any(f not in grid_winners for f in stage.on_best):
             complete = False
             break  # its cells' names depend on a winner not called yet
-        for cell in stage_cells(c, i, grid_winners):
+        for cell in stage_cells(c, i, grid_winners, summary.get("winner_lrs")):
             record = None if cell.id in listed else cell_result(cell_dir(out, c, cell))
             if record is not None and record_matches(record, cell):  # not a run on another winner
                 cells.append(_found_here(out, c, {**record, "earlier_launch": True}))
                 listed.add(cell.id)
         mine = [x for x in cells if x["stage"] == i and not x.get("failed")]
-        if {(x["option"], int(x["seed"])) for x in mine} >= {(o, s) for o in stage.options for s in c.seeds}:
+        need = {(x.option, x.lr, x.seed) for x in stage_cells(c, i, grid_winners, summary.get("winner_lrs"))}
+        if {(x["option"], x.get("lr"), int(x["seed"])) for x in mine} >= need:
             winners[stage.factor] = best_option(mine)
             calls[stage.factor] = stage_call(mine, c.objective, winners[stage.factor])
             grid_winners[stage.factor] = winners[stage.factor]
+            record_winner_lr({"winners": winners, "winner_lrs": lrs}, stage.factor, mine)
         else:
             complete = False
             if stage.factor in grid_winners:
                 winners[stage.factor] = grid_winners[stage.factor]  # the launch's call; the report marks it incomplete
-    return {**summary, "cells": cells, "winners": winners, "calls": calls, "complete": complete}
+    return {**summary, "cells": cells, "winners": winners, "calls": calls, "complete": complete, "winner_lrs": lrs}
 
 
 def load_summary(c, out: Path) -> dict[str, Any]:

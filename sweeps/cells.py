@@ -163,6 +163,7 @@ def run_cell(c: Campaign, cell: Cell, out: Path, gpu: str | None = None, share: 
               "leg_tokens": (last_logged(run_dir, "data/consumed_tokens") or 0.0) - start_tokens,
               "epochs": last_logged(run_dir, "data/epochs"),
               "consumed_tok_s": last_logged(run_dir, "perf/consumed_tok_s"),
+              "gpus": int(last_logged(run_dir, "perf/world_size") or 1),  # GPUs of its training (sweeps/cost.py)
               "gpu_reserved_peak_gb": last_logged(run_dir, "perf/gpu_reserved_peak_gb"),
               "phases_s": {k.removeprefix("sys/"): last_logged(run_dir, k) for k in PHASES},
               "wall_s_this_leg": round(time.time() - t0, 1), "resumed": any(a.startswith("resume=") for a in cmd),

@@ -330,18 +330,18 @@ def best_and_ties(study, best: dict[str, Any], metric: str, level: float = TIE_L
     table (ties then unknown); trials without a comparable table are listed in `unpaired`."""
     from optuna.trial import TrialState
 
-    from dflash.evaluation.pairing import NotPaired, metric_columns, paired_delta, per_task
-    from dflash.evaluation.stats import pooled_ci
+    from dflash.evaluation.pairing import NotPaired, metric_columns, paired_delta, task_rows
+    from dflash.evaluation.stats import hierarchical_ci
     out: dict[str, Any] = {"checked": False, "ci": None, "tied": [], "unpaired": []}
     table = trial_table(best.get("run_dir"), metric)
     cols = metric_columns(metric)
     if table is None or cols is None:
         return out
     try:
-        _, sums, counts = per_task(table, cols.sum_col, cols.count_col)
+        rows = task_rows(table, cols.sum_col, cols.count_col)
     except NotPaired:
         return out
-    iv = pooled_ci(sums, counts, level)
+    iv = hierarchical_ci(rows, None, level)
     out.update(checked=True, ci=[iv.low, iv.high])
     for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)):
         if t.number == best["number"]:

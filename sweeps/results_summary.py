@@ -14,7 +14,7 @@ campaign report (`python -m sweeps.campaign NAME report`) opens with the same li
 `<out>/<NAME>/SUMMARY.md` and logs them on the campaign's summary run in its MLflow experiment (`log_summary`).
 
 Every figure is the report's own: τ of the objective pooled over the seeds every option of the stage has, its 95%
-bootstrap CI over (seed, prompt) pairs, and Δs paired seed for seed and prompt for prompt (`campaign_report`).
+seed × prompt × sample bootstrap interval, and Δs paired seed for seed and prompt for prompt (`campaign_report`).
 """
 from __future__ import annotations
 
@@ -25,9 +25,9 @@ from typing import Any
 
 from dflash.atomic import atomic_write_text
 from dflash.evaluation.pairing import metric_columns
-from dflash.evaluation.stats import paired_delta_ci
 from dflash.tracking.ui_view import display_tags, group_view_by
-from sweeps.campaign_report import (BELOW_PL, CI_LEVEL, _by_option, _delta, _fmt, _objective_suite, _stacked,
+from sweeps.cost import cell_cost
+from sweeps.campaign_report import (BELOW_PL, CI_LEVEL, _by_option, _delta, _fmt, _objective_suite, paired_ci,
                                     below_prompt_lookup, data_sets, pooled, shared_seeds, stage_call)
 
 PL_COLUMNS = ("tau_sum_prompt_lookup", "rounds_prompt_lookup")
@@ -57,8 +57,9 @@ def stage_answer(c, summary: dict, i: int) -> dict[str, Any]:
     """One stage's answer on its objective: the winner (the campaign's call where the stage is complete, else the
     highest mean over the seeds every option has), the options tied with it, its pooled τ, its paired Δ over the
     runner-up, the seeds it rests on; `missing` names options with no run at all (then nothing is called)."""
+    from sweeps.campaign_spec import at_best_lr
     stage = c.stages[i]
-    cells = [x for x in summary["cells"] if x["stage"] == i and not x.get("failed")]
+    cells = at_best_lr([x for x in summary["cells"] if x["stage"] == i and not x.get("failed")])
     suite = _objective_suite(cells, c.objective) if cells else None
     cols = metric_columns(c.objective)
     by_opt = _by_option(cells, suite) if suite else {}
@@ -79,13 +80,15 @@ def stage_answer(c, summary: dict, i: int) -> dict[str, Any]:
     # the campaign's call where it made one (later stages were built on it; an open stage's call is of the seeds
     # it had then), else the highest mean over the shared seeds; ties against it over the shared seeds
     winner = (summary.get("winners") or {}).get(stage.factor) or best_option(use)
-    if out["complete"] and (summary.get("calls") or {}).get(stage.factor):
-        tied = summary["calls"][stage.factor].get("tied") or []
-    else:
-        tied = stage_call(use, c.objective, winner)["tied"]
+    call = (summary.get("calls") or {}).get(stage.factor) if out["complete"] else None
+    if not call or "order" not in call:  # a call recorded before orders were
+        call = stage_call(use, c.objective, winner)
+    tied = call.get("tied") or []
+    out["order"] = call.get("order")
     value = lambda x: float(x["value"]) if x.get("value") is not None else float("-inf")  # noqa: E731
     means = {o: sum(value(x) for x in use if x["option"] == o) / len(shared) for o in stage.options}
     won = {s: by_opt[winner][s] for s in shared}
+    out["winner_cells"] = [x for x in use if x["option"] == winner]
     out.update(winner=winner, tied=tied, tau=pooled(list(won.values()), cols.sum_col, cols.count_col),
                below_pl=below_prompt_lookup(list(won.values())), tables=won)
     from sweeps.least_degenerate import order_check
@@ -114,8 +117,7 @@ def recipe_answer(c, summary: dict, answers: list[dict]) -> dict[str, Any] | Non
                      (last["factor"], last["winner"])],
            "open": not last["complete"]}
     if PL_COLUMNS[0] in (tables[0].get("tasks") or [{}])[0]:
-        out["vs_pl"] = paired_delta_ci(*_stacked(tables, cols.sum_col, cols.count_col), *_stacked(tables, *PL_COLUMNS),
-                                       level=CI_LEVEL)
+        out["vs_pl"] = paired_ci(tables, tables, (cols.sum_col, cols.count_col), PL_COLUMNS)
         out["pl"] = pooled(tables, *PL_COLUMNS)
     first = c.stages[0].options[0]
     stage0 = [x for x in summary["cells"] if x["stage"] == 0 and x["option"] == first and not x.get("failed")]
@@ -148,8 +150,28 @@ def _stage_line(i: int, a: dict, c) -> str:
         d = f"not paired ({verdict})" if d == "not paired" else _signed(d)
         delta = f"; vs {a['runner_up']} (runner-up) {d} {_verdict_word(verdict)}".rstrip()
     mixed = "; **not one data set** (the report names the cells)" if a.get("mixed_data") else ""
+    order = f"; order {a['order']}" if a.get("order") and " " in a["order"] else ""
     return (f"{head} ({_seeds(a['seeds'])}, {a['runs']} runs{open_}): **{a['winner']}** τ {tau}{tie}{delta}"
-            f"{_least_degenerate_clause(a.get('least_degenerate'))}{mixed}.")
+            f"{order}{_lr_clause(c.stages[i])}{_cost_clause(a)}{_least_degenerate_clause(a.get('least_degenerate'))}"
+            f"{mixed}.")
+
+
+def _lr_clause(stage) -> str:
+    """Where the stage's options carry an lr grid: that each is compared at its best of it."""
+    if not stage.lr_grid:
+        return ""
+    grid = ", ".join(f"{x:g}" for x in sorted({lr for lrs in stage.lr_grid.values() for lr in lrs}))
+    return f"; {', '.join(stage.lr_grid)} each at its best of lr ∈ {{{grid}}} (the report's stage names it)"
+
+
+def _cost_clause(a: dict) -> str:
+    """The winner's cost, mean over its cells (`sweeps.cost.cell_cost`); empty where no cell records it."""
+    cost = [got for x in a.get("winner_cells") or [] if (got := cell_cost(x)) is not None]
+    if not cost:
+        return ""
+    mean = {k: sum(g[k] for g in cost) / len(cost) for k in cost[0]}
+    return (f"; {a['winner']} cost {mean['gpu_s']:,.0f} GPU-s a cell at {mean['tok_s']:,.0f} consumed tok/s, τ "
+            f"{mean['tau_per_gpu_h']:.2f} per GPU-hour")
 
 
 def _least_degenerate_clause(check: dict | None) -> str:
@@ -182,7 +204,8 @@ def render_summary(c, summary: dict, level: int = 2) -> list[str]:
     suite = next((a["suite"] for a in answers if a.get("suite")), None)
     lines = [f"{'#' * level} Results summary: `{c.name}`", "",
              f"Objective `{c.objective}` on suite `{suite}`; τ pooled over the seeds every option of a stage has "
-             f"({CI_LEVEL:.0%} CI over (seed, prompt) pairs); Δ paired seed for seed, prompt for prompt; a tie is a "
+             f"({CI_LEVEL:.0%} seed × prompt × sample bootstrap interval); Δ paired seed for seed, prompt for prompt; "
+             f"a tie is a "
              f"Δ interval containing 0 or a Δ one seed reverses; {BELOW_PL}: below prompt lookup.", ""]
     recipe = recipe_answer(c, summary, answers)
     if recipe is not None:

@@ -10,8 +10,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from dflash.evaluation.pairing import ground_truth_of, metric_columns
-from dflash.evaluation.stats import paired_delta_ci
-from sweeps.campaign_report import CI_LEVEL, _by_option, _delta, _stacked, pooled, shared_seeds
+from sweeps.campaign_report import _by_option, _delta, paired_ci, pooled, shared_seeds
+from sweeps.campaign_spec import at_best_lr
 from sweeps.learning_curves import eval_curve, read_metrics
 from sweeps.results_summary import PL_COLUMNS, stage_answer
 
@@ -23,7 +23,7 @@ def stage_figure_data(c, summary: dict, i: int):
     if "winner" not in a:
         return None
     stage = c.stages[i]
-    cells = [x for x in summary["cells"] if x["stage"] == i and not x.get("failed")]
+    cells = at_best_lr([x for x in summary["cells"] if x["stage"] == i and not x.get("failed")])
     curves = {}
     for x in cells:
         pts = eval_curve(read_metrics(Path(x["run_dir"])), c.objective)
@@ -42,8 +42,8 @@ def stage_figure_data(c, summary: dict, i: int):
         same = [s for s in shared if ground_truth_of(mine[s]) == ground_truth_of(won[s])]
         if not same:
             continue  # not paired: no point to draw
-        iv = paired_delta_ci(*_stacked([mine[s] for s in same], cols.sum_col, cols.count_col),
-                             *_stacked([won[s] for s in same], cols.sum_col, cols.count_col), level=CI_LEVEL)
+        iv = paired_ci([mine[s] for s in same], [won[s] for s in same], (cols.sum_col, cols.count_col),
+                    (cols.sum_col, cols.count_col))
         verdict = _delta(mine, won, cols.sum_col, cols.count_col)[1]
         deltas.append((opt, iv.value, iv.low, iv.high, verdict.startswith("tie")))
     tables = list(won.values())

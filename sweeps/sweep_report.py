@@ -26,8 +26,8 @@ from pathlib import Path
 from typing import Any
 
 from dflash.evaluation.pairing import (NotPaired, ground_truth_of, least_degenerate_delta, metric_columns, paired_delta,
-                                      per_task)
-from dflash.evaluation.stats import pooled_ci
+                                      task_rows)
+from dflash.evaluation.stats import hierarchical_ci
 from dflash.serving.promotion import DECISION_TAG, REASON_TAG, VERSION_TAG
 from sweeps.campaign_report import task_methods
 from sweeps.learning_curves import eval_curve, read_metrics
@@ -120,10 +120,10 @@ def _seconds(chain) -> float | None:
 
 def _pooled(table: dict, sum_col: str, count_col: str) -> str:
     try:
-        _, sums, counts = per_task(table, sum_col, count_col)
+        rows = task_rows(table, sum_col, count_col)
     except NotPaired:
         return ""
-    iv = pooled_ci(sums, counts, TIE_LEVEL)
+    iv = hierarchical_ci(rows, None, TIE_LEVEL)
     return f"{iv.value:.3f} [{iv.low:.3f}, {iv.high:.3f}]"
 
 
@@ -295,7 +295,8 @@ def summary_lines(study, sweep, out_root: Path, level: int = 3) -> list[str]:
         else ""
     lines = [f"{'#' * level} Results summary: sweep `{study.study_name}`", "",
              f"Objective: {sweep.objective.direction} `{objective}`{legacy} on suite `{suite}`; fixed "
-             f"`{' '.join(sweep.fixed)}`; {TIE_LEVEL:.0%} CI over prompts, Δ paired prompt for prompt; a tie is a Δ "
+             f"`{' '.join(sweep.fixed)}`; {TIE_LEVEL:.0%} prompt × sample bootstrap interval, Δ paired prompt for "
+             f"prompt; a tie is a Δ "
              f"interval containing 0 (`python -m sweeps.launch {sweep.name} report` lists every trial).", ""]
     counts = ", ".join(f"{n} {end}" for end, n in ends.items())
     trials = f"{len(groups)} trials ({counts})"

@@ -135,7 +135,7 @@ def test_a_shared_pool_starts_the_start_first_factors_first(monkeypatch, tmp_pat
     # seed by seed, the slow factors first within each: 1 recipe cell, 4 drafter cells less dflash1_adamw's
     # (the loss stage's hard_ce run: same config), 6 loss cells
     one_seed = ["recipe"] + ["drafter"] * 3 + ["loss"] * 6
-    assert ran == [(0, f) for f in one_seed] + [(1, f) for f in one_seed]
+    assert ran == [(s, f) for s in c.seeds for f in one_seed] and c.seeds == [0, 1, 2]  # three seeds by default
     with pytest.raises(ConfigError, match="start_first"):
         load_campaign("served", ["campaign.start_first=[noise]"])
 
@@ -386,9 +386,14 @@ def _check_report_from_mlflow(tmp_path, summary):
     shutil.rmtree(tmp_path / "mlartifacts")
     rebuilt = summary_from_mlflow(c, f"sqlite:///{moved / 'mlflow.db'}", tmp_path / "nb")
     assert rebuilt["complete"] and rebuilt["winners"] == summary["winners"]
-    strip = lambda t: [line for line in t.splitlines() if line.startswith("| ")]  # tables, not speed lines
+    # tables, not speed lines; not the cost tables either: those read the cells' records (`cell.json`), gone with
+    # the run folders (sweeps/campaign_mlflow.py)
+    def strip(text: str) -> list[str]:
+        first, *costs = text.split("\nCost (")
+        kept = [first, *(c.split("\n\n", 2)[2] if c.count("\n\n") >= 2 else "" for c in costs)]
+        return [line for part in kept for line in part.splitlines() if line.startswith("| ")]
     # the stage tables (10 lines) and the objective suite's least-degenerate tables (6), the same from the store
-    assert "On the least-degenerate rows of" in from_folders
+    assert "On the least-degenerate rows of" in from_folders and "| option | cells | GPU-s |" in from_folders
     assert len(strip(from_folders)) == 16 and strip(render_report(c, rebuilt)) == strip(from_folders)
     # the ablation notebook renders those tables from the copied store
     from tests.test_notebooks import _execute, _outputs
@@ -457,7 +462,8 @@ def test_report_pairs_each_option_with_the_reference_seed_for_seed(tmp_path):
     assert by["hard_ce"].endswith("| — | reference |") and "0.000 [0.000, 0.000]" not in by["hard_ce"]
     # pooled over the seeds every option has: seed2's seed 2 (τ 9) is said, not pooled
     assert "| seed2 | 2 | 2.875 [" in by["seed2"] and "also run, not pooled: seed2 seed 2." in rows[-1 - 2]
-    assert "| lk_alone | 2 | 2.875 [2.375, 3.375] ↓PL |" in by["lk_alone"]
+    # two seeds: the seed level widens the interval by t_1 / z · sqrt(2) = 9.17 (docs/evaluation.md)
+    assert "| lk_alone | 2 | 2.875 [-1.136, 7.459] ↓PL |" in by["lk_alone"]
     assert "↓PL" not in by["hard_ce"] and "↓PL:" in rows[-1]
     assert "better" in by["soft_kl"] and "1.000 [1.000, 1.000]" in by["soft_kl"]
     assert "not paired" in by["lk"]
@@ -472,14 +478,16 @@ def test_report_pairs_each_option_with_the_reference_seed_for_seed(tmp_path):
 
 
 def test_a_difference_one_seed_reverses_is_a_tie(tmp_path):
-    """At 64 M: streak led dpace by +0.336 at seed 0 and trailed it by −0.126 at seed 1. Pooled over the seeds a
-    difference can still exclude 0 (here +0.9 and −0.1 on every prompt: +0.4 [+0.15, +0.65]); it is a
-    tie when a seed's own Δ has the other sign, and a win when every seed agrees."""
+    """At 64 M: streak led dpace by +0.336 at seed 0 and trailed it by −0.126 at seed 1. Over ten seeds, nine at
+    +0.5 and one at −0.1 on every prompt, the seed × prompt interval of the pooled Δ can still exclude 0; it is a
+    tie when a seed's own Δ has the other sign, and a win when every seed agrees. With two such seeds the interval
+    itself holds 0."""
     from sweeps.campaign_report import delta_table, stage_call, stage_table
     ref = [20, 30, 25, 40, 22, 31, 27, 36]
-    tables = {("dpace", 0): ref, ("dpace", 1): ref,
-              ("streak", 0): [s + 9 for s in ref], ("streak", 1): [s - 1 for s in ref],   # +0.9, then −0.1 τ
-              ("hard_ce", 0): [s + 3 for s in ref], ("hard_ce", 1): [s + 1 for s in ref]}  # +0.3, +0.1 τ
+    seeds = range(10)
+    tables = {**{("dpace", s): ref for s in seeds},
+              **{("streak", s): [x + (5 if s < 9 else -1) for x in ref] for s in seeds},  # +0.5, at seed 9 −0.1 τ
+              **{("hard_ce", s): [x + (3 if s % 2 else 1) for x in ref] for s in seeds}}  # +0.3, +0.1 τ
     cells = []
     for (opt, seed), sums in tables.items():
         d = tmp_path / f"{opt}{seed}" / "eval"
@@ -487,13 +495,17 @@ def test_a_difference_one_seed_reverses_is_a_tie(tmp_path):
         (d / "tasks.json").write_text(json.dumps(_table("gt", sums, [10] * 8, [15] * 8)))
         cells.append({"option": opt, "seed": seed, "run_dir": str(d.parent), "stage": 0, "value": sum(sums) / 80})
     by = {r.split("|")[1].strip(): r for r in stage_table(cells, "heldout", "dpace")[2:]}
-    assert "0.400 [0.150, 0.650]" in by["streak"]  # the pooled interval alone would call it better
-    assert "tie (the seeds disagree: seed 0 +0.900, seed 1 -0.100)" in by["streak"]
-    assert "0.200 [0.150, 0.250] | better |" in by["hard_ce"]
+    assert "0.440 [0.294, 0.513]" in by["streak"]  # the pooled interval alone would call it better
+    assert "tie (the seeds disagree: seed 0 +0.500" in by["streak"] and "seed 9 -0.100)" in by["streak"]
+    assert "0.200 [0.127, 0.273] | better |" in by["hard_ce"]
     deltas = {r.split("|")[1].strip(): r for r in delta_table(cells, "heldout", "dpace")[2:]}
     assert "tie, the seeds disagree" in deltas["streak"] and "**better**" in deltas["hard_ce"]
-    call = stage_call(cells, "eval/tau_vanilla", "streak")  # the highest mean: seed 1 reverses it against both
+    call = stage_call(cells, "eval/tau_vanilla", "streak")  # the highest mean: seed 9 reverses it against both
     assert call["tied"] == ["dpace", "hard_ce"], call
+    assert call["order"] == "streak ≈ hard_ce > dpace"  # each adjacent pair by the same rule
+    two = [x for x in cells if x["seed"] < 2]
+    by = {r.split("|")[1].strip(): r for r in stage_table(two, "heldout", "dpace")[2:]}
+    assert "tie (within" in by["hard_ce"]  # +0.1 and +0.3: two seeds cannot separate it
 
 
 def test_the_best_recipe_is_the_campaigns_best_cell():

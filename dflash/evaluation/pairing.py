@@ -14,7 +14,7 @@ import math
 import re
 from dataclasses import dataclass
 
-from dflash.evaluation.stats import Interval, paired_delta_ci
+from dflash.evaluation.stats import Interval, Rows, hierarchical_ci
 
 _METRIC = re.compile(r"^eval/(?:suite/(?P<suite>[A-Za-z0-9_.\-]+)/)?(?:(?P<setting>served|t\d[A-Za-z0-9_.]*)/)?"
                      r"(?P<what>tau_vanilla|tau_tree_(?P<b>\d+)|tau_prompt_lookup)$")
@@ -73,6 +73,21 @@ def per_task(table: dict, sum_col: str, count_col: str) -> tuple[list[str], list
     return ([str(r["task"]) for r in rows], [float(r[sum_col]) for r in rows], [float(r[count_col]) for r in rows])
 
 
+SAMPLE_MARK = "#s"  # a sampled ground truth's task ids: `<prompt>#s<i>` (ground_truth.expand_tasks)
+
+
+def prompt_of(task: str) -> str:
+    """The prompt a task id is a sample of (`name#s3` -> `name`; a greedy task is its own prompt)."""
+    return task.rsplit(SAMPLE_MARK, 1)[0] if SAMPLE_MARK in task else task
+
+
+def task_rows(table: dict, sum_col: str, count_col: str, seed: int = 0) -> Rows:
+    """A task table's rows for `hierarchical_ci`, keyed (seed, prompt): the samples of one prompt are resampled
+    within it; `seed`: the training seed of the run the table is of (a campaign stacks several)."""
+    names, sums, counts = per_task(table, sum_col, count_col)
+    return Rows([(seed, prompt_of(n)) for n in names], sums, counts)
+
+
 def ground_truth_of(table: dict) -> str:
     return str((table.get("info") or {}).get("ground_truth_key") or "")
 
@@ -116,11 +131,10 @@ def paired_delta(table_a: dict, table_b: dict, cols_a: tuple[str, str], cols_b: 
     if ka != kb:
         raise DifferentGroundTruth("the two evaluations ran on different ground truth (target, prompts or continuation "
                         f"length differ: {ka[:12] or 'none'} vs {kb[:12] or 'none'})")
-    na, sa, ca = per_task(table_a, *cols_a)
-    nb, sb, cb = per_task(table_b, *cols_b)
-    if na != nb:
+    a, b = task_rows(table_a, *cols_a), task_rows(table_b, *cols_b)
+    if per_task(table_a, *cols_a)[0] != per_task(table_b, *cols_b)[0]:
         raise NotPaired("the two task tables list different prompts")
-    return paired_delta_ci(sa, ca, sb, cb, level, n_boot)
+    return hierarchical_ci(a, b, level, n_boot)
 
 
 @dataclass(frozen=True)
@@ -143,4 +157,5 @@ def least_degenerate_delta(table_a: dict, table_b: dict, cols_a: tuple[str, str]
 
 
 __all__ = ["MetricColumns", "NotPaired", "DifferentGroundTruth", "metric_columns", "per_task", "paired_delta",
+           "prompt_of", "task_rows",
            "ground_truth_of", "table_file"]

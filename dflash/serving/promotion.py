@@ -84,7 +84,7 @@ class PromoteConfig:
     metric: str = "eval/tau_served"
     margin: float = 0.0  # the lower end of the Δτ interval vs the holder must exceed this
     floor: float = 1.1  # and the candidate's value be >= this (τ = 1 is a drafter that never helps)
-    ci_level: float = 0.95  # level of the paired Δτ intervals over prompts
+    ci_level: float = 0.95  # level of the paired Δτ intervals (prompt × sample bootstrap, `hierarchical_ci`)
     bootstrap: int = 2000  # bootstrap replicates of those intervals
     enabled: bool = False  # auto-promote at the end of a training run
     tracking_uri: str = ""  # registry store; empty → the run's own tracking URI

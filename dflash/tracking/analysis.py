@@ -14,9 +14,9 @@ between the runs (`varying_keys`: a sampled learning rate, the step budget, the 
 key: the ones asked for (`by`) as index levels, the others joined into the index level `other`, so a
 40-step trial never pools with a 120-step run, and the ± is the spread over seeds only. `pool=[keys]` lets
 named keys vary inside a row, on purpose (the row then says so). Each row shows n, its budget (trained
-steps, consumed tokens) and one interval: τ pooled over the row's runs with its bootstrap CI over (run, prompt)
-pairs, from the runs' eval task tables (as the campaign report; one run: its logged `<metric>_ci_low/_high`),
-never the mean of per-run bounds; and prompt-lookup's τ (`eval/tau_prompt_lookup`) as the baseline.
+steps, consumed tokens) and one interval: τ pooled over the row's runs with its run × prompt × sample
+bootstrap interval, from the runs' eval task tables (as the campaign report; one run: its logged
+`<metric>_ci_low/_high`), never the mean of per-run bounds; and prompt-lookup's τ (`eval/tau_prompt_lookup`) as the baseline.
 
 `load_runs` returns one row per training run (tag `dflash.kind=train`): ids, status (PRUNED for a pruned sweep
 trial, `run_status`), times, the grouping tags (`loss`, `noise`, `buffer`, `target`), `seed`, sweep tags
@@ -346,11 +346,11 @@ def _task_table(artifact_dir: Any, artifact: str) -> dict | None:
 
 
 def _pooled_interval(group: pd.DataFrame, m: str, level: float = CI_LEVEL) -> Any:
-    """τ pooled over the row's runs with its bootstrap CI over (run, prompt) pairs, from the runs' task tables
-    (the campaign report's interval); one run: its own logged interval. None where neither can be had: a
-    row never shows the mean of its runs' bounds, which is no interval of anything."""
-    from dflash.evaluation.pairing import NotPaired, metric_columns, per_task
-    from dflash.evaluation.stats import pooled_ci
+    """τ pooled over the row's runs with its run × prompt × sample bootstrap interval (each run a training seed),
+    from the runs' task tables (the campaign report's interval, `hierarchical_ci`); one run: its own logged
+    interval. None where neither can be had: a row never shows the mean of its runs' bounds, which is no interval of anything."""
+    from dflash.evaluation.pairing import NotPaired, metric_columns, task_rows
+    from dflash.evaluation.stats import Rows, hierarchical_ci
     lo, hi = (f"{m}{s}" for s in CI_SUFFIXES)
     group = group[group[m].notna()]
     if "seed" in group:  # (seed, prompt) pairs in seed order, as the campaign report resamples them
@@ -362,19 +362,19 @@ def _pooled_interval(group: pd.DataFrame, m: str, level: float = CI_LEVEL) -> An
     cols = metric_columns(m)
     if cols is None or group.empty or "artifact_dir" not in group:
         return None
+    keys: list = []
     sums: list[float] = []
     counts: list[float] = []
-    for d in group["artifact_dir"]:
+    for run, d in enumerate(group["artifact_dir"]):
         t = _task_table(d, cols.artifact)
         if t is None:
             return None
         try:
-            _, s, c = per_task(t, cols.sum_col, cols.count_col)
+            rows = task_rows(t, cols.sum_col, cols.count_col, seed=run)
         except NotPaired:
             return None
-        sums += s
-        counts += c
-    return pooled_ci(sums, counts, level) if sum(counts) else None
+        keys, sums, counts = keys + list(rows.keys), sums + list(rows.sums), counts + list(rows.counts)
+    return hierarchical_ci(Rows(keys, sums, counts), None, level) if sum(counts) else None
 
 
 def ci_prefixes(columns: Iterable[Any]) -> list[tuple[str, str, str]]:

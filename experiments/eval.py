@@ -26,7 +26,8 @@ output folder (`--out=DIR`; default `<run dir>/eval/<timestamp>` or `runs/eval-<
 MLflow.
 
 MLflow: a NEW run, tagged `dflash.kind=eval`, `dflash.evaluated_path=<path>` and, when the run dir has
-`mlflow_run.json`, `dflash.evaluated_run=<run_id>` in the training run's own tracking store and experiment;
+`mlflow_run.json`, `dflash.evaluated_run=<run_id>` in the training run's own tracking store and experiment (or the
+store a `tracking.tracking_uri=` override names; `champion` is looked up there too);
 the training run only gets a pointer tag `dflash.last_eval_run`. Why not log into the training run by
 default: it is finished and reopening it flips its status (a concurrent promotion would see RUNNING); an
 eval with other settings (suite, length, budgets) would write a second, different value into the `eval/*`

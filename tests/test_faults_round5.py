@@ -43,7 +43,7 @@ def _serving_folder(folder: Path, seed: int = 0, **drafter) -> Path:
     torch.manual_seed(seed)
     d = build_drafter(DrafterConfig(block_size=4, **drafter), info.hidden_size, info.num_layers,
                       resolve_mask_token(tcfg), resolve_layer_ids(tcfg, info), info.vocab_size)
-    save_drafter(d, folder)
+    save_drafter(d, folder, vocab_size=info.vocab_size)
     return folder
 
 
@@ -114,9 +114,9 @@ def test_eval_out_that_cannot_be_made_is_named_before_the_target_loads(tmp_path,
 _SIGNAL_MID_EVAL = textwrap.dedent("""
     import os, signal, sys
     from experiments import eval as eval_cli
-    real = eval_cli.evaluate_suites
+    real, sig = eval_cli.evaluate_suites, getattr(signal, sys.argv[1])
     def evaluate_suites(*a, **k):  # the signal lands while the drafter is evaluated
-        os.kill(os.getpid(), getattr(signal, sys.argv[1]))
+        os.kill(os.getpid(), sig)
         return real(*a, **k)
     eval_cli.evaluate_suites = evaluate_suites
     from experiments.config import run_cli
@@ -133,7 +133,7 @@ def test_a_signal_mid_eval_is_one_line_and_closes_its_run_killed(tmp_path, sig):
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     out = subprocess.run([sys.executable, "-c", _SIGNAL_MID_EVAL, sig, str(a), *_eval_args(tmp_path),
                           f"tracking.tracking_uri={uri}", f"--out={tmp_path / 'o'}"],
-                         cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=240)
+                         cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=400)
     assert out.returncode == 128 + getattr(signal, sig) and "Traceback" not in out.stderr, out.stderr[-2000:]
     assert f"stopped by {sig} during experiments.eval" in out.stderr
     client = MlflowClient(uri)
@@ -331,8 +331,10 @@ def test_malformed_chat_records_are_named_before_the_target_loads_and_nothing_is
     (data / "bad.jsonl").write_text(text)
     monkeypatch.chdir(tmp_path)  # the datasets cache (data.conversations.cache_dir) is relative: .cache/ here
     monkeypatch.setattr(app_run, "Target", lambda *a, **k: pytest.fail("the target loaded first"))
-    cfg = _compose(tmp_path, "+target=tiny_random_chat", "+data=conversations", f"data.path={data / 'bad.jsonl'}",
-                   "+eval=off", "trainer.max_steps=1")
+    from experiments.config import compose_config
+    cfg = compose_config(["+target=tiny_random_chat", "+data=conversations", f"data.path={data / 'bad.jsonl'}",
+                          "+eval=off", "trainer.max_steps=1", f"run_dir={tmp_path / 'r'}",
+                          f"tracking.tracking_uri=sqlite:///{tmp_path / 'mlflow.db'}"])
     with pytest.raises(ConfigError, match=rf"bad\.jsonl: (.*)?{where}"):
         app_run.TrainingRun(cfg)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["data"]  # no store, no runs/, no .cache/

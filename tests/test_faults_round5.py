@@ -25,6 +25,7 @@ from dflash.drafter.model import DrafterConfig, build_drafter
 from dflash.serving.export import save_drafter
 from dflash.target.model import TargetConfig, read_target_info, resolve_layer_ids, resolve_mask_token
 from tests.conftest import FAST
+from tests.test_faults_round3 import _FULL_AT_CHECKPOINTS
 
 ROOT = Path(__file__).resolve().parent.parent
 ENV = {**os.environ, "PYTHONPATH": str(ROOT)}
@@ -256,7 +257,7 @@ def test_a_store_disabled_by_a_failed_write_still_closes_its_run(tmp_path):
 
 
 _FULL_STORE = textwrap.dedent("""
-    import errno, sqlite3, sys, threading, torch
+    import sqlite3, threading
     import mlflow.tracking
     from sqlalchemy import event
     from sqlalchemy.engine import Engine
@@ -271,17 +272,7 @@ _FULL_STORE = textwrap.dedent("""
             FULL.set()
         return real_batch(self, run_id, metrics, *a, **k)
     mlflow.tracking.MlflowClient.log_batch = log_batch
-    real_save = torch.save
-    def save(obj, f, *a, **k):  # ... and then the run's first checkpoint
-        if isinstance(f, str) and "/checkpoints/" in f:
-            raise OSError(errno.ENOSPC, "No space left on device")
-        return real_save(obj, f, *a, **k)
-    torch.save = save
-    from experiments.config import run_cli
-    from experiments.run import main
-    sys.argv = ["experiments.run", *sys.argv[1:]]
-    run_cli(main)
-""")
+""") + _FULL_AT_CHECKPOINTS  # ... and then the run's first checkpoint
 
 
 @pytest.mark.slow  # a 3-step training run in a fresh interpreter: about a minute on 2 loaded cores

@@ -333,8 +333,9 @@ def test_malformed_chat_records_are_named_before_the_target_loads_and_nothing_is
 
 # ------------------------------------------------------------------ row 8: Ctrl-C while importing, a cut trial
 def test_ctrl_c_while_a_command_imports_is_one_line():
-    code = ("import experiments, os, signal; os.kill(os.getpid(), signal.SIGINT); "
-            "import dflash.app.run  # the interrupt lands in these imports")
+    code = ("import experiments, os, signal, threading, time; "
+            "threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGINT)).start(); "
+            "import dflash.app.run; time.sleep(30)")  # Ctrl-C lands in torch's import (or, were it faster, the sleep)
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=ENV, capture_output=True, text=True,
                          timeout=120)
     assert out.returncode == -signal.SIGINT  # ended by SIGINT, as Python ends on Ctrl-C (130 in a shell)

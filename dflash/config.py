@@ -18,7 +18,7 @@ from dflash.devices import check_device
 from dflash.training.buffer import BufferConfig, validate_buffer_config
 from dflash.data.sources import DataConfig, validate_data_config, validate_online_data
 from dflash.run_dir import CHECKPOINT_DIR, RunDir
-from dflash.drafter.model import DrafterConfig, validate_drafter_config
+from dflash.drafter.model import DrafterConfig, check_drafter_for_target, validate_drafter_config
 from dflash.drafter.attention import ATTN_KERNELS
 from dflash.evaluation import EvalConfig, validate_eval_config
 from dflash.training.losses import LossConfig, validate_loss_config
@@ -188,7 +188,8 @@ def validate(cfg: RunConfig) -> None:
         if cfg.trainer.online_data:
             validate_online_data(cfg.data)
         build_noise(cfg.noise, cfg.trainer.max_steps)
-        validate_target_config(cfg.target)
+        info = validate_target_config(cfg.target)
+        check_drafter_for_target(cfg.drafter, info.hidden_size, info.vocab_size)
         validate_eval_config(cfg.eval)
         from dflash.evaluation.engines import resolve_policy
         resolve_policy(cfg.eval.engine, cfg.eval.proposal, cfg.drafter.is_dflash2)  # zlab serves no DFlash 2

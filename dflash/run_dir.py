@@ -37,6 +37,33 @@ EVAL_DIR = "eval"
 SERVING_CONFIG = "config.json"  # a serving folder's marker (docs/serving.md)
 
 
+def missing_folders(path: str | os.PathLike) -> list[Path]:
+    """`path` and those of its parents that do not exist yet, deepest first (what making it would make)."""
+    root = Path(path).absolute()
+    return [p for p in (root, *root.parents) if not p.exists()]
+
+
+def remove_empty_folders(folders: list[Path]) -> None:
+    """Removes `folders` (deepest first) while each is empty: another process may have started in one meanwhile."""
+    for folder in folders:
+        try:
+            folder.rmdir()
+        except OSError:
+            break
+
+
+def probe_folder(path: str | os.PathLike) -> None:
+    """OSError when the folder `path` cannot be made or written (`/proc/x/y`, a file on the way, no permission),
+    found before any work: it is made and its new folders are removed again, so nothing is left behind."""
+    made = missing_folders(path)
+    try:
+        Path(path).mkdir(parents=True, exist_ok=True)
+        if not os.access(path, os.W_OK | os.X_OK):
+            raise PermissionError(13, "not writable", str(path))
+    finally:
+        remove_empty_folders(made)
+
+
 class RunDir:
     """Paths and records of one run folder (nothing is created until `create()` or a write)."""
 

@@ -26,7 +26,8 @@ output folder (`--out=DIR`; default `<run dir>/eval/<timestamp>` or `runs/eval-<
 MLflow.
 
 MLflow: a NEW run, tagged `dflash.kind=eval`, `dflash.evaluated_path=<path>` and, when the run dir has
-`mlflow_run.json`, `dflash.evaluated_run=<run_id>` in the training run's own tracking store and experiment;
+`mlflow_run.json`, `dflash.evaluated_run=<run_id>` in the training run's own tracking store and experiment (or the
+store a `tracking.tracking_uri=` override names; `champion` is looked up there too);
 the training run only gets a pointer tag `dflash.last_eval_run`. Why not log into the training run by
 default: it is finished and reopening it flips its status (a concurrent promotion would see RUNNING); an
 eval with other settings (suite, length, budgets) would write a second, different value into the `eval/*`
@@ -54,9 +55,10 @@ from dflash.evaluation.pairing import NotPaired, least_degenerate_delta, paired_
 from dflash.target.model import Target
 from dflash.devices import check_device, resolve_device
 from dflash.safe_load import verify_manifest
-from dflash.tracking.store import StoreError, check_tracking_uri, open_client
+from dflash.tracking.store import StoreError, check_tracking_uri, open_client, signals_deferred
 from dflash.tracking.loggers import build_loggers
 from dflash.tracking.run_info import default_run_name, flatten_config, resolve_relative_sqlite
+from dflash.training.interrupts import StopOnSignal
 
 log = logging.getLogger(__name__)
 
@@ -171,8 +173,23 @@ def _parse_argv(argv: list[str]) -> tuple[Path, str | None, list[str], Path | No
     return Path(rest[0]), other, rest[2 if other else 1:], out, into
 
 
+def _check_out(out: Path) -> None:
+    """--out: a folder that can be made (probed, nothing left), before the target loads."""
+    from dflash.run_dir import probe_folder
+    try:
+        probe_folder(out)
+    except OSError as e:
+        raise ConfigError(f"--out={out}: the output folder cannot be made ({type(e).__name__}: "
+                          f"{e.strerror or e})") from e
+
+
 def main(argv: list[str] | None = None) -> dict:
-    argv = list(sys.argv[1:] if argv is None else argv)
+    """SIGTERM / Ctrl-C anywhere: one line, the eval's MLflow run (once open) closed KILLED, exit 128 + signal."""
+    with StopOnSignal().at_once(where=" during experiments.eval"):
+        return _main(list(sys.argv[1:] if argv is None else argv))
+
+
+def _main(argv: list[str]) -> dict:
     path, other, overrides, out, into_run = _parse_argv(argv)
     cfg, ecfg, load, run_dir, step, src = resolve_source(path, overrides)
     ml = _mlflow_info(run_dir)
@@ -187,14 +204,18 @@ def main(argv: list[str] | None = None) -> dict:
             verify_manifest(src.serving)  # weights checked before the target loads (minutes on a large one)
     except (ValueError, FileNotFoundError) as e:
         raise ConfigError(str(e)) from e
+    if out is not None:
+        _check_out(out)
     if ml.get("tracking_uri"):
         ml["tracking_uri"] = resolve_relative_sqlite(ml["tracking_uri"], run_dir)
+    # the training run's store, unless tracking.tracking_uri= names another (then that one, B's lookup included)
+    store = {} if any(o.startswith("tracking.tracking_uri=") for o in overrides) else ml
     # B (a registry alias is looked up here, with the store's bounded checks) and the store: before the target
-    load_other, other_label = (None, "") if other is None else _resolve_other(other, overrides, cfg, ml)
+    load_other, other_label = (None, "") if other is None else _resolve_other(other, overrides, cfg, store)
     tracking = cfg.tracking
-    if ml.get("tracking_uri"):
-        tracking = dataclasses.replace(tracking, tracking_uri=ml["tracking_uri"],
-                                       experiment=ml.get("experiment", tracking.experiment))
+    if store.get("tracking_uri"):
+        tracking = dataclasses.replace(tracking, tracking_uri=store["tracking_uri"],
+                                       experiment=store.get("experiment", tracking.experiment))
     if tracking.enabled:
         try:
             check_tracking_uri(tracking.tracking_uri)
@@ -220,9 +241,10 @@ def main(argv: list[str] | None = None) -> dict:
         tags["dflash.compared_with"] = other_label
     params = {"eval": dataclasses.asdict(ecfg), "target": dataclasses.asdict(cfg.target),
               "drafter": {"block_size": drafter.block_size, "num_layers": len(drafter.layers)}}
-    loggers = build_loggers(tracking, out, flatten_config(params), tags, None)
-    status = "FAILED"
+    loggers, status = None, "FAILED"
     try:
+        with signals_deferred():  # the MLflow run opens whole, so that a stop can close it KILLED
+            loggers = build_loggers(tracking, out, flatten_config(params), tags, None)
         reports = evaluate_suites(drafter, target, ecfg)
         metrics = merged_metrics(reports)
         for i, (report, (prefix, folder)) in enumerate(zip(reports, table_places(reports))):
@@ -240,9 +262,13 @@ def main(argv: list[str] | None = None) -> dict:
             _log_into_run(ml["tracking_uri"], ml["run_id"], metrics, step, out / "report")
             print(f"eval metrics and artifacts also logged into the evaluated run {ml['run_id']}")
         status = "FINISHED"
+    except KeyboardInterrupt:  # RunInterrupted (a signal): run_cli prints its one line
+        status = "KILLED"
+        raise
     finally:
-        loggers.close(status)
-    if ml.get("run_id") and loggers.run_id and loggers.mlflow is not None and loggers.mlflow.healthy:
+        if loggers is not None:
+            loggers.close(status)
+    if store.get("run_id") and loggers.run_id and loggers.mlflow is not None and loggers.mlflow.healthy:
         try:
             loggers.mlflow.client.set_tag(ml["run_id"], "dflash.last_eval_run", loggers.run_id)
         except Exception as e:  # noqa: BLE001 - a pointer tag is a convenience
@@ -282,7 +308,11 @@ def _resolve_other(other: str, overrides: list[str], cfg: RunConfig, ml: dict):
         try:
             mv = client.get_model_version_by_alias(name, alias)
             folder = download_artifacts(artifact_uri=mv.source, tracking_uri=uri)
-        except Exception as e:  # noqa: BLE001 - any registry failure is bad input here
+        except Exception as e:  # noqa: BLE001 - MLflow's exceptions: bad input only when the store says "no such"
+            if not _not_found(e):  # an outage (a timeout, a 5xx) is no statement about the registry's content
+                first = str(e).strip().splitlines()[0][:300] if str(e).strip() else ""
+                raise ConnectionError(f"{uri}: the registry lookup of {name}@{alias} failed "
+                                      f"({type(e).__name__}: {first})") from e
             raise ConfigError(f"B={other!r}: no {name}@{alias} in the registry {uri!r} ({e})") from e
         return (lambda dev: load_drafter(folder, dev)), f"{name}@{alias} (v{mv.version}, run {mv.run_id})"
     p = Path(other)
@@ -314,6 +344,12 @@ def report_pairs(reports_a, reports_b) -> list[tuple]:
     return out
 
 
+def _not_found(e: Exception) -> bool:
+    """The store answered that the model, alias or its files do not exist (bad input), not that it failed."""
+    code = getattr(e, "error_code", "")
+    return code in ("RESOURCE_DOES_NOT_EXIST", "INVALID_PARAMETER_VALUE") or isinstance(e, FileNotFoundError)
+
+
 def _compare(reports_a, reports_b, ecfg, label_a: str, label_b: str, out: Path, loggers) -> dict[str, float]:
     """Paired Δτ = A − B per suite and method; printed, logged as eval/compare/..., saved as compare.*"""
     metrics, rows, seen = {}, [], set()
@@ -324,11 +360,13 @@ def _compare(reports_a, reports_b, ecfg, label_a: str, label_b: str, out: Path, 
         row = {"suite": suite, "setting": label, "prompts": len(ra.table), "tau_a": ra.metrics["eval/tau_vanilla"],
                "tau_b": rb.metrics["eval/tau_vanilla"], "tau_prompt_lookup": ra.stats.get("eval/tau_prompt_lookup")}
         methods = [("tau_vanilla", ("tau_sum_vanilla", "rounds"))]
-        methods += [(f"tau_tree_{b}", (f"tau_sum_tree_{b}", f"rounds_tree_{b}")) for b in ra.budgets]
+        # DDTree is DFlash 1 only: a tree budget is paired where both drafters ran it (A DFlash 1, B DFlash 2: none)
+        methods += [(f"tau_tree_{b}", (f"tau_sum_tree_{b}", f"rounds_tree_{b}")) for b in ra.budgets
+                    if b in rb.budgets]
         for key, cols in methods:
             try:
                 d = paired_delta(ta, tb, cols, cols, ecfg.ci_level, ecfg.bootstrap)
-            except NotPaired as e:  # cannot happen with one target and one config; say so if it does
+            except NotPaired as e:  # the same target, config and methods: not expected; say so if it does
                 raise ConfigError(f"suite {suite}: {e}") from e
             row[key] = [d.value, d.low, d.high]
             for pre in ([f"eval/{label}/compare/"] if first else []) + [f"eval/suite/{suite}/{label}/compare/"]:
@@ -368,10 +406,12 @@ def _compare_table(rows: list[dict], budgets: list[int], level: float, a: str, b
         pl = r["tau_prompt_lookup"]
         cells = [r["suite"], r["setting"], str(r["prompts"]), f"{r['tau_a']:.3f}", f"{r['tau_b']:.3f}",
                  "-" if pl is None else f"{pl:.3f}", ci(r["tau_vanilla"])]
-        cells += [ci(r[f"tau_tree_{x}"]) if f"tau_tree_{x}" in r else "- (T=0 only)" for x in budgets]
+        cells += [ci(r[f"tau_tree_{x}"]) if f"tau_tree_{x}" in r else "-" for x in budgets]
         ld = r.get("least_degenerate")
         cells.append(f"{ci(ld['tau_vanilla'])} ({ld['tasks']}; {ld['copy_rate_at_most']:.3f})" if ld else "-")
         lines.append("| " + " | ".join(cells) + " |")
+    if budgets:
+        lines.append("Δ tree: trees run at T=0 only, and DDTree is DFlash 1 only: paired where both drafters ran it.")
     return "\n".join(lines + ["A ranking should hold on the least-degenerate rows too: those whose ground truth repeats "
                                "the fewest of its 8-grams, at least a quarter of them (a τ on text that loops measures "
                                "loop copying)."])

@@ -3,3 +3,5 @@ dead-worker handling (`storage`), worker processes (`worker`), the command line 
 
     python -m sweeps.launch loss_variants n_trials=24 workers=4
 """
+
+import experiments  # noqa: F401,E402  (its one-line Ctrl-C while the command is still importing)

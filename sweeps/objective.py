@@ -447,7 +447,7 @@ def reconcile_children(study, tracker: SweepTracker | None, parent_id: str | Non
     """Make every child run's `optuna.state` (and status) agree with its finished trial; returns fixes."""
     if tracker is None or not parent_id:
         return 0
-    from sweeps.support import RUN_STATUS, TAG_STATE
+    from sweeps.support import TAG_STATE
     runs = {r.info.run_id: r for r in tracker.children(parent_id)}
     trials = study.get_trials(deepcopy=False)
     continued = continued_map(trials)  # their child run is their continuation's: its state is the one shown
@@ -457,11 +457,20 @@ def reconcile_children(study, tracker: SweepTracker | None, parent_id: str | Non
         if not rid or rid not in runs or not t.state.is_finished() or t.number in continued:
             continue
         r = runs[rid]
-        want_status = RUN_STATUS[t.state.name]
+        want_status = child_status(t)
         if r.data.tags.get(TAG_STATE) != t.state.name or r.info.status != want_status:
-            tracker.finish_child(rid, t.state.name, _outcome_tags(t), t.user_attrs.get(ATTR_RUN_DIR))
+            tracker.finish_child(rid, t.state.name, _outcome_tags(t), t.user_attrs.get(ATTR_RUN_DIR), want_status)
             fixed += 1
     return fixed
+
+
+def child_status(t) -> str:
+    """The MLflow status of a finished trial's child run: KILLED for a trial a signal cut (Optuna can only call
+    it FAIL; the trainer closed its run KILLED and a later launch continues it), else `RUN_STATUS`'s."""
+    from sweeps.support import RUN_STATUS
+    if t.state.name == "FAIL" and t.user_attrs.get(ATTR_INTERRUPTED):
+        return "KILLED"
+    return RUN_STATUS[t.state.name]
 
 
 def _outcome_tags(t) -> dict[str, Any]:
@@ -496,7 +505,8 @@ class TrialEnd:
     def _report(self, study, t) -> None:
         rid = t.user_attrs.get(ATTR_RUN_ID)
         if self.tracker is not None and rid:
-            self.tracker.finish_child(rid, t.state.name, _outcome_tags(t), t.user_attrs.get(ATTR_RUN_DIR))
+            self.tracker.finish_child(rid, t.state.name, _outcome_tags(t), t.user_attrs.get(ATTR_RUN_DIR),
+                                      child_status(t))
         summary = update_parent(study, self.tracker, self.parent_id, finished=t)
         if t.state.name == "COMPLETE" and t.value is not None:
             what = f"value={t.value:.6g}"

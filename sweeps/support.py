@@ -247,9 +247,10 @@ class SweepTracker:
         self._tags(run_id, {TAG_TRIAL: str(trial_number), TAG_STATE: "RUNNING", **(tags or {})})
 
     def finish_child(self, run_id: str, state: str, tags: Mapping[str, Any] | None = None,
-                     run_dir: str | os.PathLike | None = None) -> None:
+                     run_dir: str | os.PathLike | None = None, status: str | None = None) -> None:
         """Trial outcome on the child: `optuna.state`, extra tags, and the run status it implies
-        (COMPLETE and PRUNED → FINISHED, FAIL → FAILED) when it is not that already; a pruned trial's Description
+        (COMPLETE and PRUNED → FINISHED, FAIL → FAILED; `status` when given: KILLED for a trial a signal cut)
+        when it is not that already; a pruned trial's Description
         opens with what stopped it. The trial's run folder (`run_dir`, where it is on this machine) gets the same
         tags in its tags.json: the folder says what MLflow shows."""
         tags = dict(tags or {})
@@ -265,7 +266,7 @@ class SweepTracker:
         if run_dir and (Path(run_dir) / "tags.json").is_file():
             from dflash.tracking.loggers import merge_json
             merge_json(Path(run_dir) / "tags.json", {TAG_STATE: state, **tags})
-        want = RUN_STATUS.get(state)
+        want = status or RUN_STATUS.get(state)
         if want and run is not None and run.info.status != want:
             self.end(run_id, want)
 

@@ -4,6 +4,7 @@ in-process for `workers=1`. Keep this module's imports light: the CUDA device mu
 CUDA_VISIBLE_DEVICES) before anything initializes CUDA."""
 from __future__ import annotations
 
+import logging
 import os
 import sys
 import threading
@@ -91,6 +92,23 @@ def _redirect(log_file: str):
     return console
 
 
+class _NoTracebackForStops(logging.Filter):
+    """Optuna logs a trial cut by a signal (the trainer's RunInterrupted, a KeyboardInterrupt) as failed, with its
+    traceback; the stop is no fault: its one line stays, the traceback goes."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.exc_info and isinstance(record.exc_info[1], KeyboardInterrupt):
+            record.exc_info, record.exc_text = None, None
+        return True
+
+
+def quiet_stopped_trials() -> None:
+    """Installs `_NoTracebackForStops` on the logger of Optuna's trial loop (once)."""
+    trial_log = logging.getLogger("optuna.study._optimize")
+    if not any(isinstance(f, _NoTracebackForStops) for f in trial_log.filters):
+        trial_log.addFilter(_NoTracebackForStops())
+
+
 def worker_main(spec: WorkerSpec, tickets: Tickets, in_process: bool = False) -> int:
     """Returns the number of trials this worker ran."""
     if not in_process and spec.gpu is not None:  # own process: pin it before anything initializes CUDA
@@ -104,6 +122,7 @@ def worker_main(spec: WorkerSpec, tickets: Tickets, in_process: bool = False) ->
     from sweeps.space import build_pruner, build_sampler
     from sweeps.storage import Lease, make_storage, reap_stale
 
+    quiet_stopped_trials()
     if not in_process:
         optuna.logging.set_verbosity(optuna.logging.WARNING)
         if spec.threads:

@@ -191,7 +191,11 @@ def test_a_server_that_answers_passes_the_check():
 
     from dflash.tracking.transport import http_preflight
     srv = http.server.HTTPServer(("127.0.0.1", 0), http.server.BaseHTTPRequestHandler)  # answers 501: an answer
-    threading.Thread(target=srv.handle_request, daemon=True).start()
+
+    def two_requests():  # GET /health, then the tracking API's probe
+        srv.handle_request()
+        srv.handle_request()
+    threading.Thread(target=two_requests, daemon=True).start()
     try:
         http_preflight(f"http://127.0.0.1:{srv.server_address[1]}", total=5)
     finally:

@@ -15,6 +15,7 @@ and `coding10_chat` (the coding10 prompts as user messages through the target's 
 from __future__ import annotations
 
 import logging
+import shutil
 
 import torch
 
@@ -37,6 +38,25 @@ from dflash.training.datastream import TrainingData, build_training_data
 log = logging.getLogger(__name__)
 SAMPLE_ROWS = 64  # training rows kept in memory for eval/tau_train
 REPORT_RECORDS = 3  # records shown with their trained tokens marked in the run's data/conversations.md
+
+
+def check_chat_records(cfg) -> None:
+    """data.source=conversations: every record of data.path read and normalized now, before the store, the run
+    folder or the target exist (minutes at 27B): a bad record is a ConfigError naming the file, line and field. The
+    datasets cache the check made is removed when it fails, and kept when it passes (the load reads it again)."""
+    if cfg.data.source != "conversations":
+        return
+    from dflash.data.conversations import read_conversations
+    from dflash.run_dir import missing_folders, remove_empty_folders
+    cache = cfg.data.conversations.cache_dir
+    made = missing_folders(cache) if cache else []
+    try:
+        read_conversations(cfg.data.path, cache, 1)  # as load_conversation_set reads it: the same cache entries
+    except (ValueError, FileNotFoundError) as e:
+        if made:
+            shutil.rmtree(made[0], ignore_errors=True)
+            remove_empty_folders(made[1:])
+        raise ConfigError(str(e)) from e
 
 
 def load_set(cfg, tokenizer) -> ConversationSet:

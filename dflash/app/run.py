@@ -32,7 +32,8 @@ from dflash.data.sources import inactive_data_keys
 from dflash.devices import resolve_device
 from dflash.drafter.model import DFlashDrafter, build_drafter
 from dflash.evaluation import make_evaluator
-from dflash.run_dir import ResumeState, RunDir, SkipLogged, read_resume_state
+from dflash.run_dir import (ResumeState, RunDir, SkipLogged, missing_folders, probe_folder, read_resume_state,
+                            remove_empty_folders)
 from dflash.serving.export import facts_of_target, save_drafter
 from dflash.serving.promotion import auto_promote
 from dflash.target.model import Target
@@ -42,7 +43,7 @@ from dflash.tracking.run_info import absolute_sqlite_uri, git_sha, run_params
 from dflash.tracking.backfill import backfill_mlflow
 from dflash.tracking.store import StoreError, check_tracking_uri, signals_deferred
 from dflash.tracking.sysmetrics import system_metrics
-from dflash.app.chat_data import build_run_data
+from dflash.app.chat_data import build_run_data, check_chat_records
 from dflash.training.datastream import DataMeter, epoch_guard
 from dflash.training.distributed import DistInfo, broadcast_object, init_distributed
 from dflash.training.distributed import shutdown as shutdown_distributed
@@ -94,6 +95,16 @@ def check_run(cfg: RunConfig) -> None:
                           f"got {cfg.target.soft_top_k}")
 
 
+def check_run_folder(cfg: RunConfig) -> None:
+    """ConfigError naming run_dir when the run folder cannot be made there (probed, nothing left behind)."""
+    folder = RunDir.for_config(cfg.run_dir, run_label(cfg)).root
+    try:
+        probe_folder(folder)
+    except OSError as e:
+        raise ConfigError(f"run_dir={cfg.run_dir or folder}: the run folder cannot be made "
+                          f"({type(e).__name__}: {e.strerror or e})") from e
+
+
 def check_tracking(cfg: RunConfig) -> None:
     """A store MLflow can track, made whole now (a fresh sqlite file is built here, before any work) unless
     tracking is off: ConfigError naming tracking.tracking_uri and how to repair a damaged store."""
@@ -117,8 +128,11 @@ def read_resume(cfg: RunConfig) -> ResumeState | None:
 
 
 def run_label(cfg: RunConfig) -> str:
-    """What the run is, in the order a reader compares runs: `hard_ce-cosine-r30_90-s0`."""
-    return f"{cfg.loss.name}-{cfg.noise.name}-{cfg.buffer.name}-s{cfg.seed}"
+    """What the run is, in the order a reader compares runs: `hard_ce-cosine-r30_90-s0`; a DFlash 2 drafter
+    says so before the seed (`hard_ce-none-r10_20-dflash2-s0`), so its folder and MLflow run are not taken for a
+    DFlash 1 run's."""
+    drafter = "" if cfg.drafter.architecture == "dflash" else f"-{cfg.drafter.architecture}"
+    return f"{cfg.loss.name}-{cfg.noise.name}-{cfg.buffer.name}{drafter}-s{cfg.seed}"
 
 
 def tracked_params(cfg: RunConfig, loss_fn, noise) -> dict[str, str]:
@@ -172,6 +186,8 @@ class TrainingRun:
                 cfg.tracking, tracking_uri=absolute_sqlite_uri(cfg.tracking.tracking_uri)))
             check_run(cfg)  # bad input fails here, before the target loads or anything is written
             if self.dist.is_main:
+                check_chat_records(cfg)  # a chat file's records, read before anything is written
+                check_run_folder(cfg)  # before the store is made: an unusable run_dir leaves no mlflow.db
                 check_tracking(cfg)
             self.cfg = cfg  # as requested: config.yaml and the checkpoints record it
             self.resume_state = read_resume(cfg) if self.dist.is_main else None  # read only, validated here
@@ -213,8 +229,7 @@ class TrainingRun:
     def _make_folder(self, cfg: RunConfig) -> Path:
         """`runs/<label>-<time>` (or run_dir); the folder's name is also the MLflow run's name."""
         rd = RunDir.for_config(cfg.run_dir, run_label(cfg))
-        root = rd.root.absolute()
-        self._made = [p for p in (root, *root.parents) if not p.exists()]
+        self._made = missing_folders(rd.root)
         try:
             return rd.create().root
         except OSError as e:
@@ -227,11 +242,7 @@ class TrainingRun:
         it made for it (a first run's `runs/`)."""
         if self._made and self.dist.is_main:
             shutil.rmtree(self._made[0], ignore_errors=True)
-            for parent in self._made[1:]:
-                try:
-                    parent.rmdir()  # only while empty: another run may have started in it meanwhile
-                except OSError:
-                    break
+            remove_empty_folders(self._made[1:])  # only while empty: another run may have started in one
             self._made = []
 
     def _loggers(self):

@@ -132,6 +132,24 @@ def validate_drafter_config(cfg: DrafterConfig) -> None:
                          f"\"sliding_attention\" (set 0, or name the windowed layers)")
 
 
+def check_drafter_for_target(cfg: DrafterConfig, target_hidden_size: int, target_vocab_size: int) -> None:
+    """The drafter keys whose valid values depend on the target's shapes (read from its config.json, no weights):
+    ValueError naming the key before any work, where building the drafter would fail minutes later. The drafter's
+    width is the target's hidden size."""
+    if not cfg.is_dflash2:
+        return
+    if target_hidden_size % cfg.conv_group_size:
+        raise ValueError(f"drafter.conv_group_size={cfg.conv_group_size} must divide the drafter's width, the "
+                         f"target's hidden size {target_hidden_size} (channels share one dynamic kernel value per "
+                         f"group)")
+    if cfg.conv_kernel_size > cfg.block_size:
+        raise ValueError(f"drafter.conv_kernel_size={cfg.conv_kernel_size} must be <= drafter.block_size="
+                         f"{cfg.block_size} (a tap reaches back only inside its block)")
+    if cfg.selector_top_k > target_vocab_size:
+        raise ValueError(f"drafter.selector_top_k={cfg.selector_top_k} must be <= the target's vocabulary size "
+                         f"{target_vocab_size}")
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()

@@ -36,6 +36,15 @@ def mlflow_metric_keys(metrics: Mapping[str, Any]) -> list[str]:
     return [k for k in metrics if not PER_TASK_METRIC.match(k)]
 
 
+def one_line(exc: BaseException, limit: int = 400) -> str:
+    """An exception's message on one line, without SQLAlchemy's SQL, parameters and links (a failed insert's message
+    runs to kilobytes)."""
+    noise = ("[SQL:", "[parameters:", "(Background on", "(raised as a result of")
+    kept = [ln.strip() for ln in str(exc).splitlines() if ln.strip() and not ln.strip().startswith(noise)]
+    text = " ".join(kept)
+    return text if len(text) <= limit else text[:limit] + " ..."
+
+
 class MLflowLogger(Logger):
     """MLflow run through ``MlflowClient(cfg.tracking_uri)`` (no global fluent state).
 
@@ -107,9 +116,7 @@ class MLflowLogger(Logger):
         if not self._healthy:
             return
         self._healthy = False
-        msg = f"{type(exc).__name__}: {exc}"
-        if len(msg) > 600:
-            msg = msg[:600] + " ..."
+        msg = f"{type(exc).__name__}: {one_line(exc)}"
         warnings.warn(
             f"MLflow tracking disabled ({what}; tracking_uri={self.tracking_uri!r}, "
             f"experiment={self.cfg.experiment!r}, run_id={self._run_id}): {msg}. "
@@ -315,4 +322,16 @@ class MLflowLogger(Logger):
             self._sysmon = None
         if self._active:
             self._call("set_terminated failed", self.client.set_terminated, self._run_id, status)
+        elif self._run_id is not None and self._local_store:
+            # disabled mid-run by a failed write (a full disk): one more small write, so that the run does not stay
+            # RUNNING when there is room again (the failed checkpoint's temp file is gone); a remote store is not
+            # asked again, it would cost its timeouts
+            try:
+                self.client.set_terminated(self._run_id, status)
+            except Exception:  # noqa: BLE001 - still full: a resume takes the RUNNING run over
+                pass
         self._closed = True
+
+    @property
+    def _local_store(self) -> bool:
+        return self.tracking_uri.startswith(("sqlite:", "file:")) or "://" not in self.tracking_uri

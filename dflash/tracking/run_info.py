@@ -370,7 +370,9 @@ def run_params(cfg: Mapping[str, Any], active_keys: Mapping[str, Iterable[str]] 
 # Library chatter at run start: MLflow's database setup (2-4 lines on a fresh store), alembic's
 # migration log, the system-metrics monitor's start/stop lines, and transformers' per-kernel fallback
 # notices, which repeat what the target's own kernel report (`dflash.target.kernels`) already says.
-_QUIET_LOGGERS = {"mlflow.store.db.utils": "WARNING", "alembic": "WARNING", "alembic.runtime.migration": "WARNING",
+# mlflow.store.db.utils logs every failed query at ERROR with its traceback and SQL (about 90 lines for one write on
+# a full disk) before raising it; the caller's one warning or error line says what failed.
+_QUIET_LOGGERS = {"mlflow.store.db.utils": "CRITICAL", "alembic": "WARNING", "alembic.runtime.migration": "WARNING",
                   "mlflow.system_metrics": "WARNING", "mlflow.system_metrics.system_metrics_monitor": "WARNING",
                   "transformers.integrations.hub_kernels": "ERROR"}
 

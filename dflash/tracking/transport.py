@@ -36,19 +36,35 @@ def heartbeat_tags() -> list[Any]:
     return [RunTag(HEARTBEAT_TAG, utc_now())]
 
 
+# A small read every MLflow server answers (404 for a store without that experiment still counts): a server whose
+# /health answers while its tracking API hangs (its database or workers stuck) is found here, not after 3 × 10 s
+# of retried requests and a chain of tracebacks.
+API_PROBE = "/api/2.0/mlflow/experiments/get-by-name?experiment_name=Default"
+
+
 def http_preflight(uri: str, timeout: float = CONNECT_TIMEOUT_S, total: float = FIRST_RESPONSE_S) -> None:
-    """For http(s) stores: bounded request timeouts/retries (unless set in the environment), a TCP connect within
-    `timeout` seconds and the first response to `GET /health` within `total` seconds of the start (any status
-    counts as an answer); ConnectionError naming the host otherwise."""
+    """For http(s) stores: bounded request timeouts/retries (unless set in the environment), then two requests,
+    `GET /health` and a small read of the tracking API (`API_PROBE`), each connected within `timeout` seconds and
+    answered within `total` seconds of its start (any status counts as an answer); ConnectionError naming the host
+    otherwise."""
     from urllib.parse import urlsplit
     parts = urlsplit(uri)
     if parts.scheme not in ("http", "https"):
         return
     for k, v in HTTP_DEFAULTS.items():
         os.environ.setdefault(k, v)
-    host, port = parts.hostname or "localhost", parts.port or (443 if parts.scheme == "https" else 80)
+    _first_response(parts, "/health", "", timeout, total)
+    _first_response(parts, parts.path.rstrip("/") + API_PROBE,
+                    " to its tracking API while GET /health answers (a server half up: its database or workers hung)",
+                    timeout, total)
+
+
+def _first_response(parts, path: str, what: str, timeout: float, total: float) -> None:
+    """`GET path` on the server of `parts` (a urlsplit URI): ConnectionError unless it connects within `timeout` s
+    and answers within `total` s; `what` says which request did not answer."""
     import http.client
     import ssl
+    host, port = parts.hostname or "localhost", parts.port or (443 if parts.scheme == "https" else 80)
     if parts.scheme == "https":  # the probe asks only "does it answer": TLS is verified by MLflow's own requests
         conn: http.client.HTTPConnection = http.client.HTTPSConnection(
             host, port, timeout=timeout, context=ssl._create_unverified_context())
@@ -63,13 +79,13 @@ def http_preflight(uri: str, timeout: float = CONNECT_TIMEOUT_S, total: float = 
         wait = max(total - (time.monotonic() - t0), 0.5)
         conn.sock.settimeout(wait)
         try:
-            conn.request("GET", "/health", headers={"Connection": "close"})
+            conn.request("GET", path, headers={"Connection": "close"})
             conn.getresponse().close()
         except (socket.timeout, TimeoutError) as e:
-            raise ConnectionError(f"{host}:{port} accepts connections but sends no response within {wait:.1f} s "
-                                  f"(a hung or wrong server)") from e
+            raise ConnectionError(f"{host}:{port} accepts connections but sends no response{what} within "
+                                  f"{wait:.1f} s (a hung or wrong server)") from e
         except (OSError, http.client.HTTPException) as e:
-            raise ConnectionError(f"{host}:{port} accepts connections but does not answer HTTP "
+            raise ConnectionError(f"{host}:{port} accepts connections but does not answer HTTP{what} "
                                   f"({type(e).__name__}: {e})") from e
     finally:
         conn.close()

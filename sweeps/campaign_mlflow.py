@@ -3,6 +3,7 @@ notebook (`notebooks/ablation.ipynb`) renders with `sweeps.campaign_report.rende
 from __future__ import annotations
 
 import re
+import time
 from pathlib import Path
 from typing import Any
 
@@ -116,3 +117,89 @@ def summary_from_mlflow(c, tracking_uri: str, work_dir: Path) -> dict[str, Any]:
         summary["winners"][stage.factor] = best_option(cells)
         summary.setdefault("calls", {})[stage.factor] = stage_call(cells, c.objective, summary["winners"][stage.factor])
     return summary
+
+
+STAGE_RUN_TAG = "dflash.campaign_stage"  # "<campaign>/<stage index>": the stage's summary run
+_INTERVAL = re.compile(r"^([+-]?\d+\.\d+) \[([+-]?\d+\.\d+), ([+-]?\d+\.\d+)\]")
+
+
+def _interval(text: str) -> tuple[float, float, float] | None:
+    """(value, low, high) of a report's "Δ [low, high]" text (`campaign_report._delta`); None where not paired."""
+    m = _INTERVAL.match(text)
+    return (float(m[1]), float(m[2]), float(m[3])) if m else None
+
+
+def stage_figures(c, summary: dict, i: int, answer: dict) -> tuple[dict[str, str], dict[str, float], dict[str, str]]:
+    """A called stage's answer as (its summary run's tags, its metrics, {option: the option's Δ tag text}): the
+    winner's τ pooled over the stage's seeds with its CI, its paired Δ over the runner-up (a one-option stage: its
+    Δ against the earlier stages' winners), and every other option's paired Δ against the winner, all read from the
+    report's own figures (`sweeps.results_summary.stage_answer`, `campaign_report._delta`)."""
+    from dflash.evaluation.pairing import metric_columns
+    from dflash.tracking.ui_view import STAGE_DELTA_TAG, TAU_TAG
+    from sweeps.campaign_report import _by_option, _delta, _fmt, pooled
+    from sweeps.results_summary import _delta_words
+    stage, winner, shared = c.stages[i], answer["winner"], answer["seeds"]
+    cols = metric_columns(c.objective)
+    cells = [x for x in summary["cells"] if x["stage"] == i and not x.get("failed") and int(x["seed"]) in shared]
+    by_opt = _by_option(cells, answer["suite"])
+    tau = answer["tau"]
+    metrics = {"stage/tau": tau.value, "stage/tau_ci_low": tau.low, "stage/tau_ci_high": tau.high}
+    if "vs_winners" in answer:
+        option = f"{winner} (one option)"
+        delta = "; ".join(f"vs {f} winner {w} {_delta_words(d)}" for f, w, d in answer["vs_winners"])
+    else:
+        option = f"{winner} (winner)"
+        delta = f"vs {answer['runner_up']} {_delta_words(answer['delta'])}" if "delta" in answer else ""
+        if answer["tied"]:
+            delta += f"; tied: {', '.join(answer['tied'])}"
+    per_option = {}
+    for opt, seeds in by_opt.items():
+        pooled_tau = pooled(list(seeds.values()), cols.sum_col, cols.count_col)
+        metrics.update({f"stage/tau/{opt}": pooled_tau.value, f"stage/tau/{opt}_ci_low": pooled_tau.low,
+                        f"stage/tau/{opt}_ci_high": pooled_tau.high})
+        if opt == winner:
+            per_option[opt] = "the stage's winner" if "vs_winners" not in answer else "one option"
+            continue
+        text, verdict = _delta(seeds, by_opt[winner], cols.sum_col, cols.count_col)
+        per_option[opt] = f"vs {winner} {_delta_words((text, verdict))}"
+        if (iv := _interval(text)) is not None:
+            metrics.update({f"stage/delta/{opt}": iv[0], f"stage/delta/{opt}_ci_low": iv[1],
+                            f"stage/delta/{opt}_ci_high": iv[2]})
+    tags = {"campaign": c.name, "stage": f"{i} {stage.factor}", "option": option,
+            "seed": "pooled " + ", ".join(map(str, shared)), TAU_TAG: _fmt(tau), STAGE_DELTA_TAG: delta}
+    return tags, metrics, per_option
+
+
+def log_stage_runs(client, experiment_id: str, c, summary: dict) -> dict[tuple[int, str], str]:
+    """One summary run per called stage (tag `dflash.campaign_stage`, `dflash.kind=campaign`: not a training run),
+    named for its answer (`stage 1 drafter: dflash2_muon`), carrying `stage_figures` as tags (the runs table's
+    columns) and metrics, with the objective's key (`c.objective` and its `_ci_low` / `_ci_high`) the winner's
+    pooled τ, so the view's order and charts hold it beside the cells. Each report updates the same runs. Returns
+    {(stage index, option): the option's Δ against its stage's winner}, the text its cell runs show
+    (`sweeps.results_summary.label_cell_runs`)."""
+    from mlflow.entities import Metric, RunTag
+
+    from dflash.tracking.ui_view import STAGE_DELTA_TAG, TAU_TAG
+    from sweeps.results_summary import stage_answer
+    out = {}
+    now = int(time.time() * 1000)
+    for i, stage in enumerate(c.stages):
+        answer = stage_answer(c, summary, i)
+        if "winner" not in answer:
+            continue
+        tags, metrics, per_option = stage_figures(c, summary, i, answer)
+        metrics.update({c.objective: answer["tau"].value, f"{c.objective}_ci_low": answer["tau"].low,
+                        f"{c.objective}_ci_high": answer["tau"].high})
+        key = f"{c.name}/{i}"
+        found = client.search_runs([experiment_id], f"tags.`{STAGE_RUN_TAG}` = '{key}'", max_results=1)
+        name = f"stage {i} {stage.factor}: {tags['option']}"
+        run_id = found[0].info.run_id if found else client.create_run(
+            experiment_id, run_name=name, tags={STAGE_RUN_TAG: key, "dflash.kind": "campaign"}).info.run_id
+        note = (f"Campaign `{c.name}`, stage {i} ({stage.factor}), objective `{c.objective}`: **{tags['option']}** "
+                f"τ {tags[TAU_TAG]} pooled over {tags['seed'].removeprefix('pooled ')}; {tags[STAGE_DELTA_TAG]}.")
+        client.log_batch(run_id, metrics=[Metric(k, float(v), now, 0) for k, v in metrics.items()],
+                         tags=[RunTag(k, v) for k, v in {**tags, "mlflow.runName": name,
+                                                           "mlflow.note.content": note}.items()])
+        client.set_terminated(run_id)
+        out.update({(i, opt): text for opt, text in per_option.items()})
+    return out

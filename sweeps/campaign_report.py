@@ -452,6 +452,9 @@ def _stage_verdict(c, summary: dict, i: int, cells: list[dict]) -> str:
     finished = [x for x in cells if x.get("value") is not None]  # a failed cell ran but is not finished
     done = {(x["option"], int(x["seed"])) for x in finished}
     if stage.factor in winners and all((o, s) in done for o in stage.options for s in c.seeds):
+        if len(stage.options) == 1:  # nothing to rank: the results summary weighs it against earlier winners
+            return (f"One option, **{stage.options[0]}**: no winner of this stage; its paired Δ against the earlier "
+                    f"stages' winners is in the results summary.")
         tied = ((summary.get("calls") or {}).get(stage.factor) or {}).get("tied") or []
         tie = (f" **Tied with it: {', '.join(tied)}** (their paired Δ interval against it contains 0): no "
                f"winner among these." if tied else "")
@@ -547,7 +550,7 @@ def write_report(c, out: Path, dest: Path | None = None) -> dict[str, Any]:
     atomic_write_text(out / c.name / "ABLATIONS.md", text)
     short = "\n".join(render_summary(c, summary, level=1))
     atomic_write_text(out / c.name / "SUMMARY.md", short)
-    run_id = log_summary(c, out, short)
+    run_id = log_summary(c, out, short, summary)
     if dest is not None:
         atomic_write_text(dest, text)
     print(text)

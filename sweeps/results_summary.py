@@ -26,7 +26,7 @@ from typing import Any
 from dflash.atomic import atomic_write_text
 from dflash.evaluation.pairing import metric_columns
 from dflash.evaluation.stats import paired_delta_ci
-from dflash.tracking.ui_view import display_tags, group_view_by
+from dflash.tracking.ui_view import STAGE_DELTA_TAG, display_tags, group_view_by
 from sweeps.campaign_report import (BELOW_PL, CI_LEVEL, _by_option, _delta, _fmt, _objective_suite, _stacked,
                                     below_prompt_lookup, data_sets, pooled, shared_seeds, stage_call)
 
@@ -95,6 +95,23 @@ def stage_answer(c, summary: dict, i: int) -> dict[str, Any]:
         runner = max(others, key=lambda o: means[o])
         out["runner_up"] = runner
         out["delta"] = _delta(won, {s: by_opt[runner][s] for s in shared}, cols.sum_col, cols.count_col)
+    else:  # one option ranks nothing: weighed against the winners of the stages before it instead
+        out["vs_winners"] = _against_earlier_winners(c, summary, i, suite, won)
+    return out
+
+
+def _against_earlier_winners(c, summary: dict, i: int, suite: str, tables: dict[int, dict]) -> list[tuple]:
+    """(stage factor, its winner, (Δ text, verdict)) of a one-option stage's option against each earlier stage's
+    winner, paired seed for seed and prompt for prompt (`_delta`): the served campaign's recipe stage (1.636) ties
+    the drafter stage's DFlash 2 + Muon (1.637), which its own stage, having no second option, cannot say."""
+    cols = metric_columns(c.objective)
+    out = []
+    for j, stage in enumerate(c.stages[:i]):
+        winner = (summary.get("winners") or {}).get(stage.factor)
+        cells = [x for x in summary["cells"] if x["stage"] == j and x["option"] == winner and not x.get("failed")]
+        ref = _by_option(cells, suite).get(winner) if winner else None
+        if ref:
+            out.append((stage.factor, winner, _delta(tables, ref, cols.sum_col, cols.count_col)))
     return out
 
 
@@ -141,15 +158,21 @@ def _stage_line(i: int, a: dict, c) -> str:
     open_ = "" if a["complete"] else (f"; **open**: {_seeds(left)} not run for every option"
                                       + (f" ({failed} ran and failed)" if failed else ""))
     tau = _fmt(a["tau"]) + (f" {BELOW_PL}" if a["below_pl"] else "")
-    tie = f"; tied with {', '.join(a['tied'])}" if a["tied"] else "; no tie"
-    delta = ""
-    if "delta" in a:
-        d, verdict = a["delta"]
-        d = f"not paired ({verdict})" if d == "not paired" else _signed(d)
-        delta = f"; vs {a['runner_up']} (runner-up) {d} {_verdict_word(verdict)}".rstrip()
     mixed = "; **not one data set** (the report names the cells)" if a.get("mixed_data") else ""
+    if "vs_winners" in a:  # one option: no winner of its own stage, weighed against the earlier stages' winners
+        against = "".join(f"; vs {f}'s winner {w} {_delta_words(d)}" for f, w, d in a["vs_winners"])
+        return (f"{head} ({_seeds(a['seeds'])}, {a['runs']} runs{open_}): one option, so no winner: "
+                f"**{a['winner']}** τ {tau}{against}{mixed}.")
+    tie = f"; tied with {', '.join(a['tied'])}" if a["tied"] else "; no tie"
+    delta = f"; vs {a['runner_up']} (runner-up) {_delta_words(a['delta'])}" if "delta" in a else ""
     return (f"{head} ({_seeds(a['seeds'])}, {a['runs']} runs{open_}): **{a['winner']}** τ {tau}{tie}{delta}"
             f"{_least_degenerate_clause(a.get('least_degenerate'))}{mixed}.")
+
+
+def _delta_words(delta: tuple[str, str]) -> str:
+    """A `_delta` result as the summary says it: "+0.078 [+0.069, +0.086] better", "not paired (why)"."""
+    d, verdict = delta
+    return f"not paired ({verdict})" if d == "not paired" else f"{_signed(d)} {_verdict_word(verdict)}".rstrip()
 
 
 def _least_degenerate_clause(check: dict | None) -> str:
@@ -169,10 +192,8 @@ def _recipe_line(r: dict) -> str:
     if "vs_pl" in r:
         parts.append(f"prompt lookup {_fmt(r['pl'])}, paired Δ {_sd(r['vs_pl'])}")
     if "vs_first" in r:
-        d, verdict = r["vs_first"]
-        d = f"not paired ({verdict})" if d == "not paired" else _signed(d)
-        parts.append(f"vs the campaign's first cell `{r['first']}` ({r['first_tokens']:,.0f} tokens) {d} "
-                     f"{_verdict_word(verdict)}".rstrip())
+        parts.append(f"vs the campaign's first cell `{r['first']}` ({r['first_tokens']:,.0f} tokens) "
+                     f"{_delta_words(r['vs_first'])}")
     return "; ".join(parts) + f"; {_seeds(r['seeds'])}."
 
 
@@ -191,13 +212,14 @@ def render_summary(c, summary: dict, level: int = 2) -> list[str]:
     return [*lines, ""]
 
 
-def label_cell_runs(client, experiment_id: str, c) -> int:
+def label_cell_runs(client, experiment_id: str, c, stage_deltas: dict[tuple[int, str], str] | None = None) -> int:
     """Tag every cell run of the campaign's experiment (named by its cell id) with `campaign`, `stage` ("1 noise":
     sorts and groups by stage), `option`, `seed` and the key-metrics view's figures of the campaign's objective
     (`dflash.tracking.ui_view.display_tags`), and log them as params `campaign.name`, `campaign.stage`,
     `campaign.option` (parallel coordinates plot params): so the runs table groups by stage and option, where its
     run names alone (`s1-noise-uniform-seed0`) cannot. A param a run already has with another value is left as it
-    is (MLflow's params are write-once). Returns how many runs were labelled."""
+    is (MLflow's params are write-once); `stage_deltas` {(stage, option): text}: each option's paired Δ against its
+    stage's winner (`sweeps.campaign_mlflow.log_stage_runs`). Returns how many runs were labelled."""
     from mlflow.entities import Param, RunTag
     from mlflow.exceptions import MlflowException
 
@@ -210,6 +232,8 @@ def label_cell_runs(client, experiment_id: str, c) -> int:
         stage, factor, option, seed = int(m[1]), m[2], m[3], m[4]
         tags = {"campaign": c.name, "stage": f"{stage} {factor}", "option": option, "seed": seed,
                 **display_tags(run.data.metrics, c.objective)}  # the key-metrics view's rounded τ [CI] columns
+        if (stage, option) in (stage_deltas or {}):  # its option's paired Δ against the stage's winner
+            tags[STAGE_DELTA_TAG] = stage_deltas[(stage, option)]
         params = {"campaign.name": c.name, "campaign.stage": f"{stage} {factor}", "campaign.option": option}
         if all(run.data.tags.get(k) == v for k, v in tags.items()) and all(
                 run.data.params.get(k) == v for k, v in params.items()):
@@ -225,12 +249,13 @@ def label_cell_runs(client, experiment_id: str, c) -> int:
     return n
 
 
-def log_summary(c, out: Path, text: str) -> str | None:
+def log_summary(c, out: Path, text: str, summary: dict) -> str | None:
     """Log `text` as `results_summary.md` and the Description of the campaign's summary run (tagged
     `dflash.campaign_summary`, `dflash.kind=campaign`: not a training run) in the campaign's experiment of
-    `<out>/mlflow.db`, label its cell runs (`label_cell_runs`), group the experiment's key-metrics view by stage,
-    and give the experiment the campaign's description where it has none. Returns the run id; None where the store
-    or the experiment is not there."""
+    `<out>/mlflow.db`, log a summary run per called stage of `summary` (`sweeps.campaign_mlflow.log_stage_runs`),
+    label its cell runs (`label_cell_runs`), group the experiment's key-metrics view by stage, and give the
+    experiment the campaign's description where it has none. Returns the run id; None where the store or the
+    experiment is not there."""
     db = Path(out) / "mlflow.db"
     if not db.is_file():
         return None
@@ -249,7 +274,8 @@ def log_summary(c, out: Path, text: str) -> str | None:
     else:
         run_id = client.create_run(eid, run_name=f"campaign {c.name}: summary",
                                    tags={SUMMARY_RUN_TAG: c.name, "dflash.kind": "campaign"}).info.run_id
-    label_cell_runs(client, eid, c)
+    from sweeps.campaign_mlflow import log_stage_runs
+    label_cell_runs(client, eid, c, log_stage_runs(client, eid, c, summary))  # a summary run per called stage
     group_view_by(client, eid, "stage", c.objective)  # the key-metrics view: a group per stage, best τ first
     client.set_tag(run_id, "mlflow.note.content", text)
     client.log_text(run_id, text, "results_summary.md")

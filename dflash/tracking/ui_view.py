@@ -33,8 +33,11 @@ TAU_TAG = "τ"  # the objective (eval/tau_served; a legacy store's eval/tau_vani
 PL_TAG = "τ prompt lookup"  # prompt lookup's τ on the same prompts and ground truth, with its CI
 DELTA_PL_TAG = "Δτ vs prompt lookup"  # paired over prompts: "+0.313 [+0.251, +0.371]"
 GREEDY_TAG = "τ greedy"  # T = 0 beside a sampled served setting, with its CI
-TREE_TAG = "τ DDTree"  # DDTree at T = 0 at its largest node budget, with its CI: "4.123 [4.001, 4.250] at 64"
-DISPLAY_TAGS = (TAU_TAG, DELTA_PL_TAG, PL_TAG, GREEDY_TAG, TREE_TAG)
+TREE_TAG = "τ DDTree greedy"  # DDTree (T = 0 only) at its largest node budget, with its CI: "4.123 [4.001, 4.250] at 64"
+# a campaign's paired Δ of the objective within a stage (sweeps.campaign_mlflow.log_stage_runs): on the stage's
+# summary run the winner's over the runner-up, on each cell run its option's against the stage's winner
+STAGE_DELTA_TAG = "Δτ in stage"
+DISPLAY_TAGS = (TAU_TAG, STAGE_DELTA_TAG, DELTA_PL_TAG, PL_TAG, GREEDY_TAG, TREE_TAG)
 DIGITS = 3
 
 # a campaign's report labels its cell runs with stage and option (sweeps.results_summary.label_cell_runs); a
@@ -96,8 +99,8 @@ def _column(kind: str, name: str) -> str:
 
 
 # the widest value each display column shows ("+0.313 [+0.251, +0.371]"); other columns fit their header
-_VALUE_CHARS = {TAU_TAG: 20, PL_TAG: 20, DELTA_PL_TAG: 23, GREEDY_TAG: 20, TREE_TAG: 27, "stage": 9, "option": 16,
-                "data/consumed_tokens": 11}
+_VALUE_CHARS = {TAU_TAG: 20, STAGE_DELTA_TAG: 44, PL_TAG: 20, DELTA_PL_TAG: 23, GREEDY_TAG: 20, TREE_TAG: 27,
+                "stage": 10, "option": 26, "data/consumed_tokens": 11}
 
 
 def view_state(group_by: str | None = None, objective: str = "eval/tau_served") -> dict:

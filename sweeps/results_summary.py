@@ -26,7 +26,7 @@ from typing import Any
 from dflash.atomic import atomic_write_text
 from dflash.evaluation.pairing import metric_columns
 from dflash.evaluation.stats import paired_delta_ci
-from dflash.tracking.ui_view import STAGE_DELTA_TAG, display_tags, group_view_by
+from dflash.tracking.ui_view import display_tags, group_view_by
 from sweeps.campaign_report import (BELOW_PL, CI_LEVEL, _by_option, _delta, _fmt, _objective_suite, _stacked,
                                     below_prompt_lookup, data_sets, pooled, shared_seeds, stage_call)
 
@@ -212,14 +212,14 @@ def render_summary(c, summary: dict, level: int = 2) -> list[str]:
     return [*lines, ""]
 
 
-def label_cell_runs(client, experiment_id: str, c, stage_deltas: dict[tuple[int, str], str] | None = None) -> int:
+def label_cell_runs(client, experiment_id: str, c, stage_tags: dict[str, dict[str, str]] | None = None) -> int:
     """Tag every cell run of the campaign's experiment (named by its cell id) with `campaign`, `stage` ("1 noise":
     sorts and groups by stage), `option`, `seed` and the key-metrics view's figures of the campaign's objective
     (`dflash.tracking.ui_view.display_tags`), and log them as params `campaign.name`, `campaign.stage`,
     `campaign.option` (parallel coordinates plot params): so the runs table groups by stage and option, where its
     run names alone (`s1-noise-uniform-seed0`) cannot. A param a run already has with another value is left as it
-    is (MLflow's params are write-once); `stage_deltas` {(stage, option): text}: each option's paired Δ against its
-    stage's winner (`sweeps.campaign_mlflow.log_stage_runs`). Returns how many runs were labelled."""
+    is (MLflow's params are write-once); `stage_tags` {run name: tags}: its option's paired Δ against the winner of
+    each stage it is a run of (`sweeps.campaign_mlflow.log_stage_runs`). Returns how many runs were labelled."""
     from mlflow.entities import Param, RunTag
     from mlflow.exceptions import MlflowException
 
@@ -232,8 +232,7 @@ def label_cell_runs(client, experiment_id: str, c, stage_deltas: dict[tuple[int,
         stage, factor, option, seed = int(m[1]), m[2], m[3], m[4]
         tags = {"campaign": c.name, "stage": f"{stage} {factor}", "option": option, "seed": seed,
                 **display_tags(run.data.metrics, c.objective)}  # the key-metrics view's rounded τ [CI] columns
-        if (stage, option) in (stage_deltas or {}):  # its option's paired Δ against the stage's winner
-            tags[STAGE_DELTA_TAG] = stage_deltas[(stage, option)]
+        tags.update((stage_tags or {}).get(run.info.run_name, {}))  # its option's paired Δ against stage winners
         params = {"campaign.name": c.name, "campaign.stage": f"{stage} {factor}", "campaign.option": option}
         if all(run.data.tags.get(k) == v for k, v in tags.items()) and all(
                 run.data.params.get(k) == v for k, v in params.items()):
@@ -247,6 +246,15 @@ def label_cell_runs(client, experiment_id: str, c, stage_deltas: dict[tuple[int,
                 pass
         n += 1
     return n
+
+
+def experiment_note(c) -> str:
+    """The campaign experiment's Description: what it measured, and under which protocol: a campaign scored on the
+    legacy objective is marked as the old one, so its experiment never reads as a current answer."""
+    from dflash.evaluation.protocol import LEGACY_OBJECTIVE
+    old = (f"**Old protocol** (`{LEGACY_OBJECTIVE}`: greedy, fixed-length ground truth that loops; not a current "
+           f"answer, see the served campaign). " if c.objective in (LEGACY_OBJECTIVE, "eval/tau_tree_64") else "")
+    return f"Campaign `{c.name}`: {old}{c.description}"
 
 
 def log_summary(c, out: Path, text: str, summary: dict) -> str | None:
@@ -266,8 +274,9 @@ def log_summary(c, out: Path, text: str, summary: dict) -> str | None:
     if client.get_experiment_by_name(c.experiment) is None:
         return None
     eid = get_or_create_experiment(client, c.experiment, uri)
-    if not client.get_experiment(eid).tags.get("mlflow.note.content"):
-        client.set_experiment_tag(eid, "mlflow.note.content", f"Campaign `{c.name}`: {c.description}")
+    note = client.get_experiment(eid).tags.get("mlflow.note.content")
+    if not note or note.startswith(f"Campaign `{c.name}`"):  # none yet, or one a report wrote: the current text
+        client.set_experiment_tag(eid, "mlflow.note.content", experiment_note(c))
     found = client.search_runs([eid], f"tags.`{SUMMARY_RUN_TAG}` = '{c.name}'", max_results=1)
     if found:
         run_id = found[0].info.run_id
@@ -283,10 +292,12 @@ def log_summary(c, out: Path, text: str, summary: dict) -> str | None:
     return run_id
 
 
-def report_block(c, summary: dict) -> str:
-    """The campaign report without its summary, every heading one level down: a section of a longer page."""
+def report_block(c, summary: dict, out: Path | None = None) -> str:
+    """The campaign report without its summary, every heading one level down: a section of a longer page; `out`:
+    the store, where the campaigns it compares with are read (without it, their rank agreement is "not in this
+    store", as the committed block once said beside a table quoting it)."""
     from sweeps.campaign_report import render_report
-    text = render_report(c, summary, with_summary=False)
+    text = render_report(c, summary, with_summary=False, out=out)
     return re.sub(r"(?m)^(#+) ", lambda m: "#" + m[1] + " ", text)
 
 
@@ -353,7 +364,7 @@ def main(argv: list[str] | None = None) -> dict[str, str]:
         summary = load_summary(c, out)
         texts[name] = "\n".join(render_summary(c, summary, level=3))
         body = update_block(body, f"results-summary:{name}", texts[name], add=True)
-        body = update_block(body, f"report:{name}", report_block(c, summary), add=False)
+        body = update_block(body, f"report:{name}", report_block(c, summary, out), add=False)
     atomic_write_text(md, body)  # every campaign and sweep read before the file is touched
     return texts
 

@@ -201,8 +201,12 @@ def render_summary(c, summary: dict, level: int = 2) -> list[str]:
     """The summary's markdown lines: a heading, what the numbers are, the recipe, one line per stage."""
     answers = [stage_answer(c, summary, i) for i in range(len(c.stages))]
     suite = next((a["suite"] for a in answers if a.get("suite")), None)
+    setting = next((((t.get("info") or {}).get("sampling")) for a in answers for t in a.get("tables", {}).values()
+                    if (t.get("info") or {}).get("sampling")), None)  # the objective's setting, in words
+    setting = f" ({setting}: the served setting)" if setting and c.objective.startswith("eval/tau_served") else (
+        " (greedy, T=0: the old protocol)" if c.objective == "eval/tau_vanilla" else "")
     lines = [f"{'#' * level} Results summary: `{c.name}`", "",
-             f"Objective `{c.objective}` on suite `{suite}`; τ pooled over the seeds every option of a stage has "
+             f"Objective `{c.objective}`{setting} on suite `{suite}`; τ pooled over the seeds every option of a stage has "
              f"({CI_LEVEL:.0%} CI over (seed, prompt) pairs); Δ paired seed for seed, prompt for prompt; a tie is a "
              f"Δ interval containing 0 or a Δ one seed reverses; {BELOW_PL}: below prompt lookup.", ""]
     recipe = recipe_answer(c, summary, answers)

@@ -3,6 +3,7 @@ notebook (`notebooks/ablation.ipynb`) renders with `sweeps.campaign_report.rende
 from __future__ import annotations
 
 import re
+import time
 from pathlib import Path
 from typing import Any
 
@@ -131,3 +132,108 @@ def summary_from_mlflow(c, tracking_uri: str, work_dir: Path) -> dict[str, Any]:
         record_winner_lr(summary, stage.factor, cells)
         summary.setdefault("calls", {})[stage.factor] = stage_call(cells, c.objective, summary["winners"][stage.factor])
     return summary
+
+
+STAGE_RUN_TAG = "dflash.campaign_stage"  # "<campaign>/<stage index>": the stage's summary run
+ANSWERS = "stage answers"  # the stage summary runs' `stage` tag: one group of the runs table, one row per stage
+_INTERVAL = re.compile(r"^([+-]?\d+\.\d+) \[([+-]?\d+\.\d+), ([+-]?\d+\.\d+)\]")
+
+
+def _interval(text: str) -> tuple[float, float, float] | None:
+    """(value, low, high) of a report's "Δ [low, high]" text (`campaign_report._delta`); None where not paired."""
+    m = _INTERVAL.match(text)
+    return (float(m[1]), float(m[2]), float(m[3])) if m else None
+
+
+def _with_ci(key: str, value: float, low: float, high: float) -> dict[str, float]:
+    return {key: value, f"{key}_ci_low": low, f"{key}_ci_high": high}
+
+
+def stage_figures(c, summary: dict, i: int, answer: dict) -> tuple[dict[str, str], dict[str, float], dict[str, str]]:
+    """A called stage's answer as (its summary run's tags, its metrics, {option: the option's Δ tag text}): the
+    winner's τ pooled over the stage's seeds with its CI (under the objective's own key, `eval/tau_served`), its
+    paired Δ over the runner-up (`stage/<objective>_delta_runner_up`; a one-option stage: against the earlier
+    stages' winners, nearest first), every option's pooled τ (`stage/<objective>/<option>`) and paired Δ against
+    the winner (`stage/<objective>_delta/<option>`), each with its CI, all the report's own figures
+    (`sweeps.results_summary.stage_answer`, `campaign_report._delta`)."""
+    from dflash.evaluation.pairing import metric_columns
+    from dflash.tracking.ui_view import STAGE_DELTA_TAG, TAU_TAG, stage_metric
+    from sweeps.campaign_report import _by_option, _delta, _fmt, pooled
+    from sweeps.results_summary import _delta_words
+    stage, winner, shared = c.stages[i], answer["winner"], answer["seeds"]
+    cols = metric_columns(c.objective)
+    cells = [x for x in summary["cells"] if x["stage"] == i and not x.get("failed") and int(x["seed"]) in shared]
+    by_opt = _by_option(cells, answer["suite"])
+    tau = answer["tau"]
+    metrics = _with_ci(c.objective, tau.value, tau.low, tau.high)
+    if "vs_winners" in answer:
+        option = f"{winner} (one option)"
+        delta = "; ".join(f"vs {w} ({f}) {_delta_words(d)}" for f, w, d in reversed(answer["vs_winners"]))
+        runner_delta = answer["vs_winners"][-1][2] if answer["vs_winners"] else ("not paired", "")
+    else:
+        option = f"{winner} (winner)"
+        runner_delta = answer.get("delta", ("not paired", ""))
+        delta = f"vs {answer['runner_up']} (runner-up) {_delta_words(runner_delta)}" if "delta" in answer else ""
+        if answer["tied"]:
+            delta += f"; tied: {', '.join(answer['tied'])}"
+    if (iv := _interval(runner_delta[0])) is not None:
+        metrics.update(_with_ci(stage_metric(c.objective, "delta_runner_up"), *iv))
+    per_option = {}
+    for opt, seeds in by_opt.items():
+        t = pooled(list(seeds.values()), cols.sum_col, cols.count_col)
+        metrics.update(_with_ci(stage_metric(c.objective, f"/{opt}"), t.value, t.low, t.high))
+        if opt == winner:
+            per_option[opt] = "the stage's winner" if "vs_winners" not in answer else "one option"
+            continue
+        text, verdict = _delta(seeds, by_opt[winner], cols.sum_col, cols.count_col)
+        per_option[opt] = f"vs {winner} {_delta_words((text, verdict))}"
+        if (iv := _interval(text)) is not None:
+            metrics.update(_with_ci(stage_metric(c.objective, f"_delta/{opt}"), *iv))
+    tags = {"campaign": c.name, "stage": ANSWERS, "option": f"{i} {stage.factor}: {option}",
+            "seed": "pooled " + ", ".join(map(str, shared)), TAU_TAG: _fmt(tau), STAGE_DELTA_TAG: delta}
+    return tags, metrics, per_option
+
+
+def log_stage_runs(client, experiment_id: str, c, summary: dict) -> dict[str, dict[str, str]]:
+    """One summary run per called stage (tag `dflash.campaign_stage`, `dflash.kind=campaign`: not a training run),
+    named for its answer (`stage 1 drafter: dflash2_muon (winner)`), carrying `stage_figures` as tags (the runs
+    table's columns; all stages' runs in one group of the key-metrics view, `ANSWERS`) and metrics (the chart view's
+    first charts: `dflash.tracking.ui_view.chart_state`), and a saved view of each stage, its compare view
+    (`ui_view.stage_view`): the runs of the stage, an earlier stage's run it reuses among them, each showing its
+    option and its paired Δ against the winner in the run tag named for the stage ("stage 1 drafter"). Each report
+    updates the same runs. Returns {cell run name: the tags that say its option's Δ against its stage's winner},
+    for `sweeps.results_summary.label_cell_runs` (the view's `Δτ in stage` and the stage's own tag)."""
+    from mlflow.entities import Metric, RunTag
+
+    from dflash.tracking.ui_view import STAGE_DELTA_TAG, TAU_TAG, stage_view
+    from sweeps.results_summary import stage_answer
+    out: dict[str, dict[str, str]] = {}
+    now = int(time.time() * 1000)
+    for i, stage in enumerate(c.stages):
+        answer = stage_answer(c, summary, i)
+        if "winner" not in answer:
+            continue
+        tags, metrics, per_option = stage_figures(c, summary, i, answer)
+        key = f"{c.name}/{i}"
+        found = client.search_runs([experiment_id], f"tags.`{STAGE_RUN_TAG}` = '{key}'", max_results=1)
+        name = f"stage {tags['option']}"
+        option = tags["option"].split(": ", 1)[1]
+        run_id = found[0].info.run_id if found else client.create_run(
+            experiment_id, run_name=name, tags={STAGE_RUN_TAG: key, "dflash.kind": "campaign"}).info.run_id
+        note = (f"Campaign `{c.name}`, stage {i} ({stage.factor}), objective `{c.objective}`: **{option}** "
+                f"τ {tags[TAU_TAG]} pooled over {tags['seed'].removeprefix('pooled ')}; {tags[STAGE_DELTA_TAG]}.")
+        client.log_batch(run_id, metrics=[Metric(k, float(v), now, 0) for k, v in metrics.items()],
+                         tags=[RunTag(k, v) for k, v in {**tags, "mlflow.runName": name,
+                                                           "mlflow.note.content": note}.items()])
+        column = f"stage {i} {stage.factor}"  # the stage's own tag: its compare view's first column
+        client.set_tag(run_id, column, f"{option}: {tags[STAGE_DELTA_TAG]}")  # its τ [CI]: the view's τ column
+        client.set_terminated(run_id)
+        for x in summary["cells"]:
+            if x["stage"] == i and x["option"] in per_option and not x.get("failed"):
+                name = x.get("reused_from") or x["cell"]  # a reused run is labelled for this stage too
+                got = out.setdefault(name, {})
+                got[column] = f"{x['option']}: {per_option[x['option']]}"
+                if not x.get("reused_from"):
+                    got[STAGE_DELTA_TAG] = per_option[x["option"]]
+        stage_view(client, experiment_id, i, column, c.objective)
+    return out

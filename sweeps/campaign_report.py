@@ -431,15 +431,17 @@ def render_report(c, summary: dict, with_summary: bool = True, figures: dict[int
     where the campaigns of `c.compare_with` are read for the protocol agreement (sweeps/protocol_agreement.py)."""
     from sweeps.protocol_agreement import agreement_section, ground_truth_lines, greedy_section, setting_title
     from sweeps.least_degenerate import least_degenerate_section
-    lines = [f"# Ablation campaign `{c.name}`", "", c.description, "",
+    from sweeps.results_summary import render_summary
+    # the verdict first (the results summary), then how it was made: what the campaign is, its command, budget
+    lines = [f"# Ablation campaign `{c.name}`", "", *(render_summary(c, summary, level=2) if with_summary else []),
+             "## How it ran" if with_summary else "", "", c.description, "",
              f"Command: `python -m sweeps.campaign {c.name}` (then `… {c.name} report`). Budget: "
              f"{c.budget_tokens:,} consumed training tokens per run, seeds {c.seeds}, objective `{c.objective}`. "
              f"τ: pooled over seeds with its {CI_LEVEL:.0%} seed × prompt × sample bootstrap interval; Δτ paired "
              f"with the reference option's run of the same seed; a tie is a Δ interval containing 0, or a Δ that one "
-             f"seed's own run reverses.", ""]
-    from sweeps.results_summary import render_summary
-    lines += [*(render_summary(c, summary, level=2) if with_summary else []), _target_line(summary["cells"]),
-              *_speed_lines(summary)]
+             f"seed's own run reverses.", "", _target_line(summary["cells"]), *_speed_lines(summary)]
+    if not with_summary:  # a section of a longer page: no empty heading line
+        lines = [lines[0], *lines[3:]]
     winners = summary.get("winners", {})
     objective_suite = _objective_suite(summary["cells"], c.objective)
     first = c.stages[0].options[0]
@@ -515,6 +517,9 @@ def _stage_verdict(c, summary: dict, i: int, cells: list[dict]) -> str:
     finished = [x for x in cells if x.get("value") is not None]  # a failed cell ran but is not finished
     done = {(x["option"], int(x["seed"])) for x in finished}
     if stage.factor in winners and all((o, s) in done for o in stage.options for s in c.seeds):
+        if len(stage.options) == 1:  # nothing to rank: the results summary weighs it against earlier winners
+            return (f"One option, **{stage.options[0]}**: no winner of this stage; its paired Δ against the earlier "
+                    f"stages' winners is in the results summary.")
         tied = ((summary.get("calls") or {}).get(stage.factor) or {}).get("tied") or []
         tie = (f" **Tied with it: {', '.join(tied)}** (their paired Δ interval against it contains 0): no "
                f"winner among these." if tied else "")
@@ -616,9 +621,10 @@ def write_report(c, out: Path, dest: Path | None = None) -> dict[str, Any]:
     atomic_write_text(out / c.name / "ABLATIONS.md", text)
     short = "\n".join(render_summary(c, summary, level=1))
     atomic_write_text(out / c.name / "SUMMARY.md", short)
-    run_id = log_summary(c, out, short)
+    run_id = log_summary(c, out, short, summary)
     if dest is not None:
         atomic_write_text(dest, text)
-    print(text)
+    # the terminal gets the verdict and where the rest is: the whole report is markdown with image links
+    print(f"{short.rstrip()}\n\nThe whole report (tables per stage and suite, figures): {out / c.name / 'ABLATIONS.md'}")
     return {"report": str(out / c.name / "ABLATIONS.md"), "summary": str(out / c.name / "SUMMARY.md"),
             "summary_run": run_id, "winners": summary["winners"]}

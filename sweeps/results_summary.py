@@ -98,6 +98,23 @@ def stage_answer(c, summary: dict, i: int) -> dict[str, Any]:
         runner = max(others, key=lambda o: means[o])
         out["runner_up"] = runner
         out["delta"] = _delta(won, {s: by_opt[runner][s] for s in shared}, cols.sum_col, cols.count_col)
+    else:  # one option ranks nothing: weighed against the winners of the stages before it instead
+        out["vs_winners"] = _against_earlier_winners(c, summary, i, suite, won)
+    return out
+
+
+def _against_earlier_winners(c, summary: dict, i: int, suite: str, tables: dict[int, dict]) -> list[tuple]:
+    """(stage factor, its winner, (Δ text, verdict)) of a one-option stage's option against each earlier stage's
+    winner, paired seed for seed and prompt for prompt (`_delta`): the served campaign's recipe stage (1.636) ties
+    the drafter stage's DFlash 2 + Muon (1.637), which its own stage, having no second option, cannot say."""
+    cols = metric_columns(c.objective)
+    out = []
+    for j, stage in enumerate(c.stages[:i]):
+        winner = (summary.get("winners") or {}).get(stage.factor)
+        cells = [x for x in summary["cells"] if x["stage"] == j and x["option"] == winner and not x.get("failed")]
+        ref = _by_option(cells, suite).get(winner) if winner else None
+        if ref:
+            out.append((stage.factor, winner, _delta(tables, ref, cols.sum_col, cols.count_col)))
     return out
 
 
@@ -143,13 +160,13 @@ def _stage_line(i: int, a: dict, c) -> str:
     open_ = "" if a["complete"] else (f"; **open**: {_seeds(left)} not run for every option"
                                       + (f" ({failed} ran and failed)" if failed else ""))
     tau = _fmt(a["tau"]) + (f" {BELOW_PL}" if a["below_pl"] else "")
-    tie = f"; tied with {', '.join(a['tied'])}" if a["tied"] else "; no tie"
-    delta = ""
-    if "delta" in a:
-        d, verdict = a["delta"]
-        d = f"not paired ({verdict})" if d == "not paired" else _signed(d)
-        delta = f"; vs {a['runner_up']} (runner-up) {d} {_verdict_word(verdict)}".rstrip()
     mixed = "; **not one data set** (the report names the cells)" if a.get("mixed_data") else ""
+    if "vs_winners" in a:  # one option: no winner of its own stage, weighed against the earlier stages' winners
+        against = "".join(f"; vs {f}'s winner {w} {_delta_words(d)}" for f, w, d in a["vs_winners"])
+        return (f"{head} ({_seeds(a['seeds'])}, {a['runs']} runs{open_}): one option, so no winner: "
+                f"**{a['winner']}** τ {tau}{against}{mixed}.")
+    tie = f"; tied with {', '.join(a['tied'])}" if a["tied"] else "; no tie"
+    delta = f"; vs {a['runner_up']} (runner-up) {_delta_words(a['delta'])}" if "delta" in a else ""
     order = f"; order {a['order']}" if a.get("order") and " " in a["order"] else ""
     return (f"{head} ({_seeds(a['seeds'])}, {a['runs']} runs{open_}): **{a['winner']}** τ {tau}{tie}{delta}"
             f"{order}{_lr_clause(c.stages[i])}{_cost_clause(a)}{_least_degenerate_clause(a.get('least_degenerate'))}"
@@ -174,6 +191,12 @@ def _cost_clause(a: dict) -> str:
             f"{mean['tau_per_gpu_h']:.2f} per GPU-hour")
 
 
+def _delta_words(delta: tuple[str, str]) -> str:
+    """A `_delta` result as the summary says it: "+0.078 [+0.069, +0.086] better", "not paired (why)"."""
+    d, verdict = delta
+    return f"not paired ({verdict})" if d == "not paired" else f"{_signed(d)} {_verdict_word(verdict)}".rstrip()
+
+
 def _least_degenerate_clause(check: dict | None) -> str:
     """Whether the stage's order holds on its least-degenerate prompt samples (`sweeps.least_degenerate`)."""
     if check is None:
@@ -191,10 +214,8 @@ def _recipe_line(r: dict) -> str:
     if "vs_pl" in r:
         parts.append(f"prompt lookup {_fmt(r['pl'])}, paired Δ {_sd(r['vs_pl'])}")
     if "vs_first" in r:
-        d, verdict = r["vs_first"]
-        d = f"not paired ({verdict})" if d == "not paired" else _signed(d)
-        parts.append(f"vs the campaign's first cell `{r['first']}` ({r['first_tokens']:,.0f} tokens) {d} "
-                     f"{_verdict_word(verdict)}".rstrip())
+        parts.append(f"vs the campaign's first cell `{r['first']}` ({r['first_tokens']:,.0f} tokens) "
+                     f"{_delta_words(r['vs_first'])}")
     return "; ".join(parts) + f"; {_seeds(r['seeds'])}."
 
 
@@ -202,10 +223,14 @@ def render_summary(c, summary: dict, level: int = 2) -> list[str]:
     """The summary's markdown lines: a heading, what the numbers are, the recipe, one line per stage."""
     answers = [stage_answer(c, summary, i) for i in range(len(c.stages))]
     suite = next((a["suite"] for a in answers if a.get("suite")), None)
+    setting = next((((t.get("info") or {}).get("sampling")) for a in answers for t in a.get("tables", {}).values()
+                    if (t.get("info") or {}).get("sampling")), None)  # the objective's setting, in words
+    setting = f" ({setting}: the served setting)" if setting and c.objective.startswith("eval/tau_served") else (
+        " (greedy, T=0: the old protocol)" if c.objective == "eval/tau_vanilla" else "")
     lines = [f"{'#' * level} Results summary: `{c.name}`", "",
-             f"Objective `{c.objective}` on suite `{suite}`; τ pooled over the seeds every option of a stage has "
-             f"({CI_LEVEL:.0%} seed × prompt × sample bootstrap interval); Δ paired seed for seed, prompt for prompt; "
-             f"a tie is a "
+             f"Objective `{c.objective}`{setting} on suite `{suite}`; τ pooled over the seeds every option of a stage "
+             f"has ({CI_LEVEL:.0%} seed × prompt × sample bootstrap interval); Δ paired seed for seed, prompt for "
+             f"prompt; a tie is a "
              f"Δ interval containing 0 or a Δ one seed reverses; {BELOW_PL}: below prompt lookup.", ""]
     recipe = recipe_answer(c, summary, answers)
     if recipe is not None:
@@ -214,13 +239,14 @@ def render_summary(c, summary: dict, level: int = 2) -> list[str]:
     return [*lines, ""]
 
 
-def label_cell_runs(client, experiment_id: str, c) -> int:
+def label_cell_runs(client, experiment_id: str, c, stage_tags: dict[str, dict[str, str]] | None = None) -> int:
     """Tag every cell run of the campaign's experiment (named by its cell id) with `campaign`, `stage` ("1 noise":
     sorts and groups by stage), `option`, `seed` and the key-metrics view's figures of the campaign's objective
     (`dflash.tracking.ui_view.display_tags`), and log them as params `campaign.name`, `campaign.stage`,
     `campaign.option` (parallel coordinates plot params): so the runs table groups by stage and option, where its
     run names alone (`s1-noise-uniform-seed0`) cannot. A param a run already has with another value is left as it
-    is (MLflow's params are write-once). Returns how many runs were labelled."""
+    is (MLflow's params are write-once); `stage_tags` {run name: tags}: its option's paired Δ against the winner of
+    each stage it is a run of (`sweeps.campaign_mlflow.log_stage_runs`). Returns how many runs were labelled."""
     from mlflow.entities import Param, RunTag
     from mlflow.exceptions import MlflowException
 
@@ -233,6 +259,7 @@ def label_cell_runs(client, experiment_id: str, c) -> int:
         stage, factor, option, seed = int(m[1]), m[2], m[3], m[4]
         tags = {"campaign": c.name, "stage": f"{stage} {factor}", "option": option, "seed": seed,
                 **display_tags(run.data.metrics, c.objective)}  # the key-metrics view's rounded τ [CI] columns
+        tags.update((stage_tags or {}).get(run.info.run_name, {}))  # its option's paired Δ against stage winners
         params = {"campaign.name": c.name, "campaign.stage": f"{stage} {factor}", "campaign.option": option}
         if all(run.data.tags.get(k) == v for k, v in tags.items()) and all(
                 run.data.params.get(k) == v for k, v in params.items()):
@@ -248,12 +275,22 @@ def label_cell_runs(client, experiment_id: str, c) -> int:
     return n
 
 
-def log_summary(c, out: Path, text: str) -> str | None:
+def experiment_note(c) -> str:
+    """The campaign experiment's Description: what it measured, and under which protocol: a campaign scored on the
+    legacy objective is marked as the old one, so its experiment never reads as a current answer."""
+    from dflash.evaluation.protocol import LEGACY_OBJECTIVE
+    old = (f"**Old protocol** (`{LEGACY_OBJECTIVE}`: greedy, fixed-length ground truth that loops; not a current "
+           f"answer, see the served campaign). " if c.objective in (LEGACY_OBJECTIVE, "eval/tau_tree_64") else "")
+    return f"Campaign `{c.name}`: {old}{c.description}"
+
+
+def log_summary(c, out: Path, text: str, summary: dict) -> str | None:
     """Log `text` as `results_summary.md` and the Description of the campaign's summary run (tagged
     `dflash.campaign_summary`, `dflash.kind=campaign`: not a training run) in the campaign's experiment of
-    `<out>/mlflow.db`, label its cell runs (`label_cell_runs`), group the experiment's key-metrics view by stage,
-    and give the experiment the campaign's description where it has none. Returns the run id; None where the store
-    or the experiment is not there."""
+    `<out>/mlflow.db`, log a summary run per called stage of `summary` (`sweeps.campaign_mlflow.log_stage_runs`),
+    label its cell runs (`label_cell_runs`), group the experiment's key-metrics view by stage, and give the
+    experiment the campaign's description where it has none. Returns the run id; None where the store or the
+    experiment is not there."""
     db = Path(out) / "mlflow.db"
     if not db.is_file():
         return None
@@ -264,15 +301,17 @@ def log_summary(c, out: Path, text: str) -> str | None:
     if client.get_experiment_by_name(c.experiment) is None:
         return None
     eid = get_or_create_experiment(client, c.experiment, uri)
-    if not client.get_experiment(eid).tags.get("mlflow.note.content"):
-        client.set_experiment_tag(eid, "mlflow.note.content", f"Campaign `{c.name}`: {c.description}")
+    note = client.get_experiment(eid).tags.get("mlflow.note.content")
+    if not note or note.startswith(f"Campaign `{c.name}`"):  # none yet, or one a report wrote: the current text
+        client.set_experiment_tag(eid, "mlflow.note.content", experiment_note(c))
     found = client.search_runs([eid], f"tags.`{SUMMARY_RUN_TAG}` = '{c.name}'", max_results=1)
     if found:
         run_id = found[0].info.run_id
     else:
         run_id = client.create_run(eid, run_name=f"campaign {c.name}: summary",
                                    tags={SUMMARY_RUN_TAG: c.name, "dflash.kind": "campaign"}).info.run_id
-    label_cell_runs(client, eid, c)
+    from sweeps.campaign_mlflow import log_stage_runs
+    label_cell_runs(client, eid, c, log_stage_runs(client, eid, c, summary))  # a summary run per called stage
     group_view_by(client, eid, "stage", c.objective)  # the key-metrics view: a group per stage, best τ first
     client.set_tag(run_id, "mlflow.note.content", text)
     client.log_text(run_id, text, "results_summary.md")
@@ -280,10 +319,12 @@ def log_summary(c, out: Path, text: str) -> str | None:
     return run_id
 
 
-def report_block(c, summary: dict) -> str:
-    """The campaign report without its summary, every heading one level down: a section of a longer page."""
+def report_block(c, summary: dict, out: Path | None = None) -> str:
+    """The campaign report without its summary, every heading one level down: a section of a longer page; `out`:
+    the store, where the campaigns it compares with are read (without it, their rank agreement is "not in this
+    store", as the committed block once said beside a table quoting it)."""
     from sweeps.campaign_report import render_report
-    text = render_report(c, summary, with_summary=False)
+    text = render_report(c, summary, with_summary=False, out=out)
     return re.sub(r"(?m)^(#+) ", lambda m: "#" + m[1] + " ", text)
 
 
@@ -350,7 +391,7 @@ def main(argv: list[str] | None = None) -> dict[str, str]:
         summary = load_summary(c, out)
         texts[name] = "\n".join(render_summary(c, summary, level=3))
         body = update_block(body, f"results-summary:{name}", texts[name], add=True)
-        body = update_block(body, f"report:{name}", report_block(c, summary), add=False)
+        body = update_block(body, f"report:{name}", report_block(c, summary, out), add=False)
     atomic_write_text(md, body)  # every campaign and sweep read before the file is touched
     return texts
 

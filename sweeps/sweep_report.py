@@ -255,8 +255,9 @@ def render(study, sweep, out_root: Path) -> str:
     head = ["trial", "state", *[k.split(".")[-1] for k in keys], "steps", "consumed tokens", "in-training evals",
             f"{objective} [95% CI]" if metric_columns(objective) else objective, "Δ vs best, paired",
             "Δ vs best, least-degenerate rows", "DDTree", "prompt lookup", "wall s"]
+    # the verdict first (the best trial, its ties, how the trials ended), then every trial
     lines = [f"# Sweep `{study.study_name}` ({sweep.name}): {len(groups)} trials, {len(complete)} complete",
-             "", f"Objective: {sweep.objective.direction} `{objective}`"
+             "", *summary_lines(study, sweep, out_root, level=2), "## Every trial", "", f"Objective: {sweep.objective.direction} `{objective}`"
              + (" (the old protocol: greedy, fixed-length ground truth that loops; measured before sampled "
                 "evaluation)" if objective == "eval/tau_vanilla" else "")
              + f". Fixed: `{' '.join(sweep.fixed)}`.", "",

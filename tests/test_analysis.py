@@ -203,3 +203,29 @@ def test_current_names_and_the_legacy_ones_are_read_apart():
     assert A.summary_keys(legacy.iloc[0].to_dict()) == ["eval/tau_vanilla", "eval/tau_prompt_lookup"]
     frame = A.summary_frame({"metrics": served.iloc[0].to_dict()})
     assert frame.loc["eval/tau_served", "ci_low"] == pytest.approx(1.9)
+
+
+def test_the_final_evaluations_figures_are_the_served_settings_and_say_so():
+    """The per-position acceptance of the final evaluation is the served setting's (T=1), not the greedy one that
+    sorts first (`eval/t0` < `eval/t1`); every τ figure names its setting; a run's τ per setting puts the served
+    one first with greedy beside it and prompt lookup with each."""
+    row = {**_served_run(0), "eval/served_temperature": 1.0, "eval/t0/acc_pos01": 0.9, "eval/t1/acc_pos01": 0.4}
+    runs = pd.DataFrame([row])
+    assert A.eval_position_prefix(runs) == "eval/t1/acc_pos"
+    assert A.position_acceptance(runs).iloc[0, 0] == 0.4
+    assert A.eval_position_setting(runs) == "T=1, served"
+    assert A.metric_setting("eval/tau_served", runs) == "T=1, served"
+    assert A.metric_setting("eval/t0/tau_tree_16", runs) == "T=0, greedy"
+    # without the served setting's metrics a sampled setting still comes before the greedy one
+    assert A.eval_position_prefix(runs.drop(columns=["eval/served_temperature"])) == "eval/t1/acc_pos"
+    legacy = pd.DataFrame([{**_run(1), "eval/acc_pos01": 0.7}])
+    assert A.eval_position_prefix(legacy) == "eval/acc_pos"
+    assert A.eval_position_setting(legacy) == "T=0, greedy (old protocol)"
+
+    frame = A.tau_settings(row)
+    assert list(frame.index) == ["T=1, served", "T=0, greedy"]
+    assert frame.loc["T=1, served", "drafter"] == 2.0 and frame.loc["T=1, served", "drafter_low"] == 1.9
+    assert frame.loc["T=1, served", "prompt lookup"] == 1.3 and frame.loc["T=0, greedy", "drafter"] == 3.0
+    assert list(A.tau_settings(legacy.iloc[0].to_dict()).index) == ["T=0, greedy (old protocol)"]
+    fig = A.plot_tau_settings(frame)
+    assert [t.get_text() for t in fig.axes[0].get_xticklabels()] == ["T=1, served", "T=0, greedy"]

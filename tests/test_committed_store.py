@@ -225,7 +225,8 @@ def test_ablations_first_screen_is_the_stores_summary(campaign_store):
         assert block == "\n".join(lines).rstrip() and block in first_screen
         assert sum(line.startswith("- Stage ") for line in lines) == len(c.stages)
         report = text.split(f"<!-- report:{name} -->\n", 1)[1].split(f"\n<!-- /report:{name} -->")[0]
-        assert report == report_block(c, summary).rstrip()
+        assert report == report_block(c, summary, campaign_store).rstrip()
+        assert "not in this store" not in report  # the campaigns it compares with are in the committed store
     first_screen = screens["old"]
     # two seeds: the interval is widened by t_1 / z · sqrt(2) = 9.17 (docs/evaluation.md), so every option ties
     assert "- Stage 0 **loss** (seeds 0, 1, 12 runs): **streak** τ 3.938 [0.630, 7.973] ↓PL; tied with dpace, " \
@@ -269,7 +270,8 @@ def test_the_report_the_notebook_and_mlflow_give_the_same_numbers(campaign_store
         assert run.data.tags[SUMMARY_RUN_TAG] == name and run.data.tags["dflash.kind"] == "campaign"
         logged = client.download_artifacts(run.info.run_id, "results_summary.md", str(tmp_path))
         assert Path(logged).read_text() == (campaign_store / name / "SUMMARY.md").read_text()
-        assert client.get_experiment_by_name(c.experiment).tags["mlflow.note.content"].startswith(f"Campaign `{name}`")
+        note = client.get_experiment_by_name(c.experiment).tags["mlflow.note.content"]
+        assert note.startswith(f"Campaign `{name}`: **Old protocol**")  # never read as a current answer
         assert write_report(c, campaign_store)["summary_run"] == run.info.run_id  # one summary run, updated
         # every cell run labelled for the runs table's grouping: campaign, stage, option and seed
         for x in notebook["cells"]:
@@ -367,3 +369,45 @@ def test_the_summary_says_when_a_stage_read_two_data_sets(campaign_store):
     for x in summary["cells"]:
         x.setdefault("data_digest", "39cc885e6affe21b")
     assert "not one data set" not in line(summary)
+
+
+@pytest.mark.slow
+def test_the_served_campaigns_runs_table_answers_each_stage(campaign_store):
+    """The campaign's MLflow face answers which option won each stage, by how much, how sure: one summary run per
+    stage (the pooled τ with its CI, the paired Δ over the runner-up, every option's Δ against the winner, as
+    metrics and as the key-metrics view's columns) and each cell run's Δ against its stage's winner. The recipe
+    stage has one option: no winner of its own, its Δ against the earlier stages' winners instead (it ties the
+    drafter stage's DFlash 2 + Muon, which the page had said in prose alone)."""
+    from mlflow.tracking import MlflowClient
+
+    from dflash.tracking.ui_view import STAGE_DELTA_TAG, TAU_TAG
+    from sweeps.campaign_mlflow import ANSWERS, STAGE_RUN_TAG
+    from sweeps.campaign_report import load_summary
+    from sweeps.campaign_spec import load_campaign
+    from sweeps.results_summary import log_summary, render_summary
+    c = load_campaign("served", [])
+    summary = load_summary(c, campaign_store)
+    lines = render_summary(c, summary)
+    recipe = next(line for line in lines if line.startswith("- Stage 2 **recipe**"))
+    assert "one option, so no winner: **layers8_streak** τ 1.636 [1.622, 1.650]" in recipe
+    assert "vs drafter's winner dflash2_muon -0.001 [-0.008, +0.006] tie" in recipe and "no tie" not in recipe
+    first = log_summary(c, campaign_store, "\n".join(lines), summary)
+    client = MlflowClient(f"sqlite:///{campaign_store / 'mlflow.db'}")
+    eid = client.get_experiment_by_name(c.experiment).experiment_id
+    runs = {r.data.tags[STAGE_RUN_TAG]: r for r in client.search_runs([eid], f"tags.`{STAGE_RUN_TAG}` LIKE 'served/%'")}
+    assert set(runs) == {"served/0", "served/1", "served/2"}
+    drafter = runs["served/1"]
+    assert drafter.info.run_name == "stage 1 drafter: dflash2_muon (winner)" and drafter.data.tags["stage"] == ANSWERS
+    assert drafter.data.tags[TAU_TAG] == "1.637 [1.623, 1.651]"
+    assert drafter.data.tags[STAGE_DELTA_TAG] == "vs dflash1_muon (runner-up) +0.078 [+0.069, +0.086] better"
+    m = drafter.data.metrics
+    assert f"{m['eval/tau_served']:.3f}" == "1.637" and f"{m['eval/tau_served_ci_low']:.3f}" == "1.623"
+    assert f"{m['stage/tau_served_delta_runner_up']:.3f} {m['stage/tau_served_delta_runner_up_ci_low']:.3f}" \
+        == "0.078 0.069"
+    assert f"{m['stage/tau_served_delta/dflash1_muon']:.3f}" == "-0.078" and "stage/tau_served/dflash1_adamw" in m
+    assert runs["served/2"].info.run_name == "stage 2 recipe: layers8_streak (one option)"
+    assert runs["served/2"].data.tags[STAGE_DELTA_TAG].startswith("vs dflash2_muon (drafter) -0.001 [-0.008, +0.006] tie")
+    cell = client.search_runs([eid], "attributes.run_name = 's1-drafter-dflash1_muon-seed0'")[0]
+    assert cell.data.tags[STAGE_DELTA_TAG] == "vs dflash2_muon -0.078 [-0.086, -0.069] worse"
+    assert log_summary(c, campaign_store, "\n".join(lines), summary) == first  # the same runs, updated
+    assert len(client.search_runs([eid], f"tags.`{STAGE_RUN_TAG}` LIKE 'served/%'")) == 3

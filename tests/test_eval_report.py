@@ -83,6 +83,13 @@ def test_evaluate_metric_keys_and_table(target, drafter, cfg):
     assert "ALL (pooled)" in text and "τ tree-4" in text and "one" in text
     md = rep.to_markdown()
     assert md.startswith("| task |") and "Per-position acceptance" in md
+    assert "| τ greedy (T=0) (" in md.splitlines()[0]  # the τ column is headed by its setting, never "τ vanilla"
+
+
+def test_task_tables_escape_markdown():
+    """tasks.md is rendered by MLflow: a task named `__future__` reads as itself, not in bold."""
+    from dflash.evaluation.report import markdown_escape
+    assert markdown_escape("__future__ *x* [a]|b") == r"\_\_future\_\_ \*x\* \[a\]\|b"
 
 
 def test_copy_rate_counts_the_continuations_repeated_ngrams():

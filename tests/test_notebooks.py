@@ -246,3 +246,27 @@ def test_run_deep_dive_names_the_run_and_shows_its_ci(committed_store):
         _legends_outside(figs[name])
     texts = [t for lg in figs["fig_tau"]["legends"] for t in lg["texts"]]
     assert texts == ["s0-loss-dpace-seed0"] and r["run_id"][:8] not in " ".join(texts)
+
+
+@pytest.mark.slow
+def test_both_notebooks_open_on_served_tau_of_the_served_campaign(committed_store):
+    """On the served campaign's runs the deep dive's first figure is τ per setting, served (T=1) first with greedy
+    (T=0) beside it and prompt lookup with each, and the ablation notebook's first figure is the objective at its
+    setting alone: no greedy bar on its axis, every figure naming its setting (the eval per-position acceptance
+    had shown T=0 unlabelled, and the deep dive's τ panel was empty)."""
+    from dflash.tracking import analysis as A
+    runs = A.load_runs(committed_store, "dflash-campaign-served")
+    r = runs[runs["run_name"] == "s1-drafter-dflash2_muon-seed0"].iloc[0]
+    nb, text, figs = _execute_described("run_deep_dive.ipynb", {"TRACKING_URI": committed_store,
+                                                                "EXPERIMENT": "dflash-campaign-served",
+                                                                "RUN_ID": r["run_id"]})
+    first = next(name for c in nb.cells if c.cell_type == "code" for name in figs if f"{name} = " in c.source)
+    assert first == "fig_tau_settings"
+    axis = figs["fig_tau_settings"]["axes"][0]
+    assert axis["xticks"] == ["T=1, served", "T=0, greedy"]
+    assert "eval at T=1, served" in figs["fig_pos"]["axes"][0]["title"]
+    nb, text, figs = _execute_described("ablation.ipynb", {"TRACKING_URI": committed_store,
+                                                           "EXPERIMENT": "dflash-campaign-served", "STUDY": ""})
+    assert figs["fig_tau"]["axes"][0]["title"].startswith("τ at T=1, served")
+    assert figs["fig_tree"]["axes"][0]["title"].startswith("DDTree τ at T=0, greedy")
+    assert figs["fig_pos_eval"]["axes"][0]["title"].startswith("eval at T=1, served")

@@ -19,8 +19,8 @@ from mlflow.entities import Metric  # noqa: E402
 from mlflow.tracking import MlflowClient  # noqa: E402
 
 import dflash.serving.promotion as promotion  # noqa: E402
-from dflash.serving.promotion import (DECISION_TAG, REASON_TAG, PromoteConfig, PromotionError,  # noqa: E402
-                              auto_promote, promote)
+from dflash.serving.promotion import (DECISION_TAG, PROTOCOL_TAG, REASON_TAG, PromoteConfig,  # noqa: E402
+                              PromotionError, auto_promote, promote)
 
 MODEL = "dflash-drafter"
 
@@ -122,6 +122,8 @@ def test_first_promotion_wins_and_records_everything(store):
     t = mv.tags
     assert t[DECISION_TAG] == "promoted" and t[REASON_TAG] == d.reason
     assert float(t["eval/tau_served"]) == 3.0 and float(t["eval/tau_tree_16"]) == 4.0
+    assert t["eval/tau_served"] == "3.000"  # rounded for reading; the gate reads the run's metric
+    assert t[PROTOCOL_TAG].startswith("served: τ at the target's sampling setting")
     assert float(t["eval/tau_tree_64"]) == 5.0
     assert t["dflash.task_table"] == f"runs:/{rid}/eval/per_task.json"
     assert "dflash.config" not in t  # the config is one link away (dflash.config_uri), not a tag blob

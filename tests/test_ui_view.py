@@ -112,3 +112,29 @@ def test_an_older_dflash_view_is_replaced_a_users_choices_are_not(tmp_path):
     get_or_create_experiment(client, "old", uri)
     group_view_by(client, eid, "stage")
     assert client.get_experiment(eid).tags[VIEW] == theirs
+
+
+def test_chart_views_open_on_the_objective_and_a_stage_has_its_compare_view(tmp_path):
+    """The chart view starts from `eval/tau_served` and its interval (then a campaign stage's paired Δ over the
+    runner-up), filtered to the objective's charts, and FAILED runs stay out of the table; a campaign stage's own
+    saved view lists the runs carrying its tag, best τ first, ungrouped, its tag the first column."""
+    from dflash.tracking.ui_view import stage_metric, stage_view, stage_view_key, view_state
+    state = view_state(objective=OBJECTIVE)
+    keys = [c["metricKey"] for c in state["compareRunCharts"]]
+    assert keys[:3] == [OBJECTIVE, f"{OBJECTIVE}_ci_low", f"{OBJECTIVE}_ci_high"]
+    assert keys[3] == stage_metric(OBJECTIVE, "delta_runner_up") == "stage/tau_served_delta_runner_up"
+    assert stage_metric(OBJECTIVE, "/dpace") == "stage/tau_served/dpace"
+    assert all("tau_served" in k for k in keys) and state["chartsSearchFilter"] == "tau_served"
+    assert {c["metricSectionId"] for c in state["compareRunCharts"]} == {s["uuid"] for s in state["compareRunSections"]}
+    assert state["searchFilter"] == "attributes.status != 'FAILED'"
+    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    eid = client.create_experiment("campaign")
+    stage_view(client, eid, 1, "stage 1 drafter")
+    view = _ui_state(client.get_experiment(eid).tags[SAVED_VIEW_PREFIX + stage_view_key(1)])
+    assert view["columnOrder"][0] == "tags.`stage 1 drafter`" and "groupBy" not in view
+    assert view["searchFilter"].startswith("tags.`stage 1 drafter` LIKE '%'")
+    assert view["orderByKey"] == f"metrics.`{OBJECTIVE}`" and view["compareRunCharts"] == state["compareRunCharts"]
+    # found with the filter it sets: a run of the stage, not one of another stage
+    a = client.create_run(eid, tags={"stage 1 drafter": "dpace: the stage's winner"}).info.run_id
+    client.create_run(eid, tags={"stage 0 loss": "x"})
+    assert [r.info.run_id for r in client.search_runs([eid], view["searchFilter"])] == [a]

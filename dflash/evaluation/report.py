@@ -47,6 +47,7 @@ import json
 import logging
 import math
 import os
+import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -69,6 +70,14 @@ from dflash.evaluation.prompts import Suite, Task, objective_suite, suite_label
 from dflash.evaluation.speculative import greedy_decode, speculative_decode
 
 log = logging.getLogger(__name__)
+
+
+_MARKDOWN_SPECIAL = re.compile(r"([\\`*_\[\]<>|#~])")
+
+
+def markdown_escape(text: str) -> str:
+    """`text` with markdown's inline markup escaped, so a task named `__future__` reads as itself, not in bold."""
+    return _MARKDOWN_SPECIAL.sub(r"\\\1", text)
 
 
 @dataclass
@@ -111,7 +120,8 @@ class EvalReport:
 
     def _columns(self) -> list[tuple[str, str]]:
         cols = [("task", "task"), ("prompt_tokens", "prompt"), ("rounds", "rounds"),
-                ("tau_vanilla", f"τ vanilla ({self.block_size - 1} drafted/round)")]
+                # headed by its setting: a table read alone (tasks.md in MLflow) never leaves T=1 and T=0 to guess
+                ("tau_vanilla", f"τ {self.info.get('sampling', 'greedy (T=0)')} ({self.block_size - 1} drafted/round)")]
         if self.baseline:
             cols += [("tau_prompt_lookup", "τ prompt-lookup")]
         for b in self.budgets:  # DDTree budgets count tree nodes (liranringel/ddtree)
@@ -198,10 +208,11 @@ class EvalReport:
         return f", engine {self.info['engine']}: {self.info['policy_name']}"
 
     def to_markdown(self) -> str:
+        """The task table as markdown, its cells escaped (`markdown_escape`): MLflow renders tasks.md."""
         cols = self._columns()
         lines = ["| " + " | ".join(h for _, h in cols) + " |", "|" + "---|" * len(cols)]
-        lines += ["| " + " | ".join(r) + " |" for r in self._rows()]
-        lines += ["", self.headline()]
+        lines += ["| " + " | ".join(map(markdown_escape, r)) + " |" for r in self._rows()]
+        lines += ["", markdown_escape(self.headline())]
         lines += ["", "Per-position acceptance (vanilla, P(accepted | reached)):", "",
                   "| position | " + " | ".join(str(k + 1) for k in range(len(self.acc_pos))) + " |",
                   "|---|" + "---|" * len(self.acc_pos),

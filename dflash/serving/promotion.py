@@ -192,10 +192,12 @@ def _current_holder(client, cfg: PromoteConfig, name: str) -> tuple[Any | None, 
     if version is None:
         return None, None
     holder = client.get_model_version(name, str(version))
-    value = _as_float(holder.tags.get(cfg.metric))
-    if value is None and holder.run_id:  # tag missing (e.g. aliased by hand): the holder's run metric
+    value = None
+    if holder.run_id:  # the run's metric has every digit; the version's tag is rounded for reading
         with contextlib.suppress(Exception):
             value = client.get_run(holder.run_id).data.metrics.get(cfg.metric)
+    if value is None:  # the run gone: the version's own record
+        value = _as_float(holder.tags.get(cfg.metric))
     return holder, value
 
 
@@ -400,11 +402,25 @@ def _headline(metric: str) -> bool:
         and not metric.startswith(("eval/tau_train", "eval/tau_over"))
 
 
+PROTOCOL_TAG = "dflash.protocol"  # a version's evaluation protocol, in words: which τ its figures are
+
+
+def protocol_of(metric: str) -> str:
+    """The evaluation protocol a gate metric belongs to, for a version's `dflash.protocol` tag."""
+    if metric == LEGACY_OBJECTIVE or metric.startswith("eval/tau_tree_"):
+        return "old protocol: greedy (T=0), fixed-length ground truth that loops"
+    if metric.startswith("eval/tau_served"):
+        return "served: τ at the target's sampling setting, lossless rejection sampling (docs/evaluation.md)"
+    return f"gated on {metric}"
+
+
 def _version_tags(client, run, cfg: PromoteConfig, value: float) -> dict[str, str]:
     run_id = run.info.run_id
-    tags = {k: repr(float(v)) for k, v in run.data.metrics.items() if _headline(k)}
-    tags[cfg.metric] = repr(float(value))
+    # three decimals, as every τ is read (the run's metrics keep every digit, and the gate reads those)
+    tags = {k: f"{float(v):.3f}" for k, v in run.data.metrics.items() if _headline(k)}
+    tags[cfg.metric] = f"{float(value):.3f}"
     tags.update({
+        PROTOCOL_TAG: protocol_of(cfg.metric),
         "dflash.run_id": run_id,
         "dflash.run_name": run.info.run_name or "",
         "dflash.task_table": _task_table_ref(client, run_id),

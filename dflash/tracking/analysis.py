@@ -512,10 +512,53 @@ def metric_keys(tracking_uri: str, run_id: str) -> list[str]:
 
 def eval_position_prefix(runs: pd.DataFrame) -> str:
     """Where the final evaluation's per-position acceptance is: `eval/acc_pos` (stores before evaluation named its
-    setting), else the first setting's `eval/<setting>/acc_pos` the runs logged (`dflash.evaluation.protocol`)."""
-    found = sorted({m["prefix"] for c in runs.columns if (m := _POS_RE.match(str(c)))
-                    and re.match(r"^eval/(t[^/]+/(?:(?:argmax|sampled)/)?)?acc_pos$", m["prefix"])})
-    return "eval/acc_pos" if "eval/acc_pos" in found or not found else found[0]
+    setting), else the served setting's `eval/<setting>/acc_pos` (`served_setting`), else a sampled setting's
+    before the greedy `eval/t0/`: the objective's setting, never the greedy one for sorting first."""
+    found = {m["prefix"] for c in runs.columns if (m := _POS_RE.match(str(c)))
+             and re.match(r"^eval/(t[^/]+/(?:(?:argmax|sampled)/)?)?acc_pos$", m["prefix"])}
+    if "eval/acc_pos" in found or not found:
+        return "eval/acc_pos"
+    served = served_setting(runs)
+    if f"eval/{served}/acc_pos" in found:
+        return f"eval/{served}/acc_pos"
+    return sorted(found, key=lambda p: (p == "eval/t0/acc_pos", p))[0]
+
+
+def setting_title(prefix: str, served: str | None = None) -> str:
+    """What a metric prefix measures, for a figure's title: `eval/t1/...` "T=1, served" (where `served` is its
+    label), `eval/t0/...` "T=0, greedy", the legacy `eval/...` "T=0, greedy (old protocol)"."""
+    m = re.match(r"^eval/(t[^/]+)/(?:(argmax|sampled)/)?", prefix)
+    if m is None:
+        return "T=0, greedy (old protocol)" if prefix.startswith("eval/") else prefix.rstrip("/")
+    if m[1] == "t0":
+        return "T=0, greedy" + (", served" if served == "t0" else "")
+    label = m[1] + (f"/{m[2]}" if m[2] else "")
+    policy = {"argmax": ", argmax drafts", "sampled": ", drafts sampled from q"}.get(m[2] or "", "")
+    return _temperature(m[1]) + policy + (", served" if served == label else "")
+
+
+def served_setting(runs: pd.DataFrame) -> str | None:
+    """The served setting's label of the runs (`eval/served_temperature` ...; the first run's that logged one)."""
+    from dflash.evaluation.protocol import served_label
+    for _, row in runs.filter(like="eval/served_").iterrows():
+        got = {k: float(v) for k, v in row.items() if pd.notna(v)}
+        if got:
+            return served_label(got)
+    return None
+
+
+def metric_setting(metric: str, runs: pd.DataFrame) -> str:
+    """The setting a τ metric is measured at, in words: the objective `eval/tau_served` "T=1, served", a
+    `eval/<setting>/...` key by its label (`setting_title`), a legacy key "T=0, greedy (old protocol)"."""
+    served = served_setting(runs)
+    if metric.startswith(OBJECTIVE):
+        return setting_title(f"eval/{served or 't0'}/", served).replace(", served", "") + ", served"
+    return setting_title(metric, served)
+
+
+def eval_position_setting(runs: pd.DataFrame) -> str:
+    """The setting of the per-position acceptance `position_acceptance` shows by default, in words."""
+    return setting_title(eval_position_prefix(runs) + "/", served_setting(runs))
 
 
 def position_acceptance(runs: pd.DataFrame, prefix: str | None = None) -> pd.DataFrame:
@@ -575,6 +618,36 @@ def summary_keys(metrics: Iterable[str]) -> list[str]:
     return [k for k in keys if k in ms]
 
 
+def tau_settings(metrics: dict[str, float]) -> pd.DataFrame:
+    """One run's τ at each setting, labelled, with prompt lookup's on the same ground truth, each with its CI: the
+    served setting first (`eval/tau_served`, e.g. "T=1, served"), greedy beside it ("T=0, greedy", `eval/t0/...`);
+    a run from before sampled evaluation has the old protocol's greedy τ only (`eval/tau_vanilla`). Rows `setting`,
+    columns `drafter`, `drafter_low`, `drafter_high`, `prompt lookup`, ... (NaN where not logged)."""
+    from dflash.evaluation.protocol import served_label
+    nan = float("nan")
+    lo, hi = CI_SUFFIXES
+    sources = []  # (setting label, the drafter's τ key, prompt lookup's τ key)
+    if OBJECTIVE in metrics:
+        served = served_label(metrics)
+        sources.append((f"{_temperature(served)}, served", OBJECTIVE, f"eval/{served}/tau_prompt_lookup"))
+        if served != "t0" and "eval/t0/tau_vanilla" in metrics:
+            sources.append(("T=0, greedy", "eval/t0/tau_vanilla", "eval/t0/tau_prompt_lookup"))
+    elif LEGACY_OBJECTIVE in metrics:
+        sources.append(("T=0, greedy (old protocol)", LEGACY_OBJECTIVE, BASELINE_METRIC))
+    rows = {}
+    for setting, tau, pl in sources:
+        rows[setting] = {f"{who}{end}": metrics.get(key + suffix, nan) for who, key in (("drafter", tau),
+                         ("prompt lookup", pl)) for end, suffix in (("", ""), ("_low", lo), ("_high", hi))}
+    return pd.DataFrame.from_dict(rows, orient="index").rename_axis("setting")
+
+
+def _temperature(label: str) -> str:
+    """A setting label in words: `t1` → "T=1", `t0.7_p0.95` → "T=0.7, top_p 0.95"."""
+    parts = label[1:].split("_")
+    words = {"p": "top_p ", "k": "top_k "}
+    return ", ".join([f"T={parts[0]}", *(words.get(p[0], p[0]) + p[1:] for p in parts[1:])])
+
+
 def summary_frame(info: dict[str, Any], keys: Sequence[str] | None = None) -> pd.DataFrame:
     """Final values of the headline metrics of one run (`run_info(...)`; `keys` default: `summary_keys`), each τ
     with the evaluation's confidence interval (`ci_low`, `ci_high`; empty where none was logged)."""
@@ -588,6 +661,6 @@ def summary_frame(info: dict[str, Any], keys: Sequence[str] | None = None) -> pd
 
 
 from dflash.tracking.figures import (  # noqa: E402  (the figures read this module's constants)
-    plot_buffer_depths, plot_curves, plot_perf, plot_position_acceptance, plot_study, plot_tau_table,
-    run_colors, run_styles,
+    plot_buffer_depths, plot_curves, plot_perf, plot_position_acceptance, plot_study, plot_tau_settings,
+    plot_tau_table, run_colors, run_styles,
 )

@@ -267,6 +267,35 @@ def plot_tau_table(table: pd.DataFrame, metrics: Sequence[str] | None = None, ti
     return fig
 
 
+def plot_tau_settings(frame: pd.DataFrame, title: str = ""):
+    """One run's τ per setting (`analysis.tau_settings`): the drafter's bar and prompt lookup's beside it, each with
+    its CI, rising from τ = 1; the x-axis names each setting ("T=1, served", "T=0, greedy"), so a greedy figure
+    never reads as the served one."""
+    fig, axes = _fig(w=max(5.0, 2.4 * max(len(frame), 1) + 2.5), h=3.8)
+    ax = axes[0][0]
+    if frame.empty:
+        _empty(ax, "no final evaluation logged")
+        return fig
+    width = 0.38
+    for j, (who, color) in enumerate((("drafter", "#4477aa"), ("prompt lookup", "#999999"))):
+        xs = [i + (j - 0.5) * width for i in range(len(frame))]
+        v = frame[who]
+        err = [(v - frame[f"{who}_low"]).fillna(0).clip(lower=0), (frame[f"{who}_high"] - v).fillna(0).clip(lower=0)]
+        ax.bar(xs, v - 1.0, width, bottom=1.0, yerr=err, capsize=3, color=color, label=who)
+        for x, val in zip(xs, v):
+            if pd.notna(val):
+                ax.annotate(f"{val:.3f}", (x, val), textcoords="offset points", xytext=(0, 6), ha="center",
+                            fontsize=8)
+    ax.axhline(1.0, color="gray", linewidth=1, linestyle=":", label="no drafter (τ = 1)")
+    ax.set_xticks(range(len(frame)), list(frame.index), fontsize=9)
+    ax.set_ylabel("acceptance length τ (95% CI)")
+    ax.set_title(title or "τ per setting, prompt lookup on the same ground truth", fontsize=10)
+    handles, names = ax.get_legend_handles_labels()
+    fig.legend(handles, names, loc="outside right upper", fontsize=8)
+    ax.grid(axis="y", alpha=0.3)
+    return fig
+
+
 def plot_study(runs: pd.DataFrame, objective: str, direction: str = "maximize",
                title: str | None = None):
     """Objective per trial (pruned / failed trials marked at their last value), and the best so far."""

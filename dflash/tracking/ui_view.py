@@ -33,8 +33,11 @@ TAU_TAG = "τ"  # the objective (eval/tau_served; a legacy store's eval/tau_vani
 PL_TAG = "τ prompt lookup"  # prompt lookup's τ on the same prompts and ground truth, with its CI
 DELTA_PL_TAG = "Δτ vs prompt lookup"  # paired over prompts: "+0.313 [+0.251, +0.371]"
 GREEDY_TAG = "τ greedy"  # T = 0 beside a sampled served setting, with its CI
-TREE_TAG = "τ DDTree"  # DDTree at T = 0 at its largest node budget, with its CI: "4.123 [4.001, 4.250] at 64"
-DISPLAY_TAGS = (TAU_TAG, DELTA_PL_TAG, PL_TAG, GREEDY_TAG, TREE_TAG)
+TREE_TAG = "τ DDTree greedy"  # DDTree (T = 0 only) at its largest node budget, with its CI: "4.123 [4.001, 4.250] at 64"
+# a campaign's paired Δ of the objective within a stage (sweeps.campaign_mlflow.log_stage_runs): on the stage's
+# summary run the winner's over the runner-up, on each cell run its option's against the stage's winner
+STAGE_DELTA_TAG = "Δτ in stage"
+DISPLAY_TAGS = (TAU_TAG, STAGE_DELTA_TAG, DELTA_PL_TAG, PL_TAG, GREEDY_TAG, TREE_TAG)
 DIGITS = 3
 
 # a campaign's report labels its cell runs with stage and option (sweeps.results_summary.label_cell_runs); a
@@ -96,8 +99,8 @@ def _column(kind: str, name: str) -> str:
 
 
 # the widest value each display column shows ("+0.313 [+0.251, +0.371]"); other columns fit their header
-_VALUE_CHARS = {TAU_TAG: 20, PL_TAG: 20, DELTA_PL_TAG: 23, GREEDY_TAG: 20, TREE_TAG: 27, "stage": 9, "option": 16,
-                "data/consumed_tokens": 11}
+_VALUE_CHARS = {TAU_TAG: 20, STAGE_DELTA_TAG: 44, PL_TAG: 20, DELTA_PL_TAG: 23, GREEDY_TAG: 20, TREE_TAG: 27,
+                "stage": 10, "option": 26, "data/consumed_tokens": 11}
 
 
 def view_state(group_by: str | None = None, objective: str = "eval/tau_served") -> dict:
@@ -109,10 +112,65 @@ def view_state(group_by: str | None = None, objective: str = "eval/tau_served") 
     cols = [_column("attributes", "Source")] + [_column(k, n) for k, n in names]
     widths = {_column(k, n): 24 + 8 * max(len(n), _VALUE_CHARS.get(n, 0)) for k, n in names}
     state = {"selectedColumns": cols, "columnOrder": cols[1:], "columnWidths": widths,
-             "orderByKey": _column("metrics", objective), "orderByAsc": False}
+             "orderByKey": _column("metrics", objective), "orderByAsc": False,
+             "searchFilter": "attributes.status != 'FAILED'",  # a cell that failed and ran again: its result only
+             **chart_state(objective)}
     if group_by:
         state["groupBy"] = {"aggregateFunction": "average", "groupByKeys": [{"mode": "tag", "groupByData": group_by}]}
     return state
+
+
+def stage_metric(objective: str, what: str) -> str:
+    """A campaign stage's summary-run metric about `objective` (`sweeps.campaign_mlflow.stage_figures`):
+    `stage/tau_served_delta_runner_up`, `stage/tau_served/<option>`: named after the objective, so the chart view's
+    filter on its name (`chart_state`) shows them."""
+    return f"stage/{objective.removeprefix('eval/')}{what if what[:1] in ('/', '_') else '_' + what}"
+
+
+def chart_state(objective: str = "eval/tau_served") -> dict:
+    """The chart view's state in the saved view: one section, the objective's bar chart (`eval/tau_served`, one bar
+    per run) and its interval's ends beside it, then a campaign stage's paired Δ of its winner over the runner-up
+    (`stage_metric`, on the stage's summary run) with its interval's ends, and only charts of the objective's name
+    shown
+    (`chartsSearchFilter`, MLflow 3.17's runs-chart state keys): it opened on constant `buffer/depth_*` charts and
+    one-dot τ line charts."""
+    section = "dflash-objective"
+    name = objective.removeprefix("eval/")
+    titles = {objective: f"{name} (the objective)",
+              stage_metric(objective, "delta_runner_up"): "a campaign stage's winner: paired Δ over the runner-up"}
+    charts = [{"uuid": f"dflash-{key}{end}", "type": "BAR", "runsCountToCompare": 100, "metricSectionId": section,
+               "deleted": False, "isGenerated": False, "metricKey": key + end, "displayName": f"{title}{end}"}
+              for key, title in titles.items() for end in ("", "_ci_low", "_ci_high")]
+    return {"compareRunCharts": charts, "isAccordionReordered": True, "hideEmptyCharts": True,
+            "chartsSearchFilter": name,
+            "compareRunSections": [{"uuid": section, "name": f"{name}: the objective and its 95% CI", "display": True,
+                                    "isReordered": True, "deleted": False, "isGenerated": False}]}
+
+
+def stage_view_key(index: int) -> str:
+    return f"dflash-stage-{index}"
+
+
+def stage_view(client, experiment_id: str, index: int, column: str, objective: str = "eval/tau_served") -> None:
+    """A saved view of one campaign stage, its compare view (`?viewStateShareKey=dflash-stage-<index>`): the runs
+    that carry the stage's run tag `column` ("stage 1 drafter": each run's option and its paired Δ against the
+    stage's winner, the stage's summary run its answer; a run an earlier stage trained, reused here, too), best
+    `objective` first, ungrouped, with the key-metrics view's τ columns and charts (`chart_state`). Written unless
+    someone changed it in the UI."""
+    key = SAVED_VIEW_PREFIX + stage_view_key(index)
+    names = [("tags", column), *(("tags", t) for t in (TAU_TAG, DELTA_PL_TAG, PL_TAG, GREEDY_TAG, TREE_TAG)),
+             ("params", "seed")]
+    cols = [_column("attributes", "Source")] + [_column(k, n) for k, n in names]
+    widths = {_column(k, n): 24 + 8 * max(len(n), _VALUE_CHARS.get(n, 0)) for k, n in names}
+    widths[_column("tags", column)] = 24 + 8 * 74  # "dflash2_muon (winner): vs dflash1_muon (runner-up) +0.078 …"
+    state = {"selectedColumns": cols, "columnOrder": cols[1:], "columnWidths": widths,
+             "orderByKey": _column("metrics", objective), "orderByAsc": False,
+             "searchFilter": f"tags.`{column}` LIKE '%' AND attributes.status != 'FAILED'", **chart_state(objective)}
+    now = int(time.time() * 1000)
+    value = json.dumps({"name": f"dflash: {column}", "createdAt": now, "updatedAt": now, "state": json.dumps(state)})
+    old, ours = _envelope(client.get_experiment(experiment_id).tags.get(key))
+    if ours and old != state:
+        client.set_experiment_tag(experiment_id, key, value)
 
 
 def experiment_view_tags(now_ms: int | None = None, group_by: str | None = None,
@@ -142,7 +200,7 @@ def stale_view(value: str | None) -> bool:
     """Whether an experiment's key-metrics view tag is missing or an older dflash state, ours to replace; a view
     someone changed in the UI is theirs. Its grouping and order are the campaign's (`group_view_by`): kept."""
     state, ours = _envelope(value)
-    own = ("groupBy", "orderByKey")
+    own = ("groupBy", "orderByKey", *chart_state())  # the campaign's grouping, its objective's order and charts
     return ours and (state is None or {k: v for k, v in state.items() if k not in own}
                      != {k: v for k, v in view_state().items() if k not in own})
 

@@ -36,15 +36,27 @@ CONTEXT_GIB = 0.8
 
 
 def expected_need_gib(c: Campaign, out: Path, cell: Cell) -> float | None:
-    """The GPU memory `cell` is expected to hold (GiB): the largest peak (`gpu_reserved_peak_gb`) that its option
-    recorded in this store on any seed, else the largest of its stage's options, plus CONTEXT_GIB; None where its
-    stage recorded none (the launcher then places it by count alone: `sweeps.launcher.LocalLauncher`)."""
-    peaks: dict[str, float] = {}
-    for f in (out / c.name / "runs").glob("*/cell.json"):
+    """The GPU memory `cell` is expected to hold (GiB), plus CONTEXT_GIB: the largest peak (`gpu_reserved_peak_gb`)
+    that its option recorded in this campaign on any seed, else the largest of its stage's options; where its stage
+    recorded none (a new campaign), the largest peak of an option of that name in any other campaign of the store,
+    else the largest any cell of the store recorded; None where the store recorded none at all (the launcher then
+    places it by count alone: `sweeps.launcher.LocalLauncher`). A new campaign placed by count alone put 18 cells on
+    one 80 GiB H100 at once (2026-12-06): every cell ran out of memory or failed in cuDNN's attention."""
+    own: dict[str, float] = {}
+    others: dict[str, float] = {}
+    for f in out.glob("*/runs/*/cell.json"):
         r = cell_result(f.parent)
-        if r.get("stage") == cell.stage and r.get("gpu_reserved_peak_gb"):
-            peaks[r["option"]] = max(peaks.get(r["option"], 0.0), float(r["gpu_reserved_peak_gb"]))
-    peak = peaks.get(cell.option, max(peaks.values(), default=None))
+        if not r.get("gpu_reserved_peak_gb"):
+            continue
+        peak = float(r["gpu_reserved_peak_gb"])
+        if f.parent.parent.parent.name == c.name:
+            if r.get("stage") == cell.stage:
+                own[r["option"]] = max(own.get(r["option"], 0.0), peak)
+        else:
+            others[r.get("option", "")] = max(others.get(r.get("option", ""), 0.0), peak)
+    peak = own.get(cell.option, max(own.values(), default=None))
+    if peak is None:
+        peak = others.get(cell.option, max(others.values(), default=None))
     return None if peak is None else peak + CONTEXT_GIB
 
 

@@ -117,6 +117,12 @@ def test_a_cell_is_expected_to_hold_what_its_option_held_before(tmp_path):
     assert need(0, "lk") == pytest.approx(7.3 + CONTEXT_GIB)
     assert need(0, "streak") == pytest.approx(7.3 + CONTEXT_GIB)  # none of its own: the stage's largest
     assert need(1, "dflash2_adamw") is None
+    # a new campaign in this store: an option of the same name elsewhere, else the store's largest
+    new = load_campaign("engine")
+    fresh = lambda stage, option: expected_need_gib(new, tmp_path, Cell(stage, "f", option, 1, []))  # noqa: E731
+    assert fresh(0, "dpace") == pytest.approx(5.4 + CONTEXT_GIB)
+    assert fresh(1, "dflash2_muon") == pytest.approx(7.3 + CONTEXT_GIB)
+    assert expected_need_gib(new, tmp_path / "empty", Cell(0, "f", "dpace", 1, [])) is None
 
 
 def test_a_preempted_job_stops_its_training_process_and_requeues_the_same_task(tmp_path):

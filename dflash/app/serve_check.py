@@ -65,8 +65,8 @@ def run_engine(llama: LlamaCpp, chk: ServeCheck, target_gguf: Path, drafter_gguf
         for r in reqs:
             res = r["response"]
             tokens = [int(t) for t in res.get("tokens") or []]
-            out[s].append(EngineRequest(r["name"], r["prompt_ids"], tokens, rounds[k], chk.max_new_tokens,
-                                        ended_at_budget=res.get("stop_type") == "limit"))
+            at_budget = res.get("stop_type") == "limit" or len(tokens) >= chk.max_new_tokens
+            out[s].append(EngineRequest(r["name"], r["prompt_ids"], tokens, rounds[k], chk.max_new_tokens, at_budget))
             _check_totals(out[s][-1], res.get("timings") or {}, log)
             k += 1
     return out, str(log)

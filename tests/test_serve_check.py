@@ -33,10 +33,16 @@ def trained_run(tmp_path_factory):
     return tmp / "run"
 
 
-def test_llama_server_rounds_are_the_evaluators_on_its_tokens(llama, trained_run, tmp_path):
+@pytest.fixture(scope="module")
+def work(tmp_path_factory):
+    """The check's folder: its GGUF files serve the tokenizer test too."""
+    return tmp_path_factory.mktemp("serve_check_work")
+
+
+def test_llama_server_rounds_are_the_evaluators_on_its_tokens(llama, trained_run, work):
     from dflash.target.sampling import GREEDY, Sampling
     from experiments.serve_check import main
-    results = main([str(trained_run), "--max-new-tokens", "48", "--work", str(tmp_path)])
+    results = main([str(trained_run), "--max-new-tokens", "32", "--work", str(work)])
     assert [r.setting for r in results] == [GREEDY, Sampling(1.0, 1.0, 0)]  # the target's generation_config: T=1
     for r in results:
         assert len(r.requests) == 10 and r.rounds >= 100
@@ -47,7 +53,7 @@ def test_llama_server_rounds_are_the_evaluators_on_its_tokens(llama, trained_run
     assert [q.engine for q in results[0].requests] != [q.engine for q in results[1].requests]
 
 
-def test_the_gpt2_rule_splits_the_reference_tokenizers_text_as_it_does(llama, trained_run, tmp_path):
+def test_the_gpt2_rule_splits_the_reference_tokenizers_text_as_it_does(llama, trained_run, work, tmp_path):
     """The pre-tokenizer mapping (PRE_TOKENIZERS) is right: llama.cpp's tokens are the tokenizer's own."""
     from dflash.evaluation.prompts import load_suite
     from dflash.serving.llamacpp import LlamaServer, convert_to_gguf
@@ -55,8 +61,11 @@ def test_the_gpt2_rule_splits_the_reference_tokenizers_text_as_it_does(llama, tr
     from transformers import AutoTokenizer
     target_dir = ASSETS / "reference_target"
     tok = AutoTokenizer.from_pretrained(target_dir)
-    gguf_t = convert_to_gguf(llama, target_dir, tmp_path / "target.gguf")
-    gguf_d = convert_to_gguf(llama, trained_run / "final", tmp_path / "drafter.gguf", target_dir=target_dir)
+    gguf_t, gguf_d = work / "target.gguf", work / "drafter.gguf"  # the check's, when it ran first
+    if not gguf_t.is_file():
+        convert_to_gguf(llama, target_dir, gguf_t)
+    if not gguf_d.is_file():
+        convert_to_gguf(llama, trained_run / "final", gguf_d, target_dir=target_dir)
     texts = [t.prompt for t in load_suite("coding10")] + [
         "\n\n\tx = 1\n\n\n    if a  and  b:\r\n        pass  \n", "s = 'café ✓ 🦙'  # ünïcode\n",
         "3.14e-10, 1_000_000, 0x1F;; ...;;;", "def   f( *args,**kw ) ->None :\n\t\treturn\t\n"]

@@ -97,6 +97,7 @@ def serve_check(chk: ServeCheck, target, cache: Path | None = None, work: Path |
         say(f"llama-server served {sum(len(v) for v in served.values())} requests in {time.monotonic() - t0:.0f} s"
             f" (log {log})")
     drafter = load_drafter(chk.drafter_dir, device=target.device)
+    drafter.attach_target_head(target.embed_weight(), target.lm_head_weight())  # a folder has neither (shared)
     block_size = int(drafter.block_size)
     return [simulate_requests(target, BatchedDrafterProposer(drafter, k=1), block_size, reqs, s)
             for s, reqs in served.items()]

@@ -251,7 +251,8 @@ class LlamaServer:
                  ctx_size: int = 4096, threads: int = 2, start_timeout_s: float = 300.0,
                  request_timeout_s: float = 600.0):
         self.cmd = [str(llama.server), "-m", str(target), "--spec-draft-model", str(drafter),
-                    "--spec-draft-n-max", str(draft_max), "--spec-draft-n-min", "0", "--spec-draft-p-min", "0",
+                    "--spec-type", "draft-dflash", "--spec-draft-n-max", str(draft_max), "--spec-draft-n-min", "0",
+                    "--spec-draft-p-min", "0",
                     "-np", "1", "-c", str(ctx_size), "-t", str(threads), "--host", "127.0.0.1"]
         self.log, self.start_timeout_s, self.request_timeout_s = log, start_timeout_s, request_timeout_s
         self.proc: subprocess.Popen | None = None

@@ -158,3 +158,18 @@ def test_the_pre_tokenizer_mapping_answers_only_for_its_hashes(monkeypatch):
     assert TextModel().get_vocab_base_pre(Tok([1, 2, 3])) == "known"
     with pytest.raises(NotImplementedError):
         TextModel().get_vocab_base_pre(Tok([4]))
+
+
+def test_bad_input_stops_before_any_work_with_status_2(tmp_path):
+    import subprocess
+    from pathlib import Path
+
+    from dflash.config import ConfigError
+    from experiments.serve_check import main
+    with pytest.raises(ConfigError, match="--max-new-tokens must be >= 2"):
+        main([str(tmp_path), "--max-new-tokens", "1"])
+    root = Path(__file__).resolve().parent.parent
+    p = subprocess.run([sys.executable, "-m", "experiments.serve_check", str(tmp_path / "nope")], cwd=root,
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 2, p.stderr[-2000:]
+    assert p.stderr.strip().splitlines()[-1].startswith("error: ") and "nope" in p.stderr

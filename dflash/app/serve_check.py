@@ -54,9 +54,8 @@ def run_engine(llama: LlamaCpp, chk: ServeCheck, target_gguf: Path, drafter_gguf
                      threads=chk.threads) as server:
         served = {s: _serve(server, prompts, names, chk, s, chk.seed + 1000 * k)
                   for k, s in enumerate(chk.settings)}
-        time.sleep(1.0)  # the log is written by a worker thread: let the last round's line land
-        rounds = rounds_by_task(server.log_text())
-    n = sum(len(v) for v in served.values())
+        n = sum(len(v) for v in served.values())
+        rounds = rounds_by_task(_whole_log(server, n))
     if len(rounds) != n:
         raise LlamaCppError(f"{log}: {len(rounds)} tasks logged for {n} requests")
     out, k = {}, 0
@@ -70,6 +69,17 @@ def run_engine(llama: LlamaCpp, chk: ServeCheck, target_gguf: Path, drafter_gguf
             _check_totals(out[s][-1], res.get("timings") or {}, log)
             k += 1
     return out, str(log)
+
+
+def _whole_log(server: LlamaServer, n_tasks: int, timeout_s: float = 30.0) -> str:
+    """The server log once each of the `n_tasks` finished tasks has logged its timings (after its last round): a
+    worker thread writes the log, so the last lines may land after the last response."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        text = server.log_text()
+        if text.count(" total time =") >= n_tasks or time.monotonic() > deadline:
+            return text
+        time.sleep(0.2)
 
 
 def _check_totals(req: EngineRequest, timings: dict, log: Path) -> None:

@@ -6,7 +6,6 @@ import math
 
 import torch
 
-from dflash.drafter.model import DrafterConfig, build_drafter
 from dflash.evaluation import EvalConfig, OracleConfig
 from dflash.evaluation.ground_truth import TruthSpec, build_ground_truth
 from dflash.evaluation.headroom import MarginalOracle, gap_closed, oracle_and_entropy
@@ -15,16 +14,10 @@ from dflash.evaluation.protocol import stop_ids
 from dflash.evaluation.report import evaluate
 from dflash.target.sampling import Sampling, SamplingConfig, warp
 
+from tests.test_eval_sampling import _drafter
+
 T1 = Sampling(1.0, 1.0, 0)
 TASKS = [Task(f"p{i}", text) for i, text in enumerate(["def f(x):", "import os\n", "class A:\n  "])]
-
-
-def _drafter(target, bs=4, seed=0):
-    torch.manual_seed(seed)
-    d = build_drafter(DrafterConfig(num_layers=1, head_dim=16, intermediate_size=64, block_size=bs),
-                      target.hidden_size, target.info.num_layers, target.mask_token_id, target.layer_ids)
-    d.attach_target_head(target.embed_weight(), target.lm_head_weight())
-    return d.eval()
 
 
 @torch.no_grad()
@@ -64,7 +57,8 @@ def test_the_oracle_is_scored_by_the_rule_and_cached(byte_target, tmp_path):
 
 def test_every_evaluation_reports_its_headroom(byte_target, tmp_path):
     cfg = EvalConfig(max_new_tokens=12, tree_budgets=[], samples=2, cache_dir=str(tmp_path), bootstrap=200,
-                     sampling=SamplingConfig(1.0, 1.0, 0), oracle=OracleConfig(samples=4))
+                     sampling=SamplingConfig(1.0, 1.0, 0), oracle=OracleConfig(samples=4),
+                     engine="textbook")  # drafts sampled from q: the oracle's too (argmax of a flat marginal: τ 1)
     rep = evaluate(_drafter(byte_target), byte_target, cfg, TASKS, spec=TruthSpec(T1, 2, 0, stop_ids(byte_target)))
     st, m = rep.stats, rep.metrics
     rounds = m["eval/rounds"]

@@ -166,15 +166,16 @@ def gap_closed(tau: float, tau_prompt_lookup: float, tau_oracle: float) -> float
 
 def headroom_figures(target, truths: Sequence[TaskTruth], results: Sequence[TaskResult], tau: float,
                      stats: dict[str, float], block_size: int, cfg, sampling: Sampling,
-                     gt_key: str) -> dict[str, float]:
-    """The evaluation's headroom figures (module doc; `cfg`: the EvalConfig, its `proposal` policy when it has one):
+                     gt_key: str, policy: str = "sampled") -> dict[str, float]:
+    """The evaluation's headroom figures (module doc; `cfg`: the EvalConfig; `policy`: the proposal policy the
+    drafter was scored under, `engines.resolve_policy`, so the oracle proposes alike):
     reach per position, the entropy profile and, with `eval.oracle.samples`, the oracle τ with its interval over
     prompts, the oracle's own reach and the share of the prompt-lookup-to-oracle gap the drafter closes."""
     from dflash.evaluation.report import _sums
     from dflash.evaluation.stats import pooled_ci
     samples = cfg.oracle.samples
     oracle, entropy, seconds = oracle_and_entropy(target, truths, sampling, samples, cfg.seed, block_size,
-                                                  getattr(cfg, "proposal", "sampled"), gt_key, cfg.cache_dir)
+                                                  policy, gt_key, cfg.cache_dir)
     out = {**reach_metrics(results, block_size), **entropy_metrics(entropy)}
     if oracle:
         s, n = _sums(oracle)

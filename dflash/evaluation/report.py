@@ -407,7 +407,7 @@ def evaluate(drafter, target, cfg: EvalConfig, tasks: Sequence[Task] | None = No
     if not limit:  # headroom beside τ (the in-training subset goes without): oracle, reach, entropy
         from dflash.evaluation.headroom import headroom_figures
         stats.update(headroom_figures(target, truths, results, metrics["eval/tau_vanilla"], stats, drafter.block_size,
-                                      cfg, sampling, info["ground_truth_key"]))
+                                      cfg, sampling, info["ground_truth_key"], policy))
     metrics["eval/seconds"] = time.perf_counter() - t0
     acc, reached = _position_acceptance(results, bs)
     info["block_size"] = bs

@@ -50,7 +50,7 @@ ENGINES: dict[str, EngineRule] = {
                          "sgl-project/sglang python/sglang/srt/speculative/dflash_worker.py @ 7f151c5e "
                          "(_greedy_sample_from_vocab_parallel_head)"),
     "llamacpp": EngineRule("argmax", "argmax",
-                           "llama.cpp src/models/dflash.cpp, common/speculative.cpp (the copy vendored in "
+                           "llama.cpp @ 0c1e570 src/models/dflash.cpp, common/speculative.cpp (the copy vendored in "
                            "llama-cpp-python 0.3.36); checked end to end by experiments.serve_check"),
     "zlab": EngineRule("argmax", None,
                        "z-lab/dflash dflash/model.py @ 44947fb: dflash_generate drafts sample(draft_logits) at "

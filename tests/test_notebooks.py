@@ -189,7 +189,8 @@ def test_ablation_notebook_on_the_committed_store_draws_every_run_readably(commi
     # fifo too since a Δ that one of the two seeds reverses is a tie)
     assert "noise: tie: uniform ~ none, gaussian, cosine" in text
     assert "buffer: tie: proportional ~ r10_20, r10_60, r30_90, fifo" in text
-    assert "loss: dpace" in text and "winners {" not in text
+    # two seeds: the seed x prompt x sample interval is widened 9.17x (docs/evaluation.md), so dpace's lead is a tie now
+    assert "loss: tie: dpace ~" in text and "winners {" not in text
     seeds = dict(zip(runs["run_id"], runs["seed"]))
     groups = {}
     for name in ("fig_curves", "fig_pos_eval", "fig_pos_train"):

@@ -157,11 +157,11 @@ def _tables(c, summary) -> list[str]:
     from sweeps.campaign_report import render_report
     out, cost = [], False
     for line in render_report(c, summary).splitlines():
-        if not line.startswith("| "):
+        if not line.startswith("|"):
             cost = False
             continue
         cost = cost or "GPU-s" in line or "tok/s" in line
-        if not cost:
+        if not cost and line.startswith("| "):
             out.append(line)
     return out
 

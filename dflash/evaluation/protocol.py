@@ -106,9 +106,7 @@ def served_label(metrics: dict[str, float]) -> str:
         return "t0"
     label = Sampling(float(t), float(metrics.get("eval/served_top_p", 1.0)),
                      int(metrics.get("eval/served_top_k", 0))).label
-    if SERVED_PROPOSAL not in metrics:
-        return label
-    return f"{label}/{'argmax' if metrics[SERVED_PROPOSAL] == 1.0 else 'sampled'}"
+    return label if SERVED_PROPOSAL not in metrics else f"{label}/{served_policy(metrics)}"
 
 
 def served_policy(metrics: dict[str, float]) -> str:

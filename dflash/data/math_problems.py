@@ -1,19 +1,24 @@
 """Seeded GSM8K-like word problems with worked solutions: the math reference target's task (docs/target.md).
 
 A problem is a short story about one quantity (someone's marbles, cookies, stamps) changed by two to five
-operations. Its worked solution writes every step as one operation with its result ("3 × 4 = 12"), in a sentence
-fixed by the step's kind, and ends with the answer line ("Answer: 7"); the text a model sees is
+operations. Its worked solution writes every step as one operation with its result ("3 × 4 = 12"), in one of a few
+phrasings of the step's kind, may restate the result, and ends with the answer line ("Answer: 7"); the text a model
+sees is
 
     Problem: <the story and its question>
     Solution:
     <one line per step>
     Answer: <n>
 
-and, in training, the end-of-text token after it. The solution is a function of the problem, so a model that has
-learned the task writes it nearly deterministically at T=1 (the low-entropy regime served chain-of-thought targets
-are in), while the stories vary in names, objects, verbs and sentence forms, so learning them is language, not a
-lookup table. Numbers stay small (products of factors up to 10, a multiple of at most 4 × 25, gains up to 20, results
-under 200): a ~18 M-parameter model learns the arithmetic one digit token at a time.
+and, in training, the end-of-text token after it. The arithmetic is a function of the problem; the wording is not:
+each line picks its phrasing (four to six ways, `STEP_FORMS`) and some pick a connective, so a model that has
+learned the task forks at a line's first words (about 1 nat) and copies the rest (near 0 nats). That is the profile
+of a served chain-of-thought model: on Qwen3-8B's solutions over half the tokens sit near zero entropy and the 80th
+percentile is 0.67 nats (Wang et al. 2025, "Beyond the 80/20 Rule", arXiv 2506.01939). A generator whose solution
+is one sentence per step kind (this file before 2026-12-06) taught a target with 0.000 nats along its own samples:
+a lookup table with nothing for a drafter to learn. The stories vary in names, objects, verbs and sentence forms,
+so learning them is language, not a lookup table. Numbers stay small (products of factors up to 10, a multiple of
+at most 4 × 25, gains up to 20, results under 200): a small model learns the arithmetic one digit token at a time.
 
 Held-out split: a problem is held out when the hash of its text falls in `heldout_per_10k` of 10,000 buckets
 (`is_heldout`). `training_problems` never yields one; `heldout_problems` yields only those, from another seed.
@@ -29,7 +34,7 @@ from typing import Iterator
 PROMPT_PREFIX = "Problem: "
 SOLUTION_HEADER = "\nSolution:\n"
 ANSWER_PREFIX = "Answer: "
-SPLIT_SALT = "dflash-math-v1"
+SPLIT_SALT = "dflash-math-v1"  # the split hashes the prompt only: the phrasings of v2 keep it
 HELDOUT_PER_10K = 500  # 5% of all problems are held out from training
 ANSWER_RE = re.compile(r"Answer: (-?\d+)")
 
@@ -57,6 +62,38 @@ SHARE_QUESTIONS = ["How many {p} does each {g} get?", "How many {p} go to each {
 GROUPS = [("friend", "friends"), ("child", "children"), ("classmate", "classmates"), ("neighbor", "neighbors"),
           ("cousin", "cousins"), ("team", "teams")]
 
+# The solution lines' phrasings by step kind, one drawn per line: {P} the pronoun capitalised, {n} the name, {x} the
+# quantity before the step, {b} the operand, {r} the result, {p} the plural, {g} the group; the "{x} op {b} = {r}"
+# equation stays whole in every form (`check_steps` reads it).
+STEP_FORMS = {
+    "start": ["{n} starts with {r} {p}.", "At first {n} has {r} {p}.", "{n} begins with {r} {p}.",
+              "In the beginning there are {r} {p}.", "We start from {r} {p}.", "The count starts at {r} {p}."],
+    "boxes": ["{n} has {x} × {b} = {r} {p}.", "First, {x} × {b} = {r} {p}.",
+              "{x} groups of {b} make {x} × {b} = {r} {p}.", "To start, {n} has {x} × {b} = {r} {p}.",
+              "We multiply first: {x} × {b} = {r} {p}.", "There are {x} × {b} = {r} {p} at the start."],
+    "+": ["{P} gets {b} more, {so} {x} + {b} = {r} {p}.", "Then {x} + {b} = {r} {p}.",
+          "After {b} more, {x} + {b} = {r} {p}.", "Adding {b} gives {x} + {b} = {r} {p}.",
+          "Now there are {x} + {b} = {r} {p}.", "With {b} more: {x} + {b} = {r} {p}."],
+    "-": ["{P} loses {b}, {so} {x} - {b} = {r} {p}.", "Then {x} - {b} = {r} {p}.",
+          "After {b} are gone, {x} - {b} = {r} {p}.", "Taking away {b} gives {x} - {b} = {r} {p}.",
+          "Now there are {x} - {b} = {r} {p}.", "Without those {b}: {x} - {b} = {r} {p}."],
+    "×": ["{P} now has {b} times as many, {so} {x} × {b} = {r} {p}.", "Then {x} × {b} = {r} {p}.",
+          "{b} times as many is {x} × {b} = {r} {p}.", "Multiplying by {b} gives {x} × {b} = {r} {p}.",
+          "Now there are {x} × {b} = {r} {p}."],
+    "÷": ["Each {g} gets {x} ÷ {b} = {r} {p}.", "Sharing among {b}: {x} ÷ {b} = {r} {p} each.",
+          "{x} ÷ {b} = {r}, {so} each {g} gets {r} {p}.", "We divide: {x} ÷ {b} = {r} {p} for each {g}."],
+}
+CONNECTIVES = ["so", "which makes", "and"]
+RESTATE = ["So {n} has {r} {p} in the end.", "That leaves {n} with {r} {p}.", "In total {n} has {r} {p}.",
+           "{n} ends up with {r} {p}."]  # before the answer, at half the lines
+
+
+def _line(rng: random.Random, kind: str, **v) -> str:
+    """One solution line: a phrasing of the step's kind, its connective drawn when the phrasing has one."""
+    form = rng.choice(STEP_FORMS[kind])
+    so = rng.choice(CONNECTIVES) if "{so}" in form else ""
+    return form.format(so=so, **v)
+
 
 @dataclass(frozen=True)
 class MathProblem:
@@ -81,12 +118,12 @@ def _start(rng: random.Random, name: str, pron: str, item: tuple) -> tuple[str, 
         a = rng.randint(5, 30)
         story = rng.choice([f"{name} has {a} {plural}.", f"{name} starts with {a} {plural}.",
                             f"There are {a} {plural} in {name}'s room."])
-        return story, f"{name} starts with {a} {plural}.", None, a
+        return story, _line(rng, "start", n=name, r=a, p=plural), None, a
     a, b = rng.randint(2, 10), rng.randint(2, 10)
     story = rng.choice([f"{name} has {a} {boxes} of {plural} with {b} {plural} in each {box}.",
                         f"{name} buys {a} {boxes} of {plural}, and each {box} holds {b} {plural}.",
                         f"There are {a} {boxes} in {name}'s house, each with {b} {plural}."])
-    return story, f"{name} has {a} × {b} = {a * b} {plural}.", (a, "×", b, a * b), a * b
+    return story, _line(rng, "boxes", n=name, x=a, b=b, r=a * b, p=plural), (a, "×", b, a * b), a * b
 
 
 def _middle(rng: random.Random, name: str, pron: str, plural: str, x: int) -> tuple[str, str, tuple, int]:
@@ -98,21 +135,23 @@ def _middle(rng: random.Random, name: str, pron: str, plural: str, x: int) -> tu
         verb = rng.choice(GAIN_VERBS)
         story = rng.choice([f"Then {pron} {verb} {b} more {plural}.", f"Later {name} {verb} {b} {plural}.",
                             f"{_cap(pron)} {verb} {b} more."])
-        return story, f"{_cap(pron)} gets {b} more, so {x} + {b} = {x + b} {plural}.", (x, "+", b, x + b), x + b
+        line = _line(rng, "+", P=_cap(pron), x=x, b=b, r=x + b, p=plural)
+        return story, line, (x, "+", b, x + b), x + b
     if kind == "loss":
         b = rng.randint(1, x - 1)
         verb = rng.choice(LOSS_VERBS)
         tail = " to a friend" if verb == "gives" else ""
         story = rng.choice([f"Then {pron} {verb} {b} of them{tail}.", f"{_cap(pron)} {verb} {b} {plural}{tail}.",
                             f"After that, {name} {verb} {b}{tail}."])
-        return story, f"{_cap(pron)} loses {b}, so {x} - {b} = {x - b} {plural}.", (x, "-", b, x - b), x - b
+        line = _line(rng, "-", P=_cap(pron), x=x, b=b, r=x - b, p=plural)
+        return story, line, (x, "-", b, x - b), x - b
     k = rng.randint(2, 4)
     word = {2: "doubles", 3: "triples"}.get(k)
     story = (rng.choice([f"Then {pron} {word} the number of {plural}.", f"{_cap(pron)} {word} {name}'s {plural}."])
              if word and rng.random() < 0.5 else
              rng.choice([f"Then {pron} ends up with {k} times as many {plural}.",
                          f"Later {name} has {k} times as many {plural} as before."]))
-    return story, f"{_cap(pron)} now has {k} times as many, so {x} × {k} = {x * k} {plural}.", (x, "×", k, x * k), x * k
+    return story, _line(rng, "×", P=_cap(pron), x=x, b=k, r=x * k, p=plural), (x, "×", k, x * k), x * k
 
 
 def make_problem(rng: random.Random) -> MathProblem:
@@ -133,11 +172,13 @@ def make_problem(rng: random.Random) -> MathProblem:
         g, gs = rng.choice(GROUPS)
         sentences.append(f"{_cap(pron)} shares the {plural} equally among {k} {gs}. "
                          + rng.choice(SHARE_QUESTIONS).format(p=plural, g=g))
-        lines.append(f"Each {g} gets {x} ÷ {k} = {x // k} {plural}.")
+        lines.append(_line(rng, "÷", g=g, x=x, b=k, r=x // k, p=plural))
         steps.append((x, "÷", k, x // k))
         x //= k
     else:
         sentences.append(rng.choice(QUESTIONS).format(p=plural, n=name))
+        if rng.random() < 0.5:
+            lines.append(rng.choice(RESTATE).format(n=name, r=x, p=plural))
     prompt = PROMPT_PREFIX + " ".join(sentences) + SOLUTION_HEADER
     solution = "\n".join(lines) + f"\n{ANSWER_PREFIX}{x}"
     return MathProblem(prompt, solution, x, tuple(steps))

@@ -1,7 +1,9 @@
 #!/bin/bash
 # The math reference target's pretraining on one H100/H200 in one call of under 10 minutes (docs/target.md;
 # its results file: benchmarks/reference_math_target.md): experiments.pretrain_target data=math at the code reference's shape
-# (h384_l8), max_steps sized to the time left at RATE tok/s (default: the code target's measured 259,853 at batch 128;
+# (h384_l8) unless EXTRA says otherwise (the shipped one: EXTRA="hidden_size=256 num_layers=6 intermediate_size=512
+# num_heads=4 num_kv_heads=2 linear_num_key_heads=2 linear_num_value_heads=4 vocab_size=2048", 10 MB in bf16, so the
+# working tree still fits a device call; TOTAL_S=405 gave 1,606 steps, 2026-12-06), max_steps sized to the time left at RATE tok/s (default: the code target's measured 259,853 at batch 128;
 # the math target's tokens cost the same per step), then the quality bar on the written folder (held-out accuracy,
 # entropy profile, ground-truth degeneracy, marginal oracle tau), the folder and its records tarred into 15 MB pieces
 # under $OUT (reassemble: cat $OUT/math_target.tar.* | tar x).

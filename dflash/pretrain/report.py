@@ -94,7 +94,9 @@ def _continuation_lines(result: dict) -> list[str]:
 
 
 def results_markdown(result: dict, command: str = "") -> str:
-    lines = ["# Reference target: pretraining results", ""]
+    title = "Math reference target" if result.get("meta", {}).get("name") == "reference_math_target" \
+        else "Reference target"
+    lines = [f"# {title}: pretraining results", ""]
     if command:
         lines += ["Command:", "", "```", command, "```", ""]
     lines += _header_lines(result) + [""] + _probe_lines(result) + [""] + _continuation_lines(result)

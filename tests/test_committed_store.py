@@ -45,12 +45,12 @@ def test_relocate_artifacts_absolute_for_any_working_folder(tmp_path):
     from dflash.tracking.run_info import relocate_artifacts
     unpack(STORE, tmp_path)
     db = tmp_path / "campaign_out" / "mlflow.db"
-    # 81 runs (three loss cells of seed 1 copied in: dflash.tracking.copy_runs; the served campaign's twenty cells,
-    # the two attempts that ran out of GPU memory and its summary run), four experiments' locations, 7 registered
-    # model versions (the
-    # gate's: the 8-layer champion v3 among them, a refused buffer cell, the refused cuts8 cell, the refused
-    # soft_kl_streak cell of seed 1, t262, the champion now)
-    assert relocate_artifacts(db, relative=False) == 92
+    # 103 runs (three loss cells of seed 1 copied in: dflash.tracking.copy_runs; the served campaign's twenty cells,
+    # the two attempts that ran out of GPU memory and its summary run; the engine campaign's 18 cells, its three
+    # stage runs and its summary run), five experiments' locations, 7 registered model versions (the gate's: the
+    # 8-layer champion v3 among them, a refused buffer cell, the refused cuts8 cell, the refused soft_kl_streak cell
+    # of seed 1, t262, the champion now)
+    assert relocate_artifacts(db, relative=False) == 115
     c = MlflowClient(f"sqlite:///{db}")
     r = c.search_runs([c.get_experiment_by_name("dflash-ablation").experiment_id], max_results=1)[0]
     assert r.info.artifact_uri == (db.parent / "mlartifacts").as_uri() + f"/{r.info.run_id}/artifacts"
@@ -205,8 +205,9 @@ def test_the_committed_stores_hold_their_database_as_sql(archive, dump):
 
 
 def test_ablations_first_screen_is_the_stores_summary(campaign_store):
-    """benchmarks/ABLATIONS.md opens with the served protocol's results summary, and the old protocol's section with
-    each old campaign's; it holds each campaign's report; all as the committed store renders them now
+    """benchmarks/ABLATIONS.md opens with the engine campaign's results summary (T=1 under the engines' proposal
+    policy), the `served` campaign's section (drafts sampled from q) with its own, and the old protocol's section
+    with each old campaign's; it holds each campaign's report; all as the committed store renders them now
     (`python -m sweeps.results_summary`): not a copy that can go stale. Each summary fits its section's first
     screen and says for every stage which option won, by how much, how sure, or what is left to run."""
     from sweeps.campaign_spec import load_campaign
@@ -214,9 +215,11 @@ def test_ablations_first_screen_is_the_stores_summary(campaign_store):
     from sweeps.results_summary import render_summary, report_block
     text = (ROOT / "benchmarks" / "ABLATIONS.md").read_text()
     old = text.split("\n## The old protocol: measured on looping greedy ground truth\n", 1)[1]
-    screens = {"served": "\n".join(text.splitlines()[:40]), "old": "\n".join(old.splitlines()[:45])}
-    for name, overrides, screen in [("served", [SERVED_SEEDS], "served"), ("reference_recipe", [LEGACY], "old"),
-                                    ("reference_64m", [LEGACY], "old")]:
+    served = text.split("\n## Drafts sampled from q: the `served` campaign", 1)[1]
+    screens = {"engine": "\n".join(text.splitlines()[:40]), "served": "\n".join(served.splitlines()[:40]),
+               "old": "\n".join(old.splitlines()[:45])}
+    for name, overrides, screen in [("engine", [], "engine"), ("served", [SERVED_SEEDS], "served"),
+                                    ("reference_recipe", [LEGACY], "old"), ("reference_64m", [LEGACY], "old")]:
         first_screen = screens[screen]
         c = load_campaign(name, overrides)
         summary = load_summary(c, campaign_store)

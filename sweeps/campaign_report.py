@@ -23,6 +23,7 @@ from dflash.evaluation.stats import Interval, Rows, hierarchical_ci
 from sweeps.campaign_spec import at_best_lr, best_option, lr_means, record_winner_lr, stage_cells
 from sweeps.cells import cell_dir, cell_result, record_matches, trained_for
 from sweeps.cost import cost_lines, equal_gpu_time_lines
+from sweeps.headroom_section import headroom_section
 from sweeps.learning_curves import curve_section
 
 CI_LEVEL = 0.95
@@ -469,6 +470,7 @@ def render_report(c, summary: dict, with_summary: bool = True, figures: dict[int
             if len(deltas) > 2:
                 lines += ["Paired Δτ per drafting method:", "", *deltas, ""]
             if suite == objective_suite:  # the ranking again where the ground truth repeats itself least
+                lines += headroom_section(_by_option(cells, suite))
                 lines += least_degenerate_section(cells, suite, stage.options[0])
                 greedy = greedy_section(cells, suite, stage.options[0], baseline)
                 lines += greedy

@@ -32,9 +32,9 @@ from dflash.atomic import atomic_write_text
 from dflash.evaluation.pairing import metric_columns
 from sweeps.campaign_report import _by_option, _delta, _objective_suite, load_summary, pooled, shared_seeds
 from sweeps.campaign_spec import at_best_lr, load_campaign
+from sweeps.headroom_section import REACH_POSITIONS, pct, reach_shares
 from sweeps.learning_curves import kendall_tau_b
 
-REACH_POSITIONS = (2, 3, 4, 6, 8, 12)
 N_BOOT = 2000
 
 
@@ -93,21 +93,6 @@ def pair_conclusion(call_a: str, call_b: str) -> str:
     return "a tie on both"
 
 
-def reach_shares(tables: dict[int, dict]) -> dict[int, float]:
-    """The share of rounds reaching each of `REACH_POSITIONS`, the mean over the option's seeds (nan where the
-    tables carry no `eval/reach_posNN`: evaluated before reach was recorded)."""
-    out = {}
-    for k in REACH_POSITIONS:
-        vals = [float((t.get("stats") or {})[f"eval/reach_pos{k:02d}"]) for t in tables.values()
-                if f"eval/reach_pos{k:02d}" in (t.get("stats") or {})]
-        out[k] = sum(vals) / len(vals) if vals else float("nan")
-    return out
-
-
-def _pct(x: float) -> str:
-    return "—" if x != x else f"{100 * x:.1f}%"
-
-
 def stage_section(factor: str, sa: dict, sb: dict, names: tuple[str, str]) -> list[str]:
     """The markdown of one shared stage: τ and ranks on both targets, the rank agreement, the pair calls, reach."""
     options = [o for o in sa["by_opt"] if o in sb["by_opt"]]
@@ -155,7 +140,7 @@ def stage_section(factor: str, sa: dict, sb: dict, names: tuple[str, str]) -> li
     for o in sorted(options, key=lambda x: rank["a"][x]):
         for label, st in (("A", sa), ("B", sb)):
             r = reach_shares(st["shared"][o])
-            lines.append(f"| {o} | {label} | " + " | ".join(_pct(r[k]) for k in REACH_POSITIONS) + " |")
+            lines.append(f"| {o} | {label} | " + " | ".join(pct(r[k]) for k in REACH_POSITIONS) + " |")
     return lines + [""]
 
 

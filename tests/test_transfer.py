@@ -102,3 +102,17 @@ def test_write_to_a_missing_file_is_refused_before_any_work(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         main(["engine", "math_engine", f"out={tmp_path}", f"write={tmp_path / 'nope.md'}"])
     assert e.value.code == 2 and "nope.md: no such markdown file" in capsys.readouterr().err
+
+
+def test_headroom_section_reads_reach_entropy_and_the_oracle_from_the_tables():
+    from sweeps.headroom_section import headroom_section
+    stats = {"eval/reach_pos02": 0.3, "eval/reach_pos03": 0.1, "eval/target_entropy_mean": 1.8,
+             "eval/target_entropy_median": 1.4, "eval/target_entropy_below_0.1": 0.13}
+    by = {"a": {0: {"stats": stats}, 1: {"stats": {**stats, "eval/reach_pos02": 0.5}}}}
+    text = "\n".join(headroom_section(by))
+    assert "| a | 40.0% | 10.0% | — |" in text and "mean 1.80 nats, median 1.40, 13.0% of tokens" in text
+    assert "not measured in this campaign" in text and "gap closed" not in text
+    with_oracle = {"a": {0: {"stats": {**stats, "eval/tau_oracle": 3.0, "eval/oracle_gap_closed": 0.25}}}}
+    text = "\n".join(headroom_section(with_oracle))
+    assert "Oracle τ (the target's own marginals" in text and "3.000" in text and text.count("25.0%") == 1
+    assert headroom_section({"a": {0: {"stats": {"eval/tau_vanilla": 1.2}}}}) == []  # evaluated before reach

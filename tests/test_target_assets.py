@@ -24,6 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # (`target_fingerprint(TargetConfig(path="builtin:<name>"))`): the committed MLflow stores and the model registry key
 # drafters on these, so packing must leave them as they were.
 REFERENCE_FINGERPRINT = "bead276919cb7b82"
+MATH_FINGERPRINT = "89b6451897a8f853"
 # The raw reference target's float32 CPU logits for PROBE before packing: greedy ids, and position 1's first four.
 PROBE = [[1, 5, 17, 99, 400, 1000, 1500, 300, 7, 8, 9, 10]]
 REFERENCE_ARGMAX = [0, 201, 201, 55, 531, 85, 343, 674, 85, 62, 201, 7]
@@ -179,7 +180,7 @@ def test_the_repository_tracks_packed_weights_only():
     tracked = subprocess.run(["git", "ls-files", "dflash/assets"], cwd=ROOT, capture_output=True, text=True,
                              check=True).stdout.split()
     assert not [f for f in tracked if f.endswith(".safetensors")]
-    for name in ("reference_target",):
+    for name in ("reference_target", "reference_math_target"):
         assert {f"dflash/assets/{name}/model.safetensors.xz", f"dflash/assets/{name}/model.safetensors.sha256"} \
             <= set(tracked)
     ignored = subprocess.run(["git", "ls-files", "-ci", "--exclude-standard"], cwd=ROOT, capture_output=True,
@@ -191,6 +192,7 @@ def test_shipped_fingerprints_are_those_of_the_raw_files(cache):
     from dflash.target.model import TargetConfig, checkpoint_path, target_fingerprint, tokenizer_path
     ref = TargetConfig(name="reference", path="builtin:reference_target", mask_token_id=2)
     assert target_fingerprint(ref) == REFERENCE_FINGERPRINT
+    assert target_fingerprint(TargetConfig(path="builtin:reference_math_target", mask_token_id=2)) == MATH_FINGERPRINT
     assert Path(checkpoint_path(ref)).parent == cache / "assets"
     tokenizer = tokenizer_path(TargetConfig(tokenizer="builtin:reference_target"))
     assert Path(tokenizer) == ROOT / "dflash/assets/reference_target"  # tokenizer files need nothing unpacked

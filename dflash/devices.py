@@ -1,5 +1,5 @@
-"""Device and dtype names from configs (`auto`, `cuda`, `cuda:1`, `cpu`) turned into torch objects, and the
-compile caches that make a repeated run's first step fast."""
+"""Device and dtype names from configs (`auto`, `cuda`, `cuda:1`, `cpu`) turned into torch objects, the user's cache
+folder, and the compile caches there that make a repeated run's first step fast."""
 from __future__ import annotations
 
 import os
@@ -45,6 +45,12 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return getattr(torch, name)
 
 
+def cache_root(environ=os.environ) -> Path:
+    """The user's dflash cache folder: `$DFLASH_CACHE`, else `$XDG_CACHE_HOME/dflash`, else `~/.cache/dflash`. Compile
+    caches and unpacked shipped assets live there, outside the checkout (which is copied to GPU machines whole)."""
+    return Path(environ.get("DFLASH_CACHE") or Path(environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "dflash")
+
+
 def persist_compile_caches(environ=os.environ) -> dict[str, str]:
     """Point inductor's and Triton's caches at the user's cache folder, keyed by the torch / Triton versions, and
     have Triton keep its autotuning results there too, so that a resumed or repeated run skips what the first one
@@ -56,7 +62,7 @@ def persist_compile_caches(environ=os.environ) -> dict[str, str]:
     call it first. Returns the variables it set."""
     if environ.get("DFLASH_COMPILE_CACHE", "1") == "0":
         return {}
-    root = Path(environ.get("DFLASH_CACHE") or Path(environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "dflash")
+    root = cache_root(environ)
     try:
         import triton
         triton_version = triton.__version__

@@ -7,8 +7,10 @@ the math target instead (its own defaults: `dflash/assets/reference_math_target/
 `dflash.pretrain.recipe.PretrainConfig` fields, nested with dots: `time_budget_s=600`, `corpus.heldout_per_10k=500`,
 `tracking.enabled=false`; each value parses as its field's type (`dflash/overrides.py`, the parser of every
 entry point: numbers, true/false, lists `[1,3,5]`, mappings `{a: b}`, strings).
-`--cfg` prints the resolved config and exits. The eval prompts are the `coding10` suite of
-`dflash.evaluation` (a few built-in `def` prompts when that package is missing).
+The folder holds a raw `model.safetensors`; `python -m dflash.target.assets pack DIR` turns it into the
+shipped form (`model.safetensors.xz` and its sha256, docs/target.md). `--cfg` prints the resolved config and exits.
+The eval prompts are the `coding10` suite of `dflash.evaluation` (a few built-in `def` prompts when that package is
+missing).
 """
 from __future__ import annotations
 

@@ -57,9 +57,9 @@ def test_the_gpt2_rule_splits_the_reference_tokenizers_text_as_it_does(llama, tr
     """The pre-tokenizer mapping (PRE_TOKENIZERS) is right: llama.cpp's tokens are the tokenizer's own."""
     from dflash.evaluation.prompts import load_suite
     from dflash.serving.llamacpp import LlamaServer, convert_to_gguf
-    from dflash.target.model import ASSETS
+    from dflash.target.assets import shipped_folder
     from transformers import AutoTokenizer
-    target_dir = ASSETS / "reference_target"
+    target_dir = shipped_folder("reference_target")  # llama.cpp's converter reads the weights unpacked
     tok = AutoTokenizer.from_pretrained(target_dir)
     gguf_t, gguf_d = work / "target.gguf", work / "drafter.gguf"  # the check's, when it ran first
     if not gguf_t.is_file():
@@ -76,12 +76,12 @@ def test_the_gpt2_rule_splits_the_reference_tokenizers_text_as_it_does(llama, tr
 
 def test_a_folder_llama_cpp_cannot_convert_fails_the_check_with_its_message(llama, trained_run, tmp_path):
     from dflash.serving.llamacpp import ConversionError, convert_to_gguf
-    from dflash.target.model import ASSETS
+    from dflash.target.assets import shipped_folder
     bad = tmp_path / "bad"
     shutil.copytree(trained_run / "final", bad)
     cfg = json.loads((bad / "config.json").read_text())
     cfg["architectures"] = ["NoSuchDraftModel"]
     (bad / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ConversionError, match=r"(?s)cannot convert it.*NoSuchDraftModel"):
-        convert_to_gguf(llama, bad, tmp_path / "bad.gguf", target_dir=ASSETS / "reference_target")
+        convert_to_gguf(llama, bad, tmp_path / "bad.gguf", target_dir=shipped_folder("reference_target"))
     assert not list(tmp_path.glob("*.gguf*")), "no GGUF, whole or partial, is left"

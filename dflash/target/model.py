@@ -23,6 +23,7 @@ import torch
 
 from dflash.devices import resolve_device, resolve_dtype
 from dflash.registry import Registry
+from dflash.target.assets import ASSETS, asset_folder, shipped_folder  # noqa: F401 - ASSETS: imported from here
 from dflash.target.fused import FUSED_OPS, FusedForward, resolve_fused_ops
 from dflash.target.kernels import preflight_kernels
 from dflash.target.lm_head import resolve_chunk
@@ -89,19 +90,19 @@ class TargetInfo:
     model_type: str
 
 
-ASSETS = Path(__file__).resolve().parents[1] / "assets"
-
-
 def checkpoint_path(cfg: TargetConfig) -> str:
-    """`target.path`, with `builtin:NAME` meaning a checkpoint shipped in the package (dflash/assets/NAME)."""
+    """`target.path`, with `builtin:NAME` meaning a checkpoint shipped in the package (dflash/assets/NAME, its packed
+    weights unpacked once into the user's cache: `dflash.target.assets.shipped_folder`)."""
     if cfg.path.startswith("builtin:"):
-        return str(ASSETS / cfg.path.removeprefix("builtin:"))
+        return str(shipped_folder(cfg.path.removeprefix("builtin:")))
     return cfg.path
 
 
 def tokenizer_path(cfg: TargetConfig) -> str:
-    """`target.tokenizer` as a folder (`builtin:NAME`: dflash/assets/NAME), when it names one."""
-    return str(ASSETS / cfg.tokenizer.removeprefix("builtin:")) if cfg.tokenizer.startswith("builtin:") \
+    """`target.tokenizer` as a folder (`builtin:NAME`: dflash/assets/NAME), when it names one. The asset folder as
+    committed: its tokenizer files are the ones `checkpoint_path` copies beside the unpacked weights, and reading
+    them needs no weights unpacked."""
+    return str(asset_folder(cfg.tokenizer.removeprefix("builtin:"))) if cfg.tokenizer.startswith("builtin:") \
         else cfg.tokenizer
 
 

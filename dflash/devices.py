@@ -3,6 +3,7 @@ folder, and the compile caches there that make a repeated run's first step fast.
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch
@@ -45,10 +46,12 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return getattr(torch, name)
 
 
-def cache_root(environ=os.environ) -> Path:
+def cache_root(environ: Mapping[str, str] | None = None) -> Path:
     """The user's dflash cache folder: `$DFLASH_CACHE`, else `$XDG_CACHE_HOME/dflash`, else `~/.cache/dflash`. Compile
-    caches and unpacked shipped assets live there, outside the checkout (which is copied to GPU machines whole)."""
-    return Path(environ.get("DFLASH_CACHE") or Path(environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "dflash")
+    caches and unpacked shipped assets live there, outside the checkout (which is copied to GPU machines whole).
+    `os.environ` is read when called, not bound as a default: `datasets`' multi-process `map` replaces the object."""
+    env = os.environ if environ is None else environ
+    return Path(env.get("DFLASH_CACHE") or Path(env.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "dflash")
 
 
 def persist_compile_caches(environ=os.environ) -> dict[str, str]:

@@ -160,6 +160,14 @@ def test_stale_temp_folders_of_a_killed_unpack_are_cleared(tiny, cache):
     assert not stale.exists() and live.exists()
 
 
+def test_the_cache_follows_os_environ_when_it_is_replaced(tiny, tmp_path, monkeypatch):
+    """`datasets`' multi-process map replaces `os.environ` with a copy: the cache is where the current one says."""
+    import copy
+    monkeypatch.setattr(os, "environ", copy.deepcopy(os.environ))
+    monkeypatch.setenv("DFLASH_CACHE", str(tmp_path / "other"))
+    assert shipped_folder("tiny").parent == tmp_path / "other" / "assets"
+
+
 def test_the_pack_command(tmp_path, capsys):
     from dflash.target.assets import main
     folder = tmp_path / "written"

@@ -392,9 +392,11 @@ def _check_report_from_mlflow(tmp_path, summary):
         first, *costs = text.split("\nCost (")
         kept = [first, *(c.split("\n\n", 2)[2] if c.count("\n\n") >= 2 else "" for c in costs)]
         return [line for part in kept for line in part.splitlines() if line.startswith("| ")]
-    # the stage tables (10 lines) and the objective suite's least-degenerate tables (6), the same from the store
+    # the stage tables (10 lines), the objective suite's headroom tables (reach per block position, 6) and its
+    # least-degenerate tables (6), the same from the store
     assert "On the least-degenerate rows of" in from_folders and "| option | cells | GPU-s |" in from_folders
-    assert len(strip(from_folders)) == 16 and strip(render_report(c, rebuilt)) == strip(from_folders)
+    assert "| option | k=2 | k=3 |" in from_folders
+    assert len(strip(from_folders)) == 22 and strip(render_report(c, rebuilt)) == strip(from_folders)
     # the ablation notebook renders those tables from the copied store
     from tests.test_notebooks import _execute, _outputs
     nb = _execute("ablation.ipynb", {"TRACKING_URI": f"sqlite:///{moved / 'mlflow.db'}",

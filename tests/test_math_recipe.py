@@ -38,8 +38,8 @@ def test_the_tiny_pretrain_writes_the_folder_and_its_quality_bar(tiny_math_targe
     assert q == json.loads(json.dumps(m["quality_bar"], default=str))
     assert q["problems"] == 4 and 0 <= q["accuracy"] <= 1 and q["entropy"]["tokens"] > 0
     assert q["oracle"]["block_size"] == 16 and 1 <= q["oracle"]["tau"] <= 16
-    assert set(q["met"]) == {"accuracy", "share_below_0.1", "in_repeat16", "cycle_share", "eos_after_answer",
-                             "oracle_tau"}
+    assert set(q["met"]) == {"accuracy", "share_below_0.1", "mean_entropy", "in_repeat16", "cycle_share",
+                             "eos_after_answer", "oracle_tau"}
     assert "## Quality bar" in (d / "results.md").read_text()
     from tokenizers import Tokenizer
     tok = Tokenizer.from_file(str(folder / "tokenizer.json"))

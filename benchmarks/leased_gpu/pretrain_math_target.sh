@@ -10,6 +10,8 @@
 # Needs the wheels every call installs (README: Hydra for the entry point); MLflow is off, the run's metrics.jsonl is
 # the record.
 # Usage (repo root): [RATE=...] [STEPS=N] [EXTRA=...] bash benchmarks/leased_gpu/pretrain_math_target.sh [TOTAL_S]
+# Shipping what comes back: unpack it into dflash/assets/<name>/, then `python -m dflash.target.assets pack
+# dflash/assets/<name>` (its weights committed as model.safetensors.xz with their sha256, docs/target.md).
 set -o pipefail
 source benchmarks/leased_gpu/wheels.sh   # the wheel folder the call carries, if any (README)
 TOTAL=${1:-480}; OUT=${OUT:-/tmp/pm_out}; T0=$(date +%s)

@@ -5,6 +5,8 @@
 #   2. experiments.pretrain_target with the shape of lowest val loss that fits 40 MB, max_steps sized to the
 #      time left (90% of the measured rate), EXTRA overrides appended (e.g. EXTRA="lr=0.002 compile=default");
 #   3. the folder, results and logs tarred and split into 15 MB pieces under $OUT (reassemble: cat | tar x).
+# Shipping what comes back: `python -m dflash.target.assets pack dflash/assets/reference_target` before committing
+# (its weights committed as model.safetensors.xz with their sha256, docs/target.md).
 # Usage (repo root, wheels installed): [SHAPE=h384_l8] [EXTRA=...] [STEPS=N] [BATCH=128] [INTERMEDIATE=1]
 #   bash benchmarks/leased_gpu/pretrain_reference_target.sh [TOTAL_S] [SHAPE_S]
 # A longer run: the same command with the same STEPS (and BATCH) in back-to-back calls on one warm machine (/tmp/pt

@@ -333,7 +333,10 @@ def test_malformed_chat_records_are_named_before_the_target_loads_and_nothing_is
 
 # ------------------------------------------------------------------ row 8: Ctrl-C while importing, a cut trial
 def test_ctrl_c_while_a_command_imports_is_one_line():
-    code = ("import experiments, os, signal, threading, time; "
+    # numpy first: torch's C extension imports numpy itself and swallows any exception raised meanwhile (it warns
+    # "Failed to initialize NumPy" and goes on), a KeyboardInterrupt included, so a Ctrl-C that lands in that window
+    # is lost to every hook (a run where the timer hit it slept its 30 s and exited 0)
+    code = ("import experiments, numpy, os, signal, threading, time; "
             "threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGINT)).start(); "
             "import dflash.app.run; time.sleep(30)")  # Ctrl-C lands in torch's import (or, were it faster, the sleep)
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=ENV, capture_output=True, text=True,

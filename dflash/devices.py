@@ -54,7 +54,7 @@ def cache_root(environ: Mapping[str, str] | None = None) -> Path:
     return Path(env.get("DFLASH_CACHE") or Path(env.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "dflash")
 
 
-def persist_compile_caches(environ=os.environ) -> dict[str, str]:
+def persist_compile_caches(environ: dict[str, str] | None = None) -> dict[str, str]:
     """Point inductor's and Triton's caches at the user's cache folder, keyed by the torch / Triton versions, and
     have Triton keep its autotuning results there too, so that a resumed or repeated run skips what the first one
     compiled and benchmarked. A cold first 27B step waits on ~97 s of compilation and ~70 s of FLA's autotuning in
@@ -62,7 +62,8 @@ def persist_compile_caches(environ=os.environ) -> dict[str, str]:
     the graph, its input shapes and the config, Triton's by the kernel source and the autotune key (the shapes), so
     a hit is always the same computation. Defaults only: a variable the user set wins; DFLASH_COMPILE_CACHE=0 turns
     it off. Must run before Triton kernels are defined (FLA reads the autotuning switch at import): entry points
-    call it first. Returns the variables it set."""
+    call it first. Returns the variables it set (in `environ`, `os.environ` as it is when called: see `cache_root`)."""
+    environ = os.environ if environ is None else environ
     if environ.get("DFLASH_COMPILE_CACHE", "1") == "0":
         return {}
     root = cache_root(environ)

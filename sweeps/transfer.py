@@ -100,16 +100,15 @@ def stage_section(factor: str, sa: dict, sb: dict, names: tuple[str, str]) -> li
     if len(options) < 2:
         return lines + [f"Fewer than two options on both targets ({', '.join(options) or 'none'}): no order to "
                         "compare.", ""]
-    seeds = {}
-    per_seed = {}
-    for side, st in (("a", sa), ("b", sb)):
-        by = {o: st["by_opt"][o] for o in options}
-        seeds[side] = shared_seeds(by)
-        by = {o: {s: t for s, t in seeds_of.items() if s in seeds[side]} for o, seeds_of in by.items()}
-        st["shared"] = by
-        per_seed[side] = {o: {s: seed_tau(t, st["cols"]) for s, t in by[o].items()} for o in options}
-    iv = {side: {o: pooled(list(st["shared"][o].values()), *st["cols"]) for o in options}
-          for side, st in (("a", sa), ("b", sb))}
+    sides = {"a": sa, "b": sb}
+    seeds = {side: shared_seeds({o: st["by_opt"][o] for o in options}) for side, st in sides.items()}
+    # each option's tables at the seeds every option of its side has
+    shared = {side: {o: {s: t for s, t in st["by_opt"][o].items() if s in seeds[side]} for o in options}
+              for side, st in sides.items()}
+    per_seed = {side: {o: {s: seed_tau(t, st["cols"]) for s, t in shared[side][o].items()} for o in options}
+                for side, st in sides.items()}
+    iv = {side: {o: pooled(list(shared[side][o].values()), *st["cols"]) for o in options}
+          for side, st in sides.items()}
     rank = {side: {o: 1 + sorted(options, key=lambda x: -iv[side][x].value).index(o) for o in options}
             for side in ("a", "b")}
     a, b = names
@@ -126,8 +125,8 @@ def stage_section(factor: str, sa: dict, sb: dict, names: tuple[str, str]) -> li
     held = []
     for x, y in combinations(sorted(options, key=lambda o: rank["a"][o]), 2):
         calls = []
-        for st in (sa, sb):
-            text, verdict = _delta(st["shared"][x], st["shared"][y], *st["cols"])
+        for side, st in sides.items():
+            text, verdict = _delta(shared[side][x], shared[side][y], *st["cols"])
             calls.append((text, verdict))
         conclusion = pair_conclusion(calls[0][1], calls[1][1])
         if conclusion == "**holds on both**":
@@ -138,8 +137,8 @@ def stage_section(factor: str, sa: dict, sb: dict, names: tuple[str, str]) -> li
               "| option | target | " + " | ".join(f"k={k}" for k in REACH_POSITIONS) + " |",
               "| --- | --- | " + " | ".join("---" for _ in REACH_POSITIONS) + " |"]
     for o in sorted(options, key=lambda x: rank["a"][x]):
-        for label, st in (("A", sa), ("B", sb)):
-            r = reach_shares(st["shared"][o])
+        for label, side in (("A", "a"), ("B", "b")):
+            r = reach_shares(shared[side][o])
             lines.append(f"| {o} | {label} | " + " | ".join(pct(r[k]) for k in REACH_POSITIONS) + " |")
     return lines + [""]
 

@@ -96,7 +96,7 @@ def test_header_cuts_add_header_body_prompts_counted_as_headers(tmp_path):
     assert sorted(bodies) == sorted(h + "\n    def method(self):\n" for h in headers if h.startswith("class"))
     assert p2.kinds.count("chunk") == len(headers) + len(bodies)  # headers_frac 0.5 over both header kinds
     assert p2.stats["header_body_prompts"] == len(bodies) and p2.fingerprint != p0.fingerprint
-    old = {k: v for k, v in asdict(plain).items() if k not in ("cache_dir", "header_cuts")}
+    old = {k: v for k, v in asdict(plain).items() if k not in ("cache_dir", "header_cuts", "source")}
     assert pool_fingerprint("c", "t", plain) == hashlib.sha256(json.dumps(
         {"format": FORMAT_VERSION, "corpus": "c", "tokenizer": "t", "cfg": old}, sort_keys=True).encode()).hexdigest()
     for bad in (-1, 1.5, True):
@@ -394,3 +394,34 @@ def test_auto_write_batch_is_resolved_before_the_shard_fingerprint(tmp_path, ref
     fixed = OnlineWriter(reference_target, pool, OnlineConfig(write_batch=1024, shard_dir=str(tmp_path)), seq_len=16)
     assert auto.cfg.write_batch == 1024 and auto.fingerprint == fixed.fingerprint
     assert OnlineWriter(reference_target, pool, OnlineConfig(write_batch=4), seq_len=16).cfg.write_batch == 4
+
+
+def test_math_pool_is_the_generators_training_problems_and_a_code_pool_is_refused_for_the_math_source(tmp_path):
+    """data.pool.source=math: the prompts are the generator's training problems (never a held-out one), the pool is
+    cached by a fingerprint of the generator, and online data with data.source=math and a code pool is refused
+    before any work (a campaign on the math target trained on its continuations of Python code so)."""
+    from dflash.data.math_problems import heldout_problems, take, training_problems
+    from dflash.data.pool import pool_fingerprint, pool_for
+    from dflash.data.sources import DataConfig, validate_online_data
+    tok = ByteTokenizer()
+    cfg = DataConfig(source="math", pool=PoolConfig(source="math", size=40, max_prompt_len=400,
+                                                    cache_dir=str(tmp_path / "pool")))
+    cfg.online.seq_len = 512
+    validate_online_data(cfg)
+    pool = pool_for(cfg, tok, "bytes")
+    want = [p.prompt for p in take(training_problems(0), 40)]
+    assert [bytes(p).decode() for p in pool.prompts] == want and set(pool.kinds) == {"math"}
+    assert not {p.prompt for p in take(heldout_problems(0), 200)} & set(want)
+    assert pool.corpus_fingerprint.startswith("math:") and list((tmp_path / "pool").iterdir())
+    again = pool_for(cfg, tok, "bytes")  # from the cache
+    assert list(again.prompts) == list(pool.prompts) and again.fingerprint == pool.fingerprint
+    # a code pool's fingerprint is what it was before the key existed (its shards stay valid)
+    code = PoolConfig()
+    legacy = {k: v for k, v in dataclasses.asdict(code).items() if k not in ("cache_dir", "header_cuts", "source")}
+    import hashlib
+    assert pool_fingerprint("c", "t", code) == hashlib.sha256(json.dumps(
+        {"format": 1, "corpus": "c", "tokenizer": "t", "cfg": legacy}, sort_keys=True).encode()).hexdigest()
+    with pytest.raises(ValueError, match=r"data.source=math with online data.*data.pool.source=math"):
+        validate_online_data(DataConfig(source="math"))
+    with pytest.raises(ValueError, match=r"data.pool.source must be one of corpus, math"):
+        validate_online_data(DataConfig(source="online", pool=PoolConfig(source="maths")))

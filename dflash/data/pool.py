@@ -11,6 +11,13 @@ Two kinds, mixed by `data.pool.headers_frac`:
 - `chunk`: a plain chunk of a training file, starting at a line start drawn from a seeded generator, of
   `chunk_min_len..chunk_max_len` tokens.
 
+With `data.pool.source=math` (conf/data/math.yaml, the math target's task) the pool is instead the word problems of
+the math generator's TRAIN stream (`dflash.data.math_problems.training_problems`, held-out problems never among
+them), each its "Problem: …\nSolution:\n" prompt (kind `math`): the target writes the worked solution, as a served
+model answers a user's question, so the drafter trains on the target's own answers to the task it is evaluated on.
+Without it, a run on the math target with online data would train on the math target's continuations of Python
+code (a 2026-12-06 campaign did: every drafter below prompt lookup on the math suite).
+
 A prompt is a token list of at most `max_prompt_len` tokens (longer header prompts are left out: a cut
 docstring is not an eval-shaped prompt). The pool is deterministic for (corpus, tokenizer, settings); its
 fingerprint keys every cache built on it (the online writer's shards). Building it reads only the train
@@ -38,7 +45,9 @@ log = logging.getLogger(__name__)
 
 FORMAT_VERSION = 1
 _MAGIC = b"DFLASH-POOL\n"
-KINDS = ("header", "header_body", "chunk")
+KINDS = ("header", "header_body", "chunk", "math")
+POOL_SOURCES = ("corpus", "math")
+MATH_POOL_SIZE = 50_000  # `size` 0 with source math: distinct problems enough for 12 M written tokens at reuse 2
 
 
 @dataclass
@@ -53,9 +62,13 @@ class PoolConfig:
     # the stdlib train split has 5,148 header prompts, 4.6% of a 112,000-prompt pool (benchmarks/ABLATIONS.md)
     header_cuts: int = 0
     cache_dir: str = ".cache/dflash/pool"  # empty: no disk cache
+    # corpus: the code corpus's train split (the kinds above); math: the math generator's training problems
+    source: str = "corpus"
 
 
 def validate_pool_config(cfg: PoolConfig) -> None:
+    if cfg.source not in POOL_SOURCES:
+        raise ValueError(f"data.pool.source must be one of {', '.join(POOL_SOURCES)}, got {cfg.source!r}")
     if not 0.0 <= cfg.headers_frac <= 1.0:
         raise ValueError(f"data.pool.headers_frac must lie in [0, 1], got {cfg.headers_frac}")
     if cfg.headers_frac == 0.0 and cfg.size <= 0:
@@ -64,7 +77,9 @@ def validate_pool_config(cfg: PoolConfig) -> None:
         raise ValueError(f"data.pool.header_cuts must be an integer >= 0 (0: none), got {cfg.header_cuts!r}")
     if cfg.size < 0:
         raise ValueError(f"data.pool.size must be >= 0 (0: derived from the corpus), got {cfg.size}")
-    if not 1 <= cfg.chunk_min_len <= cfg.chunk_max_len <= cfg.max_prompt_len:
+    if cfg.max_prompt_len < 1:
+        raise ValueError(f"data.pool.max_prompt_len must be >= 1, got {cfg.max_prompt_len}")
+    if cfg.source == "corpus" and not 1 <= cfg.chunk_min_len <= cfg.chunk_max_len <= cfg.max_prompt_len:
         raise ValueError(f"data.pool: need 1 <= chunk_min_len <= chunk_max_len <= max_prompt_len, got "
                          f"{cfg.chunk_min_len} / {cfg.chunk_max_len} / {cfg.max_prompt_len}")
 
@@ -133,8 +148,9 @@ def encode_many(tokenizer, texts: list[str]) -> list[list[int]]:
 
 
 def pool_fingerprint(corpus_fingerprint: str, tokenizer_identity: str, cfg: PoolConfig) -> str:
-    # header_cuts only when set: a pool without cuts keeps the fingerprint (and shards) it had before the key
-    skip = {"cache_dir"} | ({"header_cuts"} if not cfg.header_cuts else set())
+    # header_cuts and source only when set: a pool without them keeps the fingerprint (and shards) it had before
+    skip = {"cache_dir"} | ({"header_cuts"} if not cfg.header_cuts else set()) | (
+        {"source"} if cfg.source == "corpus" else set())
     payload = {"format": FORMAT_VERSION, "corpus": corpus_fingerprint, "tokenizer": tokenizer_identity,
                "cfg": {k: v for k, v in asdict(cfg).items() if k not in skip}}
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
@@ -190,30 +206,68 @@ def _mix(headers: list[list[int]], kinds: list[str], cfg: PoolConfig, corpus: Co
     return headers + chunks, kinds + ["chunk"] * len(chunks)
 
 
-def build_prompt_pool(corpus: Corpus, tokenizer, cfg: PoolConfig, tokenizer_identity: str) -> PromptPool:
-    """The pool for `corpus`'s TRAIN split (held-out files never reach it), cached by fingerprint."""
+def math_generator_fingerprint(seed: int, n: int = 64) -> str:
+    """The math generator's identity: a hash of its first `n` training prompts (a change to how problems are
+    written changes it, so a pool cached from the old generator is not reused)."""
+    from dflash.data.math_problems import take, training_problems
+    text = "\0".join(p.prompt for p in take(training_problems(seed), n))
+    return "math:" + hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def _math_prompts(tokenizer, cfg: PoolConfig) -> tuple[list[list[int]], list[str]]:
+    from dflash.data.math_problems import take, training_problems
+    ids = encode_many(tokenizer, [p.prompt for p in take(training_problems(cfg.seed), cfg.size or MATH_POOL_SIZE)])
+    keep = [x for x in ids if 0 < len(x) <= cfg.max_prompt_len]
+    if not keep:
+        raise ConfigError(f"data.pool.max_prompt_len={cfg.max_prompt_len}: no math problem's prompt is that short")
+    return keep, ["math"] * len(keep)
+
+
+def pool_for(data_cfg, tokenizer, tokenizer_identity: str) -> PromptPool:
+    """The online writer's pool for a run's `data` config: the code corpus's (loaded here) or the math
+    generator's (`data.pool.source`)."""
+    if data_cfg.pool.source == "math":
+        return build_prompt_pool(None, tokenizer, data_cfg.pool, tokenizer_identity)
+    from dflash.data.corpus import load_corpus
+    return build_prompt_pool(load_corpus(data_cfg.corpus), tokenizer, data_cfg.pool, tokenizer_identity)
+
+
+def build_prompt_pool(corpus: Corpus | None, tokenizer, cfg: PoolConfig, tokenizer_identity: str) -> PromptPool:
+    """The pool for `corpus`'s TRAIN split (held-out files never reach it), or with `cfg.source` math the math
+    generator's training problems (`corpus` unused), cached by fingerprint."""
     validate_pool_config(cfg)
-    key = pool_fingerprint(corpus.fingerprint, tokenizer_identity, cfg)
+    math = cfg.source == "math"
+    if not math and corpus is None:
+        raise ValueError("build_prompt_pool: data.pool.source=corpus needs a corpus")
+    source_fp = math_generator_fingerprint(cfg.seed) if math else corpus.fingerprint
+    key = pool_fingerprint(source_fp, tokenizer_identity, cfg)
     path = Path(cfg.cache_dir) / f"pool-{key[:32]}.pt" if cfg.cache_dir else None
     if path is not None and path.is_file():
         try:
             data = load_checked(path, _MAGIC, FORMAT_VERSION, key)
             prompts = TokenLists(data["tokens"], [int(n) for n in data["lengths"]])
-            return PromptPool(prompts, list(data["kinds"]), key, corpus.fingerprint, dict(data["stats"]))
+            return PromptPool(prompts, list(data["kinds"]), key, source_fp, dict(data["stats"]))
         except Exception as e:  # noqa: BLE001 - torn, corrupt or foreign: rebuild
             log.warning("prompt pool: cache file %s unusable (%s); rebuilding", path, e)
-    headers, header_kinds = _header_prompts(corpus, tokenizer, cfg)
-    prompts, kinds = _mix(headers, header_kinds, cfg, corpus, tokenizer)
+    if math:
+        prompts, kinds = _math_prompts(tokenizer, cfg)
+    else:
+        headers, header_kinds = _header_prompts(corpus, tokenizer, cfg)
+        prompts, kinds = _mix(headers, header_kinds, cfg, corpus, tokenizer)
     stats = {"prompts": len(prompts), "header_prompts": kinds.count("header"),
              "header_body_prompts": kinds.count("header_body"),
-             "chunk_prompts": kinds.count("chunk"), "train_files": len(corpus.train),
+             "chunk_prompts": kinds.count("chunk"), "math_prompts": kinds.count("math"),
+             "train_files": 0 if math else len(corpus.train),
              "mean_prompt_len": sum(map(len, prompts)) / max(len(prompts), 1)}
     prompts = TokenLists.from_lists(prompts)
     if path is not None:  # int64 on disk, as before: existing caches stay valid
         save_checked(path, _MAGIC, FORMAT_VERSION, key, {"lengths": prompts.lengths(),
                                                          "tokens": prompts.flat.to(torch.int64),
                                                          "kinds": kinds, "stats": stats})
-    log.info("prompt pool: %d prompts (%d header + docstring, %d more cut into their body, %d file chunks) from %d "
-             "train files", len(prompts), stats["header_prompts"], stats["header_body_prompts"],
-             stats["chunk_prompts"], len(corpus.train))
-    return PromptPool(prompts, kinds, key, corpus.fingerprint, stats)
+    if math:
+        log.info("prompt pool: %d math problems of the generator's training stream", len(prompts))
+    else:
+        log.info("prompt pool: %d prompts (%d header + docstring, %d more cut into their body, %d file chunks) from "
+                 "%d train files", len(prompts), stats["header_prompts"], stats["header_body_prompts"],
+                 stats["chunk_prompts"], len(corpus.train))
+    return PromptPool(prompts, kinds, key, source_fp, stats)

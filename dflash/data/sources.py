@@ -194,6 +194,12 @@ def build_training_sequences(cfg: DataConfig, target, seed: int) -> list[torch.T
 def validate_online_data(cfg: DataConfig) -> None:
     """The online writer's settings (also checked when `trainer.online_data` turns it on)."""
     validate_pool_config(cfg.pool)
+    if cfg.source == "math" and cfg.pool.source != "math":
+        # the math target's runs with online data (+trainer=gpu) would otherwise write continuations of Python code
+        raise ValueError(f"data.source=math with online data (trainer.online_data): the target writes from "
+                          f"data.pool, whose source is {cfg.pool.source!r} (code prompts); set data.pool.source=math "
+                          f"(conf/data/math.yaml does) to train on its answers to math problems, or "
+                          f"data.source=online to mean code prompts")
     validate_online_config(cfg.online, cfg.online_seq_len(), cfg.pool.max_prompt_len)
     try:
         validate_corpus_config(cfg.corpus)

@@ -104,21 +104,23 @@ def build_training_data(cfg, target, dist_info: DistInfo) -> TrainingData:
         seqs = build_training_sequences(cfg.data, target, cfg.seed)
         return TrainingData("stored", seqs, None, len(seqs), sum(map(len, seqs)) / len(seqs),
                             sequences_fingerprint(seqs), "", cfg.seed)
-    if cfg.data.source not in ("online", "stdlib"):
-        log.warning("trainer.online_data=true: training on sequences the target writes online; data.source=%s is "
-                    "not used (trainer.online_data=false trains on it)", cfg.data.source)
-    from dflash.data.corpus import load_corpus
-    from dflash.data.pool import build_prompt_pool
+    if cfg.data.source == "math" and cfg.data.pool.source == "math":
+        log.info("trainer.online_data=true: the target's answers to the math generator's training problems "
+                 "(data.pool.source=math), written online")
+    elif cfg.data.source not in ("online", "stdlib"):
+        log.warning("trainer.online_data=true: training on sequences the target writes online from data.pool "
+                    "(source %s); data.source=%s is not used (trainer.online_data=false trains on it)",
+                    cfg.data.pool.source, cfg.data.source)
+    from dflash.data.pool import pool_for
     from dflash.data.sources import validate_online_data
     d = cfg.data
     validate_online_data(d)
-    corpus = load_corpus(d.corpus)
-    pool = build_prompt_pool(corpus, target.tokenizer, d.pool, str(target.identity))
+    pool = pool_for(d, target.tokenizer, str(target.identity))
     online = resolve_online_config(d.online, target, d.online_seq_len())  # a no-op on a composed run's config
     writer = OnlineWriter(target, pool, online, d.online_seq_len(), dist_info.rank, dist_info.world)
     unique = 0 if not writer.sampling.greedy else len(pool)  # greedy: one prompt, one sequence
     return TrainingData("online", None, writer, unique, float(d.online_seq_len()), writer.fingerprint,
-                        corpus.fingerprint, online.stream_seed, online.reuse,
+                        pool.corpus_fingerprint, online.stream_seed, online.reuse,
                         mask_source=lambda claims: [writer.loss_mask(g) for g, _, _ in claims])
 
 

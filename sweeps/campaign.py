@@ -56,7 +56,7 @@ from sweeps.campaign_report import stage_call, write_report
 from sweeps.campaign_spec import (Campaign, Cell, best_option, check_only, load_campaign, record_winner_lr, stage_cells,
                                   start_order)
 from sweeps.cells import (CellTask, cell_dir, cell_result, composed_config_key, config_key, expected_need_gib, pinned,
-                          stale_records, trained_for)
+                          renamed_runs, stale_records, trained_for)
 from sweeps.launcher import LocalLauncher, LauncherConfig, launcher_config, make_launcher
 from sweeps.shared_inputs import make_shared_inputs, with_truth_pin
 
@@ -297,7 +297,7 @@ def run_campaign(c: Campaign, out: Path, extra: list[str], deadline_s: float = 0
         with made:
             if to_run and "write_ahead" not in summary:
                 summary["write_ahead"] = shared_inputs(c, extra, out, previous)
-    done: dict[str, dict] = {}
+    done: dict[str, dict] = renamed_runs(c, out)  # runs of cells the campaign file has renamed since
     for group in stage_groups(c):
         per_stage = [stage_cells(c, i, summary["winners"], summary.get("winner_lrs")) for i in group]
         stale_records(c, out, [x for cells in per_stage for x in cells])

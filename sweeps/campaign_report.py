@@ -23,7 +23,7 @@ from dflash.evaluation.stats import Interval, Rows, hierarchical_ci
 from sweeps.campaign_spec import at_best_lr, best_option, lr_means, record_winner_lr, stage_cells
 from sweeps.cells import cell_dir, cell_result, record_matches, trained_for
 from sweeps.cost import cost_lines, equal_gpu_time_lines
-from sweeps.headroom_section import headroom_section
+from sweeps.headroom_section import headroom_section, read_headroom
 from sweeps.learning_curves import curve_section
 
 CI_LEVEL = 0.95
@@ -341,7 +341,7 @@ def lr_lines(stage, cells: list[dict]) -> list[str]:
     if not stage.lr_grid:
         return []
     means = lr_means(cells)
-    said = []
+    said, edge = [], []
     for opt, grid in stage.lr_grid.items():
         got = means.get(opt, {})
         if not got:
@@ -349,8 +349,14 @@ def lr_lines(stage, cells: list[dict]) -> list[str]:
         best = max(got, key=lambda lr: got[lr])
         said.append(f"{opt} at lr {best:g} of {{{', '.join(f'{lr:g}' for lr in grid)}}} ("
                     + ", ".join(f"{lr:g}: {got[lr]:.3f}" if lr in got else f"{lr:g}: not run" for lr in grid) + ")")
-    return ["**Learning rate**: each option with an lr grid at its best of it (the highest mean objective over its "
-            "seeds; the tables, Δs and the call compare it there): " + "; ".join(said) + ".", ""]
+        if len(grid) > 1 and best in (min(grid), max(grid)):
+            edge.append(f"{opt} ({'largest' if best == max(grid) else 'smallest'})")
+    out = ["**Learning rate**: each option with an lr grid at its best of it (the highest mean objective over its "
+           "seeds; the tables, Δs and the call compare it there): " + "; ".join(said) + "."]
+    if edge:  # the optimum may lie beyond the grid: the option is compared at a point, not at its best
+        out[0] += (f" At the edge of its grid: {', '.join(edge)}; a step further was not tried, so that option's "
+                   f"best lr is not known.")
+    return [*out, ""]
 
 
 def _budget_line(cells: list[dict]) -> str:
@@ -470,7 +476,7 @@ def render_report(c, summary: dict, with_summary: bool = True, figures: dict[int
             if len(deltas) > 2:
                 lines += ["Paired Δτ per drafting method:", "", *deltas, ""]
             if suite == objective_suite:  # the ranking again where the ground truth repeats itself least
-                lines += headroom_section(_by_option(cells, suite))
+                lines += headroom_section(_by_option(cells, suite), read_headroom(out / c.name if out else None))
                 lines += least_degenerate_section(cells, suite, stage.options[0])
                 greedy = greedy_section(cells, suite, stage.options[0], baseline)
                 lines += greedy

@@ -216,6 +216,32 @@ def pinned(result: dict) -> bool:
     return sets_truth_dir(result.get("overrides", []))
 
 
+def cell_ids(c: Campaign) -> set[str]:
+    """Every cell folder name the campaign file makes now (a cell's id does not depend on the winners it builds
+    on)."""
+    return {Cell(i, st.factor, opt, seed, [], lr).id for i, st in enumerate(c.stages) for opt in st.options
+            for lr in st.lr_grid.get(opt, [None]) for seed in c.seeds}
+
+
+def renamed_runs(c: Campaign, out: Path) -> dict[str, dict]:
+    """Finished runs in the campaign's folder that no cell of the campaign file names any more, by their composed
+    config (`config_key`; pinned runs first): a cell whose composed config is one of them is that run, not a new
+    one. A stage that gains an `lr_grid` renames its cells (`s1-drafter-dflash1_muon-seed0` becomes
+    `…-dflash1_muon-lr0.0006-seed0`), and the grid's point at the option's own lr trained again without this (the
+    engine campaign's six such cells on 2026-12-06: the same τ to 0.015, 500 GPU-seconds)."""
+    runs = out / c.name / "runs"
+    names = cell_ids(c)
+    found: dict[str, dict] = {}
+    for d in sorted(runs.iterdir()) if runs.is_dir() else []:
+        r = cell_result(d) if d.name not in names else None
+        if r is None or r.get("failed") or r.get("value") is None or "overrides" not in r:
+            continue
+        key = config_key(r["overrides"])
+        if key not in found or (pinned(r) and not pinned(found[key])):
+            found[key] = r
+    return found
+
+
 def config_key(overrides: list[str]) -> str:
     """What a cell trains, as a hash of its composed config (its run folder aside): two cells with the same key
     are the same run, e.g. `+noise=none` on the best loss and that loss's own cell of the loss stage."""
@@ -229,6 +255,8 @@ def composed_config_key(cfg) -> str:
 
     from dflash.config import to_dict
     d = to_dict(cfg)
-    for k in ("run_dir", "resume"):
+    # where a run is written and tracked is not what it trains: a run tracked at another store path (another
+    # machine's /tmp) is the same run
+    for k in ("run_dir", "resume", "tracking"):
         d.pop(k, None)
     return hashlib.sha256(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()

@@ -74,6 +74,7 @@ def test_each_option_is_compared_at_its_own_best_lr(tmp_path):
     assert call["order"] == "muon > adamw" and call["tied"] == []  # +0.4 on every row: separated even at 2 seeds
     said = "\n".join(lr_lines(c.stages[0], cells))
     assert "muon at lr 0.001 of {0.0003, 0.001} (0.0003: 2.000, 0.001: 2.700)" in said
+    assert "At the edge of its grid: muon (largest)" in said
     summary = {"cells": cells, "winners": {"drafter": "muon"}, "calls": {"drafter": call}}
     line = next(x for x in render_summary(c, summary) if x.startswith("- Stage 0"))
     assert "**muon** τ 2.700 [" in line and "muon each at its best of lr ∈ {0.0003, 0.001}" in line
@@ -112,3 +113,40 @@ def test_cost_beside_tau_and_the_options_at_equal_gpu_time(tmp_path):
     view = "\n".join(equal_gpu_time_lines(cells, "eval/tau_vanilla"))
     assert "At equal GPU time (100 GPU-s" in view and "fast 1.500 (at 100 GPU-s)" in view
     assert "slow: no evaluation within it" in view  # its first evaluation came at 200 GPU-s
+
+
+def test_a_cell_renamed_by_a_new_lr_grid_is_its_earlier_run(monkeypatch, tmp_path):
+    """A stage that gains an lr grid renames its cells (`s0-drafter-muon-seed0` → `…-muon-lr0.001-seed0`): the grid's
+    point at the option's own lr (0.001, the default) composes to the earlier cell's config, so that run is reused
+    (labelled for the new cell), also when it was tracked at another store path; the other point trains."""
+    import sweeps.campaign as campaign
+    import sweeps.cells as sweep_cells
+    from sweeps.cells import renamed_runs
+    before = parse_campaign({**RAW, "seeds": [0], "stages": [{**RAW["stages"][0], "lr_grid": {}}]}, "lr.yaml")
+    old = next(x for x in stage_cells(before, 0, {}) if x.option == "muon")
+    old_dir = tmp_path / "lr" / "runs" / old.id
+    old_dir.mkdir(parents=True)
+    pin = "eval.truth_dir=/pins"  # every launch evaluates on the campaign's pinned ground truth
+    record = {**old.labels(), "value": 2.5,
+              "overrides": [*old.overrides, "tracking.tracking_uri=sqlite:////x/m.db", pin]}
+    (old_dir / "cell.json").write_text(json.dumps(record))
+    (tmp_path / "lr" / "runs" / "s0-drafter-adamw-seed0").mkdir()  # a current cell's folder, unfinished: no record
+    after = parse_campaign({**RAW, "seeds": [0], "stages": [{**RAW["stages"][0],
+                                                             "lr_grid": {"muon": [0.0003, 0.001]}}]}, "lr.yaml")
+    done = renamed_runs(after, tmp_path)
+    assert [r["cell"] for r in done.values()] == [old.id]
+    ran = []
+
+    def fake_run(c_, cell, out, gpu=None, share=0, oom_restarts=0):
+        ran.append(cell.id)
+        return {**cell.labels(), "value": 1.0, "overrides": cell.overrides}
+    monkeypatch.setattr(sweep_cells, "run_cell", fake_run)
+    cells = [x for x in stage_cells(after, 0, {})]
+    for x in cells:
+        x.overrides += ["tracking.tracking_uri=sqlite:////here/m.db", pin]
+    by = {r["cell"]: r for r in campaign._run_stage(after, cells, tmp_path, done, None)}
+    assert by["s0-drafter-muon-lr0.001-seed0"]["reused_from"] == old.id
+    assert by["s0-drafter-muon-lr0.001-seed0"]["value"] == 2.5 and by["s0-drafter-muon-lr0.001-seed0"]["lr"] == 0.001
+    assert sorted(ran) == ["s0-drafter-adamw-seed0", "s0-drafter-muon-lr0.0003-seed0"]
+    # a folder the campaign still names is its cell's own record, never another cell's source
+    assert renamed_runs(before, tmp_path) == {}

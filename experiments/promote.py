@@ -3,6 +3,11 @@
     python -m experiments.promote runs/20260101-120000-ab12-soft_kl
     python -m experiments.promote <mlflow run id> --tracking-uri sqlite:////abs/mlflow.db --dry-run
     python -m experiments.promote <run dir> --margin 0.05 --floor 3.0 --alias champion --ci-level 0.95
+    python -m experiments.promote <run id> --tracking-uri sqlite:////abs/campaign_out/mlflow.db --checkpoint DIR
+
+`--checkpoint DIR`: a run of a store packed without weights (the committed stores) gets the serving folder it wrote,
+kept elsewhere, back as its `checkpoint` artifact before the gate, once the folder's checksums verify and its
+config agrees with the run (target fingerprint, architecture, layers, loss); a folder that does not fit is bad input.
 
 Exit codes, so a script can tell the outcomes apart (the decision and its reason are printed either way):
   0  promoted (with --dry-run: would promote), or the run already holds the alias;
@@ -94,6 +99,9 @@ def build_parser() -> ArgParser:
                    help="registered model stem: the run registers under <name>-<its target fingerprint>")
     p.add_argument("--metric", default=d.metric, help="gate metric (default %(default)s)")
     p.add_argument("--tracking-uri", default="", help="default: the run's own (mlflow_run.json)")
+    p.add_argument("--checkpoint", default=None, metavar="DIR",
+                   help="the run's serving folder, logged as its checkpoint artifact first (a store packed without "
+                        "weights)")
     return p
 
 
@@ -105,7 +113,7 @@ def main(argv: list[str] | None = None) -> Decision:
                                f"bootstrap={args.bootstrap}"], "promote")
         run_id, uri = resolve_target(args.target, args.tracking_uri or None)
         cfg = dataclasses.replace(cfg, tracking_uri=uri)
-        decision = promote(run_id, cfg, uri, dry_run=args.dry_run)
+        decision = promote(run_id, cfg, uri, dry_run=args.dry_run, checkpoint=args.checkpoint)
     except (BadInput, PromotionError, ConfigError, StoreError) as e:
         print(f"error: {e}", file=sys.stderr)
         raise SystemExit(EXIT_BAD_INPUT) from e

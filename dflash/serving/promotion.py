@@ -7,7 +7,9 @@ Rules, in order:
 1. The run must be FINISHED, have the gate metric (`eval/tau_served` by default: τ at the target's sampling
    setting, docs/evaluation.md) and a finite value,
    and have a `checkpoint` artifact. Otherwise the decision is "refused", nothing is registered, and the
-   reason is written on the *run* as tags (`dflash.promotion.decision` / `dflash.promotion.reason`).
+   reason is written on the *run* as tags (`dflash.promotion.decision` / `dflash.promotion.reason`). A run of a
+   store packed without weights gets its serving folder back first (`promote(..., checkpoint=DIR)`,
+   `restore_checkpoint`: checked against the run before it is logged).
 2. Otherwise a model version is registered under the registered model of the run's target, `<model_name>-<target
    fingerprint>` (`registry_name`: the run's `dflash.target_fingerprint` tag; a run that records none, from before
    fingerprints were kept, under `model_name` itself), so that one registered model and its `@champion` never mix
@@ -201,7 +203,7 @@ def _current_holder(client, cfg: PromoteConfig, name: str) -> tuple[Any | None, 
     return holder, value
 
 
-def _eligibility(client, run, cfg: PromoteConfig) -> tuple[str | None, float | None]:
+def _eligibility(client, run, cfg: PromoteConfig, checkpoint_given: bool = False) -> tuple[str | None, float | None]:
     """(reason to refuse or None, candidate value)."""
     status = run.info.status
     if status != "FINISHED":
@@ -214,9 +216,56 @@ def _eligibility(client, run, cfg: PromoteConfig) -> tuple[str | None, float | N
     if not math.isfinite(value) or abs(value) >= sys.float_info.max:  # sql stores save ±inf as ±max
         shown = value if not math.isfinite(value) else math.copysign(math.inf, value)
         return f"{cfg.metric} is {shown} (not finite)", value
-    if not _has_checkpoint(client, run.info.run_id):
+    if not checkpoint_given and not _has_checkpoint(client, run.info.run_id):
         return "run has no 'checkpoint' artifact (the serving folder logged at the end of training)", value
     return None, value
+
+
+def checkpoint_mismatch(run, folder: str | os.PathLike) -> str | None:
+    """Why serving folder `folder` is not run `run`'s drafter, or None: its manifest (`checksums.sha256`) must verify,
+    and what its `config.json` records (the target's fingerprint, the architecture, the layer count and width, the
+    loss) must agree with the run's tags and params."""
+    from dflash.safe_load import UnsafeFileError, verify_manifest
+    folder = Path(folder)
+    try:
+        if not verify_manifest(folder):
+            return f"{folder}: no checksums.sha256 (a serving folder dflash exported has one)"
+        cfg = json.loads((folder / "config.json").read_text())
+    except (OSError, ValueError, UnsafeFileError) as e:
+        return f"{folder}: {e}"
+    training = cfg.get("dflash_training") or {}
+    params, tags = run.data.params, run.data.tags
+    arch = "dflash2" if any("DFlash2" in a for a in cfg.get("architectures") or []) else "dflash"
+    pairs = [("target fingerprint", training.get("target_fingerprint"), tags.get(TARGET_FP)),
+             ("drafter.architecture", arch, params.get("drafter.architecture")),
+             ("drafter.num_layers", cfg.get("num_hidden_layers"), params.get("drafter.num_layers")),
+             ("drafter.intermediate_size", cfg.get("intermediate_size"), params.get("drafter.intermediate_size")),
+             ("loss", training.get("loss"), params.get("loss.name") or tags.get("loss"))]
+    differ = [f"{what}: folder {mine}, run {theirs}" for what, mine, theirs in pairs
+              if theirs is not None and str(mine) != str(theirs)]
+    return f"{folder} is not this run's drafter ({'; '.join(differ)})" if differ else None
+
+
+def restore_checkpoint(client, run, folder: str | os.PathLike, uri: str, dry_run: bool = False) -> None:
+    """Give `run` its serving folder back as its `checkpoint` artifact: a store packed for the repository carries no
+    weights (docs/tracking.md), so its runs cannot pass the gate until the folder the run wrote, kept elsewhere, is
+    logged again. Checked first (`checkpoint_mismatch`); a run that still has a checkpoint keeps it. A sqlite store
+    whose artifact locations are relative to its folder (a committed store unpacked) gets absolute ones first, so
+    the files land beside the database whatever folder this runs in. PromotionError where the folder does not fit."""
+    problem = checkpoint_mismatch(run, folder)
+    if problem:
+        raise PromotionError(problem)
+    if _has_checkpoint(client, run.info.run_id):
+        raise PromotionError(f"run {run.info.run_id} already has a 'checkpoint' artifact; it is kept (promote "
+                             f"without --checkpoint)")
+    if dry_run:
+        return
+    from dflash.tracking.run_info import _relative_location, relocate_artifacts
+    db = sqlite_db_path(uri)
+    if db is not None and _relative_location(run.info.artifact_uri or ""):
+        relocate_artifacts(db, relative=False)
+        run = client.get_run(run.info.run_id)
+    client.log_artifacts(run.info.run_id, str(folder), "checkpoint")
 
 
 def _has_checkpoint(client, run_id: str) -> bool:
@@ -477,17 +526,20 @@ def _tag_run(client, run_id: str, tags: dict[str, str]) -> None:
         log.warning("could not tag run %s with the promotion decision: %s", run_id, e)
 
 
+def model_description(alias: str, target: str | None, fp: str | None) -> str:
+    """A registered model's description: which target its drafters are for, and which version to serve."""
+    of = (f" of target {target + ' ' if target else ''}(fingerprint {fp}, `{TARGET_FP}`)" if fp
+          else " whose runs record no target fingerprint")
+    return (f"DFlash drafters{of}. Serve the version @{alias} points at: the alias moves only through the gate, and a "
+            "later version may be a refused one (each version's description says which)")
+
+
 def _register(client, cfg: PromoteConfig, name: str, run, tags: dict[str, str]):
     from mlflow.exceptions import MlflowException
     fp = run.data.tags.get(TARGET_FP)
-    target = run.data.tags.get("target")
-    of = (f" of target {target + ' ' if target else ''}(fingerprint {fp}, `{TARGET_FP}`)" if fp
-          else " whose runs record no target fingerprint")
     try:
-        client.create_registered_model(
-            name, tags={TARGET_FP: fp} if fp else None,
-            description=f"DFlash drafters{of}. Serve the version @{cfg.alias} points at: the alias moves only through "
-                        "the gate, and a later version may be a refused one (each version's description says which)")
+        client.create_registered_model(name, tags={TARGET_FP: fp} if fp else None,
+                                       description=model_description(cfg.alias, run.data.tags.get("target"), fp))
     except MlflowException as e:
         if _error_code(e) != "RESOURCE_ALREADY_EXISTS":
             raise
@@ -497,9 +549,11 @@ def _register(client, cfg: PromoteConfig, name: str, run, tags: dict[str, str]):
 
 # ------------------------------------------------------------------------------------------- API
 def promote(run_id: str, cfg: PromoteConfig, tracking_uri: str | None, dry_run: bool = False,
-            lock_timeout: float = 300.0) -> Decision:
+            lock_timeout: float = 300.0, checkpoint: str | os.PathLike | None = None) -> Decision:
     """Gate `run_id` (see module doc). The store is `cfg.tracking_uri` if set, else `tracking_uri`
-    (the run's own). Returns the decision; raises `PromotionError` when the run or store is missing."""
+    (the run's own). `checkpoint`: the run's serving folder, logged as its `checkpoint` artifact first where its
+    store was packed without weights (`restore_checkpoint`). Returns the decision; raises `PromotionError` when the
+    run or store is missing, or the folder is not the run's."""
     uri = cfg.tracking_uri or tracking_uri or ""
     if not uri:
         raise PromotionError("no tracking URI: set promote.tracking_uri or pass the run's tracking URI")
@@ -513,8 +567,11 @@ def promote(run_id: str, cfg: PromoteConfig, tracking_uri: str | None, dry_run: 
     run = _get_run(client, run_id, uri)
     name = registry_name(cfg.model_name, run.data.tags.get(TARGET_FP))  # one registered model per target
     base = dict(run_id=run_id, model_name=name, alias=cfg.alias, metric=cfg.metric, dry_run=dry_run)
+    if checkpoint is not None:
+        restore_checkpoint(client, run, checkpoint, uri, dry_run)
+        run = client.get_run(run_id)  # its artifact location as it is now
 
-    refusal, value = _eligibility(client, run, cfg)
+    refusal, value = _eligibility(client, run, cfg, checkpoint_given=checkpoint is not None)
     if refusal is not None:
         d = Decision(False, refusal, candidate_value=value, **base)
         if not dry_run:

@@ -189,3 +189,19 @@ def test_a_taken_version_number_refuses_the_whole_split(old):
         split_registry(old.db)
     assert len(c.search_model_versions(f"name='{OLD}'")) == 4  # nothing moved
     assert main([str(old.db)]) == 2
+
+
+def test_a_relative_store_is_read_from_any_folder(old, tmp_path, monkeypatch):
+    """The gate reads a committed store's artifacts beside its database whatever folder it runs in: its checkpoint
+    (else "no checkpoint" refuses) and its task tables (else it compares recorded values only, silently)."""
+    from dflash.serving import promotion
+    from dflash.tracking.run_info import relocate_artifacts
+    rid = old.run({"eval/tau_served": 1.584}, FA)
+    MlflowClient(old.uri).log_text(rid, json.dumps({"rows": [1]}), "eval/served/tasks.json")
+    relocate_artifacts(old.db, relative=True)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    client = MlflowClient(old.uri)
+    assert promotion._task_table(client, rid, "eval/served/tasks.json") == {"rows": [1]}
+    assert promote(rid, PromoteConfig(), old.uri, dry_run=True).promoted

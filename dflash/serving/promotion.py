@@ -268,11 +268,30 @@ def restore_checkpoint(client, run, folder: str | os.PathLike, uri: str, dry_run
     client.log_artifacts(run.info.run_id, str(folder), "checkpoint")
 
 
+def _beside_store(client, run_id: str, path: str) -> Path | None:
+    """Artifact `path` of a run in a sqlite store whose artifact locations are relative to the store's folder (a
+    committed store unpacked, docs/tracking.md): MLflow resolves them against the working folder, so a gate run
+    from anywhere else would not see them (and would compare recorded values only). None elsewhere."""
+    from dflash.tracking.run_info import _relative_location, local_artifact_dir
+    try:
+        uri = str(getattr(client, "tracking_uri", "") or "")
+        location = client.get_run(run_id).info.artifact_uri or ""
+    except Exception:  # noqa: BLE001 - the caller's own read decides
+        return None
+    if sqlite_db_path(uri) is None or not _relative_location(location):
+        return None
+    folder = local_artifact_dir(location, uri, run_id)
+    return None if folder is None or not (folder / path).exists() else folder / path
+
+
 def _has_checkpoint(client, run_id: str) -> bool:
     try:
-        return len(client.list_artifacts(run_id, "checkpoint")) > 0
+        if len(client.list_artifacts(run_id, "checkpoint")) > 0:
+            return True
     except Exception:  # an unreadable artifact store: do not register something we cannot see
-        return False
+        pass
+    found = _beside_store(client, run_id, "checkpoint")
+    return found is not None and any(found.iterdir())
 
 
 @dataclass
@@ -294,6 +313,11 @@ def _task_table(client, run_id: str, artifact: str) -> dict | None:
         with tempfile.TemporaryDirectory() as d:
             return json.loads(Path(client.download_artifacts(run_id, artifact, d)).read_text())
     except Exception:  # noqa: BLE001 - absent or unreadable: the gate falls back to recorded values
+        pass
+    found = _beside_store(client, run_id, artifact)
+    try:
+        return None if found is None else json.loads(found.read_text())
+    except (OSError, ValueError):
         return None
 
 

@@ -119,20 +119,24 @@ def _against_earlier_winners(c, summary: dict, i: int, suite: str, tables: dict[
 
 
 def recipe_answer(c, summary: dict, answers: list[dict]) -> dict[str, Any] | None:
-    """The last called stage's winner (its cell: the winners it was built on, `on_best`, and its option) against
-    prompt lookup on its own prompts
-    and against the campaign's first cell (stage 0's first option: the default it started from), paired."""
+    """The campaign's answer: of the called stages no later stage builds on (`on_best`: a chain's last stage, or
+    each of independent stages), the winner with the highest pooled τ (its cell: the winners it was built on and
+    its option), against prompt lookup on its own prompts and against the campaign's first cell (stage 0's first
+    option: the default it started from), paired. Not simply the last stage's: the engine campaign's last stage is
+    the old recipe's settings alone, which its drafter stage's winner beats by 0.25."""
     called = [a for a in answers if "winner" in a]
     if not called:
         return None
-    last = called[-1]
+    built_on = {f for st in c.stages for f in st.on_best}
+    leaves = [a for a in called if a["factor"] not in built_on] or called
+    last = max(leaves, key=lambda a: a["tau"].value)
     cols = metric_columns(c.objective)
     tables = list(last["tables"].values())
     out = {"stage": last["factor"], "winner": last["winner"], "tau": last["tau"], "seeds": last["seeds"],
            "below_pl": last["below_pl"],
            "chain": [*((f, (summary.get("winners") or {}).get(f)) for f in c.stages[last["index"]].on_best),
                      (last["factor"], last["winner"])],
-           "open": not last["complete"]}
+           "open": not last["complete"], "lr": (summary.get("winner_lrs") or {}).get(last["factor"])}
     if PL_COLUMNS[0] in (tables[0].get("tasks") or [{}])[0]:
         out["vs_pl"] = paired_ci(tables, tables, (cols.sum_col, cols.count_col), PL_COLUMNS)
         out["pl"] = pooled(tables, *PL_COLUMNS)
@@ -209,6 +213,7 @@ def _least_degenerate_clause(check: dict | None) -> str:
 def _recipe_line(r: dict) -> str:
     tau = _fmt(r["tau"]) + (f" {BELOW_PL}" if r["below_pl"] else "")
     chain = ", ".join(f"{f}={w}" for f, w in r["chain"])
+    chain += f" at lr {r['lr']:g}" if r.get("lr") is not None else ""
     parts = [f"- **Recipe** ({chain}{'; the last stage still open' if r['open'] else ''}; {r['tokens']:,.0f} "
              f"consumed tokens): τ **{tau}**"]
     if "vs_pl" in r:
@@ -260,6 +265,7 @@ def label_cell_runs(client, experiment_id: str, c, stage_tags: dict[str, dict[st
         tags = {"campaign": c.name, "stage": f"{stage} {factor}", "option": option, "seed": seed,
                 **display_tags(run.data.metrics, c.objective)}  # the key-metrics view's rounded τ [CI] columns
         tags.update((stage_tags or {}).get(run.info.run_name, {}))  # its option's paired Δ against stage winners
+        tags["mlflow.note.content"] = cell_note(c, run, tags)  # Description: its place, its result, how it ran
         params = {"campaign.name": c.name, "campaign.stage": f"{stage} {factor}", "campaign.option": option}
         if all(run.data.tags.get(k) == v for k, v in tags.items()) and all(
                 run.data.params.get(k) == v for k, v in params.items()):
@@ -273,6 +279,21 @@ def label_cell_runs(client, experiment_id: str, c, stage_tags: dict[str, dict[st
                 pass
         n += 1
     return n
+
+
+def cell_note(c, run, tags: dict[str, str]) -> str:
+    """A campaign cell run's Description (`dflash.tracking.ui_view.with_result`): which campaign, stage, option and
+    seed it is, what it says in each stage it is a run of (its option's paired Δ against the winner), its result on
+    the campaign's objective, then the command line it was made with."""
+    from dflash.tracking.run_info import NOTE
+    from dflash.tracking.ui_view import CAMPAIGN_HEAD, STAGE_DELTA_TAG, result_note, with_result
+    from sweeps.campaign_mlflow import ANSWERS
+    stages = "; ".join(f"{k}: {v.split(': ', 1)[-1]}" for k, v in tags.items() if re.match(r"^stage \d+ ", k)) \
+        or tags.get(STAGE_DELTA_TAG, "")
+    head = (f"{CAMPAIGN_HEAD} `{c.name}`, stage {tags['stage']}, option `{tags['option']}`, seed {tags['seed']}"
+            + (f" ({stages})" if stages else "") + f". Each stage's answer pooled over its seeds: the runs of stage "
+            f"`{ANSWERS}`.")
+    return with_result(run.data.tags.get(NOTE, ""), head, result_note(run.data.metrics, c.objective))
 
 
 def experiment_note(c) -> str:

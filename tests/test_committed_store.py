@@ -45,12 +45,13 @@ def test_relocate_artifacts_absolute_for_any_working_folder(tmp_path):
     from dflash.tracking.run_info import relocate_artifacts
     unpack(STORE, tmp_path)
     db = tmp_path / "campaign_out" / "mlflow.db"
-    # 103 runs (three loss cells of seed 1 copied in: dflash.tracking.copy_runs; the served campaign's twenty cells,
+    # 123 runs (three loss cells of seed 1 copied in: dflash.tracking.copy_runs; the served campaign's twenty cells,
     # the two attempts that ran out of GPU memory and its summary run; the engine campaign's 18 cells, its three
-    # stage runs and its summary run), five experiments' locations, 7 registered model versions (the gate's: the
+    # stage runs and its summary run, then its drafter stage's 15 lr-grid cells and the five attempts that ran out of
+    # GPU memory beside eight others), five experiments' locations, 7 registered model versions (the gate's: the
     # 8-layer champion v3 among them, a refused buffer cell, the refused cuts8 cell, the refused soft_kl_streak cell
     # of seed 1, t262, the champion now)
-    assert relocate_artifacts(db, relative=False) == 115
+    assert relocate_artifacts(db, relative=False) == 135
     c = MlflowClient(f"sqlite:///{db}")
     r = c.search_runs([c.get_experiment_by_name("dflash-ablation").experiment_id], max_results=1)[0]
     assert r.info.artifact_uri == (db.parent / "mlartifacts").as_uri() + f"/{r.info.run_id}/artifacts"
@@ -416,3 +417,45 @@ def test_the_served_campaigns_runs_table_answers_each_stage(campaign_store):
     assert cell.data.tags[STAGE_DELTA_TAG] == "vs dflash2_muon -0.078 [-0.219, +0.065] tie"
     assert log_summary(c, campaign_store, "\n".join(lines), summary) == first  # the same runs, updated
     assert len(client.search_runs([eid], f"tags.`{STAGE_RUN_TAG}` LIKE 'served/%'")) == 3
+
+
+def test_the_engine_campaigns_drafter_stage_compares_each_option_at_its_best_lr(campaign_store):
+    """The drafter stage's compare view and the runs table say which runs the answer rests on: an option's runs at
+    its best lr carry its Δ against the winner, its other lr's runs say they are not compared, and the cells of the
+    stage's first launch (before its lr grid renamed them) leave the view; a cell run's Description opens with its
+    place in the campaign and its result at T=1, the command line it was made with below."""
+    from mlflow.tracking import MlflowClient
+
+    from dflash.tracking.ui_view import (CAMPAIGN_HEAD, HOW_HEAD, RESULT_HEAD, RUN_NAME_COLUMN, SAVED_VIEW_PREFIX,
+                                         STAGE_DELTA_TAG, stage_view_key)
+    from sweeps.campaign_mlflow import NOT_IN_STAGE
+    from sweeps.campaign_report import load_summary
+    from sweeps.campaign_spec import load_campaign
+    from sweeps.results_summary import log_summary, render_summary
+    c = load_campaign("engine")
+    summary = load_summary(c, campaign_store)
+    log_summary(c, campaign_store, "\n".join(render_summary(c, summary)), summary)
+    client = MlflowClient(f"sqlite:///{campaign_store / 'mlflow.db'}")
+    eid = client.get_experiment_by_name(c.experiment).experiment_id
+    tags = {r.info.run_name: r.data.tags for r in client.search_runs([eid], "attributes.status = 'FINISHED'",
+                                                                     max_results=1000)}
+    column = "stage 1 drafter"
+    assert tags["s1-drafter-dflash2_muon-lr0.0018-seed1"][column] == "dflash2_muon: the stage's winner"
+    assert tags["s1-drafter-dflash1_muon-lr0.0018-seed0"][STAGE_DELTA_TAG] == \
+        "vs dflash2_muon -0.211 [-0.256, -0.167] worse"
+    off = "lr 0.0006: not compared (the stage takes its best lr, 0.0018)"
+    assert tags["s1-drafter-dflash2_muon-lr0.0006-seed0"][column] == f"dflash2_muon: {off}"
+    assert tags["s0-loss-hard_ce-seed0"][column] == f"dflash1_adamw: {off}"  # the loss stage's run, reused at 0.0006
+    first_launch = tags["s1-drafter-dflash2_muon-seed0"]
+    assert column not in first_launch and first_launch[STAGE_DELTA_TAG] == NOT_IN_STAGE
+    in_view = [n for n, t in tags.items() if column in t]
+    assert len(in_view) == 18 + 1  # 3 options x 2 lrs x 3 seeds (three of them the loss stage's), the stage's run
+    note = tags["s1-drafter-dflash2_muon-lr0.0018-seed1"]["mlflow.note.content"]
+    assert note.startswith(f"{CAMPAIGN_HEAD} `engine`, stage 1 drafter, option `dflash2_muon-lr0.0018`, seed 1 "
+                           f"(stage 1 drafter: the stage's winner)")
+    result = note.split("\n\n")[1]
+    assert result.startswith(f"{RESULT_HEAD} (`eval/tau_served`, T=1, the served setting, sampled drafts")
+    assert "τ 1.584 [1.564, 1.604]" in result and "greedy (T=0) τ 2.172 [2.056, 2.299]" in result
+    assert f"{HOW_HEAD} (on the machine that ran it):" in note and "python -m experiments.run" in note
+    view = json.loads(json.loads(client.get_experiment(eid).tags[SAVED_VIEW_PREFIX + stage_view_key(1)])["state"])
+    assert view["columnOrder"][0] == RUN_NAME_COLUMN and view["columnWidths"][RUN_NAME_COLUMN] >= 8 * 38

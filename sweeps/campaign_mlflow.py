@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from sweeps.campaign_report import stage_call
-from sweeps.campaign_spec import best_option, record_winner_lr, stage_cells
+from sweeps.campaign_spec import best_lrs, best_option, record_winner_lr, stage_cells
 from sweeps.cells import cell_result, config_key
 
 CELL_NAME = re.compile(r"^s(\d+)-(\w+?)-(.+)-seed(-?\d+)$")  # the run name is the cell id (sweeps.campaign)
@@ -159,10 +159,13 @@ def stage_figures(c, summary: dict, i: int, answer: dict) -> tuple[dict[str, str
     from dflash.evaluation.pairing import metric_columns
     from dflash.tracking.ui_view import STAGE_DELTA_TAG, TAU_TAG, stage_metric
     from sweeps.campaign_report import _by_option, _delta, _fmt, pooled
+    from sweeps.campaign_spec import at_best_lr
     from sweeps.results_summary import _delta_words
     stage, winner, shared = c.stages[i], answer["winner"], answer["seeds"]
     cols = metric_columns(c.objective)
-    cells = [x for x in summary["cells"] if x["stage"] == i and not x.get("failed") and int(x["seed"]) in shared]
+    # each option at its best lr where the stage has an lr grid, as the answer compares it (`stage_answer`)
+    cells = at_best_lr([x for x in summary["cells"] if x["stage"] == i and not x.get("failed")
+                        and int(x["seed"]) in shared])
     by_opt = _by_option(cells, answer["suite"])
     tau = answer["tau"]
     metrics = _with_ci(c.objective, tau.value, tau.low, tau.high)
@@ -228,12 +231,31 @@ def log_stage_runs(client, experiment_id: str, c, summary: dict) -> dict[str, di
         column = f"stage {i} {stage.factor}"  # the stage's own tag: its compare view's first column
         client.set_tag(run_id, column, f"{option}: {tags[STAGE_DELTA_TAG]}")  # its τ [CI]: the view's τ column
         client.set_terminated(run_id)
-        for x in summary["cells"]:
-            if x["stage"] == i and x["option"] in per_option and not x.get("failed"):
-                name = x.get("reused_from") or x["cell"]  # a reused run is labelled for this stage too
-                got = out.setdefault(name, {})
-                got[column] = f"{x['option']}: {per_option[x['option']]}"
-                if not x.get("reused_from"):
-                    got[STAGE_DELTA_TAG] = per_option[x["option"]]
+        mine = [x for x in summary["cells"] if x["stage"] == i and not x.get("failed")]
+        best = best_lrs(mine)
+        here = set()
+        for x in mine:
+            if x["option"] not in per_option:
+                continue
+            name = x.get("reused_from") or x["cell"]  # a reused run is labelled for this stage too
+            here.add(name)
+            got = out.setdefault(name, {})
+            said = per_option[x["option"]]
+            if x.get("lr") != best.get(x["option"]):  # a point of the option's lr grid that the stage does not compare
+                said = f"lr {x['lr']:g}: not compared (the stage takes its best lr, {best[x['option']]:g})"
+            got[column] = f"{x['option']}: {said}"
+            if not x.get("reused_from"):
+                got[STAGE_DELTA_TAG] = said
+        for run in client.search_runs([experiment_id], f"tags.`{column}` LIKE '%'", max_results=10000):
+            if run.info.run_name not in here and STAGE_RUN_TAG not in run.data.tags:
+                # labelled by an earlier report, no cell of the stage now: out of the stage's compare view
+                client.delete_tag(run.info.run_id, column)
+                m = CELL_NAME.match(run.info.run_name or "")
+                if m is not None and int(m[1]) == i:
+                    out.setdefault(run.info.run_name, {}).setdefault(STAGE_DELTA_TAG, NOT_IN_STAGE)
         stage_view(client, experiment_id, i, column, c.objective)
     return out
+
+
+# a run of the stage's experiment that no cell of its grid is now (its cells renamed, run again): never a result
+NOT_IN_STAGE = "not in the stage's result (no cell of the stage's grid now)"

@@ -255,7 +255,8 @@ def label_cell_runs(client, experiment_id: str, c, stage_tags: dict[str, dict[st
     from mlflow.entities import Param, RunTag
     from mlflow.exceptions import MlflowException
 
-    from sweeps.campaign_mlflow import CELL_NAME
+    from dflash.tracking.ui_view import STAGE_DELTA_TAG
+    from sweeps.campaign_mlflow import CELL_NAME, NOT_IN_STAGE
     n = 0
     for run in client.search_runs([experiment_id], max_results=10000):
         m = CELL_NAME.match(run.info.run_name or "")
@@ -265,6 +266,8 @@ def label_cell_runs(client, experiment_id: str, c, stage_tags: dict[str, dict[st
         tags = {"campaign": c.name, "stage": f"{stage} {factor}", "option": option, "seed": seed,
                 **display_tags(run.data.metrics, c.objective)}  # the key-metrics view's rounded τ [CI] columns
         tags.update((stage_tags or {}).get(run.info.run_name, {}))  # its option's paired Δ against stage winners
+        if tags.get(STAGE_DELTA_TAG) == NOT_IN_STAGE:  # no cell of the grid now: a group of its own, not the stage's
+            tags["stage"] += " (not in the result)"
         tags["mlflow.note.content"] = cell_note(c, run, tags)  # Description: its place, its result, how it ran
         params = {"campaign.name": c.name, "campaign.stage": f"{stage} {factor}", "campaign.option": option}
         if all(run.data.tags.get(k) == v for k, v in tags.items()) and all(

@@ -448,6 +448,8 @@ def test_the_engine_campaigns_drafter_stage_compares_each_option_at_its_best_lr(
     assert tags["s0-loss-hard_ce-seed0"][column] == f"dflash1_adamw: {off}"  # the loss stage's run, reused at 0.0006
     first_launch = tags["s1-drafter-dflash2_muon-seed0"]
     assert column not in first_launch and first_launch[STAGE_DELTA_TAG] == NOT_IN_STAGE
+    assert first_launch["stage"] == "1 drafter (not in the result)"  # a group of its own in the key-metrics view
+    assert sum(t.get("stage") == "1 drafter" for t in tags.values()) == 15  # 18 cells, three of them stage 0's
     in_view = [n for n, t in tags.items() if column in t]
     assert len(in_view) == 18 + 1  # 3 options x 2 lrs x 3 seeds (three of them the loss stage's), the stage's run
     note = tags["s1-drafter-dflash2_muon-lr0.0018-seed1"]["mlflow.note.content"]
@@ -458,4 +460,4 @@ def test_the_engine_campaigns_drafter_stage_compares_each_option_at_its_best_lr(
     assert "τ 1.584 [1.564, 1.604]" in result and "greedy (T=0) τ 2.172 [2.056, 2.299]" in result
     assert f"{HOW_HEAD} (on the machine that ran it):" in note and "python -m experiments.run" in note
     view = json.loads(json.loads(client.get_experiment(eid).tags[SAVED_VIEW_PREFIX + stage_view_key(1)])["state"])
-    assert view["columnOrder"][0] == RUN_NAME_COLUMN and view["columnWidths"][RUN_NAME_COLUMN] >= 8 * 38
+    assert view["columnOrder"][0] == RUN_NAME_COLUMN and view["columnWidths"][RUN_NAME_COLUMN] >= 7 * 38

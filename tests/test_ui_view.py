@@ -8,7 +8,7 @@ import json
 import pytest
 
 from dflash.evaluation.protocol import OBJECTIVE, served_label
-from dflash.tracking.loggers import MLflowLogger, TrackingConfig
+from dflash.tracking.loggers import MLflowLogger, MultiLogger, TrackingConfig
 from dflash.tracking.run_info import get_or_create_experiment
 from dflash.tracking.ui_view import (DELTA_PL_TAG, GREEDY_TAG, KEY_METRICS_VIEW, PL_TAG, SAVED_VIEW_PREFIX, TAU_TAG,
                                      TREE_TAG, display_tags, group_view_by)
@@ -37,7 +37,10 @@ def _ui_state(tag_value: str) -> dict:
 
 def test_the_view_names_each_figure_apart_and_rounds_it(tmp_path):
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    lg = MLflowLogger(TrackingConfig(tracking_uri=uri, experiment="view", console=False, system_metrics=False))
+    command = "```\npython -m experiments.run\n```"
+    lg = MultiLogger([MLflowLogger(TrackingConfig(tracking_uri=uri, experiment="view", console=False,
+                                                  system_metrics=False), tags={"mlflow.note.content": command})],
+                     note=command)
     served = {"eval/served_temperature": 1.0, "eval/served_top_p": 1.0, "eval/served_top_k": 0.0}
     pre = f"eval/{served_label(served)}/"
     lg.log({"eval/subset/tau_served": 9.87654321, **served}, step=4)  # in training: not the answer
@@ -60,6 +63,12 @@ def test_the_view_names_each_figure_apart_and_rounds_it(tmp_path):
     assert tags[GREEDY_TAG] == "3.000 [2.900, 3.100]"
     assert tags[TREE_TAG] == "4.123 [4.000, 4.250] at 64"  # the largest budget
     assert run.data.metrics[OBJECTIVE] == final[OBJECTIVE]  # the metric itself keeps every digit
+    # the Description opens with the result, at its setting, before how the run was made (it held the command alone)
+    note = tags["mlflow.note.content"].split("\n\n")
+    assert note[0] == ("**Result** (`eval/tau_served`, T=1, the served setting, sampled drafts; 95% intervals): τ 2.413 "
+                       "[2.361, 2.466]; prompt lookup 2.100 [2.050, 2.151], paired Δ +0.313 [-0.012, +0.600]; greedy "
+                       "(T=0) τ 3.000 [2.900, 3.100]; DDTree greedy (T=0) τ 4.123 [4.000, 4.250] at 64.")
+    assert note[1] == "**How it ran** (on the machine that ran it):" and note[2] == "```\npython -m experiments.run\n```"
 
     state = _ui_state(client.get_experiment(run.info.experiment_id).tags[VIEW])
     cols = state["selectedColumns"]
@@ -118,7 +127,7 @@ def test_chart_views_open_on_the_objective_and_a_stage_has_its_compare_view(tmp_
     """The chart view starts from `eval/tau_served` and its interval (then a campaign stage's paired Δ over the
     runner-up), filtered to the objective's charts, and FAILED runs stay out of the table; a campaign stage's own
     saved view lists the runs carrying its tag, best τ first, ungrouped, its tag the first column."""
-    from dflash.tracking.ui_view import stage_metric, stage_view, stage_view_key, view_state
+    from dflash.tracking.ui_view import RUN_NAME_COLUMN, stage_metric, stage_view, stage_view_key, view_state
     state = view_state(objective=OBJECTIVE)
     keys = [c["metricKey"] for c in state["compareRunCharts"]]
     assert keys[:3] == [OBJECTIVE, f"{OBJECTIVE}_ci_low", f"{OBJECTIVE}_ci_high"]
@@ -131,10 +140,32 @@ def test_chart_views_open_on_the_objective_and_a_stage_has_its_compare_view(tmp_
     eid = client.create_experiment("campaign")
     stage_view(client, eid, 1, "stage 1 drafter")
     view = _ui_state(client.get_experiment(eid).tags[SAVED_VIEW_PREFIX + stage_view_key(1)])
-    assert view["columnOrder"][0] == "tags.`stage 1 drafter`" and "groupBy" not in view
+    # the run's name whole (MLflow's 190 px cut `s1-drafter-dflash2_muon-lr0.0018-seed1` before its seed), then the tag
+    assert view["columnOrder"][:2] == [RUN_NAME_COLUMN, "tags.`stage 1 drafter`"] and "groupBy" not in view
+    assert view["columnWidths"][RUN_NAME_COLUMN] >= 7 * len("s1-drafter-dflash2_muon-lr0.0018-seed1")
     assert view["searchFilter"].startswith("tags.`stage 1 drafter` LIKE '%'")
     assert view["orderByKey"] == f"metrics.`{OBJECTIVE}`" and view["compareRunCharts"] == state["compareRunCharts"]
     # found with the filter it sets: a run of the stage, not one of another stage
     a = client.create_run(eid, tags={"stage 1 drafter": "dpace: the stage's winner"}).info.run_id
     client.create_run(eid, tags={"stage 0 loss": "x"})
     assert [r.info.run_id for r in client.search_runs([eid], view["searchFilter"])] == [a]
+
+
+def test_the_folder_says_the_description_mlflow_shows(tmp_path):
+    """A run's folder (tags.json) and its MLflow run carry the same Description: its result once the objective is
+    logged, above the command line the run was made with; a second evaluation replaces the first's result."""
+    from dflash.tracking.loggers import build_loggers
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    run_dir = tmp_path / "run"
+    lg = build_loggers(TrackingConfig(tracking_uri=uri, experiment="desc", console=False, system_metrics=False),
+                       run_dir, {}, {}, total_steps=2)
+    served = {"eval/served_temperature": 1.0, "eval/served_top_p": 1.0, "eval/served_top_k": 0.0,
+              "eval/served_proposal": 1.0}
+    lg.log({OBJECTIVE: 1.5, **served}, step=1)
+    lg.log({OBJECTIVE: 1.25, f"{OBJECTIVE}_ci_low": 1.2, f"{OBJECTIVE}_ci_high": 1.3, **served}, step=2)
+    lg.close()
+    note = MlflowClient(uri).get_run(lg.run_id).data.tags["mlflow.note.content"]
+    assert json.loads((run_dir / "tags.json").read_text())["mlflow.note.content"] == note
+    assert note.startswith("**Result** (`eval/tau_served`, T=1, the served setting, argmax drafts; 95% intervals): "
+                           "τ 1.250 [1.200, 1.300].\n\n**How it ran**") and note.count("**Result**") == 1
+    assert "run folder: " in note

@@ -643,9 +643,8 @@ def tau_settings(metrics: dict[str, float]) -> pd.DataFrame:
 
 def _temperature(label: str) -> str:
     """A setting label in words: `t1` → "T=1", `t0.7_p0.95` → "T=0.7, top_p 0.95"."""
-    parts = label[1:].split("_")
-    words = {"p": "top_p ", "k": "top_k "}
-    return ", ".join([f"T={parts[0]}", *(words.get(p[0], p[0]) + p[1:] for p in parts[1:])])
+    from dflash.tracking.ui_view import setting_words
+    return setting_words(label)
 
 
 def summary_frame(info: dict[str, Any], keys: Sequence[str] | None = None) -> pd.DataFrame:

@@ -40,7 +40,8 @@ from dflash.tracking.mlflow_logger import MLflowLogger
 from dflash.tracking.records import METRICS_FILE, read_metric_records, write_mlflow_record
 from dflash.tracking.run_info import (fmt_duration, fmt_num, fmt_rate, param_str, to_float,
                                       command_line, default_run_name, flatten_config, git_sha, mlflow_ui_hint,
-                                      quiet_library_logs, run_params, source_tags)
+                                      quiet_library_logs, run_params, source_tags, NOTE)
+from dflash.tracking.ui_view import result_note, with_result
 
 
 def read_jsonl_metrics(run_dir: str | os.PathLike) -> list[dict[str, Any]]:
@@ -167,20 +168,28 @@ class ConsoleLogger(Logger):
 
 class MultiLogger(Logger):
     """Fans every call out to ``loggers`` (in order). Errors from a logger propagate
-    (jsonl disk errors must not be silent); ``close`` closes all before re-raising."""
+    (jsonl disk errors must not be silent); ``close`` closes all before re-raising. An evaluation that logs the
+    objective (`eval/tau_served`) puts its result at the top of the run's Description (`note`: the command line
+    the run was made with, which stays below it), in MLflow and in the folder's tags.json alike."""
 
-    def __init__(self, loggers: Iterable[Logger]):
+    def __init__(self, loggers: Iterable[Logger], note: str = ""):
         self.loggers: list[Logger] = list(loggers)
+        self._note = note
 
     def log(self, metrics: Mapping[str, float], step: int) -> None:
         for lg in self.loggers:
             lg.log(metrics, step)
+        result = result_note(metrics)
+        if result:
+            self.set_tags({NOTE: with_result(self._note, result)})
 
     def log_params(self, params: Mapping[str, Any]) -> None:
         for lg in self.loggers:
             lg.log_params(params)
 
     def set_tags(self, tags: Mapping[str, Any]) -> None:
+        if NOTE in tags:
+            self._note = str(tags[NOTE])
         for lg in self.loggers:
             lg.set_tags(tags)
 
@@ -272,7 +281,7 @@ def build_loggers(
     if cfg.console:
         loggers.append(ConsoleLogger(total_steps))
         print(start_banner(run_dir, ml), flush=True)
-    return MultiLogger(loggers)
+    return MultiLogger(loggers, note=str(all_tags.get(NOTE, "")))
 
 
 def start_banner(run_dir: Path, ml: "MLflowLogger | None") -> str:

@@ -42,7 +42,10 @@ DIGITS = 3
 
 # a campaign's report labels its cell runs with stage and option (sweeps.results_summary.label_cell_runs); a
 # sweep trial carries its Optuna state (COMPLETE / PRUNED / FAIL)
-KEY_TAG_COLUMNS = ("stage", "option", "optuna.state", *DISPLAY_TAGS, "loss", "noise", "buffer")
+# the answer first: a campaign stage's τ and its Δ over the runner-up fit a 1600 px screen beside the run's name (which
+# names its option), the other figures and the option after them
+KEY_TAG_COLUMNS = ("stage", TAU_TAG, STAGE_DELTA_TAG, "option", "optuna.state",
+                   *(t for t in DISPLAY_TAGS if t not in (TAU_TAG, STAGE_DELTA_TAG)), "loss", "noise", "buffer")
 KEY_METRIC_COLUMNS = ("data/consumed_tokens",)  # whole numbers: they print as they are
 
 
@@ -94,6 +97,56 @@ def display_tags(metrics: Mapping[str, float], objective: str = "eval/tau_served
     return out
 
 
+def setting_words(label: str) -> str:
+    """A setting label in words: `t1` → "T=1", `t0.7_p0.95` → "T=0.7, top_p 0.95"."""
+    parts = label[1:].split("_")
+    words = {"p": "top_p ", "k": "top_k "}
+    return ", ".join([f"T={parts[0]}", *(words.get(p[0], p[0]) + p[1:] for p in parts[1:])])
+
+
+RESULT_HEAD, CAMPAIGN_HEAD, HOW_HEAD = "**Result**", "**Campaign**", "**How it ran**"
+
+
+def result_note(metrics: Mapping[str, float], objective: str = "eval/tau_served") -> str:
+    """A run's result as the first paragraph of its Description: the objective's τ [CI], named with its setting
+    (T=1 and the drafts' proposal policy, or the old greedy protocol), prompt lookup's τ and the paired Δ against
+    it, greedy τ beside a sampled setting, labelled; '' without the objective."""
+    tags = display_tags(metrics, objective)
+    if not tags:
+        return ""
+    if objective == "eval/tau_served":
+        from dflash.evaluation.protocol import served_label, served_policy
+        t = served_label(metrics).split("/")[0]
+        setting = "T=0, greedy" if t == "t0" else setting_words(t)
+        policy = served_policy(metrics)
+        setting += f", the served setting, {policy} drafts" if policy != "greedy" else ", the served setting"
+    else:
+        setting = "the old protocol: greedy, fixed-length ground truth that loops"
+    parts = [f"τ {tags[TAU_TAG]}"]
+    if PL_TAG in tags:
+        parts.append(f"prompt lookup {tags[PL_TAG]}" + (f", paired Δ {tags[DELTA_PL_TAG]}" if DELTA_PL_TAG in tags
+                                                         else ""))
+    if GREEDY_TAG in tags:
+        parts.append(f"greedy (T=0) τ {tags[GREEDY_TAG]}")
+    if TREE_TAG in tags:
+        parts.append(f"DDTree greedy (T=0) τ {tags[TREE_TAG]}")
+    return f"{RESULT_HEAD} (`{objective}`, {setting}; 95% intervals): " + "; ".join(parts) + "."
+
+
+def with_result(note: str, *heads: str) -> str:
+    """A run's Description opening with `heads` (its result, `result_note`; a campaign cell's place in its campaign),
+    then how it ran (the command line, run folder and commit the run was made with): a Description written so
+    before has its opening paragraphs replaced, the rest kept."""
+    paragraphs = [p for p in (note or "").split("\n\n")]
+    while paragraphs and paragraphs[0].startswith((RESULT_HEAD, CAMPAIGN_HEAD, HOW_HEAD)):
+        paragraphs.pop(0)
+    rest = "\n\n".join(paragraphs).strip()
+    shown = [h for h in heads if h]
+    if not shown:
+        return rest
+    return "\n\n".join([*shown, *([f"{HOW_HEAD} (on the machine that ran it):", rest] if rest else [])])
+
+
 def _column(kind: str, name: str) -> str:
     return f"{kind}.`{name}`"  # the runs table's column id (its canonical sort key)
 
@@ -101,6 +154,11 @@ def _column(kind: str, name: str) -> str:
 # the widest value each display column shows ("+0.313 [+0.251, +0.371]"); other columns fit their header
 _VALUE_CHARS = {TAU_TAG: 20, STAGE_DELTA_TAG: 44, PL_TAG: 20, DELTA_PL_TAG: 23, GREEDY_TAG: 20, TREE_TAG: 27,
                 "stage": 10, "option": 26, "data/consumed_tokens": 11}
+
+
+# MLflow's Run Name column opens 190 px wide, which cut a campaign cell's name before its seed
+# (`s1-drafter-dflash2_muon-lr0.0018-seed1`); given in `columnOrder` with a width, the UI applies it
+RUN_NAME_COLUMN, RUN_NAME_WIDTH = "attributes.`Run Name`", 24 + 8 * 36
 
 
 def view_state(group_by: str | None = None, objective: str = "eval/tau_served") -> dict:
@@ -111,7 +169,8 @@ def view_state(group_by: str | None = None, objective: str = "eval/tau_served") 
         [("metrics", m) for m in KEY_METRIC_COLUMNS]
     cols = [_column("attributes", "Source")] + [_column(k, n) for k, n in names]
     widths = {_column(k, n): 24 + 8 * max(len(n), _VALUE_CHARS.get(n, 0)) for k, n in names}
-    state = {"selectedColumns": cols, "columnOrder": cols[1:], "columnWidths": widths,
+    widths[RUN_NAME_COLUMN] = RUN_NAME_WIDTH
+    state = {"selectedColumns": cols, "columnOrder": [RUN_NAME_COLUMN, *cols[1:]], "columnWidths": widths,
              "orderByKey": _column("metrics", objective), "orderByAsc": False,
              "searchFilter": "attributes.status != 'FAILED'",  # a cell that failed and ran again: its result only
              **chart_state(objective)}
@@ -163,7 +222,8 @@ def stage_view(client, experiment_id: str, index: int, column: str, objective: s
     cols = [_column("attributes", "Source")] + [_column(k, n) for k, n in names]
     widths = {_column(k, n): 24 + 8 * max(len(n), _VALUE_CHARS.get(n, 0)) for k, n in names}
     widths[_column("tags", column)] = 24 + 8 * 74  # "dflash2_muon (winner): vs dflash1_muon (runner-up) +0.078 …"
-    state = {"selectedColumns": cols, "columnOrder": cols[1:], "columnWidths": widths,
+    widths[RUN_NAME_COLUMN] = RUN_NAME_WIDTH
+    state = {"selectedColumns": cols, "columnOrder": [RUN_NAME_COLUMN, *cols[1:]], "columnWidths": widths,
              "orderByKey": _column("metrics", objective), "orderByAsc": False,
              "searchFilter": f"tags.`{column}` LIKE '%' AND attributes.status != 'FAILED'", **chart_state(objective)}
     now = int(time.time() * 1000)

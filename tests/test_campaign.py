@@ -523,6 +523,16 @@ def test_the_best_recipe_is_the_campaigns_best_cell():
         [o for o in cell.overrides if not o.startswith(drop)])
 
 
+def test_the_engine_recipe_is_the_engine_campaigns_best_cell():
+    """`+recipe=engine_reference` trains exactly what the engine campaign's drafter-stage winner (DFlash 2 + Muon at
+    its best lr, 0.0018) trained (benchmarks/ABLATIONS.md, first screen; conf/recipe/engine_reference.yaml)."""
+    from sweeps.cells import config_key
+    c = load_campaign("engine")
+    cell = next(x for x in stage_cells(c, 1, {}) if x.option == "dflash2_muon" and x.lr == 0.0018 and x.seed == 0)
+    assert config_key(["+recipe=engine_reference", "seed=0"]) == config_key(
+        [o for o in cell.overrides if not o.startswith("tracking.experiment=")])
+
+
 def test_an_option_may_train_at_its_own_budget():
     """reference_recipe's `budget` stage: t131 is the 131 M winner itself (the same composed config: reused, not
     trained again), t262 sets its own budget, which wins over the campaign's (the option's overrides come last)."""

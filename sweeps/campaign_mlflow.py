@@ -9,7 +9,7 @@ from typing import Any
 
 from sweeps.campaign_report import stage_call
 from sweeps.campaign_spec import best_lrs, best_option, record_winner_lr, stage_cells
-from sweeps.cells import cell_result, config_key
+from sweeps.cells import cell_ids, cell_result, config_key
 
 CELL_NAME = re.compile(r"^s(\d+)-(\w+?)-(.+)-seed(-?\d+)$")  # the run name is the cell id (sweeps.campaign)
 
@@ -212,6 +212,7 @@ def log_stage_runs(client, experiment_id: str, c, summary: dict) -> dict[str, di
     from sweeps.results_summary import stage_answer
     out: dict[str, dict[str, str]] = {}
     now = int(time.time() * 1000)
+    current = cell_ids(c)  # every cell the campaign file makes now
     for i, stage in enumerate(c.stages):
         answer = stage_answer(c, summary, i)
         if "winner" not in answer:
@@ -246,13 +247,15 @@ def log_stage_runs(client, experiment_id: str, c, summary: dict) -> dict[str, di
             got[column] = f"{x['option']}: {said}"
             if not x.get("reused_from"):
                 got[STAGE_DELTA_TAG] = said
-        for run in client.search_runs([experiment_id], f"tags.`{column}` LIKE '%'", max_results=10000):
-            if run.info.run_name not in here and STAGE_RUN_TAG not in run.data.tags:
-                # labelled by an earlier report, no cell of the stage now: out of the stage's compare view
+        for run in client.search_runs([experiment_id], max_results=10000):
+            name = run.info.run_name or ""
+            if name in here or STAGE_RUN_TAG in run.data.tags:
+                continue
+            if column in run.data.tags:  # labelled by an earlier report, not a run of the stage now: out of its view
                 client.delete_tag(run.info.run_id, column)
-                m = CELL_NAME.match(run.info.run_name or "")
-                if m is not None and int(m[1]) == i:
-                    out.setdefault(run.info.run_name, {}).setdefault(STAGE_DELTA_TAG, NOT_IN_STAGE)
+            m = CELL_NAME.match(name)
+            if m is not None and int(m[1]) == i and name not in current:  # no cell of the campaign file is this run
+                out.setdefault(name, {}).setdefault(STAGE_DELTA_TAG, NOT_IN_STAGE)
         stage_view(client, experiment_id, i, column, c.objective)
     return out
 

@@ -1,5 +1,5 @@
 """`python -m sweeps.campaign_headroom <campaign> [out=campaign_out] [samples=24] [prompts=0] [device=auto]
-[run override ...]`: the oracle τ of a campaign whose cells were evaluated without it (`eval.oracle.samples=0`),
+[threads=0] [run override ...]`: the oracle τ of a campaign whose cells were evaluated without it (`eval.oracle.samples=0`),
 measured once, after the fact, on the campaign's pinned ground truth (docs/evaluation.md, "Headroom").
 
 The oracle's rounds and the target's entropy depend on the target, the ground truth, the setting, the samples, the
@@ -15,14 +15,16 @@ measurement per policy serves every cell of the campaign:
    (`load_or_build_ground_truth`); its ground-truth key must be the cells'. The ground truth of the prompts measured
    is built from the pin's tokens by the same call (`truths_from_tokens`), for those prompts alone;
 3. `oracle_and_entropy` on the first `prompts` prompts of the suite (all their samples; 0: every prompt) with
-   `samples` target samples a round, once per (policy, block size) of the records;
+   `samples` target samples a round, once per (policy, block size) of the records, the policies sharing the
+   marginals at an anchor both reach (they do not depend on the policy);
 4. `<out>/<campaign>/headroom.json`, written atomically: per policy the oracle τ with its interval over prompts
    (`pooled_ci`, the evaluator's), its reach per block position, its per-task τ sums and rounds, the seconds it
    took; the target's entropy profile on those prompts; samples, prompts, device, target fingerprint, ground-truth
    key and this command.
 
 One oracle round is a cached decode of `samples` rows × (block size − 2) steps plus a forward, unbatched, so on a CPU
-`prompts` keeps it affordable. Its cache (`<eval.cache_dir>/headroom/`) is keyed by the prompts' own ground-truth key,
+`prompts` keeps it affordable: the engine store's first 2 prompts × 2 samples at 8 samples a round took 13 min 50 s
+on one of 2 loaded cores (`threads=1`, 2026-12-06; docs/evaluation.md). Its cache (`<eval.cache_dir>/headroom/`) is keyed by the prompts' own ground-truth key,
 so a cut run continues where it stopped and never stands in for the whole suite's oracle. The campaign report's
 headroom section reads the file (sweeps/headroom_section.py). Bad input (an unknown campaign or key, samples < 1,
 prompts < 0, no cell tables, no pinned ground truth, a pin that is not the cells') exits 2 naming the key or file
@@ -54,6 +56,9 @@ class HeadroomArgs:
     samples: int = 24  # target samples a round (the marginal's estimate)
     prompts: int = 0  # the first K prompts of the objective suite, every sample of each; 0: all
     device: str = "auto"  # the target's device (target.device)
+    # torch's CPU threads (0: torch's default, one per core). On 2 cores shared with other work, 2 threads took
+    # 14-25 s an oracle round (8 samples) and 1 thread 1.4-3.3 s (2026-12-06, load 5)
+    threads: int = 0
 
 
 def check_args(args: HeadroomArgs) -> None:
@@ -62,6 +67,8 @@ def check_args(args: HeadroomArgs) -> None:
         raise ConfigError(f"samples={args.samples}: the oracle needs at least 1 target sample a round")
     if args.prompts < 0:
         raise ConfigError(f"prompts={args.prompts}: expected 0 (every prompt) or a positive count")
+    if args.threads < 0:
+        raise ConfigError(f"threads={args.threads}: expected 0 (torch's default) or a positive count")
     try:
         check_device("device", args.device)
     except ValueError as e:
@@ -186,6 +193,8 @@ def measure(c: Campaign, folder: Path, args: HeadroomArgs, extra: list[str], com
     from dflash.evaluation.protocol import truth_specs
     from dflash.evaluation.report import ground_truth_key
     from dflash.target.model import Target
+    if args.threads:
+        torch.set_num_threads(args.threads)
     cfg = compose(c, folder, args, extra)
     ev = cfg.eval
     suite = objective_suite(ev)
@@ -205,13 +214,14 @@ def measure(c: Campaign, folder: Path, args: HeadroomArgs, extra: list[str], com
     sub_key = ground_truth_key(target, chosen)
     entry = []
     entropy: list[float] = []
+    memo: dict = {}  # the marginals at a position, computed once for both policies (they do not depend on it)
     for (policy, bs), rec in sorted(cells_on.items()):
         log.info("oracle under %s drafts (block size %d, %d cells): %d prompts × %d samples, %d target samples a "
                  "round, on %s", policy, bs, len(rec["cells"]), len({t.group for t in chosen}),
                  spec.per_prompt, args.samples, target.device)
         t0 = time.perf_counter()
         results, entropy, seconds = oracle_and_entropy(target, chosen, spec.sampling, args.samples, ev.seed, bs,
-                                                       policy, sub_key, ev.cache_dir)
+                                                       policy, sub_key, ev.cache_dir, memo)
         seconds = computed_seconds(ev.cache_dir, headroom_key(sub_key, spec.sampling, args.samples, ev.seed, bs,
                                                               policy), seconds)
         e = oracle_entry(results, bs, policy, ev.ci_level, ev.bootstrap)

@@ -181,3 +181,26 @@ def test_the_report_section_shows_the_oracle_and_the_gap_closed_on_the_oracles_p
     moved = {"d1": {0: {**by["d1"][0], "info": {**by["d1"][0]["info"], "ground_truth_key": "other"}}}}
     assert "measured on another ground truth" in "\n".join(headroom_section(moved, hr))
     assert "not measured in this campaign" in "\n".join(headroom_section(by, None))
+
+
+def test_the_two_policies_oracles_compute_the_marginals_at_an_anchor_once(store):
+    """The command's shared memo (`oracle_and_entropy(..., memo)`): one marginal per (task, anchor) over both
+    policies' rounds; the results are the unshared ones (the first test)."""
+    from dflash.evaluation.headroom import oracle_and_entropy
+    _, _, target, truths, _, cfg = store
+    first = truths[:4]
+    memo: dict = {}
+
+    def anchors(results) -> set:
+        out = set()
+        for r in results:
+            p = r.prompt_len
+            for tau in r.taus_vanilla:
+                out.add((r.name, p))
+                p += tau
+        return out
+    args = (target, first, truths_sampling(cfg, target), 3, cfg.eval.seed, 4)
+    argmax = oracle_and_entropy(*args, "argmax", "memo", "", memo)[0]
+    assert len(memo) == len(anchors(argmax))
+    sampled = oracle_and_entropy(*args, "sampled", "memo", "", memo)[0]
+    assert len(memo) == len(anchors(argmax) | anchors(sampled)) < len(anchors(argmax)) + len(anchors(sampled))

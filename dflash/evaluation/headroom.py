@@ -50,11 +50,14 @@ class MarginalOracle:
     """The oracle drafter as a proposer `(truth, p) -> Proposal` (module doc)."""
 
     def __init__(self, target, sampling: Sampling, samples: int, block_size: int, seed: int,
-                 proposal: str = "sampled"):
+                 proposal: str = "sampled", memo: dict | None = None):
+        """`memo`: a dict that oracles of one target and one ground truth share, so that a round anchored where
+        another policy's oracle already anchored one reuses its marginals (they do not depend on the policy)."""
         if proposal not in PROPOSALS:
             raise ValueError(f"eval.proposal={proposal!r}; expected one of {', '.join(PROPOSALS)}")
         self.target, self.sampling, self.samples = target, sampling, max(1, int(samples))
         self.K, self.seed, self.proposal = block_size - 1, int(seed), proposal
+        self.memo = memo
 
     def _path(self, truth: TaskTruth, p: int) -> list[int]:
         toks = truth.tokens.tolist()
@@ -64,6 +67,9 @@ class MarginalOracle:
     def marginals(self, truth: TaskTruth, p: int) -> torch.Tensor:
         """q [K, V]: the mean of the target's warped distributions at positions p+1..p+K over `samples` of its own
         continuations of tokens[:p+1] (seeded by seed, task and p)."""
+        key = (truth.name, p, self.samples, self.K, self.seed, self.sampling)
+        if self.memo is not None and key in self.memo:
+            return self.memo[key]
         from dflash.data.writing import write_continuations
         prefix = truth.tokens[:p + 1].tolist()
         gen = torch.Generator(device=self.target.device)
@@ -72,7 +78,10 @@ class MarginalOracle:
         seq = (write_continuations(self.target, rows, p + self.K, self.sampling, gen, decode="cache")
                if self.K > 1 else torch.tensor(rows))
         logits = self.target.logits(seq)[:, p:p + self.K]
-        return warp(logits, self.sampling).mean(0)
+        q = warp(logits, self.sampling).mean(0)
+        if self.memo is not None:
+            self.memo[key] = q
+        return q
 
     def __call__(self, truth: TaskTruth, p: int) -> Proposal:
         path = self._path(truth, p)
@@ -116,10 +125,11 @@ def _results_from(items: list[dict]) -> list[TaskResult]:
 
 
 def oracle_and_entropy(target, truths: Sequence[TaskTruth], sampling: Sampling, samples: int, seed: int,
-                       block_size: int, proposal: str, gt_key: str,
-                       cache_dir: str = "") -> tuple[list[TaskResult], list[float], float]:
+                       block_size: int, proposal: str, gt_key: str, cache_dir: str = "",
+                       memo: dict | None = None) -> tuple[list[TaskResult], list[float], float]:
     """(the oracle's rounds per truth, [] when `samples` is 0; the entropies; seconds spent, 0 on a cache hit),
-    through the cache file (module doc)."""
+    through the cache file (module doc). `memo`: shared marginals (`MarginalOracle`), e.g. between the two
+    policies' oracles on one ground truth."""
     path = Path(cache_dir) / "headroom" / f"{headroom_key(gt_key, sampling, samples, seed, block_size, proposal)}.json" \
         if cache_dir else None
     if path is not None and path.is_file():
@@ -129,7 +139,7 @@ def oracle_and_entropy(target, truths: Sequence[TaskTruth], sampling: Sampling, 
         except (OSError, ValueError, KeyError, TypeError) as e:
             log.warning("eval headroom cache %s is unreadable (%s); computing it again", path, e)
     t0 = time.perf_counter()
-    oracle = simulate(truths, MarginalOracle(target, sampling, samples, block_size, seed, proposal), block_size,
+    oracle = simulate(truths, MarginalOracle(target, sampling, samples, block_size, seed, proposal, memo), block_size,
                       (), sampling, seed) if samples > 0 else []
     entropy = entropy_profile(target, truths, sampling)
     seconds = time.perf_counter() - t0

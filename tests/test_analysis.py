@@ -229,3 +229,20 @@ def test_the_final_evaluations_figures_are_the_served_settings_and_say_so():
     assert list(A.tau_settings(legacy.iloc[0].to_dict()).index) == ["T=0, greedy (old protocol)"]
     fig = A.plot_tau_settings(frame)
     assert [t.get_text() for t in fig.axes[0].get_xticklabels()] == ["T=1, served", "T=0, greedy"]
+
+
+def test_runs_served_under_different_proposal_policies_say_so():
+    """An engine campaign serves DFlash 1 with argmax drafts and DFlash 2 with its sampled walk: the objective's
+    figure names both policies, a per-position figure of one policy is not called the served one, and one run's τ
+    per setting names its own policy (it had read "T=1/sampled, served")."""
+    served = {"eval/served_temperature": 1.0, "eval/served_top_p": 1.0, "eval/served_top_k": 0.0}
+    dflash1 = {**_served_run(0), **served, "eval/served_proposal": 1.0, "eval/t1/argmax/acc_pos01": 0.3}
+    dflash2 = {**_served_run(1), **served, "eval/served_proposal": 0.0, "eval/t1/argmax/acc_pos01": 0.35,
+               "eval/t1/sampled/acc_pos01": 0.4}
+    runs = pd.DataFrame([dflash1, dflash2])
+    assert A.served_settings(runs) == ["t1/argmax", "t1/sampled"]
+    assert A.metric_setting("eval/tau_served", runs) == ("T=1, served: argmax drafts or drafts sampled from q, each "
+                                                         "drafter as its engine proposes")
+    assert A.eval_position_setting(runs) == "T=1, argmax drafts"  # DFlash 2's served acceptance is the sampled walk's
+    assert A.eval_position_setting(runs.iloc[:1]) == "T=1, argmax drafts, served"
+    assert list(A.tau_settings(dflash2).index) == ["T=1, drafts sampled from q, served", "T=0, greedy"]

@@ -537,28 +537,48 @@ def setting_title(prefix: str, served: str | None = None) -> str:
     return _temperature(m[1]) + policy + (", served" if served == label else "")
 
 
-def served_setting(runs: pd.DataFrame) -> str | None:
-    """The served setting's label of the runs (`eval/served_temperature` ...; the first run's that logged one)."""
+def served_settings(runs: pd.DataFrame) -> list[str]:
+    """Every served setting's label among the runs (`eval/served_temperature` ...), first seen first: an engine
+    campaign scores DFlash 1 under argmax drafts (`t1/argmax`) and DFlash 2 under its sampled walk (`t1/sampled`)."""
     from dflash.evaluation.protocol import served_label
+    labels = []
     for _, row in runs.filter(like="eval/served_").iterrows():
         got = {k: float(v) for k, v in row.items() if pd.notna(v)}
-        if got:
-            return served_label(got)
-    return None
+        if got and served_label(got) not in labels:
+            labels.append(served_label(got))
+    return labels
+
+
+def served_setting(runs: pd.DataFrame) -> str | None:
+    """The served setting's label of the runs (the first run's that logged one)."""
+    labels = served_settings(runs)
+    return labels[0] if labels else None
 
 
 def metric_setting(metric: str, runs: pd.DataFrame) -> str:
     """The setting a τ metric is measured at, in words: the objective `eval/tau_served` "T=1, served", a
-    `eval/<setting>/...` key by its label (`setting_title`), a legacy key "T=0, greedy (old protocol)"."""
-    served = served_setting(runs)
+    `eval/<setting>/...` key by its label (`setting_title`), a legacy key "T=0, greedy (old protocol)". Runs served
+    under different proposal policies say so ("T=1, served: argmax drafts or drafts sampled from q, each drafter
+    as its engine proposes")."""
+    labels = served_settings(runs)
+    served = labels[0] if len(labels) == 1 else None
+    if metric.startswith(OBJECTIVE) and len(labels) > 1:
+        words = [setting_title(f"eval/{label}/") for label in labels]
+        head = {w.split(", ", 1)[0] for w in words}
+        if len(head) == 1:  # one sampling setting, several policies
+            return (f"{head.pop()}, served: " + " or ".join(w.split(", ", 1)[1] for w in words if ", " in w)
+                    + ", each drafter as its engine proposes")
+        return "served: " + " or ".join(words)
     if metric.startswith(OBJECTIVE):
         return setting_title(f"eval/{served or 't0'}/", served).replace(", served", "") + ", served"
     return setting_title(metric, served)
 
 
 def eval_position_setting(runs: pd.DataFrame) -> str:
-    """The setting of the per-position acceptance `position_acceptance` shows by default, in words."""
-    return setting_title(eval_position_prefix(runs) + "/", served_setting(runs))
+    """The setting of the per-position acceptance `position_acceptance` shows by default, in words ("served" only
+    where every run was served so)."""
+    labels = served_settings(runs)
+    return setting_title(eval_position_prefix(runs) + "/", labels[0] if len(labels) == 1 else None)
 
 
 def position_acceptance(runs: pd.DataFrame, prefix: str | None = None) -> pd.DataFrame:
@@ -628,8 +648,8 @@ def tau_settings(metrics: dict[str, float]) -> pd.DataFrame:
     lo, hi = CI_SUFFIXES
     sources = []  # (setting label, the drafter's τ key, prompt lookup's τ key)
     if OBJECTIVE in metrics:
-        served = served_label(metrics)
-        sources.append((f"{_temperature(served)}, served", OBJECTIVE, f"eval/{served}/tau_prompt_lookup"))
+        served = served_label(metrics)  # its proposal policy named (`t1/sampled`: "T=1, drafts sampled from q")
+        sources.append((setting_title(f"eval/{served}/", served), OBJECTIVE, f"eval/{served}/tau_prompt_lookup"))
         if served != "t0" and "eval/t0/tau_vanilla" in metrics:
             sources.append(("T=0, greedy", "eval/t0/tau_vanilla", "eval/t0/tau_prompt_lookup"))
     elif LEGACY_OBJECTIVE in metrics:

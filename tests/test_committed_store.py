@@ -34,8 +34,9 @@ def test_artifact_locations_are_relative_to_the_store(campaign_store, monkeypatc
     monkeypatch.chdir(campaign_store)
     c = MlflowClient("sqlite:///mlflow.db")
     runs = c.search_runs([c.get_experiment_by_name("dflash-ablation").experiment_id], max_results=100)
-    assert len(runs) == 27
-    assert all({a.path for a in c.list_artifacts(r.info.run_id)} >= {"eval"} for r in runs)
+    trained = [r for r in runs if r.data.tags.get("dflash.kind") != "campaign"]  # less the report's answer runs
+    assert len(runs) == 31 and len(trained) == 27
+    assert all({a.path for a in c.list_artifacts(r.info.run_id)} >= {"eval"} for r in trained)
 
 
 def test_relocate_artifacts_absolute_for_any_working_folder(tmp_path):
@@ -48,15 +49,18 @@ def test_relocate_artifacts_absolute_for_any_working_folder(tmp_path):
     # 123 runs (three loss cells of seed 1 copied in: dflash.tracking.copy_runs; the served campaign's twenty cells,
     # the two attempts that ran out of GPU memory and its summary run; the engine campaign's 18 cells, its three
     # stage runs and its summary run, then its drafter stage's 15 lr-grid cells and the five attempts that ran out of
-    # GPU memory beside eight others), five experiments' locations, 7 registered model versions (the gate's: the
-    # 8-layer champion v3 among them, a refused buffer cell, the refused cuts8 cell, the refused soft_kl_streak cell
-    # of seed 1, t262, the champion now)
-    assert relocate_artifacts(db, relative=False) == 135
+    # GPU memory beside eight others; then each older campaign's answer runs, its summary and one per stage: 4 for
+    # reference, 5 for reference_64m, 4 for reference_recipe, 3 for served), five experiments' locations, 8 registered
+    # model versions (the gate's: the 8-layer champion v3 among them, a refused buffer cell, the refused cuts8 cell,
+    # the refused soft_kl_streak cell of seed 1, t262, and the engine campaign's DFlash 2 + Muon drafter at lr
+    # 0.0018, seed 1, the champion now)
+    assert relocate_artifacts(db, relative=False) == 152
     c = MlflowClient(f"sqlite:///{db}")
-    r = c.search_runs([c.get_experiment_by_name("dflash-ablation").experiment_id], max_results=1)[0]
+    r = next(r for r in c.search_runs([c.get_experiment_by_name("dflash-ablation").experiment_id])
+             if r.data.tags.get("dflash.kind") != "campaign")  # a training run, not a report's answer run
     assert r.info.artifact_uri == (db.parent / "mlartifacts").as_uri() + f"/{r.info.run_id}/artifacts"
     assert {a.path for a in c.list_artifacts(r.info.run_id)} >= {"eval"}
-    champion = c.get_model_version_by_alias("dflash-drafter", "champion")  # the run's checkpoint in this copy
+    champion = c.get_model_version_by_alias("dflash-drafter-bead276919cb7b82", "champion")  # the run's checkpoint in this copy
     assert champion.source == (db.parent / "mlartifacts").as_uri() + f"/{champion.run_id}/artifacts/checkpoint"
 
 
@@ -190,9 +194,50 @@ def test_the_recipe_quotes_the_stores_figures(campaign_store):
     recipe = (ROOT / "conf" / "recipe" / "best_reference.yaml").read_text()
     ablations = (ROOT / "benchmarks" / "ABLATIONS.md").read_text()
     assert f"Held-out greedy τ {tau}" in recipe and f"held-out τ **{tau}**" in ablations
-    champion = MlflowClient(f"sqlite:///{campaign_store / 'mlflow.db'}").get_model_version_by_alias(
-        "dflash-drafter", "champion")
-    assert champion.run_id == json.loads((campaign_store.parent / cell["run_dir"] / "mlflow_run.json").read_text())["run_id"]
+    v7 = MlflowClient(f"sqlite:///{campaign_store / 'mlflow.db'}").get_model_version("dflash-drafter-bead276919cb7b82", "7")
+    assert v7.run_id == json.loads((campaign_store.parent / cell["run_dir"] / "mlflow_run.json").read_text())["run_id"]
+    # promoted then, behind the engine campaign's served-protocol drafter now
+    assert v7.tags["dflash.promotion.decision"] == "promoted" and v7.tags["dflash.promotion.superseded_by"] == "8"
+
+
+def test_the_committed_registry_is_one_model_per_target_with_a_served_champion(campaign_store):
+    """One registered model per target fingerprint (dflash.serving.registry_split moved the old layout's versions,
+    numbers kept), every version saying its protocol; the reference target's @champion is a served-protocol drafter
+    (the engine campaign's DFlash 2 + Muon at lr 0.0018, seed 1), its figures rounded."""
+    from mlflow.tracking import MlflowClient
+
+    from dflash.serving.promotion import PROTOCOL_TAG, TARGET_FP
+    c = MlflowClient(f"sqlite:///{campaign_store / 'mlflow.db'}")
+    models = {m.name: m for m in c.search_registered_models()}
+    assert set(models) == {"dflash-drafter-bead276919cb7b82", "dflash-drafter-fe9adcea8a8d70e3"}
+    for name, m in models.items():
+        assert m.tags[TARGET_FP] == name.rsplit("-", 1)[1]
+        for v in c.search_model_versions(f"name='{name}'"):
+            assert v.tags[TARGET_FP] == m.tags[TARGET_FP] and v.tags[PROTOCOL_TAG], (name, v.version)
+    assert sorted(int(v.version) for v in c.search_model_versions("name='dflash-drafter-bead276919cb7b82'")) == list(range(3, 9))
+    champion = c.get_model_version_by_alias("dflash-drafter-bead276919cb7b82", "champion")
+    assert str(champion.version) == "8" and champion.tags[PROTOCOL_TAG].startswith("served")
+    assert c.get_run(champion.run_id).info.run_name == "s1-drafter-dflash2_muon-lr0.0018-seed1"
+    assert champion.tags["eval/tau_served"] == "1.584" and champion.tags["dflash.promotion.decision"] == "promoted"
+    old = c.get_model_version("dflash-drafter-bead276919cb7b82", "7")
+    assert old.tags[PROTOCOL_TAG].startswith("old protocol") and old.tags["eval/tau_vanilla"] == "8.543"
+    assert models["dflash-drafter-fe9adcea8a8d70e3"].aliases == {}  # both of its versions were refused
+
+
+def test_every_campaign_experiment_says_its_protocol(campaign_store):
+    """Each campaign's experiment has a Description, the old-protocol ones saying so first (`eval/tau_vanilla`:
+    greedy, fixed-length ground truth that loops), and its cell runs' Descriptions open with their place in the
+    campaign and their result, not with a command line."""
+    from mlflow.tracking import MlflowClient
+    c = MlflowClient(f"sqlite:///{campaign_store / 'mlflow.db'}")
+    notes = {e.name: e.tags.get("mlflow.note.content", "") for e in c.search_experiments() if e.name != "Default"}
+    for name in ("dflash-ablation", "dflash-campaign-64m", "dflash-campaign-recipe"):
+        assert "**Old protocol** (`eval/tau_vanilla`" in notes[name], name
+    assert all(note.startswith("Campaign `") for note in notes.values()), notes
+    for e in c.search_experiments():
+        for r in c.search_runs([e.experiment_id], "attributes.status = 'FINISHED'", max_results=1000):
+            if r.data.tags.get("dflash.kind") != "campaign" and "campaign" in r.data.tags:
+                assert r.data.tags["mlflow.note.content"].startswith("**Campaign** `"), (e.name, r.info.run_name)
 
 
 @pytest.mark.parametrize("archive,dump", [(STORE, "campaign_out/mlflow.sql"),

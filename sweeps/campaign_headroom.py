@@ -171,14 +171,11 @@ def computed_seconds(cache_dir: str, key: str, seconds: float) -> float:
 
 def oracle_entry(results: list, block_size: int, policy: str, level: float, n_boot: int) -> dict:
     """The oracle's τ (pooled over its rounds) with the evaluator's interval over prompts, reach, per-task sums."""
-    from dflash.evaluation.headroom import reach_metrics
-    from dflash.evaluation.report import _sums
-    from dflash.evaluation.stats import pooled_ci
-    s, n = _sums(results)
-    ci = pooled_ci(s, n, level, n_boot)
+    from dflash.evaluation.headroom import oracle_tau, reach_metrics
+    tau, ci = oracle_tau(results, level, n_boot)
     reach = reach_metrics(results, block_size, "")
-    return {"policy": policy, "block_size": block_size, "tau": sum(s) / max(sum(n), 1), "ci_low": ci.low,
-            "ci_high": ci.high, "ci_level": level, "rounds": sum(n),
+    return {"policy": policy, "block_size": block_size, "tau": tau, "ci_low": ci.low,
+            "ci_high": ci.high, "ci_level": level, "rounds": sum(len(r.taus_vanilla) for r in results),
             "reach": [reach[f"reach_pos{k:02d}"] for k in range(1, block_size)],
             "tasks": [{"task": r.name, "prompt": r.group, "tau_sum": sum(r.taus_vanilla), "rounds": len(r.taus_vanilla)}
                       for r in results]}

@@ -174,6 +174,14 @@ def gap_closed(tau: float, tau_prompt_lookup: float, tau_oracle: float) -> float
     return (tau - tau_prompt_lookup) / den if den > 0 else math.nan
 
 
+def oracle_tau(results: Sequence[TaskResult], level: float, n_boot: int):
+    """The oracle's τ pooled over its rounds and its interval over prompts (the evaluator's `pooled_ci`)."""
+    from dflash.evaluation.report import _sums
+    from dflash.evaluation.stats import pooled_ci
+    s, n = _sums(results)
+    return sum(s) / max(sum(n), 1), pooled_ci(s, n, level, n_boot)
+
+
 def headroom_figures(target, truths: Sequence[TaskTruth], results: Sequence[TaskResult], tau: float,
                      stats: dict[str, float], block_size: int, cfg, sampling: Sampling,
                      gt_key: str, policy: str = "sampled") -> dict[str, float]:
@@ -181,16 +189,12 @@ def headroom_figures(target, truths: Sequence[TaskTruth], results: Sequence[Task
     drafter was scored under, `engines.resolve_policy`, so the oracle proposes alike):
     reach per position, the entropy profile and, with `eval.oracle.samples`, the oracle τ with its interval over
     prompts, the oracle's own reach and the share of the prompt-lookup-to-oracle gap the drafter closes."""
-    from dflash.evaluation.report import _sums
-    from dflash.evaluation.stats import pooled_ci
     samples = cfg.oracle.samples
     oracle, entropy, seconds = oracle_and_entropy(target, truths, sampling, samples, cfg.seed, block_size,
                                                   policy, gt_key, cfg.cache_dir)
     out = {**reach_metrics(results, block_size), **entropy_metrics(entropy)}
     if oracle:
-        s, n = _sums(oracle)
-        tau_oracle = sum(s) / max(sum(n), 1)
-        ci = pooled_ci(s, n, cfg.ci_level, cfg.bootstrap)
+        tau_oracle, ci = oracle_tau(oracle, cfg.ci_level, cfg.bootstrap)
         out.update({"eval/tau_oracle": tau_oracle, "eval/tau_oracle_ci_low": ci.low,
                     "eval/tau_oracle_ci_high": ci.high, "eval/oracle_samples": float(samples),
                     "eval/oracle_seconds": seconds, **reach_metrics(oracle, block_size, "eval/oracle/")})

@@ -1,5 +1,5 @@
-"""`python -m sweeps.campaign_headroom <campaign> [out=campaign_out] [samples=24] [prompts=0] [device=auto]
-[threads=0] [run override ...]`: the oracle τ of a campaign whose cells were evaluated without it (`eval.oracle.samples=0`),
+"""`python -m sweeps.campaign_headroom <campaign> [out=campaign_out] [samples=24] [prompts=0] [policy=]
+[device=auto] [threads=0] [run override ...]`: the oracle τ of a campaign whose cells were evaluated without it (`eval.oracle.samples=0`),
 measured once, after the fact, on the campaign's pinned ground truth (docs/evaluation.md, "Headroom").
 
 The oracle's rounds and the target's entropy depend on the target, the ground truth, the setting, the samples, the
@@ -19,8 +19,14 @@ measurement per policy serves every cell of the campaign:
    marginals at an anchor both reach (they do not depend on the policy);
 4. `<out>/<campaign>/headroom.json`, written atomically: per policy the oracle τ with its interval over prompts
    (`pooled_ci`, the evaluator's), its reach per block position, its per-task τ sums and rounds, the seconds it
-   took; the target's entropy profile on those prompts; samples, prompts, device, target fingerprint, ground-truth
+   took, and what it was measured on (its prompts, samples, device, date, command, the target's entropy there);
+   the target's entropy profile on those prompts; samples, prompts, device, target fingerprint, ground-truth
    key and this command.
+
+`policy=argmax` (or `sampled`) measures that policy's oracle alone and keeps the other policies' entries of an
+existing headroom.json measured on the same pinned ground truth, each with its own prompts: the policies' costs
+differ (an oracle that accepts more drafts in fewer, longer rounds), so each can be measured on as many prompts as a
+machine affords (the engine campaign's argmax oracle on 32 prompts on a GPU, its sampled one on fewer on a CPU).
 
 One oracle round is a cached decode of `samples` rows × (block size − 2) steps plus a forward, unbatched, so on a CPU
 `prompts` keeps it affordable: the engine store's first 2 prompts × 2 samples at 8 samples a round took 13 min 50 s
@@ -59,6 +65,7 @@ class HeadroomArgs:
     # torch's CPU threads (0: torch's default, one per core). On 2 cores shared with other work, 2 threads took
     # 14-25 s an oracle round (8 samples) and 1 thread 1.4-3.3 s (2026-12-06, load 5)
     threads: int = 0
+    policy: str = ""  # argmax | sampled: that policy's oracle alone, the others' kept from headroom.json; '': all
 
 
 def check_args(args: HeadroomArgs) -> None:
@@ -67,6 +74,9 @@ def check_args(args: HeadroomArgs) -> None:
         raise ConfigError(f"samples={args.samples}: the oracle needs at least 1 target sample a round")
     if args.prompts < 0:
         raise ConfigError(f"prompts={args.prompts}: expected 0 (every prompt) or a positive count")
+    if args.policy not in ("", "argmax", "sampled"):
+        raise ConfigError(f"policy={args.policy!r}: expected argmax, sampled or '' (every policy the cells were scored "
+                          f"under)")
     if args.threads < 0:
         raise ConfigError(f"threads={args.threads}: expected 0 (torch's default) or a positive count")
     try:
@@ -159,14 +169,17 @@ def chosen_truths(target, pin: PinnedTruth, k: int, sampling) -> list:
                               [pin.continuations[i] for i in idx], "pinned", sampling)
 
 
-def computed_seconds(cache_dir: str, key: str, seconds: float) -> float:
-    """`seconds`, or on a cache hit (0.0) the seconds the cached oracle took when it was computed."""
+def computed_where(cache_dir: str, key: str, seconds: float, device: str) -> tuple[float, str]:
+    """(`seconds`, `device`), or on a cache hit (seconds 0.0) the seconds the cached oracle took and the device it
+    ran on when it was computed (a GPU's oracle read back on a CPU is still the GPU's measurement; '?' where the
+    cache file predates saying it)."""
     if seconds or not cache_dir:
-        return seconds
+        return seconds, device
     try:
-        return float(json.loads((Path(cache_dir) / "headroom" / f"{key}.json").read_text())["seconds"])
+        data = json.loads((Path(cache_dir) / "headroom" / f"{key}.json").read_text())
+        return float(data["seconds"]), str(data.get("device", "?"))
     except (OSError, ValueError, KeyError):
-        return seconds
+        return seconds, device
 
 
 def oracle_entry(results: list, block_size: int, policy: str, level: float, n_boot: int) -> dict:
@@ -207,6 +220,11 @@ def measure(c: Campaign, folder: Path, args: HeadroomArgs, extra: list[str], com
         raise ConfigError(f"{pin.path}: its ground-truth key {pin.key[:16]}… is none of the cells' "
                           f"({sorted(k[:16] for r in records.values() for k in r['ground_truth_keys'] if k)}): "
                           f"the cells did not run on this pin")
+    if args.policy:
+        cells_on = {pk: rec for pk, rec in cells_on.items() if pk[0] == args.policy}
+        if not cells_on:
+            raise ConfigError(f"policy={args.policy}: no cell on this pin was scored under it (theirs: "
+                              f"{sorted({pk[0] for pk in records})})")
     chosen = chosen_truths(target, pin, args.prompts, spec.sampling)
     sub_key = ground_truth_key(target, chosen)
     entry = []
@@ -219,11 +237,18 @@ def measure(c: Campaign, folder: Path, args: HeadroomArgs, extra: list[str], com
         t0 = time.perf_counter()
         results, entropy, seconds = oracle_and_entropy(target, chosen, spec.sampling, args.samples, ev.seed, bs,
                                                        policy, sub_key, ev.cache_dir, memo)
-        seconds = computed_seconds(ev.cache_dir, headroom_key(sub_key, spec.sampling, args.samples, ev.seed, bs,
-                                                              policy), seconds)
+        seconds, device = computed_where(ev.cache_dir, headroom_key(sub_key, spec.sampling, args.samples, ev.seed,
+                                                                    bs, policy), seconds, str(target.device))
         e = oracle_entry(results, bs, policy, ev.ci_level, ev.bootstrap)
+        ent_here = entropy_metrics(entropy)
         entry.append({**e, "cells": rec["cells"], "seconds": round(seconds, 1),
-                      "wall_s_this_call": round(time.perf_counter() - t0, 1)})
+                      "wall_s_this_call": round(time.perf_counter() - t0, 1),
+                      "prompts": len({t.group for t in chosen}), "prompt_samples": len(chosen),
+                      "prompts_ground_truth_key": sub_key, "samples": args.samples, "device": device,
+                      "date": time.strftime("%Y-%m-%d", time.gmtime()), "command": command,
+                      "entropy": {"mean": ent_here["eval/target_entropy_mean"],
+                                  "median": ent_here["eval/target_entropy_median"],
+                                  "below_0.1": ent_here["eval/target_entropy_below_0.1"], "tokens": len(entropy)}})
         log.info("oracle τ under %s drafts: %.3f [%.3f, %.3f] in %.0f s", policy, e["tau"], e["ci_low"],
                  e["ci_high"], seconds)
     ent = entropy_metrics(entropy)
@@ -239,6 +264,20 @@ def measure(c: Campaign, folder: Path, args: HeadroomArgs, extra: list[str], com
             "prompts_ground_truth_key": sub_key, "oracles": entry,
             "entropy": {"mean": ent["eval/target_entropy_mean"], "median": ent["eval/target_entropy_median"],
                         "below_0.1": ent["eval/target_entropy_below_0.1"], "tokens": len(entropy)}}
+
+
+ENTRY_FROM_FILE = ("prompts", "prompt_samples", "prompts_ground_truth_key", "samples", "device", "date", "command",
+                   "entropy")  # what an entry measured on; a file written before entries said it says it for all
+
+
+def kept_entries(old: dict | None, result: dict, policy: str) -> list[dict]:
+    """The entries of an existing headroom.json that a `policy=` run keeps: the other policies' oracles on the same
+    pinned ground truth, each with what it was measured on (from the old file's own top level where the entry
+    does not say it)."""
+    if not policy or not old or old.get("ground_truth_key") != result["ground_truth_key"]:
+        return []
+    return [{**{k: old[k] for k in ENTRY_FROM_FILE if k in old}, **o}
+            for o in old.get("oracles", []) if o.get("policy") != policy]
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -257,13 +296,16 @@ def main(argv: list[str] | None = None) -> dict:
         raise ConfigError(f"out={args.out}: no campaign folder {folder} (run the campaign, or unpack its store)")
     command = "python -m sweeps.campaign_headroom " + " ".join(shlex.quote(a) for a in argv)
     result = measure(c, folder, args, extra, command)
+    from sweeps.headroom_section import read_headroom
+    kept = kept_entries(read_headroom(folder), result, args.policy)
+    result["oracles"] = sorted([*kept, *result["oracles"]], key=lambda o: (o["policy"], int(o["block_size"])))
     from dflash.atomic import atomic_write_text
     atomic_write_text(folder / HEADROOM_FILE, json.dumps(result, indent=1))
     print(f"{folder / HEADROOM_FILE}: " + "; ".join(
-        f"oracle τ under {o['policy']} drafts {o['tau']:.3f} [{o['ci_low']:.3f}, {o['ci_high']:.3f}]"
-        for o in result["oracles"]) + f" (the first {result['prompts']} of {result['prompts_in_suite']} prompts × "
-          f"{result['samples_per_prompt']} samples, "
-          f"{result['samples']} target samples a round)")
+        f"oracle τ under {o['policy']} drafts {o['tau']:.3f} [{o['ci_low']:.3f}, {o['ci_high']:.3f}] (the first "
+        f"{o.get('prompts', result['prompts'])} of {result['prompts_in_suite']} prompts × "
+        f"{result['samples_per_prompt']} samples, {o.get('samples', result['samples'])} target samples a round)"
+        for o in result["oracles"]))
     return result
 
 

@@ -76,21 +76,46 @@ def on_oracle_prompts(seeds: dict[int, dict], hr: dict) -> tuple[float, float, d
     return sums[0] / sums[1], sums[2] / sums[3], oracle
 
 
+def _measured_on(hr: dict, o: dict) -> tuple:
+    """(prompts, samples a round, device, date, command) of one oracle entry, the file's own where the entry (one
+    written before entries said it) does not say it."""
+    return tuple(o.get(k, hr.get(k, "")) for k in ("prompts", "samples", "device", "date", "command"))
+
+
 def measured_after(hr: dict) -> list[str]:
     """The lines that say what `headroom.json` measured: the oracle τ per policy with its interval, prompts and
-    samples, the command, what the oracle bounds, the target's entropy on those prompts."""
-    taus = ", ".join(f"under {o['policy']} drafts **{o['tau']:.3f}** [{o['ci_low']:.3f}, {o['ci_high']:.3f}]"
-                     for o in hr["oracles"])
-    level = hr["oracles"][0].get("ci_level", 0.95) if hr["oracles"] else 0.95
-    e = hr.get("entropy") or {}
-    out = [f"Oracle τ (the target's own marginals as the drafter, same rule and ground truth), measured after the "
-           f"campaign on its pinned ground truth ({HEADROOM_FILE}, {hr.get('date', '')}: `{hr.get('command', '')}`): "
-           f"{taus} ({100 * level:g}% interval over prompts; the first {hr['prompts']} of {hr['prompts_in_suite']} "
-           f"prompts × {hr['samples_per_prompt']} samples, {hr['samples']} target samples a round, "
-           f"{hr.get('device', '?')}).", "", BOUND, ""]
+    samples (each policy's own where they were measured on different prompts: `campaign_headroom policy=`), the
+    command, what the oracle bounds, the target's entropy on those prompts (the most prompts any oracle ran on)."""
+    oracles = hr["oracles"]
+    level = oracles[0].get("ci_level", 0.95) if oracles else 0.95
+    on = {_measured_on(hr, o) for o in oracles}
+
+    def where(m: tuple) -> str:
+        prompts, samples, device = m[:3]
+        return (f"the first {prompts} of {hr['prompts_in_suite']} prompts × {hr['samples_per_prompt']} samples, "
+                f"{samples} target samples a round, {device or '?'}")
+
+    def tau(o: dict) -> str:
+        return f"under {o['policy']} drafts **{o['tau']:.3f}** [{o['ci_low']:.3f}, {o['ci_high']:.3f}]"
+    if len(on) <= 1:
+        m = on.pop() if on else (hr.get("prompts"), hr.get("samples"), hr.get("device"), hr.get("date", ""),
+                                 hr.get("command", ""))
+        out = [f"Oracle τ (the target's own marginals as the drafter, same rule and ground truth), measured after the "
+               f"campaign on its pinned ground truth ({HEADROOM_FILE}, {m[3]}: `{m[4]}`): "
+               f"{', '.join(tau(o) for o in oracles)} ({100 * level:g}% interval over prompts; {where(m)})."]
+    else:
+        out = [f"Oracle τ (the target's own marginals as the drafter, same rule and ground truth), measured after the "
+               f"campaign on its pinned ground truth ({HEADROOM_FILE}; {100 * level:g}% intervals over prompts), each "
+               f"policy on its own prompts:", ""]
+        out += [f"- {tau(o)} ({where(m)}; {m[3]}: `{m[4]}`)" for o in oracles for m in [_measured_on(hr, o)]]
+    out += ["", BOUND, ""]
+    widest = max(oracles, key=lambda o: int(_measured_on(hr, o)[0] or 0), default={})
+    e = widest.get("entropy") or hr.get("entropy") or {}
     if e:
-        out += [f"The target's entropy on those prompt samples: mean {e['mean']:.2f} nats, median {e['median']:.2f}, "
-                f"{pct(e['below_0.1'])} of tokens below 0.1 nats.", ""]
+        out += [f"The target's entropy on those prompt samples" + (
+                    f" (the first {_measured_on(hr, widest)[0]} prompts')" if len(on) > 1 else "")
+                + f": mean {e['mean']:.2f} nats, median {e['median']:.2f}, {pct(e['below_0.1'])} of tokens below "
+                  f"0.1 nats.", ""]
     return out
 
 

@@ -204,3 +204,52 @@ def test_the_two_policies_oracles_compute_the_marginals_at_an_anchor_once(store)
     assert len(memo) == len(anchors(argmax))
     sampled = oracle_and_entropy(*args, "sampled", "memo", "", memo)[0]
     assert len(memo) == len(anchors(argmax) | anchors(sampled)) < len(anchors(argmax)) + len(anchors(sampled))
+
+
+def test_one_policy_measured_again_on_more_prompts_keeps_the_others_own(store, tmp_path, monkeypatch, capsys):
+    """`policy=argmax prompts=2` after a run of both policies on 1 prompt: argmax's entry is the 2-prompt one (as a
+    whole run on 2 prompts writes it), sampled's the 1-prompt one, each saying its own prompts, and the report
+    names each policy's; a file of another ground truth keeps nothing; an unknown policy exits 2 before any work."""
+    import shutil
+
+    from sweeps.headroom_section import measured_after, read_headroom
+    f, out, *_ = store
+    mine = tmp_path / "o"
+    shutil.copytree(out / OUT_NAME, mine / OUT_NAME)
+    (mine / OUT_NAME / "headroom.json").unlink(missing_ok=True)
+    cache = f"eval.cache_dir={tmp_path / 'c'}"
+    one = _run(f, mine, "prompts=1", cache)
+    both_on_2 = _run(f, mine, "prompts=2", cache)
+    _run(f, mine, "prompts=1", cache)
+    got = _run(f, mine, "prompts=2", "policy=argmax", cache)
+    by = {o["policy"]: o for o in got["oracles"]}
+    want_argmax = next(o for o in both_on_2["oracles"] if o["policy"] == "argmax")
+    want_sampled = next(o for o in one["oracles"] if o["policy"] == "sampled")
+    assert by["argmax"]["prompts"] == 2 and by["argmax"]["tasks"] == want_argmax["tasks"]
+    assert by["sampled"]["prompts"] == 1 and by["sampled"]["tasks"] == want_sampled["tasks"]
+    assert by["sampled"]["tau"] == want_sampled["tau"] and "policy=argmax" in by["argmax"]["command"]
+    text = "\n".join(measured_after(read_headroom(mine / OUT_NAME)))
+    assert "each policy on its own prompts" in text
+    assert f"under argmax drafts **{by['argmax']['tau']:.3f}**" in text and "the first 2 of 3 prompts" in text
+    assert f"under sampled drafts **{by['sampled']['tau']:.3f}**" in text and "the first 1 of 3 prompts" in text
+    hr = json.loads((mine / OUT_NAME / "headroom.json").read_text())
+    hr["ground_truth_key"] = "another"
+    (mine / OUT_NAME / "headroom.json").write_text(json.dumps(hr))
+    alone = _run(f, mine, "prompts=1", "policy=sampled", cache)
+    assert [o["policy"] for o in alone["oracles"]] == ["sampled"]
+    assert "policy='greedy'" in _exit(monkeypatch, capsys, [str(f), f"out={mine}", "policy=greedy"])
+
+
+def test_an_oracle_read_from_the_cache_says_the_device_and_seconds_it_was_computed_with(store, tmp_path):
+    """A GPU's oracle read back on a CPU (its cache file carried over) is still the GPU's measurement."""
+    f, out, *_ = store
+    cache = tmp_path / "c"
+    first = _run(f, out, "prompts=1", "policy=argmax", f"eval.cache_dir={cache}")
+    assert first["oracles"][0]["device"] == "cpu"
+    (path,) = [p for p in (cache / "headroom").glob("*.json")]
+    data = json.loads(path.read_text())
+    assert data["device"] == "cpu"
+    path.write_text(json.dumps({**data, "device": "cuda:0", "seconds": 123.0}))
+    again = _run(f, out, "prompts=1", "policy=argmax", f"eval.cache_dir={cache}")
+    assert again["oracles"][0]["device"] == "cuda:0" and again["oracles"][0]["seconds"] == 123.0
+    assert again["oracles"][0]["tasks"] == first["oracles"][0]["tasks"]

@@ -147,7 +147,7 @@ def oracle_and_entropy(target, truths: Sequence[TaskTruth], sampling: Sampling, 
         from dflash.atomic import atomic_write_text
         path.parent.mkdir(parents=True, exist_ok=True)
         atomic_write_text(path, json.dumps({"oracle": _results_json(oracle), "entropy": entropy,
-                                            "seconds": seconds}))
+                                            "seconds": seconds, "device": str(getattr(target, "device", "?"))}))
     return oracle, entropy, seconds
 
 

@@ -335,13 +335,15 @@ def describe_calls(summary: dict) -> dict[str, str]:
     return out
 
 
-def lr_lines(stage, cells: list[dict]) -> list[str]:
-    """Where a stage's options carry an `lr_grid`: that each is compared at its best of it, and the mean objective
-    over seeds at every lr, so a reader sees how far from the grid's edge the best lies."""
+def lr_lines(stage, cells: list[dict], suite: str | None = None) -> list[str]:
+    """Where a stage's options carry an `lr_grid`: that each is compared at its best of it, the mean objective over
+    seeds at every lr, so a reader sees how far from the grid's edge the best lies, and (`suite`: the objective's)
+    the best lr's paired Δ against the next best with the tie rule's verdict: a best lr tied with another is a
+    point of a plateau, not a step size the option needs."""
     if not stage.lr_grid:
         return []
     means = lr_means(cells)
-    said, edge = [], []
+    said, edge, against = [], [], []
     for opt, grid in stage.lr_grid.items():
         got = means.get(opt, {})
         if not got:
@@ -351,11 +353,21 @@ def lr_lines(stage, cells: list[dict]) -> list[str]:
                     + ", ".join(f"{lr:g}: {got[lr]:.3f}" if lr in got else f"{lr:g}: not run" for lr in grid) + ")")
         if len(grid) > 1 and best in (min(grid), max(grid)):
             edge.append(f"{opt} ({'largest' if best == max(grid) else 'smallest'})")
+        if suite is not None and len(got) > 1:
+            second = max((lr for lr in got if lr != best), key=lambda lr: got[lr])
+            tables = {lr: _by_option([x for x in cells if x["option"] == opt and x.get("lr") == lr], suite).get(opt, {})
+                      for lr in (best, second)}
+            if tables[best] and tables[second]:
+                delta, verdict = _delta(tables[best], tables[second])
+                against.append(f"{opt} {best:g} − {second:g}: {delta} {verdict}")
     out = ["**Learning rate**: each option with an lr grid at its best of it (the highest mean objective over its "
            "seeds; the tables, Δs and the call compare it there): " + "; ".join(said) + "."]
     if edge:  # the optimum may lie beyond the grid: the option is compared at a point, not at its best
         out[0] += (f" At the edge of its grid: {', '.join(edge)}; a step further was not tried, so that option's "
                    f"best lr is not known.")
+    if against:
+        out[0] += (f" The best lr against the next best (paired Δτ on `{suite}`, the tie rule's verdict): "
+                   + "; ".join(against) + ".")
     return [*out, ""]
 
 
@@ -461,7 +473,7 @@ def render_report(c, summary: dict, with_summary: bool = True, figures: dict[int
             lines += [f"**Not run yet**: 0 of {len(stage.options) * len(c.seeds)} cells ({', '.join(stage.options)}; "
                       f"`python -m sweeps.campaign {c.name} only=[{stage.factor}]`).", ""]
             continue
-        lines += [_stage_verdict(c, summary, i, grid), "", *lr_lines(stage, grid), _budget_line(grid), "",
+        lines += [_stage_verdict(c, summary, i, grid), "", *lr_lines(stage, grid, objective_suite), _budget_line(grid), "",
                   *_data_lines(grid)]
         if figures and i in figures:
             lines += [f"![stage {i}: {stage.factor}]({figures[i]})", ""]

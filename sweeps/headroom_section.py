@@ -43,6 +43,11 @@ def reach_shares(tables: dict[int, dict], positions: tuple[int, ...] = REACH_POS
     return {k: _mean_stat(tables, f"eval/reach_pos{k:02d}") for k in positions}
 
 
+def nats(x: float) -> str:
+    """An entropy in nats to 2 decimals; a value a float's rounding put below 0 (a one-hot marginal) reads 0.00."""
+    return f"{max(x, 0.0):.2f}"
+
+
 def pct(x: float) -> str:
     return "—" if math.isnan(x) else f"{100 * x:.1f}%"
 
@@ -114,7 +119,7 @@ def measured_after(hr: dict) -> list[str]:
     if e:
         out += [f"The target's entropy on those prompt samples" + (
                     f" (the first {_measured_on(hr, widest)[0]} prompts')" if len(on) > 1 else "")
-                + f": mean {e['mean']:.2f} nats, median {e['median']:.2f}, {pct(e['below_0.1'])} of tokens below "
+                + f": mean {nats(e['mean'])} nats, median {nats(e['median'])}, {pct(e['below_0.1'])} of tokens below "
                   f"0.1 nats.", ""]
     return out
 
@@ -136,8 +141,8 @@ def headroom_section(by_opt: dict[str, dict[int, dict]], headroom: dict | None =
              "position k" + (", and the share of the prompt-lookup-to-oracle gap closed" if not math.isnan(oracle)
                              else "") + ".", ""]
     if not math.isnan(ent["mean"]):
-        lines += [f"The target's entropy along the ground truth: mean {ent['mean']:.2f} nats, median "
-                  f"{ent['median']:.2f}, {pct(ent['below_0.1'])} of tokens below 0.1 nats.", ""]
+        lines += [f"The target's entropy along the ground truth: mean {nats(ent['mean'])} nats, median "
+                  f"{nats(ent['median'])}, {pct(ent['below_0.1'])} of tokens below 0.1 nats.", ""]
     if not math.isnan(oracle):
         lines += [f"Oracle τ (the target's own marginals as the drafter, same rule and ground truth): {oracle:.3f}.",
                   ""]

@@ -525,10 +525,10 @@ def test_the_best_recipe_is_the_campaigns_best_cell():
 
 def test_the_engine_recipe_is_the_engine_campaigns_best_cell():
     """`+recipe=engine_reference` trains exactly what the engine campaign's drafter-stage winner (DFlash 2 + Muon at
-    its best lr, 0.0018) trained (benchmarks/ABLATIONS.md, first screen; conf/recipe/engine_reference.yaml)."""
+    its best lr, 0.0054) trained (benchmarks/ABLATIONS.md, first screen; conf/recipe/engine_reference.yaml)."""
     from sweeps.cells import config_key
     c = load_campaign("engine")
-    cell = next(x for x in stage_cells(c, 1, {}) if x.option == "dflash2_muon" and x.lr == 0.0018 and x.seed == 0)
+    cell = next(x for x in stage_cells(c, 1, {}) if x.option == "dflash2_muon" and x.lr == 0.0054 and x.seed == 0)
     assert config_key(["+recipe=engine_reference", "seed=0"]) == config_key(
         [o for o in cell.overrides if not o.startswith("tracking.experiment=")])
 

@@ -253,3 +253,9 @@ def test_an_oracle_read_from_the_cache_says_the_device_and_seconds_it_was_comput
     again = _run(f, out, "prompts=1", "policy=argmax", f"eval.cache_dir={cache}")
     assert again["oracles"][0]["device"] == "cuda:0" and again["oracles"][0]["seconds"] == 123.0
     assert again["oracles"][0]["tasks"] == first["oracles"][0]["tasks"]
+
+
+def test_an_entropy_that_rounding_put_below_zero_reads_zero():
+    """A one-hot marginal's entropy is 0 up to a float's rounding (-1e-9): the report read "median -0.00"."""
+    from sweeps.headroom_section import nats
+    assert nats(-1e-9) == "0.00" and nats(0.114) == "0.11" and nats(1.8149) == "1.81"

@@ -74,7 +74,10 @@ def test_each_option_is_compared_at_its_own_best_lr(tmp_path):
     assert call["order"] == "muon > adamw" and call["tied"] == []  # +0.4 on every row: separated even at 2 seeds
     said = "\n".join(lr_lines(c.stages[0], cells))
     assert "muon at lr 0.001 of {0.0003, 0.001} (0.0003: 2.000, 0.001: 2.700)" in said
-    assert "At the edge of its grid: muon (largest)" in said
+    assert "At the edge of its grid: muon (largest)" in said and "next best" not in said
+    # with the objective's suite: the best lr's paired Δ against the next best, under the tie rule
+    said = "\n".join(lr_lines(c.stages[0], cells, "heldout"))
+    assert "muon 0.001 − 0.0003: 0.700 [0.700, 0.700] better" in said and "adamw" not in said.split("next best")[1]
     summary = {"cells": cells, "winners": {"drafter": "muon"}, "calls": {"drafter": call}}
     line = next(x for x in render_summary(c, summary) if x.startswith("- Stage 0"))
     assert "**muon** τ 2.700 [" in line and "muon each at its best of lr ∈ {0.0003, 0.001}" in line

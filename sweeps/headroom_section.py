@@ -45,7 +45,7 @@ def reach_shares(tables: dict[int, dict], positions: tuple[int, ...] = REACH_POS
 
 def nats(x: float) -> str:
     """An entropy in nats to 2 decimals; a value a float's rounding put below 0 (a one-hot marginal) reads 0.00."""
-    return f"{max(x, 0.0):.2f}"
+    return f"{x if x > 0 else 0.0:.2f}"  # max(-0.0, 0.0) is -0.0
 
 
 def pct(x: float) -> str:

@@ -258,4 +258,4 @@ def test_an_oracle_read_from_the_cache_says_the_device_and_seconds_it_was_comput
 def test_an_entropy_that_rounding_put_below_zero_reads_zero():
     """A one-hot marginal's entropy is 0 up to a float's rounding (-1e-9): the report read "median -0.00"."""
     from sweeps.headroom_section import nats
-    assert nats(-1e-9) == "0.00" and nats(0.114) == "0.11" and nats(1.8149) == "1.81"
+    assert nats(-1e-9) == "0.00" and nats(-0.0) == "0.00" and nats(0.114) == "0.11" and nats(1.8149) == "1.81"

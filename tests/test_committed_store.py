@@ -46,15 +46,16 @@ def test_relocate_artifacts_absolute_for_any_working_folder(tmp_path):
     from dflash.tracking.run_info import relocate_artifacts
     unpack(STORE, tmp_path)
     db = tmp_path / "campaign_out" / "mlflow.db"
-    # 123 runs (three loss cells of seed 1 copied in: dflash.tracking.copy_runs; the served campaign's twenty cells,
+    # 155 runs (three loss cells of seed 1 copied in: dflash.tracking.copy_runs; the served campaign's twenty cells,
     # the two attempts that ran out of GPU memory and its summary run; the engine campaign's 18 cells, its three
     # stage runs and its summary run, then its drafter stage's 15 lr-grid cells and the five attempts that ran out of
-    # GPU memory beside eight others; then each older campaign's answer runs, its summary and one per stage: 4 for
-    # reference, 5 for reference_64m, 4 for reference_recipe, 3 for served), five experiments' locations, 8 registered
-    # model versions (the gate's: the 8-layer champion v3 among them, a refused buffer cell, the refused cuts8 cell,
-    # the refused soft_kl_streak cell of seed 1, t262, and the engine campaign's DFlash 2 + Muon drafter at lr
-    # 0.0018, seed 1, the champion now)
-    assert relocate_artifacts(db, relative=False) == 152
+    # GPU memory beside eight others, then the grid's 0.0054 point, 9 cells and two attempts that ran out of memory
+    # beside the oracle job; the math_engine campaign's 18 cells, its two stage runs and its summary run; then each
+    # older campaign's answer runs, its summary and one per stage: 4 for reference, 5 for reference_64m, 4 for
+    # reference_recipe, 3 for served), six experiments' locations, 8 registered model versions (the gate's: the
+    # 8-layer champion v3 among them, a refused buffer cell, the refused cuts8 cell, the refused soft_kl_streak cell
+    # of seed 1, t262, and the engine campaign's DFlash 2 + Muon drafter at lr 0.0018, seed 1, the champion now)
+    assert relocate_artifacts(db, relative=False) == 185
     c = MlflowClient(f"sqlite:///{db}")
     r = next(r for r in c.search_runs([c.get_experiment_by_name("dflash-ablation").experiment_id])
              if r.data.tags.get("dflash.kind") != "campaign")  # a training run, not a report's answer run
@@ -486,24 +487,25 @@ def test_the_engine_campaigns_drafter_stage_compares_each_option_at_its_best_lr(
     tags = {r.info.run_name: r.data.tags for r in client.search_runs([eid], "attributes.status = 'FINISHED'",
                                                                      max_results=1000)}
     column = "stage 1 drafter"
-    assert tags["s1-drafter-dflash2_muon-lr0.0018-seed1"][column] == "dflash2_muon: the stage's winner"
-    assert tags["s1-drafter-dflash1_muon-lr0.0018-seed0"][STAGE_DELTA_TAG] == \
-        "vs dflash2_muon -0.211 [-0.256, -0.167] worse"
-    off = "lr 0.0006: not compared (the stage takes its best lr, 0.0018)"
-    assert tags["s1-drafter-dflash2_muon-lr0.0006-seed0"][column] == f"dflash2_muon: {off}"
-    assert tags["s0-loss-hard_ce-seed0"][column] == f"dflash1_adamw: {off}"  # the loss stage's run, reused at 0.0006
+    assert tags["s1-drafter-dflash2_muon-lr0.0054-seed1"][column] == "dflash2_muon: the stage's winner"
+    assert tags["s1-drafter-dflash1_muon-lr0.0054-seed0"][STAGE_DELTA_TAG] == \
+        "vs dflash2_muon -0.208 [-0.252, -0.168] worse"
+    off = "not compared (the stage takes its best lr, 0.0054)"
+    assert tags["s1-drafter-dflash2_muon-lr0.0006-seed0"][column] == f"dflash2_muon: lr 0.0006: {off}"
+    assert tags["s1-drafter-dflash2_muon-lr0.0018-seed1"][column] == f"dflash2_muon: lr 0.0018: {off}"
+    assert tags["s0-loss-hard_ce-seed0"][column] == f"dflash1_adamw: lr 0.0006: {off}"  # the loss stage's, reused
     first_launch = tags["s1-drafter-dflash2_muon-seed0"]
     assert column not in first_launch and first_launch[STAGE_DELTA_TAG] == NOT_IN_STAGE
     assert first_launch["stage"] == "1 drafter (not in the result)"  # a group of its own in the key-metrics view
-    assert sum(t.get("stage") == "1 drafter" for t in tags.values()) == 15  # 18 cells, three of them stage 0's
+    assert sum(t.get("stage") == "1 drafter" for t in tags.values()) == 24  # 27 cells, three of them stage 0's
     in_view = [n for n, t in tags.items() if column in t]
-    assert len(in_view) == 18 + 1  # 3 options x 2 lrs x 3 seeds (three of them the loss stage's), the stage's run
-    note = tags["s1-drafter-dflash2_muon-lr0.0018-seed1"]["mlflow.note.content"]
-    assert note.startswith(f"{CAMPAIGN_HEAD} `engine`, stage 1 drafter, option `dflash2_muon-lr0.0018`, seed 1 "
+    assert len(in_view) == 27 + 1  # 3 options x 3 lrs x 3 seeds (three of them the loss stage's), the stage's run
+    note = tags["s1-drafter-dflash2_muon-lr0.0054-seed1"]["mlflow.note.content"]
+    assert note.startswith(f"{CAMPAIGN_HEAD} `engine`, stage 1 drafter, option `dflash2_muon-lr0.0054`, seed 1 "
                            f"(stage 1 drafter: the stage's winner)")
     result = note.split("\n\n")[1]
     assert result.startswith(f"{RESULT_HEAD} (`eval/tau_served`, T=1, the served setting, sampled drafts")
-    assert "τ 1.584 [1.564, 1.604]" in result and "greedy (T=0) τ 2.172 [2.056, 2.299]" in result
+    assert "τ 1.605 [1.582, 1.627]" in result and "greedy (T=0) τ 2.219 [2.079, 2.366]" in result
     assert f"{HOW_HEAD} (on the machine that ran it):" in note and "python -m experiments.run" in note
     view = json.loads(json.loads(client.get_experiment(eid).tags[SAVED_VIEW_PREFIX + stage_view_key(1)])["state"])
     assert view["columnOrder"][0] == RUN_NAME_COLUMN and view["columnWidths"][RUN_NAME_COLUMN] >= 7 * 38

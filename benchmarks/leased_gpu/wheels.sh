@@ -14,11 +14,25 @@
 # their databases as SQL text (dflash.tracking.packed_store: 10.0 + 5.1 MB became 5.5 + 2.7). A 2026-12-02 job carried a trimmed
 # folder on the belief that the machine was still warm. It was a fresh one, and the call failed on a missing hydra:
 # carry every folder, one per call, on every fresh machine, the job with the last.
+# SITE (default /tmp/site): where the wheels go. One install at a time (flock on $SITE.lock), and a wheel already
+# installed there (its file name in $SITE/.installed) is not installed again: a second job sourcing job_env.sh on a
+# warm machine (the oracle beside a campaign, 2026-12-06) re-installed the folder it carried while the first job's
+# install ran, and pip's --target --upgrade removed a folder under the other (FileNotFoundError: keys.pyi).
+SITE=${SITE:-/tmp/site}
+exec 9> "$SITE.lock"
+flock 9
 for d in .whl .whl[0-9]*; do  # the folders wheel_folders.py made, whichever this call carries
   [[ $d =~ ^\.whl[0-9]*$ ]] || continue  # not its half-written .whl2.new
-  if compgen -G "$d/*.whl" > /dev/null; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$d"/*.whl \
-      || exit 1
-  fi
+  compgen -G "$d/*.whl" > /dev/null || continue
+  new=0
+  for w in "$d"/*.whl; do
+    grep -qxF "${w##*/}" "$SITE/.installed" 2>/dev/null || new=1
+  done
+  (( new )) || continue
+  # the whole folder, not its new wheels alone: wheels sharing a top-level folder travel together (wheel_folders.py)
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" "$d"/*.whl \
+    || { exec 9>&-; exit 1; }
+  for w in "$d"/*.whl; do echo "${w##*/}"; done >> "$SITE/.installed"
 done
-if [ -d /tmp/site ]; then export PYTHONPATH=/tmp/site:$PWD; else export PYTHONPATH=$PWD; fi
+exec 9>&-
+if [ -d "$SITE" ]; then export PYTHONPATH=$SITE:$PWD; else export PYTHONPATH=$PWD; fi

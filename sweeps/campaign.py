@@ -298,6 +298,7 @@ def run_campaign(c: Campaign, out: Path, extra: list[str], deadline_s: float = 0
             if to_run and "write_ahead" not in summary:
                 summary["write_ahead"] = shared_inputs(c, extra, out, previous)
     done: dict[str, dict] = renamed_runs(c, out)  # runs of cells the campaign file has renamed since
+    earlier = previous.get("launches", [])
     for group in stage_groups(c):
         per_stage = [stage_cells(c, i, summary["winners"], summary.get("winner_lrs")) for i in group]
         stale_records(c, out, [x for cells in per_stage for x in cells])
@@ -327,14 +328,30 @@ def run_campaign(c: Campaign, out: Path, extra: list[str], deadline_s: float = 0
         group_tokens = sum(st["consumed_tokens"] for st in summary["stages"][-len(group):])
         for st in summary["stages"][-len(group):]:
             st["consumed_tok_s_all_cells"] = round(group_tokens / max(wall, 1e-9))
+        record_launch(summary, earlier, t_start)
         atomic_write_text(summary_f, json.dumps(summary, indent=2))
         if cut:
             break
     else:
         summary["complete"] = True
     summary["wall_s"] = round(time.time() - t_start, 1)
+    record_launch(summary, earlier, t_start)
     atomic_write_text(summary_f, json.dumps(summary, indent=2))
     return summary
+
+
+def record_launch(summary: dict, earlier: list[dict], t_start: float) -> None:
+    """`summary["launches"]`: the earlier launches' records, then this one's where it trained a cell (a launch that
+    only rewrites the summary adds none). The summary's stages, shared inputs and wall time are this launch's
+    alone, so a campaign run in several GPU jobs kept only its last job's figures; the history keeps each one's
+    cells, wall time, tokens and shared inputs for the report's "How it ran"."""
+    ran = sum(st["cells_run"] for st in summary["stages"])
+    tokens = sum(st["consumed_tokens"] for st in summary["stages"])
+    wall = time.time() - t_start
+    this = {"started": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(t_start)), "cells_run": ran,
+            "wall_s": round(wall, 1), "consumed_tokens": tokens,
+            "shared_inputs_s": round(float((summary.get("write_ahead") or {}).get("sys/write_ahead_s", 0.0)), 1)}
+    summary["launches"] = [*earlier, this] if ran else list(earlier)
 
 
 @dataclasses.dataclass

@@ -382,6 +382,12 @@ def _budget_line(cells: list[dict]) -> str:
 def _speed_lines(summary: dict) -> list[str]:
     """How the campaign used its GPU: the shared inputs made up front, then each stage's cells side by side."""
     out = []
+    launches = summary.get("launches") or []
+    if len(launches) > 1:  # the lines after this one are the last launch's alone
+        out.append(f"Launches ({len(launches)}; the lines below are the last one's): " + "; ".join(
+            f"{k}. {x['started']}: {x['cells_run']} cells, {x['wall_s']:.0f} s (shared inputs {x['shared_inputs_s']:.0f}"
+            f" s), {x['consumed_tokens'] / max(x['wall_s'], 1e-9):,.0f} consumed tok/s over its cells"
+            for k, x in enumerate(launches, 1)) + ".")
     wa = summary.get("write_ahead") or {}
     if wa:
         data = (f"{int(wa['data/write_ahead_batches'])} online batches ({int(wa['data/write_ahead_items']):,} "

@@ -320,6 +320,18 @@ def test_every_cell_and_the_shared_inputs_pin_the_ground_truth_under_the_campaig
     again = campaign.run_campaign(c, out, ["tracking.enabled=false"])
     assert len(made) == 1 and again["complete"] and [cell.option for cell in ran] == ["fifo"]
     assert made[0].buffer.name == "fifo"  # the inputs of the cell to train, not the first stage's again
+    # each launch that trained a cell is in the history (a launch's stages and shared inputs are its own alone)
+    assert [x["cells_run"] for x in again["launches"]] == [3, 1] and again["launches"][0] == summary["launches"][0]
+    from sweeps.campaign_report import _speed_lines
+    said = "\n".join(_speed_lines(again))
+    assert "Launches (2; the lines below are the last one's): 1. " in said and ": 1 cells, " in said
+    assert "Launches" not in "\n".join(_speed_lines(summary))  # one launch: its own lines say it
+    monkeypatch.setattr(campaign, "cell_result", lambda run_dir: next(
+        ({**r, "earlier_launch": True} for r in again["cells"] if r["cell"] == Path(run_dir).name), None))
+    (out / "cpu_smoke" / "summary.json").write_text(json.dumps({**again, "complete": False}))
+    ran.clear()
+    assert campaign.run_campaign(c, out, ["tracking.enabled=false"])["launches"] == again["launches"]  # none ran
+    assert ran == []
 
 
 def test_cells_get_their_share_of_the_cores(monkeypatch):

@@ -194,11 +194,19 @@ def oracle_entry(results: list, block_size: int, policy: str, level: float, n_bo
                       for r in results]}
 
 
+def entropy_profile_of(entropy: list[float]) -> dict:
+    """headroom.json's entropy profile of the measured prompt samples (`entropy_metrics`, with the token count)."""
+    from dflash.evaluation.headroom import entropy_metrics
+    e = entropy_metrics(entropy)
+    return {"mean": e["eval/target_entropy_mean"], "median": e["eval/target_entropy_median"],
+            "below_0.1": e["eval/target_entropy_below_0.1"], "tokens": len(entropy)}
+
+
 def measure(c: Campaign, folder: Path, args: HeadroomArgs, extra: list[str], command: str) -> dict:
     """headroom.json's content (module doc)."""
     import torch
 
-    from dflash.evaluation.headroom import entropy_metrics, headroom_key, oracle_and_entropy
+    from dflash.evaluation.headroom import headroom_key, oracle_and_entropy
     from dflash.evaluation.prompts import objective_suite
     from dflash.evaluation.protocol import truth_specs
     from dflash.evaluation.report import ground_truth_key
@@ -227,12 +235,13 @@ def measure(c: Campaign, folder: Path, args: HeadroomArgs, extra: list[str], com
                               f"{sorted({pk[0] for pk in records})})")
     chosen = chosen_truths(target, pin, args.prompts, spec.sampling)
     sub_key = ground_truth_key(target, chosen)
+    prompts = len({t.group for t in chosen})
     entry = []
     entropy: list[float] = []
     memo: dict = {}  # the marginals at a position, computed once for both policies (they do not depend on it)
     for (policy, bs), rec in sorted(cells_on.items()):
         log.info("oracle under %s drafts (block size %d, %d cells): %d prompts × %d samples, %d target samples a "
-                 "round, on %s", policy, bs, len(rec["cells"]), len({t.group for t in chosen}),
+                 "round, on %s", policy, bs, len(rec["cells"]), prompts,
                  spec.per_prompt, args.samples, target.device)
         t0 = time.perf_counter()
         results, entropy, seconds = oracle_and_entropy(target, chosen, spec.sampling, args.samples, ev.seed, bs,
@@ -240,19 +249,14 @@ def measure(c: Campaign, folder: Path, args: HeadroomArgs, extra: list[str], com
         seconds, device = computed_where(ev.cache_dir, headroom_key(sub_key, spec.sampling, args.samples, ev.seed,
                                                                     bs, policy), seconds, str(target.device))
         e = oracle_entry(results, bs, policy, ev.ci_level, ev.bootstrap)
-        ent_here = entropy_metrics(entropy)
         entry.append({**e, "cells": rec["cells"], "seconds": round(seconds, 1),
                       "wall_s_this_call": round(time.perf_counter() - t0, 1),
-                      "prompts": len({t.group for t in chosen}), "prompt_samples": len(chosen),
+                      "prompts": prompts, "prompt_samples": len(chosen),
                       "prompts_ground_truth_key": sub_key, "samples": args.samples, "device": device,
                       "date": time.strftime("%Y-%m-%d", time.gmtime()), "command": command,
-                      "entropy": {"mean": ent_here["eval/target_entropy_mean"],
-                                  "median": ent_here["eval/target_entropy_median"],
-                                  "below_0.1": ent_here["eval/target_entropy_below_0.1"], "tokens": len(entropy)}})
+                      "entropy": entropy_profile_of(entropy)})
         log.info("oracle τ under %s drafts: %.3f [%.3f, %.3f] in %.0f s", policy, e["tau"], e["ci_low"],
                  e["ci_high"], seconds)
-    ent = entropy_metrics(entropy)
-    prompts = len({t.group for t in chosen})
     return {"format": FORMAT, "campaign": c.name, "command": command,
             "date": time.strftime("%Y-%m-%d", time.gmtime()), "suite": suite.name,
             "setting": spec.sampling.describe(), "sampling": spec.sampling.as_dict(), "samples": args.samples,
@@ -262,8 +266,7 @@ def measure(c: Campaign, folder: Path, args: HeadroomArgs, extra: list[str], com
             "threads": torch.get_num_threads(), "target_fingerprint": target.fingerprint,
             "target": str(target.identity), "ground_truth_key": pin.key, "pin": pin.path.name,
             "prompts_ground_truth_key": sub_key, "oracles": entry,
-            "entropy": {"mean": ent["eval/target_entropy_mean"], "median": ent["eval/target_entropy_median"],
-                        "below_0.1": ent["eval/target_entropy_below_0.1"], "tokens": len(entropy)}}
+            "entropy": entropy_profile_of(entropy)}
 
 
 ENTRY_FROM_FILE = ("prompts", "prompt_samples", "prompts_ground_truth_key", "samples", "device", "date", "command",

@@ -72,7 +72,7 @@ def closing_lines(metrics: dict, cfg) -> str:
         "ends where the target ends it.",
         f"A drafter earns its place only above prompt lookup (the free n-gram baseline); a {steps}-step CPU drafter "
         f"usually sits near it on the code target.{where}",
-        "Next: the GPU recipe, python -m experiments.run +recipe=engine_reference; the runs, "
+        "Next: the GPU recipe, python -m experiments.run +recipe=served_reference; the runs, "
         f"mlflow ui --backend-store-uri {cfg.tracking.tracking_uri}"]
     return "\n".join(lines)
 

@@ -73,10 +73,9 @@ def cost_lines(cells: list[dict]) -> list[str]:
     return [*rows, ""]
 
 
-def equal_gpu_time_lines(cells: list[dict], objective: str) -> list[str]:
-    """The options at equal GPU time: each option's objective, mean over its seeds, at its last evaluation within
-    the GPU-seconds of the cheapest option's full run (resumed cells left out: their wall clock has a gap)."""
-    curves: dict[str, list[list[tuple[float, float]]]] = {}
+def _option_curves(cells: list[dict], objective: str) -> dict[str, dict[int, list[tuple[float, float]]]]:
+    """option -> seed -> its (GPU-seconds, objective) curve; resumed cells left out (their wall clock has a gap)."""
+    curves: dict[str, dict[int, list[tuple[float, float]]]] = {}
     for x in cells:
         if x.get("value") is None or x.get("resumed") or x.get("reused_from"):
             continue
@@ -85,17 +84,54 @@ def equal_gpu_time_lines(cells: list[dict], objective: str) -> list[str]:
             continue
         pts = gpu_curve(read_metrics(Path(x["run_dir"])), objective, cost["gpu_s"], int(x.get("gpus") or 1))
         if len(pts) > 1:
-            curves.setdefault(x["option"], []).append(pts)
+            curves.setdefault(x["option"], {})[int(x.get("seed") or 0)] = pts
+    return curves
+
+
+def _at_budget(curve: list[tuple[float, float]], budget: float) -> tuple[float, float] | None:
+    """The curve's last evaluation within `budget` GPU-seconds (a measured point, never interpolated)."""
+    within = [p for p in curve if p[0] <= budget * 1.001]
+    return within[-1] if within else None
+
+
+def _leader_verdict(at: dict[str, dict[int, tuple[float, float]]]) -> str:
+    """Which option leads at one budget (highest mean over its seeds), and whether it leads on every seed the
+    options share (seed for seed; the in-training evaluations keep no per-prompt results, so no paired interval)."""
+    means = {o: _mean([v for _, v in by_seed.values()]) for o, by_seed in at.items()}
+    lead = max(means, key=means.get)
+    behind = [o for o in at if o != lead]
+    if not behind:
+        return f"{lead} alone"
+    beaten = [o for o in behind if (shared := set(at[lead]) & set(at[o]))
+              and all(at[lead][s][1] > at[o][s][1] for s in shared)]
+    if len(beaten) == len(behind):
+        return f"**{lead}**, ahead on every seed"
+    return f"{lead} (tied, seed for seed, with {', '.join(o for o in behind if o not in beaten)})"
+
+
+def equal_gpu_time_lines(cells: list[dict], objective: str) -> list[str]:
+    """The options at equal GPU time: at the GPU-seconds of each option's full run (its slowest seed's), every
+    option's last evaluation within it (mean over its seeds; "—" where a seed has none) and which option leads
+    there (`_leader_verdict`): a learning curve in GPU-seconds, read at the budgets the options' own runs define.
+    The cheapest option's full run is the first budget: the one at which every option can be compared, if any."""
+    curves = _option_curves(cells, objective)
     if len(curves) < 2:
         return []
-    budget = min(max(c[-1][0] for c in cs) for cs in curves.values())  # every seed of the cheapest option: its end
-    said = []
-    for opt, cs in curves.items():
-        within = [[p for p in c if p[0] <= budget * 1.001] for c in cs]
-        if any(not w for w in within):
-            said.append(f"{opt}: no evaluation within it")
-            continue
-        said.append(f"{opt} {_mean([w[-1][1] for w in within]):.3f} (at {_mean([w[-1][0] for w in within]):,.0f} "
-                    f"GPU-s)")
-    return [f"At equal GPU time ({budget:,.0f} GPU-s, the cheapest option's full run; each option's last "
-            f"evaluation within it, mean over its seeds): " + "; ".join(said) + ".", ""]
+    budgets = sorted({max(c[-1][0] for c in by_seed.values()) for by_seed in curves.values()})
+    options = list(curves)
+    rows = [f"At equal GPU time (`{objective}` at each option's last evaluation within the GPU-seconds of a full run, "
+            "mean over its seeds, at its mean GPU-seconds there; budgets: each option's full run, its slowest "
+            "seed's; the leader is ahead on every seed or tied):", "",
+            "| GPU-s | " + " | ".join(options) + " | leads |", "|---" * (len(options) + 2) + "|"]
+    for budget in budgets:
+        at: dict[str, dict[int, tuple[float, float]]] = {}
+        cols = []
+        for opt in options:
+            pts = {seed: _at_budget(c, budget) for seed, c in curves[opt].items()}
+            if any(p is None for p in pts.values()):
+                cols.append("—")
+                continue
+            at[opt] = pts
+            cols.append(f"{_mean([v for _, v in pts.values()]):.3f} ({_mean([g for g, _ in pts.values()]):,.0f} s)")
+        rows.append(f"| {budget:,.0f} | " + " | ".join(cols) + f" | {_leader_verdict(at) if at else '—'} |")
+    return [*rows, ""]

@@ -545,6 +545,16 @@ def test_the_engine_recipe_is_the_engine_campaigns_best_cell():
         [o for o in cell.overrides if not o.startswith("tracking.experiment=")])
 
 
+def test_the_served_recipe_is_the_served_recipe_campaigns_best_cell():
+    """`+recipe=served_reference` trains exactly the `served_recipe` campaign's best cell (DFlash 2 + Muon + dpace at
+    8 layers; benchmarks/ABLATIONS.md, first screen; conf/recipe/served_reference.yaml)."""
+    from sweeps.cells import config_key
+    c = load_campaign("served_recipe")
+    cell = next(x for x in stage_cells(c, 0, {}) if x.option == "d2_dpace_l8" and x.seed == 1)
+    assert config_key(["+recipe=served_reference", "seed=1"]) == config_key(
+        [o for o in cell.overrides if not o.startswith("tracking.experiment=")])
+
+
 def test_an_option_may_train_at_its_own_budget():
     """reference_recipe's `budget` stage: t131 is the 131 M winner itself (the same composed config: reused, not
     trained again), t262 sets its own budget, which wins over the campaign's (the option's overrides come last)."""

@@ -114,8 +114,26 @@ def test_cost_beside_tau_and_the_options_at_equal_gpu_time(tmp_path):
     table = "\n".join(cost_lines(cells))
     assert "| fast | 2 | 100 | 10 | 54.00 |" in table and "| slow | 2 | 400 | 2 | 17.10 |" in table
     view = "\n".join(equal_gpu_time_lines(cells, "eval/tau_vanilla"))
-    assert "At equal GPU time (100 GPU-s" in view and "fast 1.500 (at 100 GPU-s)" in view
-    assert "slow: no evaluation within it" in view  # its first evaluation came at 200 GPU-s
+    assert "| GPU-s | fast | slow | leads |" in view
+    # at the fast option's full run the slow one has no evaluation yet (its first came at 200 GPU-s)
+    assert "| 100 | 1.500 (100 s) | — | fast alone |" in view
+    # at the slow option's full run: the fast one's last evaluation (its end) against the slow one's end
+    assert "| 400 | 1.500 (100 s) | 1.900 (400 s) | **slow**, ahead on every seed |" in view
+
+
+def test_equal_gpu_time_names_a_tie_where_the_seeds_disagree(tmp_path):
+    """The leader at a budget is ahead on every seed or tied with the options one seed of which reaches it."""
+    from sweeps.cost import equal_gpu_time_lines
+    cells = []
+    for opt, finals in [("a", {0: 1.6, 1: 1.4}), ("b", {0: 1.5, 1: 1.45})]:
+        for seed, final in finals.items():
+            d = tmp_path / f"{opt}{seed}"
+            d.mkdir()
+            _metrics(d, [(s, 1000.0 + s, 25.0 * s) for s in (10, 20)], {10: 1.0, 20: final})
+            cells.append({"option": opt, "seed": seed, "run_dir": str(d), "value": final, "consumed_tokens": 500.0,
+                          "leg_tokens": 500.0, "phases_s": {"loop_s": 20.0}})
+    view = "\n".join(equal_gpu_time_lines(cells, "eval/tau_vanilla"))
+    assert "| 20 | 1.500 (20 s) | 1.475 (20 s) | a (tied, seed for seed, with b) |" in view
 
 
 def test_a_cell_renamed_by_a_new_lr_grid_is_its_earlier_run(monkeypatch, tmp_path):

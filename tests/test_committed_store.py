@@ -54,8 +54,9 @@ def test_relocate_artifacts_absolute_for_any_working_folder(tmp_path):
     # older campaign's answer runs, its summary and one per stage: 4 for reference, 5 for reference_64m, 4 for
     # reference_recipe, 3 for served), six experiments' locations, 8 registered model versions (the gate's: the
     # 8-layer champion v3 among them, a refused buffer cell, the refused cuts8 cell, the refused soft_kl_streak cell
-    # of seed 1, t262, and the engine campaign's DFlash 2 + Muon drafter at lr 0.0018, seed 1, the champion now)
-    assert relocate_artifacts(db, relative=False) == 185
+    # of seed 1, t262, and the engine campaign's DFlash 2 + Muon drafter at lr 0.0018, seed 1, the champion now);
+    # then the served_recipe campaign's 12 cells, its stage run and its summary run, and its experiment's location
+    assert relocate_artifacts(db, relative=False) == 200
     c = MlflowClient(f"sqlite:///{db}")
     r = next(r for r in c.search_runs([c.get_experiment_by_name("dflash-ablation").experiment_id])
              if r.data.tags.get("dflash.kind") != "campaign")  # a training run, not a report's answer run
@@ -252,8 +253,8 @@ def test_the_committed_stores_hold_their_database_as_sql(archive, dump):
 
 
 def test_ablations_first_screen_is_the_stores_summary(campaign_store):
-    """benchmarks/ABLATIONS.md opens with the engine campaign's results summary (T=1 under the engines' proposal
-    policy), the `served` campaign's section (drafts sampled from q) with its own, and the old protocol's section
+    """benchmarks/ABLATIONS.md opens with the served_recipe campaign's results summary, then the engine campaign's
+    (T=1 under the engines' proposal policy), the `served` campaign's section (drafts sampled from q) with its own, and the old protocol's section
     with each old campaign's; it holds each campaign's report; all as the committed store renders them now
     (`python -m sweeps.results_summary`): not a copy that can go stale. Each summary fits its section's first
     screen and says for every stage which option won, by how much, how sure, or what is left to run."""
@@ -263,9 +264,11 @@ def test_ablations_first_screen_is_the_stores_summary(campaign_store):
     text = (ROOT / "benchmarks" / "ABLATIONS.md").read_text()
     old = text.split("\n## The old protocol: measured on looping greedy ground truth\n", 1)[1]
     served = text.split("\n## Drafts sampled from q: the `served` campaign", 1)[1]
-    screens = {"engine": "\n".join(text.splitlines()[:40]), "served": "\n".join(served.splitlines()[:40]),
-               "old": "\n".join(old.splitlines()[:45])}
-    for name, overrides, screen in [("engine", [], "engine"), ("served", [SERVED_SEEDS], "served"),
+    engine = text.split("\n## Under the engines' proposal policy: the engine campaign's stages\n", 1)[1]
+    screens = {"served_recipe": "\n".join(text.splitlines()[:40]), "engine": "\n".join(engine.splitlines()[:40]),
+               "served": "\n".join(served.splitlines()[:40]), "old": "\n".join(old.splitlines()[:45])}
+    for name, overrides, screen in [("served_recipe", [], "served_recipe"), ("engine", [], "engine"),
+                                    ("served", [SERVED_SEEDS], "served"),
                                     ("reference_recipe", [LEGACY], "old"), ("reference_64m", [LEGACY], "old")]:
         first_screen = screens[screen]
         c = load_campaign(name, overrides)

@@ -270,7 +270,7 @@ def test_quick_start_closing_lines_name_both_settings_and_the_next_step():
     lines = closing_lines(m, RunConfig()).splitlines()
     assert "1.400 (prompt lookup 1.300)" in lines[0] and "t1" in lines[0]
     assert lines[1].startswith("eval/t0/tau_vanilla") and "2.100 (prompt lookup 3.000)" in lines[1]
-    assert "τ is" in lines[2] and "above prompt lookup" in lines[3] and "+recipe=engine_reference" in lines[4]
+    assert "τ is" in lines[2] and "above prompt lookup" in lines[3] and "+recipe=served_reference" in lines[4]
     assert "This one" not in lines[3]  # no prompt lookup recorded beside the objective: no claim about it
     above = closing_lines({**m, "eval/tau_served_prompt_lookup": 1.353, "eval/tau_served": 1.563}, RunConfig())
     assert "This one is above it by 0.210" in above

@@ -20,7 +20,7 @@ pytestmark = pytest.mark.skipif(not lm_head_triton.triton_available(DEVICE),
 
 def _stats(kernel, hidden, head, labels, weights, chunk):
     h = hidden.detach().clone().requires_grad_()
-    ce, kl, _, _, p_label, correct, _ = fused_position_stats(h, head, labels, None, None, temperature=1.0,
+    ce, kl, _, _, p_label, correct, _, _ = fused_position_stats(h, head, labels, None, None, temperature=1.0,
                                                           chunk_size=chunk, kernel=kernel)
     assert kl is None
     (ce * weights).sum().backward()

@@ -263,3 +263,49 @@ def test_a_compiled_dflash2_drafter_trains_to_the_eager_losses(fast_cfg):
     finally:
         torch._dynamo.reset()
     assert len(eager) == 4 and compiled == pytest.approx(eager, rel=1e-4)
+
+
+def test_pair_scores_gradients_match_indexing_with_frequent_ids():
+    """`pair_scores` gathers by F.embedding (whose backward splits long runs of one id) in place of codebook[ids]
+    (whose index_put_ backward walks each run in one warp): the same scores and gradients, here with one id at most
+    positions, as a frequent token is among every position's candidates."""
+    g = torch.Generator().manual_seed(7)
+    S, H, V, k, r = 64, 12, 30, 5, 4
+    sel = CandidateSelector(H, V, rank=r, top_k=k).double()
+    hidden = torch.randn(S, H, generator=g, dtype=torch.float64, requires_grad=True)
+    cand = torch.randint(0, V, (S, k), generator=g)
+    cand[:, 0] = 3  # one id among every row's candidates
+    pred = torch.where(torch.rand(S, generator=g) < 0.7, 3, torch.randint(0, V, (S,), generator=g))
+    w = torch.randn(S, k, generator=g, dtype=torch.float64)
+    params = [hidden, sel.predecessor_codebook, sel.successor_codebook, sel.hidden_projection.weight]
+    got = sel.pair_scores(hidden, pred, cand)
+    gate = sel.predecessor_codebook[pred] * sel.hidden_projection(hidden)
+    want = (sel.successor_codebook[cand] * gate[:, None, :]).sum(-1)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    for a, b in zip(torch.autograd.grad((got * w).sum(), params), torch.autograd.grad((want * w).sum(), params)):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+def test_block_pass_unary_scores_of_a_bfloat16_head_are_its_logits_and_the_gold_ones_too():
+    """With a bfloat16 head the trainer's unary scores are the block pass's own logits (the bfloat16 product, as an
+    engine's): the top-k values, and for an injected gold token `gold_logits`, which rounds as that pass does. Their
+    gradient (`CandidateLogits`' embedding-bag backward) is the float32 gather's within bfloat16 rounding."""
+    from dflash.training.lm_head_loss import chunk_logits
+    from dflash.training.position_stats import compute_position_stats
+    from dflash.training.selector_loss import CandidateLogits, gold_logits
+    g = torch.Generator().manual_seed(9)
+    S, H, V, k = 40, 32, 300, 8
+    hidden = torch.randn(S, H, generator=g)
+    head = (torch.randn(V, H, generator=g) / 4).bfloat16()
+    gold = torch.randint(0, V, (S,), generator=g)
+    logits = chunk_logits(hidden, head)
+    assert torch.equal(gold_logits(hidden, head, gold), logits.gather(1, gold[:, None])[:, 0])
+    stats = compute_position_stats(hidden.view(S, 1, H), head, gold.view(S, 1), chunk_size=7, lm_head_grad="fused",
+                                   lm_head_kernel="torch", top_k=k)
+    assert torch.equal(stats.top_k_val.view(S, k), logits.gather(1, stats.top_k_idx.view(S, k)))
+    h = hidden.clone().requires_grad_()
+    coef = torch.randn(S, k, generator=g)
+    idx = stats.top_k_idx.view(S, k)
+    (CandidateLogits.apply(h, head, idx, stats.top_k_val.view(S, k)) * coef).sum().backward()
+    want = torch.einsum("sk,skh->sh", coef, head[idx].float())
+    torch.testing.assert_close(h.grad, want, rtol=2e-2, atol=2e-2 * float(want.abs().max()))

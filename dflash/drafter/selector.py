@@ -17,6 +17,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 
@@ -56,9 +57,12 @@ class CandidateSelector(nn.Module):
 
     def pair_scores(self, hidden_SH: torch.Tensor, pred_S: torch.Tensor, cand_Sk: torch.Tensor) -> torch.Tensor:
         """⟨pred[a] ⊙ (h · P), succ[b]⟩ for each row's predecessor a and its k candidates b: [..., k]."""
+        # F.embedding, not codebook[ids]: indexing's backward (index_put_ with accumulate) walks each run of a
+        # repeated id in one warp, and a frequent token is a candidate at most positions (the reference-shape step's
+        # backward 11x DFlash 1's, docs/dflash2.md "Speed"); embedding's backward splits long runs.
         proj = self.hidden_projection
-        gate_Sr = self.predecessor_codebook[pred_S] * proj(hidden_SH.to(proj.weight.dtype))
-        return (self.successor_codebook[cand_Sk] * gate_Sr[..., None, :]).sum(-1)
+        gate_Sr = F.embedding(pred_S, self.predecessor_codebook) * proj(hidden_SH.to(proj.weight.dtype))
+        return torch.einsum("...kr,...r->...k", F.embedding(cand_Sk, self.successor_codebook), gate_Sr)
 
     @torch.no_grad()
     def walk(self, hidden_SKH: torch.Tensor, logits_SKV: torch.Tensor, anchor_S: torch.Tensor,

@@ -120,11 +120,12 @@ def _chunk_forward(
     use_triton: bool = False,
     top_k: int = 0,
 ) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
-    """Stats ({ce, p_label, correct} + {kl, tv, overlap} with soft labels, + {top_k_idx} [C, top_k] when
+    """Stats ({ce, p_label, correct} + {kl, tv, overlap} with soft labels, + {top_k_idx, top_k_val} [C, top_k] when
     ``top_k``) and, when ``need_grad``, the [C, D] gradient of each differentiable stat wrt hidden ({ce} + {kl, tv}).
     ``use_triton``: hard labels with a bf16 / fp16 head take ``lm_head_triton.hard_label_chunk`` (the same values,
-    6 bytes per logit). ``top_k``: each row's top-k vocabulary ids, taken from these very logits (the head's dtype's
-    values) before they are overwritten: DFlash 2's selector candidates without a second pass over the vocabulary."""
+    6 bytes per logit). ``top_k``: each row's top-k vocabulary ids and their logits, taken from these very logits
+    (the head's dtype's values) before they are overwritten: DFlash 2's selector candidates and their unary scores
+    without a second pass over the vocabulary."""
     if use_triton and soft_vals_Ck is None and head_VD.dtype in _LOW_PRECISION and hidden_CD.dtype != torch.float64:
         # unlabelled rows: 0 coefficients
         return lm_head_triton.hard_label_chunk(hidden_CD, head_VD, labels_C, need_grad, top_k)
@@ -141,7 +142,8 @@ def _chunk_forward(
         "correct": (logits_CV.argmax(dim=-1) == labels_C) & valid_C,
     }
     if top_k:
-        stats["top_k_idx"] = logits_CV.topk(top_k, dim=-1).indices
+        top = logits_CV.topk(top_k, dim=-1)
+        stats["top_k_idx"], stats["top_k_val"] = top.indices, top.values
     grads: dict[str, Tensor] = {}
     shared_T = temperature == 1.0  # q_T is the CE softmax: one dense product serves CE, KL and TV
     if soft_vals_Ck is not None:
@@ -175,7 +177,7 @@ def chunk_stats(
     temperature: float = 1.0,
     top_k: int = 0,
 ) -> dict[str, Tensor]:
-    """One chunk's stats ({ce, p_label, correct}, + {kl, tv, overlap} with soft labels, + {top_k_idx} when
+    """One chunk's stats ({ce, p_label, correct}, + {kl, tv, overlap} with soft labels, + {top_k_idx, top_k_val} when
     ``top_k``) in plain torch ops that autograd differentiates: the one implementation of the CE / KL / TV maths.
     The fused path forms their gradients by hand (``_chunk_forward`` with ``need_grad``); the recompute path
     (``position_stats``) runs this under activation checkpointing."""
@@ -283,13 +285,13 @@ def _soft_grads_shared_softmax(
 # --------------------------------------------------------------------------
 
 _GRAD_STATS = ("ce", "kl", "tv")  # differentiable outputs, in output order
-_OUTPUTS = ("ce", "kl", "tv", "overlap", "p_label", "correct", "top_k_idx")
+_OUTPUTS = ("ce", "kl", "tv", "overlap", "p_label", "correct", "top_k_idx", "top_k_val")
 
 
 class FusedLMHeadStats(torch.autograd.Function):
     """Per-position stats [P] (ce, kl, tv, overlap, p_label, correct; the soft ones None without soft
-    labels) and the top-k ids [P, top_k] (None at top_k 0), whose backward is Σ_stat grad_stat · G_stat with G made
-    in the forward."""
+    labels) and the top-k ids and logits [P, top_k] (None at top_k 0; not differentiable), whose backward is
+    Σ_stat grad_stat · G_stat with G made in the forward."""
 
     @staticmethod
     def forward(ctx, hidden_PD, lm_head_VD, labels_P, soft_vals_Pk, soft_idx_Pk, temperature, chunk_size, need_grad,
@@ -347,8 +349,9 @@ def fused_position_stats(
     kernel: str = "auto",
     top_k: int = 0,
 ) -> tuple[Tensor | None, ...]:
-    """(ce, kl, tv, overlap, p_label, correct), each [P] (soft ones None without soft labels), and top_k_idx
-    [P, top_k] (None at top_k 0): each position's top-k ids of the logits the chunks compute anyway.
+    """(ce, kl, tv, overlap, p_label, correct), each [P] (soft ones None without soft labels), and top_k_idx,
+    top_k_val [P, top_k] (None at top_k 0): each position's top-k ids of the logits the chunks compute anyway, and
+    those logits (no gradient: `selector_loss.CandidateLogits` gives the selector's).
 
     The head is treated as frozen: no gradient flows to ``lm_head_VD``.  Gradients wrt hidden are
     only formed (and kept) when grad mode is on and ``hidden_PD`` requires grad. ``kernel``: LM_HEAD_KERNELS."""

@@ -106,8 +106,8 @@ def ce_coefficients_(logits_CV: Tensor, lse_C: Tensor, labels_C: Tensor) -> Tens
 
 def hard_label_chunk(hidden_CD: Tensor, head_VD: Tensor, labels_C: Tensor, need_grad: bool,
                      top_k: int = 0) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
-    """The torch chunk's (stats, grads) for hard labels — {ce, p_label, correct} (+ {top_k_idx} [C, top_k] when
-    `top_k`: the top-k of the bf16 logits, taken before the coefficients overwrite them), {ce: G_ce [C, D]
+    """The torch chunk's (stats, grads) for hard labels — {ce, p_label, correct} (+ {top_k_idx, top_k_val} [C, top_k] when
+    `top_k`: the top-k of the bf16 logits and their values, taken before the coefficients overwrite them), {ce: G_ce [C, D]
     float32} — from a bf16 / fp16 head's logits, with the two kernels above in place of its float32 passes."""
     logits_CV = hidden_CD.to(head_VD.dtype) @ head_VD.T  # [C, V] in the head's dtype, contiguous
     valid_C = labels_C != IGNORE
@@ -116,7 +116,8 @@ def hard_label_chunk(hidden_CD: Tensor, head_VD: Tensor, labels_C: Tensor, need_
     stats = {"ce": ce_C, "p_label": torch.where(valid_C, torch.exp(-ce_C), 0.0),
              "correct": (argmax_C == labels_C) & valid_C}
     if top_k:
-        stats["top_k_idx"] = logits_CV.topk(top_k, dim=-1).indices
+        top = logits_CV.topk(top_k, dim=-1)
+        stats["top_k_idx"], stats["top_k_val"] = top.indices, top.values.float()
     if not need_grad:
         return stats, {}
     coef_CV = ce_coefficients_(logits_CV, lse_C, labels_C)

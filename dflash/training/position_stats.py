@@ -32,13 +32,14 @@ class PositionStats:
     correct: Tensor  # bool, drafter argmax == label
     temperature: float = 1.0  # the T of kl / tv / overlap
     top_k_idx: Tensor | None = None  # [N, K, k]: each position's top-k vocabulary ids (asked for: DFlash 2's)
+    top_k_val: Tensor | None = None  # [N, K, k]: their logits, float32 (detached: the selector's unary scores)
 
 
 def _hard_chunk(hidden_CD: Tensor, lm_head_VD: Tensor, labels_C: Tensor, top_k: int) -> tuple[Tensor, ...]:
-    """CE, correctness and the top-k ids (an empty [C, 0] at top_k 0) for one chunk of positions
+    """CE, correctness and the top-k ids and logits (empty [C, 0] at top_k 0) for one chunk of positions
     (``lm_head_loss.chunk_stats``)."""
     stats = chunk_stats(hidden_CD, lm_head_VD, labels_C, top_k=top_k)
-    return stats["ce"], stats["correct"], _top_k_or_empty(stats, labels_C)
+    return stats["ce"], stats["correct"], *_top_k_or_empty(stats, hidden_CD, labels_C)
 
 
 def _soft_chunk(
@@ -50,16 +51,19 @@ def _soft_chunk(
     temperature: float,
     top_k: int,
 ) -> tuple[Tensor, ...]:
-    """CE, correctness, the top-k ids, KL, TV and overlap (detached) against top-k soft labels for one chunk: the
-    maths of ``lm_head_loss.chunk_stats``, the one implementation both paths share."""
+    """CE, correctness, the top-k ids and logits, KL, TV and overlap (detached) against top-k soft labels for one
+    chunk: the maths of ``lm_head_loss.chunk_stats``, the one implementation both paths share."""
     stats = chunk_stats(hidden_CD, lm_head_VD, labels_C, soft_vals_Ck, soft_idx_Ck, temperature, top_k)
-    return (stats["ce"], stats["correct"], _top_k_or_empty(stats, labels_C), stats["kl"], stats["tv"],
+    return (stats["ce"], stats["correct"], *_top_k_or_empty(stats, hidden_CD, labels_C), stats["kl"], stats["tv"],
             stats["overlap"].detach())
 
 
-def _top_k_or_empty(stats: dict[str, Tensor], labels_C: Tensor) -> Tensor:
-    """The chunk's top-k ids, or an empty [C, 0] (a checkpointed chunk returns tensors only)."""
-    return stats.get("top_k_idx", labels_C.new_empty(labels_C.shape[0], 0))
+def _top_k_or_empty(stats: dict[str, Tensor], hidden_CD: Tensor, labels_C: Tensor) -> tuple[Tensor, Tensor]:
+    """The chunk's top-k ids and (detached, float32) logits, or empty [C, 0] ones (a checkpointed chunk returns
+    tensors only)."""
+    if "top_k_idx" not in stats:
+        return labels_C.new_empty(labels_C.shape[0], 0), hidden_CD.new_empty(labels_C.shape[0], 0)
+    return stats["top_k_idx"], stats["top_k_val"].detach()
 
 
 def _maybe_checkpoint(fn: Callable, *args) -> tuple[Tensor, ...]:
@@ -83,7 +87,7 @@ def _recompute_position_stats(
     kernel: str = "torch",  # noqa: ARG001 - the fused path's option; the recompute chunks are torch only
     top_k: int = 0,
 ) -> tuple[Tensor | None, ...]:
-    """(ce, kl, tv, overlap, p_label, correct), each [P], and top_k_idx [P, top_k] (None at 0): chunks under
+    """(ce, kl, tv, overlap, p_label, correct), each [P], and top_k_idx, top_k_val [P, top_k] (None at 0): chunks under
     activation checkpointing, whose backward recomputes the chunk's logits (also differentiates a trainable head)."""
     outputs = []
     for start in range(0, hidden_PD.shape[0], chunk_size):
@@ -97,15 +101,15 @@ def _recompute_position_stats(
             )
         else:
             outputs.append(_maybe_checkpoint(_hard_chunk, hidden_PD[sl], lm_head_VD, labels_P[sl], top_k))
-    ce, correct, top_k_idx, *soft = (torch.cat(parts) for parts in zip(*outputs))
+    ce, correct, top_k_idx, top_k_val, *soft = (torch.cat(parts) for parts in zip(*outputs))
     kl, tv, overlap = soft if soft else (None, None, None)
     p_label = torch.where(labels_P != IGNORE_INDEX, torch.exp(-ce.detach()), 0.0)
-    return ce, kl, tv, overlap, p_label, correct, top_k_idx if top_k else None
+    return (ce, kl, tv, overlap, p_label, correct, *((top_k_idx, top_k_val) if top_k else (None, None)))
 
 
 # loss.lm_head_grad -> per-position stats over flattened positions; both return
-# (ce, kl, tv, overlap, p_label, correct), each [P], the soft ones None without soft labels, and top_k_idx [P, k]
-# (None unless top_k is asked for).
+# (ce, kl, tv, overlap, p_label, correct), each [P], the soft ones None without soft labels, and top_k_idx,
+# top_k_val [P, k] (None unless top_k is asked for).
 LM_HEAD_GRADS: Registry[Callable[..., tuple[Tensor | None, ...]]] = Registry("loss.lm_head_grad", {
     "fused": fused_position_stats,
     "recompute": _recompute_position_stats,
@@ -139,7 +143,8 @@ def compute_position_stats(
     (``soft_vals``) at vocabulary indices ``soft_idx``; they are only used when
     ``need_soft`` is set. ``lm_head_kernel`` (``lm_head_loss.LM_HEAD_KERNELS``): whether the fused path's
     hard-label chunks run on Triton kernels. ``top_k`` > 0 also gives each position's top-k vocabulary ids
-    (``PositionStats.top_k_idx``), taken in the same chunks from the same logits (DFlash 2's selector candidates).
+    (``PositionStats.top_k_idx``) and their logits (``top_k_val``), taken in the same chunks from the same logits
+    (DFlash 2's selector candidates and their unary scores).
     """
     N, K, D = hidden_NKD.shape
     if need_soft and (soft_vals_NKk is None or soft_idx_NKk is None):
@@ -163,7 +168,8 @@ def compute_position_stats(
         hidden_NKD.reshape(N * K, D), lm_head_VD, labels_NK.reshape(N * K), soft_vals_Pk, soft_idx_Pk,
         temperature=temperature, chunk_size=chunk_size, kernel=lm_head_kernel, top_k=top_k,
     )
-    *scalars, top_k_idx = per_position
+    *scalars, top_k_idx, top_k_val = per_position
     ce, kl, tv, overlap, p_label, correct = (None if t is None else t.reshape(N, K) for t in scalars)
+    top_idx, top_val = (None if t is None else t.reshape(N, K, -1) for t in (top_k_idx, top_k_val))
     return PositionStats(ce=ce, kl=kl, tv=tv, overlap=overlap, p_label=p_label, correct=correct,
-                         temperature=temperature, top_k_idx=None if top_k_idx is None else top_k_idx.reshape(N, K, -1))
+                         temperature=temperature, top_k_idx=top_idx, top_k_val=top_val)

@@ -4,9 +4,11 @@ z-lab did not publish DFlash 2's objective; the public trainers (speculators' `d
 converge on this one (docs/dflash2.md):
 - candidates: each position's unary top-k (the drafter's logits, no gradient through the choice), taken in the
   block loss's own chunked pass over the vocabulary, from the logits it computes anyway, in the head's dtype
-  (`PositionStats.top_k_idx`): no second full-vocabulary product. At the 27B shapes, with that second pass (a
-  2·S·H·V = 10.4 TFLOP product and a top-k over [S, V]), DFlash 2's loss phase took 58.6 ms against DFlash 1's
-  26.5 (benchmarks/log/2026-12-05.md). `candidates="recompute"` keeps it (`unary_topk`): the plain reference;
+  (`PositionStats.top_k_idx`), with their logits, the unary scores (`top_k_val`): no second full-vocabulary product
+  and no second gather of their head rows. At the 27B shapes, with that second pass (a 2·S·H·V = 10.4 TFLOP product
+  and a top-k over [S, V]), DFlash 2's loss phase took 58.6 ms against DFlash 1's 26.5
+  (benchmarks/log/2026-12-05.md). `candidates="recompute"` keeps it (`unary_topk`, `CandidateLogits` in float32):
+  the plain reference;
 - the gold token (the target's greedy label) is injected in place of the last candidate when the top-k misses it,
   so the CE always has a target;
 - the predecessor is teacher-forced: the gold token of the previous position (the anchor before position 1;
@@ -48,12 +50,21 @@ def unary_topk(hidden_SH: Tensor, lm_head_VH: Tensor, k: int, shape_logits) -> T
 
 class CandidateLogits(torch.autograd.Function):
     """h_s · W[idx_s, :] for each row's k candidate ids, [S, k], with the gradient to h only (the head is the
-    target's, frozen). Rows go in chunks of GATHER_BYTES of gathered head rows, forward and backward: a plain
-    gather would hold S·k·H floats at once (GBs at a 5,120-wide target and thousands of positions)."""
+    target's, frozen). `values_Sk`: these products if already made (the block loss's pass, whose logits they are),
+    else made here in float32, rows in chunks of GATHER_BYTES of gathered head rows (a plain gather would hold
+    S·k·H floats at once: GBs at a 5,120-wide target and thousands of positions).
+
+    The backward is Σ_j g_sj W[idx_sj] by `F.embedding_bag` (the LM-head loss's `_sparse_product`): the rows are
+    read once and never stored as [S, k, H]. It used to gather them again and contract in float32, two [S, k, H]
+    float32 passes of the DFlash 2 step's backward (docs/dflash2.md, "Speed"). With a bfloat16 head the
+    coefficients are rounded to bfloat16 first, as autograd rounds a bfloat16 product's output gradient."""
 
     @staticmethod
-    def forward(ctx, hidden_SH: Tensor, head_VH: Tensor, idx_Sk: Tensor) -> Tensor:
-        ctx.save_for_backward(hidden_SH, head_VH, idx_Sk)
+    def forward(ctx, hidden_SH: Tensor, head_VH: Tensor, idx_Sk: Tensor, values_Sk: Tensor | None = None) -> Tensor:
+        ctx.save_for_backward(head_VH, idx_Sk)
+        ctx.hidden_dtype = hidden_SH.dtype
+        if values_Sk is not None:
+            return values_Sk.clone()  # autograd needs a fresh output tensor
         rows = _gather_rows(idx_Sk.shape[-1], head_VH.shape[-1])
         dt = _at_least_f32(hidden_SH.dtype)
         return torch.cat([torch.einsum("sh,skh->sk", h.to(dt), head_VH[i].to(dt))
@@ -61,11 +72,18 @@ class CandidateLogits(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_Sk: Tensor):
-        hidden_SH, head_VH, idx_Sk = ctx.saved_tensors
-        rows = _gather_rows(idx_Sk.shape[-1], head_VH.shape[-1])
-        grad = torch.cat([torch.einsum("sk,skh->sh", g, head_VH[i].to(g.dtype))
-                          for g, i in zip(grad_Sk.split(rows), idx_Sk.split(rows))])
-        return grad.to(hidden_SH.dtype), None, None
+        head_VH, idx_Sk = ctx.saved_tensors
+        grad = F.embedding_bag(idx_Sk, head_VH, per_sample_weights=grad_Sk.to(head_VH.dtype), mode="sum")
+        return grad.to(ctx.hidden_dtype), None, None, None
+
+
+def gold_logits(hidden_SH: Tensor, head_VH: Tensor, gold_S: Tensor) -> Tensor:
+    """h_s · W[gold_s] [S], as the block loss's chunk computes the logit (`lm_head_loss.chunk_logits`): the hidden
+    state in the head's dtype, the product rounded to a low-precision head's dtype, returned in float32 (or
+    float64): the injected candidate's unary score beside the others' (the top-k values of that pass)."""
+    dt = _at_least_f32(hidden_SH.dtype)
+    out = (hidden_SH.to(head_VH.dtype).to(dt) * F.embedding(gold_S, head_VH).to(dt)).sum(-1)
+    return out.to(head_VH.dtype).to(dt) if head_VH.dtype in (torch.bfloat16, torch.float16) else out
 
 
 GATHER_BYTES = 1 << 28
@@ -81,31 +99,46 @@ def _gather_rows(k: int, H: int) -> int:
 
 
 def selector_terms(hidden_NKH: Tensor, lm_head_VH: Tensor, labels_NK: Tensor, anchor_N: Tensor, selector,
-                   shape_logits, cand_NKk: Tensor | None = None) -> dict[str, Tensor]:
+                   shape_logits, block_pass: tuple[Tensor, Tensor, Tensor] | None = None) -> dict[str, Tensor]:
     """Per position [N, K]: the selector CE (with grad), gold-in-top-k, teacher-forced correctness; per block [N]:
     the self-conditioned walk's matched prefix length. `shape_logits`: the drafter's output multiplier and cap.
-    `cand_NKk`: the unary top-k ids if already taken (the block loss's pass); None takes them here (`unary_topk`)."""
+    `block_pass`: (the hidden states the block loss saw [N, K, H] = multiplier · hidden, the top-k ids [N, K, k] and
+    their logits [N, K, k]) when that pass took them: its logits are the unary scores (no cap trains); None takes the
+    candidates here (`unary_topk`) and computes their scores (`CandidateLogits`): the plain reference."""
     N, K, H = hidden_NKH.shape
     k = selector.top_k
     valid_NK = labels_NK != IGNORE_INDEX
     gold_NK = labels_NK.clamp_min(0)
-    if cand_NKk is None:
+    if block_pass is None:
         cand_NKk = unary_topk(hidden_NKH.detach().reshape(-1, H), lm_head_VH, k, shape_logits).view(N, K, k)
+    else:
+        scaled_NKH, cand_NKk, top_val_NKk = block_pass
     hit_NK = (cand_NKk == gold_NK[..., None]).any(-1)
     injected = cand_NKk.clone()
     injected[..., -1] = torch.where(hit_NK, cand_NKk[..., -1], gold_NK)
     target_NK = (injected == gold_NK[..., None]).int().argmax(-1)
-    raw_NKk = CandidateLogits.apply(hidden_NKH.reshape(-1, H), lm_head_VH, injected.reshape(-1, k)).view(N, K, k)
-    unary_NKk = shape_logits(raw_NKk)
+    if block_pass is None:
+        raw_NKk = CandidateLogits.apply(hidden_NKH.reshape(-1, H), lm_head_VH, injected.reshape(-1, k))
+        unary_NKk = shape_logits(raw_NKk.view(N, K, k))
+    else:
+        with torch.no_grad():
+            gold_val_NK = gold_logits(scaled_NKH.reshape(-1, H), lm_head_VH, gold_NK.reshape(-1)).view(N, K)
+            values = top_val_NKk.clone()
+            values[..., -1] = torch.where(hit_NK, top_val_NKk[..., -1], gold_val_NK.to(values.dtype))
+        unary_NKk = CandidateLogits.apply(scaled_NKH.reshape(-1, H), lm_head_VH, injected.reshape(-1, k),
+                                          values.reshape(-1, k)).view(N, K, k)
     prev_NK = torch.cat([anchor_N[:, None].long(), gold_NK[:, :-1]], dim=1)
     scores_NKk = unary_NKk + selector.pair_scores(hidden_NKH, prev_NK, injected).to(unary_NKk.dtype)
     ce_NK = F.cross_entropy(scores_NKk.reshape(-1, k), target_NK.reshape(-1), reduction="none").view(N, K)
     with torch.no_grad():
         correct_NK = hit_NK & (scores_NKk.argmax(-1) == target_NK)
         # the walk at inference sees the un-injected candidates: their unary scores differ in the last column only
-        dt = unary_NKk.dtype
-        last_NK = shape_logits((hidden_NKH.to(dt) * lm_head_VH[cand_NKk[..., -1]].to(dt)).sum(-1))
-        plain_NKk = torch.cat([unary_NKk[..., :-1], last_NK[..., None]], dim=-1)
+        if block_pass is None:
+            dt = unary_NKk.dtype
+            last_NK = shape_logits((hidden_NKH.to(dt) * lm_head_VH[cand_NKk[..., -1]].to(dt)).sum(-1))
+            plain_NKk = torch.cat([unary_NKk[..., :-1], last_NK[..., None]], dim=-1)
+        else:
+            plain_NKk = top_val_NKk.to(unary_NKk.dtype)
         walk = selector.walk_candidates(hidden_NKH.detach(), plain_NKk, cand_NKk, anchor_N)
         matched_N = torch.cumprod(((walk.tokens == gold_NK) & valid_NK).int(), dim=1).sum(1)
     return {"ce": ce_NK, "hit": hit_NK, "correct": correct_NK, "matched": matched_N, "valid": valid_NK}
@@ -148,16 +181,16 @@ class SelectorLoss:
         m = d.cfg.output_multiplier
         scaled_BNKH = hidden_BNKH * m if m != 1.0 else hidden_BNKH
         K, H = hidden_BNKH.shape[-2:]
-        cand_NKk = None
+        block_pass = None
         if self.candidates == "block":
             # the top-k of multiplier · h · W: the shaped logits' own top-k (the multiplier is > 0, and no cap trains)
             stats, valid_NK = self.block.stats(scaled_BNKH, lm_head_VH, batch, top_k=d.candidate_selector.top_k)
             loss, metrics = self.block.reduce(stats, valid_NK), block_metrics(stats, valid_NK)
-            cand_NKk = stats.top_k_idx
+            block_pass = (scaled_BNKH.reshape(-1, K, H), stats.top_k_idx, stats.top_k_val)
         else:
             loss, metrics = self.block(scaled_BNKH, lm_head_VH, batch)
         terms = selector_terms(hidden_BNKH.reshape(-1, K, H), lm_head_VH, batch.labels_BNK.reshape(-1, K),
-                               batch.anchor_tokens_BN.reshape(-1), d.candidate_selector, d.shape_logits, cand_NKk)
+                               batch.anchor_tokens_BN.reshape(-1), d.candidate_selector, d.shape_logits, block_pass)
         sel = selector_metrics(terms)
         metrics.update(sel)
         return loss + self.alpha * sel["selector_ce"], metrics

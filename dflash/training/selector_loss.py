@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from dflash.training.lm_head_loss import IGNORE_INDEX
+from dflash.training.lm_head_loss import _LOW_PRECISION, IGNORE_INDEX
 from dflash.training.losses import block_metrics
 
 TOPK_LOGITS_BYTES = 1 << 30  # float32 logits per no-grad top-k chunk (1 GiB, as the block loss's chunks)
@@ -83,7 +83,7 @@ def gold_logits(hidden_SH: Tensor, head_VH: Tensor, gold_S: Tensor) -> Tensor:
     float64): the injected candidate's unary score beside the others' (the top-k values of that pass)."""
     dt = _at_least_f32(hidden_SH.dtype)
     out = (hidden_SH.to(head_VH.dtype).to(dt) * F.embedding(gold_S, head_VH).to(dt)).sum(-1)
-    return out.to(head_VH.dtype).to(dt) if head_VH.dtype in (torch.bfloat16, torch.float16) else out
+    return out.to(head_VH.dtype).to(dt) if head_VH.dtype in _LOW_PRECISION else out
 
 
 GATHER_BYTES = 1 << 28
@@ -117,9 +117,15 @@ def selector_terms(hidden_NKH: Tensor, lm_head_VH: Tensor, labels_NK: Tensor, an
     injected = cand_NKk.clone()
     injected[..., -1] = torch.where(hit_NK, cand_NKk[..., -1], gold_NK)
     target_NK = (injected == gold_NK[..., None]).int().argmax(-1)
+    # unary scores of the injected candidates (with grad), and of the plain ones, which the walk at inference sees:
+    # the two differ in the last column only
     if block_pass is None:
         raw_NKk = CandidateLogits.apply(hidden_NKH.reshape(-1, H), lm_head_VH, injected.reshape(-1, k))
         unary_NKk = shape_logits(raw_NKk.view(N, K, k))
+        with torch.no_grad():
+            dt = unary_NKk.dtype
+            last_NK = shape_logits((hidden_NKH.to(dt) * lm_head_VH[cand_NKk[..., -1]].to(dt)).sum(-1))
+            plain_NKk = torch.cat([unary_NKk[..., :-1], last_NK[..., None]], dim=-1)
     else:
         with torch.no_grad():
             gold_val_NK = gold_logits(scaled_NKH.reshape(-1, H), lm_head_VH, gold_NK.reshape(-1)).view(N, K)
@@ -127,18 +133,12 @@ def selector_terms(hidden_NKH: Tensor, lm_head_VH: Tensor, labels_NK: Tensor, an
             values[..., -1] = torch.where(hit_NK, top_val_NKk[..., -1], gold_val_NK.to(values.dtype))
         unary_NKk = CandidateLogits.apply(scaled_NKH.reshape(-1, H), lm_head_VH, injected.reshape(-1, k),
                                           values.reshape(-1, k)).view(N, K, k)
+        plain_NKk = top_val_NKk.to(unary_NKk.dtype)
     prev_NK = torch.cat([anchor_N[:, None].long(), gold_NK[:, :-1]], dim=1)
     scores_NKk = unary_NKk + selector.pair_scores(hidden_NKH, prev_NK, injected).to(unary_NKk.dtype)
     ce_NK = F.cross_entropy(scores_NKk.reshape(-1, k), target_NK.reshape(-1), reduction="none").view(N, K)
     with torch.no_grad():
         correct_NK = hit_NK & (scores_NKk.argmax(-1) == target_NK)
-        # the walk at inference sees the un-injected candidates: their unary scores differ in the last column only
-        if block_pass is None:
-            dt = unary_NKk.dtype
-            last_NK = shape_logits((hidden_NKH.to(dt) * lm_head_VH[cand_NKk[..., -1]].to(dt)).sum(-1))
-            plain_NKk = torch.cat([unary_NKk[..., :-1], last_NK[..., None]], dim=-1)
-        else:
-            plain_NKk = top_val_NKk.to(unary_NKk.dtype)
         walk = selector.walk_candidates(hidden_NKH.detach(), plain_NKk, cand_NKk, anchor_N)
         matched_N = torch.cumprod(((walk.tokens == gold_NK) & valid_NK).int(), dim=1).sum(1)
     return {"ce": ce_NK, "hit": hit_NK, "correct": correct_NK, "matched": matched_N, "valid": valid_NK}

@@ -265,10 +265,13 @@ def test_a_compiled_dflash2_drafter_trains_to_the_eager_losses(fast_cfg):
     assert len(eager) == 4 and compiled == pytest.approx(eager, rel=1e-4)
 
 
-def test_pair_scores_gradients_match_indexing_with_frequent_ids():
-    """`pair_scores` gathers by F.embedding (whose backward splits long runs of one id) in place of codebook[ids]
-    (whose index_put_ backward walks each run in one warp): the same scores and gradients, here with one id at most
-    positions, as a frequent token is among every position's candidates."""
+@pytest.mark.parametrize("gather_bytes", [1 << 25, 700])  # one forward chunk; chunks of 4 rows
+def test_pair_scores_gradients_match_indexing_with_frequent_ids(monkeypatch, gather_bytes):
+    """`pair_scores` (`GatheredDots`: a chunked gather forward, an embedding-bag backward) in place of
+    codebook[ids] (whose index_put_ backward walks each run of one id in one warp): the same scores and gradients,
+    here with one id at most positions, as a frequent token is among every position's candidates."""
+    import dflash.drafter.selector as selector
+    monkeypatch.setattr(selector, "GATHER_BYTES", gather_bytes)
     g = torch.Generator().manual_seed(7)
     S, H, V, k, r = 64, 12, 30, 5, 4
     sel = CandidateSelector(H, V, rank=r, top_k=k).double()

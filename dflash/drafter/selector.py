@@ -38,6 +38,42 @@ class SelectorWalk(NamedTuple):
         return out.scatter_(-1, self.candidates, self.q(temperature))
 
 
+class GatheredDots(torch.autograd.Function):
+    """⟨table[idx_sj], gate_s⟩ for each row s and its k ids, [S, k], without keeping the [S, k, r] gathered rows: the
+    forward gathers GATHER_BYTES of them at a time (a chunk that stays in cache) and keeps nothing but its inputs;
+    the backward is one `F.embedding_bag` (Σ_j g_sj table[idx_sj], the gradient wrt gate) and that bag's own
+    backward with `gate` as its output gradient (Σ g_sj gate_s into row idx_sj, the table's gradient: a sorted
+    segment sum, never a [S·k, r] product or an atomic add per element). With the rows gathered whole, the
+    reference-shape step wrote and read three [131,072, 16, 256] float32 tensors in its backward
+    (docs/dflash2.md, "Speed")."""
+
+    @staticmethod
+    def forward(ctx, gate_Sr: torch.Tensor, table_Vr: torch.Tensor, idx_Sk: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(gate_Sr, table_Vr, idx_Sk)
+        k, r = idx_Sk.shape[-1], table_Vr.shape[-1]
+        rows = max(1, GATHER_BYTES // (table_Vr.element_size() * k * r))
+        dt = torch.promote_types(gate_Sr.dtype, table_Vr.dtype)
+        return torch.cat([torch.einsum("skr,sr->sk", F.embedding(i, table_Vr).to(dt), g.to(dt))
+                          for g, i in zip(gate_Sr.split(rows), idx_Sk.split(rows))])
+
+    @staticmethod
+    def backward(ctx, grad_Sk: torch.Tensor):
+        gate_Sr, table_Vr, idx_Sk = ctx.saved_tensors
+        grad_gate = grad_table = None
+        weights = grad_Sk.to(table_Vr.dtype)
+        with torch.enable_grad():
+            table = table_Vr.detach().requires_grad_(ctx.needs_input_grad[1])
+            bag_Sr = F.embedding_bag(idx_Sk, table, per_sample_weights=weights, mode="sum")
+            if ctx.needs_input_grad[1]:
+                (grad_table,) = torch.autograd.grad(bag_Sr, table, grad_outputs=gate_Sr.to(bag_Sr.dtype))
+        if ctx.needs_input_grad[0]:
+            grad_gate = bag_Sr.detach().to(gate_Sr.dtype)
+        return grad_gate, grad_table, None
+
+
+GATHER_BYTES = 1 << 25  # gathered table rows per forward chunk (32 MiB: within an H100's 50 MB L2)
+
+
 class CandidateSelector(nn.Module):
     def __init__(self, hidden: int, vocab_size: int, rank: int, top_k: int, init_std: float = 0.02):
         super().__init__()
@@ -62,7 +98,10 @@ class CandidateSelector(nn.Module):
         # backward 11x DFlash 1's, docs/dflash2.md "Speed"); embedding's backward splits long runs.
         proj = self.hidden_projection
         gate_Sr = F.embedding(pred_S, self.predecessor_codebook) * proj(hidden_SH.to(proj.weight.dtype))
-        return torch.einsum("...kr,...r->...k", F.embedding(cand_Sk, self.successor_codebook), gate_Sr)
+        k = cand_Sk.shape[-1]
+        scores = GatheredDots.apply(gate_Sr.reshape(-1, gate_Sr.shape[-1]), self.successor_codebook,
+                                    cand_Sk.reshape(-1, k))
+        return scores.view(cand_Sk.shape)
 
     @torch.no_grad()
     def walk(self, hidden_SKH: torch.Tensor, logits_SKV: torch.Tensor, anchor_S: torch.Tensor,

@@ -43,6 +43,7 @@ from torch import Tensor
 from dflash.registry import Registry
 from dflash.target.lm_head import resolve_chunk  # noqa: F401  (the chunk rule the losses share with the target)
 from dflash.training import lm_head_triton
+from dflash.training.topk import top_k_rows
 
 # The label of a position with no target (block padding): written by dflash.training.batching, skipped by
 # every stat and loss. torch's cross_entropy default ignore_index; the project's one spelling of it.
@@ -142,8 +143,7 @@ def _chunk_forward(
         "correct": (logits_CV.argmax(dim=-1) == labels_C) & valid_C,
     }
     if top_k:
-        top = logits_CV.topk(top_k, dim=-1)
-        stats["top_k_idx"], stats["top_k_val"] = top.indices, top.values
+        stats["top_k_val"], stats["top_k_idx"] = top_k_rows(logits_CV, top_k)
     grads: dict[str, Tensor] = {}
     shared_T = temperature == 1.0  # q_T is the CE softmax: one dense product serves CE, KL and TV
     if soft_vals_Ck is not None:

@@ -26,6 +26,8 @@ import os
 import torch
 from torch import Tensor
 
+from dflash.training.topk import top_k_rows
+
 try:  # Triton ships with CUDA builds of torch; the CPU-only dev and CI machines lack it
     import triton
     import triton.language as tl
@@ -116,8 +118,8 @@ def hard_label_chunk(hidden_CD: Tensor, head_VD: Tensor, labels_C: Tensor, need_
     stats = {"ce": ce_C, "p_label": torch.where(valid_C, torch.exp(-ce_C), 0.0),
              "correct": (argmax_C == labels_C) & valid_C}
     if top_k:
-        top = logits_CV.topk(top_k, dim=-1)
-        stats["top_k_idx"], stats["top_k_val"] = top.indices, top.values.float()
+        vals, stats["top_k_idx"] = top_k_rows(logits_CV, top_k)
+        stats["top_k_val"] = vals.float()
     if not need_grad:
         return stats, {}
     coef_CV = ce_coefficients_(logits_CV, lse_C, labels_C)

@@ -27,6 +27,7 @@ from torch import Tensor
 
 from dflash.training.lm_head_loss import _LOW_PRECISION, IGNORE_INDEX
 from dflash.training.losses import block_metrics
+from dflash.training.topk import top_k_rows
 
 TOPK_LOGITS_BYTES = 1 << 30  # float32 logits per no-grad top-k chunk (1 GiB, as the block loss's chunks)
 
@@ -43,7 +44,7 @@ def unary_topk(hidden_SH: Tensor, lm_head_VH: Tensor, k: int, shape_logits) -> T
     H = 5,120; benchmarks/log/2026-12-05.md)."""
     rows = max(1, TOPK_LOGITS_BYTES // (4 * lm_head_VH.shape[0]))
     dt = _at_least_f32(lm_head_VH.dtype)
-    out = [shape_logits((h.to(lm_head_VH.dtype) @ lm_head_VH.T).to(dt)).topk(k, dim=-1).indices
+    out = [top_k_rows(shape_logits((h.to(lm_head_VH.dtype) @ lm_head_VH.T).to(dt)), k)[1]
            for h in hidden_SH.split(rows)]
     return torch.cat(out)
 

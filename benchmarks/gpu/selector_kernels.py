@@ -1,0 +1,96 @@
+"""DFlash 2's selector pieces, each before and after, side by side in one process (docs/dflash2.md, "Speed"):
+`python benchmarks/gpu/selector_kernels.py [--iters 10] [--small]`.
+
+At the two bench shapes (the reference target's: 131,072 positions, V = 4,096, the LM-head chunk 65,536 rows of
+float32 logits; the 27B target's: 4,096 positions, V = 248,320, chunks of 1,024 rows of bf16 logits), with the
+selector's rank 256 and top-16:
+- the candidates' top-k of one LM-head chunk: torch.topk against `dflash.training.topk.top_k_rows`' two passes;
+- the pair scores, forward and backward (the gradients to the gate and the codebook): the rows gathered whole
+  (`F.embedding` then a batched product, what autograd saves) against `GatheredDots` (chunked forward, embedding-bag
+  backward).
+Prints one JSON line per figure and a table last, ms per call. Runs on the CPU too (`--small`: a smoke run).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+import torch.nn.functional as F
+
+from dflash.drafter.selector import GatheredDots
+from dflash.training.topk import top_k_rows
+
+DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def timed_ms(fn, iters: int) -> float:
+    fn()
+    if DEV.type == "cuda":
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(iters):
+            fn()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / iters
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    return (time.perf_counter() - t0) * 1e3 / iters
+
+
+def gathered_whole(gate_Sr, table_Vr, idx_Sk):
+    return torch.einsum("skr,sr->sk", F.embedding(idx_Sk, table_Vr), gate_Sr)
+
+
+def pair_scores_case(S: int, V: int, k: int, r: int, iters: int) -> dict[str, float]:
+    g = torch.Generator(device=DEV).manual_seed(0)
+    gate = torch.randn(S, r, device=DEV, generator=g, requires_grad=True)
+    table = torch.randn(V, r, device=DEV, generator=g, requires_grad=True)
+    # Zipf-like ids: a few tokens are candidates at most positions, as a trained drafter's frequent tokens are
+    ranks = torch.randint(1, V + 1, (S, k), device=DEV, generator=g).float()
+    idx = (V / ranks).long().clamp_max(V - 1)
+    w = torch.randn(S, k, device=DEV, generator=g)
+    out = {}
+    for name, fn in (("whole", gathered_whole), ("gathered_dots", GatheredDots.apply)):
+        def step(fn=fn):
+            gate.grad = table.grad = None
+            (fn(gate, table, idx) * w).sum().backward()
+        out[name] = timed_ms(step, iters)
+    a = torch.autograd.grad((gathered_whole(gate, table, idx) * w).sum(), [gate, table])
+    b = torch.autograd.grad((GatheredDots.apply(gate, table, idx) * w).sum(), [gate, table])
+    out["max_grad_diff"] = max(float((x - y).abs().max() / y.abs().max()) for x, y in zip(a, b))
+    return out
+
+
+def top_k_case(C: int, V: int, k: int, dtype: torch.dtype, iters: int) -> dict[str, float]:
+    x = torch.randn(C, V, device=DEV, dtype=dtype)
+    out = {"torch": timed_ms(lambda: x.topk(k, dim=-1), iters),
+           "two_pass": timed_ms(lambda: top_k_rows(x, k, grouped=True), iters)}
+    out["same_values"] = float(torch.equal(top_k_rows(x, k, grouped=True)[0], x.topk(k, dim=-1).values))
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--small", action="store_true", help="tiny sizes (a CPU smoke run)")
+    a = ap.parse_args()
+    div = 64 if a.small else 1
+    cases = [("top-k, reference chunk (65,536 x 4,096 float32)", top_k_case(65536 // div, 4096, 16, torch.float32, a.iters)),
+             ("top-k, 27B chunk (1,024 x 248,320 bf16)", top_k_case(1024 // div, 248320, 16, torch.bfloat16, a.iters)),
+             ("pair scores fwd+bwd, reference (131,072 x 16, V 4,096)", pair_scores_case(131072 // div, 4096, 16, 256, a.iters)),
+             ("pair scores fwd+bwd, 27B (4,096 x 16, V 248,320)", pair_scores_case(4096 // div, 248320, 16, 256, a.iters))]
+    for name, fig in cases:
+        print(json.dumps({"case": name, "device": str(DEV), **fig}))
+    print(f"\n{'case':58s} {'before ms':>10s} {'after ms':>10s} {'ratio':>7s}")
+    for name, fig in cases:
+        before, after = (fig["torch"], fig["two_pass"]) if "torch" in fig else (fig["whole"], fig["gathered_dots"])
+        print(f"{name:58s} {before:10.2f} {after:10.2f} {before / after:6.2f}x")
+
+
+if __name__ == "__main__":
+    main()

@@ -91,13 +91,21 @@ class CandidateSelector(nn.Module):
         for p in (self.predecessor_codebook, self.successor_codebook, self.hidden_projection.weight):
             nn.init.normal_(p, std=self.init_std)
 
-    def pair_scores(self, hidden_SH: torch.Tensor, pred_S: torch.Tensor, cand_Sk: torch.Tensor) -> torch.Tensor:
-        """⟨pred[a] ⊙ (h · P), succ[b]⟩ for each row's predecessor a and its k candidates b: [..., k]."""
+    def project(self, hidden_SH: torch.Tensor) -> torch.Tensor:
+        """h · P [..., r]: the hidden projection, which every candidate's pair score at a position shares."""
+        proj = self.hidden_projection
+        return proj(hidden_SH.to(proj.weight.dtype))
+
+    def pair_scores(self, hidden_SH: torch.Tensor, pred_S: torch.Tensor, cand_Sk: torch.Tensor,
+                    projected_Sr: torch.Tensor | None = None) -> torch.Tensor:
+        """⟨pred[a] ⊙ (h · P), succ[b]⟩ for each row's predecessor a and its k candidates b: [..., k].
+        `projected_Sr`: `project(hidden_SH)` if already made (the training step's walk reuses its pair scores')."""
         # F.embedding, not codebook[ids]: indexing's backward (index_put_ with accumulate) walks each run of a
         # repeated id in one warp, and a frequent token is a candidate at most positions (the reference-shape step's
         # backward 11x DFlash 1's, docs/dflash2.md "Speed"); embedding's backward splits long runs.
-        proj = self.hidden_projection
-        gate_Sr = F.embedding(pred_S, self.predecessor_codebook) * proj(hidden_SH.to(proj.weight.dtype))
+        if projected_Sr is None:
+            projected_Sr = self.project(hidden_SH)
+        gate_Sr = F.embedding(pred_S, self.predecessor_codebook) * projected_Sr
         k = cand_Sk.shape[-1]
         scores = GatheredDots.apply(gate_Sr.reshape(-1, gate_Sr.shape[-1]), self.successor_codebook,
                                     cand_Sk.reshape(-1, k))
@@ -127,12 +135,17 @@ class CandidateSelector(nn.Module):
     @torch.no_grad()
     def walk_candidates(self, hidden_SKH: torch.Tensor, unary_SKk: torch.Tensor, cand_SKk: torch.Tensor,
                         anchor_S: torch.Tensor, temperature: float = 0.0,
-                        generator: torch.Generator | None = None) -> SelectorWalk:
-        """`walk` over given candidates and their unary scores (the training metrics' self-conditioned path)."""
+                        generator: torch.Generator | None = None,
+                        projected_SKr: torch.Tensor | None = None) -> SelectorWalk:
+        """`walk` over given candidates and their unary scores (the training metrics' self-conditioned path).
+        `projected_SKr`: `project(hidden_SKH)` if already made; else made here, once for every position."""
+        if projected_SKr is None:
+            projected_SKr = self.project(hidden_SKH)
         prev_S = anchor_S.long()
         tokens, scores = [], []
         for t in range(cand_SKk.shape[-2]):
-            s_Sk = unary_SKk[..., t, :] + self.pair_scores(hidden_SKH[..., t, :], prev_S, cand_SKk[..., t, :]).float()
+            pair_Sk = self.pair_scores(hidden_SKH[..., t, :], prev_S, cand_SKk[..., t, :], projected_SKr[..., t, :])
+            s_Sk = unary_SKk[..., t, :] + pair_Sk.float()
             if temperature > 0:
                 q_Sk = torch.softmax(s_Sk / temperature, dim=-1)
                 pick_S = torch.multinomial(q_Sk.reshape(-1, q_Sk.shape[-1]), 1, generator=generator).view(prev_S.shape)

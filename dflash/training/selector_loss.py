@@ -136,11 +136,13 @@ def selector_terms(hidden_NKH: Tensor, lm_head_VH: Tensor, labels_NK: Tensor, an
                                           values.reshape(-1, k)).view(N, K, k)
         plain_NKk = top_val_NKk.to(unary_NKk.dtype)
     prev_NK = torch.cat([anchor_N[:, None].long(), gold_NK[:, :-1]], dim=1)
-    scores_NKk = unary_NKk + selector.pair_scores(hidden_NKH, prev_NK, injected).to(unary_NKk.dtype)
+    projected_NKr = selector.project(hidden_NKH)  # one projection for the pair scores and the walk
+    scores_NKk = unary_NKk + selector.pair_scores(hidden_NKH, prev_NK, injected, projected_NKr).to(unary_NKk.dtype)
     ce_NK = F.cross_entropy(scores_NKk.reshape(-1, k), target_NK.reshape(-1), reduction="none").view(N, K)
     with torch.no_grad():
         correct_NK = hit_NK & (scores_NKk.argmax(-1) == target_NK)
-        walk = selector.walk_candidates(hidden_NKH.detach(), plain_NKk, cand_NKk, anchor_N)
+        walk = selector.walk_candidates(hidden_NKH.detach(), plain_NKk, cand_NKk, anchor_N,
+                                        projected_SKr=projected_NKr.detach())
         matched_N = torch.cumprod(((walk.tokens == gold_NK) & valid_NK).int(), dim=1).sum(1)
     return {"ce": ce_NK, "hit": hit_NK, "correct": correct_NK, "matched": matched_N, "valid": valid_NK}
 

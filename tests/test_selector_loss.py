@@ -12,6 +12,7 @@ import torch
 
 from dflash.drafter.selector import CandidateSelector
 from dflash.training.losses import LOSSES, LossConfig, build_loss
+from dflash.training import selector_loss
 from dflash.training.selector_loss import SelectorLoss, selector_metrics, selector_terms, unary_topk
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -116,6 +117,21 @@ def test_selector_streak_is_the_self_conditioned_walks_matched_prefix():
             m += 1
         want.append(m)
     assert terms["matched"].tolist() == want
+
+
+def test_selector_streak_follows_at_most_walk_blocks_evenly_strided(monkeypatch):
+    hidden, head, labels, anchors, sel = _problem()
+    everything = selector_terms(hidden, head, labels, anchors, sel, _shape)
+    N = labels.shape[0]
+    monkeypatch.setattr(selector_loss, "WALK_BLOCKS", 2)
+    sampled = selector_terms(hidden, head, labels, anchors, sel, _shape)
+    stride = -(-N // 2)
+    assert sampled["matched"].tolist() == everything["matched"][::stride].tolist()
+    blocks = (labels != -100).any(1)[::stride]
+    want = (everything["matched"][::stride] * blocks).sum() / blocks.sum()
+    torch.testing.assert_close(selector_metrics(sampled)["selector_streak"], want.to(torch.float32), check_dtype=False)
+    for key in ("ce", "hit", "correct"):  # the walk's sample leaves the loss and the other metrics alone
+        torch.testing.assert_close(sampled[key], everything[key])
 
 
 def _drafter_stub(sel, multiplier=1.0):

@@ -88,6 +88,10 @@ def gold_logits(hidden_SH: Tensor, head_VH: Tensor, gold_S: Tensor) -> Tensor:
 
 
 GATHER_BYTES = 1 << 28
+# The walk metric (`selector_streak`) follows at most this many blocks a step, evenly strided: a diagnostic's sample,
+# read as a mean over tracking.log_every steps. Its 15 sequential steps over every block were ~TODO ms of the
+# reference-shape step (docs/dflash2.md, "Speed"); at the 27B shapes (1,024 blocks a step) it follows them all.
+WALK_BLOCKS = 1024
 
 
 def _at_least_f32(dtype: torch.dtype) -> torch.dtype:
@@ -102,7 +106,8 @@ def _gather_rows(k: int, H: int) -> int:
 def selector_terms(hidden_NKH: Tensor, lm_head_VH: Tensor, labels_NK: Tensor, anchor_N: Tensor, selector,
                    shape_logits, block_pass: tuple[Tensor, Tensor, Tensor] | None = None) -> dict[str, Tensor]:
     """Per position [N, K]: the selector CE (with grad), gold-in-top-k, teacher-forced correctness; per block [N]:
-    the self-conditioned walk's matched prefix length. `shape_logits`: the drafter's output multiplier and cap.
+    the self-conditioned walk's matched prefix length on at most WALK_BLOCKS blocks, evenly strided ("matched";
+    "walked": which of those hold a valid position). `shape_logits`: the drafter's output multiplier and cap.
     `block_pass`: (the hidden states the block loss saw [N, K, H] = multiplier · hidden, the top-k ids [N, K, k] and
     their logits [N, K, k]) when that pass took them: its logits are the unary scores (no cap trains); None takes the
     candidates here (`unary_topk`) and computes their scores (`CandidateLogits`): the plain reference."""
@@ -141,17 +146,19 @@ def selector_terms(hidden_NKH: Tensor, lm_head_VH: Tensor, labels_NK: Tensor, an
     ce_NK = F.cross_entropy(scores_NKk.reshape(-1, k), target_NK.reshape(-1), reduction="none").view(N, K)
     with torch.no_grad():
         correct_NK = hit_NK & (scores_NKk.argmax(-1) == target_NK)
-        walk = selector.walk_candidates(hidden_NKH.detach(), plain_NKk, cand_NKk, anchor_N,
-                                        projected_SKr=projected_NKr.detach())
-        matched_N = torch.cumprod(((walk.tokens == gold_NK) & valid_NK).int(), dim=1).sum(1)
-    return {"ce": ce_NK, "hit": hit_NK, "correct": correct_NK, "matched": matched_N, "valid": valid_NK}
+        w = slice(None, None, -(-N // WALK_BLOCKS))  # the blocks the walk metric follows
+        walk = selector.walk_candidates(hidden_NKH[w].detach(), plain_NKk[w], cand_NKk[w], anchor_N[w],
+                                        projected_SKr=projected_NKr[w].detach())
+        matched_W = torch.cumprod(((walk.tokens == gold_NK[w]) & valid_NK[w]).int(), dim=1).sum(1)
+    return {"ce": ce_NK, "hit": hit_NK, "correct": correct_NK, "matched": matched_W, "walked": valid_NK[w].any(1),
+            "valid": valid_NK}
 
 
 def selector_metrics(terms: dict[str, Tensor]) -> dict[str, Tensor]:
     """The selector's CE (mean over valid positions) and its three metrics, on the device."""
     valid = terms["valid"]
     n = valid.sum().clamp_min(1)
-    blocks = valid.any(1)
+    blocks = terms["walked"]
     return {"selector_ce": torch.where(valid, terms["ce"], 0.0).sum() / n,
             "candidate_recall": (terms["hit"] & valid).sum() / n,
             "selector_acc": (terms["correct"] & valid).sum() / n,

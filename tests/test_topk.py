@@ -12,8 +12,9 @@ def test_two_passes_give_torch_topks_values_and_ids_that_hold_them(V, dtype):
     g = torch.Generator().manual_seed(V)
     x = torch.randn(96, V, generator=g).to(dtype)
     x[:4] = x[:4].round()  # rows full of ties
-    x[4, : V // 2] = 7.0  # the best logits all in the first groups
     assert group_size(V, 16)  # the two-pass path runs
+    x[4, :: V // group_size(V, 16)] = 7.0  # the best logits all in one group (ids congruent modulo V / g)
+    x[5, : V // 2] = 7.0  # ties across half the groups
     vals, ids = top_k_rows(x, 16, grouped=True)
     want = x.topk(16, dim=-1)
     assert torch.equal(vals, want.values)  # sorted, largest first

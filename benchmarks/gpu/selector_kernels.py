@@ -81,6 +81,7 @@ def main() -> None:
     a = ap.parse_args()
     div = 64 if a.small else 1
     cases = [("top-k, reference chunk (65,536 x 4,096 float32)", top_k_case(65536 // div, 4096, 16, torch.float32, a.iters)),
+             ("top-k, reference chunk (65,536 x 4,096 bf16)", top_k_case(65536 // div, 4096, 16, torch.bfloat16, a.iters)),
              ("top-k, 27B chunk (1,024 x 248,320 bf16)", top_k_case(1024 // div, 248320, 16, torch.bfloat16, a.iters)),
              ("pair scores fwd+bwd, reference (131,072 x 16, V 4,096)", pair_scores_case(131072 // div, 4096, 16, 256, a.iters)),
              ("pair scores fwd+bwd, 27B (4,096 x 16, V 248,320)", pair_scores_case(4096 // div, 248320, 16, 256, a.iters))]

@@ -4,10 +4,15 @@ Why: torch.topk over rows of a 248,320-token vocabulary is a radix select that r
 selector takes the top-16 of every position's logits in every LM-head chunk, so at the 27B shapes it reads the
 [positions, V] block that often again. Here:
 
-1. the maximum of each group of `group` consecutive logits (one read of the block): [C, V / group];
+1. the maximum of each group: the V ids viewed as [g, V / g], group j the column of ids j, j + V/g, j + 2V/g, ...
+   (one read of the block, a reduction over the middle axis, coalesced along the rows): [C, V / g];
 2. the top-k groups by their maximum: every one of the row's k largest logits lies in one of them (a logit x in
-   a group g outside them has k groups whose maxima exceed max(g) >= x, so k logits larger than x);
-3. the top-k of those k · group logits, mapped back to vocabulary ids.
+   a group outside them has k groups whose maxima exceed that group's maximum >= x, so k logits larger than x);
+3. the top-k of those k · g logits, mapped back to vocabulary ids.
+
+Groups of consecutive ids, [C, V / g, g] reduced over the last axis, made the first pass a reduction over 16
+contiguous elements: 2.2 ms a call at the reference shapes' [65,536, 4,096] bf16 chunk (one H100), slower than
+torch.topk's whole select (benchmarks/log/2026-12-06.md).
 
 The values are exactly torch.topk's, sorted largest first; among equal values the ids may differ from torch.topk's
 (which names no order for ties either). Rows whose length is not a multiple of `group`, or too short for the two
@@ -35,9 +40,10 @@ def top_k_rows(x_CV: Tensor, k: int, grouped: bool | None = None) -> tuple[Tenso
     if not g or not (x_CV.is_cuda if grouped is None else grouped):
         top = x_CV.topk(k, dim=-1)
         return top.values, top.indices
-    groups_CnG = x_CV.unflatten(1, (V // g, g))
-    best_groups_Ck = groups_CnG.amax(-1).topk(k, dim=-1).indices  # [C, k]
-    pool_CkG = groups_CnG.gather(1, best_groups_Ck[..., None].expand(C, k, g))
-    vals_Ck, at_Ck = pool_CkG.flatten(1).topk(k, dim=-1)
-    ids_Ck = best_groups_Ck.gather(1, at_Ck // g) * g + at_Ck % g
+    n = V // g
+    groups_CgN = x_CV.view(C, g, n)  # group j: the ids congruent to j modulo n
+    best_groups_Ck = groups_CgN.amax(1).topk(k, dim=-1).indices  # [C, k]
+    pool_CgK = groups_CgN.gather(2, best_groups_Ck[:, None, :].expand(C, g, k))  # member i of group j: [c, i, j]
+    vals_Ck, at_Ck = pool_CgK.flatten(1).topk(k, dim=-1)
+    ids_Ck = (at_Ck // k) * n + best_groups_Ck.gather(1, at_Ck % k)
     return vals_Ck, ids_Ck

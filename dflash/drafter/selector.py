@@ -43,9 +43,9 @@ class GatheredDots(torch.autograd.Function):
     forward gathers GATHER_BYTES of them at a time (a chunk that stays in cache) and keeps nothing but its inputs;
     the backward is one `F.embedding_bag` (Σ_j g_sj table[idx_sj], the gradient wrt gate) and that bag's own
     backward with `gate` as its output gradient (Σ g_sj gate_s into row idx_sj, the table's gradient: a sorted
-    segment sum, never a [S·k, r] product or an atomic add per element). With the rows gathered whole, the
-    reference-shape step wrote and read three [131,072, 16, 256] float32 tensors in its backward
-    (docs/dflash2.md, "Speed")."""
+    segment sum, never a [S·k, r] product or an atomic add per element). With the rows gathered whole, autograd
+    kept a [131,072, 16, 256] float32 gather for the backward at the reference shapes: this took the bench step's
+    peak from 15.2 to 11.7 GiB, at the same speed (one H100, benchmarks/log/2026-12-06.md)."""
 
     @staticmethod
     def forward(ctx, gate_Sr: torch.Tensor, table_Vr: torch.Tensor, idx_Sk: torch.Tensor) -> torch.Tensor:

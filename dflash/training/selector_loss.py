@@ -89,8 +89,9 @@ def gold_logits(hidden_SH: Tensor, head_VH: Tensor, gold_S: Tensor) -> Tensor:
 
 GATHER_BYTES = 1 << 28
 # The walk metric (`selector_streak`) follows at most this many blocks a step, evenly strided: a diagnostic's sample,
-# read as a mean over tracking.log_every steps. Its 15 sequential steps over every block were ~TODO ms of the
-# reference-shape step (docs/dflash2.md, "Speed"); at the 27B shapes (1,024 blocks a step) it follows them all.
+# read as a mean over tracking.log_every steps. Over all 8,192 blocks of the reference-shape bench step its 15
+# sequential steps cost 2.4 ms of a 48 ms step (one H100, benchmarks/log/2026-12-06.md); the 27B-shape step has
+# 1,024 blocks, all of them followed.
 WALK_BLOCKS = 1024
 
 

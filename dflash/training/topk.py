@@ -4,25 +4,28 @@ Why: torch.topk over rows of a 248,320-token vocabulary is a radix select that r
 selector takes the top-16 of every position's logits in every LM-head chunk, so at the 27B shapes it reads the
 [positions, V] block that often again. Here:
 
-1. the maximum of each group: the V ids viewed as [g, V / g], group j the column of ids j, j + V/g, j + 2V/g, ...
-   (one read of the block, a reduction over the middle axis, coalesced along the rows): [C, V / g];
+1. the maximum of each group of `group` consecutive logits (one read of the block): [C, V / group];
 2. the top-k groups by their maximum: every one of the row's k largest logits lies in one of them (a logit x in
-   a group outside them has k groups whose maxima exceed that group's maximum >= x, so k logits larger than x);
-3. the top-k of those k · g logits, mapped back to vocabulary ids.
-
-Groups of consecutive ids, [C, V / g, g] reduced over the last axis, made the first pass a reduction over 16
-contiguous elements: 2.2 ms a call at the reference shapes' [65,536, 4,096] bf16 chunk (one H100), slower than
-torch.topk's whole select (benchmarks/log/2026-12-06.md).
+   a group g outside them has k groups whose maxima exceed max(g) >= x, so k logits larger than x);
+3. the top-k of those k · group logits, mapped back to vocabulary ids.
 
 The values are exactly torch.topk's, sorted largest first; among equal values the ids may differ from torch.topk's
 (which names no order for ties either). Rows whose length is not a multiple of `group`, or too short for the two
-passes to read less than one, take torch.topk; so do CPU tensors unless asked (`grouped`): there torch.topk's
+passes to read less than one, take torch.topk; so do CPU tensors, and rows shorter than GROUPED_MIN_VOCAB, unless
+asked (`grouped`). Measured in DFlash 2's bench step (one H100, benchmarks/log/2026-12-06.md): at the 27B shapes
+(V = 248,320, bf16 chunks) the two passes took 2.2 ms off the loss phase; at the reference shapes (V = 4,096, bf16
+chunks of 65,536 rows) they added 2.4 ms, the first pass (a maximum over 16 consecutive logits, a reduction over
+the innermost axis) alone 4.4 ms a step against torch.topk's 3.9 ms for the whole select. On the CPU torch.topk's
 single pass is the faster (3x on a 4,096 x 4,096 float32 block here), and the CPU runs keep torch.topk's ids.
 """
 from __future__ import annotations
 
 import torch
 from torch import Tensor
+
+# The shortest rows the two passes take by default: a size between the two vocabularies measured (4,096: slower;
+# 248,320: faster); where between them the two passes start to win has not been measured.
+GROUPED_MIN_VOCAB = 1 << 16
 
 
 def group_size(vocab: int, k: int) -> int:
@@ -32,18 +35,24 @@ def group_size(vocab: int, k: int) -> int:
     return g if vocab % g == 0 and vocab // g >= 4 * k else 0
 
 
+def grouping(V: int, k: int, on_gpu: bool, grouped: bool | None = None) -> int:
+    """The group size the two passes use for rows of V logits, or 0 for torch.topk. `grouped`: the two passes
+    where the rows split (True), torch.topk (False), or the two passes on a GPU for rows of GROUPED_MIN_VOCAB or
+    more (None)."""
+    wanted = on_gpu and V >= GROUPED_MIN_VOCAB if grouped is None else grouped
+    return group_size(V, k) if wanted else 0
+
+
 def top_k_rows(x_CV: Tensor, k: int, grouped: bool | None = None) -> tuple[Tensor, Tensor]:
-    """(values, ids) [C, k] of each row's k largest entries, largest first (module doc). `grouped`: the two passes
-    (True), torch.topk (False), or the two passes on a GPU only (None)."""
+    """(values, ids) [C, k] of each row's k largest entries, largest first (module doc; `grouped`: `grouping`)."""
     C, V = x_CV.shape
-    g = group_size(V, k)
-    if not g or not (x_CV.is_cuda if grouped is None else grouped):
+    g = grouping(V, k, x_CV.is_cuda, grouped)
+    if not g:
         top = x_CV.topk(k, dim=-1)
         return top.values, top.indices
-    n = V // g
-    groups_CgN = x_CV.view(C, g, n)  # group j: the ids congruent to j modulo n
-    best_groups_Ck = groups_CgN.amax(1).topk(k, dim=-1).indices  # [C, k]
-    pool_CgK = groups_CgN.gather(2, best_groups_Ck[:, None, :].expand(C, g, k))  # member i of group j: [c, i, j]
-    vals_Ck, at_Ck = pool_CgK.flatten(1).topk(k, dim=-1)
-    ids_Ck = (at_Ck // k) * n + best_groups_Ck.gather(1, at_Ck % k)
+    groups_CnG = x_CV.unflatten(1, (V // g, g))
+    best_groups_Ck = groups_CnG.amax(-1).topk(k, dim=-1).indices  # [C, k]
+    pool_CkG = groups_CnG.gather(1, best_groups_Ck[..., None].expand(C, k, g))
+    vals_Ck, at_Ck = pool_CkG.flatten(1).topk(k, dim=-1)
+    ids_Ck = best_groups_Ck.gather(1, at_Ck // g) * g + at_Ck % g
     return vals_Ck, ids_Ck

@@ -16,27 +16,16 @@ import json
 
 import torch
 
+from dflash.bench.flops import timed
 from dflash.training.lm_head_loss import fused_position_stats, resolve_chunk
 
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
 def timed_ms(fn, iters: int) -> float:
+    """Mean ms a call after one warm-up call (`dflash.bench.flops.timed`: synchronised around the loop)."""
     fn()
-    if DEV.type == "cuda":
-        torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(iters):
-            fn()
-        end.record()
-        end.synchronize()
-        return start.elapsed_time(end) / iters
-    import time
-    t0 = time.perf_counter()
-    for _ in range(iters):
-        fn()
-    return (time.perf_counter() - t0) * 1e3 / iters
+    return timed(fn, iters, DEV) * 1e3
 
 
 def loss_pass(hidden, head, labels, kernel: str):

@@ -14,11 +14,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 
 import torch
 import torch.nn.functional as F
 
+from dflash.bench.flops import timed
 from dflash.drafter.selector import GatheredDots
 from dflash.training.topk import top_k_rows
 
@@ -26,20 +26,9 @@ DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
 def timed_ms(fn, iters: int) -> float:
+    """Mean ms a call after one warm-up call (`dflash.bench.flops.timed`: synchronised around the loop)."""
     fn()
-    if DEV.type == "cuda":
-        torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(iters):
-            fn()
-        end.record()
-        end.synchronize()
-        return start.elapsed_time(end) / iters
-    t0 = time.perf_counter()
-    for _ in range(iters):
-        fn()
-    return (time.perf_counter() - t0) * 1e3 / iters
+    return timed(fn, iters, DEV) * 1e3
 
 
 def gathered_whole(gate_Sr, table_Vr, idx_Sk):

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from dflash.training.lm_head_loss import _LOW_PRECISION, IGNORE_INDEX
+from dflash.training.lm_head_loss import _LOW_PRECISION, IGNORE_INDEX, _sparse_product
 from dflash.training.losses import block_metrics
 from dflash.training.topk import top_k_rows
 
@@ -74,8 +74,7 @@ class CandidateLogits(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_Sk: Tensor):
         head_VH, idx_Sk = ctx.saved_tensors
-        grad = F.embedding_bag(idx_Sk, head_VH, per_sample_weights=grad_Sk.to(head_VH.dtype), mode="sum")
-        return grad.to(ctx.hidden_dtype), None, None, None
+        return _sparse_product(idx_Sk, grad_Sk, head_VH, ctx.hidden_dtype), None, None, None
 
 
 def gold_logits(hidden_SH: Tensor, head_VH: Tensor, gold_S: Tensor) -> Tensor:

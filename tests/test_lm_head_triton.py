@@ -62,7 +62,7 @@ def test_ce_coefficients_are_the_rounded_softmax_minus_the_label():
     logits = (torch.randn(C, V, generator=gen) * 3).bfloat16().to(DEVICE)
     labels = torch.randint(0, V, (C,), generator=gen).to(DEVICE)
     labels[2] = IGNORE_INDEX
-    lse, _, _ = lm_head_triton.row_stats(logits, torch.where(labels == IGNORE_INDEX, 0, labels))
+    lse, _, _, _ = lm_head_triton.row_stats(logits, torch.where(labels == IGNORE_INDEX, 0, labels))
     coef = lm_head_triton.ce_coefficients_(logits.clone(), lse, labels)
     p = torch.softmax(logits.float(), -1)
     valid = labels != IGNORE_INDEX
@@ -87,7 +87,8 @@ def test_row_stats_takes_the_first_of_tied_maxima_across_blocks():
     logits[3] = -torch.arange(V, dtype=torch.float32) / V  # the first element
     logits = logits.bfloat16().to(DEVICE)
     labels = torch.tensor([5, 0, V - 1, 1], device=DEVICE)
-    lse, label_logit, argmax = lm_head_triton.row_stats(logits, labels)
+    lse, label_logit, argmax, none = lm_head_triton.row_stats(logits, labels)
+    assert none is None  # no group maxima unless asked
     assert argmax.tolist() == [5, 9000, V - 1, 0]
     assert argmax.tolist() == logits.float().argmax(-1).tolist()
     torch.testing.assert_close(lse, torch.logsumexp(logits.float(), -1), rtol=1e-6, atol=1e-5)
@@ -120,3 +121,42 @@ def test_triton_chunk_takes_the_top_k_of_its_bf16_logits_before_overwriting_them
     assert torch.equal(got_vals, want.values)  # the same values: ties may order their ids differently
     _, plain = lm_head_triton.hard_label_chunk(hidden, head, labels, need_grad=True)
     assert torch.equal(grads["ce"], plain["ce"])
+
+
+@pytest.mark.parametrize("V", [4096, 5120, 248320 // 4])  # one block; a partial last block; 15 blocks of groups of 32
+def test_row_pass_group_maxima_give_the_top_k_of_the_logits(V, monkeypatch):
+    """The top-k's first pass made in the row pass (`row_stats`' group maxima) and finished by
+    `topk.top_k_of_groups`: the values torch.topk gives, ids that hold them, with ties and the maxima at a block's
+    edge; and the chunk's other stats as without it."""
+    from dflash.training import topk
+    gen = torch.Generator().manual_seed(V)
+    C, D, k = 12, 32, 16
+    group = lm_head_triton.top_k_group(V, k)
+    assert group and V % group == 0 and lm_head_triton.BLOCK_V % group == 0
+    head = (torch.randn(V, D, generator=gen) * 0.3).bfloat16().to(DEVICE)
+    hidden = torch.randn(C, D, generator=gen).to(DEVICE)
+    hidden[:3] = 0.0  # all-tied rows: every logit 0
+    labels = torch.randint(0, V, (C,), generator=gen).to(DEVICE)
+    logits = hidden.to(head.dtype) @ head.T
+    logits[3, -group:] = 9.0  # the best logits in the last group of the last block
+    logits[4, lm_head_triton.BLOCK_V - 1] = 9.0  # the last logit of the first block
+    _, _, _, group_max = lm_head_triton.row_stats(logits, labels, group)
+    assert torch.equal(group_max, logits.unflatten(1, (V // group, group)).amax(-1))
+    vals, ids = topk.top_k_of_groups(logits, group_max, k)
+    assert torch.equal(vals, logits.topk(k, dim=-1).values)
+    assert torch.equal(logits.gather(1, ids), vals)
+    assert (ids.sort(-1).values.diff(dim=-1) > 0).all()  # k distinct ids
+    assert ids[4, 0] == lm_head_triton.BLOCK_V - 1 and (ids[3, :group].sort().values >= V - group).all()
+
+    stats, grads = lm_head_triton.hard_label_chunk(hidden, head, labels, need_grad=True, top_k=k)
+    monkeypatch.setattr(topk, "FUSED_FIRST_PASS", False)
+    unfused, plain = lm_head_triton.hard_label_chunk(hidden, head, labels, need_grad=True, top_k=k)
+    assert torch.equal(stats["top_k_val"], unfused["top_k_val"]) and torch.equal(grads["ce"], plain["ce"])
+    for key in ("ce", "p_label", "correct"):
+        assert torch.equal(stats[key], unfused[key])
+
+
+def test_row_stats_refuses_a_group_that_does_not_split_the_rows():
+    logits = torch.zeros(2, 5000, dtype=torch.bfloat16, device=DEVICE)
+    with pytest.raises(ValueError, match="group 16"):
+        lm_head_triton.row_stats(logits, torch.zeros(2, dtype=torch.long, device=DEVICE), 16)

@@ -5,6 +5,9 @@ At the two bench shapes (the reference target's: 131,072 positions, V = 4,096, t
 float32 logits; the 27B target's: 4,096 positions, V = 248,320, chunks of 1,024 rows of bf16 logits), with the
 selector's rank 256 and top-16:
 - the candidates' top-k of one LM-head chunk: torch.topk against `dflash.training.topk.top_k_rows`' two passes;
+- the Triton LM-head chunk (hard labels, with its gradient) without a top-k, and with the top-16 by torch.topk, by
+  `top_k_rows`' two passes, and with the first pass made in the chunk's own row pass (`topk.FUSED_FIRST_PASS`);
+  only where Triton runs;
 - the pair scores, forward and backward (the gradients to the gate and the codebook): the rows gathered whole
   (`F.embedding` then a batched product, what autograd saves) against `GatheredDots` (chunked forward, embedding-bag
   backward).
@@ -63,6 +66,33 @@ def top_k_case(C: int, V: int, k: int, dtype: torch.dtype, iters: int) -> dict[s
     return out
 
 
+def lm_head_chunk_case(C: int, D: int, V: int, k: int, iters: int) -> dict[str, float]:
+    """The Triton LM-head chunk (bf16 head, hard labels, with its gradient) without the top-k and with it taken each
+    way: torch.topk, `top_k_rows`' two passes, the first pass made in the chunk's own row pass."""
+    from dflash.training import lm_head_triton, topk
+    if not lm_head_triton.triton_available(DEV):
+        return {}
+    g = torch.Generator(device=DEV).manual_seed(0)
+    head = (torch.randn(V, D, device=DEV, generator=g) * D ** -0.5).bfloat16()
+    hidden = torch.randn(C, D, device=DEV, generator=g)
+    labels = torch.randint(0, V, (C,), device=DEV, generator=g)
+    saved = topk.FUSED_FIRST_PASS, topk.GROUPED_MIN_VOCAB
+
+    def chunk(top_k, fused, min_vocab):
+        topk.FUSED_FIRST_PASS, topk.GROUPED_MIN_VOCAB = fused, min_vocab
+        return lm_head_triton.hard_label_chunk(hidden, head, labels, need_grad=True, top_k=top_k)
+
+    out = {}
+    try:
+        for name, args in (("no_topk", (0, False, 0)), ("torch", (k, False, V + 1)), ("two_pass", (k, False, 0)),
+                           ("row_pass", (k, True, 0))):
+            out[name] = timed_ms(lambda args=args: chunk(*args), iters)
+        out["same_values"] = float(torch.equal(chunk(k, True, 0)[0]["top_k_val"], chunk(k, False, V + 1)[0]["top_k_val"]))
+    finally:
+        topk.FUSED_FIRST_PASS, topk.GROUPED_MIN_VOCAB = saved
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--iters", type=int, default=10)
@@ -74,8 +104,14 @@ def main() -> None:
              ("top-k, 27B chunk (1,024 x 248,320 bf16)", top_k_case(1024 // div, 248320, 16, torch.bfloat16, a.iters)),
              ("pair scores fwd+bwd, reference (131,072 x 16, V 4,096)", pair_scores_case(131072 // div, 4096, 16, 256, a.iters)),
              ("pair scores fwd+bwd, 27B (4,096 x 16, V 248,320)", pair_scores_case(4096 // div, 248320, 16, 256, a.iters))]
-    for name, fig in cases:
+    chunks = [("LM-head chunk, reference (65,536 x 384, V 4,096)", lm_head_chunk_case(65536 // div, 384, 4096, 16, a.iters)),
+              ("LM-head chunk, 27B (1,024 x 5,120, V 248,320)", lm_head_chunk_case(1024 // div, 5120, 248320, 16, a.iters))]
+    for name, fig in cases + chunks:
         print(json.dumps({"case": name, "device": str(DEV), **fig}))
+    if all(fig for _, fig in chunks):
+        print(f"\n{'Triton LM-head chunk + top-16, ms':58s} {'no top-k':>9s} {'torch':>9s} {'2-pass':>9s} {'row pass':>9s}")
+        for name, fig in chunks:
+            print(f"{name:58s} {fig['no_topk']:9.2f} {fig['torch']:9.2f} {fig['two_pass']:9.2f} {fig['row_pass']:9.2f}")
     print(f"\n{'case':58s} {'before ms':>10s} {'after ms':>10s} {'ratio':>7s}")
     for name, fig in cases:
         before, after = (fig["torch"], fig["two_pass"]) if "torch" in fig else (fig["whole"], fig["gathered_dots"])

@@ -26,7 +26,7 @@ import os
 import torch
 from torch import Tensor
 
-from dflash.training.topk import top_k_rows
+from dflash.training import topk
 
 try:  # Triton ships with CUDA builds of torch; the CPU-only dev and CI machines lack it
     import triton
@@ -48,9 +48,10 @@ def triton_available(device: torch.device) -> bool:
 if triton is not None:
 
     @triton.jit
-    def _row_stats_kernel(logits_ptr, labels_ptr, lse_ptr, label_logit_ptr, argmax_ptr, V, stride_row,
-                          BLOCK: tl.constexpr):
-        """One program per row: logsumexp, the label's logit and the first index of the max, in one read."""
+    def _row_stats_kernel(logits_ptr, labels_ptr, lse_ptr, label_logit_ptr, argmax_ptr, group_max_ptr, V, stride_row,
+                          BLOCK: tl.constexpr, GROUP: tl.constexpr):
+        """One program per row: logsumexp, the label's logit and the first index of the max, in one read; with
+        GROUP > 0 also the maximum of each group of GROUP consecutive logits (GROUP divides BLOCK and V)."""
         row = tl.program_id(0).to(tl.int64)
         base = logits_ptr + row * stride_row
         cols = tl.arange(0, BLOCK)
@@ -60,6 +61,12 @@ if triton is not None:
         for start in range(0, V, BLOCK):
             offs = start + cols
             x = tl.load(base + offs, mask=offs < V, other=float("-inf")).to(tl.float32)
+            if GROUP > 0:  # the top-k's first pass (dflash.training.topk), from the registers this pass holds
+                n_groups = V // GROUP
+                group_max = tl.max(tl.reshape(x, (BLOCK // GROUP, GROUP)), axis=1)
+                at = start // GROUP + tl.arange(0, BLOCK // GROUP)
+                tl.store(group_max_ptr + row * n_groups + at, group_max.to(group_max_ptr.dtype.element_ty),
+                         mask=at < n_groups)
             blk_max = tl.max(x, axis=0)
             blk_arg = tl.argmax(x, axis=0).to(tl.int64)  # the first index of the block's max
             new_max = tl.maximum(run_max, blk_max)
@@ -86,16 +93,22 @@ if triton is not None:
         tl.store(ptr, coef.to(logits_ptr.dtype.element_ty), mask=mask)
 
 
-def row_stats(logits_CV: Tensor, safe_labels_C: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """(logsumexp [C] float32, the label's logit [C] float32, argmax [C] int64) of contiguous [C, V] logits;
-    `safe_labels_C` must lie in 0..V-1 (the caller maps IGNORE_INDEX to 0 and masks the result)."""
+def row_stats(logits_CV: Tensor, safe_labels_C: Tensor, group: int = 0) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
+    """(logsumexp [C] float32, the label's logit [C] float32, argmax [C] int64, the maximum of each group of `group`
+    consecutive logits [C, V / group] in the logits' dtype, None at `group` 0) of contiguous [C, V] logits;
+    `safe_labels_C` must lie in 0..V-1 (the caller maps IGNORE_INDEX to 0 and masks the result); `group`, a power
+    of two up to BLOCK_V, must divide V."""
     C, V = logits_CV.shape
+    if group and (V % group or BLOCK_V % group or group & (group - 1)):
+        raise ValueError(f"row_stats: group {group} must be a power of two dividing V = {V} and {BLOCK_V}")
     lse = torch.empty(C, dtype=torch.float32, device=logits_CV.device)
     label_logit = torch.empty_like(lse)
     argmax = torch.empty(C, dtype=torch.int64, device=logits_CV.device)
-    _row_stats_kernel[(C,)](logits_CV, safe_labels_C, lse, label_logit, argmax, V, logits_CV.stride(0),
-                            BLOCK=BLOCK_V, num_warps=8)
-    return lse, label_logit, argmax
+    group_max = torch.empty(C, V // group, dtype=logits_CV.dtype, device=logits_CV.device) if group else None
+    _row_stats_kernel[(C,)](logits_CV, safe_labels_C, lse, label_logit, argmax,
+                            group_max if group else lse, V, logits_CV.stride(0),
+                            BLOCK=BLOCK_V, GROUP=group, num_warps=8)
+    return lse, label_logit, argmax, group_max
 
 
 def ce_coefficients_(logits_CV: Tensor, lse_C: Tensor, labels_C: Tensor) -> Tensor:
@@ -106,6 +119,13 @@ def ce_coefficients_(logits_CV: Tensor, lse_C: Tensor, labels_C: Tensor) -> Tens
     return logits_CV
 
 
+def top_k_group(V: int, k: int) -> int:
+    """The group size of the top-k's first pass in `row_stats`, or 0 where the chunk takes `topk.top_k_rows`
+    instead (`topk.FUSED_FIRST_PASS` off, or no power of two up to BLOCK_V splits the rows)."""
+    g = topk.group_size(V, k) if topk.FUSED_FIRST_PASS else 0
+    return g if g and BLOCK_V % g == 0 else 0
+
+
 def hard_label_chunk(hidden_CD: Tensor, head_VD: Tensor, labels_C: Tensor, need_grad: bool,
                      top_k: int = 0) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
     """The torch chunk's (stats, grads) for hard labels — {ce, p_label, correct} (+ {top_k_idx, top_k_val} [C, top_k] when
@@ -113,12 +133,16 @@ def hard_label_chunk(hidden_CD: Tensor, head_VD: Tensor, labels_C: Tensor, need_
     float32} — from a bf16 / fp16 head's logits, with the two kernels above in place of its float32 passes."""
     logits_CV = hidden_CD.to(head_VD.dtype) @ head_VD.T  # [C, V] in the head's dtype, contiguous
     valid_C = labels_C != IGNORE
-    lse_C, label_logit_C, argmax_C = row_stats(logits_CV, torch.where(valid_C, labels_C, 0))
+    group = top_k_group(logits_CV.shape[1], top_k) if top_k else 0
+    lse_C, label_logit_C, argmax_C, group_max_Cn = row_stats(logits_CV, torch.where(valid_C, labels_C, 0), group)
     ce_C = torch.where(valid_C, lse_C - label_logit_C, 0.0)
     stats = {"ce": ce_C, "p_label": torch.where(valid_C, torch.exp(-ce_C), 0.0),
              "correct": (argmax_C == labels_C) & valid_C}
     if top_k:
-        vals, stats["top_k_idx"] = top_k_rows(logits_CV, top_k)
+        if group:
+            vals, stats["top_k_idx"] = topk.top_k_of_groups(logits_CV, group_max_Cn, top_k)
+        else:
+            vals, stats["top_k_idx"] = topk.top_k_rows(logits_CV, top_k)
         stats["top_k_val"] = vals.float()
     if not need_grad:
         return stats, {}

@@ -23,6 +23,11 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+# Whether the Triton LM-head chunk (dflash.training.lm_head_triton) makes the first pass's group maxima in its own
+# read of the logits and takes the top-k from them (steps 2 and 3 here), for rows of any length `group_size` splits;
+# False: `top_k_rows` on its logits, as the torch chunk does.
+FUSED_FIRST_PASS = True
+
 # The shortest rows the two passes take by default: a size between the two vocabularies measured (4,096: slower;
 # 248,320: faster); where between them the two passes start to win has not been measured.
 GROUPED_MIN_VOCAB = 1 << 16
@@ -50,8 +55,16 @@ def top_k_rows(x_CV: Tensor, k: int, grouped: bool | None = None) -> tuple[Tenso
     if not g:
         top = x_CV.topk(k, dim=-1)
         return top.values, top.indices
+    return top_k_of_groups(x_CV, x_CV.unflatten(1, (V // g, g)).amax(-1), k)
+
+
+def top_k_of_groups(x_CV: Tensor, group_max_Cn: Tensor, k: int) -> tuple[Tensor, Tensor]:
+    """Steps 2 and 3 (module doc) from the first pass's group maxima [C, n] of groups of V / n consecutive logits,
+    wherever they were made (`top_k_rows`, or the Triton LM-head chunk's row pass, which reads the logits anyway)."""
+    C, V = x_CV.shape
+    g = V // group_max_Cn.shape[1]
     groups_CnG = x_CV.unflatten(1, (V // g, g))
-    best_groups_Ck = groups_CnG.amax(-1).topk(k, dim=-1).indices  # [C, k]
+    best_groups_Ck = group_max_Cn.topk(k, dim=-1).indices  # [C, k]
     pool_CkG = groups_CnG.gather(1, best_groups_Ck[..., None].expand(C, k, g))
     vals_Ck, at_Ck = pool_CkG.flatten(1).topk(k, dim=-1)
     ids_Ck = best_groups_Ck.gather(1, at_Ck // g) * g + at_Ck % g

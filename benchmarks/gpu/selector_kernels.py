@@ -10,7 +10,7 @@ selector's rank 256 and top-16:
   only where Triton runs;
 - the pair scores, forward and backward (the gradients to the gate and the codebook): the rows gathered whole
   (`F.embedding` then a batched product, what autograd saves) against `GatheredDots` (chunked forward, embedding-bag
-  backward).
+  backward) and against its Triton kernels (`selector_triton`, where Triton runs).
 Prints one JSON line per figure and a table last, ms per call. Runs on the CPU too (`--small`: a smoke run).
 """
 from __future__ import annotations
@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from dflash.bench.flops import timed
+from dflash.drafter import selector, selector_triton
 from dflash.drafter.selector import GatheredDots
 from dflash.training.topk import top_k_rows
 
@@ -47,14 +48,20 @@ def pair_scores_case(S: int, V: int, k: int, r: int, iters: int) -> dict[str, fl
     idx = (V / ranks).long().clamp_max(V - 1)
     w = torch.randn(S, k, device=DEV, generator=g)
     out = {}
-    for name, fn in (("whole", gathered_whole), ("gathered_dots", GatheredDots.apply)):
+    for name, fn, tri in (("whole", gathered_whole, False), ("gathered_dots", GatheredDots.apply, False),
+                          ("triton", GatheredDots.apply, True)):
+        if tri and not selector_triton.available(gate, table):
+            continue
+        selector.TRITON_PAIR_SCORES = tri
+
         def step(fn=fn):
             gate.grad = table.grad = None
             (fn(gate, table, idx) * w).sum().backward()
         out[name] = timed_ms(step, iters)
-    a = torch.autograd.grad((gathered_whole(gate, table, idx) * w).sum(), [gate, table])
-    b = torch.autograd.grad((GatheredDots.apply(gate, table, idx) * w).sum(), [gate, table])
-    out["max_grad_diff"] = max(float((x - y).abs().max() / y.abs().max()) for x, y in zip(a, b))
+        a = torch.autograd.grad((gathered_whole(gate, table, idx) * w).sum(), [gate, table])
+        b = torch.autograd.grad((fn(gate, table, idx) * w).sum(), [gate, table])
+        out[f"{name}_max_grad_diff"] = max(float((x - y).abs().max() / y.abs().max()) for x, y in zip(a, b))
+    selector.TRITON_PAIR_SCORES = True
     return out
 
 
@@ -116,6 +123,9 @@ def main() -> None:
     for name, fig in cases:
         before, after = (fig["torch"], fig["two_pass"]) if "torch" in fig else (fig["whole"], fig["gathered_dots"])
         print(f"{name:58s} {before:10.2f} {after:10.2f} {before / after:6.2f}x")
+        if "triton" in fig:
+            print(f"{'  the same, Triton kernels (selector_triton) against the torch bag':58s} {after:10.2f} "
+                  f"{fig['triton']:10.2f} {after / fig['triton']:6.2f}x")
 
 
 if __name__ == "__main__":

@@ -20,6 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dflash.drafter import selector_triton
+
 
 class SelectorWalk(NamedTuple):
     """A walk's result per block position: the chosen tokens [..., K], the candidates [..., K, k] and the
@@ -49,6 +51,11 @@ class GatheredDots(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, gate_Sr: torch.Tensor, table_Vr: torch.Tensor, idx_Sk: torch.Tensor) -> torch.Tensor:
+        ctx.triton = TRITON_PAIR_SCORES and selector_triton.available(gate_Sr, table_Vr)
+        if ctx.triton:  # the same sums in two kernels that never write the gathered rows (selector_triton)
+            gate_Sr, table_Vr, idx_Sk = gate_Sr.contiguous(), table_Vr.contiguous(), idx_Sk.contiguous()
+            ctx.save_for_backward(gate_Sr, table_Vr, idx_Sk)
+            return selector_triton.dots(gate_Sr, table_Vr, idx_Sk)
         ctx.save_for_backward(gate_Sr, table_Vr, idx_Sk)
         k, r = idx_Sk.shape[-1], table_Vr.shape[-1]
         rows = max(1, GATHER_BYTES // (table_Vr.element_size() * k * r))
@@ -59,6 +66,10 @@ class GatheredDots(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_Sk: torch.Tensor):
         gate_Sr, table_Vr, idx_Sk = ctx.saved_tensors
+        if ctx.triton:
+            grad_gate, grad_table = selector_triton.dots_backward(gate_Sr, table_Vr, idx_Sk, grad_Sk,
+                                                                 *ctx.needs_input_grad[:2])
+            return grad_gate, grad_table, None
         grad_gate = grad_table = None
         weights = grad_Sk.to(table_Vr.dtype)
         with torch.enable_grad():
@@ -72,6 +83,8 @@ class GatheredDots(torch.autograd.Function):
 
 
 GATHER_BYTES = 1 << 25  # gathered table rows per forward chunk (32 MiB: within an H100's 50 MB L2)
+# float32 pair scores on a GPU take selector_triton's two kernels (False: the torch ops above everywhere)
+TRITON_PAIR_SCORES = True
 
 
 class CandidateSelector(nn.Module):

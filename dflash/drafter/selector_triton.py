@@ -1,0 +1,102 @@
+"""DFlash 2's pair scores ⟨table[idx_sj], gate_s⟩ in two Triton kernels: the candidate selector's hot loop in training.
+
+Why: `selector.GatheredDots` (torch) makes them from gathered rows: the forward writes each chunk's [rows, k, r]
+gather and reads it again in a batched product of [k, r] · [r] matrices (one per position), and the backward is an
+embedding bag (another [S·k, r] read) plus that bag's own backward, which sorts the S·k ids and sums each id's run.
+At the reference shapes (131,072 positions, k = 16, r = 256, V = 4,096) that was 16.8 ms of a 48 ms DFlash 2 step
+on one H100 (benchmarks/gpu/selector_kernels.py, benchmarks/log/2026-12-06.md). Here each row block's gate [BS, r]
+is read once and stays in registers while its k candidates' table rows stream past it (a 4,096-row table stays in
+L2):
+1. `_dots_kernel`: out[s, j] = Σ_c table[idx[s, j], c] · gate[s, c];
+2. `_dots_backward_kernel`: grad_gate[s] = Σ_j g[s, j] · table[idx[s, j]] in registers, and g[s, j] · gate[s]
+   added into grad_table[idx[s, j]] by atomic adds.
+
+float32 throughout (the codebooks and the gate are float32 in training). The atomic adds make the table's gradient
+a sum in no fixed order: equal to the sorted segment sum to float32 rounding, not bit for bit from run to run (as
+`index_add_` and `scatter_add_` on CUDA). Available where Triton imports and the tensors are float32 on a CUDA
+device, or on the CPU under Triton's interpreter (TRITON_INTERPRET=1), which the tests use.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+from torch import Tensor
+
+try:  # Triton ships with CUDA builds of torch; the CPU-only dev and CI machines lack it
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - depends on the install
+    triton = None
+
+ROWS = 32  # positions per program: a [32, 256] float32 gate is 32 KiB of registers at 4 warps
+
+
+def available(*tensors: Tensor) -> bool:
+    """Whether the kernels run on these tensors: Triton, float32, and a CUDA device (or the interpreter)."""
+    if triton is None or any(t.dtype != torch.float32 for t in tensors):
+        return False
+    return all(t.is_cuda for t in tensors) or os.environ.get("TRITON_INTERPRET") == "1"
+
+
+if triton is not None:
+
+    @triton.jit
+    def _dots_kernel(gate_ptr, table_ptr, idx_ptr, out_ptr, S, r, k, BS: tl.constexpr, R: tl.constexpr):
+        rows = tl.program_id(0) * BS + tl.arange(0, BS)
+        cols = tl.arange(0, R)
+        row_ok = rows < S
+        mask = row_ok[:, None] & (cols[None, :] < r)
+        gate = tl.load(gate_ptr + rows[:, None].to(tl.int64) * r + cols[None, :], mask=mask, other=0.0)
+        for j in range(k):
+            ids = tl.load(idx_ptr + rows.to(tl.int64) * k + j, mask=row_ok, other=0)
+            table = tl.load(table_ptr + ids[:, None].to(tl.int64) * r + cols[None, :], mask=mask, other=0.0)
+            tl.store(out_ptr + rows.to(tl.int64) * k + j, tl.sum(table * gate, axis=1), mask=row_ok)
+
+    @triton.jit
+    def _dots_backward_kernel(gate_ptr, table_ptr, idx_ptr, grad_ptr, grad_gate_ptr, grad_table_ptr, S, r, k,
+                              NEED_GATE: tl.constexpr, NEED_TABLE: tl.constexpr, BS: tl.constexpr, R: tl.constexpr):
+        rows = tl.program_id(0) * BS + tl.arange(0, BS)
+        cols = tl.arange(0, R)
+        row_ok = rows < S
+        mask = row_ok[:, None] & (cols[None, :] < r)
+        offs = rows[:, None].to(tl.int64) * r + cols[None, :]
+        gate = tl.load(gate_ptr + offs, mask=mask, other=0.0)
+        acc = tl.zeros((BS, R), dtype=tl.float32)
+        for j in range(k):
+            ids = tl.load(idx_ptr + rows.to(tl.int64) * k + j, mask=row_ok, other=0)
+            g = tl.load(grad_ptr + rows.to(tl.int64) * k + j, mask=row_ok, other=0.0)
+            at = ids[:, None].to(tl.int64) * r + cols[None, :]
+            if NEED_GATE:
+                acc += g[:, None] * tl.load(table_ptr + at, mask=mask, other=0.0)
+            if NEED_TABLE:
+                tl.atomic_add(grad_table_ptr + at, g[:, None] * gate, mask=mask, sem="relaxed")
+        if NEED_GATE:
+            tl.store(grad_gate_ptr + offs, acc, mask=mask)
+
+
+def _launch(S: int, r: int) -> tuple[tuple[int], dict]:
+    return (triton.cdiv(S, ROWS),), {"BS": ROWS, "R": triton.next_power_of_2(r), "num_warps": 4}
+
+
+def dots(gate_Sr: Tensor, table_Vr: Tensor, idx_Sk: Tensor) -> Tensor:
+    """[S, k]: ⟨table[idx[s, j]], gate[s]⟩ (contiguous float32 gate and table, ids in 0..V-1)."""
+    S, k = idx_Sk.shape
+    out = torch.empty(S, k, dtype=torch.float32, device=gate_Sr.device)
+    grid, meta = _launch(S, gate_Sr.shape[1])
+    _dots_kernel[grid](gate_Sr, table_Vr, idx_Sk, out, S, gate_Sr.shape[1], k, **meta)
+    return out
+
+
+def dots_backward(gate_Sr: Tensor, table_Vr: Tensor, idx_Sk: Tensor, grad_Sk: Tensor, need_gate: bool,
+                  need_table: bool) -> tuple[Tensor | None, Tensor | None]:
+    """(grad wrt gate [S, r], grad wrt table [V, r]) of `dots`, each None where not needed."""
+    S, k = idx_Sk.shape
+    r = gate_Sr.shape[1]
+    grad_gate = torch.empty_like(gate_Sr) if need_gate else None
+    grad_table = torch.zeros_like(table_Vr) if need_table else None
+    grid, meta = _launch(S, r)
+    _dots_backward_kernel[grid](gate_Sr, table_Vr, idx_Sk, grad_Sk.float().contiguous(),
+                                grad_gate if need_gate else gate_Sr, grad_table if need_table else table_Vr,
+                                S, r, k, NEED_GATE=need_gate, NEED_TABLE=need_table, **meta)
+    return grad_gate, grad_table

@@ -42,26 +42,31 @@ class GroupedDynamicCausalConv(nn.Module):
             self.base_kernel[:, 0] = 1.0
             self.kernel_projection.weight.zero_()
 
-    def kernels(self, x_SbH: torch.Tensor) -> torch.Tensor:
-        """Both convolutions' per-position kernels [..., bs, 2, K, H]: base + the group's dynamic value."""
+    def dynamic(self, x_SbH: torch.Tensor) -> torch.Tensor:
+        """Both convolutions' dynamic values [..., bs, 2, K, H/G]: one per position, tap and channel group."""
         K, G = self.kernel_size, self.group_size
-        dyn = self.kernel_projection(x_SbH).unflatten(-1, (2, K, self.hidden // G))  # [..., bs, 2, K, H/G]
-        dyn = dyn.repeat_interleave(G, dim=-1)  # channel c takes its group's value c // G
-        return self.base_kernel.to(dyn.dtype) + dyn
+        return self.kernel_projection(x_SbH).unflatten(-1, (2, K, self.hidden // G))
 
-    def convolve(self, x_SbH: torch.Tensor, kernel_SbKH: torch.Tensor) -> torch.Tensor:
-        """Σ_j kernel[..., t, j, :] ⊙ x[..., t-j, :] along the block axis (-2), zeros before its start."""
-        bs = x_SbH.shape[-2]
-        out = kernel_SbKH[..., 0, :] * x_SbH
+    def convolve(self, x_SbH: torch.Tensor, dyn_SbKg: torch.Tensor, base_KH: torch.Tensor) -> torch.Tensor:
+        """Σ_j (base[j] + dyn[..., t, j, c // G]) ⊙ x[..., t-j, c] along the block axis (-2), zeros before its start.
+
+        The channels are viewed as [H/G, G], so a group's value broadcasts over its G channels: the per-channel
+        kernels are never a tensor. They were (`repeat_interleave` to [..., bs, 2, K, H]), made before the sublayer
+        and kept for `finish`: 2·K activations' worth of memory per conv, written and read again in the backward
+        (docs/dflash2.md, "Speed"). The sums and products are the same, in the same order."""
+        bs, G = x_SbH.shape[-2], self.group_size
+        x_Sbgc = x_SbH.unflatten(-1, (-1, G))
+        base_Kgc = base_KH.unflatten(-1, (-1, G)).to(dyn_SbKg.dtype)
+        out = (base_Kgc[0] + dyn_SbKg[..., 0, :, None]) * x_Sbgc
         for lag in range(1, min(self.kernel_size, bs)):
-            shifted = F.pad(x_SbH[..., : bs - lag, :], (0, 0, lag, 0))  # position t holds x[t - lag], 0 before
-            out = out + kernel_SbKH[..., lag, :] * shifted
-        return out
+            shifted = F.pad(x_Sbgc[..., : bs - lag, :, :], (0, 0, 0, 0, lag, 0))  # position t holds x[t - lag]
+            out = out + (base_Kgc[lag] + dyn_SbKg[..., lag, :, None]) * shifted
+        return out.flatten(-2)
 
     def prepare(self, x_SbH: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(x convolved with kernel 0, both kernels): `finish` takes the kernels of the same input."""
-        kernels = self.kernels(x_SbH)
-        return self.convolve(x_SbH, kernels[..., 0, :, :]), kernels
+        """(x convolved with kernel 0, both convolutions' dynamic values): `finish` takes those of the same input."""
+        dyn = self.dynamic(x_SbH)
+        return self.convolve(x_SbH, dyn[..., 0, :, :], self.base_kernel[0]), dyn
 
-    def finish(self, y_SbH: torch.Tensor, kernels: torch.Tensor) -> torch.Tensor:
-        return self.convolve(y_SbH, kernels[..., 1, :, :])
+    def finish(self, y_SbH: torch.Tensor, dyn: torch.Tensor) -> torch.Tensor:
+        return self.convolve(y_SbH, dyn[..., 1, :, :], self.base_kernel[1])

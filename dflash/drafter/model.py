@@ -242,9 +242,9 @@ class DrafterLayer(nn.Module):
             return sublayer(x_BQH)
         B, Q, H = x_BQH.shape
         x_BnbH = x_BQH.view(B, Q // self.block_size, self.block_size, H)
-        prepared, kernels = conv.prepare(x_BnbH)
+        prepared, dyn = conv.prepare(x_BnbH)
         y_BQH = sublayer(prepared.reshape(B, Q, H))
-        return conv.finish(y_BQH.view_as(x_BnbH), kernels).reshape(B, Q, H)
+        return conv.finish(y_BQH.view_as(x_BnbH), dyn).reshape(B, Q, H)
 
     def forward(self, block_BQH, rope, ctx_kv, mask):
         q_cos, q_sin = rope

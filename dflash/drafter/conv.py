@@ -23,12 +23,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dflash.drafter import conv_triton
-
-
-# On a GPU (where Triton runs) `convolve` is conv_triton's kernels; False: the torch ops below everywhere
-TRITON_CONV = True
-
 
 class GroupedDynamicCausalConv(nn.Module):
     def __init__(self, hidden: int, kernel_size: int = 2, group_size: int = 16):
@@ -61,8 +55,6 @@ class GroupedDynamicCausalConv(nn.Module):
         and kept for `finish`: 2·K activations' worth of memory per conv, written and read again in the backward
         (docs/dflash2.md, "Speed"). The sums and products are the same, in the same order."""
         bs, G = x_SbH.shape[-2], self.group_size
-        if TRITON_CONV and conv_triton.available(x_SbH, G):  # the same sums in one kernel each way (conv_triton)
-            return conv_triton.dynamic_conv(x_SbH.contiguous(), dyn_SbKg.contiguous(), base_KH, G)
         x_Sbgc = x_SbH.unflatten(-1, (-1, G))
         base_Kgc = base_KH.unflatten(-1, (-1, G)).to(dyn_SbKg.dtype)
         out = (base_Kgc[0] + dyn_SbKg[..., 0, :, None]) * x_Sbgc

@@ -3,8 +3,9 @@
 Why: `selector.GatheredDots` (torch) makes them from gathered rows: the forward writes each chunk's [rows, k, r]
 gather and reads it again in a batched product of [k, r] · [r] matrices (one per position), and the backward is an
 embedding bag (another [S·k, r] read) plus that bag's own backward, which sorts the S·k ids and sums each id's run.
-At the reference shapes (131,072 positions, k = 16, r = 256, V = 4,096) that was 16.8 ms of a 48 ms DFlash 2 step
-on one H100 (benchmarks/gpu/selector_kernels.py, benchmarks/log/2026-12-06.md). Here each row block's gate [BS, r]
+At the reference shapes (131,072 positions, k = 16, r = 256, V = 4,096, Zipf-like ids) that took 17.4 ms forward
+and backward on one H100, these kernels 10.7 ms; at the 27B shapes (4,096 positions, V = 248,320) 1.09 and 0.51 ms
+(benchmarks/gpu/selector_kernels.py, benchmarks/log/2026-12-06.md). Here each row block's gate [BS, r]
 is read once and stays in registers while its k candidates' table rows stream past it (a 4,096-row table stays in
 L2):
 1. `_dots_kernel`: out[s, j] = Σ_c table[idx[s, j], c] · gate[s, c];

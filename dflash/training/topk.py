@@ -17,6 +17,12 @@ asked (`grouped`). Measured in DFlash 2's bench step (one H100, benchmarks/log/2
 chunks of 65,536 rows) they added 2.4 ms, the first pass (a maximum over 16 consecutive logits, a reduction over
 the innermost axis) alone 4.4 ms a step against torch.topk's 3.9 ms for the whole select. On the CPU torch.topk's
 single pass is the faster (3x on a 4,096 x 4,096 float32 block here), and the CPU runs keep torch.topk's ids.
+
+The Triton LM-head chunk (dflash.training.lm_head_triton) reads every logit once anyway: it makes step 1 in that
+read (`FUSED_FIRST_PASS`) and `top_k_of_groups` does steps 2 and 3, at any vocabulary the groups split. The chunk with
+its top-16, forward and gradient, ms (one H100, benchmarks/gpu/selector_kernels.py, benchmarks/log/2026-12-06.md):
+27B chunk (1,024 x 5,120, V = 248,320) 7.58 without a top-k, 9.95 with torch.topk, 9.12 with the two passes here,
+7.82 with the first pass in the row pass; reference chunk (65,536 x 384, V = 4,096) 1.45, 4.15, 5.53, 3.39.
 """
 from __future__ import annotations
 

@@ -53,3 +53,13 @@ def test_only_the_gradients_asked_for_are_made(monkeypatch):
 def test_other_dtypes_take_the_torch_path():
     assert not selector_triton.available(torch.zeros(2, dtype=torch.bfloat16, device=DEVICE))
     assert not selector_triton.available(torch.zeros(2, dtype=torch.float64, device=DEVICE))
+
+
+def test_no_rows_give_empty_scores_and_zero_gradients(monkeypatch):
+    monkeypatch.setattr(selector, "TRITON_PAIR_SCORES", True)
+    gate = torch.randn(0, 16, device=DEVICE, requires_grad=True)
+    table = torch.randn(30, 16, device=DEVICE, requires_grad=True)
+    out = selector.GatheredDots.apply(gate, table, torch.zeros(0, 4, dtype=torch.long, device=DEVICE))
+    assert out.shape == (0, 4)
+    out.sum().backward()
+    assert gate.grad.shape == (0, 16) and table.grad.eq(0).all()

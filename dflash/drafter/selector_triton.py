@@ -84,6 +84,8 @@ def dots(gate_Sr: Tensor, table_Vr: Tensor, idx_Sk: Tensor) -> Tensor:
     """[S, k]: ⟨table[idx[s, j]], gate[s]⟩ (contiguous float32 gate and table, ids in 0..V-1)."""
     S, k = idx_Sk.shape
     out = torch.empty(S, k, dtype=torch.float32, device=gate_Sr.device)
+    if out.numel() == 0:  # no launch over an empty grid
+        return out
     grid, meta = _launch(S, gate_Sr.shape[1])
     _dots_kernel[grid](gate_Sr, table_Vr, idx_Sk, out, S, gate_Sr.shape[1], k, **meta)
     return out
@@ -96,6 +98,10 @@ def dots_backward(gate_Sr: Tensor, table_Vr: Tensor, idx_Sk: Tensor, grad_Sk: Te
     r = gate_Sr.shape[1]
     grad_gate = torch.empty_like(gate_Sr) if need_gate else None
     grad_table = torch.zeros_like(table_Vr) if need_table else None
+    if S * k == 0:
+        if need_gate:
+            grad_gate.zero_()
+        return grad_gate, grad_table
     grid, meta = _launch(S, r)
     _dots_backward_kernel[grid](gate_Sr, table_Vr, idx_Sk, grad_Sk.float().contiguous(),
                                 grad_gate if need_gate else gate_Sr, grad_table if need_table else table_Vr,

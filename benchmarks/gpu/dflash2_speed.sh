@@ -1,0 +1,63 @@
+#!/usr/bin/env bash
+# DFlash 2's training speed against DFlash 1's on ONE GPU, the issue-70 figures in one command (about 6 minutes on
+# an H100; docs/dflash2.md, "Speed"):
+#     bash benchmarks/gpu/dflash2_speed.sh
+# 1. `benchmarks/gpu/selector_kernels.py`: the selector's pieces, each way (the top-k in the Triton LM-head chunk,
+#    the pair scores);
+# 2. the 27B-shape drafter step (random bf16 target, 2,048 tokens, 256 anchors): DFlash 1's published layout and
+#    DFlash 2 (5 sliding layers, conf/drafter/dflash2_qwen3_6_27b.yaml as overrides) in one process, both compiled,
+#    with each one's kernel families (`bench.kernel_profile=1`); no target section, so it fits an 80 GiB card;
+# 3. the reference-shape drafter step (the shipped target, 64 sequences x 320 tokens, 128 anchors each): DFlash 1
+#    (2 layers) and DFlash 2 (2 sliding layers) the same way;
+# 4. on a card of more than 100 GiB (an H200): the 27B pipeline with the DFlash 2 drafter against its serial sum
+#    (the target's 54 GB beside the DFlash 2 step's 37 GiB peak do not fit 80 GiB).
+# Each stage is its own process under `timeout` (one that runs long cannot take the others' figures) and writes its
+# output under $OUT/dflash2_speed; the end prints the short table. Copy the lines into the day's log,
+# benchmarks/log/<date>.md, with the card's name. Env: OUT (default gpu_out); BIG / REF / MICRO override stage 2's
+# and 3's shapes and stage 1's arguments (a CPU dry run at tiny shapes: tests/test_dflash2_speed_script.py).
+set -uo pipefail
+OUT=${OUT:-gpu_out}
+W=$OUT/dflash2_speed
+mkdir -p "$W" && W=$(cd "$W" && pwd)
+ROOT=$(cd "$(dirname "$0")/../.." && pwd)
+source "$ROOT/benchmarks/leased_gpu/wheels.sh" || exit 1  # our dependencies beside the machine's torch / transformers / triton
+export PYTHONUNBUFFERED=1
+L=sliding_attention
+D2_27B="drafter.architecture=dflash2&drafter.layer_types=[$L,$L,$L,$L,$L]&drafter.sliding_window=2048&drafter.sliding_causal=false&drafter.rope_theta=0.0"
+D2_REF="drafter.architecture=dflash2&drafter.layer_types=[$L,$L]&drafter.sliding_window=2048&drafter.sliding_causal=false"
+BIG=${BIG:-"+target=qwen3_6_27b_random +drafter=published +trainer=gpu bench.seq_len=2048 bench.anchors=256 trainer.producer_batch=4"}
+REF=${REF:-"+trainer=gpu bench.seq_len=320 bench.drafter_batch=64 bench.anchors=128"}
+PIPE=${PIPE:-"+target=qwen3_6_27b_random +drafter=dflash2_qwen3_6_27b +trainer=gpu bench.seq_len=2048 bench.anchors=256 trainer.producer_batch=4"}
+COMMON="bench.profile_steps=0 +tracking=off"
+
+stage() {  # NAME LIMIT COMMAND...: one process under its limit, its output in $W/NAME.txt
+  local name=$1 limit=$2 t=$SECONDS
+  shift 2
+  timeout "$limit" "$@" > "$W/$name.txt" 2>&1
+  echo "$name: rc $? in $((SECONDS - t)) s" | tee -a "$W/stages.txt"
+}
+
+: > "$W/stages.txt"
+stage micro 120 python "$ROOT/benchmarks/gpu/selector_kernels.py" ${MICRO:-}
+stage drafter_27b 300 python -m experiments.bench $BIG $COMMON bench.kernel_profile=1 bench.sections=peak,drafter \
+  "bench.drafter_variants=$D2_27B"
+stage drafter_reference 150 python -m experiments.bench $REF $COMMON bench.kernel_profile=1 bench.sections=peak,drafter \
+  "bench.drafter_variants=$D2_REF"
+MIB=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null | head -1)
+if (( ${MIB:-0} > 102400 )) || [[ -n ${FORCE_PIPELINE:-} ]]; then
+  stage pipeline_27b 420 python -m experiments.bench $PIPE $COMMON bench.kernel_profile=0 \
+    bench.sections=peak,target,drafter,pipeline
+else
+  echo "pipeline_27b: skipped (GPU memory ${MIB:-unknown} MiB; it needs more than 100 GiB)" | tee -a "$W/stages.txt"
+fi
+
+echo
+echo "== $(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 || echo 'no GPU'): DFlash 2 against DFlash 1"
+for f in drafter_27b drafter_reference pipeline_27b; do
+  [[ -f $W/$f.txt ]] || continue
+  # the bench's own table rows: the default drafter (DFlash 1), the variant (DFlash 2, with its ratio), the pipeline
+  grep -E '^(drafter tok/s|pipeline)' "$W/$f.txt" | sed -E "s/\[drafter\.architecture=dflash2.*\]/[DFlash 2]/; s/^/$f  /" \
+    | tr -s ' ' | cut -c1-200
+done
+[[ -f $W/micro.txt ]] && grep -vE '^\{' "$W/micro.txt" | sed '/^$/d'
+exit 0

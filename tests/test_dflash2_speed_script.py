@@ -1,0 +1,32 @@
+"""benchmarks/gpu/dflash2_speed.sh, dry-run on the CPU at tiny shapes: every stage runs as its own process, the
+pipeline stage is skipped without a card of more than 100 GiB, and the short table names DFlash 2's ratio to
+DFlash 1 at both shapes and the microbench's figures."""
+import os
+import subprocess
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ("+target=tiny_random +eval=off target.random.hidden_size=64 target.random.num_layers=4 "
+        "target.random.intermediate_size=128 target.random.head_dim=16 target.random.linear_head_dim=16 "
+        "target.layer_ids=[0,1,2] drafter.head_dim=16 drafter.intermediate_size=128 drafter.block_size=8 "
+        "bench.seq_len=48 bench.anchors=4 bench.iters=1 bench.warmup=1 results=")
+
+
+def test_the_script_runs_each_stage_and_prints_the_ratios(tmp_path):
+    tiny = f"{TINY} run_dir={tmp_path / 'run'}"
+    env = {**os.environ, "OUT": str(tmp_path / "out"), "BIG": f"{tiny} drafter.num_layers=5",
+           "REF": f"{tiny} drafter.num_layers=2", "MICRO": "--small --iters 1"}
+    env.pop("FORCE_PIPELINE", None)
+    # cwd: a folder without wheel folders (wheels.sh installs the ones a GPU call carries, from the cwd)
+    p = subprocess.run(["bash", str(ROOT / "benchmarks/gpu/dflash2_speed.sh")], cwd=tmp_path, env=env,
+                       capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stdout + p.stderr
+    stages = (tmp_path / "out/dflash2_speed/stages.txt").read_text()
+    for name in ("micro", "drafter_27b", "drafter_reference"):
+        assert f"{name}: rc 0" in stages, stages
+    assert "pipeline_27b: skipped" in stages
+    table = p.stdout.split("DFlash 2 against DFlash 1", 1)[1]
+    for shape in ("drafter_27b", "drafter_reference"):
+        rows = [line for line in table.splitlines() if line.startswith(f"{shape} drafter tok/s")]
+        assert len(rows) == 2 and "[DFlash 2]" in rows[1] and "x the default" in rows[1], table
+    assert "pair scores fwd+bwd" in table

@@ -23,9 +23,8 @@ DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
 def timed_ms(fn, iters: int) -> float:
-    """Mean ms a call after one warm-up call (`dflash.bench.flops.timed`: synchronised around the loop)."""
-    fn()
-    return timed(fn, iters, DEV) * 1e3
+    """Mean ms a call after one warm-up call (`dflash.bench.flops.timed`)."""
+    return timed(fn, iters, DEV, warmup=1) * 1e3
 
 
 def loss_pass(hidden, head, labels, kernel: str):

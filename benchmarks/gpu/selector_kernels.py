@@ -30,9 +30,8 @@ DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
 def timed_ms(fn, iters: int) -> float:
-    """Mean ms a call after one warm-up call (`dflash.bench.flops.timed`: synchronised around the loop)."""
-    fn()
-    return timed(fn, iters, DEV) * 1e3
+    """Mean ms a call after one warm-up call (`dflash.bench.flops.timed`)."""
+    return timed(fn, iters, DEV, warmup=1) * 1e3
 
 
 def gathered_whole(gate_Sr, table_Vr, idx_Sk):
@@ -48,20 +47,23 @@ def pair_scores_case(S: int, V: int, k: int, r: int, iters: int) -> dict[str, fl
     idx = (V / ranks).long().clamp_max(V - 1)
     w = torch.randn(S, k, device=DEV, generator=g)
     out = {}
-    for name, fn, tri in (("whole", gathered_whole, False), ("gathered_dots", GatheredDots.apply, False),
-                          ("triton", GatheredDots.apply, True)):
-        if tri and not selector_triton.available(gate, table):
-            continue
-        selector.TRITON_PAIR_SCORES = tri
+    saved = selector.TRITON_PAIR_SCORES
+    try:
+        for name, fn, tri in (("whole", gathered_whole, False), ("gathered_dots", GatheredDots.apply, False),
+                              ("triton", GatheredDots.apply, True)):
+            if tri and not selector_triton.available(gate, table):
+                continue
+            selector.TRITON_PAIR_SCORES = tri
 
-        def step(fn=fn):
-            gate.grad = table.grad = None
-            (fn(gate, table, idx) * w).sum().backward()
-        out[name] = timed_ms(step, iters)
-        a = torch.autograd.grad((gathered_whole(gate, table, idx) * w).sum(), [gate, table])
-        b = torch.autograd.grad((fn(gate, table, idx) * w).sum(), [gate, table])
-        out[f"{name}_max_grad_diff"] = max(float((x - y).abs().max() / y.abs().max()) for x, y in zip(a, b))
-    selector.TRITON_PAIR_SCORES = True
+            def step(fn=fn):
+                gate.grad = table.grad = None
+                (fn(gate, table, idx) * w).sum().backward()
+            out[name] = timed_ms(step, iters)
+            a = torch.autograd.grad((gathered_whole(gate, table, idx) * w).sum(), [gate, table])
+            b = torch.autograd.grad((fn(gate, table, idx) * w).sum(), [gate, table])
+            out[f"{name}_max_grad_diff"] = max(float((x - y).abs().max() / y.abs().max()) for x, y in zip(a, b))
+    finally:
+        selector.TRITON_PAIR_SCORES = saved
     return out
 
 

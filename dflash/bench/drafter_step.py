@@ -107,9 +107,7 @@ class DrafterStepBench:
         if cuda:  # this drafter's own peak (the target's resident weights included), apart from other variants'
             torch.cuda.reset_peak_memory_stats(self.device)
         flops = self.useful_flops()
-        for _ in range(self.b.warmup):
-            self.step()
-        sec = timed(self.step, self.b.iters, self.device)
+        sec = timed(self.step, self.b.iters, self.device, warmup=self.b.warmup)
         data_tokens = self.b.drafter_batch * self.b.seq_len
         out = {"tok_s": data_tokens / sec, "flops_per_tok": flops / data_tokens, "sec_per_step": sec, "phases": {}}
         if cuda:

@@ -8,8 +8,11 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 
-def timed(fn, iters: int, device: torch.device) -> float:
-    """Mean seconds per call (CUDA-synchronised around the loop, not inside it)."""
+def timed(fn, iters: int, device: torch.device, warmup: int = 0) -> float:
+    """Mean seconds per call over `iters` calls after `warmup` untimed ones (CUDA-synchronised around the timed
+    loop, not inside it)."""
+    for _ in range(warmup):
+        fn()
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     t0 = time.perf_counter()
@@ -89,6 +92,4 @@ def dflash2_elementwise_flops(cfg, hidden_size: int, blocks: int) -> int:
 def matmul_peak(n: int, device: torch.device, iters: int = 10) -> float:
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
-    for _ in range(3):
-        a @ b
-    return 2 * n**3 / timed(lambda: a @ b, iters, device)
+    return 2 * n**3 / timed(lambda: a @ b, iters, device, warmup=3)

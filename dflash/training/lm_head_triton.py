@@ -139,10 +139,8 @@ def hard_label_chunk(hidden_CD: Tensor, head_VD: Tensor, labels_C: Tensor, need_
     stats = {"ce": ce_C, "p_label": torch.where(valid_C, torch.exp(-ce_C), 0.0),
              "correct": (argmax_C == labels_C) & valid_C}
     if top_k:
-        if group:
-            vals, stats["top_k_idx"] = topk.top_k_of_groups(logits_CV, group_max_Cn, top_k)
-        else:
-            vals, stats["top_k_idx"] = topk.top_k_rows(logits_CV, top_k)
+        vals, stats["top_k_idx"] = (topk.top_k_of_groups(logits_CV, group_max_Cn, top_k) if group
+                                    else topk.top_k_rows(logits_CV, top_k))
         stats["top_k_val"] = vals.float()
     if not need_grad:
         return stats, {}

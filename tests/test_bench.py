@@ -82,6 +82,8 @@ def test_bad_variant_is_rejected_before_any_work(tmp_path, monkeypatch):
                      ("drafter.attn_group=two", "expected int")]:
         with pytest.raises(ConfigError, match=msg):
             main([*FAST, f"bench.drafter_variants={bad}", "results=", f"run_dir={tmp_path / 'run'}"])
+    with pytest.raises(ConfigError, match=r"bench\.kernel_top=0"):
+        main([*FAST, "bench.kernel_top=0", "results=", f"run_dir={tmp_path / 'run'}"])
 
 
 def test_count_step_syncs_counts_only_the_steps_own_blocking_calls():

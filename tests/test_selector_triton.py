@@ -63,3 +63,43 @@ def test_no_rows_give_empty_scores_and_zero_gradients(monkeypatch):
     assert out.shape == (0, 4)
     out.sum().backward()
     assert gate.grad.shape == (0, 16) and table.grad.eq(0).all()
+
+
+@pytest.mark.parametrize("N,K,V,r,k", [(37, 16, 512, 256, 16), (5, 7, 300, 24, 4)])
+def test_greedy_walk_kernel_is_the_torch_walk(N, K, V, r, k, monkeypatch):
+    """`selector_triton.greedy_walk` (one launch) against `walk_candidates`' torch loop: the same path and scores;
+    a tie of two best candidates goes to the first, as torch.argmax."""
+    gen = torch.Generator().manual_seed(N)
+    sel = selector.CandidateSelector(32, V, r, k).to(DEVICE)
+    hidden = torch.randn(N, K, 32, generator=gen).to(DEVICE)
+    unary = torch.randn(N, K, k, generator=gen).to(DEVICE)
+    cand = torch.randint(0, V, (N, K, k), generator=gen).to(DEVICE)
+    cand[0, :, 1] = cand[0, :, 0]  # the same id twice: equal scores, the first wins
+    unary[0, :, 1] = unary[0, :, 0] = 50.0
+    anchor = torch.randint(0, V, (N,), generator=gen).to(DEVICE)
+    with torch.no_grad():
+        fast = sel.walk_candidates(hidden, unary, cand, anchor)
+        monkeypatch.setattr(selector, "TRITON_WALK", False)
+        slow = sel.walk_candidates(hidden, unary, cand, anchor)
+    assert torch.equal(fast.tokens, slow.tokens) and torch.equal(fast.tokens[0], cand[0, :, 0])
+    torch.testing.assert_close(fast.scores, slow.scores, rtol=1e-5, atol=1e-5)
+    assert fast.scores.dtype == slow.scores.dtype and fast.candidates is cand
+    empty = sel.walk_candidates(hidden[:0], unary[:0], cand[:0], anchor[:0])
+    assert empty.tokens.shape == (0, K) and empty.scores.shape == (0, K, k)
+
+
+@pytest.mark.parametrize("S,k,V,r,dtype", [(70, 16, 300, 384, torch.bfloat16), (9, 4, 50, 5120, torch.bfloat16),
+                                           (33, 8, 64, 256, torch.float32)])
+def test_weighted_rows_is_the_embedding_bag_in_float32(S, k, V, r, dtype):
+    """Σ_j w_sj table[idx_sj] in float32 from a table of any dtype: the float64 bag of the same (rounded) inputs
+    to float32 rounding; the bag in the table's dtype within that dtype's rounding."""
+    gen = torch.Generator().manual_seed(S)
+    table = torch.randn(V, r, generator=gen).to(dtype).to(DEVICE)
+    idx = torch.randint(0, V, (S, k), generator=gen).to(DEVICE)
+    idx[0] = 7  # one id k times
+    w = torch.randn(S, k, generator=gen).to(dtype).to(DEVICE)
+    got = selector_triton.weighted_rows(idx, w, table)
+    assert got.dtype == torch.float32 and got.shape == (S, r)
+    exact = torch.nn.functional.embedding_bag(idx, table.double(), per_sample_weights=w.double(), mode="sum")
+    torch.testing.assert_close(got.double(), exact, rtol=1e-5, atol=1e-5)
+    assert selector_triton.weighted_rows(idx[:0], w[:0], table).shape == (0, r)

@@ -14,7 +14,8 @@
 # Each stage is its own process under `timeout` (one that runs long cannot take the others' figures) and writes its
 # output under $OUT/dflash2_speed; the end prints the short table. Copy the lines into the day's log,
 # benchmarks/log/<date>.md, with the card's name. Env: OUT (default gpu_out); BIG / REF / MICRO override stage 2's
-# and 3's shapes and stage 1's arguments (a CPU dry run at tiny shapes: tests/test_dflash2_speed_script.py).
+# and 3's shapes and stage 1's arguments (a CPU dry run at tiny shapes: tests/test_dflash2_speed_script.py);
+# BENCH_EXTRA adds overrides to every bench stage (e.g. bench.kernel_top=80: more of the costliest kernels named).
 set -uo pipefail
 OUT=${OUT:-gpu_out}
 W=$OUT/dflash2_speed
@@ -28,7 +29,7 @@ D2_REF="drafter.architecture=dflash2&drafter.layer_types=[$L,$L]&drafter.sliding
 BIG=${BIG:-"+target=qwen3_6_27b_random +drafter=published +trainer=gpu bench.seq_len=2048 bench.anchors=256 trainer.producer_batch=4"}
 REF=${REF:-"+trainer=gpu bench.seq_len=320 bench.drafter_batch=64 bench.anchors=128"}
 PIPE=${PIPE:-"+target=qwen3_6_27b_random +drafter=dflash2_qwen3_6_27b +trainer=gpu bench.seq_len=2048 bench.anchors=256 trainer.producer_batch=4"}
-COMMON="bench.profile_steps=0 +tracking=off"
+COMMON="bench.profile_steps=0 +tracking=off ${BENCH_EXTRA:-}"
 
 stage() {  # NAME LIMIT COMMAND...: one process under its limit, its output in $W/NAME.txt
   local name=$1 limit=$2 t=$SECONDS

@@ -4,13 +4,17 @@
 At the two bench shapes (the reference target's: 131,072 positions, V = 4,096, the LM-head chunk 65,536 rows of
 float32 logits; the 27B target's: 4,096 positions, V = 248,320, chunks of 1,024 rows of bf16 logits), with the
 selector's rank 256 and top-16:
-- the candidates' top-k of one LM-head chunk: torch.topk against `dflash.training.topk.top_k_rows`' two passes;
+- the candidates' top-k of one LM-head chunk: torch.topk against `dflash.training.topk.top_k_rows`' two passes,
+  their steps 2 and 3 by torch ops and by one Triton kernel (`topk.TRITON_SECOND_PASS`, `topk_triton`);
 - the Triton LM-head chunk (hard labels, with its gradient) without a top-k, and with the top-16 by torch.topk, by
-  `top_k_rows`' two passes, and with the first pass made in the chunk's own row pass (`topk.FUSED_FIRST_PASS`);
-  only where Triton runs;
+  `top_k_rows`' two passes, with the first pass made in the chunk's own row pass (`topk.FUSED_FIRST_PASS`), and with
+  that and the Triton steps 2 and 3; only where Triton runs;
 - the pair scores, forward and backward (the gradients to the gate and the codebook): the rows gathered whole
   (`F.embedding` then a batched product, what autograd saves) against `GatheredDots` (chunked forward, embedding-bag
-  backward) and against its Triton kernels (`selector_triton`, where Triton runs).
+  backward) and against its Triton kernels (`selector_triton`, where Triton runs);
+- the unary scores' gradient (CandidateLogits' backward): the embedding bag against `selector_triton.weighted_rows`;
+- the training metric's walk (`walk_candidates` over the blocks `selector_loss.WALK_BLOCKS` lets it follow): the
+  torch loop against the one-launch kernel (`selector.TRITON_WALK`).
 Prints one JSON line per figure and a table last, ms per call. Runs on the CPU too (`--small`: a smoke run).
 """
 from __future__ import annotations
@@ -67,11 +71,56 @@ def pair_scores_case(S: int, V: int, k: int, r: int, iters: int) -> dict[str, fl
     return out
 
 
+def walk_case(N: int, K: int, H: int, V: int, k: int, r: int, iters: int) -> dict[str, float]:
+    """The training metric's self-conditioned walk (`walk_candidates`, no grad) over N blocks of K positions: K
+    dependent steps of a few small kernels each, the `selector_streak` diagnostic's cost a step."""
+    g = torch.Generator(device=DEV).manual_seed(0)
+    sel = selector.CandidateSelector(H, V, r, k).to(DEV)
+    hidden = torch.randn(N, K, H, device=DEV, generator=g).bfloat16()
+    unary = torch.randn(N, K, k, device=DEV, generator=g)
+    cand = torch.randint(0, V, (N, K, k), device=DEV, generator=g)
+    anchor = torch.randint(0, V, (N,), device=DEV, generator=g)
+    projected = sel.project(hidden).detach()
+    out = {}
+    saved = selector.TRITON_WALK
+    try:
+        for name, tri in (("torch", False), ("triton", True)):
+            selector.TRITON_WALK = tri
+            out[name] = timed_ms(lambda: sel.walk_candidates(hidden, unary, cand, anchor, projected_SKr=projected), iters)
+            out[f"{name}_tokens"] = sel.walk_candidates(hidden, unary, cand, anchor, projected_SKr=projected).tokens
+    finally:
+        selector.TRITON_WALK = saved
+    out["same_path"] = float(torch.equal(out.pop("torch_tokens"), out.pop("triton_tokens")))
+    return out
+
+
+def unary_grad_case(S: int, k: int, H: int, V: int, iters: int) -> dict[str, float]:
+    """CandidateLogits' backward, Σ_j g_sj W[idx_sj] over the bf16 head: the embedding bag against
+    `selector_triton.weighted_rows` (where Triton runs)."""
+    from dflash.training.lm_head_loss import _sparse_product
+    g = torch.Generator(device=DEV).manual_seed(0)
+    head = torch.randn(V, H, device=DEV, generator=g).bfloat16()
+    ranks = torch.randint(1, V + 1, (S, k), device=DEV, generator=g).float()
+    idx = (V / ranks).long().clamp_max(V - 1)
+    coef = torch.randn(S, k, device=DEV, generator=g).bfloat16()
+    out = {"bag": timed_ms(lambda: _sparse_product(idx, coef, head, torch.float32), iters)}
+    if selector_triton.runs_on(head) and head.is_cuda:
+        out["triton"] = timed_ms(lambda: selector_triton.weighted_rows(idx, coef, head), iters)
+    return out
+
+
 def top_k_case(C: int, V: int, k: int, dtype: torch.dtype, iters: int) -> dict[str, float]:
+    from dflash.training import topk
     x = torch.randn(C, V, device=DEV, dtype=dtype)
-    out = {"torch": timed_ms(lambda: x.topk(k, dim=-1), iters),
-           "two_pass": timed_ms(lambda: top_k_rows(x, k, grouped=True), iters)}
-    out["same_values"] = float(torch.equal(top_k_rows(x, k, grouped=True)[0], x.topk(k, dim=-1).values))
+    out = {"torch": timed_ms(lambda: x.topk(k, dim=-1), iters)}
+    saved = topk.TRITON_SECOND_PASS
+    try:
+        for name, second in (("two_pass", False), ("two_pass_triton", True)):
+            topk.TRITON_SECOND_PASS = second
+            out[name] = timed_ms(lambda: top_k_rows(x, k, grouped=True), iters)
+            out[f"{name}_same_values"] = float(torch.equal(top_k_rows(x, k, grouped=True)[0], x.topk(k, dim=-1).values))
+    finally:
+        topk.TRITON_SECOND_PASS = saved
     return out
 
 
@@ -85,20 +134,22 @@ def lm_head_chunk_case(C: int, D: int, V: int, k: int, iters: int) -> dict[str, 
     head = (torch.randn(V, D, device=DEV, generator=g) * D ** -0.5).bfloat16()
     hidden = torch.randn(C, D, device=DEV, generator=g)
     labels = torch.randint(0, V, (C,), device=DEV, generator=g)
-    saved = topk.FUSED_FIRST_PASS, topk.GROUPED_MIN_VOCAB
+    saved = topk.FUSED_FIRST_PASS, topk.GROUPED_MIN_VOCAB, topk.TRITON_SECOND_PASS
 
-    def chunk(top_k, fused, min_vocab):
-        topk.FUSED_FIRST_PASS, topk.GROUPED_MIN_VOCAB = fused, min_vocab
+    def chunk(top_k, fused, min_vocab, second=False):
+        topk.FUSED_FIRST_PASS, topk.GROUPED_MIN_VOCAB, topk.TRITON_SECOND_PASS = fused, min_vocab, second
         return lm_head_triton.hard_label_chunk(hidden, head, labels, need_grad=True, top_k=top_k)
 
     out = {}
     try:
         for name, args in (("no_topk", (0, False, 0)), ("torch", (k, False, V + 1)), ("two_pass", (k, False, 0)),
-                           ("row_pass", (k, True, 0))):
+                           ("row_pass", (k, True, 0)), ("row_pass_triton", (k, True, 0, True))):
             out[name] = timed_ms(lambda args=args: chunk(*args), iters)
-        out["same_values"] = float(torch.equal(chunk(k, True, 0)[0]["top_k_val"], chunk(k, False, V + 1)[0]["top_k_val"]))
+        want = chunk(k, False, V + 1)[0]["top_k_val"]
+        out["same_values"] = float(torch.equal(chunk(k, True, 0)[0]["top_k_val"], want)
+                                   and torch.equal(chunk(k, True, 0, True)[0]["top_k_val"], want))
     finally:
-        topk.FUSED_FIRST_PASS, topk.GROUPED_MIN_VOCAB = saved
+        topk.FUSED_FIRST_PASS, topk.GROUPED_MIN_VOCAB, topk.TRITON_SECOND_PASS = saved
     return out
 
 
@@ -113,14 +164,20 @@ def main() -> None:
              ("top-k, 27B chunk (1,024 x 248,320 bf16)", top_k_case(1024 // div, 248320, 16, torch.bfloat16, a.iters)),
              ("pair scores fwd+bwd, reference (131,072 x 16, V 4,096)", pair_scores_case(131072 // div, 4096, 16, 256, a.iters)),
              ("pair scores fwd+bwd, 27B (4,096 x 16, V 248,320)", pair_scores_case(4096 // div, 248320, 16, 256, a.iters))]
+    grads = [("unary-score gradient, reference (131,072 x 16, H 384)", unary_grad_case(131072 // div, 16, 384, 4096, a.iters)),
+             ("unary-score gradient, 27B (4,096 x 16, H 5,120)", unary_grad_case(4096 // div, 16, 5120, 248320, a.iters))]
+    walks = [("walk metric, reference (1,024 blocks x 16, V 4,096)", walk_case(1024 // div, 16, 384, 4096, 16, 256, a.iters)),
+             ("walk metric, 27B (256 blocks x 16, V 248,320)", walk_case(256 // div, 16, 5120, 248320, 16, 256, a.iters))]
     chunks = [("LM-head chunk, reference (65,536 x 384, V 4,096)", lm_head_chunk_case(65536 // div, 384, 4096, 16, a.iters)),
               ("LM-head chunk, 27B (1,024 x 5,120, V 248,320)", lm_head_chunk_case(1024 // div, 5120, 248320, 16, a.iters))]
-    for name, fig in cases + chunks:
+    for name, fig in cases + grads + walks + chunks:
         print(json.dumps({"case": name, "device": str(DEV), **fig}))
     if all(fig for _, fig in chunks):
-        print(f"\n{'Triton LM-head chunk + top-16, ms':58s} {'no top-k':>9s} {'torch':>9s} {'2-pass':>9s} {'row pass':>9s}")
+        print(f"\n{'Triton LM-head chunk + top-16, ms':58s} {'no top-k':>9s} {'torch':>9s} {'2-pass':>9s} {'row pass':>9s}"
+              f" {'+ Triton 2-3':>13s}")
         for name, fig in chunks:
-            print(f"{name:58s} {fig['no_topk']:9.2f} {fig['torch']:9.2f} {fig['two_pass']:9.2f} {fig['row_pass']:9.2f}")
+            print(f"{name:58s} {fig['no_topk']:9.2f} {fig['torch']:9.2f} {fig['two_pass']:9.2f} {fig['row_pass']:9.2f}"
+                  f" {fig['row_pass_triton']:13.2f}")
     print(f"\n{'case':58s} {'before ms':>10s} {'after ms':>10s} {'ratio':>7s}")
     for name, fig in cases:
         before, after = (fig["torch"], fig["two_pass"]) if "torch" in fig else (fig["whole"], fig["gathered_dots"])
@@ -128,6 +185,15 @@ def main() -> None:
         if "triton" in fig:
             print(f"{'  the same, Triton kernels (selector_triton) against the torch bag':58s} {after:10.2f} "
                   f"{fig['triton']:10.2f} {after / fig['triton']:6.2f}x")
+        if "two_pass_triton" in fig:
+            print(f"{'  the same, steps 2 and 3 in one Triton kernel':58s} {after:10.2f} {fig['two_pass_triton']:10.2f} "
+                  f"{after / fig['two_pass_triton']:6.2f}x")
+    for name, fig in grads:
+        if "triton" in fig:
+            print(f"{name:58s} {fig['bag']:10.2f} {fig['triton']:10.2f} {fig['bag'] / fig['triton']:6.2f}x")
+    for name, fig in walks:
+        print(f"{name + ', torch loop / one launch':58s} {fig['torch']:10.2f} {fig['triton']:10.2f} "
+              f"{fig['torch'] / fig['triton']:6.2f}x")
 
 
 if __name__ == "__main__":

@@ -36,6 +36,7 @@ class BenchConfig:
     # (IN_PLACE_TARGET_KEYS, e.g. "target.fused_ops=off"); drafter and pipeline variants may set them too
     target_variants: str = ""
     kernel_profile: int = 1  # 1: break each drafter step's GPU time down by kernel family (profiler, 2 steps)
+    kernel_top: int = 20  # the costliest kernels that breakdown names, each with its ms and calls a step
     # serving section: contexts (tokens already in the caches), DDTree budgets (nodes), timed calls of each
     serving_contexts: str = "1024,2048,4096,8192"
     serving_budgets: str = "16,64,256"
@@ -64,6 +65,8 @@ def check_bench_config(b: BenchConfig) -> None:
     if b.pipeline_steps and b.pipeline_steps < b.pipeline_repeats:
         raise ConfigError(f"bench.pipeline_steps={b.pipeline_steps} is fewer than bench.pipeline_repeats="
                           f"{b.pipeline_repeats}: every window needs at least one step")
+    if b.kernel_top < 1:
+        raise ConfigError(f"bench.kernel_top={b.kernel_top}: the number of kernels the profile names must be >= 1")
     int_list(b.serving_contexts, "serving_contexts")
     int_list(b.serving_budgets, "serving_budgets")
 

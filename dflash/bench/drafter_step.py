@@ -117,7 +117,7 @@ class DrafterStepBench:
         except Exception as e:  # noqa: BLE001
             out["phases_error"] = f"{type(e).__name__}: {str(e)[:200]}"
         if cuda and self.b.kernel_profile:
-            out["kernels"] = profile_kernels(self.step, top=20)  # DFlash 2 has many small kernels
+            out["kernels"] = profile_kernels(self.step, top=self.b.kernel_top)  # DFlash 2 has many small kernels
         return out
 
 

@@ -85,6 +85,8 @@ class GatheredDots(torch.autograd.Function):
 GATHER_BYTES = 1 << 25  # gathered table rows per forward chunk (32 MiB: within an H100's 50 MB L2)
 # float32 pair scores on a GPU take selector_triton's two kernels (False: the torch ops above everywhere)
 TRITON_PAIR_SCORES = True
+# the greedy walk over float32 tables on a GPU is selector_triton's one launch (False: walk_candidates' torch loop)
+TRITON_WALK = True
 
 
 class CandidateSelector(nn.Module):
@@ -154,6 +156,13 @@ class CandidateSelector(nn.Module):
         `projected_SKr`: `project(hidden_SKH)` if already made; else made here, once for every position."""
         if projected_SKr is None:
             projected_SKr = self.project(hidden_SKH)
+        tables = self.predecessor_codebook, self.successor_codebook
+        if temperature <= 0 and TRITON_WALK and selector_triton.available(projected_SKr, unary_SKk, *tables):
+            lead = cand_SKk.shape[:-2]  # one launch for the whole walk (the loop below, K steps of small kernels)
+            tokens, scores = selector_triton.greedy_walk(
+                projected_SKr.reshape(-1, *projected_SKr.shape[-2:]), *tables, unary_SKk.reshape(-1, *unary_SKk.shape[-2:]),
+                cand_SKk.reshape(-1, *cand_SKk.shape[-2:]), anchor_S.reshape(-1))
+            return SelectorWalk(tokens.view(*lead, -1), cand_SKk, scores.view(cand_SKk.shape).to(unary_SKk.dtype))
         prev_S = anchor_S.long()
         tokens, scores = [], []
         for t in range(cand_SKk.shape[-2]):

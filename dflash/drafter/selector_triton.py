@@ -10,7 +10,8 @@ is read once and stays in registers while its k candidates' table rows stream pa
 L2):
 1. `_dots_kernel`: out[s, j] = Σ_c table[idx[s, j], c] · gate[s, c];
 2. `_dots_backward_kernel`: grad_gate[s] = Σ_j g[s, j] · table[idx[s, j]] in registers, and g[s, j] · gate[s]
-   added into grad_table[idx[s, j]] by atomic adds.
+   added into grad_table[idx[s, j]] by atomic adds;
+3. `_greedy_walk_kernel`: the greedy walk (`greedy_walk`), all K positions of a row in one program.
 
 float32 throughout (the codebooks and the gate are float32 in training). The atomic adds make the table's gradient
 a sum in no fixed order: equal to the sorted segment sum to float32 rounding, not bit for bit from run to run (as
@@ -33,11 +34,14 @@ except ImportError:  # pragma: no cover - depends on the install
 ROWS = 32  # positions per program: a [32, 256] float32 gate is 32 KiB of registers at 4 warps
 
 
+def runs_on(*tensors: Tensor) -> bool:
+    """Whether Triton runs on these tensors: it imports, and they are on a CUDA device (or the interpreter runs)."""
+    return triton is not None and (all(t.is_cuda for t in tensors) or os.environ.get("TRITON_INTERPRET") == "1")
+
+
 def available(*tensors: Tensor) -> bool:
-    """Whether the kernels run on these tensors: Triton, float32, and a CUDA device (or the interpreter)."""
-    if triton is None or any(t.dtype != torch.float32 for t in tensors):
-        return False
-    return all(t.is_cuda for t in tensors) or os.environ.get("TRITON_INTERPRET") == "1"
+    """Whether the float32 kernels run on these tensors: `runs_on`, and all of them float32."""
+    return all(t.dtype == torch.float32 for t in tensors) and runs_on(*tensors)
 
 
 if triton is not None:
@@ -62,22 +66,50 @@ if triton is not None:
         row_ok = rows < S
         mask = row_ok[:, None] & (cols[None, :] < r)
         offs = rows[:, None].to(tl.int64) * r + cols[None, :]
-        gate = tl.load(gate_ptr + offs, mask=mask, other=0.0)
+        if NEED_TABLE:
+            gate = tl.load(gate_ptr + offs, mask=mask, other=0.0)
         acc = tl.zeros((BS, R), dtype=tl.float32)
         for j in range(k):
             ids = tl.load(idx_ptr + rows.to(tl.int64) * k + j, mask=row_ok, other=0)
-            g = tl.load(grad_ptr + rows.to(tl.int64) * k + j, mask=row_ok, other=0.0)
+            g = tl.load(grad_ptr + rows.to(tl.int64) * k + j, mask=row_ok, other=0.0).to(tl.float32)
             at = ids[:, None].to(tl.int64) * r + cols[None, :]
             if NEED_GATE:
-                acc += g[:, None] * tl.load(table_ptr + at, mask=mask, other=0.0)
+                acc += g[:, None] * tl.load(table_ptr + at, mask=mask, other=0.0).to(tl.float32)
             if NEED_TABLE:
                 tl.atomic_add(grad_table_ptr + at, g[:, None] * gate, mask=mask, sem="relaxed")
         if NEED_GATE:
             tl.store(grad_gate_ptr + offs, acc, mask=mask)
 
 
-def _launch(S: int, r: int) -> tuple[tuple[int], dict]:
-    return (triton.cdiv(S, ROWS),), {"BS": ROWS, "R": triton.next_power_of_2(r), "num_warps": 4}
+    @triton.jit
+    def _greedy_walk_kernel(proj_ptr, pred_ptr, succ_ptr, unary_ptr, cand_ptr, anchor_ptr, tok_ptr, score_ptr,
+                            S, r, K, k, BS: tl.constexpr, R: tl.constexpr):
+        rows = tl.program_id(0) * BS + tl.arange(0, BS)
+        cols = tl.arange(0, R)
+        row_ok = rows < S
+        r64 = rows.to(tl.int64)
+        mask = row_ok[:, None] & (cols[None, :] < r)
+        prev = tl.load(anchor_ptr + r64, mask=row_ok, other=0)
+        for t in range(K):
+            proj = tl.load(proj_ptr + (r64[:, None] * K + t) * r + cols[None, :], mask=mask, other=0.0)
+            gate = tl.load(pred_ptr + prev[:, None].to(tl.int64) * r + cols[None, :], mask=mask, other=0.0) * proj
+            best = tl.full((BS,), float("-inf"), tl.float32)
+            best_tok = tl.zeros((BS,), tl.int64)
+            for j in range(k):
+                at = (r64 * K + t) * k + j
+                cand = tl.load(cand_ptr + at, mask=row_ok, other=0)
+                succ = tl.load(succ_ptr + cand[:, None].to(tl.int64) * r + cols[None, :], mask=mask, other=0.0)
+                score = tl.load(unary_ptr + at, mask=row_ok, other=0.0) + tl.sum(succ * gate, axis=1)
+                tl.store(score_ptr + at, score, mask=row_ok)
+                better = (score > best) | (j == 0)  # the first of equal maxima, as torch.argmax
+                best = tl.where(better, score, best)
+                best_tok = tl.where(better, cand.to(tl.int64), best_tok)
+            tl.store(tok_ptr + r64 * K + t, best_tok, mask=row_ok)
+            prev = best_tok
+
+
+def _launch(S: int, r: int, rows: int = ROWS) -> tuple[tuple[int], dict]:
+    return (triton.cdiv(S, rows),), {"BS": rows, "R": triton.next_power_of_2(r), "num_warps": 4}
 
 
 def dots(gate_Sr: Tensor, table_Vr: Tensor, idx_Sk: Tensor) -> Tensor:
@@ -107,3 +139,42 @@ def dots_backward(gate_Sr: Tensor, table_Vr: Tensor, idx_Sk: Tensor, grad_Sk: Te
                                 grad_gate if need_gate else gate_Sr, grad_table if need_table else table_Vr,
                                 S, r, k, NEED_GATE=need_gate, NEED_TABLE=need_table, **meta)
     return grad_gate, grad_table
+
+
+def greedy_walk(projected_SKr: Tensor, pred_Vr: Tensor, succ_Vr: Tensor, unary_SKk: Tensor, cand_SKk: Tensor,
+                anchor_S: Tensor) -> tuple[Tensor, Tensor]:
+    """The selector's greedy walk in one launch: (tokens [S, K] int64, scores [S, K, k] float32). Each row's K
+    dependent steps run in one program, the row's gate and best candidate in registers: the torch walk launches a
+    few small kernels per step (`CandidateSelector.walk_candidates`), a step's worth of launches K times over.
+    Float32 projections, codebooks and unary scores (`available`); the first of equal best scores wins, as
+    torch.argmax's."""
+    S, K, k = cand_SKk.shape
+    r = pred_Vr.shape[1]
+    tokens = torch.empty(S, K, dtype=torch.int64, device=cand_SKk.device)
+    scores = torch.empty(S, K, k, dtype=torch.float32, device=cand_SKk.device)
+    if S * K == 0:  # no launch over an empty grid
+        return tokens, scores
+    BS = 16  # rows per program: a [16, 256] float32 gate and a candidate's rows in registers
+    _greedy_walk_kernel[(triton.cdiv(S, BS),)](
+        projected_SKr.contiguous(), pred_Vr.contiguous(), succ_Vr.contiguous(), unary_SKk.float().contiguous(),
+        cand_SKk.contiguous(), anchor_S.long().contiguous(), tokens, scores, S, r, K, k,
+        BS=BS, R=triton.next_power_of_2(r), num_warps=4)
+    return tokens, scores
+
+
+def weighted_rows(idx_Sk: Tensor, weights_Sk: Tensor, table_Vr: Tensor) -> Tensor:
+    """Σ_j w[s, j] · table[idx[s, j]], [S, r] float32, summed in float32 from a table of any float dtype: what
+    `F.embedding_bag(idx, table, per_sample_weights=w, mode="sum")` computes, without its rounding of the sum to the
+    table's dtype. The backward kernel's grad_gate half (the rows streamed past a [rows, r] float32 accumulator).
+    Where it pays: `lm_head_loss._sparse_product` on a GPU (the selector's unary-score gradient, Σ_j g_sj W[idx_sj]:
+    the embedding bag took 1.6 ms of the reference-shape DFlash 2 step, benchmarks/log/2026-12-07.md)."""
+    S, k = idx_Sk.shape
+    r = table_Vr.shape[1]
+    out = torch.empty(S, r, dtype=torch.float32, device=table_Vr.device)
+    if S * k == 0:
+        return out.zero_()
+    rows = max(1, min(ROWS, 8192 // triton.next_power_of_2(r)))  # a [rows, r] accumulator within the registers
+    grid, meta = _launch(S, r, rows)
+    _dots_backward_kernel[grid](out, table_Vr.contiguous(), idx_Sk.contiguous(), weights_Sk.contiguous(), out, out,
+                                S, r, k, NEED_GATE=True, NEED_TABLE=False, **meta)
+    return out

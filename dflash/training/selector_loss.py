@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from dflash.drafter import selector_triton
 from dflash.training.lm_head_loss import _LOW_PRECISION, IGNORE_INDEX, _sparse_product
 from dflash.training.losses import block_metrics
 from dflash.training.topk import top_k_rows
@@ -58,7 +59,8 @@ class CandidateLogits(torch.autograd.Function):
     The backward is Σ_j g_sj W[idx_sj] by `F.embedding_bag` (the LM-head loss's `_sparse_product`): the rows are
     read once and never stored as [S, k, H]. It used to gather them again and contract in float32, two [S, k, H]
     float32 passes of the DFlash 2 step's backward (docs/dflash2.md, "Speed"). With a bfloat16 head the
-    coefficients are rounded to bfloat16 first, as autograd rounds a bfloat16 product's output gradient."""
+    coefficients are rounded to bfloat16 first, as autograd rounds a bfloat16 product's output gradient. On a GPU
+    the sum is `selector_triton.weighted_rows`: the same rounded coefficients and rows, summed in float32."""
 
     @staticmethod
     def forward(ctx, hidden_SH: Tensor, head_VH: Tensor, idx_Sk: Tensor, values_Sk: Tensor | None = None) -> Tensor:
@@ -74,6 +76,11 @@ class CandidateLogits(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_Sk: Tensor):
         head_VH, idx_Sk = ctx.saved_tensors
+        if TRITON_UNARY_GRAD and selector_triton.runs_on(head_VH, grad_Sk) and head_VH.is_cuda:
+            # the same sum in one Triton kernel, in float32 (the bag rounds it to the head's dtype): the bag took
+            # 1.6 ms of the reference-shape DFlash 2 step (benchmarks/log/2026-12-07.md)
+            coef = grad_Sk.to(head_VH.dtype)
+            return selector_triton.weighted_rows(idx_Sk, coef, head_VH).to(ctx.hidden_dtype), None, None, None
         return _sparse_product(idx_Sk, grad_Sk, head_VH, ctx.hidden_dtype), None, None, None
 
 
@@ -87,6 +94,8 @@ def gold_logits(hidden_SH: Tensor, head_VH: Tensor, gold_S: Tensor) -> Tensor:
 
 
 GATHER_BYTES = 1 << 28
+# CandidateLogits' backward on a GPU by `selector_triton.weighted_rows` (False: the embedding bag everywhere)
+TRITON_UNARY_GRAD = True
 # The walk metric (`selector_streak`) follows at most this many blocks a step, evenly strided: a diagnostic's sample,
 # read as a mean over tracking.log_every steps. Over all 8,192 blocks of the reference-shape bench step its 15
 # sequential steps cost 2.4 ms of a 48 ms step (one H100, benchmarks/log/2026-12-06.md); the 27B-shape step has

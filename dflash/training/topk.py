@@ -29,10 +29,16 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from dflash.training import topk_triton
+
 # Whether the Triton LM-head chunk (dflash.training.lm_head_triton) makes the first pass's group maxima in its own
 # read of the logits and takes the top-k from them (steps 2 and 3 here), for rows of any length `group_size` splits;
 # False: `top_k_rows` on its logits, as the torch chunk does.
 FUSED_FIRST_PASS = True
+
+# Whether steps 2 and 3 run as one Triton kernel (dflash.training.topk_triton) where it applies (a CUDA tensor, k
+# and the group size powers of two); False: the torch steps below (two torch.topk calls and a gather) everywhere.
+TRITON_SECOND_PASS = True
 
 # The shortest rows the two passes take by default: a size between the two vocabularies measured (4,096: slower;
 # 248,320: faster); where between them the two passes start to win has not been measured.
@@ -66,7 +72,10 @@ def top_k_rows(x_CV: Tensor, k: int, grouped: bool | None = None) -> tuple[Tenso
 
 def top_k_of_groups(x_CV: Tensor, group_max_Cn: Tensor, k: int) -> tuple[Tensor, Tensor]:
     """Steps 2 and 3 (module doc) from the first pass's group maxima [C, n] of groups of V / n consecutive logits,
-    wherever they were made (`top_k_rows`, or the Triton LM-head chunk's row pass, which reads the logits anyway)."""
+    wherever they were made (`top_k_rows`, or the Triton LM-head chunk's row pass, which reads the logits anyway).
+    On a GPU both steps are one kernel (`TRITON_SECOND_PASS`, `topk_triton`), with the same values."""
+    if TRITON_SECOND_PASS and topk_triton.supports(x_CV, group_max_Cn, k):
+        return topk_triton.top_k_of_groups(x_CV, group_max_Cn, k)
     C, V = x_CV.shape
     g = V // group_max_Cn.shape[1]
     groups_CnG = x_CV.unflatten(1, (V // g, g))

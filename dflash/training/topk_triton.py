@@ -1,0 +1,101 @@
+"""The top-k's steps 2 and 3 (`dflash.training.topk`) in one Triton kernel: the k best groups by their maxima, then
+the k largest logits of those groups, each row's work in registers.
+
+Why: from the first pass's group maxima `topk.top_k_of_groups` takes two torch.topk calls (over [C, n] maxima,
+then over the [C, k · g] pool it gathers) and the gather between them. On short rows torch.topk is a radix select
+of one block per row: at the reference shapes (65,536-row chunks, V = 4,096, n = 256 groups of 16) its two calls
+took 2.9 ms of DFlash 2's 37.6 ms bench step, the step 2 and 3 of the Triton LM-head chunk 1.9 ms a chunk against
+the 1.45 ms of the chunk's own products and gradient (one H100, benchmarks/log/2026-12-06.md).
+
+Here each program takes ROWS rows and, per row:
+1. packs each group maximum and its group's number into one int64 key (`_keys`: the float's bits made
+   order-preserving as a signed int in the high half, MAX_ID − number in the low half, so a larger key is a larger
+   value, and among equal values the lower number), pads to a power of two with the smallest key, and keeps the k
+   largest keys (`tl.topk`, a bitonic top-k);
+2. gathers the k · g logits of those groups, packs each with its vocabulary id the same way, and keeps the k largest.
+The values are the logits themselves (bit for bit, largest first: torch.topk's values); among equal values the lower
+id comes first (torch.topk names no order for ties). Needs k and g powers of two (`supports`); the caller falls
+back to the torch steps elsewhere.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+from torch import Tensor
+
+try:  # Triton ships with CUDA builds of torch; the CPU-only dev and CI machines lack it
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - depends on the install
+    triton = None
+
+ELEMENTS = 4096  # keys a program holds at once: rows per program = ELEMENTS // the longer of a row's two passes
+MAX_ID = (1 << 31) - 1
+
+
+def _pow2(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+def supports(x_CV: Tensor, group_max_Cn: Tensor, k: int) -> bool:
+    """Whether the kernel takes these: Triton, a CUDA tensor (or the interpreter, TRITON_INTERPRET=1), contiguous
+    rows, k and the group size powers of two, at least k groups, and ids that fit in 31 bits."""
+    if triton is None or x_CV.dim() != 2 or group_max_Cn.dim() != 2:
+        return False
+    if not (x_CV.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"):
+        return False
+    C, V = x_CV.shape
+    n = group_max_Cn.shape[1]
+    return (x_CV.stride(1) == 1 and group_max_Cn.stride(1) == 1 and n >= k and V % n == 0 and _pow2(V // n) and _pow2(k) and V < MAX_ID
+            and x_CV.dtype in (torch.float32, torch.bfloat16, torch.float16))
+
+
+if triton is not None:
+
+    @triton.jit
+    def _keys(x, ids):
+        """int64 keys ordered as (value, −id): the float's bits flipped where negative (so signed-int order is float
+        order) in the high half, MAX_ID − id in the low half."""
+        b = x.to(tl.float32).to(tl.int32, bitcast=True)
+        b = b ^ ((b >> 31) & 0x7FFFFFFF)
+        return (b.to(tl.int64) << 32) | (MAX_ID - ids).to(tl.int64)
+
+    @triton.jit
+    def _top_k_of_groups_kernel(x_ptr, gmax_ptr, val_ptr, id_ptr, C, n, stride_x, stride_g,
+                                K: tl.constexpr, G: tl.constexpr, NP: tl.constexpr, RB: tl.constexpr):
+        rows = tl.program_id(0) * RB + tl.arange(0, RB)
+        row_ok = rows < C
+        r64 = rows.to(tl.int64)
+        # step 2: the K groups with the largest maxima
+        grp = tl.arange(0, NP)
+        ok = row_ok[:, None] & (grp[None, :] < n)
+        gmax = tl.load(gmax_ptr + r64[:, None] * stride_g + grp[None, :], mask=ok, other=0.0)
+        gkeys = tl.where(ok, _keys(gmax, grp[None, :]), -9223372036854775807 - 1)
+        best = MAX_ID - (tl.topk(gkeys, K) & 0x7FFFFFFF).to(tl.int32)  # [RB, K] group numbers
+        # step 3: the K largest of those groups' K * G logits
+        ids = tl.reshape(best[:, :, None] * G + tl.arange(0, G)[None, None, :], (RB, K * G))
+        vals = tl.load(x_ptr + r64[:, None] * stride_x + ids, mask=row_ok[:, None], other=0.0)
+        top = tl.topk(_keys(vals, ids), K)  # [RB, K], largest first
+        hi = (top >> 32).to(tl.int32)
+        out_val = (hi ^ ((hi >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
+        out_id = MAX_ID - (top & 0x7FFFFFFF).to(tl.int32)
+        at = r64[:, None] * K + tl.arange(0, K)[None, :]
+        tl.store(val_ptr + at, out_val, mask=row_ok[:, None])
+        tl.store(id_ptr + at, out_id.to(tl.int64), mask=row_ok[:, None])
+
+
+def top_k_of_groups(x_CV: Tensor, group_max_Cn: Tensor, k: int) -> tuple[Tensor, Tensor]:
+    """(values in x's dtype, ids int64) [C, k], largest first: `topk.top_k_of_groups` in one kernel (`supports`)."""
+    C, V = x_CV.shape
+    n = group_max_Cn.shape[1]
+    vals = torch.empty(C, k, dtype=torch.float32, device=x_CV.device)
+    ids = torch.empty(C, k, dtype=torch.int64, device=x_CV.device)
+    if C == 0:  # no launch over an empty grid
+        return vals.to(x_CV.dtype), ids
+    g = V // n
+    NP = triton.next_power_of_2(n)
+    RB = max(1, ELEMENTS // max(NP, k * g))
+    _top_k_of_groups_kernel[(triton.cdiv(C, RB),)](x_CV, group_max_Cn, vals, ids, C, n, x_CV.stride(0),
+                                                   group_max_Cn.stride(0), K=k, G=g, NP=NP, RB=RB, num_warps=4)
+    return vals.to(x_CV.dtype), ids

@@ -20,8 +20,10 @@ def _grads(gate, table, idx, w, triton: bool, monkeypatch):
     return out.detach(), g.grad, t.grad
 
 
+@pytest.mark.parametrize("copies_bytes", [0, 1 << 26])  # the table's gradient in one copy; in 16 added up
 @pytest.mark.parametrize("S,V,r,k", [(70, 50, 24, 5), (64, 300, 256, 16)])
-def test_triton_pair_scores_match_the_torch_ones_and_float64(S, V, r, k, monkeypatch):
+def test_triton_pair_scores_match_the_torch_ones_and_float64(S, V, r, k, copies_bytes, monkeypatch):
+    monkeypatch.setattr(selector_triton, "TABLE_COPIES_BYTES", copies_bytes)
     gen = torch.Generator().manual_seed(S + r)
     gate = torch.randn(S, r, generator=gen).to(DEVICE)
     table = torch.randn(V, r, generator=gen).to(DEVICE)

@@ -10,7 +10,7 @@ is read once and stays in registers while its k candidates' table rows stream pa
 L2):
 1. `_dots_kernel`: out[s, j] = Σ_c table[idx[s, j], c] · gate[s, c];
 2. `_dots_backward_kernel`: grad_gate[s] = Σ_j g[s, j] · table[idx[s, j]] in registers, and g[s, j] · gate[s]
-   added into grad_table[idx[s, j]] by atomic adds;
+   added into grad_table[idx[s, j]] by atomic adds (into copies of it where it is small: TABLE_COPIES_BYTES);
 3. `_greedy_walk_kernel`: the greedy walk (`greedy_walk`), all K positions of a row in one program.
 
 float32 throughout (the codebooks and the gate are float32 in training). The atomic adds make the table's gradient
@@ -32,6 +32,12 @@ except ImportError:  # pragma: no cover - depends on the install
     triton = None
 
 ROWS = 32  # positions per program: a [32, 256] float32 gate is 32 KiB of registers at 4 warps
+# The table's gradient is summed by atomic adds into up to MAX_TABLE_COPIES copies of it (program i into copy
+# i % copies, as many as fit TABLE_COPIES_BYTES), then added up: a frequent id (a candidate at most positions) is
+# one row that every program adds into, and the copies split that contention. At V = 4,096, r = 256 (the reference
+# shapes) 16 copies of 4 MiB; at V = 248,320 (the 27B target) one.
+TABLE_COPIES_BYTES = 1 << 26
+MAX_TABLE_COPIES = 16
 
 
 def runs_on(*tensors: Tensor) -> bool:
@@ -60,7 +66,10 @@ if triton is not None:
 
     @triton.jit
     def _dots_backward_kernel(gate_ptr, table_ptr, idx_ptr, grad_ptr, grad_gate_ptr, grad_table_ptr, S, r, k,
-                              NEED_GATE: tl.constexpr, NEED_TABLE: tl.constexpr, BS: tl.constexpr, R: tl.constexpr):
+                              table_size, copies, NEED_GATE: tl.constexpr, NEED_TABLE: tl.constexpr,
+                              BS: tl.constexpr, R: tl.constexpr):
+        # this program's copy of the table's gradient (`dots_backward`: copies that split the atomic adds' contention)
+        grad_table_ptr += (tl.program_id(0) % copies).to(tl.int64) * table_size
         rows = tl.program_id(0) * BS + tl.arange(0, BS)
         cols = tl.arange(0, R)
         row_ok = rows < S
@@ -129,16 +138,17 @@ def dots_backward(gate_Sr: Tensor, table_Vr: Tensor, idx_Sk: Tensor, grad_Sk: Te
     S, k = idx_Sk.shape
     r = gate_Sr.shape[1]
     grad_gate = torch.empty_like(gate_Sr) if need_gate else None
-    grad_table = torch.zeros_like(table_Vr) if need_table else None
+    copies = max(1, min(MAX_TABLE_COPIES, TABLE_COPIES_BYTES // (table_Vr.numel() * 4))) if need_table else 1
+    grad_table = torch.zeros(copies, *table_Vr.shape, dtype=torch.float32, device=table_Vr.device) if need_table else None
     if S * k == 0:
         if need_gate:
             grad_gate.zero_()
-        return grad_gate, grad_table
+        return grad_gate, grad_table[0] if need_table else None
     grid, meta = _launch(S, r)
     _dots_backward_kernel[grid](gate_Sr, table_Vr, idx_Sk, grad_Sk.float().contiguous(),
                                 grad_gate if need_gate else gate_Sr, grad_table if need_table else table_Vr,
-                                S, r, k, NEED_GATE=need_gate, NEED_TABLE=need_table, **meta)
-    return grad_gate, grad_table
+                                S, r, k, table_Vr.numel(), copies, NEED_GATE=need_gate, NEED_TABLE=need_table, **meta)
+    return grad_gate, (grad_table[0] if copies == 1 else grad_table.sum(0)) if need_table else None
 
 
 def greedy_walk(projected_SKr: Tensor, pred_Vr: Tensor, succ_Vr: Tensor, unary_SKk: Tensor, cand_SKk: Tensor,
@@ -176,5 +186,5 @@ def weighted_rows(idx_Sk: Tensor, weights_Sk: Tensor, table_Vr: Tensor) -> Tenso
     rows = max(1, min(ROWS, 8192 // triton.next_power_of_2(r)))  # a [rows, r] accumulator within the registers
     grid, meta = _launch(S, r, rows)
     _dots_backward_kernel[grid](out, table_Vr.contiguous(), idx_Sk.contiguous(), weights_Sk.contiguous(), out, out,
-                                S, r, k, NEED_GATE=True, NEED_TABLE=False, **meta)
+                                S, r, k, 0, 1, NEED_GATE=True, NEED_TABLE=False, **meta)
     return out

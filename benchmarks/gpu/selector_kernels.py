@@ -51,13 +51,14 @@ def pair_scores_case(S: int, V: int, k: int, r: int, iters: int) -> dict[str, fl
     idx = (V / ranks).long().clamp_max(V - 1)
     w = torch.randn(S, k, device=DEV, generator=g)
     out = {}
-    saved = selector.TRITON_PAIR_SCORES
+    saved, saved_bytes = selector.TRITON_PAIR_SCORES, selector_triton.TABLE_COPIES_BYTES
     try:
         for name, fn, tri in (("whole", gathered_whole, False), ("gathered_dots", GatheredDots.apply, False),
-                              ("triton", GatheredDots.apply, True)):
+                              ("triton_one_copy", GatheredDots.apply, True), ("triton", GatheredDots.apply, True)):
             if tri and not selector_triton.available(gate, table):
                 continue
             selector.TRITON_PAIR_SCORES = tri
+            selector_triton.TABLE_COPIES_BYTES = 0 if name == "triton_one_copy" else saved_bytes
 
             def step(fn=fn):
                 gate.grad = table.grad = None
@@ -67,7 +68,7 @@ def pair_scores_case(S: int, V: int, k: int, r: int, iters: int) -> dict[str, fl
             b = torch.autograd.grad((fn(gate, table, idx) * w).sum(), [gate, table])
             out[f"{name}_max_grad_diff"] = max(float((x - y).abs().max() / y.abs().max()) for x, y in zip(a, b))
     finally:
-        selector.TRITON_PAIR_SCORES = saved
+        selector.TRITON_PAIR_SCORES, selector_triton.TABLE_COPIES_BYTES = saved, saved_bytes
     return out
 
 
@@ -185,6 +186,8 @@ def main() -> None:
         if "triton" in fig:
             print(f"{'  the same, Triton kernels (selector_triton) against the torch bag':58s} {after:10.2f} "
                   f"{fig['triton']:10.2f} {after / fig['triton']:6.2f}x")
+            print(f"{'  Triton, the table gradient in one copy / in copies':58s} {fig['triton_one_copy']:10.2f} "
+                  f"{fig['triton']:10.2f} {fig['triton_one_copy'] / fig['triton']:6.2f}x")
         if "two_pass_triton" in fig:
             print(f"{'  the same, steps 2 and 3 in one Triton kernel':58s} {after:10.2f} {fig['two_pass_triton']:10.2f} "
                   f"{after / fig['two_pass_triton']:6.2f}x")

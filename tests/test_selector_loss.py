@@ -328,3 +328,24 @@ def test_block_pass_unary_scores_of_a_bfloat16_head_are_its_logits_and_the_gold_
     (CandidateLogits.apply(h, head, idx, stats.top_k_val.view(S, k)) * coef).sum().backward()
     want = torch.einsum("sk,skh->sh", coef, head[idx].float())
     torch.testing.assert_close(h.grad, want, rtol=2e-2, atol=2e-2 * float(want.abs().max()))
+
+
+def test_the_hidden_projection_runs_in_a_bfloat16_heads_dtype(monkeypatch):
+    """With a bfloat16 head the selector's projection h · P is a bfloat16 product (as the block loss's logits and an
+    engine's bf16 weights), returned in P's float32; with a float32 head it stays float32."""
+    g = torch.Generator().manual_seed(3)
+    sel = CandidateSelector(32, 500, 24, 16)
+    hidden = torch.randn(10, 32, generator=g)
+    low = sel.project(hidden, torch.bfloat16)
+    want = (hidden.bfloat16() @ sel.hidden_projection.weight.bfloat16().T).float()
+    assert low.dtype == torch.float32 and torch.equal(low, want)
+    assert torch.equal(sel.project(hidden), sel.hidden_projection(hidden))
+    seen = []
+    real = CandidateSelector.project
+    monkeypatch.setattr(CandidateSelector, "project", lambda self, h, dtype=None: seen.append(dtype) or real(self, h, dtype))
+    N, K, V = 3, 5, 500
+    labels = torch.randint(0, V, (N, K), generator=g)
+    for head_dtype, want_dtype in ((torch.bfloat16, torch.bfloat16), (torch.float32, None)):
+        head = (torch.randn(V, 32, generator=g) / 4).to(head_dtype)
+        selector_terms(torch.randn(N, K, 32, generator=g), head, labels, labels[:, 0], sel, lambda x: x)
+        assert seen[-1] == want_dtype

@@ -13,6 +13,7 @@ selector's rank 256 and top-16:
   (`F.embedding` then a batched product, what autograd saves) against `GatheredDots` (chunked forward, embedding-bag
   backward) and against its Triton kernels (`selector_triton`, where Triton runs);
 - the unary scores' gradient (CandidateLogits' backward): the embedding bag against `selector_triton.weighted_rows`;
+- the selector's hidden projection, forward and backward, in float32 against in bf16 (a bf16 head's dtype);
 - the training metric's walk (`walk_candidates` over the blocks `selector_loss.WALK_BLOCKS` lets it follow): the
   torch loop against the one-launch kernel (`selector.TRITON_WALK`).
 Prints one JSON line per figure and a table last, ms per call. Runs on the CPU too (`--small`: a smoke run).
@@ -95,6 +96,22 @@ def walk_case(N: int, K: int, H: int, V: int, k: int, r: int, iters: int) -> dic
     return out
 
 
+def projection_case(S: int, H: int, r: int, iters: int) -> dict[str, float]:
+    """The selector's hidden projection h · P, forward and both gradients: in float32 (P's dtype) against in bf16
+    (`CandidateSelector.project(h, torch.bfloat16)`, a bf16 head's dtype)."""
+    g = torch.Generator(device=DEV).manual_seed(0)
+    sel = selector.CandidateSelector(H, 64, r, 16).to(DEV)
+    hidden = torch.randn(S, H, device=DEV, generator=g, requires_grad=True)
+    w = torch.randn(S, r, device=DEV, generator=g)
+    out = {}
+    for name, dt in (("float32", None), ("bf16", torch.bfloat16)):
+        def step(dt=dt):
+            hidden.grad = sel.hidden_projection.weight.grad = None
+            (sel.project(hidden, dt) * w).sum().backward()
+        out[name] = timed_ms(step, iters)
+    return out
+
+
 def unary_grad_case(S: int, k: int, H: int, V: int, iters: int) -> dict[str, float]:
     """CandidateLogits' backward, Σ_j g_sj W[idx_sj] over the bf16 head: the embedding bag against
     `selector_triton.weighted_rows` (where Triton runs)."""
@@ -167,11 +184,13 @@ def main() -> None:
              ("pair scores fwd+bwd, 27B (4,096 x 16, V 248,320)", pair_scores_case(4096 // div, 248320, 16, 256, a.iters))]
     grads = [("unary-score gradient, reference (131,072 x 16, H 384)", unary_grad_case(131072 // div, 16, 384, 4096, a.iters)),
              ("unary-score gradient, 27B (4,096 x 16, H 5,120)", unary_grad_case(4096 // div, 16, 5120, 248320, a.iters))]
+    projections = [("hidden projection fwd+bwd, reference (131,072 x 384 -> 256)", projection_case(131072 // div, 384, 256, a.iters)),
+                   ("hidden projection fwd+bwd, 27B (4,096 x 5,120 -> 256)", projection_case(4096 // div, 5120, 256, a.iters))]
     walks = [("walk metric, reference (1,024 blocks x 16, V 4,096)", walk_case(1024 // div, 16, 384, 4096, 16, 256, a.iters)),
              ("walk metric, 27B (256 blocks x 16, V 248,320)", walk_case(256 // div, 16, 5120, 248320, 16, 256, a.iters))]
     chunks = [("LM-head chunk, reference (65,536 x 384, V 4,096)", lm_head_chunk_case(65536 // div, 384, 4096, 16, a.iters)),
               ("LM-head chunk, 27B (1,024 x 5,120, V 248,320)", lm_head_chunk_case(1024 // div, 5120, 248320, 16, a.iters))]
-    for name, fig in cases + grads + walks + chunks:
+    for name, fig in cases + grads + projections + walks + chunks:
         print(json.dumps({"case": name, "device": str(DEV), **fig}))
     if all(fig for _, fig in chunks):
         print(f"\n{'Triton LM-head chunk + top-16, ms':58s} {'no top-k':>9s} {'torch':>9s} {'2-pass':>9s} {'row pass':>9s}"
@@ -194,6 +213,8 @@ def main() -> None:
     for name, fig in grads:
         if "triton" in fig:
             print(f"{name:58s} {fig['bag']:10.2f} {fig['triton']:10.2f} {fig['bag'] / fig['triton']:6.2f}x")
+    for name, fig in projections:
+        print(f"{name + ', fp32 / bf16':58s} {fig['float32']:10.2f} {fig['bf16']:10.2f} {fig['float32'] / fig['bf16']:6.2f}x")
     for name, fig in walks:
         print(f"{name + ', torch loop / one launch':58s} {fig['torch']:10.2f} {fig['triton']:10.2f} "
               f"{fig['torch'] / fig['triton']:6.2f}x")

@@ -106,10 +106,13 @@ class CandidateSelector(nn.Module):
         for p in (self.predecessor_codebook, self.successor_codebook, self.hidden_projection.weight):
             nn.init.normal_(p, std=self.init_std)
 
-    def project(self, hidden_SH: torch.Tensor) -> torch.Tensor:
-        """h · P [..., r]: the hidden projection, which every candidate's pair score at a position shares."""
-        proj = self.hidden_projection
-        return proj(hidden_SH.to(proj.weight.dtype))
+    def project(self, hidden_SH: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """h · P [..., r] in P's dtype: the hidden projection, which every candidate's pair score at a position shares.
+        `dtype`: the product's precision (h and P cast to it, the result back to P's dtype), e.g. bf16 as the drafter's
+        other products under autocast and as an engine's bf16 weights compute it; None: P's own dtype."""
+        weight = self.hidden_projection.weight
+        dt = dtype or weight.dtype
+        return F.linear(hidden_SH.to(dt), weight.to(dt)).to(weight.dtype)
 
     def pair_scores(self, hidden_SH: torch.Tensor, pred_S: torch.Tensor, cand_Sk: torch.Tensor,
                     projected_Sr: torch.Tensor | None = None) -> torch.Tensor:

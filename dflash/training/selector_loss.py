@@ -150,7 +150,10 @@ def selector_terms(hidden_NKH: Tensor, lm_head_VH: Tensor, labels_NK: Tensor, an
                                           values.reshape(-1, k)).view(N, K, k)
         plain_NKk = top_val_NKk.to(unary_NKk.dtype)
     prev_NK = torch.cat([anchor_N[:, None].long(), gold_NK[:, :-1]], dim=1)
-    projected_NKr = selector.project(hidden_NKH)  # one projection for the pair scores and the walk
+    # one projection for the pair scores and the walk, in a low-precision head's dtype (bf16 for a bf16 target),
+    # as the block loss's logits: in float32 its three products (forward, both gradients) ran at the GPU's float32
+    # rate, 1.6 ms of the reference-shape step (benchmarks/log/2026-12-07.md); the pair scores stay float32
+    projected_NKr = selector.project(hidden_NKH, lm_head_VH.dtype if lm_head_VH.dtype in _LOW_PRECISION else None)
     scores_NKk = unary_NKk + selector.pair_scores(hidden_NKH, prev_NK, injected, projected_NKr).to(unary_NKk.dtype)
     ce_NK = F.cross_entropy(scores_NKk.reshape(-1, k), target_NK.reshape(-1), reduction="none").view(N, K)
     with torch.no_grad():

@@ -99,7 +99,7 @@ TRITON_UNARY_GRAD = True
 # The walk metric (`selector_streak`) follows at most this many blocks a step, evenly strided: a diagnostic's sample,
 # read as a mean over tracking.log_every steps. Over all 8,192 blocks of the reference-shape bench step its 15
 # sequential steps cost 2.4 ms of a 48 ms step (one H100, benchmarks/log/2026-12-06.md); the 27B-shape step has
-# 1,024 blocks, all of them followed.
+# 256 blocks, all of them followed. On a GPU the greedy walk is one Triton launch (`selector.TRITON_WALK`).
 WALK_BLOCKS = 1024
 
 

@@ -92,29 +92,28 @@ if triton is not None:
 
     @triton.jit
     def _greedy_walk_kernel(proj_ptr, pred_ptr, succ_ptr, unary_ptr, cand_ptr, anchor_ptr, tok_ptr, score_ptr,
-                            S, r, K, k, BS: tl.constexpr, R: tl.constexpr):
+                            S, r, K, k, BS: tl.constexpr, KC: tl.constexpr, R: tl.constexpr):
         rows = tl.program_id(0) * BS + tl.arange(0, BS)
         cols = tl.arange(0, R)
+        js = tl.arange(0, KC)
         row_ok = rows < S
         r64 = rows.to(tl.int64)
-        mask = row_ok[:, None] & (cols[None, :] < r)
+        mask = row_ok[:, None] & (cols[None, :] < r)  # [BS, R]
+        cand_ok = row_ok[:, None] & (js[None, :] < k)  # [BS, KC]
         prev = tl.load(anchor_ptr + r64, mask=row_ok, other=0)
         for t in range(K):
+            # the candidates' rows do not depend on the path: only the predecessor's row waits on the last step
+            at = (r64[:, None] * K + t) * k + js[None, :]  # [BS, KC]
+            cand = tl.load(cand_ptr + at, mask=cand_ok, other=0)
+            succ = tl.load(succ_ptr + cand[:, :, None].to(tl.int64) * r + cols[None, None, :],
+                           mask=cand_ok[:, :, None] & (cols[None, None, :] < r), other=0.0)  # [BS, KC, R]
             proj = tl.load(proj_ptr + (r64[:, None] * K + t) * r + cols[None, :], mask=mask, other=0.0)
             gate = tl.load(pred_ptr + prev[:, None].to(tl.int64) * r + cols[None, :], mask=mask, other=0.0) * proj
-            best = tl.full((BS,), float("-inf"), tl.float32)
-            best_tok = tl.zeros((BS,), tl.int64)
-            for j in range(k):
-                at = (r64 * K + t) * k + j
-                cand = tl.load(cand_ptr + at, mask=row_ok, other=0)
-                succ = tl.load(succ_ptr + cand[:, None].to(tl.int64) * r + cols[None, :], mask=mask, other=0.0)
-                score = tl.load(unary_ptr + at, mask=row_ok, other=0.0) + tl.sum(succ * gate, axis=1)
-                tl.store(score_ptr + at, score, mask=row_ok)
-                better = (score > best) | (j == 0)  # the first of equal maxima, as torch.argmax
-                best = tl.where(better, score, best)
-                best_tok = tl.where(better, cand.to(tl.int64), best_tok)
-            tl.store(tok_ptr + r64 * K + t, best_tok, mask=row_ok)
-            prev = best_tok
+            score = tl.load(unary_ptr + at, mask=cand_ok, other=0.0) + tl.sum(succ * gate[:, None, :], axis=2)
+            tl.store(score_ptr + at, score, mask=cand_ok)
+            best = tl.argmax(tl.where(cand_ok, score, float("-inf")), axis=1, tie_break_left=True)  # [BS]
+            prev = tl.sum(tl.where(js[None, :] == best[:, None], cand.to(tl.int64), 0), axis=1)
+            tl.store(tok_ptr + r64 * K + t, prev, mask=row_ok)
 
 
 def _launch(S: int, r: int, rows: int = ROWS) -> tuple[tuple[int], dict]:
@@ -154,7 +153,8 @@ def dots_backward(gate_Sr: Tensor, table_Vr: Tensor, idx_Sk: Tensor, grad_Sk: Te
 def greedy_walk(projected_SKr: Tensor, pred_Vr: Tensor, succ_Vr: Tensor, unary_SKk: Tensor, cand_SKk: Tensor,
                 anchor_S: Tensor) -> tuple[Tensor, Tensor]:
     """The selector's greedy walk in one launch: (tokens [S, K] int64, scores [S, K, k] float32). Each row's K
-    dependent steps run in one program, the row's gate and best candidate in registers: the torch walk launches a
+    dependent steps run in one program, its k candidates' rows, gate and best candidate in registers (at r = 256,
+    k = 16: one row a program, so the 256 blocks of the 27B-shape step are 256 programs): the torch walk launches a
     few small kernels per step (`CandidateSelector.walk_candidates`), a step's worth of launches K times over.
     Float32 projections, codebooks and unary scores (`available`); the first of equal best scores wins, as
     torch.argmax's."""
@@ -164,11 +164,12 @@ def greedy_walk(projected_SKr: Tensor, pred_Vr: Tensor, succ_Vr: Tensor, unary_S
     scores = torch.empty(S, K, k, dtype=torch.float32, device=cand_SKk.device)
     if S * K == 0:  # no launch over an empty grid
         return tokens, scores
-    BS = 16  # rows per program: a [16, 256] float32 gate and a candidate's rows in registers
+    R, KC = triton.next_power_of_2(r), triton.next_power_of_2(k)
+    BS = max(1, 4096 // (KC * R))  # rows per program: their k candidates' rows, [BS, k, r] float32, in registers
     _greedy_walk_kernel[(triton.cdiv(S, BS),)](
         projected_SKr.contiguous(), pred_Vr.contiguous(), succ_Vr.contiguous(), unary_SKk.float().contiguous(),
         cand_SKk.contiguous(), anchor_S.long().contiguous(), tokens, scores, S, r, K, k,
-        BS=BS, R=triton.next_power_of_2(r), num_warps=4)
+        BS=BS, KC=KC, R=R, num_warps=4)
     return tokens, scores
 
 

@@ -15,7 +15,9 @@
 # output under $OUT/dflash2_speed; the end prints the short table. Copy the lines into the day's log,
 # benchmarks/log/<date>.md, with the card's name. Env: OUT (default gpu_out); BIG / REF / MICRO override stage 2's
 # and 3's shapes and stage 1's arguments (a CPU dry run at tiny shapes: tests/test_dflash2_speed_script.py);
-# BENCH_EXTRA adds overrides to every bench stage (e.g. bench.kernel_top=80: more of the costliest kernels named).
+# BENCH_EXTRA adds overrides to every bench stage (e.g. bench.kernel_top=80: more of the costliest kernels named);
+# NO_PIPELINE=1 skips stage 4 (run it on its own in another call: the four stages take more than one call's ten
+# minutes on an H200).
 set -uo pipefail
 OUT=${OUT:-gpu_out}
 W=$OUT/dflash2_speed
@@ -45,7 +47,9 @@ stage drafter_27b 300 python -m experiments.bench $BIG $COMMON bench.kernel_prof
 stage drafter_reference 150 python -m experiments.bench $REF $COMMON bench.kernel_profile=1 bench.sections=peak,drafter \
   "bench.drafter_variants=$D2_REF"
 MIB=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null | head -1)
-if (( ${MIB:-0} > 102400 )) || [[ -n ${FORCE_PIPELINE:-} ]]; then
+if [[ -n ${NO_PIPELINE:-} ]]; then
+  echo "pipeline_27b: skipped (NO_PIPELINE)" | tee -a "$W/stages.txt"
+elif (( ${MIB:-0} > 102400 )) || [[ -n ${FORCE_PIPELINE:-} ]]; then
   stage pipeline_27b 420 python -m experiments.bench $PIPE $COMMON bench.kernel_profile=0 \
     bench.sections=peak,target,drafter,pipeline
 else

@@ -62,3 +62,16 @@ def test_supports_refuses_what_the_kernel_cannot_take():
 def test_no_rows_no_launch():
     vals, ids = topk_triton.top_k_of_groups(torch.zeros(0, 4096, device=DEVICE), torch.zeros(0, 256, device=DEVICE), 16)
     assert vals.shape == ids.shape == (0, 16)
+
+
+def test_rows_of_many_groups_keep_the_torch_steps(monkeypatch):
+    """More than TRITON_MAX_GROUPS groups a row (the 27B vocabulary: measured slower in the kernel) take the torch
+    steps; as many or fewer take the kernel."""
+    calls = []
+    real = topk_triton.top_k_of_groups
+    monkeypatch.setattr(topk_triton, "top_k_of_groups", lambda *a: calls.append(a[1].shape[1]) or real(*a))
+    for n in (256, 2048):
+        x = torch.randn(3, n * 16, device=DEVICE)
+        vals, _ = topk.top_k_of_groups(x, x.unflatten(1, (n, 16)).amax(-1), 16)
+        assert torch.equal(vals, x.topk(16, dim=-1).values)
+    assert calls == [256]

@@ -37,8 +37,13 @@ from dflash.training import topk_triton
 FUSED_FIRST_PASS = True
 
 # Whether steps 2 and 3 run as one Triton kernel (dflash.training.topk_triton) where it applies (a CUDA tensor, k
-# and the group size powers of two); False: the torch steps below (two torch.topk calls and a gather) everywhere.
+# and the group size powers of two, at most TRITON_MAX_GROUPS groups a row); False: the torch steps below (two
+# torch.topk calls and a gather) everywhere. Measured in the Triton LM-head chunk with its top-16 and gradient (one
+# H100, benchmarks/log/2026-12-07.md): reference chunk (256 groups of 16) 3.40 -> 2.69 ms; 27B chunk (3,880 groups of
+# 64, padded to 4,096 in the kernel) 7.74 -> 8.04 ms, slower: the kernel's bitonic top-k over 4,096 keys a row costs
+# more than torch.topk's select there.
 TRITON_SECOND_PASS = True
+TRITON_MAX_GROUPS = 1024
 
 # The shortest rows the two passes take by default: a size between the two vocabularies measured (4,096: slower;
 # 248,320: faster); where between them the two passes start to win has not been measured.
@@ -73,8 +78,9 @@ def top_k_rows(x_CV: Tensor, k: int, grouped: bool | None = None) -> tuple[Tenso
 def top_k_of_groups(x_CV: Tensor, group_max_Cn: Tensor, k: int) -> tuple[Tensor, Tensor]:
     """Steps 2 and 3 (module doc) from the first pass's group maxima [C, n] of groups of V / n consecutive logits,
     wherever they were made (`top_k_rows`, or the Triton LM-head chunk's row pass, which reads the logits anyway).
-    On a GPU both steps are one kernel (`TRITON_SECOND_PASS`, `topk_triton`), with the same values."""
-    if TRITON_SECOND_PASS and topk_triton.supports(x_CV, group_max_Cn, k):
+    On a GPU both steps are one kernel for up to TRITON_MAX_GROUPS groups (`TRITON_SECOND_PASS`, `topk_triton`), with
+    the same values."""
+    if TRITON_SECOND_PASS and group_max_Cn.shape[1] <= TRITON_MAX_GROUPS and topk_triton.supports(x_CV, group_max_Cn, k):
         return topk_triton.top_k_of_groups(x_CV, group_max_Cn, k)
     C, V = x_CV.shape
     g = V // group_max_Cn.shape[1]

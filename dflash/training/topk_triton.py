@@ -5,7 +5,9 @@ Why: from the first pass's group maxima `topk.top_k_of_groups` takes two torch.t
 then over the [C, k · g] pool it gathers) and the gather between them. On short rows torch.topk is a radix select
 of one block per row: at the reference shapes (65,536-row chunks, V = 4,096, n = 256 groups of 16) its two calls
 took 2.9 ms of DFlash 2's 37.6 ms bench step, the step 2 and 3 of the Triton LM-head chunk 1.9 ms a chunk against
-the 1.45 ms of the chunk's own products and gradient (one H100, benchmarks/log/2026-12-06.md).
+the 1.45 ms of the chunk's own products and gradient (one H100, benchmarks/log/2026-12-06.md). With this kernel the
+reference chunk with its top-16 takes 2.69 ms against 3.40 (one H100, benchmarks/log/2026-12-07.md); at the 27B
+shapes (3,880 groups of 64) it is slower, 8.04 against 7.74 ms, and `topk.TRITON_MAX_GROUPS` keeps it off there.
 
 Here each program takes ROWS rows and, per row:
 1. packs each group maximum and its group's number into one int64 key (`_keys`: the float's bits made
@@ -52,6 +54,7 @@ def supports(x_CV: Tensor, group_max_Cn: Tensor, k: int) -> bool:
 
 
 if triton is not None:
+    _MAX_ID = tl.constexpr(MAX_ID)  # a kernel reads only constexpr globals
 
     @triton.jit
     def _keys(x, ids):
@@ -59,7 +62,7 @@ if triton is not None:
         order) in the high half, MAX_ID − id in the low half."""
         b = x.to(tl.float32).to(tl.int32, bitcast=True)
         b = b ^ ((b >> 31) & 0x7FFFFFFF)
-        return (b.to(tl.int64) << 32) | (MAX_ID - ids).to(tl.int64)
+        return (b.to(tl.int64) << 32) | (ids.to(tl.int32) * -1 + _MAX_ID).to(tl.int64)
 
     @triton.jit
     def _top_k_of_groups_kernel(x_ptr, gmax_ptr, val_ptr, id_ptr, C, n, stride_x, stride_g,
@@ -72,14 +75,14 @@ if triton is not None:
         ok = row_ok[:, None] & (grp[None, :] < n)
         gmax = tl.load(gmax_ptr + r64[:, None] * stride_g + grp[None, :], mask=ok, other=0.0)
         gkeys = tl.where(ok, _keys(gmax, grp[None, :]), -9223372036854775807 - 1)
-        best = MAX_ID - (tl.topk(gkeys, K) & 0x7FFFFFFF).to(tl.int32)  # [RB, K] group numbers
+        best = (tl.topk(gkeys, K) & 0x7FFFFFFF).to(tl.int32) * -1 + _MAX_ID  # [RB, K] group numbers
         # step 3: the K largest of those groups' K * G logits
         ids = tl.reshape(best[:, :, None] * G + tl.arange(0, G)[None, None, :], (RB, K * G))
         vals = tl.load(x_ptr + r64[:, None] * stride_x + ids, mask=row_ok[:, None], other=0.0)
         top = tl.topk(_keys(vals, ids), K)  # [RB, K], largest first
         hi = (top >> 32).to(tl.int32)
         out_val = (hi ^ ((hi >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
-        out_id = MAX_ID - (top & 0x7FFFFFFF).to(tl.int32)
+        out_id = (top & 0x7FFFFFFF).to(tl.int32) * -1 + _MAX_ID
         at = r64[:, None] * K + tl.arange(0, K)[None, :]
         tl.store(val_ptr + at, out_val, mask=row_ok[:, None])
         tl.store(id_ptr + at, out_id.to(tl.int64), mask=row_ok[:, None])

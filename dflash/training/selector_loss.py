@@ -77,8 +77,8 @@ class CandidateLogits(torch.autograd.Function):
     def backward(ctx, grad_Sk: Tensor):
         head_VH, idx_Sk = ctx.saved_tensors
         if TRITON_UNARY_GRAD and selector_triton.runs_on(head_VH, grad_Sk) and head_VH.is_cuda:
-            # the same sum in one Triton kernel, in float32 (the bag rounds it to the head's dtype): the bag took
-            # 1.6 ms of the reference-shape DFlash 2 step (benchmarks/log/2026-12-07.md)
+            # the same sum in one Triton kernel, in float32 (the bag rounds it to the head's dtype): at the reference
+            # shapes 0.27 ms against the bag's 1.86 (one H100, benchmarks/log/2026-12-07.md)
             coef = grad_Sk.to(head_VH.dtype)
             return selector_triton.weighted_rows(idx_Sk, coef, head_VH).to(ctx.hidden_dtype), None, None, None
         return _sparse_product(idx_Sk, grad_Sk, head_VH, ctx.hidden_dtype), None, None, None
@@ -152,7 +152,8 @@ def selector_terms(hidden_NKH: Tensor, lm_head_VH: Tensor, labels_NK: Tensor, an
     prev_NK = torch.cat([anchor_N[:, None].long(), gold_NK[:, :-1]], dim=1)
     # one projection for the pair scores and the walk, in a low-precision head's dtype (bf16 for a bf16 target),
     # as the block loss's logits: in float32 its three products (forward, both gradients) ran at the GPU's float32
-    # rate, 1.6 ms of the reference-shape step (benchmarks/log/2026-12-07.md); the pair scores stay float32
+    # rate (reference shapes 1.99 ms against 1.49 in bf16; the 27B step's GEMMs 82.3 -> 81.3 ms,
+    # benchmarks/log/2026-12-07.md); the pair scores stay float32
     projected_NKr = selector.project(hidden_NKH, lm_head_VH.dtype if lm_head_VH.dtype in _LOW_PRECISION else None)
     scores_NKk = unary_NKk + selector.pair_scores(hidden_NKH, prev_NK, injected, projected_NKr).to(unary_NKk.dtype)
     ce_NK = F.cross_entropy(scores_NKk.reshape(-1, k), target_NK.reshape(-1), reduction="none").view(N, K)

@@ -9,7 +9,7 @@ the 1.45 ms of the chunk's own products and gradient (one H100, benchmarks/log/2
 reference chunk with its top-16 takes 2.69 ms against 3.40 (one H100, benchmarks/log/2026-12-07.md); at the 27B
 shapes (3,880 groups of 64) it is slower, 8.04 against 7.74 ms, and `topk.TRITON_MAX_GROUPS` keeps it off there.
 
-Here each program takes ROWS rows and, per row:
+Here each program takes ELEMENTS // max(n, k · g) rows (at least one) and, per row:
 1. packs each group maximum and its group's number into one int64 key (`_keys`: the float's bits made
    order-preserving as a signed int in the high half, MAX_ID − number in the low half, so a larger key is a larger
    value, and among equal values the lower number), pads to a power of two with the smallest key, and keeps the k

@@ -139,15 +139,16 @@ def dots_backward(gate_Sr: Tensor, table_Vr: Tensor, idx_Sk: Tensor, grad_Sk: Te
     grad_gate = torch.empty_like(gate_Sr) if need_gate else None
     copies = max(1, min(MAX_TABLE_COPIES, TABLE_COPIES_BYTES // (table_Vr.numel() * 4))) if need_table else 1
     grad_table = torch.zeros(copies, *table_Vr.shape, dtype=torch.float32, device=table_Vr.device) if need_table else None
-    if S * k == 0:
-        if need_gate:
-            grad_gate.zero_()
-        return grad_gate, grad_table[0] if need_table else None
-    grid, meta = _launch(S, r)
-    _dots_backward_kernel[grid](gate_Sr, table_Vr, idx_Sk, grad_Sk.float().contiguous(),
-                                grad_gate if need_gate else gate_Sr, grad_table if need_table else table_Vr,
-                                S, r, k, table_Vr.numel(), copies, NEED_GATE=need_gate, NEED_TABLE=need_table, **meta)
-    return grad_gate, (grad_table[0] if copies == 1 else grad_table.sum(0)) if need_table else None
+    if S * k:
+        grid, meta = _launch(S, r)
+        _dots_backward_kernel[grid](gate_Sr, table_Vr, idx_Sk, grad_Sk.float().contiguous(),
+                                    grad_gate if need_gate else gate_Sr, grad_table if need_table else table_Vr, S, r,
+                                    k, table_Vr.numel(), copies, NEED_GATE=need_gate, NEED_TABLE=need_table, **meta)
+    elif need_gate:
+        grad_gate.zero_()
+    if need_table:
+        grad_table = grad_table[0] if copies == 1 else grad_table.sum(0)
+    return grad_gate, grad_table
 
 
 def greedy_walk(projected_SKr: Tensor, pred_Vr: Tensor, succ_Vr: Tensor, unary_SKk: Tensor, cand_SKk: Tensor,

@@ -21,10 +21,10 @@ back to the torch steps elsewhere.
 """
 from __future__ import annotations
 
-import os
-
 import torch
 from torch import Tensor
+
+from dflash.drafter import selector_triton
 
 try:  # Triton ships with CUDA builds of torch; the CPU-only dev and CI machines lack it
     import triton
@@ -43,9 +43,7 @@ def _pow2(n: int) -> bool:
 def supports(x_CV: Tensor, group_max_Cn: Tensor, k: int) -> bool:
     """Whether the kernel takes these: Triton, a CUDA tensor (or the interpreter, TRITON_INTERPRET=1), contiguous
     rows, k and the group size powers of two, at least k groups, and ids that fit in 31 bits."""
-    if triton is None or x_CV.dim() != 2 or group_max_Cn.dim() != 2:
-        return False
-    if not (x_CV.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"):
+    if x_CV.dim() != 2 or group_max_Cn.dim() != 2 or not selector_triton.runs_on(x_CV, group_max_Cn):
         return False
     C, V = x_CV.shape
     n = group_max_Cn.shape[1]

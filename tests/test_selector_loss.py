@@ -332,13 +332,14 @@ def test_block_pass_unary_scores_of_a_bfloat16_head_are_its_logits_and_the_gold_
 
 def test_the_hidden_projection_runs_in_a_bfloat16_heads_dtype(monkeypatch):
     """With a bfloat16 head the selector's projection h · P is a bfloat16 product (as the block loss's logits and an
-    engine's bf16 weights), returned in P's float32; with a float32 head it stays float32."""
+    engine's bf16 weights), returned in bfloat16 (the pair scores read it as float32); with a float32 head it stays
+    float32."""
     g = torch.Generator().manual_seed(3)
     sel = CandidateSelector(32, 500, 24, 16)
     hidden = torch.randn(10, 32, generator=g)
     low = sel.project(hidden, torch.bfloat16)
-    want = (hidden.bfloat16() @ sel.hidden_projection.weight.bfloat16().T).float()
-    assert low.dtype == torch.float32 and torch.equal(low, want)
+    want = hidden.bfloat16() @ sel.hidden_projection.weight.bfloat16().T
+    assert low.dtype == torch.bfloat16 and torch.equal(low, want)
     assert torch.equal(sel.project(hidden), sel.hidden_projection(hidden))
     seen = []
     real = CandidateSelector.project

@@ -42,6 +42,60 @@ def test_triton_pair_scores_match_the_torch_ones_and_float64(S, V, r, k, copies_
     assert tri[2][~torch.isin(torch.arange(V, device=DEVICE), idx)].eq(0).all()  # rows no candidate names
 
 
+def _pair_grads(sel, proj, pred_ids, cand, w, fused: bool, monkeypatch):
+    monkeypatch.setattr(selector, "TRITON_FUSED_GATE", fused)
+    sel.zero_grad()
+    p = proj.detach().clone().requires_grad_()
+    out = sel.pair_scores(None, pred_ids, cand, p)
+    (out * w).sum().backward()
+    return out.detach(), p.grad, sel.predecessor_codebook.grad.clone(), sel.successor_codebook.grad.clone()
+
+
+@pytest.mark.parametrize("proj_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("copies_bytes", [0, 1 << 26])
+@pytest.mark.parametrize("S,V,r,k", [(70, 50, 24, 5), (64, 300, 256, 16)])
+def test_pair_scores_with_the_gate_made_in_the_kernels(S, V, r, k, copies_bytes, proj_dtype, monkeypatch):
+    """`PairScores` (the gate pred[a] ⊙ proj made in the kernels, its gradient sent to proj and pred's rows) against
+    the gate as a torch product (`GatheredDots`) and float64: the scores and all three gradients, with a frequent
+    predecessor and candidate, the projection float32 or bf16 (its gradient then bf16, as autograd rounds it)."""
+    monkeypatch.setattr(selector_triton, "TABLE_COPIES_BYTES", copies_bytes)
+    gen = torch.Generator().manual_seed(S + r)
+    sel = selector.CandidateSelector(8, V, r, k).to(DEVICE)
+    proj = torch.randn(S, r, generator=gen).to(proj_dtype).to(DEVICE)
+    pred_ids = torch.where(torch.rand(S, generator=gen) < 0.6, 3, torch.randint(0, V, (S,), generator=gen)).to(DEVICE)
+    cand = torch.randint(0, V, (S, k), generator=gen)
+    cand[:, 0] = 3
+    cand = cand.to(DEVICE)
+    w = torch.randn(S, k, generator=gen).to(DEVICE)
+    fused = _pair_grads(sel, proj, pred_ids, cand, w, True, monkeypatch)
+    plain = _pair_grads(sel, proj, pred_ids, cand, w, False, monkeypatch)
+    p64 = proj.double().requires_grad_()
+    pred64, succ64 = (t.detach().double().requires_grad_() for t in (sel.predecessor_codebook, sel.successor_codebook))
+    out64 = (succ64[cand] * (pred64[pred_ids] * p64)[:, None, :]).sum(-1)
+    (out64 * w.double()).sum().backward()
+    assert fused[1].dtype == proj_dtype
+    tol = {torch.float32: 1e-5, torch.bfloat16: 1e-2}[proj_dtype]  # bf16: the rounding of proj's gradient
+    for got, exact, want in zip(fused, plain, (out64, p64.grad, pred64.grad, succ64.grad)):
+        torch.testing.assert_close(got, exact, rtol=tol, atol=1e-4)
+        torch.testing.assert_close(got.double(), want.detach(), rtol=tol, atol=1e-4 + tol * float(want.detach().abs().max()))
+    unused = ~torch.isin(torch.arange(V, device=DEVICE), pred_ids)
+    assert fused[2][unused].eq(0).all()  # rows no predecessor names
+
+
+def test_pair_scores_make_only_the_gradients_asked_for(monkeypatch):
+    monkeypatch.setattr(selector, "TRITON_FUSED_GATE", True)
+    sel = selector.CandidateSelector(8, 30, 16, 4).to(DEVICE)
+    sel.predecessor_codebook.requires_grad_(False)
+    proj = torch.randn(40, 16, device=DEVICE, requires_grad=True)
+    prev = torch.randint(0, 30, (40,), device=DEVICE)
+    cand = torch.randint(0, 30, (40, 4), device=DEVICE)
+    sel.pair_scores(None, prev, cand, proj).sum().backward()
+    torch.testing.assert_close(proj.grad, sel.successor_codebook[cand].sum(1) * sel.predecessor_codebook[prev])
+    assert sel.predecessor_codebook.grad is None and sel.successor_codebook.grad is not None
+    empty = sel.pair_scores(None, prev[:0], cand[:0], proj[:0].detach().requires_grad_())
+    assert empty.shape == (0, 4)
+
+
 def test_only_the_gradients_asked_for_are_made(monkeypatch):
     monkeypatch.setattr(selector, "TRITON_PAIR_SCORES", True)
     gate = torch.randn(40, 16, device=DEVICE, requires_grad=True)
@@ -105,3 +159,22 @@ def test_weighted_rows_is_the_embedding_bag_in_float32(S, k, V, r, dtype):
     exact = torch.nn.functional.embedding_bag(idx, table.double(), per_sample_weights=w.double(), mode="sum")
     torch.testing.assert_close(got.double(), exact, rtol=1e-5, atol=1e-5)
     assert selector_triton.weighted_rows(idx[:0], w[:0], table).shape == (0, r)
+
+
+@pytest.mark.parametrize("S,H,V,dtype", [(70, 384, 300, torch.bfloat16), (9, 5120, 50, torch.bfloat16),
+                                         (33, 64, 80, torch.float32)])
+def test_gold_logits_kernel_is_the_float32_product_rounded_as_the_block_pass(S, H, V, dtype):
+    """`selector_loss.gold_logits` through `selector_triton.dots` (one id a row: the gold token's head row): the
+    float32 sum of the head-dtype products, rounded to a bf16 head's dtype, as its torch line computes it."""
+    from dflash.training.selector_loss import gold_logits
+    gen = torch.Generator().manual_seed(S)
+    hidden = torch.randn(S, H, generator=gen).to(DEVICE)
+    head = (torch.randn(V, H, generator=gen) / 4).to(dtype).to(DEVICE)
+    gold = torch.randint(0, V, (S,), generator=gen).to(DEVICE)
+    got = gold_logits(hidden, head, gold)
+    exact = (hidden.to(dtype).double() * head[gold].double()).sum(-1)
+    assert got.dtype == torch.float32 and got.shape == (S,)
+    if dtype == torch.bfloat16:  # both rounded to bf16: equal, or one bf16 step apart where the float32 sums round apart
+        torch.testing.assert_close(got.double(), exact.to(dtype).double(), rtol=2 ** -7, atol=1e-6)
+    else:
+        torch.testing.assert_close(got.double(), exact, rtol=1e-5, atol=1e-5)

@@ -5,13 +5,18 @@ At the two bench shapes (the reference target's: 131,072 positions, V = 4,096, t
 float32 logits; the 27B target's: 4,096 positions, V = 248,320, chunks of 1,024 rows of bf16 logits), with the
 selector's rank 256 and top-16:
 - the candidates' top-k of one LM-head chunk: torch.topk against `dflash.training.topk.top_k_rows`' two passes,
-  their steps 2 and 3 by torch ops and by one Triton kernel (`topk.TRITON_SECOND_PASS`, `topk_triton`);
+  their steps 2 and 3 by torch ops and by one Triton kernel (`topk.TRITON_SECOND_PASS`, `topk_triton`), its keys
+  int64 and (16-bit logits, `topk_triton.NARROW_KEYS`) int32;
 - the Triton LM-head chunk (hard labels, with its gradient) without a top-k, and with the top-16 by torch.topk, by
   `top_k_rows`' two passes, with the first pass made in the chunk's own row pass (`topk.FUSED_FIRST_PASS`), and with
   that and the Triton steps 2 and 3; only where Triton runs;
 - the pair scores, forward and backward (the gradients to the gate and the codebook): the rows gathered whole
   (`F.embedding` then a batched product, what autograd saves) against `GatheredDots` (chunked forward, embedding-bag
   backward) and against its Triton kernels (`selector_triton`, where Triton runs);
+- the pair scores with their gate pred[a] ⊙ h·P, forward and backward (the gradients to the bf16 projection and both
+  codebooks): the gate a torch gather and product before the kernels against made in them (`selector.PairScores`,
+  `selector.TRITON_FUSED_GATE`), where Triton runs;
+- the injected gold tokens' logits (`selector_loss.gold_logits`): a float32 gather and product against one kernel;
 - the unary scores' gradient (CandidateLogits' backward): the embedding bag against `selector_triton.weighted_rows`;
 - the selector's hidden projection, forward and backward, in float32 against in bf16 (a bf16 head's dtype);
 - the training metric's walk (`walk_candidates` over the blocks `selector_loss.WALK_BLOCKS` lets it follow): the
@@ -73,6 +78,69 @@ def pair_scores_case(S: int, V: int, k: int, r: int, iters: int) -> dict[str, fl
     return out
 
 
+def _zipf_ids(shape, V: int, g: torch.Generator) -> torch.Tensor:
+    """Zipf-like ids: a few tokens are candidates (and predecessors) at most positions, as a trained drafter's
+    frequent tokens are."""
+    return (V / torch.randint(1, V + 1, shape, device=DEV, generator=g).float()).long().clamp_max(V - 1)
+
+
+def gate_case(S: int, V: int, k: int, r: int, iters: int) -> dict[str, float]:
+    """`CandidateSelector.pair_scores` with a bf16 projection (the training step's), forward and its three
+    gradients: the gate pred[a] ⊙ proj a torch gather and product (`GatheredDots`' kernels after it) against made in
+    the kernels (`PairScores`)."""
+    if not DEV.type == "cuda" or not selector_triton.runs_on(torch.zeros(1, device=DEV)):
+        return {}
+    g = torch.Generator(device=DEV).manual_seed(0)
+    sel = selector.CandidateSelector(8, V, r, k).to(DEV)
+    proj = torch.randn(S, r, device=DEV, generator=g).bfloat16().requires_grad_()
+    prev, cand = _zipf_ids((S,), V, g), _zipf_ids((S, k), V, g)
+    w = torch.randn(S, k, device=DEV, generator=g)
+    params = [proj, sel.predecessor_codebook, sel.successor_codebook]
+    out, grads = {}, {}
+    saved = selector.TRITON_FUSED_GATE
+    try:
+        for name, fused in (("product", False), ("fused", True)):
+            selector.TRITON_FUSED_GATE = fused
+
+            def step():
+                for p in params:
+                    p.grad = None
+                (sel.pair_scores(None, prev, cand, proj) * w).sum().backward()
+            out[name] = timed_ms(step, iters)
+            grads[name] = torch.autograd.grad((sel.pair_scores(None, prev, cand, proj) * w).sum(), params)
+    finally:
+        selector.TRITON_FUSED_GATE = saved
+    out["max_grad_diff"] = max(float((a.float() - b.float()).abs().max() / b.float().abs().max())
+                               for a, b in zip(grads["fused"], grads["product"]))
+    return out
+
+
+def gold_logits_case(S: int, H: int, V: int, iters: int) -> dict[str, float]:
+    """`selector_loss.gold_logits` (each position's gold logit, no grad, bf16 head): the float32 gather and product
+    against one `selector_triton.dots` launch (where Triton runs)."""
+    from dflash.training import selector_loss
+    g = torch.Generator(device=DEV).manual_seed(0)
+    hidden = torch.randn(S, H, device=DEV, generator=g)
+    head = (torch.randn(V, H, device=DEV, generator=g) * H ** -0.5).bfloat16()
+    gold = _zipf_ids((S,), V, g)
+    out = {}
+    saved = selector_loss.TRITON_GOLD_LOGITS
+    try:
+        for name, kernel in (("torch", False), ("triton", True)):
+            if kernel and not (DEV.type == "cuda" and selector_triton.runs_on(head)):
+                continue
+            selector_loss.TRITON_GOLD_LOGITS = kernel
+            out[name] = timed_ms(lambda: selector_loss.gold_logits(hidden, head, gold), iters)
+            out[f"{name}_values"] = selector_loss.gold_logits(hidden, head, gold)
+    finally:
+        selector_loss.TRITON_GOLD_LOGITS = saved
+    if "triton_values" in out:
+        a, b = out.pop("triton_values"), out["torch_values"]
+        out["equal_frac"] = float((a == b).float().mean())
+    out.pop("torch_values")
+    return out
+
+
 def walk_case(N: int, K: int, H: int, V: int, k: int, r: int, iters: int) -> dict[str, float]:
     """The training metric's self-conditioned walk (`walk_candidates`, no grad) over N blocks of K positions: K
     dependent steps of a few small kernels each, the `selector_streak` diagnostic's cost a step."""
@@ -131,14 +199,16 @@ def top_k_case(C: int, V: int, k: int, dtype: torch.dtype, iters: int) -> dict[s
     from dflash.training import topk
     x = torch.randn(C, V, device=DEV, dtype=dtype)
     out = {"torch": timed_ms(lambda: x.topk(k, dim=-1), iters)}
-    saved = topk.TRITON_SECOND_PASS
-    try:
-        for name, second in (("two_pass", False), ("two_pass_triton", True)):
-            topk.TRITON_SECOND_PASS = second
+    from dflash.training import topk_triton
+    saved = topk.TRITON_SECOND_PASS, topk_triton.NARROW_KEYS
+    try:  # the Triton steps with int64 keys, then (16-bit rows of at most 65,536) with int32 keys
+        for name, second, narrow in (("two_pass", False, True), ("two_pass_triton_int64", True, False),
+                                     ("two_pass_triton", True, True)):
+            topk.TRITON_SECOND_PASS, topk_triton.NARROW_KEYS = second, narrow
             out[name] = timed_ms(lambda: top_k_rows(x, k, grouped=True), iters)
             out[f"{name}_same_values"] = float(torch.equal(top_k_rows(x, k, grouped=True)[0], x.topk(k, dim=-1).values))
     finally:
-        topk.TRITON_SECOND_PASS = saved
+        topk.TRITON_SECOND_PASS, topk_triton.NARROW_KEYS = saved
     return out
 
 
@@ -186,11 +256,15 @@ def main() -> None:
              ("unary-score gradient, 27B (4,096 x 16, H 5,120)", unary_grad_case(4096 // div, 16, 5120, 248320, a.iters))]
     projections = [("hidden projection fwd+bwd, reference (131,072 x 384 -> 256)", projection_case(131072 // div, 384, 256, a.iters)),
                    ("hidden projection fwd+bwd, 27B (4,096 x 5,120 -> 256)", projection_case(4096 // div, 5120, 256, a.iters))]
+    gates = [("pair scores + gate fwd+bwd, reference (131,072 x 16, V 4,096)", gate_case(131072 // div, 4096, 16, 256, a.iters)),
+             ("pair scores + gate fwd+bwd, 27B (4,096 x 16, V 248,320)", gate_case(4096 // div, 248320, 16, 256, a.iters))]
+    golds = [("gold logits, reference (131,072 x 384, V 4,096)", gold_logits_case(131072 // div, 384, 4096, a.iters)),
+             ("gold logits, 27B (4,096 x 5,120, V 248,320)", gold_logits_case(4096 // div, 5120, 248320, a.iters))]
     walks = [("walk metric, reference (1,024 blocks x 16, V 4,096)", walk_case(1024 // div, 16, 384, 4096, 16, 256, a.iters)),
              ("walk metric, 27B (256 blocks x 16, V 248,320)", walk_case(256 // div, 16, 5120, 248320, 16, 256, a.iters))]
     chunks = [("LM-head chunk, reference (65,536 x 384, V 4,096)", lm_head_chunk_case(65536 // div, 384, 4096, 16, a.iters)),
               ("LM-head chunk, 27B (1,024 x 5,120, V 248,320)", lm_head_chunk_case(1024 // div, 5120, 248320, 16, a.iters))]
-    for name, fig in cases + grads + projections + walks + chunks:
+    for name, fig in cases + gates + golds + grads + projections + walks + chunks:
         print(json.dumps({"case": name, "device": str(DEV), **fig}))
     if all(fig for _, fig in chunks):
         print(f"\n{'Triton LM-head chunk + top-16, ms':58s} {'no top-k':>9s} {'torch':>9s} {'2-pass':>9s} {'row pass':>9s}"
@@ -210,6 +284,16 @@ def main() -> None:
         if "two_pass_triton" in fig:
             print(f"{'  the same, steps 2 and 3 in one Triton kernel':58s} {after:10.2f} {fig['two_pass_triton']:10.2f} "
                   f"{after / fig['two_pass_triton']:6.2f}x")
+            print(f"{'  that kernel, int64 keys / int32 where they fit':58s} {fig['two_pass_triton_int64']:10.2f} "
+                  f"{fig['two_pass_triton']:10.2f} {fig['two_pass_triton_int64'] / fig['two_pass_triton']:6.2f}x")
+    for name, fig in gates:
+        if fig:
+            print(f"{name + ', product / in kernels':58s} {fig['product']:10.2f} {fig['fused']:10.2f} "
+                  f"{fig['product'] / fig['fused']:6.2f}x")
+    for name, fig in golds:
+        if "triton" in fig:
+            print(f"{name + ', torch / one kernel':58s} {fig['torch']:10.2f} {fig['triton']:10.2f} "
+                  f"{fig['torch'] / fig['triton']:6.2f}x")
     for name, fig in grads:
         if "triton" in fig:
             print(f"{name:58s} {fig['bag']:10.2f} {fig['triton']:10.2f} {fig['bag'] / fig['triton']:6.2f}x")

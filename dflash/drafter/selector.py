@@ -67,8 +67,8 @@ class GatheredDots(torch.autograd.Function):
     def backward(ctx, grad_Sk: torch.Tensor):
         gate_Sr, table_Vr, idx_Sk = ctx.saved_tensors
         if ctx.triton:
-            grad_gate, grad_table = selector_triton.dots_backward(gate_Sr, table_Vr, idx_Sk, grad_Sk,
-                                                                 *ctx.needs_input_grad[:2])
+            grad_gate, grad_table, _ = selector_triton.dots_backward(gate_Sr, table_Vr, idx_Sk, grad_Sk,
+                                                                    *ctx.needs_input_grad[:2])
             return grad_gate, grad_table, None
         grad_gate = grad_table = None
         weights = grad_Sk.to(table_Vr.dtype)
@@ -82,11 +82,47 @@ class GatheredDots(torch.autograd.Function):
         return grad_gate, grad_table, None
 
 
+class PairScores(torch.autograd.Function):
+    """⟨pred[a_s] ⊙ proj_s, succ[b_sj]⟩ [S, k] in `selector_triton`'s two kernels with the gate made in them: the
+    gate pred[a_s] ⊙ proj_s is never a tensor, and its gradient goes straight to proj (in proj's dtype, as autograd
+    rounds a bf16 product's output gradient) and, by atomic adds, to pred's rows. With `GatheredDots` the gate was
+    an [S, r] float32 gather and product, kept for the backward, whose gradient then took two more float32 [S, r]
+    products and the predecessor codebook's sorted embedding backward (docs/dflash2.md, "Speed"). The same sums;
+    the tables' gradients in no fixed order (`selector_triton`)."""
+
+    @staticmethod
+    def forward(ctx, proj_Sr: torch.Tensor, pred_Vr: torch.Tensor, prev_S: torch.Tensor, succ_Vr: torch.Tensor,
+                cand_Sk: torch.Tensor) -> torch.Tensor:
+        tensors = tuple(t.contiguous() for t in (proj_Sr, pred_Vr, prev_S, succ_Vr, cand_Sk))
+        ctx.save_for_backward(*tensors)
+        proj, pred, prev, succ, cand = tensors
+        return selector_triton.dots(proj, succ, cand, pred, prev)
+
+    @staticmethod
+    def backward(ctx, grad_Sk: torch.Tensor):
+        proj, pred, prev, succ, cand = ctx.saved_tensors
+        need_proj, need_pred, _, need_succ, _ = ctx.needs_input_grad
+        grad_proj, grad_succ, grad_pred = selector_triton.dots_backward(proj, succ, cand, grad_Sk, need_proj, need_succ,
+                                                                        pred, prev, need_pred)
+        return grad_proj, grad_pred, None, grad_succ, None
+
+
 GATHER_BYTES = 1 << 25  # gathered table rows per forward chunk (32 MiB: within an H100's 50 MB L2)
 # float32 pair scores on a GPU take selector_triton's two kernels (False: the torch ops above everywhere)
 TRITON_PAIR_SCORES = True
+# ... with the gate made in them (`PairScores`; False: the gate a torch product, the kernels `GatheredDots`')
+TRITON_FUSED_GATE = True
 # the greedy walk over float32 tables on a GPU is selector_triton's one launch (False: walk_candidates' torch loop)
 TRITON_WALK = True
+
+
+def _fused_inputs(projected: torch.Tensor, *tables: torch.Tensor) -> bool:
+    """Whether the kernels that read the projection themselves take these: float32 tables on Triton's device
+    (`selector_triton.available`), a float32 or 16-bit float projection beside them."""
+    return projected.dtype in _KERNEL_PROJECTIONS and selector_triton.available(*tables) and selector_triton.runs_on(projected)
+
+
+_KERNEL_PROJECTIONS = (torch.float32, torch.bfloat16, torch.float16)
 
 
 class CandidateSelector(nn.Module):
@@ -107,12 +143,13 @@ class CandidateSelector(nn.Module):
             nn.init.normal_(p, std=self.init_std)
 
     def project(self, hidden_SH: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
-        """h · P [..., r] in P's dtype: the hidden projection, which every candidate's pair score at a position shares.
-        `dtype`: the product's precision (h and P cast to it, the result back to P's dtype), e.g. bf16 as the drafter's
-        other products under autocast and as an engine's bf16 weights compute it; None: P's own dtype."""
+        """h · P [..., r]: the hidden projection, which every candidate's pair score at a position shares. `dtype`: the
+        product's precision and the result's (h and P cast to it), e.g. bf16 as the drafter's other products under
+        autocast and as an engine's bf16 weights compute it; the pair scores read it as float32 (`pair_scores`);
+        None: P's own dtype."""
         weight = self.hidden_projection.weight
         dt = dtype or weight.dtype
-        return F.linear(hidden_SH.to(dt), weight.to(dt)).to(weight.dtype)
+        return F.linear(hidden_SH.to(dt), weight.to(dt))
 
     def pair_scores(self, hidden_SH: torch.Tensor, pred_S: torch.Tensor, cand_Sk: torch.Tensor,
                     projected_Sr: torch.Tensor | None = None) -> torch.Tensor:
@@ -123,10 +160,14 @@ class CandidateSelector(nn.Module):
         # backward 11x DFlash 1's, docs/dflash2.md "Speed"); embedding's backward splits long runs.
         if projected_Sr is None:
             projected_Sr = self.project(hidden_SH)
-        gate_Sr = F.embedding(pred_S, self.predecessor_codebook) * projected_Sr
-        k = cand_Sk.shape[-1]
-        scores = GatheredDots.apply(gate_Sr.reshape(-1, gate_Sr.shape[-1]), self.successor_codebook,
-                                    cand_Sk.reshape(-1, k))
+        pred_Vr, succ_Vr = self.predecessor_codebook, self.successor_codebook
+        k, r = cand_Sk.shape[-1], projected_Sr.shape[-1]
+        if TRITON_PAIR_SCORES and TRITON_FUSED_GATE and _fused_inputs(projected_Sr, pred_Vr, succ_Vr):
+            scores = PairScores.apply(projected_Sr.reshape(-1, r), pred_Vr, pred_S.reshape(-1), succ_Vr,
+                                      cand_Sk.reshape(-1, k))
+            return scores.view(cand_Sk.shape)
+        gate_Sr = F.embedding(pred_S, pred_Vr) * projected_Sr.to(pred_Vr.dtype)
+        scores = GatheredDots.apply(gate_Sr.reshape(-1, r), succ_Vr, cand_Sk.reshape(-1, k))
         return scores.view(cand_Sk.shape)
 
     @torch.no_grad()
@@ -160,7 +201,7 @@ class CandidateSelector(nn.Module):
         if projected_SKr is None:
             projected_SKr = self.project(hidden_SKH)
         tables = self.predecessor_codebook, self.successor_codebook
-        if temperature <= 0 and TRITON_WALK and selector_triton.available(projected_SKr, unary_SKk, *tables):
+        if temperature <= 0 and TRITON_WALK and _fused_inputs(projected_SKr, *tables) and unary_SKk.dtype == torch.float32:
             lead = cand_SKk.shape[:-2]  # one launch for the whole walk (the loop below, K steps of small kernels)
             tokens, scores = selector_triton.greedy_walk(
                 projected_SKr.reshape(-1, *projected_SKr.shape[-2:]), *tables, unary_SKk.reshape(-1, *unary_SKk.shape[-2:]),

@@ -53,12 +53,16 @@ def available(*tensors: Tensor) -> bool:
 if triton is not None:
 
     @triton.jit
-    def _dots_kernel(gate_ptr, table_ptr, idx_ptr, out_ptr, S, r, k, BS: tl.constexpr, R: tl.constexpr):
+    def _dots_kernel(gate_ptr, table_ptr, idx_ptr, out_ptr, pred_ptr, prev_ptr, S, r, k, FUSED: tl.constexpr,
+                     BS: tl.constexpr, R: tl.constexpr):
         rows = tl.program_id(0) * BS + tl.arange(0, BS)
         cols = tl.arange(0, R)
         row_ok = rows < S
         mask = row_ok[:, None] & (cols[None, :] < r)
-        gate = tl.load(gate_ptr + rows[:, None].to(tl.int64) * r + cols[None, :], mask=mask, other=0.0)
+        gate = tl.load(gate_ptr + rows[:, None].to(tl.int64) * r + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        if FUSED:  # gate_ptr holds the projection: the gate is pred[prev[s]] ⊙ proj[s], made here
+            prev = tl.load(prev_ptr + rows.to(tl.int64), mask=row_ok, other=0)
+            gate *= tl.load(pred_ptr + prev[:, None].to(tl.int64) * r + cols[None, :], mask=mask, other=0.0)
         for j in range(k):
             ids = tl.load(idx_ptr + rows.to(tl.int64) * k + j, mask=row_ok, other=0)
             table = tl.load(table_ptr + ids[:, None].to(tl.int64) * r + cols[None, :], mask=mask, other=0.0)
@@ -66,27 +70,45 @@ if triton is not None:
 
     @triton.jit
     def _dots_backward_kernel(gate_ptr, table_ptr, idx_ptr, grad_ptr, grad_gate_ptr, grad_table_ptr, S, r, k,
-                              table_size, copies, NEED_GATE: tl.constexpr, NEED_TABLE: tl.constexpr,
+                              table_size, copies, pred_ptr, prev_ptr, grad_pred_ptr, pred_size,
+                              NEED_GATE: tl.constexpr, NEED_TABLE: tl.constexpr, FUSED: tl.constexpr,
+                              NEED_PRED: tl.constexpr, NEED_ACC: tl.constexpr, READ_GATE: tl.constexpr,
                               BS: tl.constexpr, R: tl.constexpr):
-        # this program's copy of the table's gradient (`dots_backward`: copies that split the atomic adds' contention)
-        grad_table_ptr += (tl.program_id(0) % copies).to(tl.int64) * table_size
+        # FUSED: gate_ptr holds the projection proj and the gate is pred[prev[s]] ⊙ proj[s] (`pair_dots`);
+        # NEED_GATE then asks for proj's gradient (stored in proj's dtype), NEED_PRED for pred's. NEED_ACC: NEED_GATE or
+        # NEED_PRED (the gate's gradient is summed); READ_GATE: NEED_TABLE or FUSED (flags, not expressions, in the
+        # kernel's static branches)
+        # this program's copy of each table's gradient (`dots_backward`: copies that split the atomic adds' contention)
+        copy = (tl.program_id(0) % copies).to(tl.int64)
+        grad_table_ptr += copy * table_size
         rows = tl.program_id(0) * BS + tl.arange(0, BS)
         cols = tl.arange(0, R)
         row_ok = rows < S
         mask = row_ok[:, None] & (cols[None, :] < r)
         offs = rows[:, None].to(tl.int64) * r + cols[None, :]
-        if NEED_TABLE:
-            gate = tl.load(gate_ptr + offs, mask=mask, other=0.0)
-        acc = tl.zeros((BS, R), dtype=tl.float32)
+        if READ_GATE:
+            gate = tl.load(gate_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+            if FUSED:
+                proj = gate
+                prev = tl.load(prev_ptr + rows.to(tl.int64), mask=row_ok, other=0)
+                pred_at = prev[:, None].to(tl.int64) * r + cols[None, :]
+                pred = tl.load(pred_ptr + pred_at, mask=mask, other=0.0)
+                gate = proj * pred
+        acc = tl.zeros((BS, R), dtype=tl.float32)  # the gradient wrt the gate
         for j in range(k):
             ids = tl.load(idx_ptr + rows.to(tl.int64) * k + j, mask=row_ok, other=0)
             g = tl.load(grad_ptr + rows.to(tl.int64) * k + j, mask=row_ok, other=0.0).to(tl.float32)
             at = ids[:, None].to(tl.int64) * r + cols[None, :]
-            if NEED_GATE:
+            if NEED_ACC:
                 acc += g[:, None] * tl.load(table_ptr + at, mask=mask, other=0.0).to(tl.float32)
             if NEED_TABLE:
                 tl.atomic_add(grad_table_ptr + at, g[:, None] * gate, mask=mask, sem="relaxed")
-        if NEED_GATE:
+        if FUSED:
+            if NEED_GATE:
+                tl.store(grad_gate_ptr + offs, (acc * pred).to(grad_gate_ptr.dtype.element_ty), mask=mask)
+            if NEED_PRED:
+                tl.atomic_add(grad_pred_ptr + copy * pred_size + pred_at, acc * proj, mask=mask, sem="relaxed")
+        elif NEED_GATE:
             tl.store(grad_gate_ptr + offs, acc, mask=mask)
 
 
@@ -107,7 +129,7 @@ if triton is not None:
             cand = tl.load(cand_ptr + at, mask=cand_ok, other=0)
             succ = tl.load(succ_ptr + cand[:, :, None].to(tl.int64) * r + cols[None, None, :],
                            mask=cand_ok[:, :, None] & (cols[None, None, :] < r), other=0.0)  # [BS, KC, R]
-            proj = tl.load(proj_ptr + (r64[:, None] * K + t) * r + cols[None, :], mask=mask, other=0.0)
+            proj = tl.load(proj_ptr + (r64[:, None] * K + t) * r + cols[None, :], mask=mask, other=0.0).to(tl.float32)
             gate = tl.load(pred_ptr + prev[:, None].to(tl.int64) * r + cols[None, :], mask=mask, other=0.0) * proj
             score = tl.load(unary_ptr + at, mask=cand_ok, other=0.0) + tl.sum(succ * gate[:, None, :], axis=2)
             tl.store(score_ptr + at, score, mask=cand_ok)
@@ -116,39 +138,70 @@ if triton is not None:
             tl.store(tok_ptr + r64 * K + t, prev, mask=row_ok)
 
 
+def _rows(r: int) -> int:
+    """Rows a program for rows of r floats: ROWS, fewer for wide rows (a [rows, r] float32 tile within the
+    registers: 8,192 floats, one row of a 5,120-wide hidden state)."""
+    return max(1, min(ROWS, 8192 // triton.next_power_of_2(r)))
+
+
 def _launch(S: int, r: int, rows: int = ROWS) -> tuple[tuple[int], dict]:
     return (triton.cdiv(S, rows),), {"BS": rows, "R": triton.next_power_of_2(r), "num_warps": 4}
 
 
-def dots(gate_Sr: Tensor, table_Vr: Tensor, idx_Sk: Tensor) -> Tensor:
-    """[S, k]: ⟨table[idx[s, j]], gate[s]⟩ (contiguous float32 gate and table, ids in 0..V-1)."""
+def dots(gate_Sr: Tensor, table_Vr: Tensor, idx_Sk: Tensor, pred_Vr: Tensor | None = None,
+         prev_S: Tensor | None = None) -> Tensor:
+    """[S, k] float32: ⟨table[idx[s, j]], gate[s]⟩ (contiguous gate and table, float32 or 16-bit floats, read as
+    float32; ids in 0..V-1). With `pred_Vr` and
+    `prev_S` the gate is made in the kernel, pred[prev[s]] ⊙ gate[s] (`gate_Sr` then the projection, float32 or a
+    16-bit float read as float32): `pair_dots`."""
     S, k = idx_Sk.shape
     out = torch.empty(S, k, dtype=torch.float32, device=gate_Sr.device)
     if out.numel() == 0:  # no launch over an empty grid
         return out
-    grid, meta = _launch(S, gate_Sr.shape[1])
-    _dots_kernel[grid](gate_Sr, table_Vr, idx_Sk, out, S, gate_Sr.shape[1], k, **meta)
+    fused = pred_Vr is not None
+    grid, meta = _launch(S, gate_Sr.shape[1], _rows(gate_Sr.shape[1]))
+    _dots_kernel[grid](gate_Sr, table_Vr, idx_Sk, out, pred_Vr if fused else gate_Sr, prev_S if fused else idx_Sk,
+                       S, gate_Sr.shape[1], k, FUSED=fused, **meta)
     return out
 
 
+def _gradient_copies(table_Vr: Tensor, need: bool) -> Tensor | None:
+    """Zeroed float32 copies [c, V, r] of a table's gradient for the atomic adds (TABLE_COPIES_BYTES), None if not
+    needed."""
+    if not need:
+        return None
+    copies = max(1, min(MAX_TABLE_COPIES, TABLE_COPIES_BYTES // (table_Vr.numel() * 4)))
+    return torch.zeros(copies, *table_Vr.shape, dtype=torch.float32, device=table_Vr.device)
+
+
 def dots_backward(gate_Sr: Tensor, table_Vr: Tensor, idx_Sk: Tensor, grad_Sk: Tensor, need_gate: bool,
-                  need_table: bool) -> tuple[Tensor | None, Tensor | None]:
-    """(grad wrt gate [S, r], grad wrt table [V, r]) of `dots`, each None where not needed."""
+                  need_table: bool, pred_Vr: Tensor | None = None, prev_S: Tensor | None = None,
+                  need_pred: bool = False) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
+    """(grad wrt gate [S, r] in its dtype, grad wrt table [V, r], grad wrt pred [V, r]) of `dots`, each None where not
+    needed (pred's always without `pred_Vr`)."""
     S, k = idx_Sk.shape
     r = gate_Sr.shape[1]
+    fused = pred_Vr is not None
+    need_pred = need_pred and fused
     grad_gate = torch.empty_like(gate_Sr) if need_gate else None
-    copies = max(1, min(MAX_TABLE_COPIES, TABLE_COPIES_BYTES // (table_Vr.numel() * 4))) if need_table else 1
-    grad_table = torch.zeros(copies, *table_Vr.shape, dtype=torch.float32, device=table_Vr.device) if need_table else None
+    grad_table, grad_pred = _gradient_copies(table_Vr, need_table), _gradient_copies(pred_Vr, need_pred)
+    # one number of copies for both tables (a program adds into its copy of each): the fewer of the two's
+    copies = min((t.shape[0] for t in (grad_table, grad_pred) if t is not None), default=1)
     if S * k:
         grid, meta = _launch(S, r)
-        _dots_backward_kernel[grid](gate_Sr, table_Vr, idx_Sk, grad_Sk.float().contiguous(),
-                                    grad_gate if need_gate else gate_Sr, grad_table if need_table else table_Vr, S, r,
-                                    k, table_Vr.numel(), copies, NEED_GATE=need_gate, NEED_TABLE=need_table, **meta)
+        _dots_backward_kernel[grid](
+            gate_Sr, table_Vr, idx_Sk, grad_Sk.float().contiguous(), grad_gate if need_gate else gate_Sr,
+            grad_table if need_table else table_Vr, S, r, k, table_Vr.numel(), copies,
+            pred_Vr if fused else gate_Sr, prev_S if fused else idx_Sk, grad_pred if need_pred else gate_Sr,
+            pred_Vr.numel() if fused else 0, NEED_GATE=need_gate, NEED_TABLE=need_table, FUSED=fused,
+            NEED_PRED=need_pred, NEED_ACC=need_gate or need_pred, READ_GATE=need_table or fused, **meta)
     elif need_gate:
         grad_gate.zero_()
-    if need_table:
-        grad_table = grad_table[0] if copies == 1 else grad_table.sum(0)
-    return grad_gate, grad_table
+    return grad_gate, _sum_copies(grad_table, copies), _sum_copies(grad_pred, copies)
+
+
+def _sum_copies(grad_cVr: Tensor | None, copies: int) -> Tensor | None:
+    return None if grad_cVr is None else grad_cVr[0] if copies == 1 else grad_cVr[:copies].sum(0)
 
 
 def greedy_walk(projected_SKr: Tensor, pred_Vr: Tensor, succ_Vr: Tensor, unary_SKk: Tensor, cand_SKk: Tensor,
@@ -157,7 +210,8 @@ def greedy_walk(projected_SKr: Tensor, pred_Vr: Tensor, succ_Vr: Tensor, unary_S
     dependent steps run in one program, its k candidates' rows, gate and best candidate in registers (at r = 256,
     k = 16: one row a program, so the 256 blocks of the 27B-shape step are 256 programs): the torch walk launches a
     few small kernels per step (`CandidateSelector.walk_candidates`), a step's worth of launches K times over.
-    Float32 projections, codebooks and unary scores (`available`); the first of equal best scores wins, as
+    Float32 codebooks and unary scores (`available`), projections float32 or 16-bit (read as float32: the training
+    step's bf16 projection, `CandidateSelector.project`); the first of equal best scores wins, as
     torch.argmax's."""
     S, K, k = cand_SKk.shape
     r = pred_Vr.shape[1]
@@ -185,8 +239,8 @@ def weighted_rows(idx_Sk: Tensor, weights_Sk: Tensor, table_Vr: Tensor) -> Tenso
     out = torch.empty(S, r, dtype=torch.float32, device=table_Vr.device)
     if S * k == 0:
         return out.zero_()
-    rows = max(1, min(ROWS, 8192 // triton.next_power_of_2(r)))  # a [rows, r] accumulator within the registers
-    grid, meta = _launch(S, r, rows)
+    grid, meta = _launch(S, r, _rows(r))
     _dots_backward_kernel[grid](out, table_Vr.contiguous(), idx_Sk.contiguous(), weights_Sk.contiguous(), out, out,
-                                S, r, k, 0, 1, NEED_GATE=True, NEED_TABLE=False, **meta)
+                                S, r, k, 0, 1, out, idx_Sk, out, 0, NEED_GATE=True, NEED_TABLE=False, FUSED=False,
+                                NEED_PRED=False, NEED_ACC=True, READ_GATE=False, **meta)
     return out

@@ -89,13 +89,21 @@ def gold_logits(hidden_SH: Tensor, head_VH: Tensor, gold_S: Tensor) -> Tensor:
     state in the head's dtype, the product rounded to a low-precision head's dtype, returned in float32 (or
     float64): the injected candidate's unary score beside the others' (the top-k values of that pass)."""
     dt = _at_least_f32(hidden_SH.dtype)
-    out = (hidden_SH.to(head_VH.dtype).to(dt) * F.embedding(gold_S, head_VH).to(dt)).sum(-1)
+    h = hidden_SH.to(head_VH.dtype)
+    if TRITON_GOLD_LOGITS and dt == torch.float32 and selector_triton.runs_on(h, head_VH, gold_S):
+        # one kernel reads each position's gold row and sums the products in float32, as the line below does
+        # through a float32 [S, H] gather and product (four [S, H] passes at the reference shapes' 131,072 x 384)
+        out = selector_triton.dots(h.contiguous(), head_VH.contiguous(), gold_S.reshape(-1, 1).contiguous())[:, 0]
+    else:
+        out = (h.to(dt) * F.embedding(gold_S, head_VH).to(dt)).sum(-1)
     return out.to(head_VH.dtype).to(dt) if head_VH.dtype in _LOW_PRECISION else out
 
 
 GATHER_BYTES = 1 << 28
 # CandidateLogits' backward on a GPU by `selector_triton.weighted_rows` (False: the embedding bag everywhere)
 TRITON_UNARY_GRAD = True
+# `gold_logits` on a GPU by one `selector_triton.dots` launch (False: the torch gather and product everywhere)
+TRITON_GOLD_LOGITS = True
 # The walk metric (`selector_streak`) follows at most this many blocks a step, evenly strided: a diagnostic's sample,
 # read as a mean over tracking.log_every steps. Over all 8,192 blocks of the reference-shape bench step its 15
 # sequential steps cost 2.4 ms of a 48 ms step (one H100, benchmarks/log/2026-12-06.md); the 27B-shape step has
@@ -153,7 +161,7 @@ def selector_terms(hidden_NKH: Tensor, lm_head_VH: Tensor, labels_NK: Tensor, an
     # one projection for the pair scores and the walk, in a low-precision head's dtype (bf16 for a bf16 target),
     # as the block loss's logits: in float32 its three products (forward, both gradients) ran at the GPU's float32
     # rate (reference shapes 1.99 ms against 1.49 in bf16; the 27B step's GEMMs 82.3 -> 81.3 ms,
-    # benchmarks/log/2026-12-07.md); the pair scores stay float32
+    # benchmarks/log/2026-12-07.md); the pair scores read it as float32 and stay float32
     projected_NKr = selector.project(hidden_NKH, lm_head_VH.dtype if lm_head_VH.dtype in _LOW_PRECISION else None)
     scores_NKk = unary_NKk + selector.pair_scores(hidden_NKH, prev_NK, injected, projected_NKr).to(unary_NKk.dtype)
     ce_NK = F.cross_entropy(scores_NKk.reshape(-1, k), target_NK.reshape(-1), reduction="none").view(N, K)

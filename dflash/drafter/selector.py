@@ -116,13 +116,14 @@ TRITON_FUSED_GATE = True
 TRITON_WALK = True
 
 
+_KERNEL_PROJECTIONS = (torch.float32, torch.bfloat16, torch.float16)
+
+
 def _fused_inputs(projected: torch.Tensor, *tables: torch.Tensor) -> bool:
     """Whether the kernels that read the projection themselves take these: float32 tables on Triton's device
     (`selector_triton.available`), a float32 or 16-bit float projection beside them."""
-    return projected.dtype in _KERNEL_PROJECTIONS and selector_triton.available(*tables) and selector_triton.runs_on(projected)
-
-
-_KERNEL_PROJECTIONS = (torch.float32, torch.bfloat16, torch.float16)
+    return (projected.dtype in _KERNEL_PROJECTIONS and selector_triton.available(*tables)
+            and selector_triton.runs_on(projected))
 
 
 class CandidateSelector(nn.Module):
@@ -201,7 +202,8 @@ class CandidateSelector(nn.Module):
         if projected_SKr is None:
             projected_SKr = self.project(hidden_SKH)
         tables = self.predecessor_codebook, self.successor_codebook
-        if temperature <= 0 and TRITON_WALK and _fused_inputs(projected_SKr, *tables) and unary_SKk.dtype == torch.float32:
+        if (temperature <= 0 and TRITON_WALK and unary_SKk.dtype == torch.float32
+                and _fused_inputs(projected_SKr, *tables)):
             lead = cand_SKk.shape[:-2]  # one launch for the whole walk (the loop below, K steps of small kernels)
             tokens, scores = selector_triton.greedy_walk(
                 projected_SKr.reshape(-1, *projected_SKr.shape[-2:]), *tables, unary_SKk.reshape(-1, *unary_SKk.shape[-2:]),

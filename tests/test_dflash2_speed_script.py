@@ -30,3 +30,15 @@ def test_the_script_runs_each_stage_and_prints_the_ratios(tmp_path):
         rows = [line for line in table.splitlines() if line.startswith(f"{shape} drafter tok/s")]
         assert len(rows) == 2 and "[DFlash 2]" in rows[1] and "x the default" in rows[1], table
     assert "pair scores fwd+bwd" in table
+
+
+def test_only_runs_the_named_stages(tmp_path):
+    """ONLY=micro: the microbench alone, every other stage named as skipped (an H200 job runs ONLY=pipeline_27b)."""
+    env = {**os.environ, "OUT": str(tmp_path / "out"), "MICRO": "--small --iters 1", "ONLY": "micro"}
+    p = subprocess.run(["bash", str(ROOT / "benchmarks/gpu/dflash2_speed.sh")], cwd=tmp_path, env=env,
+                       capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stdout + p.stderr
+    stages = (tmp_path / "out/dflash2_speed/stages.txt").read_text()
+    assert "micro: rc 0" in stages, stages
+    for name in ("drafter_27b", "drafter_reference", "pipeline_27b"):
+        assert f"{name}: skipped (ONLY=micro)" in stages, stages

@@ -16,8 +16,9 @@
 # benchmarks/log/<date>.md, with the card's name. Env: OUT (default gpu_out); BIG / REF / MICRO override stage 2's
 # and 3's shapes and stage 1's arguments (a CPU dry run at tiny shapes: tests/test_dflash2_speed_script.py);
 # BENCH_EXTRA adds overrides to every bench stage (e.g. bench.kernel_top=80: more of the costliest kernels named);
-# NO_PIPELINE=1 skips stage 4 (run it on its own in another call: the four stages take more than one call's ten
-# minutes on an H200).
+# NO_PIPELINE=1 skips stage 4; ONLY=<names, comma-separated> runs only those stages (micro, drafter_27b,
+# drafter_reference, pipeline_27b): on an H200 the four take more than a ten-minute job limit, so e.g. ONLY=pipeline_27b
+# in one job and NO_PIPELINE=1 in another.
 set -uo pipefail
 OUT=${OUT:-gpu_out}
 W=$OUT/dflash2_speed
@@ -33,9 +34,17 @@ REF=${REF:-"+trainer=gpu bench.seq_len=320 bench.drafter_batch=64 bench.anchors=
 PIPE=${PIPE:-"+target=qwen3_6_27b_random +drafter=dflash2_qwen3_6_27b +trainer=gpu bench.seq_len=2048 bench.anchors=256 trainer.producer_batch=4"}
 COMMON="bench.profile_steps=0 +tracking=off ${BENCH_EXTRA:-}"
 
+wanted() {  # NAME: whether the stage runs (every stage, or those ONLY names)
+  [[ -z ${ONLY:-} || ",$ONLY," == *",$1,"* ]]
+}
+
 stage() {  # NAME LIMIT COMMAND...: one process under its limit, its output in $W/NAME.txt
   local name=$1 limit=$2 t=$SECONDS
   shift 2
+  if ! wanted "$name"; then
+    echo "$name: skipped (ONLY=$ONLY)" | tee -a "$W/stages.txt"
+    return
+  fi
   timeout "$limit" "$@" > "$W/$name.txt" 2>&1
   echo "$name: rc $? in $((SECONDS - t)) s" | tee -a "$W/stages.txt"
 }
@@ -49,6 +58,8 @@ stage drafter_reference 150 python -m experiments.bench $REF $COMMON bench.kerne
 MIB=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null | head -1)
 if [[ -n ${NO_PIPELINE:-} ]]; then
   echo "pipeline_27b: skipped (NO_PIPELINE)" | tee -a "$W/stages.txt"
+elif ! wanted pipeline_27b; then
+  echo "pipeline_27b: skipped (ONLY=$ONLY)" | tee -a "$W/stages.txt"
 elif (( ${MIB:-0} > 102400 )) || [[ -n ${FORCE_PIPELINE:-} ]]; then
   stage pipeline_27b 420 python -m experiments.bench $PIPE $COMMON bench.kernel_profile=0 \
     bench.sections=peak,target,drafter,pipeline

@@ -74,7 +74,7 @@ if triton is not None:
                               NEED_GATE: tl.constexpr, NEED_TABLE: tl.constexpr, FUSED: tl.constexpr,
                               NEED_PRED: tl.constexpr, NEED_ACC: tl.constexpr, READ_GATE: tl.constexpr,
                               BS: tl.constexpr, R: tl.constexpr):
-        # FUSED: gate_ptr holds the projection proj and the gate is pred[prev[s]] ⊙ proj[s] (`pair_dots`);
+        # FUSED: gate_ptr holds the projection proj and the gate is pred[prev[s]] ⊙ proj[s] (`dots` with `pred_Vr`);
         # NEED_GATE then asks for proj's gradient (stored in proj's dtype), NEED_PRED for pred's. NEED_ACC: NEED_GATE or
         # NEED_PRED (the gate's gradient is summed); READ_GATE: NEED_TABLE or FUSED (flags, not expressions, in the
         # kernel's static branches)
@@ -144,22 +144,22 @@ def _rows(r: int) -> int:
     return max(1, min(ROWS, 8192 // triton.next_power_of_2(r)))
 
 
-def _launch(S: int, r: int, rows: int = ROWS) -> tuple[tuple[int], dict]:
+def _launch(S: int, r: int) -> tuple[tuple[int], dict]:
+    rows = _rows(r)
     return (triton.cdiv(S, rows),), {"BS": rows, "R": triton.next_power_of_2(r), "num_warps": 4}
 
 
 def dots(gate_Sr: Tensor, table_Vr: Tensor, idx_Sk: Tensor, pred_Vr: Tensor | None = None,
          prev_S: Tensor | None = None) -> Tensor:
     """[S, k] float32: ⟨table[idx[s, j]], gate[s]⟩ (contiguous gate and table, float32 or 16-bit floats, read as
-    float32; ids in 0..V-1). With `pred_Vr` and
-    `prev_S` the gate is made in the kernel, pred[prev[s]] ⊙ gate[s] (`gate_Sr` then the projection, float32 or a
-    16-bit float read as float32): `pair_dots`."""
+    float32; ids in 0..V-1). With `pred_Vr` and `prev_S` the gate is made in the kernel, pred[prev[s]] ⊙ gate[s]
+    (`gate_Sr` then the projection, float32 or a 16-bit float read as float32): `selector.PairScores`."""
     S, k = idx_Sk.shape
     out = torch.empty(S, k, dtype=torch.float32, device=gate_Sr.device)
     if out.numel() == 0:  # no launch over an empty grid
         return out
     fused = pred_Vr is not None
-    grid, meta = _launch(S, gate_Sr.shape[1], _rows(gate_Sr.shape[1]))
+    grid, meta = _launch(S, gate_Sr.shape[1])
     _dots_kernel[grid](gate_Sr, table_Vr, idx_Sk, out, pred_Vr if fused else gate_Sr, prev_S if fused else idx_Sk,
                        S, gate_Sr.shape[1], k, FUSED=fused, **meta)
     return out
@@ -234,13 +234,7 @@ def weighted_rows(idx_Sk: Tensor, weights_Sk: Tensor, table_Vr: Tensor) -> Tenso
     table's dtype. The backward kernel's grad_gate half (the rows streamed past a [rows, r] float32 accumulator).
     Used by `selector_loss.CandidateLogits`' backward on a GPU (the unary scores' gradient, Σ_j g_sj W[idx_sj] over the
     bf16 head): at the reference shapes 0.27 ms against the bag's 1.86 (one H100, benchmarks/log/2026-12-07.md)."""
-    S, k = idx_Sk.shape
-    r = table_Vr.shape[1]
-    out = torch.empty(S, r, dtype=torch.float32, device=table_Vr.device)
-    if S * k == 0:
-        return out.zero_()
-    grid, meta = _launch(S, r, _rows(r))
-    _dots_backward_kernel[grid](out, table_Vr.contiguous(), idx_Sk.contiguous(), weights_Sk.contiguous(), out, out,
-                                S, r, k, 0, 1, out, idx_Sk, out, 0, NEED_GATE=True, NEED_TABLE=False, FUSED=False,
-                                NEED_PRED=False, NEED_ACC=True, READ_GATE=False, **meta)
-    return out
+    # `dots_backward` with only the gate's gradient asked for: the gate itself is never read, so an unfilled
+    # float32 one stands in for it and sets the result's dtype
+    gate = torch.empty(idx_Sk.shape[0], table_Vr.shape[1], dtype=torch.float32, device=table_Vr.device)
+    return dots_backward(gate, table_Vr.contiguous(), idx_Sk.contiguous(), weights_Sk, True, False)[0]

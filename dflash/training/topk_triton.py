@@ -18,8 +18,8 @@ Here each program takes ELEMENTS // max(n, k · g) rows (at least one) and, per 
 The keys come in two widths (`_narrow` picks): int32 where the logits and the group maxima are both bf16 or both
 fp16 and V ≤ 65,536 (the 16-bit float's bits over MAX_ID16 − id: ids and group numbers fit 16 bits), else int64
 (the value as float32's bits over MAX_ID − id). The H100 has no 64-bit integer compare: each int64 compare and swap
-of the bitonic top-k takes several 32-bit ops, and the int32 keys halve the key width (their speed is to be timed by
-benchmarks/gpu/selector_kernels.py). The two widths order values alike (−0.0 below +0.0, as their bits order).
+of the bitonic top-k takes several 32-bit ops, and the int32 keys halve the key width (a bf16 reference chunk's
+top-16, the torch first pass and this kernel, 3.38 -> 3.20 ms: one H100, benchmarks/log/2026-12-07.md). The two widths order values alike (−0.0 below +0.0, as their bits order).
 The values are the logits themselves (bit for bit, largest first: torch.topk's values); among equal values the lower
 id comes first (torch.topk names no order for ties). Needs k and g powers of two (`supports`); the caller falls
 back to the torch steps elsewhere.
@@ -144,7 +144,7 @@ def top_k_of_groups(x_CV: Tensor, group_max_Cn: Tensor, k: int) -> tuple[Tensor,
     NP = triton.next_power_of_2(n)
     # One ELEMENTS for both widths: the int32 keys' program then holds half the key bytes, which buys occupancy
     # (ptxas, Triton 3.6, sm_90, reference shapes: 56 registers a thread against the int64 keys' 168; 156 with
-    # ELEMENTS doubled) rather than more rows a program. Which is faster is for benchmarks/gpu/selector_kernels.py.
+    # ELEMENTS doubled) rather than more rows a program.
     RB = max(1, ELEMENTS // max(NP, k * g))
     _top_k_of_groups_kernel[(triton.cdiv(C, RB),)](x_CV, group_max_Cn, vals, ids, C, n, x_CV.stride(0),
                                                    group_max_Cn.stride(0), K=k, G=g, NP=NP, RB=RB, NARROW=narrow,

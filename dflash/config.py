@@ -38,8 +38,8 @@ class TrainerConfig:
     sequences_per_step: int = 2  # sequences pulled from the buffer per optimizer step
     num_anchors: int = 16  # random anchors (blocks) per sequence, re-drawn every epoch
     lr: float = 1e-3
-    # adamw | muon (torch.optim.Muon for the 2-D weights at muon_lr_scale x lr, AdamW for the rest;
-    # dflash/training/optim.py)
+    # adamw | muon (Muon for the 2-D weights at muon_lr_scale x lr, each shape's matrices as one batch, AdamW for the
+    # rest) | muon_torch (the same with torch.optim.Muon one matrix at a time; dflash/training/optim.py)
     optimizer: str = "adamw"
     muon_lr_scale: float = 10.0
     min_lr_ratio: float = 0.1  # the cosine's end as a fraction of lr, in [0, 1]

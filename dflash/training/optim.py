@@ -1,10 +1,13 @@
 """The drafter's optimizer, chosen by `trainer.optimizer`.
 
 - `adamw`: AdamW over every parameter (betas 0.9 / 0.95, `trainer.weight_decay`), fused on CUDA.
-- `muon`: `torch.optim.Muon` for the 2-D weight matrices (every Linear, the selector's hidden projection) at
+- `muon`: Muon for the 2-D weight matrices (every Linear, the selector's hidden projection) at
   `trainer.muon_lr_scale` × `trainer.lr` (speculators' default for DFlash drafters: 10 ×), AdamW as above for the
   rest: norms, the convolutions' base kernels (3-D) and the selector's codebooks (embedding tables: a row is
-  updated only where its token occurs, which Muon's orthogonalised update is not meant for).
+  updated only where its token occurs, which Muon's orthogonalised update is not meant for). The Muon part is
+  `dflash.training.muon.BatchedMuon`, torch.optim.Muon's update with each shape's matrices orthogonalised as one
+  batch; `muon_torch` is the same optimizer with `torch.optim.Muon` itself (one matrix at a time: the plain
+  reference, and the optimizer the committed campaigns' Muon cells trained with), whose checkpoints load into either.
 
 Both are one `torch.optim.Optimizer` to the trainer: one LR schedule scales every group (the Muon groups keep
 their 10 × ratio), and `state_dict` / `load_state_dict` carry both parts, so a run resumes exactly.
@@ -17,6 +20,7 @@ import torch
 from torch import nn
 
 from dflash.registry import Registry
+from dflash.training.muon import BatchedMuon
 
 ADAMW_BETAS = (0.9, 0.95)
 
@@ -88,16 +92,26 @@ def build_adamw(model: nn.Module, lr: float, weight_decay: float, muon_lr_scale:
     return _adamw(model.parameters(), lr, weight_decay, device)
 
 
-def build_muon(model: nn.Module, lr: float, weight_decay: float, muon_lr_scale: float,
-               device: torch.device) -> torch.optim.Optimizer:
+def _muon_and_adamw(muon_class, model: nn.Module, lr: float, weight_decay: float, muon_lr_scale: float,
+                    device: torch.device) -> torch.optim.Optimizer:
     muon, adamw = muon_parameters(model)
-    parts = {"muon": torch.optim.Muon(muon, lr=lr * muon_lr_scale, weight_decay=weight_decay)}
+    parts = {"muon": muon_class(muon, lr=lr * muon_lr_scale, weight_decay=weight_decay)}
     if adamw:
         parts["adamw"] = _adamw(adamw, lr, weight_decay, device)
     return CombinedOptimizer(parts)
 
 
-OPTIMIZERS = Registry("trainer.optimizer", {"adamw": build_adamw, "muon": build_muon})
+def build_muon(model: nn.Module, lr: float, weight_decay: float, muon_lr_scale: float,
+               device: torch.device) -> torch.optim.Optimizer:
+    return _muon_and_adamw(BatchedMuon, model, lr, weight_decay, muon_lr_scale, device)
+
+
+def build_muon_torch(model: nn.Module, lr: float, weight_decay: float, muon_lr_scale: float,
+                     device: torch.device) -> torch.optim.Optimizer:
+    return _muon_and_adamw(torch.optim.Muon, model, lr, weight_decay, muon_lr_scale, device)
+
+
+OPTIMIZERS = Registry("trainer.optimizer", {"adamw": build_adamw, "muon": build_muon, "muon_torch": build_muon_torch})
 
 
 def build_optimizer(name: str, model: nn.Module, lr: float, weight_decay: float, muon_lr_scale: float,

@@ -10,7 +10,8 @@
 # 3. the reference-shape drafter step (the shipped target, 64 sequences x 320 tokens, 128 anchors each): DFlash 1
 #    (2 layers) and DFlash 2 (2 sliding layers) the same way;
 # 4. on a card of more than 100 GiB (an H200): the 27B pipeline with the DFlash 2 drafter against its serial sum
-#    (the target's 54 GB beside the DFlash 2 step's 37 GiB peak do not fit 80 GiB).
+#    (the target's 54 GB beside the DFlash 2 step's 37 GiB peak do not fit 80 GiB); on an 80 GiB card, when ONLY
+#    names it, the same pipeline with Muon (its smaller training state fits: 77.4 GiB on an H100).
 # Each stage is its own process under `timeout` (one that runs long cannot take the others' figures) and writes its
 # output under $OUT/dflash2_speed; the end prints the short table. Copy the lines into the day's log,
 # benchmarks/log/<date>.md, with the card's name. Env: OUT (default gpu_out); BIG / REF / MICRO override stage 2's
@@ -63,8 +64,15 @@ elif ! wanted pipeline_27b; then
 elif (( ${MIB:-0} > 102400 )) || [[ -n ${FORCE_PIPELINE:-} ]]; then
   stage pipeline_27b 420 python -m experiments.bench $PIPE $COMMON bench.kernel_profile=0 \
     bench.sections=peak,target,drafter,pipeline
+elif [[ -n ${MIB:-} && ",${ONLY:-}," == *",pipeline_27b,"* ]]; then
+  # an 80 GiB card, the stage named: the DFlash 2 drafter with Muon, whose training state is 6.7 GiB smaller than
+  # AdamW's (peak 77.4 GiB on an H100, benchmarks/log/2026-12-07.md); expandable segments against fragmentation
+  echo "pipeline_27b: trainer.optimizer=muon (GPU memory $MIB MiB)" | tee -a "$W/stages.txt"
+  PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True stage pipeline_27b 420 python -m experiments.bench $PIPE $COMMON \
+    bench.kernel_profile=0 bench.sections=peak,target,drafter,pipeline trainer.optimizer=muon
 else
-  echo "pipeline_27b: skipped (GPU memory ${MIB:-unknown} MiB; it needs more than 100 GiB)" | tee -a "$W/stages.txt"
+  echo "pipeline_27b: skipped (GPU memory ${MIB:-unknown} MiB: with AdamW it needs more than 100 GiB;" \
+    "ONLY=pipeline_27b runs it with Muon on a card of 80 GiB)" | tee -a "$W/stages.txt"
 fi
 
 echo

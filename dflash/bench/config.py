@@ -37,6 +37,9 @@ class BenchConfig:
     target_variants: str = ""
     kernel_profile: int = 1  # 1: break each drafter step's GPU time down by kernel family (profiler, 2 steps)
     kernel_top: int = 20  # the costliest kernels that breakdown names, each with its ms and calls a step
+    # a folder: each drafter step's kernel profile also written there as a Chrome trace with Python stacks, named
+    # after its run folder (drafter.json, drafter_variant0.json, ...): which line launched each kernel
+    kernel_trace: str = ""
     # serving section: contexts (tokens already in the caches), DDTree budgets (nodes), timed calls of each
     serving_contexts: str = "1024,2048,4096,8192"
     serving_budgets: str = "16,64,256"

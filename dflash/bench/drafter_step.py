@@ -4,6 +4,7 @@ shape, with a CUDA-event phase breakdown and a kernel-family profile."""
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import torch
 
@@ -73,6 +74,7 @@ class DrafterStepBench:
             trainer=dataclasses.replace(cfg.trainer, num_anchors=b.anchors, warmup_steps=1, online_data=False),
             tracking=dataclasses.replace(cfg.tracking, enabled=False, console=False))
         self.trainer = TrainingRun(run_cfg, target=target).trainer
+        self.name = Path(cfg.run_dir).name if cfg.run_dir else "drafter"  # the bench's drafter / drafter_variant<i>
         soft_k = target.cfg.soft_top_k if self.trainer.loss_fn.needs_soft else 0
         self.batch = synthetic_batch(target, cfg.drafter.block_size, b, soft_k)
 
@@ -117,7 +119,8 @@ class DrafterStepBench:
         except Exception as e:  # noqa: BLE001
             out["phases_error"] = f"{type(e).__name__}: {str(e)[:200]}"
         if cuda and self.b.kernel_profile:
-            out["kernels"] = profile_kernels(self.step, top=self.b.kernel_top)  # DFlash 2 has many small kernels
+            trace = str(Path(self.b.kernel_trace) / f"{self.name}.json") if self.b.kernel_trace else None
+            out["kernels"] = profile_kernels(self.step, top=self.b.kernel_top, trace=trace)  # DFlash 2: many small ones
         return out
 
 

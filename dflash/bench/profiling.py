@@ -7,6 +7,8 @@ given a site: the innermost `dflash.*` phase, the op around it, and with `stacks
 """
 from __future__ import annotations
 
+from pathlib import Path
+
 # CUDA runtime calls that block the host until the GPU catches up (their *Async variants do not).
 SYNC_CALLS = frozenset({"cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize",
                         "cudaMemcpy", "cudaMemcpy2D", "cudaMemset", "cudaStreamWaitEvent_sync"})
@@ -133,13 +135,18 @@ def _is_annotation(e) -> bool:
     return "#" in name and not any(c in name for c in "(<{ ")
 
 
-def profile_kernels(fn, steps: int = 2, top: int = 8) -> dict:
-    """Run `fn` `steps` times under the CUDA profiler and break the device time down by kernel."""
+def profile_kernels(fn, steps: int = 2, top: int = 8, trace: str | None = None) -> dict:
+    """Run `fn` `steps` times under the CUDA profiler and break the device time down by kernel. `trace`: a file the
+    profile is also written to as a Chrome trace, recorded with Python stacks (which line launched each kernel; the
+    host side runs slower for it, the kernels' own times do not change)."""
     import torch
     from torch.profiler import ProfilerActivity, profile
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=bool(trace)) as prof:
         for _ in range(steps):
             fn()
         torch.cuda.synchronize()
+    if trace:
+        Path(trace).parent.mkdir(parents=True, exist_ok=True)
+        prof.export_chrome_trace(trace)
     return kernel_breakdown(prof.events(), steps, top)

@@ -25,19 +25,10 @@ import math
 
 import torch
 from torch import Tensor
+from torch.optim._muon import _adjust_lr  # torch's lr for a matrix's shape: the same scaling by construction
 
 BATCH_BYTES = 1 << 28
 BATCH_MAX_ELEMENTS = 1 << 21  # 2,097,152: the reference drafter's matrices are batched, the 27B drafter's are not
-
-
-def _adjusted_lr(lr: float, adjust_lr_fn: str | None, shape: torch.Size) -> float:
-    """`torch.optim._muon._adjust_lr`: the learning rate for a matrix of this shape."""
-    rows, cols = shape[:2]
-    if adjust_lr_fn is None or adjust_lr_fn == "original":
-        return lr * math.sqrt(max(1, rows / cols))
-    if adjust_lr_fn == "match_rms_adamw":
-        return lr * 0.2 * math.sqrt(max(rows, cols))
-    return lr
 
 
 def orthogonalize(updates: list[Tensor], ns_coefficients: tuple[float, float, float], ns_steps: int,
@@ -46,8 +37,8 @@ def orthogonalize(updates: list[Tensor], ns_coefficients: tuple[float, float, fl
     `_zeropower_via_newtonschulz` for each (a tall matrix iterated as its transpose)."""
     a, b, c = ns_coefficients
     tall = updates[0].shape[0] > updates[0].shape[1]
-    X = torch.stack([u.bfloat16().T if tall else u.bfloat16() for u in updates]) if len(updates) > 1 else \
-        (updates[0].bfloat16().T if tall else updates[0].bfloat16())[None]
+    mats = [u.bfloat16().T if tall else u.bfloat16() for u in updates]
+    X = torch.stack(mats) if len(mats) > 1 else mats[0][None]  # one matrix: a view, no stacked copy
     X = X / X.norm(dim=(1, 2), keepdim=True).clamp(min=eps)  # torch: each matrix by its own bfloat16 norm
     for _ in range(ns_steps):
         gram = torch.bmm(X, X.transpose(1, 2))
@@ -85,7 +76,7 @@ class BatchedMuon(torch.optim.Muon):
             updates = torch._foreach_lerp(g, b, momentum) if group["nesterov"] else b
             ortho = orthogonalize(updates, group["ns_coefficients"], group["ns_steps"], group["eps"])
             targets = [params[i] for i in idx]
-            step = -_adjusted_lr(lr, group["adjust_lr_fn"], targets[0].shape)
+            step = -_adjust_lr(lr, group["adjust_lr_fn"], targets[0].shape)
             if len(targets) == 1:  # torch's own add of the bfloat16 update into the parameter
                 targets[0].add_(ortho[0], alpha=step)
             else:

@@ -23,6 +23,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dflash.drafter import conv_triton
+
+# Where Triton runs (a CUDA GPU), `convolve` is conv_triton's kernels, one each way; False: the torch ops below
+# everywhere (benchmarks/gpu/conv_kernels.py times both)
+TRITON_CONV = True
+
 
 class GroupedDynamicCausalConv(nn.Module):
     def __init__(self, hidden: int, kernel_size: int = 2, group_size: int = 16):
@@ -47,26 +53,43 @@ class GroupedDynamicCausalConv(nn.Module):
         K, G = self.kernel_size, self.group_size
         return self.kernel_projection(x_SbH).unflatten(-1, (2, K, self.hidden // G))
 
-    def convolve(self, x_SbH: torch.Tensor, dyn_SbKg: torch.Tensor, base_KH: torch.Tensor) -> torch.Tensor:
-        """Σ_j (base[j] + dyn[..., t, j, c // G]) ⊙ x[..., t-j, c] along the block axis (-2), zeros before its start.
+    def convolve(self, x_SbH: torch.Tensor, dyn: torch.Tensor, half: int, base_KH: torch.Tensor,
+                 residual: torch.Tensor | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        """[residual +] Σ_j (base[j] + dyn[..., t, half, j, c // G]) ⊙ x[..., t-j, c] along the block axis (-2), zeros
+        before its start; dyn [..., bs, 2, K, H/G] holds both convolutions' values, as `dynamic` makes them. In
+        out_dtype where given.
 
         The channels are viewed as [H/G, G], so a group's value broadcasts over its G channels: the per-channel
         kernels are never a tensor. They were (`repeat_interleave` to [..., bs, 2, K, H]), made before the sublayer
         and kept for `finish`: 2·K activations' worth of memory per conv, written and read again in the backward
-        (docs/dflash2.md, "Speed"). The sums and products are the same, in the same order."""
+        (docs/dflash2.md, "Speed"). The sums and products are the same, in the same order. Where Triton runs (and
+        `TRITON_CONV`), one kernel each way computes the same sums (`conv_triton`)."""
         bs, G = x_SbH.shape[-2], self.group_size
+        if TRITON_CONV and conv_triton.available(x_SbH, dyn, G, residual):
+            return conv_triton.dynamic_conv(x_SbH, dyn, half, base_KH, G, residual, out_dtype)
+        dyn_SbKg = dyn[..., half, :, :]
         x_Sbgc = x_SbH.unflatten(-1, (-1, G))
         base_Kgc = base_KH.unflatten(-1, (-1, G)).to(dyn_SbKg.dtype)
         out = (base_Kgc[0] + dyn_SbKg[..., 0, :, None]) * x_Sbgc
         for lag in range(1, min(self.kernel_size, bs)):
             shifted = F.pad(x_Sbgc[..., : bs - lag, :, :], (0, 0, 0, 0, lag, 0))  # position t holds x[t - lag]
             out = out + (base_Kgc[lag] + dyn_SbKg[..., lag, :, None]) * shifted
-        return out.flatten(-2)
+        out = out.flatten(-2)
+        if residual is not None:
+            out = residual + out
+        return out if out_dtype is None else out.to(out_dtype)
 
     def prepare(self, x_SbH: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(x convolved with kernel 0, both convolutions' dynamic values): `finish` takes those of the same input."""
-        dyn = self.dynamic(x_SbH)
-        return self.convolve(x_SbH, dyn[..., 0, :, :], self.base_kernel[0]), dyn
+        """(x convolved with kernel 0, both convolutions' dynamic values): `finish` takes those of the same input.
 
-    def finish(self, y_SbH: torch.Tensor, dyn: torch.Tensor) -> torch.Tensor:
-        return self.convolve(y_SbH, dyn[..., 1, :, :], self.base_kernel[1])
+        Under autocast the result is in autocast's dtype: its only readers are the sublayer's input projections,
+        which autocast casts to that dtype anyway (one rounding of the float32 result either way), so the
+        convolution writes it once, at half the bytes."""
+        dyn = self.dynamic(x_SbH)
+        dev = x_SbH.device.type
+        out_dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else None
+        return self.convolve(x_SbH, dyn, 0, self.base_kernel[0], out_dtype=out_dtype), dyn
+
+    def finish(self, y_SbH: torch.Tensor, dyn: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """The sublayer's output y convolved with kernel 1, added to `residual` (the layer's stream) where given."""
+        return self.convolve(y_SbH, dyn, 1, self.base_kernel[1], residual)

@@ -236,21 +236,22 @@ class DrafterLayer(nn.Module):
             self.attention_conv = GroupedDynamicCausalConv(hidden, cfg.conv_kernel_size, cfg.conv_group_size)
             self.mlp_conv = GroupedDynamicCausalConv(hidden, cfg.conv_kernel_size, cfg.conv_group_size)
 
-    def _around(self, conv: GroupedDynamicCausalConv | None, sublayer, x_BQH):
-        """sublayer(x), or conv.finish(sublayer(conv.prepare(x))) with every block of bs positions on its own."""
+    def _around(self, conv: GroupedDynamicCausalConv | None, sublayer, x_BQH, stream_BQH):
+        """stream + sublayer(x), or conv.finish(sublayer(conv.prepare(x)), stream) with every block of bs positions
+        on its own (the finishing convolution adds the stream in its own pass)."""
         if conv is None:
-            return sublayer(x_BQH)
+            return stream_BQH + sublayer(x_BQH)
         B, Q, H = x_BQH.shape
         x_BnbH = x_BQH.view(B, Q // self.block_size, self.block_size, H)
         prepared, dyn = conv.prepare(x_BnbH)
         y_BQH = sublayer(prepared.reshape(B, Q, H))
-        return conv.finish(y_BQH.view_as(x_BnbH), dyn).reshape(B, Q, H)
+        return conv.finish(y_BQH.view_as(x_BnbH), dyn, stream_BQH.view_as(x_BnbH)).reshape(B, Q, H)
 
     def forward(self, block_BQH, rope, ctx_kv, mask):
         q_cos, q_sin = rope
         attend = lambda x: self.self_attn(x, q_cos, q_sin, *ctx_kv, q_cos, q_sin, mask)  # noqa: E731
-        h = block_BQH + self._around(getattr(self, "attention_conv", None), attend, self.input_layernorm(block_BQH))
-        return h + self._around(getattr(self, "mlp_conv", None), self.mlp, self.post_attention_layernorm(h))
+        h = self._around(getattr(self, "attention_conv", None), attend, self.input_layernorm(block_BQH), block_BQH)
+        return self._around(getattr(self, "mlp_conv", None), self.mlp, self.post_attention_layernorm(h), h)
 
 
 class DrafterCache:

@@ -1,6 +1,6 @@
 """benchmarks/gpu/dflash2_speed.sh, dry-run on the CPU at tiny shapes: every stage runs as its own process; the
 pipeline stage runs with AdamW on a card of more than 100 GiB, with Muon on an 80 GiB card when ONLY names it, and is
-skipped without a card; the short table names DFlash 2's ratio to DFlash 1 at both shapes and the microbench's
+skipped without a card; the short table names DFlash 2's ratio to DFlash 1 at both shapes and the microbenches'
 figures."""
 import os
 import subprocess
@@ -16,14 +16,14 @@ TINY = ("+target=tiny_random +eval=off target.random.hidden_size=64 target.rando
 def test_the_script_runs_each_stage_and_prints_the_ratios(tmp_path):
     tiny = f"{TINY} run_dir={tmp_path / 'run'}"
     env = {**os.environ, "OUT": str(tmp_path / "out"), "BIG": f"{tiny} drafter.num_layers=5",
-           "REF": f"{tiny} drafter.num_layers=2", "MICRO": "--small --iters 1"}
+           "REF": f"{tiny} drafter.num_layers=2", "MICRO": "--small --iters 1", "CONV": "--small --iters 1"}
     env.pop("FORCE_PIPELINE", None)
     # cwd: a folder without wheel folders (wheels.sh installs the ones a GPU call carries, from the cwd)
     p = subprocess.run(["bash", str(ROOT / "benchmarks/gpu/dflash2_speed.sh")], cwd=tmp_path, env=env,
                        capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stdout + p.stderr
     stages = (tmp_path / "out/dflash2_speed/stages.txt").read_text()
-    for name in ("micro", "drafter_27b", "drafter_reference"):
+    for name in ("micro", "conv", "drafter_27b", "drafter_reference"):
         assert f"{name}: rc 0" in stages, stages
     assert "pipeline_27b: skipped" in stages
     table = p.stdout.split("DFlash 2 against DFlash 1", 1)[1]
@@ -31,6 +31,7 @@ def test_the_script_runs_each_stage_and_prints_the_ratios(tmp_path):
         rows = [line for line in table.splitlines() if line.startswith(f"{shape} drafter tok/s")]
         assert len(rows) == 2 and "[DFlash 2]" in rows[1] and "x the default" in rows[1], table
     assert "pair scores fwd+bwd" in table
+    assert "| conv floor (ms) |" in table and "| tiny |" in table
 
 
 def test_only_runs_the_named_stages(tmp_path):
@@ -41,7 +42,7 @@ def test_only_runs_the_named_stages(tmp_path):
     assert p.returncode == 0, p.stdout + p.stderr
     stages = (tmp_path / "out/dflash2_speed/stages.txt").read_text()
     assert "micro: rc 0" in stages, stages
-    for name in ("drafter_27b", "drafter_reference", "pipeline_27b"):
+    for name in ("conv", "drafter_27b", "drafter_reference", "pipeline_27b"):
         assert f"{name}: skipped (ONLY=micro)" in stages, stages
 
 

@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# DFlash 2's training speed against DFlash 1's on ONE GPU, the issue-70 figures in one command (about 6 minutes on
+# DFlash 2's training speed against DFlash 1's on ONE GPU, the issue-70 figures in one command (about 7 minutes on
 # an H100; docs/dflash2.md, "Speed"):
 #     bash benchmarks/gpu/dflash2_speed.sh
 # 1. `benchmarks/gpu/selector_kernels.py`: the selector's pieces, each way (the top-k in the Triton LM-head chunk,
-#    the pair scores);
+#    the pair scores); then (stage conv) `benchmarks/gpu/conv_kernels.py`: the convolution around one sublayer as
+#    torch ops and as its Triton kernels, beside its memory floor (about 40 s);
 # 2. the 27B-shape drafter step (random bf16 target, 2,048 tokens, 256 anchors): DFlash 1's published layout and
 #    DFlash 2 (5 sliding layers, conf/drafter/dflash2_qwen3_6_27b.yaml as overrides) in one process, both compiled,
 #    with each one's kernel families (`bench.kernel_profile=1`); no target section, so it fits an 80 GiB card;
@@ -15,9 +16,10 @@
 # Each stage is its own process under `timeout` (one that runs long cannot take the others' figures) and writes its
 # output under $OUT/dflash2_speed; the end prints the short table. Copy the lines into the day's log,
 # benchmarks/log/<date>.md, with the card's name. Env: OUT (default gpu_out); BIG / REF / MICRO override stage 2's
-# and 3's shapes and stage 1's arguments (a CPU dry run at tiny shapes: tests/test_dflash2_speed_script.py);
-# BENCH_EXTRA adds overrides to every bench stage (e.g. bench.kernel_top=80: more of the costliest kernels named);
-# NO_PIPELINE=1 skips stage 4; ONLY=<names, comma-separated> runs only those stages (micro, drafter_27b,
+# and 3's shapes and stage 1's arguments, CONV the conv stage's (a CPU dry run at tiny shapes:
+# tests/test_dflash2_speed_script.py); BENCH_EXTRA adds overrides to every bench stage (e.g. bench.kernel_top=80: more
+# of the costliest kernels named);
+# NO_PIPELINE=1 skips stage 4; ONLY=<names, comma-separated> runs only those stages (micro, conv, drafter_27b,
 # drafter_reference, pipeline_27b): on an H200 the four take more than a ten-minute job limit, so e.g. ONLY=pipeline_27b
 # in one job and NO_PIPELINE=1 in another.
 set -uo pipefail
@@ -52,6 +54,7 @@ stage() {  # NAME LIMIT COMMAND...: one process under its limit, its output in $
 
 : > "$W/stages.txt"
 stage micro 120 python "$ROOT/benchmarks/gpu/selector_kernels.py" ${MICRO:-}
+stage conv 150 python "$ROOT/benchmarks/gpu/conv_kernels.py" ${CONV:-}
 stage drafter_27b 300 python -m experiments.bench $BIG $COMMON bench.kernel_profile=1 bench.sections=peak,drafter \
   "bench.drafter_variants=$D2_27B"
 stage drafter_reference 150 python -m experiments.bench $REF $COMMON bench.kernel_profile=1 bench.sections=peak,drafter \
@@ -84,4 +87,5 @@ for f in drafter_27b drafter_reference pipeline_27b; do
     | tr -s ' ' | cut -c1-200
 done
 [[ -f $W/micro.txt ]] && grep -vE '^\{' "$W/micro.txt" | sed '/^$/d'
+[[ -f $W/conv.txt ]] && grep -E '^\|' "$W/conv.txt"
 exit 0

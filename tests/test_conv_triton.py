@@ -1,10 +1,11 @@
 """DFlash 2's convolution in Triton (`dflash.drafter.conv_triton`) against the torch ops of `convolve` and a float64
-reference: the output (the second convolution added to a stream) and the gradients of the input (through both
-convolutions and the stream), the base kernel and the kernel projection (through the dynamic values, read in place in
-the projection's layout, each convolution's gradient written in it), for K = 2 and 3 taps, blocks shorter than a row tile,
-widths that are not a multiple of the channel tile, groups of 16 and 8, bf16 and float32; a strided input; and under
-`torch.compile`. Runs on a CUDA GPU, or on the CPU under Triton's interpreter (`TRITON_INTERPRET=1` with Triton
-installed); skipped elsewhere."""
+reference: both convolutions' outputs (the second added to a stream) and the gradients of their inputs, the stream,
+the base kernel and the kernel projection (through the dynamic values, read in place in the projection's layout, each
+convolution's gradient written in it), for K = 2 and 3 taps, blocks shorter than a row tile, widths that are not a
+multiple of the channel tile, groups of 16 and 8, bf16 and float32; row-strided inputs; `torch.compile`; autocast;
+int64 offsets. These run on a CUDA GPU, or on the CPU under Triton's interpreter (`TRITON_INTERPRET=1` with Triton
+installed), and skip elsewhere. The last test compiles both kernels to an sm_90 cubin wherever Triton is installed
+(no GPU needed), which the interpreter does not."""
 import os
 
 import pytest

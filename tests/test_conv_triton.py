@@ -29,9 +29,9 @@ def _layer(H, K, G, seed):
 
 
 def _run(layer, x, y, stream, w, triton: bool, monkeypatch):
-    """Both convolutions on inputs of their own (so neither path's rounding in the first reaches the second): prepare(x),
-    and finish(y, dyn, stream) with x's dynamic values; the gradients of x (through prepare and the dynamic values),
-    y, the stream, the base kernel and the projection."""
+    """Both convolutions on inputs of their own (so neither path's rounding in the first reaches the second):
+    prepare(x), and finish(y, dyn, stream) with x's dynamic values; the gradients of x (through prepare and the
+    dynamic values), y, the stream, the base kernel and the projection."""
     monkeypatch.setattr(conv, "TRITON_CONV", triton)
     layer.zero_grad()
     xg, yg, sg = (t.detach().clone().requires_grad_() for t in (x, y, stream))

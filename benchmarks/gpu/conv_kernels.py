@@ -7,8 +7,9 @@ drafter's own dtypes): finish(W · prepare(norm(h)), h), forward and backward. A
 8,192 blocks of 16 positions x 384 channels; 27B: 256 blocks x 5,120), K = 2 taps, groups of 16, it times the step
 with the convolution as torch ops (`conv.TRITON_CONV` off: Inductor's kernels) and as `conv_triton`'s two kernels,
 lists each way's GPU kernels (ms a step), and prints the convolution's floor: the bytes its two applications move as
-passes of their own (`floor_bytes`), at the bandwidth of a device copy measured here. Prints one JSON line per figure and a table last. Runs on the CPU too (`--small`: a smoke run of the torch
-ops, eager).
+passes of their own (`floor_bytes`), at the bandwidth of a device copy measured here. `--tiles` also times the
+kernels alone for each tile shape and warp count. Prints one JSON line per figure and a table last. Runs on the CPU
+too (`--small`: a smoke run of the torch ops, eager).
 """
 from __future__ import annotations
 
@@ -175,7 +176,8 @@ def main(argv=None) -> None:
                 print(json.dumps({"tiles": name, **r}), flush=True)
             best = min(sweep, key=lambda r: r["sum"])
             print(f"{name}: best tile {best}", flush=True)
-    print("\n| shapes | step, torch ops (ms) | step, Triton (ms) | kernels but the GEMMs, torch ops / Triton (ms) | conv floor (ms) |")
+    print("\n| shapes | step, torch ops (ms) | step, Triton (ms) | kernels but the GEMMs, torch ops / Triton (ms) "
+          "| conv floor (ms) |")
     print("| --- | --- | --- | --- | --- |")
     for r in rows:
         print(f"| {r['case']} | {r['torch ops ms']:.3f} | {r.get('Triton ms', float('nan')):.3f} | "

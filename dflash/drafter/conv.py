@@ -55,8 +55,8 @@ class GroupedDynamicCausalConv(nn.Module):
 
     def convolve(self, x_SbH: torch.Tensor, dyn: torch.Tensor, half: int, base_KH: torch.Tensor,
                  residual: torch.Tensor | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
-        """[residual +] Σ_j (base[j] + dyn[..., t, half, j, c // G]) ⊙ x[..., t-j, c] along the block axis (-2), zeros
-        before its start; dyn [..., bs, 2, K, H/G] holds both convolutions' values, as `dynamic` makes them. In
+        """[residual +] Σ_j (base[j] + dyn[..., t, half, j, c // G]) ⊙ x[..., t-j, c] along the block axis (-2),
+        zeros before its start; dyn [..., bs, 2, K, H/G] holds both convolutions' values, as `dynamic` makes them. In
         out_dtype where given.
 
         The channels are viewed as [H/G, G], so a group's value broadcasts over its G channels: the per-channel

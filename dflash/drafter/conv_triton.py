@@ -13,8 +13,8 @@ axis (no reshape):
   (t − j in the same block of bs positions);
 - `_backward_kernel`, from the output gradient g and the input x: grad_x[t, c] = Σ_j (base[j, c] + dyn[t + j, j,
   c // G]) · g[t + j, c] (t + j in the same block), grad_dyn[t, j, q] = Σ_{c in group q} g[t, c] · x[t − j, c], and
-  the tile's partial Σ_t g[t, c] · x[t − j, c] of the base kernel's gradient, which a sum over the row tiles finishes
-  (no atomics: the same result every run).
+  the tile's partial Σ_t g[t, c] · x[t − j, c] of the base kernel's gradient, which a sum over the row tiles
+  finishes (no atomics: the same result every run).
 
 Products and sums in float32, each output rounded once to its dtype (as Inductor's compiled torch ops compute a
 bfloat16 expression in float32); the base kernel is read in its own dtype (float32 in training), where the torch ops

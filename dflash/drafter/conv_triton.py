@@ -2,9 +2,10 @@
 
 Why: compiled, the convolution is several Inductor kernels an application; in the backward the input's gradient, the
 dynamic values' gradient (a sum over each group's G channels) and the base kernel's (a sum over every position) each
-read the activations again. At the reference shapes (131,072 positions x 384 channels, 2 layers, 8 applications a
-step) DFlash 2's compiled convolution kernels took 4.3 ms a step, against about 1.5 ms of reading and writing
-(benchmarks/log/2026-12-07.md; `benchmarks/gpu/conv_kernels.py` times both ways and prints that floor).
+read the activations again, and autograd keeps Inductor's intermediates. At the reference shapes (131,072 positions x
+384 channels, 2 layers, 8 applications a step) the compiled kernels took 4.3 ms a step, these 3.3 ms against a floor
+of 2.4 ms of reading and writing, and the step's peak fell from 11.5 to 8.4 GiB at the same speed (one H100,
+benchmarks/log/2026-12-07.md; `benchmarks/gpu/conv_kernels.py` times both ways and prints that floor).
 
 Each program takes a tile of RB positions x NG whole channel groups, held as [RB, NG, G]: a group's dynamic value
 is one [RB, NG] load broadcast over its G channels (no per-channel gather), and the group sums are sums over the last
@@ -19,9 +20,11 @@ axis (no reshape):
 Products and sums in float32, each output rounded once to its dtype (as Inductor's compiled torch ops compute a
 bfloat16 expression in float32); the base kernel is read in its own dtype (float32 in training), where the torch ops
 round it to the dynamic values' dtype first. The pair is a `torch.library` custom op with its own autograd, so
-`torch.compile` keeps it whole; the dynamic values may be a strided view (one half of the projection's output), read
-in place. Used where `conv.TRITON_CONV` is on, Triton imports and the activations are on a CUDA device, or on the CPU
-under Triton's interpreter (TRITON_INTERPRET=1), which the tests use.
+`torch.compile` keeps it whole. What the compiled ops had fused around the convolution is inside the kernels: the
+forward adds the layer's stream where given (`finish`) and writes the dtype asked (`prepare` under autocast); the
+dynamic values are read in place in the projection's output [.., 2, K, H/G] and their gradient written in that
+layout, zeros in the other convolution's half. Used where `conv.TRITON_CONV` is on, Triton imports and the
+activations are on a CUDA device, or on the CPU under Triton's interpreter (TRITON_INTERPRET=1), which the tests use.
 """
 from __future__ import annotations
 

@@ -6,8 +6,9 @@ trainer compiles the drafter, under bf16 autocast with float32 parameters and a 
 drafter's own dtypes): finish(W · prepare(norm(h)), h), forward and backward. At the two bench shapes (reference:
 8,192 blocks of 16 positions x 384 channels; 27B: 256 blocks x 5,120), K = 2 taps, groups of 16, it times the step
 with the convolution as torch ops (`conv.TRITON_CONV` off: Inductor's kernels) and as `conv_triton`'s two kernels,
-lists each way's GPU kernels (ms a step), and prints the convolution's floor: the bytes its two applications move as
-passes of their own (`floor_bytes`), at the bandwidth of a device copy measured here. `--tiles` also times the
+lists each way's kernel families and costliest kernels (the bench's profile, ms a step), and prints the
+convolution's floor: the bytes its two applications move as passes of their own (`floor_bytes`), at the bandwidth
+of a device copy measured here. `--tiles` also times the
 kernels alone for each tile shape and warp count. Prints one JSON line per figure and a table last. Runs on the CPU
 too (`--small`: a smoke run of the torch ops, eager).
 """
@@ -15,12 +16,12 @@ from __future__ import annotations
 
 import argparse
 import json
-from collections import defaultdict
 
 import torch
 from torch import nn
 
 from dflash.bench.flops import timed
+from dflash.bench.profiling import profile_kernels
 from dflash.drafter import conv
 from dflash.drafter.model import RMSNorm
 
@@ -65,20 +66,6 @@ def floor_bytes(S: int, bs: int, H: int, K: int, G: int) -> int:
     return prepare + finish
 
 
-def kernel_table(step, iters: int = 3) -> dict[str, float]:
-    """GPU kernels of `step`, ms a call, by name."""
-    from torch.profiler import ProfilerActivity, profile
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(iters):
-            step()
-        torch.cuda.synchronize()
-    out: dict[str, float] = defaultdict(float)
-    for e in prof.key_averages():
-        if e.device_type == torch.autograd.DeviceType.CUDA and e.device_time_total > 0:
-            out[e.key] += e.device_time_total / 1e3 / iters
-    return dict(sorted(out.items(), key=lambda kv: -kv[1]))
-
-
 def case(name: str, S: int, bs: int, H: int, iters: int, compile_: bool) -> dict:
     torch.manual_seed(0)
     model = AroundLinear(H, 2, 16).to(DEV)
@@ -108,11 +95,10 @@ def case(name: str, S: int, bs: int, H: int, iters: int, compile_: bool) -> dict
                          model.conv.kernel_projection.weight.grad.float().clone())
             res[f"{way} ms"] = timed(step, iters, DEV, warmup=2) * 1e3
             if DEV.type == "cuda":
-                table = kernel_table(step)
-                res[f"{way} kernels"] = {k[:90]: round(v, 4) for k, v in list(table.items())[:12]}
-                res[f"{way} non-GEMM ms"] = round(sum(v for k, v in table.items()
-                                                          if "gemm" not in k.lower() and "cutlass" not in k.lower()
-                                                          and "sm90" not in k.lower()), 4)
+                kernels = profile_kernels(step, steps=3, top=12)  # the bench's kernel families and costliest kernels
+                res[f"{way} kernels"] = kernels
+                res[f"{way} non-GEMM ms"] = round(sum(ms for fam, ms in kernels["ms_per_step"].items()
+                                                      if fam != "gemm"), 4)
     finally:
         conv.TRITON_CONV = saved
     if len(outs) == 2:

@@ -126,14 +126,6 @@ if triton is not None:
         tl.store(gx_ptr + rows[:, None, None] * H + ch[None, :, :], gx.to(gx_ptr.dtype.element_ty), mask=ok)
 
 
-def _rows(x: Tensor) -> Tensor:
-    """x [..., H] as [T, H] without a copy where its rows are evenly strided (else a contiguous copy)."""
-    try:
-        return x.view(-1, x.shape[-1])
-    except RuntimeError:
-        return x.reshape(-1, x.shape[-1])
-
-
 def _grid(T: int, Hg: int, group: int) -> tuple[int, int]:
     return triton.cdiv(T, ROWS), triton.cdiv(Hg, CHANNELS // group)
 
@@ -156,10 +148,10 @@ def dynamic_conv(x: Tensor, dyn: Tensor, half: int, base: Tensor, group: int, re
     strides with a unit channel stride), base [K, H], residual like x or None. The result is contiguous, in out_dtype,
     else the dtype the torch ops give."""
     H, bs, K = x.shape[-1], x.shape[-2], base.shape[0]
-    x2, d = _rows(x), _dyn_rows(dyn)[:, half]
+    x2, d = x.reshape(-1, H), _dyn_rows(dyn)[:, half]
     dtype = out_dtype or _result_dtype(x, dyn, residual)
     out = torch.empty(x2.shape, dtype=dtype, device=x.device)
-    r2 = _rows(residual) if residual is not None else x2
+    r2 = residual.reshape(-1, H) if residual is not None else x2
     T, Hg = x2.shape[0], H // group
     if T:
         _forward_kernel[_grid(T, Hg, group)](
@@ -185,7 +177,7 @@ def dynamic_conv_backward(g: Tensor, x: Tensor, dyn: Tensor, half: int, base: Te
     """(grad wrt x, grad wrt dyn [..., bs, 2, K, H / group] contiguous, zero in the other half, grad wrt base) of
     `dynamic_conv` for its output gradient g."""
     H, bs, K = x.shape[-1], x.shape[-2], base.shape[0]
-    x2, g2, d = _rows(x), _rows(g), _dyn_rows(dyn)[:, half]
+    x2, g2, d = x.reshape(-1, H), g.reshape(-1, H), _dyn_rows(dyn)[:, half]
     T, Hg = x2.shape[0], H // group
     grid = _grid(T, Hg, group)
     gx = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
@@ -207,7 +199,6 @@ def _setup_context(ctx, inputs, output) -> None:
     x, dyn, half, base, group, residual, out_dtype = inputs
     ctx.save_for_backward(x, dyn, base)
     ctx.half, ctx.group, ctx.residual = half, group, residual is not None
-    ctx.x_dtype = x.dtype
 
 
 def _backward(ctx, grad: Tensor):

@@ -73,7 +73,10 @@ class TrainerConfig:
     # train/tau_rounds: the evaluator's round simulation on a few training sequences per log interval
     tau_probe: TauProbeConfig = field(default_factory=TauProbeConfig)
     time_budget_s: float = 0.0  # stop at the first log interval past this much training time (0: off);
-    # the final checkpoint and full eval still run. For equal-time comparisons; the LR follows max_steps.
+    # the final checkpoint and full eval still run. For equal-time comparisons; the LR follows max_steps unless
+    # schedule_by_time: then the cosine's progress is also pushed on by this job's clock (from its first step, so
+    # compiling does not count) and a run the budget stops ends decayed (trainer.py, TimeProgress)
+    schedule_by_time: bool = False
     token_budget: int = 0  # stop at the first log interval past this many consumed training tokens (0: off),
     # all ranks together; then checkpoint and evaluate, as for time_budget_s. For equal-token comparisons.
     online_data: bool = False  # train on sequences the target writes online (data.pool, data.online), whatever
@@ -132,6 +135,9 @@ def _trainer_ranges(cfg: RunConfig) -> None:
         validate_tau_probe_config(t.tau_probe, cfg.drafter.block_size)
     except ValueError as e:
         raise ConfigError(str(e)) from e
+    if t.schedule_by_time and t.time_budget_s <= 0:
+        raise ConfigError("trainer.schedule_by_time=true needs trainer.time_budget_s > 0 (the seconds the LR's "
+                          f"cosine spans), got trainer.time_budget_s={t.time_budget_s}")
     if not 0 <= t.min_lr_ratio <= 1:
         raise ConfigError(f"trainer.min_lr_ratio must be in [0, 1] (the final LR as a fraction of trainer.lr), "
                           f"got {t.min_lr_ratio}")

@@ -284,6 +284,11 @@ def test_console_format(capsys):
     # consumed (trained-on) tok/s leads when logged, not the drafter's busy rate
     assert "| 42.5k tok/s" in lg.format({"perf/consumed_tok_s": 42_500.0, "perf/drafter_tok_s": 74_000.0}, 160)
 
+    # a time budget that ends the run first (trainer.schedule_by_time): 10% of it in 4 s -> 0.5 left = 20 s
+    timed = ConsoleLogger(total_steps=10**7)
+    timed.format({"train/loss": 1.0, "train/time_progress": 0.4}, 10, now=0.0)
+    assert timed.format({"train/loss": 1.0, "train/time_progress": 0.5}, 20, now=4.0).endswith("| ETA 20s")
+
     lg2 = ConsoleLogger(total_steps=1000)
     lg2.log({"train/loss": 2.0, "train/acc": 0.25}, 5)
     lg2.log({"sys/host_rss_gb": 1.0}, 6)  # nothing to show -> no line

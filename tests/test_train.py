@@ -133,3 +133,50 @@ def test_negative_time_budget_is_rejected(fast_cfg):
     from dflash.config import ConfigError, validate
     with pytest.raises(ConfigError, match="trainer.time_budget_s"):
         validate(fast_cfg("trainer.time_budget_s=-1"))
+
+
+def _rows(run_dir, key):
+    rows = [json.loads(l) for l in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+    return [(r["step"], r[key]) for r in rows if key in r]
+
+
+def test_time_progress_spans_the_budget_left_after_the_first_step():
+    from dflash.training.trainer import TimeProgress, warmup_cosine
+    p = TimeProgress(100.0, True)
+    assert p.fraction(5.0) == 0.0  # before the first step: nothing spent
+    p.first_step_done(t_loop=0.0, now=20.0)  # 20 s compiling: the cosine spans the other 80
+    assert p.fraction(60.0) == pytest.approx(0.5) and p.fraction(500.0) == 1.0
+    p.update(0.5)
+    p.update(0.25)  # a reading never moves it back
+    assert p.value == 0.5
+    assert warmup_cosine(50, 10, 10**6, 0.1, p.value) == pytest.approx(0.55)  # the step fraction alone: ~1
+    resumed = TimeProgress(10.0, True, start=0.5)  # a resumed job goes on from its checkpoint's progress
+    resumed.first_step_done(0.0, 0.0)
+    assert resumed.fraction(5.0) == pytest.approx(0.75)
+    off = TimeProgress(10.0, False, start=0.3)
+    off.first_step_done(0.0, 0.0)
+    assert off.fraction(9.0) == 0.3 and not off.enabled
+
+
+def test_schedule_by_time_decays_the_lr_over_the_time_budget_and_resumes_from_it(fast_cfg):
+    """With max_steps far away, the step fraction barely moves; the time budget decays the LR to its floor and the
+    checkpoint keeps the progress, so a resumed job starts decayed."""
+    import torch
+    res = train(fast_cfg("trainer.time_budget_s=2", "trainer.schedule_by_time=true", "trainer.max_steps=100000",
+                         "trainer.checkpoint_every=100000", "trainer.min_lr_ratio=0.1", run="timed"))
+    progress = [v for _, v in _rows(res.run_dir, "train/time_progress")]
+    assert len(progress) >= 3 and progress == sorted(progress) and progress[-1] == 1.0
+    lrs = [v for _, v in _rows(res.run_dir, "train/lr")]
+    assert lrs[-1] < 0.6 * max(lrs)  # decayed by time: 100,000 steps would leave it at ~max
+    (ckpt,) = (res.run_dir / "checkpoints").glob("step_*.pt")
+    assert torch.load(ckpt, weights_only=False)["time_progress"] == 1.0
+    last_step = _rows(res.run_dir, "train/lr")[-1][0]
+    again = train(fast_cfg(f"resume={res.run_dir}", run="ignored"))  # another job of the saved config's 2 s
+    resumed = [(s, v) for s, v in _rows(again.run_dir, "train/lr") if s > last_step]
+    assert resumed and resumed[0][1] == pytest.approx(0.1 * 1e-3, rel=1e-6)  # trainer.lr's floor from step one
+
+
+def test_schedule_by_time_needs_a_time_budget(fast_cfg):
+    from dflash.config import ConfigError, validate
+    with pytest.raises(ConfigError, match="trainer.schedule_by_time=true needs trainer.time_budget_s"):
+        validate(fast_cfg("trainer.schedule_by_time=true"))

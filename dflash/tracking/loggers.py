@@ -111,7 +111,8 @@ class ConsoleLogger(Logger):
     ``perf/pipeline_tok_s``), ``buffer/total``, ``buffer/max_depth``, plus the ``eval/tau*``
     τ keys (``| eval tau_vanilla 2.1 tau_tree_16 2.6``). Missing keys are skipped; a call with none of
     these keys (e.g. only ``sys/*``) prints nothing. ETA uses the wall-clock step rate
-    since the first ``log`` call.
+    since the first ``log`` call, or the rate of ``train/time_progress`` (a time budget's share spent) where that
+    ends the run sooner.
     """
 
     def __init__(self, total_steps: int | None = None, file: Any = None):
@@ -119,6 +120,8 @@ class ConsoleLogger(Logger):
         self.file = file  # None -> sys.stdout at print time
         self._t0: float | None = None
         self._s0: int | None = None
+        self._p0: float | None = None  # the first train/time_progress seen, and when
+        self._tp = 0.0
 
     def format(self, metrics: Mapping[str, float], step: int, now: float | None = None) -> str | None:
         now = time.monotonic() if now is None else now
@@ -155,9 +158,17 @@ class ConsoleLogger(Logger):
         line = " | ".join([head, *parts])
         done = int(step) - (self._s0 or 0)
         elapsed = now - self._t0
+        etas = []
         if self.total_steps and done > 0 and elapsed > 0:
-            eta = (self.total_steps - int(step)) * elapsed / done
-            line += f" | ETA {fmt_duration(eta)}"
+            etas.append((self.total_steps - int(step)) * elapsed / done)
+        p = m.get("train/time_progress", 0.0)  # trainer.schedule_by_time: the time budget may end the run first
+        if p > 0:
+            if self._p0 is None:
+                self._p0, self._tp = p, now
+            elif p > self._p0:
+                etas.append((1.0 - p) * (now - self._tp) / (p - self._p0))
+        if etas:
+            line += f" | ETA {fmt_duration(min(etas))}"
         return line
 
     def log(self, metrics: Mapping[str, float], step: int) -> None:

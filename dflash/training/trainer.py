@@ -61,9 +61,42 @@ def warmup_cosine(step: int, warmup: int, max_steps: int, min_ratio: float, prog
     return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * frac))
 
 
-def lr_lambda(cfg: RunConfig) -> Callable[[int], float]:
+def lr_lambda(cfg: RunConfig, time_progress: Callable[[], float] = lambda: 0.0) -> Callable[[int], float]:
+    """The LR factor at a step; `time_progress()` (trainer.schedule_by_time: `TimeProgress.value`) pushes the
+    cosine on."""
     t = cfg.trainer
-    return lambda step: warmup_cosine(step, t.warmup_steps, t.max_steps, t.min_lr_ratio)
+    return lambda step: warmup_cosine(step, t.warmup_steps, t.max_steps, t.min_lr_ratio, time_progress())
+
+
+class TimeProgress:
+    """trainer.schedule_by_time: the fraction of this job's time budget spent, as the cosine's progress floor, so
+    a run its time budget stops ends with its LR decayed (an equal-GPU-time comparison of drafters whose steps
+    differ in cost: each one's schedule spans the same seconds, not a max_steps only the fastest would reach).
+
+    The job's clock starts once its first step has run, so compiling does not eat the schedule: the cosine spans
+    what is left of the budget after it. The fraction moves only at log intervals, from rank 0's clock (every rank
+    must step with the same LR), and a checkpoint keeps it: a resumed job goes on from there over its own budget
+    (progress p0 + (1 - p0) x its own fraction). Off, `value` stays at what a checkpoint held (0 for a new run), so
+    the step count alone drives the cosine."""
+
+    def __init__(self, budget_s: float, enabled: bool, start: float = 0.0):
+        self.budget_s, self.enabled = budget_s, enabled and budget_s > 0
+        self.start = self.value = min(max(start, 0.0), 1.0)
+        self.t_first: float | None = None
+        self.span_s = budget_s
+
+    def first_step_done(self, t_loop: float, now: float) -> None:
+        """The clock starts: the budget left after the loop's first step (compiling) is what the cosine spans."""
+        self.t_first, self.span_s = now, max(self.budget_s - (now - t_loop), 1e-6)
+
+    def fraction(self, now: float) -> float:
+        """This job's share of the schedule so far (rank 0's reading is the one `update` takes)."""
+        if not self.enabled or self.t_first is None:
+            return self.value
+        return self.start + (1.0 - self.start) * min(max((now - self.t_first) / self.span_s, 0.0), 1.0)
+
+    def update(self, value: float) -> None:
+        self.value = max(self.value, value)
 
 
 class MetricAccumulator:
@@ -134,7 +167,8 @@ class Trainer:
         self.producers_inline = self._inline_producer()
         t = cfg.trainer  # adamw, or muon for the 2-D weights + AdamW for the rest (dflash/training/optim.py)
         self.opt = build_optimizer(t.optimizer, self.drafter, t.lr, t.weight_decay, t.muon_lr_scale, self.device)
-        self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lr_lambda(cfg))
+        self.time_progress = TimeProgress(t.time_budget_s, t.schedule_by_time)  # a checkpoint's value: _restore
+        self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lr_lambda(cfg, lambda: self.time_progress.value))
         self.buffer = BucketedBuffer(cfg.buffer, seed=cfg.seed)
         self.start_step, next_item, replay = self._restore()
         self.final_step = self.start_step
@@ -157,6 +191,8 @@ class Trainer:
         try:
             self.drafter.load_state_dict(state["drafter"])
             self.opt.load_state_dict(state["optimizer"])
+            self.time_progress = TimeProgress(self.cfg.trainer.time_budget_s, self.cfg.trainer.schedule_by_time,
+                                              state.get("time_progress", 0.0))  # before the scheduler reads it
             self.sched.load_state_dict(state["scheduler"])
         except (RuntimeError, ValueError, KeyError) as e:  # e.g. a key=value override changed the drafter's shape
             raise ConfigError(f"resume={self.cfg.resume!r}: {ckpt} does not fit this config "
@@ -184,7 +220,7 @@ class Trainer:
             return None
         state = {"step": step, "drafter": self.drafter.state_dict(), "optimizer": self.opt.state_dict(),
                  "scheduler": self.sched.state_dict(), "ranks": ranks, "config": self.saved_config,
-                 "target_fingerprint": self.target.fingerprint}
+                 "target_fingerprint": self.target.fingerprint, "time_progress": self.time_progress.value}
         path = save_checkpoint(self.checkpoint_dir, step, state, self.cfg.trainer.keep_checkpoints)
         self.newest_checkpoint = path
         return path
@@ -299,18 +335,23 @@ class Trainer:
             if step == self.start_step:
                 log.info("first step %d: launched %.1f s after the loop began (compiling included)", step + 1,
                          time.perf_counter() - t_start)
+                self.time_progress.first_step_done(t_start, time.perf_counter())
             window.add(tokens, len(items))
             self.data_meter.add(tokens, len(items), masked_tokens(items))
             done = self.final_step = step + 1  # steps trained so far (the composing layer reads it on a fault)
             last = done == c.trainer.max_steps
             if done % c.tracking.log_every == 0 or last:
                 metrics = self._read_metrics(acc, window, done)
+                now = time.perf_counter()  # one reading for the schedule and the budget: a stop ends it decayed
+                if self.time_progress.enabled:  # rank 0's clock for every rank (one collective an interval)
+                    self.time_progress.update(broadcast_object(self.time_progress.fraction(now), self.dist))
+                    metrics["train/time_progress"] = self.time_progress.value
                 if probe_due(c.trainer.tau_probe, done, last_probed, last):  # off most intervals: its cost is on
                     metrics.update(probe_tau(self.drafter, items, c.trainer.tau_probe, self._autocast()))
                     last_probed = done  # the critical path (tau_probe.py)
                 hooks.on_log(self, metrics, done)
                 check_alive(metrics, int(self.drafter.lm_head_VH.shape[0]), done)
-                last = last or self._out_of_time(t_start) or self.data_meter.over_budget()
+                last = last or self._out_of_time(now - t_start) or self.data_meter.over_budget()
             if not last and self._eval_due(done):
                 hooks.on_eval(self, done)
             saved = done % c.trainer.checkpoint_every == 0 or last
@@ -346,12 +387,12 @@ class Trainer:
         self.milestones_done.update(due)
         return bool(due)
 
-    def _out_of_time(self, t_start: float) -> bool:
+    def _out_of_time(self, elapsed_s: float) -> bool:
         """Rank 0's clock decides for every rank (checked only at log intervals: no extra sync)."""
         budget = self.cfg.trainer.time_budget_s
         if budget <= 0:
             return False
-        return bool(broadcast_object(time.perf_counter() - t_start >= budget, self.dist))
+        return bool(broadcast_object(elapsed_s >= budget, self.dist))
 
     def _read_metrics(self, acc: MetricAccumulator, window: "_Window", step: int) -> dict[str, float]:
         m = acc.read()  # the one host sync of the interval

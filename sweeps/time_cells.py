@@ -1,0 +1,202 @@
+"""A campaign's cells at equal GPU time, each alone on the GPU: the comparison a campaign's token budget cannot make.
+
+    python -m sweeps.time_cells <campaign> cells=[factor/option, ...] seconds=S [seed=N] [out=time_cells_out]
+                                [max_tokens=T] [campaign.KEY=VALUE ...] [any run override ...]
+    python -m sweeps.time_cells <campaign> report [out=...]
+
+A campaign compares options at equal consumed tokens, several cells sharing one GPU (fair in tokens, not in time:
+sweeps/campaign.py). Which option wins when each gets the same GPU-seconds is another question, the one a user
+with a fixed GPU budget asks (DFlash 2 trains at 0.64x DFlash 1's tokens a second at the reference shapes). Here
+each listed cell runs by itself, one after another, as its campaign composes it (`stage_cells`: the base, the seed,
+the option), with:
+
+- `trainer.time_budget_s=S` and `trainer.schedule_by_time=true`: every cell trains S seconds and its LR's cosine
+  spans them from its first step on, so each ends decayed whatever its step costs (a max_steps schedule would be
+  decayed only for the fastest option);
+- `trainer.token_budget=T` (`max_tokens`, default 500 M) and a max_steps in the campaign's tokens-per-step ratio to
+  it: caps that bound the data plan, not meant to be reached;
+- no in-training evaluation (`trainer.eval_at_tokens=[]`, `trainer.eval_every=0`): its seconds would come out of
+  the cell's budget; the final evaluation runs after it, as in the campaign, on the ground truth `eval.truth_dir`
+  pins (pass the campaign's, `<campaign out>/<campaign>/truth`, to pair with its cells and its prompt lookup).
+
+Every cell reads the same data: the same online stream from the same seed, of which a faster cell reads more. A
+finished cell (`final/` and its served task table) is kept; one cut off is started again from nothing (a resumed job
+would get a second time budget). The report: per cell its τ as served with the interval, prompt lookup's on the same
+ground truth, greedy τ, the ground truth's copy rate, the consumed tokens, epochs, steps and the training loop's
+seconds; each cell's paired Δ against the first listed one, on every row and on the least-degenerate quarter.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from dflash.errors import ConfigError
+from dflash.overrides import apply_overrides
+from sweeps.campaign_spec import Campaign, Cell, load_campaign, stage_cells
+
+DEFAULT_OUT = "time_cells_out"
+SERVED_TABLE = "eval/served/tasks.json"  # under the run folder (dflash.evaluation.protocol.table_places)
+
+
+@dataclasses.dataclass
+class TimeCellsArgs:
+    cells: list[str] = dataclasses.field(default_factory=list)  # factor/option of stages without on_best
+    seconds: float = 0.0  # each cell's training time (trainer.time_budget_s)
+    seed: int = -1  # the campaign's seed to run (-1: its first)
+    out: str = DEFAULT_OUT
+    max_tokens: int = 500_000_000  # the token cap (trainer.token_budget): bounds the data plan
+
+
+def pick_cells(c: Campaign, names: list[str], seed: int) -> list[Cell]:
+    """The listed cells of `c` at `seed`, in the order listed; a name that is not factor/option of a stage without
+    `on_best` (whose cells need earlier winners) is an error naming what exists."""
+    if not names:
+        raise ConfigError("cells=[factor/option, ...] is empty: name the cells to run")
+    free = {f"{s.factor}/{o}": i for i, s in enumerate(c.stages) if not s.on_best for o in s.options}
+    bad = [n for n in names if n not in free]
+    if bad:
+        raise ConfigError(f"cells={bad}: not factor/option of a stage of campaign {c.name!r} that builds on no winner; "
+                         f"known: {sorted(free)}")
+    if seed not in c.seeds:
+        raise ConfigError(f"seed={seed}: campaign {c.name!r} has seeds {list(c.seeds)}")
+    out = []
+    for n in names:
+        factor, option = n.split("/", 1)
+        out += [x for x in stage_cells(c, free[n], {}) if x.option == option and x.seed == seed and x.lr is None]
+    return out
+
+
+def cell_overrides(c: Campaign, cell: Cell, args: TimeCellsArgs, run_dir: Path, extra: list[str]) -> list[str]:
+    """The cell as its campaign composes it, then the equal-time settings (module doc), then `extra`."""
+    steps = math.ceil(c.max_steps * args.max_tokens / c.budget_tokens)  # the campaign's tokens a step, at the cap
+    return [*cell.overrides, f"trainer.time_budget_s={args.seconds:g}", "trainer.schedule_by_time=true",
+            f"trainer.token_budget={args.max_tokens}", f"trainer.max_steps={steps}", "trainer.eval_at_tokens=[]",
+            "trainer.eval_every=0", f"run_dir={run_dir}", *extra]
+
+
+def finished(run_dir: Path) -> bool:
+    return (run_dir / "final").is_dir() and (run_dir / SERVED_TABLE).is_file()
+
+
+def run_cells(c: Campaign, args: TimeCellsArgs, extra: list[str]) -> list[Path]:
+    """Every listed cell, checked first (a bad override fails before any cell trains), then one at a time."""
+    from dflash.config import validate
+    from experiments.config import compose_config
+    if args.seconds <= 0:
+        raise ConfigError(f"seconds={args.seconds:g}: each cell's training time must be > 0")
+    cells = pick_cells(c, args.cells, args.seed if args.seed >= 0 else c.seeds[0])
+    root = Path(args.out) / c.name
+    plans = [(cell, root / cell.id) for cell in cells]
+    for cell, run_dir in plans:
+        validate(compose_config(cell_overrides(c, cell, args, run_dir, extra)))
+    for cell, run_dir in plans:
+        if finished(run_dir):
+            print(f"== {cell.id}: finished, kept", flush=True)
+            continue
+        if run_dir.exists():
+            shutil.rmtree(run_dir)  # cut off: a resumed job would get a second time budget
+        print(f"== {cell.id}: {args.seconds:g} s alone", flush=True)
+        cmd = [sys.executable, "-m", "experiments.run", *cell_overrides(c, cell, args, run_dir, extra)]
+        subprocess.run(cmd, check=True)
+    return [d for _, d in plans]
+
+
+# ------------------------------------------------------------------------------------------------ the report
+def _final_row(run_dir: Path) -> dict[str, Any]:
+    """The run's last value of every metric (the final evaluation's, the data meter's, the phases')."""
+    last: dict[str, Any] = {}
+    for line in (run_dir / "metrics.jsonl").read_text(encoding="utf-8").splitlines():
+        rec = json.loads(line)
+        last.update({k: v for k, v in rec.items() if k != "time"})
+    return last
+
+
+def _mean_copy_rate(table: dict) -> float:
+    rates = [float(r["gt_copy_rate"]) for r in table.get("tasks") or [] if r.get("gt_copy_rate") is not None]
+    return sum(rates) / len(rates) if rates else math.nan
+
+
+def cell_rows(run_dirs: list[Path]) -> list[dict[str, Any]]:
+    """One row a finished cell: its figures and its served task table (for the paired Δs)."""
+    from dflash.evaluation.pairing import metric_columns, paired_delta, least_degenerate_delta
+    cols = metric_columns("eval/tau_served")
+    rows = []
+    for d in run_dirs:
+        if not finished(d):
+            continue
+        m = _final_row(d)
+        table = json.loads((d / SERVED_TABLE).read_text(encoding="utf-8"))
+        rows.append({"cell": d.name, "tau": m.get("eval/tau_served"), "lo": m.get("eval/tau_served_ci_low"),
+                     "hi": m.get("eval/tau_served_ci_high"), "pl": m.get("eval/tau_served_prompt_lookup"),
+                     "greedy": m.get("eval/t0/tau_vanilla"), "copy": _mean_copy_rate(table),
+                     "tokens": m.get("data/consumed_tokens"), "epochs": m.get("data/epochs"), "steps": m.get("step"),
+                     "loop_s": m.get("sys/loop_s"), "proposal": m.get("eval/served_proposal"), "table": table})
+    if rows:
+        first = rows[0]
+        for r in rows[1:]:
+            sc = (cols.sum_col, cols.count_col)
+            r["delta"] = paired_delta(r["table"], first["table"], sc, sc)
+            r["delta_ld"] = least_degenerate_delta(r["table"], first["table"], sc, sc)
+    return rows
+
+
+def _f(x, spec=".3f") -> str:
+    return "–" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, spec)
+
+
+def report(rows: list[dict[str, Any]]) -> str:
+    """The markdown table of `cell_rows`."""
+    if not rows:
+        return "no finished cell\n"
+    out = [f"Equal GPU time, each cell alone; Δ against {rows[0]['cell']}, paired prompt for prompt "
+           "(least-degenerate quarter: the ground truths that repeat the fewest 8-grams)\n",
+           "| cell | τ served [95% CI] | prompt lookup | greedy τ | GT copy rate | consumed tokens | epochs | steps | "
+           "loop s | Δ | Δ least-degenerate |", "| --- " * 11 + "|"]
+    for r in rows:
+        d, ld = r.get("delta"), r.get("delta_ld")
+        ds = f"{d.value:+.3f} [{d.low:+.3f}, {d.high:+.3f}]" if d else "–"
+        lds = f"{ld.delta.value:+.3f} [{ld.delta.low:+.3f}, {ld.delta.high:+.3f}]" if ld else "–"
+        out.append(f"| {r['cell']} | {_f(r['tau'])} [{_f(r['lo'])}, {_f(r['hi'])}] | {_f(r['pl'])} | "
+                   f"{_f(r['greedy'])} | {_f(r['copy'])} | {_f(r['tokens'], ',.0f')} | {_f(r['epochs'], '.2f')} | "
+                   f"{_f(r['steps'], '.0f')} | {_f(r['loop_s'], '.1f')} | {ds} | {lds} |")
+    return "\n".join(out) + "\n"
+
+
+def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(__doc__)
+        return []
+    ref, rest = argv[0], argv[1:]
+    want_report = "report" in rest
+    rest = [a for a in rest if a != "report"]
+    own = ("cells=", "seconds=", "seed=", "out=", "max_tokens=")
+    args = apply_overrides(TimeCellsArgs(), [a for a in rest if a.startswith(own)], "argument")
+    edits = [a for a in rest if a.startswith("campaign.")]
+    extra = [a for a in rest if not a.startswith((*own, "campaign."))]
+    c = load_campaign(ref, edits)
+    root = Path(args.out) / c.name
+    if want_report:
+        dirs = sorted(p for p in root.iterdir() if p.is_dir()) if root.is_dir() else []
+        if args.cells:  # the listed order: the first is the one the others are compared with
+            ids = [x.id for x in pick_cells(c, args.cells, args.seed if args.seed >= 0 else c.seeds[0])]
+            dirs = [root / i for i in ids]
+    else:
+        dirs = run_cells(c, args, extra)
+    rows = cell_rows(dirs)
+    text = report(rows)
+    print(text, flush=True)
+    if root.is_dir():
+        (root / "report.md").write_text(text, encoding="utf-8")
+    return rows
+
+
+if __name__ == "__main__":
+    from experiments.config import run_cli
+    run_cli(main)

@@ -1,0 +1,69 @@
+"""sweeps/time_cells.py: a campaign's cells one after another, each for the same training seconds with its LR
+spanning them, then the report pairing each with the first on one ground truth."""
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from dflash.errors import ConfigError
+from sweeps.campaign_spec import load_campaign
+from sweeps.time_cells import TimeCellsArgs, cell_overrides, main, pick_cells
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_cells_are_the_campaigns_own_with_the_equal_time_settings_last(tmp_path):
+    c = load_campaign("served_recipe", [])
+    cells = pick_cells(c, ["recipe/d1_dpace", "recipe/d2_dpace_l8"], 1)
+    assert [x.id for x in cells] == ["s0-recipe-d1_dpace-seed1", "s0-recipe-d2_dpace_l8-seed1"]
+    ov = cell_overrides(c, cells[1], TimeCellsArgs(seconds=180), tmp_path / "r", ["eval.truth_dir=/pins"])
+    assert ov[:len(cells[1].overrides)] == cells[1].overrides and "drafter.num_layers=8" in ov
+    tail = ov[len(cells[1].overrides):]
+    # 390 steps for 8 M tokens: the 500 M cap's steps in that ratio
+    assert tail == ["trainer.time_budget_s=180", "trainer.schedule_by_time=true", "trainer.token_budget=500000000",
+                    "trainer.max_steps=24375", "trainer.eval_at_tokens=[]", "trainer.eval_every=0",
+                    f"run_dir={tmp_path / 'r'}", "eval.truth_dir=/pins"]
+
+
+def test_unknown_cells_and_seeds_are_refused_naming_what_exists():
+    c = load_campaign("served_recipe", [])
+    with pytest.raises(ConfigError, match=r"cells=\['recipe/d3'\].*known: \['recipe/d1_dpace'"):
+        pick_cells(c, ["recipe/d3"], 0)
+    with pytest.raises(ConfigError, match="seed=7: campaign 'served_recipe' has seeds"):
+        pick_cells(c, ["recipe/d1_dpace"], 7)
+    with pytest.raises(ConfigError, match="cells=.*is empty"):
+        pick_cells(c, [], 0)
+    with pytest.raises(ConfigError, match="seconds=0"):
+        main(["served_recipe", "cells=[recipe/d1_dpace]"])
+
+
+@pytest.mark.slow
+def test_two_cells_train_the_same_seconds_end_decayed_and_pair_in_the_report(tmp_path):
+    """cpu_smoke's two loss cells on the tiny random target, 3 s each: both stop on the time budget far short of
+    their step cap (2,000 / 40 of the 500 M cap: 10 M steps) with the LR decayed by the clock, and the report pairs
+    the second with the first on the one ground truth."""
+    out = tmp_path / "out"
+    cells = "cells=[loss/hard_ce,loss/soft_kl]"
+    args = ["cpu_smoke", cells, "seconds=3", "seed=0", f"out={out}", "tracking.log_every=1",
+            f"tracking.tracking_uri=sqlite:///{tmp_path / 'm.db'}"]
+    cwd = os.getcwd()
+    os.chdir(ROOT)
+    try:
+        rows = main(args)
+        again = main(["cpu_smoke", "report", f"out={out}", cells])
+    finally:
+        os.chdir(cwd)
+    assert [r["cell"] for r in rows] == ["s0-loss-hard_ce-seed0", "s0-loss-soft_kl-seed0"]
+    for r in rows:
+        assert r["tau"] >= 1.0 and r["pl"] >= 1.0 and r["loop_s"] >= 3 and 5 <= r["steps"] < 10**6
+        metrics = [json.loads(line) for line in (out / "cpu_smoke" / r["cell"] / "metrics.jsonl").read_text()
+                   .splitlines()]
+        lrs = [m["train/lr"] for m in metrics if "train/lr" in m]
+        assert lrs[-1] < 0.5 * max(lrs)  # decayed by the clock: 10 M steps would leave it at its peak
+        assert [m["train/time_progress"] for m in metrics if "train/time_progress" in m][-1] == 1.0
+    d = rows[1]["delta"]
+    assert d.low <= d.value <= d.high and "delta" not in rows[0]
+    assert [r["tau"] for r in again] == [r["tau"] for r in rows]
+    text = (out / "cpu_smoke" / "report.md").read_text()
+    assert "| s0-loss-soft_kl-seed0 |" in text and "Δ against s0-loss-hard_ce-seed0" in text

@@ -19,7 +19,7 @@ C=${1:-served_recipe}
 OUT=${OUT:-gpu_out}
 W=${W:-/tmp/time_cells}
 TRUTH_OF=${TRUTH_OF:-engine}
-mkdir -p "$OUT" "$W"
+mkdir -p "$OUT" "$W" && OUT=$(cd "$OUT" && pwd)
 source "$(dirname "$0")/wheels.sh" || exit 1
 export PYTHONUNBUFFERED=1 DFLASH_LOG_TIME=1
 export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}

@@ -156,8 +156,8 @@ def report(rows: list[dict[str, Any]]) -> str:
         return "no finished cell\n"
     out = [f"Equal GPU time, each cell alone; Δ against {rows[0]['cell']}, paired prompt for prompt "
            "(least-degenerate quarter: the ground truths that repeat the fewest 8-grams)\n",
-           "| cell | τ served [95% CI] | prompt lookup | greedy τ | GT copy rate | consumed tokens | epochs | steps | "
-           "loop s | Δ | Δ least-degenerate |", "| --- " * 11 + "|"]
+           "| cell | τ served [95% CI] | prompt lookup | greedy τ | GT copy rate | consumed tokens | epochs | "
+           "steps | loop s | Δ | Δ least-degenerate |", "| --- " * 11 + "|"]
     for r in rows:
         d, ld = r.get("delta"), r.get("delta_ld")
         ds = f"{d.value:+.3f} [{d.low:+.3f}, {d.high:+.3f}]" if d else "–"

@@ -75,7 +75,8 @@ class TrainerConfig:
     time_budget_s: float = 0.0  # stop at the first log interval past this much training time (0: off);
     # the final checkpoint and full eval still run. For equal-time comparisons; the LR follows max_steps unless
     # schedule_by_time: then the cosine's progress is also pushed on by this job's clock (from its first step, so
-    # compiling does not count) and a run the budget stops ends decayed (trainer.py, TimeProgress)
+    # compiling does not count) and a run the budget stops ends decayed (trainer.py, TimeProgress); a cosine noise
+    # schedule still follows its own horizon (noise.steps, else max_steps)
     schedule_by_time: bool = False
     token_budget: int = 0  # stop at the first log interval past this many consumed training tokens (0: off),
     # all ranks together; then checkpoint and evaluate, as for time_budget_s. For equal-token comparisons.

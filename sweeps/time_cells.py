@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from dflash.errors import ConfigError
+from dflash.tracking.records import read_metric_records
 from dflash.overrides import apply_overrides
 from sweeps.campaign_spec import Campaign, Cell, load_campaign, stage_cells
 
@@ -67,7 +68,7 @@ def pick_cells(c: Campaign, names: list[str], seed: int) -> list[Cell]:
         raise ConfigError(f"seed={seed}: campaign {c.name!r} has seeds {list(c.seeds)}")
     out = []
     for n in names:
-        factor, option = n.split("/", 1)
+        option = n.split("/", 1)[1]
         out += [x for x in stage_cells(c, free[n], {}) if x.option == option and x.seed == seed and x.lr is None]
     return out
 
@@ -111,20 +112,15 @@ def run_cells(c: Campaign, args: TimeCellsArgs, extra: list[str]) -> list[Path]:
 def _final_row(run_dir: Path) -> dict[str, Any]:
     """The run's last value of every metric (the final evaluation's, the data meter's, the phases')."""
     last: dict[str, Any] = {}
-    for line in (run_dir / "metrics.jsonl").read_text(encoding="utf-8").splitlines():
-        rec = json.loads(line)
+    for rec in read_metric_records(run_dir):
         last.update({k: v for k, v in rec.items() if k != "time"})
     return last
-
-
-def _mean_copy_rate(table: dict) -> float:
-    rates = [float(r["gt_copy_rate"]) for r in table.get("tasks") or [] if r.get("gt_copy_rate") is not None]
-    return sum(rates) / len(rates) if rates else math.nan
 
 
 def cell_rows(run_dirs: list[Path]) -> list[dict[str, Any]]:
     """One row a finished cell: its figures and its served task table (for the paired Δs)."""
     from dflash.evaluation.pairing import metric_columns, paired_delta, least_degenerate_delta
+    from dflash.evaluation.protocol import served_label
     cols = metric_columns("eval/tau_served")
     rows = []
     for d in run_dirs:
@@ -134,7 +130,7 @@ def cell_rows(run_dirs: list[Path]) -> list[dict[str, Any]]:
         table = json.loads((d / SERVED_TABLE).read_text(encoding="utf-8"))
         rows.append({"cell": d.name, "tau": m.get("eval/tau_served"), "lo": m.get("eval/tau_served_ci_low"),
                      "hi": m.get("eval/tau_served_ci_high"), "pl": m.get("eval/tau_served_prompt_lookup"),
-                     "greedy": m.get("eval/t0/tau_vanilla"), "copy": _mean_copy_rate(table),
+                     "greedy": m.get("eval/t0/tau_vanilla"), "copy": m.get(f"eval/{served_label(m)}/gt_copy_rate"),
                      "tokens": m.get("data/consumed_tokens"), "epochs": m.get("data/epochs"), "steps": m.get("step"),
                      "loop_s": m.get("sys/loop_s"), "proposal": m.get("eval/served_proposal"), "table": table})
     if rows:

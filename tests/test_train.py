@@ -150,6 +150,9 @@ def test_time_progress_spans_the_budget_left_after_the_first_step():
     p.update(0.25)  # a reading never moves it back
     assert p.value == 0.5
     assert warmup_cosine(50, 10, 10**6, 0.1, p.value) == pytest.approx(0.55)  # the step fraction alone: ~1
+    assert warmup_cosine(2, 10, 10**6, 0.1) == pytest.approx(0.3)  # inside the warmup: its ramp
+    assert warmup_cosine(2, 10, 10**6, 0.1, 1.0) == pytest.approx(0.1)  # a budget spent inside it: the floor
+    assert warmup_cosine(2, 10, 10**6, 0.1, 0.5) == pytest.approx(0.3)  # the ramp where it is lower
     resumed = TimeProgress(10.0, True, start=0.5)  # a resumed job goes on from its checkpoint's progress
     resumed.first_step_done(0.0, 0.0)
     assert resumed.fraction(5.0) == pytest.approx(0.75)

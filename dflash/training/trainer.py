@@ -54,11 +54,12 @@ class StepOutput:
 
 def warmup_cosine(step: int, warmup: int, max_steps: int, min_ratio: float, progress_floor: float = 0.0) -> float:
     """LR factor: linear warmup over `warmup` steps, then cosine from 1 to `min_ratio` at `max_steps`
-    (progress is at least `progress_floor`, e.g. the wall-clock fraction of a time budget)."""
-    if step < warmup:
-        return (step + 1) / warmup
+    (progress is at least `progress_floor`, e.g. the wall-clock fraction of a time budget). The floor caps the
+    warmup too: a time budget that runs out while the warmup's steps are still counting (slow steps, a short
+    budget) ends with the LR at the cosine's floor, not at the ramp's peak."""
     frac = min(max((step - warmup) / max(max_steps - warmup, 1), progress_floor), 1.0)
-    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * frac))
+    cosine = min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * frac))
+    return min((step + 1) / warmup, cosine) if step < warmup else cosine
 
 
 def lr_lambda(cfg: RunConfig, time_progress: Callable[[], float] = lambda: 0.0) -> Callable[[int], float]:

@@ -23,7 +23,10 @@ Every cell reads the same data: the same online stream from the same seed, of wh
 finished cell (`final/` and its served task table) is kept; one cut off is started again from nothing (a resumed job
 would get a second time budget). The report: per cell its τ as served with the interval, prompt lookup's on the same
 ground truth, greedy τ, the ground truth's copy rate, the consumed tokens, epochs, steps and the training loop's
-seconds; each cell's paired Δ against the first listed one, on every row and on the least-degenerate quarter.
+seconds with, of them, those before its first step (first data, compiling: a short budget's share that differs
+between cells and between a cold machine and a warm one); each cell's paired Δ against the first listed one, on
+every row and on the least-degenerate quarter. The report needs no weights: a cell's metrics.jsonl and served task
+table are enough (what the GPU job brings back).
 """
 from __future__ import annotations
 
@@ -82,7 +85,13 @@ def cell_overrides(c: Campaign, cell: Cell, args: TimeCellsArgs, run_dir: Path, 
 
 
 def finished(run_dir: Path) -> bool:
-    return (run_dir / "final").is_dir() and (run_dir / SERVED_TABLE).is_file()
+    """Trained and evaluated here: kept by a rerun."""
+    return (run_dir / "final").is_dir() and evaluated(run_dir)
+
+
+def evaluated(run_dir: Path) -> bool:
+    """What the report reads is there: its served task table and metrics (the GPU job packs no weights)."""
+    return (run_dir / SERVED_TABLE).is_file() and (run_dir / "metrics.jsonl").is_file()
 
 
 def run_cells(c: Campaign, args: TimeCellsArgs, extra: list[str]) -> list[Path]:
@@ -124,7 +133,7 @@ def cell_rows(run_dirs: list[Path]) -> list[dict[str, Any]]:
     cols = metric_columns("eval/tau_served")
     rows = []
     for d in run_dirs:
-        if not finished(d):
+        if not evaluated(d):
             continue
         m = _final_row(d)
         table = json.loads((d / SERVED_TABLE).read_text(encoding="utf-8"))
@@ -132,7 +141,8 @@ def cell_rows(run_dirs: list[Path]) -> list[dict[str, Any]]:
                      "hi": m.get("eval/tau_served_ci_high"), "pl": m.get("eval/tau_served_prompt_lookup"),
                      "greedy": m.get("eval/t0/tau_vanilla"), "copy": m.get(f"eval/{served_label(m)}/gt_copy_rate"),
                      "tokens": m.get("data/consumed_tokens"), "epochs": m.get("data/epochs"), "steps": m.get("step"),
-                     "loop_s": m.get("sys/loop_s"), "proposal": m.get("eval/served_proposal"), "table": table})
+                     "loop_s": m.get("sys/loop_s"), "first_step_s": m.get("sys/first_step_s"),
+                     "proposal": m.get("eval/served_proposal"), "table": table})
     if rows:
         first = rows[0]
         for r in rows[1:]:
@@ -149,18 +159,19 @@ def _f(x, spec=".3f") -> str:
 def report(rows: list[dict[str, Any]]) -> str:
     """The markdown table of `cell_rows`."""
     if not rows:
-        return "no finished cell\n"
+        return "no evaluated cell\n"
     out = [f"Equal GPU time, each cell alone; Δ against {rows[0]['cell']}, paired prompt for prompt "
            "(least-degenerate quarter: the ground truths that repeat the fewest 8-grams)\n",
            "| cell | τ served [95% CI] | prompt lookup | greedy τ | GT copy rate | consumed tokens | epochs | "
-           "steps | loop s | Δ | Δ least-degenerate |", "| --- " * 11 + "|"]
+           "steps | loop s | of it before step 1 | Δ | Δ least-degenerate |", "| --- " * 12 + "|"]
     for r in rows:
         d, ld = r.get("delta"), r.get("delta_ld")
         ds = f"{d.value:+.3f} [{d.low:+.3f}, {d.high:+.3f}]" if d else "–"
         lds = f"{ld.delta.value:+.3f} [{ld.delta.low:+.3f}, {ld.delta.high:+.3f}]" if ld else "–"
         out.append(f"| {r['cell']} | {_f(r['tau'])} [{_f(r['lo'])}, {_f(r['hi'])}] | {_f(r['pl'])} | "
                    f"{_f(r['greedy'])} | {_f(r['copy'])} | {_f(r['tokens'], ',.0f')} | {_f(r['epochs'], '.2f')} | "
-                   f"{_f(r['steps'], '.0f')} | {_f(r['loop_s'], '.1f')} | {ds} | {lds} |")
+                   f"{_f(r['steps'], '.0f')} | {_f(r['loop_s'], '.1f')} | {_f(r['first_step_s'], '.1f')} | {ds} | "
+                   f"{lds} |")
     return "\n".join(out) + "\n"
 
 

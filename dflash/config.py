@@ -78,6 +78,10 @@ class TrainerConfig:
     # compiling does not count) and a run the budget stops ends decayed (trainer.py, TimeProgress); a cosine noise
     # schedule still follows its own horizon (noise.steps, else max_steps)
     schedule_by_time: bool = False
+    # where time_budget_s starts: "loop" (the loop's start: first data and compiling are in the budget, as a user's
+    # GPU time) or "first_step" (once the first step has run: short equal-time cells then compare training seconds,
+    # not how warm the machine's compile and data caches were; sys/first_step_s says what came before)
+    time_budget_from: str = "loop"
     token_budget: int = 0  # stop at the first log interval past this many consumed training tokens (0: off),
     # all ranks together; then checkpoint and evaluate, as for time_budget_s. For equal-token comparisons.
     online_data: bool = False  # train on sequences the target writes online (data.pool, data.online), whatever
@@ -136,6 +140,9 @@ def _trainer_ranges(cfg: RunConfig) -> None:
         validate_tau_probe_config(t.tau_probe, cfg.drafter.block_size)
     except ValueError as e:
         raise ConfigError(str(e)) from e
+    if t.time_budget_from not in ("loop", "first_step"):
+        raise ConfigError(f"trainer.time_budget_from must be 'loop' or 'first_step' (where trainer.time_budget_s "
+                          f"starts), got {t.time_budget_from!r}")
     if t.schedule_by_time and t.time_budget_s <= 0:
         raise ConfigError("trainer.schedule_by_time=true needs trainer.time_budget_s > 0 (the seconds the LR's "
                           f"cosine spans), got trainer.time_budget_s={t.time_budget_s}")

@@ -156,6 +156,9 @@ def test_time_progress_spans_the_budget_left_after_the_first_step():
     resumed = TimeProgress(10.0, True, start=0.5)  # a resumed job goes on from its checkpoint's progress
     resumed.first_step_done(0.0, 0.0)
     assert resumed.fraction(5.0) == pytest.approx(0.75)
+    own = TimeProgress(100.0, True, from_first_step=True)  # trainer.time_budget_from=first_step: all 100 s
+    own.first_step_done(t_loop=0.0, now=20.0)
+    assert own.fraction(70.0) == pytest.approx(0.5) and own.fraction(120.0) == 1.0
     off = TimeProgress(10.0, False, start=0.3)
     off.first_step_done(0.0, 0.0)
     assert off.fraction(9.0) == 0.3 and not off.enabled
@@ -177,6 +180,21 @@ def test_schedule_by_time_decays_the_lr_over_the_time_budget_and_resumes_from_it
     again = train(fast_cfg(f"resume={res.run_dir}", run="ignored"))  # another job of the saved config's 2 s
     resumed = [(s, v) for s, v in _rows(again.run_dir, "train/lr") if s > last_step]
     assert resumed and resumed[0][1] == pytest.approx(0.1 * 1e-3, rel=1e-6)  # trainer.lr's floor from step one
+
+
+def test_time_budget_from_first_step_leaves_the_first_step_out_of_the_budget(fast_cfg):
+    """The budget's seconds are training after the first step; the seconds before it are logged beside them."""
+    res = train(fast_cfg("trainer.time_budget_s=1.5", "trainer.time_budget_from=first_step", "trainer.max_steps=100000",
+                         "trainer.schedule_by_time=true", "trainer.checkpoint_every=100000", run="from_first"))
+    (loop_s,), (first_s,) = [[v for _, v in _rows(res.run_dir, k)] for k in ("sys/loop_s", "sys/first_step_s")]
+    assert 0 < first_s < loop_s and loop_s - first_s >= 1.5
+    assert [v for _, v in _rows(res.run_dir, "train/time_progress")][-1] == 1.0
+
+
+def test_time_budget_from_is_checked(fast_cfg):
+    from dflash.config import ConfigError, validate
+    with pytest.raises(ConfigError, match="trainer.time_budget_from must be 'loop' or 'first_step'"):
+        validate(fast_cfg("trainer.time_budget_from=compile"))
 
 
 def test_schedule_by_time_needs_a_time_budget(fast_cfg):

@@ -2,8 +2,11 @@
 # One GPU: a campaign's cells at equal GPU time, each alone (sweeps/time_cells.py), evaluated on the ground truth the
 # committed campaign pinned, so their τ pairs with that campaign's cells and its prompt lookup.
 #
-#   CELLS="recipe/d2_dpace_l8 recipe/d1_dpace" SECONDS_A_CELL=180 bash benchmarks/leased_gpu/time_cells.sh [campaign]
+#   CELLS="recipe/d2_dpace_l8 recipe/d1_dpace" SECONDS_A_CELL=180 bash benchmarks/leased_gpu/time_cells.sh [campaign [override ...]]
 #
+# Overrides after the campaign go to every cell, e.g. trainer.time_budget_from=first_step (the seconds count training
+# after the first step alone: on a fresh machine first data and compiling took 88-115 s of a 160-s budget, on a warm
+# one 10-41 s, so cells compared under the default budget must share the machine's state).
 # Env: CELLS (factor/option, space-separated, run in that order), SECONDS_A_CELL (each cell's trainer.time_budget_s),
 # SEED (default 0), TRUTH_OF (the committed campaign whose pinned ground truth is used; default engine, the one the
 # served_recipe campaign evaluated on), W (work folder, default /tmp/time_cells: outside the carried tree), OUT.
@@ -16,6 +19,7 @@
 # cells=[...]` reads them back on any machine.
 set -uo pipefail
 C=${1:-served_recipe}
+shift $(( $# > 0 ? 1 : 0 ))
 OUT=${OUT:-gpu_out}
 W=${W:-/tmp/time_cells}
 TRUTH_OF=${TRUTH_OF:-engine}
@@ -30,7 +34,7 @@ for cell in ${CELLS:?space-separated factor/option names}; do
   t=$SECONDS
   python -m sweeps.time_cells "$C" "cells=[$cell]" "seconds=${SECONDS_A_CELL:?}" "seed=${SEED:-0}" "out=$W/out" \
     tracking.enabled=false "eval.truth_dir=$truth" "data.pool.cache_dir=$W/pool" \
-    "data.online.shard_dir=$W/shards/${cell//\//-}" >> "$OUT/time_cells.log" 2>&1
+    "data.online.shard_dir=$W/shards/${cell//\//-}" "$@" >> "$OUT/time_cells.log" 2>&1
   echo "== $cell: rc $? in $((SECONDS - t)) s"
   (cd "$W/out" && tar -cJf "$OUT/cells.tar.xz" --exclude='final' --exclude='checkpoints' --exclude='*.png' .)
 done

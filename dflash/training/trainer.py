@@ -80,15 +80,17 @@ class TimeProgress:
     (progress p0 + (1 - p0) x its own fraction). Off, `value` stays at what a checkpoint held (0 for a new run), so
     the step count alone drives the cosine."""
 
-    def __init__(self, budget_s: float, enabled: bool, start: float = 0.0):
-        self.budget_s, self.enabled = budget_s, enabled and budget_s > 0
+    def __init__(self, budget_s: float, enabled: bool, start: float = 0.0, from_first_step: bool = False):
+        self.budget_s, self.enabled, self.from_first_step = budget_s, enabled and budget_s > 0, from_first_step
         self.start = self.value = min(max(start, 0.0), 1.0)
         self.t_first: float | None = None
         self.span_s = budget_s
 
     def first_step_done(self, t_loop: float, now: float) -> None:
-        """The clock starts: the budget left after the loop's first step (compiling) is what the cosine spans."""
-        self.t_first, self.span_s = now, max(self.budget_s - (now - t_loop), 1e-6)
+        """The clock starts: the budget left after the loop's first step (compiling) is what the cosine spans, or
+        all of it where the budget itself starts there (trainer.time_budget_from=first_step)."""
+        before = 0.0 if self.from_first_step else now - t_loop
+        self.t_first, self.span_s = now, max(self.budget_s - before, 1e-6)
 
     def fraction(self, now: float) -> float:
         """This job's share of the schedule so far (rank 0's reading is the one `update` takes)."""
@@ -168,7 +170,7 @@ class Trainer:
         self.producers_inline = self._inline_producer()
         t = cfg.trainer  # adamw, or muon for the 2-D weights + AdamW for the rest (dflash/training/optim.py)
         self.opt = build_optimizer(t.optimizer, self.drafter, t.lr, t.weight_decay, t.muon_lr_scale, self.device)
-        self.time_progress = TimeProgress(t.time_budget_s, t.schedule_by_time)  # a checkpoint's value: _restore
+        self.time_progress = self._time_progress()  # a resumed run's: _restore
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lr_lambda(cfg, lambda: self.time_progress.value))
         self.buffer = BucketedBuffer(cfg.buffer, seed=cfg.seed)
         self.start_step, next_item, replay = self._restore()
@@ -178,6 +180,10 @@ class Trainer:
         # elsewhere): the composing layer logs sys/setup_s, sys/loop_s (of it sys/first_data_s and sys/first_step_s,
         # the seconds before the first step's data came and before it was launched), sys/save_s, sys/final_eval_s
         self.phase_s: dict[str, float] = {}
+
+    def _time_progress(self, start: float = 0.0) -> TimeProgress:
+        t = self.cfg.trainer
+        return TimeProgress(t.time_budget_s, t.schedule_by_time, start, t.time_budget_from == "first_step")
 
     def _restore(self) -> tuple[int, int, list[int]]:
         if not self.cfg.resume:
@@ -193,8 +199,7 @@ class Trainer:
         try:
             self.drafter.load_state_dict(state["drafter"])
             self.opt.load_state_dict(state["optimizer"])
-            self.time_progress = TimeProgress(self.cfg.trainer.time_budget_s, self.cfg.trainer.schedule_by_time,
-                                              state.get("time_progress", 0.0))  # before the scheduler reads it
+            self.time_progress = self._time_progress(state.get("time_progress", 0.0))  # before the scheduler
             self.sched.load_state_dict(state["scheduler"])
         except (RuntimeError, ValueError, KeyError) as e:  # e.g. a key=value override changed the drafter's shape
             raise ConfigError(f"resume={self.cfg.resume!r}: {ckpt} does not fit this config "
@@ -320,6 +325,7 @@ class Trainer:
         metrics: dict[str, float] = {}
         window = _Window(producers, self.buffer, self.dist)
         t_start, done = time.perf_counter(), self.start_step
+        t_budget = t_start  # where trainer.time_budget_s starts: here, or after the first step (time_budget_from)
         last_probed = self.start_step
         self.newest_checkpoint = self.latest_checkpoint()  # then kept by _checkpoint (no file read a step)
         # milestones a resumed run already passed (this rank's restored count, times the ranks) are not re-run
@@ -340,6 +346,8 @@ class Trainer:
                 log.info("first step %d: launched %.1f s after the loop began (compiling included)", step + 1,
                          self.phase_s["sys/first_step_s"])
                 self.time_progress.first_step_done(t_start, time.perf_counter())
+                if c.trainer.time_budget_from == "first_step":
+                    t_budget = time.perf_counter()
             window.add(tokens, len(items))
             self.data_meter.add(tokens, len(items), masked_tokens(items))
             done = self.final_step = step + 1  # steps trained so far (the composing layer reads it on a fault)
@@ -355,7 +363,7 @@ class Trainer:
                     last_probed = done  # the critical path (tau_probe.py)
                 hooks.on_log(self, metrics, done)
                 check_alive(metrics, int(self.drafter.lm_head_VH.shape[0]), done)
-                last = last or self._out_of_time(now - t_start) or self.data_meter.over_budget()
+                last = last or self._out_of_time(now - t_budget) or self.data_meter.over_budget()
             if not last and self._eval_due(done):
                 hooks.on_eval(self, done)
             saved = done % c.trainer.checkpoint_every == 0 or last

@@ -13,6 +13,8 @@ the option), with:
 - `trainer.time_budget_s=S` and `trainer.schedule_by_time=true`: every cell trains S seconds and its LR's cosine
   spans them from its first step on, so each ends decayed whatever its step costs (a max_steps schedule would be
   decayed only for the fastest option);
+- pass `trainer.time_budget_from=first_step` to count the S seconds from each cell's first step (first data and
+  compiling left out: on a fresh GPU machine they took 88-115 s of a 160-s cell, on a warm one 10-41 s);
 - `trainer.token_budget=T` (`max_tokens`, default 500 M) and a max_steps in the campaign's tokens-per-step ratio to
   it: caps that bound the data plan, not meant to be reached;
 - no in-training evaluation (`trainer.eval_at_tokens=[]`, `trainer.eval_every=0`): its seconds would come out of

@@ -75,7 +75,8 @@ class TimeProgress:
     differ in cost: each one's schedule spans the same seconds, not a max_steps only the fastest would reach).
 
     The job's clock starts once its first step has run, so compiling does not eat the schedule: the cosine spans
-    what is left of the budget after it. The fraction moves only at log intervals, from rank 0's clock (every rank
+    what is left of the budget after it (all of it with trainer.time_budget_from=first_step, where the budget
+    starts there too). The fraction moves only at log intervals, from rank 0's clock (every rank
     must step with the same LR), and a checkpoint keeps it: a resumed job goes on from there over its own budget
     (progress p0 + (1 - p0) x its own fraction). Off, `value` stays at what a checkpoint held (0 for a new run), so
     the step count alone drives the cosine."""
@@ -342,12 +343,13 @@ class Trainer:
             with around_step(step), torch.profiler.record_function("dflash.train_step"):  # free unless profiled
                 tokens = self._step(items, acc)
             if step == self.start_step:  # what a time budget pays before training: first data, compiling
-                self.phase_s["sys/first_step_s"] = time.perf_counter() - t_start
+                t_first = time.perf_counter()
+                self.phase_s["sys/first_step_s"] = t_first - t_start
                 log.info("first step %d: launched %.1f s after the loop began (compiling included)", step + 1,
                          self.phase_s["sys/first_step_s"])
-                self.time_progress.first_step_done(t_start, time.perf_counter())
+                self.time_progress.first_step_done(t_start, t_first)
                 if c.trainer.time_budget_from == "first_step":
-                    t_budget = time.perf_counter()
+                    t_budget = t_first
             window.add(tokens, len(items))
             self.data_meter.add(tokens, len(items), masked_tokens(items))
             done = self.final_step = step + 1  # steps trained so far (the composing layer reads it on a fault)

@@ -16,7 +16,8 @@
 # config.yaml and task tables: no weights), so a call its limit cuts still brings back the cells it finished. Only
 # hydra, omegaconf and fla are needed beside the machine's stack: tracking is off (metrics.jsonl and the run
 # folder's task tables hold all the report reads); `python -m sweeps.time_cells <campaign> report out=<unpacked>
-# cells=[...]` reads them back on any machine.
+# cells=[...]` reads them back on any machine (unpack every call's cells.tar.xz into one folder: a fresh machine's
+# archive holds only its own call's cells).
 set -uo pipefail
 C=${1:-served_recipe}
 shift $(( $# > 0 ? 1 : 0 ))

@@ -73,3 +73,20 @@ def test_two_cells_train_the_same_seconds_end_decayed_and_pair_in_the_report(tmp
     assert [r["tau"] for r in again] == [r["tau"] for r in rows]
     text = (out / "cpu_smoke" / "report.md").read_text()
     assert "| s0-loss-soft_kl-seed0 |" in text and "Δ against s0-loss-hard_ce-seed0" in text
+
+
+@pytest.mark.parametrize("state, cells, taus, delta", [
+    ("cold", "cells=[recipe/d2_dpace_l8,recipe/d1_dpace]", [1.817, 1.638], -0.178),
+    ("warm", "cells=[recipe/d2_dpace,recipe/d1_dpace]", [1.859, 1.697], -0.162),
+])
+def test_the_committed_gpu_cells_give_the_documented_table(tmp_path, state, cells, taus, delta):
+    """benchmarks/ablations/time_cells.tar.xz holds what the 160-s GPU cells brought back (metrics and task tables,
+    no weights); the report read from it gives benchmarks/ABLATIONS.md's figures."""
+    import tarfile
+    with tarfile.open(ROOT / "benchmarks" / "ablations" / "time_cells.tar.xz") as tar:
+        tar.extractall(tmp_path, filter="data")
+    rows = main(["served_recipe", "report", f"out={tmp_path / 'time_cells' / state}", cells])
+    assert [round(r["tau"], 3) for r in rows] == taus and rows[0]["pl"] == pytest.approx(1.263, abs=5e-4)
+    assert round(rows[1]["delta"].value, 3) == delta and rows[1]["delta"].high < 0
+    doc = (ROOT / "benchmarks" / "ABLATIONS.md").read_text(encoding="utf-8")
+    assert all(f"{t:.3f}" in doc for t in taus) and f"{delta:.3f}".replace("-", "−") in doc

@@ -72,16 +72,19 @@ class TrainerConfig:
     eval_at_tokens: list[int] = field(default_factory=list)
     # train/tau_rounds: the evaluator's round simulation on a few training sequences per log interval
     tau_probe: TauProbeConfig = field(default_factory=TauProbeConfig)
-    time_budget_s: float = 0.0  # stop at the first log interval past this much training time (0: off);
+    time_budget_s: float = 0.0  # stop at the first log interval past this many seconds (0: off; what they count:
+    # time_budget_counts; train/budget_s logs the seconds counted so far);
     # the final checkpoint and full eval still run. For equal-time comparisons; the LR follows max_steps unless
     # schedule_by_time: then the cosine's progress is also pushed on by this job's clock (from its first step, so
     # compiling does not count) and a run the budget stops ends decayed (trainer.py, TimeProgress); a cosine noise
     # schedule still follows its own horizon (noise.steps, else max_steps)
     schedule_by_time: bool = False
-    # where time_budget_s starts: "loop" (the loop's start: first data and compiling are in the budget, as a user's
-    # GPU time) or "first_step" (once the first step has run: short equal-time cells then compare training seconds,
-    # not how warm the machine's compile and data caches were; sys/first_step_s says what came before)
-    time_budget_from: str = "loop"
+    # what time_budget_s counts: "loop" (wall time from the loop's start: first data, compiling and in-training
+    # evaluations inside it, a deadline a job can be sized by) or "training" (training alone: from the first step on,
+    # the in-training evaluations' seconds left out, so short equal-time cells compare training, not how warm a
+    # machine's caches were, and a learning curve's evaluations cost no training; sys/first_step_s and
+    # sys/train_eval_s log what was left out)
+    time_budget_counts: str = "loop"
     token_budget: int = 0  # stop at the first log interval past this many consumed training tokens (0: off),
     # all ranks together; then checkpoint and evaluate, as for time_budget_s. For equal-token comparisons.
     online_data: bool = False  # train on sequences the target writes online (data.pool, data.online), whatever
@@ -140,9 +143,9 @@ def _trainer_ranges(cfg: RunConfig) -> None:
         validate_tau_probe_config(t.tau_probe, cfg.drafter.block_size)
     except ValueError as e:
         raise ConfigError(str(e)) from e
-    if t.time_budget_from not in ("loop", "first_step"):
-        raise ConfigError(f"trainer.time_budget_from must be 'loop' or 'first_step' (where trainer.time_budget_s "
-                          f"starts), got {t.time_budget_from!r}")
+    if t.time_budget_counts not in ("loop", "training"):
+        raise ConfigError(f"trainer.time_budget_counts must be 'loop' or 'training' (what trainer.time_budget_s "
+                          f"counts), got {t.time_budget_counts!r}")
     if t.schedule_by_time and t.time_budget_s <= 0:
         raise ConfigError("trainer.schedule_by_time=true needs trainer.time_budget_s > 0 (the seconds the LR's "
                           f"cosine spans), got trainer.time_budget_s={t.time_budget_s}")

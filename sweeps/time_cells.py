@@ -1,7 +1,7 @@
 """A campaign's cells at equal GPU time, each alone on the GPU: the comparison a campaign's token budget cannot make.
 
     python -m sweeps.time_cells <campaign> cells=[factor/option, ...] seconds=S [seed=N] [out=time_cells_out]
-                                [max_tokens=T] [campaign.KEY=VALUE ...] [any run override ...]
+                                [max_tokens=T] [counts=training|loop] [campaign.KEY=VALUE ...] [any run override ...]
     python -m sweeps.time_cells <campaign> report [out=...]
 
 A campaign compares options at equal consumed tokens, several cells sharing one GPU (fair in tokens, not in time:
@@ -13,13 +13,17 @@ the option), with:
 - `trainer.time_budget_s=S` and `trainer.schedule_by_time=true`: every cell trains S seconds and its LR's cosine
   spans them from its first step on, so each ends decayed whatever its step costs (a max_steps schedule would be
   decayed only for the fastest option);
-- pass `trainer.time_budget_from=first_step` to count the S seconds from each cell's first step (first data and
-  compiling left out: on a fresh GPU machine they took 88-115 s of a 160-s cell, on a warm one 10-41 s);
+- `trainer.time_budget_counts=training` (`counts`, default training): the S seconds are training alone, from each
+  cell's first step on (first data and compiling left out: on a fresh GPU machine they took 88-115 s of a 160-s
+  cell, on a warm one 10-41 s) with in-training evaluations' seconds left out; `counts=loop` counts all from the
+  loop's start (how the cells of 2026-12-07 ran);
 - `trainer.token_budget=T` (`max_tokens`, default 500 M) and a max_steps in the campaign's tokens-per-step ratio to
   it: caps that bound the data plan, not meant to be reached;
-- no in-training evaluation (`trainer.eval_at_tokens=[]`, `trainer.eval_every=0`): its seconds would come out of
-  the cell's budget; the final evaluation runs after it, as in the campaign, on the ground truth `eval.truth_dir`
-  pins (pass the campaign's, `<campaign out>/<campaign>/truth`, to pair with its cells and its prompt lookup).
+- no in-training evaluation (`trainer.eval_at_tokens=[]`, `trainer.eval_every=0`) unless asked: pass
+  `trainer.eval_at_tokens=[...]` for a learning curve in consumed tokens and training seconds (the budget's clock
+  stops while they run, so they cost wall time, not training); the final evaluation runs after the budget, as in
+  the campaign, on the ground truth `eval.truth_dir` pins (pass the campaign's, `<campaign out>/<campaign>/truth`,
+  to pair with its cells and its prompt lookup).
 
 Every cell reads the same data: the same online stream from the same seed, of which a faster cell reads more. A
 finished cell (`final/` and its served task table) is kept; one cut off is started again from nothing (a resumed job
@@ -27,7 +31,8 @@ would get a second time budget). The report: per cell its τ as served with the 
 ground truth, greedy τ, the ground truth's copy rate, the consumed tokens, epochs, steps and the training loop's
 seconds with, of them, those before its first step (first data, compiling: a short budget's share that differs
 between cells and between a cold machine and a warm one); each cell's paired Δ against the first listed one, on
-every row and on the least-degenerate quarter. The report needs no weights: a cell's metrics.jsonl and served task
+every row and on the least-degenerate quarter; with in-training evaluations, each cell's learning curve (consumed
+tokens, training seconds, τ). The report needs no weights: a cell's metrics.jsonl and served task
 table are enough (what the GPU job brings back).
 """
 from __future__ import annotations
@@ -57,6 +62,7 @@ class TimeCellsArgs:
     seed: int = -1  # the campaign's seed to run (-1: its first)
     out: str = DEFAULT_OUT
     max_tokens: int = 500_000_000  # the token cap (trainer.token_budget): bounds the data plan
+    counts: str = "training"  # what the seconds count (trainer.time_budget_counts): training, or loop
 
 
 def pick_cells(c: Campaign, names: list[str], seed: int) -> list[Cell]:
@@ -82,6 +88,7 @@ def cell_overrides(c: Campaign, cell: Cell, args: TimeCellsArgs, run_dir: Path, 
     """The cell as its campaign composes it, then the equal-time settings (module doc), then `extra`."""
     steps = math.ceil(c.max_steps * args.max_tokens / c.budget_tokens)  # the campaign's tokens a step, at the cap
     return [*cell.overrides, f"trainer.time_budget_s={args.seconds:g}", "trainer.schedule_by_time=true",
+            f"trainer.time_budget_counts={args.counts}",
             f"trainer.token_budget={args.max_tokens}", f"trainer.max_steps={steps}", "trainer.eval_at_tokens=[]",
             "trainer.eval_every=0", f"run_dir={run_dir}", *extra]
 
@@ -102,6 +109,9 @@ def run_cells(c: Campaign, args: TimeCellsArgs, extra: list[str]) -> list[Path]:
     from experiments.config import compose_config
     if args.seconds <= 0:
         raise ConfigError(f"seconds={args.seconds:g}: each cell's training time must be > 0")
+    if args.counts not in ("training", "loop"):
+        raise ConfigError(f"counts={args.counts}: what each cell's seconds count must be training (from the first "
+                          "step on, in-training evaluations out) or loop (all from the loop's start)")
     cells = pick_cells(c, args.cells, args.seed if args.seed >= 0 else c.seeds[0])
     root = Path(args.out) / c.name
     plans = [(cell, root / cell.id) for cell in cells]
@@ -128,6 +138,20 @@ def _final_row(run_dir: Path) -> dict[str, Any]:
     return last
 
 
+def curve_points(run_dir: Path) -> list[dict[str, float]]:
+    """Every evaluation of the run in order (trainer.eval_at_tokens' in-training ones, then the final one), each
+    at the consumed tokens and the time budget's seconds (train/budget_s: training alone) last logged before it."""
+    seen: dict[str, float] = {}
+    points = []
+    for rec in read_metric_records(run_dir):
+        seen.update({k: rec[k] for k in ("data/consumed_tokens", "train/budget_s") if k in rec})
+        if "eval/tau_served" in rec:
+            points.append({"tokens": seen.get("data/consumed_tokens"), "budget_s": seen.get("train/budget_s"),
+                           "tau": rec["eval/tau_served"], "lo": rec.get("eval/tau_served_ci_low"),
+                           "hi": rec.get("eval/tau_served_ci_high")})
+    return points
+
+
 def cell_rows(run_dirs: list[Path]) -> list[dict[str, Any]]:
     """One row a finished cell: its figures and its served task table (for the paired Δs)."""
     from dflash.evaluation.pairing import metric_columns, paired_delta, least_degenerate_delta
@@ -144,7 +168,7 @@ def cell_rows(run_dirs: list[Path]) -> list[dict[str, Any]]:
                      "greedy": m.get("eval/t0/tau_vanilla"), "copy": m.get(f"eval/{served_label(m)}/gt_copy_rate"),
                      "tokens": m.get("data/consumed_tokens"), "epochs": m.get("data/epochs"), "steps": m.get("step"),
                      "loop_s": m.get("sys/loop_s"), "first_step_s": m.get("sys/first_step_s"),
-                     "proposal": m.get("eval/served_proposal"), "table": table})
+                     "proposal": m.get("eval/served_proposal"), "curve": curve_points(d), "table": table})
     if rows:
         first = rows[0]
         for r in rows[1:]:
@@ -174,6 +198,12 @@ def report(rows: list[dict[str, Any]]) -> str:
                    f"{_f(r['greedy'])} | {_f(r['copy'])} | {_f(r['tokens'], ',.0f')} | {_f(r['epochs'], '.2f')} | "
                    f"{_f(r['steps'], '.0f')} | {_f(r['loop_s'], '.1f')} | {_f(r['first_step_s'], '.1f')} | {ds} | "
                    f"{lds} |")
+    if any(len(r["curve"]) > 1 for r in rows):  # trainer.eval_at_tokens: each cell's learning curve
+        out += ["", "Learning curve (in-training evaluations, the budget's clock stopped for them; the last row a "
+                "cell's final evaluation)\n", "| cell | consumed tokens | training s | τ served [95% CI] |",
+                "| --- " * 4 + "|"]
+        out += [f"| {r['cell']} | {_f(p['tokens'], ',.0f')} | {_f(p['budget_s'], '.1f')} | {_f(p['tau'])} "
+                f"[{_f(p['lo'])}, {_f(p['hi'])}] |" for r in rows for p in r["curve"]]
     return "\n".join(out) + "\n"
 
 
@@ -185,7 +215,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     ref, rest = argv[0], argv[1:]
     want_report = "report" in rest
     rest = [a for a in rest if a != "report"]
-    own = ("cells=", "seconds=", "seed=", "out=", "max_tokens=")
+    own = ("cells=", "seconds=", "seed=", "out=", "max_tokens=", "counts=")
     args = apply_overrides(TimeCellsArgs(), [a for a in rest if a.startswith(own)], "argument")
     edits = [a for a in rest if a.startswith("campaign.")]
     extra = [a for a in rest if not a.startswith((*own, "campaign."))]

@@ -22,7 +22,8 @@ def test_cells_are_the_campaigns_own_with_the_equal_time_settings_last(tmp_path)
     assert ov[:len(cells[1].overrides)] == cells[1].overrides and "drafter.num_layers=8" in ov
     tail = ov[len(cells[1].overrides):]
     # 390 steps for 8 M tokens: the 500 M cap's steps in that ratio
-    assert tail == ["trainer.time_budget_s=180", "trainer.schedule_by_time=true", "trainer.token_budget=500000000",
+    assert tail == ["trainer.time_budget_s=180", "trainer.schedule_by_time=true",
+                    "trainer.time_budget_counts=training", "trainer.token_budget=500000000",
                     "trainer.max_steps=24375", "trainer.eval_at_tokens=[]", "trainer.eval_every=0",
                     f"run_dir={tmp_path / 'r'}", "eval.truth_dir=/pins"]
 
@@ -37,6 +38,8 @@ def test_unknown_cells_and_seeds_are_refused_naming_what_exists():
         pick_cells(c, [], 0)
     with pytest.raises(ConfigError, match="seconds=0"):
         main(["served_recipe", "cells=[recipe/d1_dpace]"])
+    with pytest.raises(ConfigError, match="counts=wall: what each cell's seconds count must be training"):
+        main(["served_recipe", "cells=[recipe/d1_dpace]", "seconds=10", "counts=wall"])
 
 
 @pytest.mark.slow
@@ -90,3 +93,22 @@ def test_the_committed_gpu_cells_give_the_documented_table(tmp_path, state, cell
     assert round(rows[1]["delta"].value, 3) == delta and rows[1]["delta"].high < 0
     doc = (ROOT / "benchmarks" / "ABLATIONS.md").read_text(encoding="utf-8")
     assert all(f"{t:.3f}" in doc for t in taus) and f"{delta:.3f}".replace("-", "−") in doc
+
+
+def test_the_learning_curve_pairs_each_evaluation_with_the_tokens_and_training_seconds_before_it(tmp_path):
+    """metrics.jsonl as a time cell with trainer.eval_at_tokens writes it: interval rows, an in-training evaluation,
+    the final one; the report's curve reads each τ at the consumed tokens and train/budget_s logged before it."""
+    from sweeps.time_cells import curve_points, report
+    rows = [{"step": 10, "data/consumed_tokens": 1000.0, "train/budget_s": 4.0},
+            {"step": 20, "data/consumed_tokens": 2000.0, "train/budget_s": 8.5},
+            {"step": 20, "eval/tau_served": 1.2, "eval/tau_served_ci_low": 1.1, "eval/tau_served_ci_high": 1.3},
+            {"step": 30, "data/consumed_tokens": 3000.0, "train/budget_s": 12.0},
+            {"step": 30, "eval/tau_served": 1.4, "eval/tau_served_ci_low": 1.3, "eval/tau_served_ci_high": 1.5}]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    points = curve_points(tmp_path)
+    assert [(p["tokens"], p["budget_s"], p["tau"]) for p in points] == [(2000.0, 8.5, 1.2), (3000.0, 12.0, 1.4)]
+    cell = {"cell": "c", "tau": 1.4, "lo": 1.3, "hi": 1.5, "pl": 1.0, "greedy": None, "copy": None, "tokens": 3000.0,
+            "epochs": 1.0, "steps": 30, "loop_s": 13.0, "first_step_s": 1.0, "curve": points}
+    text = report([cell])
+    assert "| c | 2,000 | 8.5 | 1.200 [1.100, 1.300] |" in text and "| c | 3,000 | 12.0 | 1.400 [1.300, 1.500] |" in text
+    assert "Learning curve" not in report([{**cell, "curve": points[1:]}])  # the final evaluation alone: no curve

@@ -156,7 +156,7 @@ def test_time_progress_spans_the_budget_left_after_the_first_step():
     resumed = TimeProgress(10.0, True, start=0.5)  # a resumed job goes on from its checkpoint's progress
     resumed.first_step_done(0.0, 0.0)
     assert resumed.fraction(5.0) == pytest.approx(0.75)
-    own = TimeProgress(100.0, True, from_first_step=True)  # trainer.time_budget_from=first_step: all 100 s
+    own = TimeProgress(100.0, True, from_first_step=True)  # trainer.time_budget_counts=training: all 100 s
     own.first_step_done(t_loop=0.0, now=20.0)
     assert own.fraction(70.0) == pytest.approx(0.5) and own.fraction(120.0) == 1.0
     off = TimeProgress(10.0, False, start=0.3)
@@ -182,19 +182,40 @@ def test_schedule_by_time_decays_the_lr_over_the_time_budget_and_resumes_from_it
     assert resumed and resumed[0][1] == pytest.approx(0.1 * 1e-3, rel=1e-6)  # trainer.lr's floor from step one
 
 
-def test_time_budget_from_first_step_leaves_the_first_step_out_of_the_budget(fast_cfg):
+def test_a_training_time_budget_leaves_the_first_step_out(fast_cfg):
     """The budget's seconds are training after the first step; the seconds before it are logged beside them."""
-    res = train(fast_cfg("trainer.time_budget_s=1.5", "trainer.time_budget_from=first_step", "trainer.max_steps=100000",
+    res = train(fast_cfg("trainer.time_budget_s=1.5", "trainer.time_budget_counts=training", "trainer.max_steps=100000",
                          "trainer.schedule_by_time=true", "trainer.checkpoint_every=100000", run="from_first"))
     (loop_s,), (first_s,) = [[v for _, v in _rows(res.run_dir, k)] for k in ("sys/loop_s", "sys/first_step_s")]
     assert 0 < first_s < loop_s and loop_s - first_s >= 1.5
     assert [v for _, v in _rows(res.run_dir, "train/time_progress")][-1] == 1.0
 
 
-def test_time_budget_from_is_checked(fast_cfg):
+@pytest.mark.parametrize("counts", ["training", "loop"])
+def test_in_training_evaluations_count_in_a_loop_budget_and_not_in_a_training_one(fast_cfg, monkeypatch, counts):
+    """time_budget_counts=training: a learning curve's evaluations stop the budget's clock, so the run trains its
+    whole budget beside them and train/budget_s (the curve's x in time) counts training alone. loop: a deadline,
+    the evaluations inside it."""
+    from dflash.app.run import RunHooks
+    monkeypatch.setattr(RunHooks, "on_eval", lambda self, trainer, step: time.sleep(0.4))
+    res = train(fast_cfg("trainer.time_budget_s=1.5", "trainer.eval_every=15", "trainer.max_steps=100000",
+                         f"trainer.time_budget_counts={counts}", "trainer.schedule_by_time=true",
+                         "trainer.checkpoint_every=100000", run="curve"))
+    (loop_s,), (eval_s,), (first_s,) = [[v for _, v in _rows(res.run_dir, k)]
+                                        for k in ("sys/loop_s", "sys/train_eval_s", "sys/first_step_s")]
+    budget = [v for _, v in _rows(res.run_dir, "train/budget_s")]
+    assert eval_s >= 0.4 and budget == sorted(budget) and budget[-1] >= 1.5
+    if counts == "training":  # training had all its seconds; the first step and the evaluations came on top
+        assert loop_s - eval_s - first_s >= budget[-1]
+    else:  # a deadline: the first step and the evaluations are inside its seconds
+        assert eval_s + first_s <= budget[-1] <= loop_s
+    assert [v for _, v in _rows(res.run_dir, "train/time_progress")][-1] == 1.0
+
+
+def test_time_budget_counts_is_checked(fast_cfg):
     from dflash.config import ConfigError, validate
-    with pytest.raises(ConfigError, match="trainer.time_budget_from must be 'loop' or 'first_step'"):
-        validate(fast_cfg("trainer.time_budget_from=compile"))
+    with pytest.raises(ConfigError, match="trainer.time_budget_counts must be 'loop' or 'training'"):
+        validate(fast_cfg("trainer.time_budget_counts=compile"))
 
 
 def test_schedule_by_time_needs_a_time_budget(fast_cfg):

@@ -4,9 +4,10 @@
 #
 #   CELLS="recipe/d2_dpace_l8 recipe/d1_dpace" SECONDS_A_CELL=180 bash benchmarks/leased_gpu/time_cells.sh [campaign [override ...]]
 #
-# Overrides after the campaign go to every cell, e.g. trainer.time_budget_from=first_step (the seconds count training
-# after the first step alone: on a fresh machine first data and compiling took 88-115 s of a 160-s budget, on a warm
-# one 10-41 s, so cells compared under the default budget must share the machine's state).
+# Arguments after the campaign go to every cell: sweeps.time_cells' own (counts=loop: the seconds count all from
+# the loop's start, how the cells of 2026-12-07 ran; the default, counts=training, counts training from the first
+# step on, since on a fresh machine first data and compiling took 88-115 s of a 160-s budget and on a warm one
+# 10-41 s) or run overrides (trainer.eval_at_tokens=[...]: a learning curve outside the training seconds).
 # Env: CELLS (factor/option, space-separated, run in that order), SECONDS_A_CELL (each cell's trainer.time_budget_s),
 # SEED (default 0), TRUTH_OF (the committed campaign whose pinned ground truth is used; default engine, the one the
 # served_recipe campaign evaluated on), W (work folder, default /tmp/time_cells: outside the carried tree), OUT.

@@ -75,7 +75,7 @@ class TimeProgress:
     differ in cost: each one's schedule spans the same seconds, not a max_steps only the fastest would reach).
 
     The job's clock starts once its first step has run, so compiling does not eat the schedule: the cosine spans
-    what is left of the budget after it (all of it with trainer.time_budget_from=first_step, where the budget
+    what is left of the budget after it (all of it with trainer.time_budget_counts=training, where the budget
     starts there too). The fraction moves only at log intervals, from rank 0's clock (every rank
     must step with the same LR), and a checkpoint keeps it: a resumed job goes on from there over its own budget
     (progress p0 + (1 - p0) x its own fraction). Off, `value` stays at what a checkpoint held (0 for a new run), so
@@ -83,13 +83,14 @@ class TimeProgress:
 
     def __init__(self, budget_s: float, enabled: bool, start: float = 0.0, from_first_step: bool = False):
         self.budget_s, self.enabled, self.from_first_step = budget_s, enabled and budget_s > 0, from_first_step
+        # the caller passes `now` less the seconds the budget does not count (in-training evaluations)
         self.start = self.value = min(max(start, 0.0), 1.0)
         self.t_first: float | None = None
         self.span_s = budget_s
 
     def first_step_done(self, t_loop: float, now: float) -> None:
         """The clock starts: the budget left after the loop's first step (compiling) is what the cosine spans, or
-        all of it where the budget itself starts there (trainer.time_budget_from=first_step)."""
+        all of it where the budget itself starts there (trainer.time_budget_counts=training)."""
         before = 0.0 if self.from_first_step else now - t_loop
         self.t_first, self.span_s = now, max(self.budget_s - before, 1e-6)
 
@@ -179,12 +180,13 @@ class Trainer:
         self.source = self.data.source(next_item, replay, self.dist.rank, self.dist.world)
         # where a run's wall time goes besides training (a campaign's 4 M-token cells spent ~155 of 250 s
         # elsewhere): the composing layer logs sys/setup_s, sys/loop_s (of it sys/first_data_s and sys/first_step_s,
-        # the seconds before the first step's data came and before it was launched), sys/save_s, sys/final_eval_s
+        # the seconds before the first step's data came and before it was launched, and sys/train_eval_s, the
+        # in-training evaluations'), sys/save_s, sys/final_eval_s
         self.phase_s: dict[str, float] = {}
 
     def _time_progress(self, start: float = 0.0) -> TimeProgress:
         t = self.cfg.trainer
-        return TimeProgress(t.time_budget_s, t.schedule_by_time, start, t.time_budget_from == "first_step")
+        return TimeProgress(t.time_budget_s, t.schedule_by_time, start, t.time_budget_counts == "training")
 
     def _restore(self) -> tuple[int, int, list[int]]:
         if not self.cfg.resume:
@@ -326,7 +328,10 @@ class Trainer:
         metrics: dict[str, float] = {}
         window = _Window(producers, self.buffer, self.dist)
         t_start, done = time.perf_counter(), self.start_step
-        t_budget = t_start  # where trainer.time_budget_s starts: here, or after the first step (time_budget_from)
+        # trainer.time_budget_counts: loop (all from here) or training (from the first step on, in-training
+        # evaluations' seconds left out: a learning curve's points do not come out of an equal-time run's training)
+        training_only = c.trainer.time_budget_counts == "training"
+        t_budget, eval_s = t_start, 0.0
         last_probed = self.start_step
         self.newest_checkpoint = self.latest_checkpoint()  # then kept by _checkpoint (no file read a step)
         # milestones a resumed run already passed (this rank's restored count, times the ranks) are not re-run
@@ -348,7 +353,7 @@ class Trainer:
                 log.info("first step %d: launched %.1f s after the loop began (compiling included)", step + 1,
                          self.phase_s["sys/first_step_s"])
                 self.time_progress.first_step_done(t_start, t_first)
-                if c.trainer.time_budget_from == "first_step":
+                if training_only:
                     t_budget = t_first
             window.add(tokens, len(items))
             self.data_meter.add(tokens, len(items), masked_tokens(items))
@@ -356,10 +361,13 @@ class Trainer:
             last = done == c.trainer.max_steps
             if done % c.tracking.log_every == 0 or last:
                 metrics = self._read_metrics(acc, window, done)
-                now = time.perf_counter()  # one reading for the schedule and the budget: a stop ends it decayed
+                # one reading for the schedule and the budget (a stop ends it decayed)
+                now = time.perf_counter() - (eval_s if training_only else 0.0)
                 if self.time_progress.enabled:  # rank 0's clock for every rank (one collective an interval)
                     self.time_progress.update(broadcast_object(self.time_progress.fraction(now), self.dist))
                     metrics["train/time_progress"] = self.time_progress.value
+                if c.trainer.time_budget_s > 0:  # the budget's seconds so far: a learning curve's x in time
+                    metrics["train/budget_s"] = now - t_budget
                 if probe_due(c.trainer.tau_probe, done, last_probed, last):  # off most intervals: its cost is on
                     metrics.update(probe_tau(self.drafter, items, c.trainer.tau_probe, self._autocast()))
                     last_probed = done  # the critical path (tau_probe.py)
@@ -367,7 +375,10 @@ class Trainer:
                 check_alive(metrics, int(self.drafter.lm_head_VH.shape[0]), done)
                 last = last or self._out_of_time(now - t_budget) or self.data_meter.over_budget()
             if not last and self._eval_due(done):
+                t_eval = time.perf_counter()
                 hooks.on_eval(self, done)
+                eval_s += time.perf_counter() - t_eval
+                self.phase_s["sys/train_eval_s"] = eval_s
             saved = done % c.trainer.checkpoint_every == 0 or last
             if saved:
                 self._checkpoint(done)

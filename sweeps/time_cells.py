@@ -139,16 +139,18 @@ def _final_row(run_dir: Path) -> dict[str, Any]:
 
 
 def curve_points(run_dir: Path) -> list[dict[str, float]]:
-    """Every evaluation of the run in order (trainer.eval_at_tokens' in-training ones, then the final one), each
-    at the consumed tokens and the time budget's seconds (train/budget_s: training alone) last logged before it."""
+    """Every evaluation of the run in order (trainer.eval_at_tokens' in-training ones, logged under
+    `eval/subset/...` on the objective suite's first eval.subset prompts, then the final one), each at the consumed
+    tokens and the time budget's seconds (train/budget_s) last logged before it."""
+    from dflash.evaluation.evaluator import subset_key
     seen: dict[str, float] = {}
     points = []
     for rec in read_metric_records(run_dir):
         seen.update({k: rec[k] for k in ("data/consumed_tokens", "train/budget_s") if k in rec})
-        if "eval/tau_served" in rec:
-            points.append({"tokens": seen.get("data/consumed_tokens"), "budget_s": seen.get("train/budget_s"),
-                           "tau": rec["eval/tau_served"], "lo": rec.get("eval/tau_served_ci_low"),
-                           "hi": rec.get("eval/tau_served_ci_high")})
+        for name in ("eval/tau_served", subset_key("eval/tau_served")):
+            if name in rec:
+                points.append({"tokens": seen.get("data/consumed_tokens"), "budget_s": seen.get("train/budget_s"),
+                               "tau": rec[name], "lo": rec.get(f"{name}_ci_low"), "hi": rec.get(f"{name}_ci_high")})
     return points
 
 
@@ -199,8 +201,8 @@ def report(rows: list[dict[str, Any]]) -> str:
                    f"{_f(r['steps'], '.0f')} | {_f(r['loop_s'], '.1f')} | {_f(r['first_step_s'], '.1f')} | {ds} | "
                    f"{lds} |")
     if any(len(r["curve"]) > 1 for r in rows):  # trainer.eval_at_tokens: each cell's learning curve
-        out += ["", "Learning curve (in-training evaluations, the budget's clock stopped for them; the last row a "
-                "cell's final evaluation)\n", "| cell | consumed tokens | training s | τ served [95% CI] |",
+        out += ["", "Learning curve (in-training evaluations on the objective suite's first eval.subset prompts, "
+                "outside the training seconds where counts=training; the last row a cell's final evaluation)\n", "| cell | consumed tokens | training s | τ served [95% CI] |",
                 "| --- " * 4 + "|"]
         out += [f"| {r['cell']} | {_f(p['tokens'], ',.0f')} | {_f(p['budget_s'], '.1f')} | {_f(p['tau'])} "
                 f"[{_f(p['lo'])}, {_f(p['hi'])}] |" for r in rows for p in r["curve"]]

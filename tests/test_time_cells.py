@@ -101,7 +101,8 @@ def test_the_learning_curve_pairs_each_evaluation_with_the_tokens_and_training_s
     from sweeps.time_cells import curve_points, report
     rows = [{"step": 10, "data/consumed_tokens": 1000.0, "train/budget_s": 4.0},
             {"step": 20, "data/consumed_tokens": 2000.0, "train/budget_s": 8.5},
-            {"step": 20, "eval/tau_served": 1.2, "eval/tau_served_ci_low": 1.1, "eval/tau_served_ci_high": 1.3},
+            {"step": 20, "eval/subset/tau_served": 1.2, "eval/subset/tau_served_ci_low": 1.1,
+             "eval/subset/tau_served_ci_high": 1.3},  # an in-training evaluation's name (evaluator.subset_key)
             {"step": 30, "data/consumed_tokens": 3000.0, "train/budget_s": 12.0},
             {"step": 30, "eval/tau_served": 1.4, "eval/tau_served_ci_low": 1.3, "eval/tau_served_ci_high": 1.5}]
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))

@@ -32,6 +32,9 @@ from dflash.target.model import TargetConfig, validate_target_config
 from dflash.tracking.loggers import TrackingConfig
 
 
+TIME_BUDGET_COUNTS = ("loop", "training")  # what trainer.time_budget_s counts (TrainerConfig.time_budget_counts)
+
+
 @dataclass
 class TrainerConfig:
     max_steps: int = 120
@@ -84,7 +87,7 @@ class TrainerConfig:
     # the in-training evaluations' seconds left out, so short equal-time cells compare training, not how warm a
     # machine's caches were, and a learning curve's evaluations cost no training; sys/first_step_s and
     # sys/train_eval_s log what was left out)
-    time_budget_counts: str = "loop"
+    time_budget_counts: str = "loop"  # one of TIME_BUDGET_COUNTS
     token_budget: int = 0  # stop at the first log interval past this many consumed training tokens (0: off),
     # all ranks together; then checkpoint and evaluate, as for time_budget_s. For equal-token comparisons.
     online_data: bool = False  # train on sequences the target writes online (data.pool, data.online), whatever
@@ -143,7 +146,7 @@ def _trainer_ranges(cfg: RunConfig) -> None:
         validate_tau_probe_config(t.tau_probe, cfg.drafter.block_size)
     except ValueError as e:
         raise ConfigError(str(e)) from e
-    if t.time_budget_counts not in ("loop", "training"):
+    if t.time_budget_counts not in TIME_BUDGET_COUNTS:
         raise ConfigError(f"trainer.time_budget_counts must be 'loop' or 'training' (what trainer.time_budget_s "
                           f"counts), got {t.time_budget_counts!r}")
     if t.schedule_by_time and t.time_budget_s <= 0:

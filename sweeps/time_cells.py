@@ -105,11 +105,11 @@ def evaluated(run_dir: Path) -> bool:
 
 def run_cells(c: Campaign, args: TimeCellsArgs, extra: list[str]) -> list[Path]:
     """Every listed cell, checked first (a bad override fails before any cell trains), then one at a time."""
-    from dflash.config import validate
+    from dflash.config import TIME_BUDGET_COUNTS, validate
     from experiments.config import compose_config
     if args.seconds <= 0:
         raise ConfigError(f"seconds={args.seconds:g}: each cell's training time must be > 0")
-    if args.counts not in ("training", "loop"):
+    if args.counts not in TIME_BUDGET_COUNTS:
         raise ConfigError(f"counts={args.counts}: what each cell's seconds count must be training (from the first "
                           "step on, in-training evaluations out) or loop (all from the loop's start)")
     cells = pick_cells(c, args.cells, args.seed if args.seed >= 0 else c.seeds[0])

@@ -70,7 +70,8 @@ def lr_lambda(cfg: RunConfig, time_progress: Callable[[], float] = lambda: 0.0) 
 
 
 class TimeProgress:
-    """trainer.schedule_by_time: the fraction of this job's time budget spent, as the cosine's progress floor, so
+    """The time budget's clock (`budget_seconds`: what trainer.time_budget_counts counts) and, with
+    trainer.schedule_by_time, the fraction of this job's time budget spent, as the cosine's progress floor, so
     a run its time budget stops ends with its LR decayed (an equal-GPU-time comparison of drafters whose steps
     differ in cost: each one's schedule spans the same seconds, not a max_steps only the fastest would reach).
 
@@ -83,9 +84,10 @@ class TimeProgress:
 
     def __init__(self, budget_s: float, enabled: bool, start: float = 0.0, from_first_step: bool = False):
         self.budget_s, self.enabled, self.from_first_step = budget_s, enabled and budget_s > 0, from_first_step
-        # the caller passes `now` less the seconds the budget does not count (in-training evaluations)
         self.start = self.value = min(max(start, 0.0), 1.0)
         self.t_first: float | None = None
+        self.t_budget = 0.0  # where the budget's seconds start: the loop's start, or the first step (training)
+        self.paused_s = 0.0  # seconds the budget does not count: in-training evaluations, where it counts training
         self.span_s = budget_s
 
     def first_step_done(self, t_loop: float, now: float) -> None:
@@ -93,12 +95,23 @@ class TimeProgress:
         all of it where the budget itself starts there (trainer.time_budget_counts=training)."""
         before = 0.0 if self.from_first_step else now - t_loop
         self.t_first, self.span_s = now, max(self.budget_s - before, 1e-6)
+        self.t_budget = now if self.from_first_step else t_loop
+
+    def pause(self, seconds: float) -> None:
+        """An in-training evaluation took `seconds`: a budget that counts training leaves them out."""
+        if self.from_first_step:
+            self.paused_s += seconds
+
+    def budget_seconds(self, now: float) -> float:
+        """The seconds the time budget has counted (train/budget_s; checked against trainer.time_budget_s)."""
+        return now - self.paused_s - self.t_budget
 
     def fraction(self, now: float) -> float:
         """This job's share of the schedule so far (rank 0's reading is the one `update` takes)."""
         if not self.enabled or self.t_first is None:
             return self.value
-        return self.start + (1.0 - self.start) * min(max((now - self.t_first) / self.span_s, 0.0), 1.0)
+        spent = now - self.paused_s - self.t_first
+        return self.start + (1.0 - self.start) * min(max(spent / self.span_s, 0.0), 1.0)
 
     def update(self, value: float) -> None:
         self.value = max(self.value, value)
@@ -328,10 +341,6 @@ class Trainer:
         metrics: dict[str, float] = {}
         window = _Window(producers, self.buffer, self.dist)
         t_start, done = time.perf_counter(), self.start_step
-        # trainer.time_budget_counts: loop (all from here) or training (from the first step on, in-training
-        # evaluations' seconds left out: a learning curve's points do not come out of an equal-time run's training)
-        training_only = c.trainer.time_budget_counts == "training"
-        t_budget, eval_s = t_start, 0.0
         last_probed = self.start_step
         self.newest_checkpoint = self.latest_checkpoint()  # then kept by _checkpoint (no file read a step)
         # milestones a resumed run already passed (this rank's restored count, times the ranks) are not re-run
@@ -353,32 +362,31 @@ class Trainer:
                 log.info("first step %d: launched %.1f s after the loop began (compiling included)", step + 1,
                          self.phase_s["sys/first_step_s"])
                 self.time_progress.first_step_done(t_start, t_first)
-                if training_only:
-                    t_budget = t_first
             window.add(tokens, len(items))
             self.data_meter.add(tokens, len(items), masked_tokens(items))
             done = self.final_step = step + 1  # steps trained so far (the composing layer reads it on a fault)
             last = done == c.trainer.max_steps
             if done % c.tracking.log_every == 0 or last:
                 metrics = self._read_metrics(acc, window, done)
-                # one reading for the schedule and the budget (a stop ends it decayed)
-                now = time.perf_counter() - (eval_s if training_only else 0.0)
+                now = time.perf_counter()  # one reading for the schedule and the budget: a stop ends it decayed
                 if self.time_progress.enabled:  # rank 0's clock for every rank (one collective an interval)
                     self.time_progress.update(broadcast_object(self.time_progress.fraction(now), self.dist))
                     metrics["train/time_progress"] = self.time_progress.value
                 if c.trainer.time_budget_s > 0:  # the budget's seconds so far: a learning curve's x in time
-                    metrics["train/budget_s"] = now - t_budget
+                    metrics["train/budget_s"] = self.time_progress.budget_seconds(now)
                 if probe_due(c.trainer.tau_probe, done, last_probed, last):  # off most intervals: its cost is on
                     metrics.update(probe_tau(self.drafter, items, c.trainer.tau_probe, self._autocast()))
                     last_probed = done  # the critical path (tau_probe.py)
                 hooks.on_log(self, metrics, done)
                 check_alive(metrics, int(self.drafter.lm_head_VH.shape[0]), done)
-                last = last or self._out_of_time(now - t_budget) or self.data_meter.over_budget()
+                spent_s = self.time_progress.budget_seconds(now)
+                last = last or self._out_of_time(spent_s) or self.data_meter.over_budget()
             if not last and self._eval_due(done):
                 t_eval = time.perf_counter()
                 hooks.on_eval(self, done)
-                eval_s += time.perf_counter() - t_eval
-                self.phase_s["sys/train_eval_s"] = eval_s
+                t_eval = time.perf_counter() - t_eval
+                self.time_progress.pause(t_eval)  # a learning curve's points cost no training (budget: training)
+                self.phase_s["sys/train_eval_s"] = self.phase_s.get("sys/train_eval_s", 0.0) + t_eval
             saved = done % c.trainer.checkpoint_every == 0 or last
             if saved:
                 self._checkpoint(done)

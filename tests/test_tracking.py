@@ -288,6 +288,9 @@ def test_console_format(capsys):
     timed = ConsoleLogger(total_steps=10**7)
     timed.format({"train/loss": 1.0, "train/time_progress": 0.4}, 10, now=0.0)
     assert timed.format({"train/loss": 1.0, "train/time_progress": 0.5}, 20, now=4.0).endswith("| ETA 20s")
+    # an in-training evaluation's line has no train/time_progress: the budget's ETA goes on (less the 6 s since),
+    # not the max_steps estimate (10**7 steps at one a second: 2777h46m)
+    assert timed.format({"eval/subset/tau_served": 1.5}, 20, now=10.0).endswith("| ETA 14s")
 
     lg2 = ConsoleLogger(total_steps=1000)
     lg2.log({"train/loss": 2.0, "train/acc": 0.25}, 5)

@@ -112,7 +112,8 @@ class ConsoleLogger(Logger):
     τ keys (``| eval tau_vanilla 2.1 tau_tree_16 2.6``). Missing keys are skipped; a call with none of
     these keys (e.g. only ``sys/*``) prints nothing. ETA uses the wall-clock step rate
     since the first ``log`` call, or the rate of ``train/time_progress`` (a time budget's share spent) where that
-    ends the run sooner.
+    ends the run sooner; a line without ``train/time_progress`` after one had it (an in-training evaluation's) carries
+    the budget's last ETA forward.
     """
 
     def __init__(self, total_steps: int | None = None, file: Any = None):
@@ -122,6 +123,7 @@ class ConsoleLogger(Logger):
         self._s0: int | None = None
         self._p0: float | None = None  # the first train/time_progress seen, and when
         self._tp = 0.0
+        self._time_eta: tuple[float, float] | None = None  # the last time-budget ETA, and when it was computed
 
     def format(self, metrics: Mapping[str, float], step: int, now: float | None = None) -> str | None:
         now = time.monotonic() if now is None else now
@@ -166,7 +168,13 @@ class ConsoleLogger(Logger):
             if self._p0 is None:
                 self._p0, self._tp = p, now
             elif p > self._p0:
-                etas.append((1.0 - p) * (now - self._tp) / (p - self._p0))
+                self._time_eta = ((1.0 - p) * (now - self._tp) / (p - self._p0), now)
+                etas.append(self._time_eta[0])
+        elif self._time_eta is not None:
+            # a line without train/time_progress (an in-training evaluation's) in a time-budgeted run: the budget's
+            # last ETA, less the time since, not the max_steps estimate the budget makes meaningless ("ETA 1128h")
+            eta, at = self._time_eta
+            etas.append(max(0.0, eta - (now - at)))
         if etas:
             line += f" | ETA {fmt_duration(min(etas))}"
         return line

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from dflash.errors import ConfigError
+from dflash.tracking.records import read_metric_records
 from sweeps.campaign_spec import load_campaign
 from sweeps.time_cells import TimeCellsArgs, cell_overrides, main, pick_cells
 
@@ -81,6 +82,8 @@ def test_two_cells_train_the_same_seconds_end_decayed_and_pair_in_the_report(tmp
 @pytest.mark.parametrize("state, cells, taus, delta", [
     ("cold", "cells=[recipe/d2_dpace_l8,recipe/d1_dpace]", [1.817, 1.638], -0.178),
     ("warm", "cells=[recipe/d2_dpace,recipe/d1_dpace]", [1.859, 1.697], -0.162),
+    # counts=training: 160 s from each cell's first step (the 8-layer cell on a fresh machine, the others warm)
+    ("training", "cells=[recipe/d2_dpace_l8,recipe/d2_dpace,recipe/d1_dpace]", [1.960, 1.886, 1.697], -0.074),
 ])
 def test_the_committed_gpu_cells_give_the_documented_table(tmp_path, state, cells, taus, delta):
     """benchmarks/ablations/time_cells.tar.xz holds what the 160-s GPU cells brought back (metrics and task tables,
@@ -93,6 +96,14 @@ def test_the_committed_gpu_cells_give_the_documented_table(tmp_path, state, cell
     assert round(rows[1]["delta"].value, 3) == delta and rows[1]["delta"].high < 0
     doc = (ROOT / "benchmarks" / "ABLATIONS.md").read_text(encoding="utf-8")
     assert all(f"{t:.3f}" in doc for t in taus) and f"{delta:.3f}".replace("-", "−") in doc
+    if state == "training":  # each cell's clock counted from its first step and ran the whole 160 s of it
+        configs = sorted((tmp_path / "time_cells" / state).glob("*/*/config.yaml"))
+        assert len(configs) == 3
+        for cfg in configs:
+            assert "time_budget_counts: training" in cfg.read_text(encoding="utf-8")
+            budget = [r["train/budget_s"] for r in read_metric_records(cfg.parent)
+                      if "train/budget_s" in r]
+            assert budget and budget[-1] >= 160.0
 
 
 def test_the_learning_curve_pairs_each_evaluation_with_the_tokens_and_training_seconds_before_it(tmp_path):

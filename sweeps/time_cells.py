@@ -31,7 +31,9 @@ would get a second time budget). The report: per cell its τ as served with the 
 ground truth, greedy τ, the ground truth's copy rate, the consumed tokens, epochs, steps and the training loop's
 seconds with, of them, those before its first step (first data, compiling: a short budget's share that differs
 between cells and between a cold machine and a warm one); each cell's paired Δ against the first listed one, on
-every row and on the least-degenerate quarter; with in-training evaluations, each cell's learning curve (consumed
+every row and on the least-degenerate quarter; the verdict: the cell with the highest τ and its paired Δ against
+every other (a tie where the interval holds 0), and where `counts=loop` cells spent unlike seconds before their
+first step, that their training seconds differ; with in-training evaluations, each cell's learning curve (consumed
 tokens, training seconds, τ). The report needs no weights: a cell's metrics.jsonl and served task
 table are enough (what the GPU job brings back).
 """
@@ -165,12 +167,16 @@ def cell_rows(run_dirs: list[Path]) -> list[dict[str, Any]]:
             continue
         m = _final_row(d)
         table = json.loads((d / SERVED_TABLE).read_text(encoding="utf-8"))
+        params = json.loads((d / "params.json").read_text(encoding="utf-8")) if (d / "params.json").is_file() else {}
         rows.append({"cell": d.name, "tau": m.get("eval/tau_served"), "lo": m.get("eval/tau_served_ci_low"),
                      "hi": m.get("eval/tau_served_ci_high"), "pl": m.get("eval/tau_served_prompt_lookup"),
                      "greedy": m.get("eval/t0/tau_vanilla"), "copy": m.get(f"eval/{served_label(m)}/gt_copy_rate"),
                      "tokens": m.get("data/consumed_tokens"), "epochs": m.get("data/epochs"), "steps": m.get("step"),
                      "loop_s": m.get("sys/loop_s"), "first_step_s": m.get("sys/first_step_s"),
-                     "proposal": m.get("eval/served_proposal"), "curve": curve_points(d), "table": table})
+                     "proposal": m.get("eval/served_proposal"), "curve": curve_points(d), "table": table,
+                     # runs from before the key counted from the loop's start
+                     "counts": params.get("trainer.time_budget_counts", "loop"),
+                     "budget_s": float(params.get("trainer.time_budget_s") or 0.0)})
     if rows:
         first = rows[0]
         for r in rows[1:]:
@@ -178,6 +184,47 @@ def cell_rows(run_dirs: list[Path]) -> list[dict[str, Any]]:
             r["delta"] = paired_delta(r["table"], first["table"], sc, sc)
             r["delta_ld"] = least_degenerate_delta(r["table"], first["table"], sc, sc)
     return rows
+
+
+def _interval(d) -> str:
+    return f"{d.value:+.3f} [{d.low:+.3f}, {d.high:+.3f}]"
+
+
+def verdict(rows: list[dict[str, Any]], start_share: float = 0.1) -> list[str]:
+    """Which cell wins at equal GPU time: the highest τ, and its paired Δ against every other cell (a tie where the
+    interval holds 0), on every row and on the least-degenerate quarter. Where seconds counted from the loop's start
+    (`counts=loop`) and the cells' seconds before their first step differ by more than `start_share` of the budget
+    (or were not logged), a line says that their training seconds differ: equal wall time, not equal training."""
+    from dflash.evaluation.pairing import least_degenerate_delta, metric_columns, paired_delta
+    if len(rows) < 2:
+        return []
+    cols = metric_columns("eval/tau_served")
+    sc = (cols.sum_col, cols.count_col)
+    budget = max(r["budget_s"] for r in rows)
+    counts = sorted({r["counts"] for r in rows})
+    what = ("training from each cell's first step" if counts == ["training"] else
+            "from the loop's start, first data and compiling inside" if counts == ["loop"] else
+            f"counted unlike ({', '.join(counts)})")
+    best = max(rows, key=lambda r: r["tau"])
+    out = [f"At equal GPU time ({budget:g} s, {what}): **{best['cell']}** has the highest τ, {_f(best['tau'])}."]
+    if "loop" in counts:
+        starts = [r["first_step_s"] for r in rows]
+        if any(x is None for x in starts):
+            out.append("Their seconds before step 1 were not logged (`sys/first_step_s`): whether they trained alike "
+                       "is not known.")
+        elif max(starts) - min(starts) > start_share * budget:
+            out.append(f"Their starts took {min(starts):.1f} to {max(starts):.1f} s of it: their training seconds "
+                       "differ (counts=training counts from the first step).")
+    for r in rows:
+        if r is best:
+            continue
+        d = paired_delta(best["table"], r["table"], sc, sc)
+        ld = least_degenerate_delta(best["table"], r["table"], sc, sc)
+        word = "better" if d.low > 0 else "a tie (the interval holds 0)"
+        holds = ("" if ld is None else f"; least-degenerate quarter {_interval(ld.delta)}, "
+                 + ("holds" if ld.delta.low > 0 else "a tie there"))
+        out.append(f"- against {r['cell']}: {_interval(d)}, {word}{holds}")
+    return out
 
 
 def _f(x, spec=".3f") -> str:
@@ -200,6 +247,8 @@ def report(rows: list[dict[str, Any]]) -> str:
                    f"{_f(r['greedy'])} | {_f(r['copy'])} | {_f(r['tokens'], ',.0f')} | {_f(r['epochs'], '.2f')} | "
                    f"{_f(r['steps'], '.0f')} | {_f(r['loop_s'], '.1f')} | {_f(r['first_step_s'], '.1f')} | {ds} | "
                    f"{lds} |")
+    if (lines := verdict(rows)):
+        out += ["", *lines]
     if any(len(r["curve"]) > 1 for r in rows):  # trainer.eval_at_tokens: each cell's learning curve
         out += ["", "Learning curve (in-training evaluations on the objective suite's first eval.subset prompts, "
                 "outside the training seconds where counts=training; the last row a cell's final evaluation)\n", "| cell | consumed tokens | training s | τ served [95% CI] |",

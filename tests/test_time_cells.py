@@ -10,7 +10,7 @@ import pytest
 from dflash.errors import ConfigError
 from dflash.tracking.records import read_metric_records
 from sweeps.campaign_spec import load_campaign
-from sweeps.time_cells import TimeCellsArgs, cell_overrides, main, pick_cells
+from sweeps.time_cells import TimeCellsArgs, cell_overrides, main, pick_cells, verdict
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -96,6 +96,10 @@ def test_the_committed_gpu_cells_give_the_documented_table(tmp_path, state, cell
     assert round(rows[1]["delta"].value, 3) == delta and rows[1]["delta"].high < 0
     doc = (ROOT / "benchmarks" / "ABLATIONS.md").read_text(encoding="utf-8")
     assert all(f"{t:.3f}" in doc for t in taus) and f"{delta:.3f}".replace("-", "−") in doc
+    lines = verdict(rows)
+    assert f"**{rows[0]['cell']}** has the highest τ" in lines[0]
+    assert all(", better; least-degenerate quarter" in x and x.endswith("holds") for x in lines if x.startswith("- "))
+    assert ("not logged" in lines[1]) == (state != "training")  # the 2026-12-07 counts=loop cells predate the key
     if state == "training":  # each cell's clock counted from its first step and ran the whole 160 s of it
         configs = sorted((tmp_path / "time_cells" / state).glob("*/*/config.yaml"))
         assert len(configs) == 3
@@ -104,6 +108,24 @@ def test_the_committed_gpu_cells_give_the_documented_table(tmp_path, state, cell
             budget = [r["train/budget_s"] for r in read_metric_records(cfg.parent)
                       if "train/budget_s" in r]
             assert budget and budget[-1] >= 160.0
+
+
+def test_the_verdict_calls_a_tie_and_says_when_loop_seconds_trained_unlike(tmp_path):
+    """A cell against a copy of itself: Δ 0, a tie, not a win; cells counted from the loop's start whose starts
+    differ by more than a tenth of the budget get the line that their training seconds differ, alike ones do not."""
+    import tarfile
+    with tarfile.open(ROOT / "benchmarks" / "ablations" / "time_cells.tar.xz") as tar:
+        tar.extractall(tmp_path, filter="data")
+    [row] = main(["served_recipe", "report", f"out={tmp_path / 'time_cells' / 'training'}", "cells=[recipe/d2_dpace]"])
+    twin = {**row, "cell": "twin", "tau": row["tau"] - 1e-9}
+    lines = verdict([row, twin])
+    assert "a tie (the interval holds 0)" in lines[-1] and "+0.000" in lines[-1]
+    loop = [{**row, "counts": "loop", "first_step_s": 10.0}, {**twin, "counts": "loop", "first_step_s": 41.0}]
+    assert "their training seconds differ" in verdict(loop)[1] and "10.0 to 41.0" in verdict(loop)[1]
+    loop[1]["first_step_s"] = 20.0  # 10 s apart: within a tenth of 160
+    assert not any("differ" in x for x in verdict(loop))
+    assert "from the loop's start" in verdict(loop)[0]
+    assert "counted unlike" in verdict([row, loop[1]])[0]
 
 
 def test_the_learning_curve_pairs_each_evaluation_with_the_tokens_and_training_seconds_before_it(tmp_path):

@@ -2,7 +2,7 @@
 
     python -m sweeps.time_cells <campaign> cells=[factor/option, ...] seconds=S [seed=N] [out=time_cells_out]
                                 [max_tokens=T] [counts=training|loop] [campaign.KEY=VALUE ...] [any run override ...]
-    python -m sweeps.time_cells <campaign> report [out=...]
+    python -m sweeps.time_cells <campaign> report [out=...] [cells=[...]] [tokens_out=<the campaign's out folder>]
 
 A campaign compares options at equal consumed tokens, several cells sharing one GPU (fair in tokens, not in time:
 sweeps/campaign.py). Which option wins when each gets the same GPU-seconds is another question, the one a user
@@ -65,6 +65,7 @@ class TimeCellsArgs:
     out: str = DEFAULT_OUT
     max_tokens: int = 500_000_000  # the token cap (trainer.token_budget): bounds the data plan
     counts: str = "training"  # what the seconds count (trainer.time_budget_counts): training, or loop
+    tokens_out: str = ""  # report: the campaign's out folder, for the same cells at equal tokens beside
 
 
 def pick_cells(c: Campaign, names: list[str], seed: int) -> list[Cell]:
@@ -190,31 +191,14 @@ def _interval(d) -> str:
     return f"{d.value:+.3f} [{d.low:+.3f}, {d.high:+.3f}]"
 
 
-def verdict(rows: list[dict[str, Any]], start_share: float = 0.1) -> list[str]:
-    """Which cell wins at equal GPU time: the highest τ, and its paired Δ against every other cell (a tie where the
-    interval holds 0), on every row and on the least-degenerate quarter. Where seconds counted from the loop's start
-    (`counts=loop`) and the cells' seconds before their first step differ by more than `start_share` of the budget
-    (or were not logged), a line says that their training seconds differ: equal wall time, not equal training."""
+def _winner_lines(rows: list[dict[str, Any]]) -> tuple[dict[str, Any], list[str]]:
+    """The cell with the highest τ, and one line a other cell: the paired Δ (best − it; a tie where the interval
+    holds 0) on every row and on the least-degenerate quarter."""
     from dflash.evaluation.pairing import least_degenerate_delta, metric_columns, paired_delta
-    if len(rows) < 2:
-        return []
     cols = metric_columns("eval/tau_served")
     sc = (cols.sum_col, cols.count_col)
-    budget = max(r["budget_s"] for r in rows)
-    counts = sorted({r["counts"] for r in rows})
-    what = ("training from each cell's first step" if counts == ["training"] else
-            "from the loop's start, first data and compiling inside" if counts == ["loop"] else
-            f"counted unlike ({', '.join(counts)})")
     best = max(rows, key=lambda r: r["tau"])
-    out = [f"At equal GPU time ({budget:g} s, {what}): **{best['cell']}** has the highest τ, {_f(best['tau'])}."]
-    if "loop" in counts:
-        starts = [r["first_step_s"] for r in rows]
-        if any(x is None for x in starts):
-            out.append("Their seconds before step 1 were not logged (`sys/first_step_s`): whether they trained alike "
-                       "is not known.")
-        elif max(starts) - min(starts) > start_share * budget:
-            out.append(f"Their starts took {min(starts):.1f} to {max(starts):.1f} s of it: their training seconds "
-                       "differ (counts=training counts from the first step).")
+    out = []
     for r in rows:
         if r is best:
             continue
@@ -224,18 +208,54 @@ def verdict(rows: list[dict[str, Any]], start_share: float = 0.1) -> list[str]:
         holds = ("" if ld is None else f"; least-degenerate quarter {_interval(ld.delta)}, "
                  + ("holds" if ld.delta.low > 0 else "a tie there"))
         out.append(f"- against {r['cell']}: {_interval(d)}, {word}{holds}")
-    return out
+    return best, out
+
+
+def verdict(rows: list[dict[str, Any]], start_share: float = 0.1) -> list[str]:
+    """Which cell wins at equal GPU time (`_winner_lines`). Where seconds counted from the loop's start
+    (`counts=loop`) and the cells' seconds before their first step differ by more than `start_share` of the budget
+    (or were not logged), a line says that their training seconds differ: equal wall time, not equal training."""
+    if len(rows) < 2:
+        return []
+    budget = max(r["budget_s"] for r in rows)
+    counts = sorted({r["counts"] for r in rows})
+    what = ("training from each cell's first step" if counts == ["training"] else
+            "from the loop's start, first data and compiling inside" if counts == ["loop"] else
+            f"counted unlike ({', '.join(counts)})")
+    best, lines = _winner_lines(rows)
+    out = [f"At equal GPU time ({budget:g} s, {what}): **{best['cell']}** has the highest τ, {_f(best['tau'])}."]
+    if "loop" in counts:
+        starts = [r["first_step_s"] for r in rows]
+        if any(x is None for x in starts):
+            out.append("Their seconds before step 1 were not logged (`sys/first_step_s`): whether they trained alike "
+                       "is not known.")
+        elif max(starts) - min(starts) > start_share * budget:
+            out.append(f"Their starts took {min(starts):.1f} to {max(starts):.1f} s of it: their training seconds "
+                       "differ (counts=training counts from the first step).")
+    return out + lines
+
+
+def token_verdict(rows: list[dict[str, Any]]) -> list[str]:
+    """Which of the campaign's cells wins at equal consumed tokens (`_winner_lines`)."""
+    if len(rows) < 2:
+        return []
+    tokens = sorted({int(r["tokens"] or 0) for r in rows})
+    what = (f"{tokens[0]:,} consumed tokens each" if len(tokens) == 1 else
+            f"consumed tokens differ: {', '.join(f'{t:,}' for t in tokens)}")
+    best, lines = _winner_lines(rows)
+    return [f"At equal tokens ({what}): **{best['cell']}** has the highest τ, {_f(best['tau'])}.", *lines]
 
 
 def _f(x, spec=".3f") -> str:
     return "–" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, spec)
 
 
-def report(rows: list[dict[str, Any]]) -> str:
-    """The markdown table of `cell_rows`."""
+def report(rows: list[dict[str, Any]], basis: str = "time") -> str:
+    """The markdown table of `cell_rows` and its verdict; `basis="tokens"`: the campaign's cells (`tokens_out`)."""
     if not rows:
         return "no evaluated cell\n"
-    out = [f"Equal GPU time, each cell alone; Δ against {rows[0]['cell']}, paired prompt for prompt "
+    head = "Equal GPU time, each cell alone" if basis == "time" else "Equal tokens, the campaign's cells"
+    out = [f"{head}; Δ against {rows[0]['cell']}, paired prompt for prompt "
            "(least-degenerate quarter: the ground truths that repeat the fewest 8-grams)\n",
            "| cell | τ served [95% CI] | prompt lookup | greedy τ | GT copy rate | consumed tokens | epochs | "
            "steps | loop s | of it before step 1 | Δ | Δ least-degenerate |", "| --- " * 12 + "|"]
@@ -247,7 +267,7 @@ def report(rows: list[dict[str, Any]]) -> str:
                    f"{_f(r['greedy'])} | {_f(r['copy'])} | {_f(r['tokens'], ',.0f')} | {_f(r['epochs'], '.2f')} | "
                    f"{_f(r['steps'], '.0f')} | {_f(r['loop_s'], '.1f')} | {_f(r['first_step_s'], '.1f')} | {ds} | "
                    f"{lds} |")
-    if (lines := verdict(rows)):
+    if (lines := verdict(rows) if basis == "time" else token_verdict(rows)):
         out += ["", *lines]
     if any(len(r["curve"]) > 1 for r in rows):  # trainer.eval_at_tokens: each cell's learning curve
         out += ["", "Learning curve (in-training evaluations on the objective suite's first eval.subset prompts, "
@@ -266,7 +286,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     ref, rest = argv[0], argv[1:]
     want_report = "report" in rest
     rest = [a for a in rest if a != "report"]
-    own = ("cells=", "seconds=", "seed=", "out=", "max_tokens=", "counts=")
+    own = ("cells=", "seconds=", "seed=", "out=", "max_tokens=", "counts=", "tokens_out=")
     args = apply_overrides(TimeCellsArgs(), [a for a in rest if a.startswith(own)], "argument")
     edits = [a for a in rest if a.startswith("campaign.")]
     extra = [a for a in rest if not a.startswith((*own, "campaign."))]
@@ -281,6 +301,19 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         dirs = run_cells(c, args, extra)
     rows = cell_rows(dirs)
     text = report(rows)
+    if args.tokens_out and rows:  # the same cells as the campaign ran them, at equal tokens, on the same ground truth
+        runs = Path(args.tokens_out) / c.name / "runs"
+        tok_dirs = [runs / r["cell"] for r in rows]
+        missing = [str(d) for d in tok_dirs if not evaluated(d)]
+        if missing:
+            raise ConfigError(f"tokens_out={args.tokens_out}: no evaluated campaign cell at {', '.join(missing)} "
+                              "(expected the campaign's out folder, as sweeps.campaign writes it: <out>/<campaign>/runs/<cell id>)")
+        tok_rows = cell_rows(tok_dirs)
+        tw, _ = _winner_lines(tok_rows)
+        text += "\n" + report(tok_rows, basis="tokens")
+        if len(rows) > 1:
+            text += (f"\nWinner at equal GPU time: {max(rows, key=lambda r: r['tau'])['cell']}; at equal tokens: "
+                     f"{tw['cell']}.\n")
     print(text, flush=True)
     if root.is_dir():
         (root / "report.md").write_text(text, encoding="utf-8")

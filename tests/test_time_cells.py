@@ -128,6 +128,30 @@ def test_the_verdict_calls_a_tie_and_says_when_loop_seconds_trained_unlike(tmp_p
     assert "counted unlike" in verdict([row, loop[1]])[0]
 
 
+def test_the_report_puts_the_campaigns_cells_at_equal_tokens_beside_and_names_both_winners(tmp_path, capsys):
+    """tokens_out= reads the same cell ids from the campaign's committed run folders (8 M tokens each, the same
+    pinned ground truth, so paired prompt for prompt) and says which cell wins at each basis; a folder without them
+    is refused by name."""
+    import tarfile
+    with tarfile.open(ROOT / "benchmarks" / "ablations" / "time_cells.tar.xz") as tar:
+        tar.extractall(tmp_path, filter="data")
+    with tarfile.open(ROOT / "benchmarks" / "ablations" / "campaign_out.tar.xz") as tar:
+        tar.extractall(tmp_path, filter="data",
+                       members=[m for m in tar if m.name.startswith("campaign_out/served_recipe/runs/s0-recipe-d")])
+    cells = "cells=[recipe/d2_dpace_l8,recipe/d2_dpace,recipe/d1_dpace]"
+    main(["served_recipe", "report", f"out={tmp_path / 'time_cells' / 'training'}", cells,
+          f"tokens_out={tmp_path / 'campaign_out'}"])
+    text = capsys.readouterr().out
+    assert "At equal tokens (7,987,200 consumed tokens each): **s0-recipe-d2_dpace_l8-seed0** has the highest τ, " \
+           "1.822." in text
+    assert "- against s0-recipe-d1_dpace-seed0: +0.265 [" in text  # 1.822 against DFlash 1's 1.557 at 8 M
+    assert text.rstrip().endswith("Winner at equal GPU time: s0-recipe-d2_dpace_l8-seed0; at equal tokens: "
+                                  "s0-recipe-d2_dpace_l8-seed0.")
+    with pytest.raises(ConfigError, match=r"tokens_out=.*nowhere.*<out>/<campaign>/runs/<cell id>"):
+        main(["served_recipe", "report", f"out={tmp_path / 'time_cells' / 'training'}", cells,
+              f"tokens_out={tmp_path / 'nowhere'}"])
+
+
 def test_the_learning_curve_pairs_each_evaluation_with_the_tokens_and_training_seconds_before_it(tmp_path):
     """metrics.jsonl as a time cell with trainer.eval_at_tokens writes it: interval rows, an in-training evaluation,
     the final one; the report's curve reads each τ at the consumed tokens and train/budget_s logged before it."""

@@ -191,13 +191,17 @@ def _interval(d) -> str:
     return f"{d.value:+.3f} [{d.low:+.3f}, {d.high:+.3f}]"
 
 
+def _best(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    return max(rows, key=lambda r: r["tau"])
+
+
 def _winner_lines(rows: list[dict[str, Any]]) -> tuple[dict[str, Any], list[str]]:
-    """The cell with the highest τ, and one line a other cell: the paired Δ (best − it; a tie where the interval
-    holds 0) on every row and on the least-degenerate quarter."""
+    """The cell with the highest τ, and one line for every other cell: the paired Δ (best − it; a tie where the
+    interval holds 0) on every row and on the least-degenerate quarter."""
     from dflash.evaluation.pairing import least_degenerate_delta, metric_columns, paired_delta
     cols = metric_columns("eval/tau_served")
     sc = (cols.sum_col, cols.count_col)
-    best = max(rows, key=lambda r: r["tau"])
+    best = _best(rows)
     out = []
     for r in rows:
         if r is best:
@@ -278,6 +282,17 @@ def report(rows: list[dict[str, Any]], basis: str = "time") -> str:
     return "\n".join(out) + "\n"
 
 
+def _token_dirs(tokens_out: str, campaign: str, ids: list[str]) -> list[Path]:
+    """The campaign's own run folders of these cells (`<tokens_out>/<campaign>/runs/<cell id>`, as sweeps.campaign
+    writes them); refused by name where the folder or an evaluated cell is missing."""
+    runs = Path(tokens_out) / campaign / "runs"
+    missing = [str(runs / i) for i in ids if not evaluated(runs / i)] if runs.is_dir() else [str(runs)]
+    if missing:
+        raise ConfigError(f"tokens_out={tokens_out}: no evaluated campaign cell at {', '.join(missing)} (expected the "
+                          "campaign's out folder, as sweeps.campaign writes it: <out>/<campaign>/runs/<cell id>)")
+    return [runs / i for i in ids]
+
+
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
@@ -292,6 +307,9 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     extra = [a for a in rest if not a.startswith((*own, "campaign."))]
     c = load_campaign(ref, edits)
     root = Path(args.out) / c.name
+    if args.tokens_out:  # before any cell runs: the campaign's folder must hold the listed cells
+        seed = args.seed if args.seed >= 0 else c.seeds[0]
+        _token_dirs(args.tokens_out, c.name, [x.id for x in pick_cells(c, args.cells, seed)] if args.cells else [])
     if want_report:
         dirs = sorted(p for p in root.iterdir() if p.is_dir()) if root.is_dir() else []
         if args.cells:  # the listed order: the first is the one the others are compared with
@@ -302,18 +320,10 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     rows = cell_rows(dirs)
     text = report(rows)
     if args.tokens_out and rows:  # the same cells as the campaign ran them, at equal tokens, on the same ground truth
-        runs = Path(args.tokens_out) / c.name / "runs"
-        tok_dirs = [runs / r["cell"] for r in rows]
-        missing = [str(d) for d in tok_dirs if not evaluated(d)]
-        if missing:
-            raise ConfigError(f"tokens_out={args.tokens_out}: no evaluated campaign cell at {', '.join(missing)} "
-                              "(expected the campaign's out folder, as sweeps.campaign writes it: <out>/<campaign>/runs/<cell id>)")
-        tok_rows = cell_rows(tok_dirs)
-        tw, _ = _winner_lines(tok_rows)
+        tok_rows = cell_rows(_token_dirs(args.tokens_out, c.name, [r["cell"] for r in rows]))
         text += "\n" + report(tok_rows, basis="tokens")
         if len(rows) > 1:
-            text += (f"\nWinner at equal GPU time: {max(rows, key=lambda r: r['tau'])['cell']}; at equal tokens: "
-                     f"{tw['cell']}.\n")
+            text += f"\nWinner at equal GPU time: {_best(rows)['cell']}; at equal tokens: {_best(tok_rows)['cell']}.\n"
     print(text, flush=True)
     if root.is_dir():
         (root / "report.md").write_text(text, encoding="utf-8")

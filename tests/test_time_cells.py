@@ -135,9 +135,9 @@ def test_the_report_puts_the_campaigns_cells_at_equal_tokens_beside_and_names_bo
     import tarfile
     with tarfile.open(ROOT / "benchmarks" / "ablations" / "time_cells.tar.xz") as tar:
         tar.extractall(tmp_path, filter="data")
+    listed = tuple(f"campaign_out/served_recipe/runs/s0-recipe-{x}-seed0/" for x in ("d2_dpace_l8", "d2_dpace", "d1_dpace"))
     with tarfile.open(ROOT / "benchmarks" / "ablations" / "campaign_out.tar.xz") as tar:
-        tar.extractall(tmp_path, filter="data",
-                       members=[m for m in tar if m.name.startswith("campaign_out/served_recipe/runs/s0-recipe-d")])
+        tar.extractall(tmp_path, filter="data", members=[m for m in tar if m.name.startswith(listed)])
     cells = "cells=[recipe/d2_dpace_l8,recipe/d2_dpace,recipe/d1_dpace]"
     main(["served_recipe", "report", f"out={tmp_path / 'time_cells' / 'training'}", cells,
           f"tokens_out={tmp_path / 'campaign_out'}"])
@@ -150,6 +150,12 @@ def test_the_report_puts_the_campaigns_cells_at_equal_tokens_beside_and_names_bo
     with pytest.raises(ConfigError, match=r"tokens_out=.*nowhere.*<out>/<campaign>/runs/<cell id>"):
         main(["served_recipe", "report", f"out={tmp_path / 'time_cells' / 'training'}", cells,
               f"tokens_out={tmp_path / 'nowhere'}"])
+    # a cell the campaign's folder lacks (only the three listed were unpacked) is named, and when cells would run,
+    # before the first one starts
+    with pytest.raises(ConfigError, match=r"runs/s0-recipe-d2_dpace_bs8-seed0"):
+        main(["served_recipe", "cells=[recipe/d2_dpace_bs8]", "seconds=1", f"out={tmp_path / 'never'}",
+              f"tokens_out={tmp_path / 'campaign_out'}"])
+    assert not (tmp_path / "never").exists()
 
 
 def test_the_learning_curve_pairs_each_evaluation_with_the_tokens_and_training_seconds_before_it(tmp_path):

@@ -87,6 +87,11 @@ def pick_cells(c: Campaign, names: list[str], seed: int) -> list[Cell]:
     return out
 
 
+def _seed(c: Campaign, args: TimeCellsArgs) -> int:
+    """The campaign's seed the cells run at: `seed=`, else the campaign's first."""
+    return args.seed if args.seed >= 0 else c.seeds[0]
+
+
 def cell_overrides(c: Campaign, cell: Cell, args: TimeCellsArgs, run_dir: Path, extra: list[str]) -> list[str]:
     """The cell as its campaign composes it, then the equal-time settings (module doc), then `extra`."""
     steps = math.ceil(c.max_steps * args.max_tokens / c.budget_tokens)  # the campaign's tokens a step, at the cap
@@ -115,7 +120,7 @@ def run_cells(c: Campaign, args: TimeCellsArgs, extra: list[str]) -> list[Path]:
     if args.counts not in TIME_BUDGET_COUNTS:
         raise ConfigError(f"counts={args.counts}: what each cell's seconds count must be training (from the first "
                           "step on, in-training evaluations out) or loop (all from the loop's start)")
-    cells = pick_cells(c, args.cells, args.seed if args.seed >= 0 else c.seeds[0])
+    cells = pick_cells(c, args.cells, _seed(c, args))
     root = Path(args.out) / c.name
     plans = [(cell, root / cell.id) for cell in cells]
     for cell, run_dir in plans:
@@ -307,13 +312,12 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     extra = [a for a in rest if not a.startswith((*own, "campaign."))]
     c = load_campaign(ref, edits)
     root = Path(args.out) / c.name
+    ids = [x.id for x in pick_cells(c, args.cells, _seed(c, args))] if args.cells else []
     if args.tokens_out:  # before any cell runs: the campaign's folder must hold the listed cells
-        seed = args.seed if args.seed >= 0 else c.seeds[0]
-        _token_dirs(args.tokens_out, c.name, [x.id for x in pick_cells(c, args.cells, seed)] if args.cells else [])
+        _token_dirs(args.tokens_out, c.name, ids)
     if want_report:
         dirs = sorted(p for p in root.iterdir() if p.is_dir()) if root.is_dir() else []
-        if args.cells:  # the listed order: the first is the one the others are compared with
-            ids = [x.id for x in pick_cells(c, args.cells, args.seed if args.seed >= 0 else c.seeds[0])]
+        if ids:  # the listed order: the first is the one the others are compared with
             dirs = [root / i for i in ids]
     else:
         dirs = run_cells(c, args, extra)

@@ -369,17 +369,17 @@ class Trainer:
             if done % c.tracking.log_every == 0 or last:
                 metrics = self._read_metrics(acc, window, done)
                 now = time.perf_counter()  # one reading for the schedule and the budget: a stop ends it decayed
+                spent_s = self.time_progress.budget_seconds(now)  # what trainer.time_budget_s counts so far
                 if self.time_progress.enabled:  # rank 0's clock for every rank (one collective an interval)
                     self.time_progress.update(broadcast_object(self.time_progress.fraction(now), self.dist))
                     metrics["train/time_progress"] = self.time_progress.value
                 if c.trainer.time_budget_s > 0:  # the budget's seconds so far: a learning curve's x in time
-                    metrics["train/budget_s"] = self.time_progress.budget_seconds(now)
+                    metrics["train/budget_s"] = spent_s
                 if probe_due(c.trainer.tau_probe, done, last_probed, last):  # off most intervals: its cost is on
                     metrics.update(probe_tau(self.drafter, items, c.trainer.tau_probe, self._autocast()))
                     last_probed = done  # the critical path (tau_probe.py)
                 hooks.on_log(self, metrics, done)
                 check_alive(metrics, int(self.drafter.lm_head_VH.shape[0]), done)
-                spent_s = self.time_progress.budget_seconds(now)
                 last = last or self._out_of_time(spent_s) or self.data_meter.over_budget()
             if not last and self._eval_due(done):
                 t_eval = time.perf_counter()

@@ -112,3 +112,42 @@ def test_graph_decode_replays_the_eager_static_step_and_writes_the_targets_greed
     assert (graph == cached).float().mean() > 0.99, (graph != cached).sum()  # fp32: kernels differ only in rounding
     from dflash.target.static_decode import static_decoder
     assert static_decoder(t, 64, 96, True).graph is not None  # captured, not the eager fallback
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_fla_conv_update_steps_as_transformers_torch_code_on_gpu(dtype, tol):
+    """FLA's one-token convolution behind transformers' `causal_conv1d_update` (dflash.target.kernels): the target
+    binds it, and over decode steps past the window its outputs and the cache's conv state match transformers' torch
+    step, for a contiguous state (the cache's) and a strided one."""
+    import importlib
+    from dflash.target import kernels
+    t = Target(TargetConfig(random=TinyTargetSpec(hidden_size=256, num_layers=8), device="cuda"))
+    assert t.kernels.get("causal_conv1d_update") == "fla", t.kernels
+    mod = importlib.import_module("transformers.models.qwen3_5.modeling_qwen3_5")
+    fast, ref = mod.causal_conv1d_update, kernels._reference(mod.causal_conv1d_update)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    B, D, W = 16, 1536, 4
+    w, b = torch.randn(D, W, device="cuda", dtype=dtype, generator=g), None
+    for ours in (torch.randn(B, D, W, device="cuda", dtype=dtype, generator=g),
+                 torch.randn(B, W, D, device="cuda", dtype=dtype, generator=g).transpose(1, 2)):
+        theirs = ours.clone()
+        for _ in range(W + 3):
+            x = torch.randn(B, 3 * D, 1, device="cuda", dtype=dtype, generator=g)[:, D:2 * D]
+            torch.testing.assert_close(fast(x, ours, w, b, activation="silu"), ref(x, theirs, w, b, activation="silu"),
+                                       atol=tol, rtol=tol)
+            torch.testing.assert_close(ours, theirs, atol=tol, rtol=tol)
+
+
+def test_cached_decode_on_the_fla_conv_update_writes_the_torch_steps_tokens_on_gpu():
+    """The writer's cache path (transformers' cached decode) with FLA's convolution step and with the torch step:
+    in float32 the same greedy text (kernels differ only in rounding)."""
+    from dflash.data.writing import write_continuations
+    from dflash.target.kernels import torch_gdn_path
+    t = Target(TargetConfig(random=TinyTargetSpec(hidden_size=256, num_layers=8), device="cuda", dtype="float32"))
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, 256, (int(n),), generator=g).tolist() for n in torch.randint(3, 40, (32,), generator=g)]
+    fast = write_continuations(t, prompts, 96, decode="cache")
+    with torch_gdn_path(t.info.model_type, ("causal_conv1d_update",)) as report:
+        assert report["causal_conv1d_update"] == "torch"
+        slow = write_continuations(t, prompts, 96, decode="cache")
+    assert (fast == slow).float().mean() > 0.99, (fast != slow).sum()

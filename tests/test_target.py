@@ -152,6 +152,69 @@ def test_fla_short_conv_keeps_cpu_tensors_on_the_torch_code(monkeypatch):
     Target(TargetConfig(random=SMALL, device="cpu")).forward_features(torch.randint(0, 256, (1, 40)))  # no crash
 
 
+def _fla_update_kernel_in_torch(x, cache, residual=None, weight=None, bias=None, activation=None):
+    """FLA 0.6's `causal_conv1d_update` (fla/modules/causal_conv1d/ops.py) as torch ops, as its kernel reads: x
+    [N, 1, D], cache [N, D, W] made contiguous by its input guard (a copy when strided), cache[w] = cache[w + 1],
+    cache[W - 1] = x, y = sum_w cache * weight (+ bias), SiLU; returns (y in x's shape, the cache it stepped)."""
+    cache = cache if cache.is_contiguous() else cache.contiguous()
+    stepped = torch.cat([cache[:, :, 1:], x.transpose(1, 2).to(cache.dtype)], dim=-1)
+    cache.copy_(stepped)
+    y = (stepped.float() * weight.float()).sum(-1) + (bias.float() if bias is not None else 0)
+    y = torch.nn.functional.silu(y) if activation in ("silu", "swish") else y
+    return y[:, None].to(x.dtype), cache
+
+
+@pytest.mark.parametrize("strided_state", [False, True])
+def test_fla_update_step_keeps_transformers_state_and_output(strided_state):
+    """FLA's one-token convolution ([B, 1, D], its kernel's semantics as torch ops) behind transformers'
+    `causal_conv1d_update` ([B, D, 1]): over several decode steps the outputs and the cache's conv state stay
+    transformers' own, also for a strided state (FLA steps a contiguous copy; the cache must keep its tensor)."""
+    from dflash.target import kernels
+    mod = importlib.import_module("transformers.models.qwen3_5.modeling_qwen3_5")
+    reference = kernels._reference(mod.causal_conv1d_update)
+    B, D, W = 3, 10, 4
+    weight, bias = torch.randn(D, W), torch.randn(D)
+    if strided_state:
+        ours = torch.randn(B, W, D).transpose(1, 2)
+        assert not ours.is_contiguous()
+    else:
+        ours = torch.randn(B, D, W)
+    theirs = ours.clone()
+    for _ in range(W + 2):  # past the window: every state slot has been replaced
+        x_BD1 = torch.randn(B, 3 * D, 1)[:, D:2 * D]  # a strided slice, as the layer's projection hands it over
+        got = kernels.fla_update_step(_fla_update_kernel_in_torch, x_BD1, ours, weight, bias, "silu")
+        want = reference(x_BD1, theirs, weight, bias, activation="silu")
+        assert got.shape == want.shape == (B, D, 1)
+        torch.testing.assert_close(got, want)
+        torch.testing.assert_close(ours, theirs)
+
+
+def test_fla_conv_update_is_bound_and_keeps_cpu_steps_on_the_torch_code(monkeypatch):
+    """`use_fla_short_conv` binds FLA's step behind `causal_conv1d_update` too (the kernel report says fla, so a GPU
+    target no longer warns SLOW PATH for it); CPU tensors, a multi-token step and a longer (recording) state still
+    run transformers' torch code, and the kernel is never called for them."""
+    from dflash.target import kernels
+    mod = importlib.import_module("transformers.models.qwen3_5.modeling_qwen3_5")
+    for name in ("causal_conv1d_fn", "causal_conv1d_update"):
+        monkeypatch.setattr(mod, name, getattr(mod, name))  # restored after the test
+    calls = []
+    monkeypatch.setattr(kernels, "_fla_conv1d", lambda: lambda *a, **k: calls.append("fn"))
+    monkeypatch.setattr(kernels, "_fla_conv1d_update", lambda: lambda *a, **k: calls.append("update"))
+    assert kernels.use_fla_short_conv("qwen3_5")
+    assert kernel_report("qwen3_5")["causal_conv1d_update"] == "fla"
+    ref = kernels._reference(mod.causal_conv1d_update)
+    w = torch.randn(6, 4)
+    for x, state in ((torch.randn(2, 6, 1), torch.randn(2, 6, 4)), (torch.randn(2, 6, 3), torch.randn(2, 6, 4)),
+                     (torch.randn(2, 6, 1), torch.randn(2, 6, 7))):
+        s1, s2 = state.clone(), state.clone()
+        torch.testing.assert_close(mod.causal_conv1d_update(x, s1, w, None, activation="silu"),
+                                   ref(x, s2, w, None, activation="silu"))
+        torch.testing.assert_close(s1, s2)
+    assert calls == []
+    kernels.force_torch_gdn("qwen3_5")  # the side-by-side benchmarks' torch path takes it back off
+    assert kernel_report("qwen3_5")["causal_conv1d_update"] == "torch"
+
+
 def _func_module(func):
     """A function as the `kernels` package's hub-kernel decorator leaves it (transformers 5.25 with `kernels`
     installed): an nn.Module instance whose forward calls the function it closes over."""

@@ -3,6 +3,10 @@
     PYTHONPATH=$PWD python benchmarks/gpu/decode_speed.py [rows=4096] [seq_len=320] [modes=cache,graph]
         [corpus=stdlib] [repeats=2] [out=decode_speed.json]
 
+Modes: `data.online.decode`'s (cache, static, graph), and cache_torch_conv: the cache path with transformers' torch
+convolution step in place of FLA's (`dflash.target.kernels.use_fla_short_conv` binds FLA's behind
+`causal_conv1d_update`), e.g. modes=cache_torch_conv,cache for that kernel's share of a cached decode.
+
 Prompts are the first `rows` of the run's own prompt pool (`+trainer=gpu` data settings, `data.corpus.scope`
 = corpus), each continued to `seq_len` tokens as one written batch (`dflash.data.writing.write_continuations`).
 Per mode: a first write (kernels, autotuning, the graph's capture), then `repeats` timed writes; written tokens
@@ -20,6 +24,7 @@ import time
 import torch
 
 from dflash.data.writing import write_continuations
+from dflash.target.kernels import torch_gdn_path
 from dflash.target.model import Target
 from dflash.training.datastream import build_training_data
 from dflash.training.distributed import DistInfo
@@ -32,11 +37,13 @@ def _sync(target) -> None:
 
 
 def timed_write(target, prompts, seq_len: int, mode: str) -> tuple[torch.Tensor, float]:
-    _sync(target)
-    t0 = time.perf_counter()
-    out = write_continuations(target, prompts, seq_len, decode=mode)
-    _sync(target)
-    return out, time.perf_counter() - t0
+    torch_conv = mode == "cache_torch_conv"
+    with torch_gdn_path(target.info.model_type, ("causal_conv1d_update",) if torch_conv else ()):
+        _sync(target)
+        t0 = time.perf_counter()
+        out = write_continuations(target, prompts, seq_len, decode="cache" if torch_conv else mode)
+        _sync(target)
+        return out, time.perf_counter() - t0
 
 
 def main(argv: list[str]) -> None:

@@ -4,9 +4,10 @@ transformers binds FLA's Triton kernels when `fla` imports and silently falls ba
 does not (docs/DESIGN.md, "The target and its kernels": the original pipeline lost most of its throughput that way).
 These functions patch the
 modelling module process-wide: report which kernels are active, put FLA's short convolution behind
-`causal_conv1d_fn`, or force the torch reference (CPU, or a side-by-side benchmark).
+`causal_conv1d_fn` and `causal_conv1d_update`, or force the torch reference (CPU, or a side-by-side benchmark).
 Public: `preflight_kernels`, `kernel_report`, `route_cpu_to_torch` (a CPU target: torch code for CPU tensors, the fast
-kernels kept for CUDA ones), `force_torch_gdn` (torch code for all), `torch_gdn_path`, `use_fla_short_conv`.
+kernels kept for CUDA ones), `force_torch_gdn` (torch code for all), `torch_gdn_path`, `use_fla_short_conv` (FLA's
+short convolutions behind `causal_conv1d_fn` and `causal_conv1d_update`), `fla_update_step`.
 """
 from __future__ import annotations
 
@@ -57,12 +58,13 @@ def _implementation(fn) -> str:
     return getattr(impl, "__module__", "?") or "?"
 
 
-def _fla_conv1d():
-    """FLA's Triton causal conv1d ([B, T, D] layout), across FLA versions; None when unavailable."""
-    for mod_name in ("fla.modules.convolution", "fla.modules.conv", "fla.ops.convolution"):
+def _fla_function(name: str, modules: tuple[str, ...]):
+    """FLA's Triton function `name` from the first of `modules` that has it (its home moved across FLA versions);
+    None when FLA or the function is unavailable."""
+    import importlib
+    for mod_name in modules:
         try:
-            import importlib
-            fn = getattr(importlib.import_module(mod_name), "causal_conv1d", None)
+            fn = getattr(importlib.import_module(mod_name), name, None)
         except Exception:  # noqa: BLE001 - any import failure means "not available"
             fn = None
         if fn is not None:
@@ -70,18 +72,40 @@ def _fla_conv1d():
     return None
 
 
-def use_fla_short_conv(model_type: str) -> bool:
-    """causal-conv1d builds only from source (no offline install); FLA ships a Triton short convolution.
-    Put it behind transformers' `causal_conv1d_fn` call ([B, D, T] in and out) when that is the torch path."""
-    mod = modeling_module(model_type)
-    current = getattr(mod, "causal_conv1d_fn", None) if mod else None
-    conv = _fla_conv1d()
-    if current is None or conv is None or getattr(current, "_dflash_backend", None):
+def _fla_conv1d():
+    """FLA's Triton causal conv1d ([B, T, D] layout), across FLA versions; None when unavailable."""
+    return _fla_function("causal_conv1d", ("fla.modules.convolution", "fla.modules.conv", "fla.ops.convolution"))
+
+
+def _fla_conv1d_update():
+    """FLA's Triton one-token causal conv1d step, `causal_conv1d_update(x [N, 1, D], cache [N, D, W], residual,
+    weight [D, W], bias, activation) -> (y [N, 1, D], cache)` (FLA 0.6: fla/modules/causal_conv1d/ops.py); None
+    when unavailable."""
+    return _fla_function("causal_conv1d_update", ("fla.modules.causal_conv1d", "fla.modules.convolution"))
+
+
+def _bind_fla(mod, name: str, make) -> bool:
+    """Put `make(reference)` behind the modelling module's `name` when transformers' torch code is what runs there:
+    True when an FLA binding of ours is in place afterwards."""
+    current = getattr(mod, name, None) if mod else None
+    if current is None or getattr(current, "_dflash_backend", None):
         return bool(current is not None and getattr(current, "_dflash_backend", None))
     if not _implementation(current).startswith("transformers"):
-        return False  # causal-conv1d itself is active
-
+        return False  # the causal-conv1d package itself is active
     reference = _reference(current)
+    fn = make(reference)
+    if fn is None:
+        return False
+    fn._dflash_backend = "fla"
+    fn.__wrapped__ = reference  # the torch reference stays reachable
+    setattr(mod, name, fn)
+    return True
+
+
+def _short_conv(reference):
+    conv = _fla_conv1d()
+    if conv is None:
+        return None
 
     def causal_conv1d_fn(x, weight, bias=None, activation=None, **kwargs):
         if not x.is_cuda:  # bound process-wide: a CPU target of the same process keeps the torch code
@@ -89,11 +113,43 @@ def use_fla_short_conv(model_type: str) -> bool:
         y = conv(x.transpose(1, 2), weight=weight, bias=bias, activation=activation)
         y = y[0] if isinstance(y, tuple) else y
         return y.transpose(1, 2)
+    return causal_conv1d_fn
 
-    causal_conv1d_fn._dflash_backend = "fla"
-    causal_conv1d_fn.__wrapped__ = reference  # the torch reference stays reachable
-    mod.causal_conv1d_fn = causal_conv1d_fn
-    return True
+
+def fla_update_step(update, hidden_states, conv_state, weight, bias=None, activation=None):
+    """One cached decode step of transformers' `causal_conv1d_update(hidden_states [B, D, 1], conv_state [B, D, W],
+    weight [D, W], bias, activation) -> [B, D, 1]` on FLA's `update` kernel ([B, 1, D] in and out). Both keep the
+    last W inputs in the state, oldest first, and shift it left by one a step (transformers: cat, then copy_ of the
+    last W; FLA: cache[w] = cache[w + 1], cache[W - 1] = x), so the state stays the one transformers' cache holds."""
+    y_B1D, state = update(hidden_states.transpose(1, 2), conv_state, weight=weight, bias=bias, activation=activation)
+    if state is not conv_state:  # FLA steps a contiguous copy of a strided state: the cache keeps its own tensor
+        conv_state.copy_(state)
+    return y_B1D.transpose(1, 2)
+
+
+def _conv_update(reference):
+    """FLA's kernel behind `causal_conv1d_update` (`fla_update_step`). What the kernel does not take runs the
+    reference: CPU tensors, a step of more than one token, a state longer than the kernel (a cache recording past
+    states), an activation other than SiLU or none."""
+    update = _fla_conv1d_update()
+    if update is None:
+        return None
+
+    def causal_conv1d_update(hidden_states, conv_state, weight, bias=None, activation=None):
+        if (not hidden_states.is_cuda or hidden_states.shape[-1] != 1 or conv_state.shape[-1] != weight.shape[-1]
+                or activation not in (None, "silu", "swish")):
+            return reference(hidden_states, conv_state, weight, bias, activation=activation)
+        return fla_update_step(update, hidden_states, conv_state, weight, bias, activation)
+    return causal_conv1d_update
+
+
+def use_fla_short_conv(model_type: str) -> bool:
+    """causal-conv1d builds only from source (no offline install); FLA ships Triton short convolutions. Put them
+    behind transformers' `causal_conv1d_fn` (a whole sequence, [B, D, T] in and out) and `causal_conv1d_update`
+    (one cached decode step) where those are the torch path. True when the sequence convolution is FLA's."""
+    mod = modeling_module(model_type)
+    _bind_fla(mod, "causal_conv1d_update", _conv_update)
+    return _bind_fla(mod, "causal_conv1d_fn", _short_conv)
 
 
 def kernel_report(model_type: str, device: torch.device | None = None) -> dict[str, str]:
@@ -126,11 +182,12 @@ def _is_fast(fn) -> bool:
     return bool(getattr(fn, "_dflash_backend", None)) or _implementation(fn).split(".")[0] != "transformers"
 
 
-def force_torch_gdn(model_type: str) -> None:
+def force_torch_gdn(model_type: str, names: tuple[str, ...] = GDN_FUNCS) -> None:
     """With `fla` importable but no CUDA, transformers binds the Triton kernels and crashes: rebind the
-    module's functions to their pure-torch originals (the wrapped function under `__wrapped__`)."""
+    module's functions (`names`, default all) to their pure-torch originals (the wrapped function under
+    `__wrapped__`)."""
     mod = modeling_module(model_type)
-    for name in GDN_FUNCS if mod else ():
+    for name in names if mod else ():
         fn = getattr(mod, name, None)
         if fn is not None and _is_fast(fn):
             setattr(mod, name, _reference(fn))
@@ -162,13 +219,13 @@ def route_cpu_to_torch(model_type: str) -> None:
 
 
 @contextmanager
-def torch_gdn_path(model_type: str):
-    """Temporarily run the Gated-DeltaNet functions on their pure-torch reference (benchmarks compare the
-    fast path against it in one process); the bound kernels come back on exit."""
+def torch_gdn_path(model_type: str, names: tuple[str, ...] = GDN_FUNCS):
+    """Temporarily run the Gated-DeltaNet functions (`names`, default all) on their pure-torch reference
+    (benchmarks compare the fast path against it in one process); the bound kernels come back on exit."""
     mod = modeling_module(model_type)
-    saved = {n: getattr(mod, n) for n in GDN_FUNCS if mod is not None and hasattr(mod, n)}
+    saved = {n: getattr(mod, n) for n in names if mod is not None and hasattr(mod, n)}
     try:
-        force_torch_gdn(model_type)
+        force_torch_gdn(model_type, names)
         yield kernel_report(model_type)
     finally:
         for name, fn in saved.items():

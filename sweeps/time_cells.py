@@ -2,7 +2,8 @@
 
     python -m sweeps.time_cells <campaign> cells=[factor/option, ...] seconds=S [seed=N] [out=time_cells_out]
                                 [max_tokens=T] [counts=training|loop] [campaign.KEY=VALUE ...] [any run override ...]
-    python -m sweeps.time_cells <campaign> report [out=...] [cells=[...]] [tokens_out=<the campaign's out folder>]
+    python -m sweeps.time_cells <campaign> report [out=...] [cells=[...]] [seeds=[N, ...]]
+                                [tokens_out=<the campaign's out folder>]
 
 A campaign compares options at equal consumed tokens, several cells sharing one GPU (fair in tokens, not in time:
 sweeps/campaign.py). Which option wins when each gets the same GPU-seconds is another question, the one a user
@@ -34,7 +35,9 @@ between cells and between a cold machine and a warm one); each cell's paired Δ 
 every row and on the least-degenerate quarter; the verdict: the cell with the highest τ and its paired Δ against
 every other (a tie where the interval holds 0), and where `counts=loop` cells spent unlike seconds before their
 first step, that their training seconds differ; with in-training evaluations, each cell's learning curve (consumed
-tokens, training seconds, τ). The report needs no weights: a cell's metrics.jsonl and served task
+tokens, training seconds, τ); with `seeds=[...]` (cells run at several seeds, one `seed=` call each), a row per cell
+and seed, and each cell's τ pooled over the seeds it has with the seed × prompt × sample interval (the campaign
+report's `pooled`). The report needs no weights: a cell's metrics.jsonl and served task
 table are enough (what the GPU job brings back).
 """
 from __future__ import annotations
@@ -66,6 +69,7 @@ class TimeCellsArgs:
     max_tokens: int = 500_000_000  # the token cap (trainer.token_budget): bounds the data plan
     counts: str = "training"  # what the seconds count (trainer.time_budget_counts): training, or loop
     tokens_out: str = ""  # report: the campaign's out folder, for the same cells at equal tokens beside
+    seeds: list[int] = dataclasses.field(default_factory=list)  # report: the seeds to read (default: seed= alone)
 
 
 def pick_cells(c: Campaign, names: list[str], seed: int) -> list[Cell]:
@@ -90,6 +94,40 @@ def pick_cells(c: Campaign, names: list[str], seed: int) -> list[Cell]:
 def _seed(c: Campaign, args: TimeCellsArgs) -> int:
     """The campaign's seed the cells run at: `seed=`, else the campaign's first."""
     return args.seed if args.seed >= 0 else c.seeds[0]
+
+
+def _seeds(c: Campaign, args: TimeCellsArgs) -> list[int]:
+    """The seeds the report reads: `seeds=`, else the one the cells run at."""
+    return list(args.seeds) or [_seed(c, args)]
+
+
+def listed_ids(c: Campaign, args: TimeCellsArgs) -> dict[str, list[str]]:
+    """Each listed cell's run ids at the report's seeds (`_seeds`), in the listed order."""
+    by_seed = [pick_cells(c, args.cells, s) for s in _seeds(c, args)]
+    return {name: [cells[i].id for cells in by_seed] for i, name in enumerate(args.cells)}
+
+
+def seed_pooled(rows: list[dict[str, Any]], groups: dict[str, list[str]]) -> list[str]:
+    """Each listed cell with two or more evaluated seeds: its τ pooled over them (Σ τ-sums / Σ rounds) with the
+    seed × prompt × sample interval, and its consumed tokens a seed."""
+    from dflash.evaluation.pairing import metric_columns
+    from sweeps.campaign_report import pooled
+    cols = metric_columns("eval/tau_served")
+    by_id = {r["cell"]: r for r in rows}
+    out = []
+    for name, ids in groups.items():
+        have = [by_id[i] for i in ids if i in by_id]
+        if len(have) < 2:
+            continue
+        p = pooled([r["table"] for r in have], cols.sum_col, cols.count_col)
+        taus = ", ".join(_f(r["tau"]) for r in have)
+        tokens = ", ".join(f"{(r['tokens'] or 0) / 1e6:.1f} M" for r in have)
+        out.append(f"| {name} | {len(have)} | {_f(p.value)} [{_f(p.low)}, {_f(p.high)}] | {taus} | {tokens} |")
+    if not out:
+        return []
+    return ["", "Pooled over seeds (the seed × prompt × sample interval)\n",
+            "| cell | seeds | τ served pooled [95% CI] | τ a seed | consumed tokens a seed |", "| --- " * 5 + "|",
+            *out]
 
 
 def cell_overrides(c: Campaign, cell: Cell, args: TimeCellsArgs, run_dir: Path, extra: list[str]) -> list[str]:
@@ -259,8 +297,9 @@ def _f(x, spec=".3f") -> str:
     return "–" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, spec)
 
 
-def report(rows: list[dict[str, Any]], basis: str = "time") -> str:
-    """The markdown table of `cell_rows` and its verdict; `basis="tokens"`: the campaign's cells (`tokens_out`)."""
+def report(rows: list[dict[str, Any]], basis: str = "time", groups: dict[str, list[str]] | None = None) -> str:
+    """The markdown table of `cell_rows` and its verdict; `basis="tokens"`: the campaign's cells (`tokens_out`);
+    `groups` (listed cell → its run ids at the report's seeds): the cells' τ pooled over seeds (`seed_pooled`)."""
     if not rows:
         return "no evaluated cell\n"
     head = "Equal GPU time, each cell alone" if basis == "time" else "Equal tokens, the campaign's cells"
@@ -278,6 +317,7 @@ def report(rows: list[dict[str, Any]], basis: str = "time") -> str:
                    f"{lds} |")
     if (lines := verdict(rows) if basis == "time" else token_verdict(rows)):
         out += ["", *lines]
+    out += seed_pooled(rows, groups or {})
     if any(len(r["curve"]) > 1 for r in rows):  # trainer.eval_at_tokens: each cell's learning curve
         out += ["", "Learning curve (in-training evaluations on the objective suite's first eval.subset prompts, "
                 "outside the training seconds where counts=training; the last row a cell's final evaluation)\n", "| cell | consumed tokens | training s | τ served [95% CI] |",
@@ -306,13 +346,16 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     ref, rest = argv[0], argv[1:]
     want_report = "report" in rest
     rest = [a for a in rest if a != "report"]
-    own = ("cells=", "seconds=", "seed=", "out=", "max_tokens=", "counts=", "tokens_out=")
+    own = ("cells=", "seconds=", "seed=", "seeds=", "out=", "max_tokens=", "counts=", "tokens_out=")
     args = apply_overrides(TimeCellsArgs(), [a for a in rest if a.startswith(own)], "argument")
     edits = [a for a in rest if a.startswith("campaign.")]
     extra = [a for a in rest if not a.startswith((*own, "campaign."))]
     c = load_campaign(ref, edits)
     root = Path(args.out) / c.name
-    ids = [x.id for x in pick_cells(c, args.cells, _seed(c, args))] if args.cells else []
+    if args.seeds and not want_report:
+        raise ConfigError(f"seeds={args.seeds}: the report reads several seeds; a run takes one (seed=N a call)")
+    groups = listed_ids(c, args) if args.cells else {}
+    ids = [i for at_seeds in zip(*groups.values()) for i in at_seeds]  # seed by seed, each in the listed order
     if args.tokens_out:  # before any cell runs: the campaign's folder must hold the listed cells
         _token_dirs(args.tokens_out, c.name, ids)
     if want_report:
@@ -322,10 +365,10 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     else:
         dirs = run_cells(c, args, extra)
     rows = cell_rows(dirs)
-    text = report(rows)
+    text = report(rows, groups=groups)
     if args.tokens_out and rows:  # the same cells as the campaign ran them, at equal tokens, on the same ground truth
         tok_rows = cell_rows(_token_dirs(args.tokens_out, c.name, [r["cell"] for r in rows]))
-        text += "\n" + report(tok_rows, basis="tokens")
+        text += "\n" + report(tok_rows, basis="tokens", groups=groups)
         if len(rows) > 1:
             text += f"\nWinner at equal GPU time: {_best(rows)['cell']}; at equal tokens: {_best(tok_rows)['cell']}.\n"
     print(text, flush=True)

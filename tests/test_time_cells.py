@@ -102,12 +102,35 @@ def test_the_committed_gpu_cells_give_the_documented_table(tmp_path, state, cell
     assert ("not logged" in lines[1]) == (state != "training")  # the 2026-12-07 counts=loop cells predate the key
     if state == "training":  # each cell's clock counted from its first step and ran the whole 160 s of it
         configs = sorted((tmp_path / "time_cells" / state).glob("*/*/config.yaml"))
-        assert len(configs) == 3
+        assert len(configs) == 5  # with the 5-layer cell and the 8-layer cell's second seed
         for cfg in configs:
             assert "time_budget_counts: training" in cfg.read_text(encoding="utf-8")
             budget = [r["train/budget_s"] for r in read_metric_records(cfg.parent)
                       if "train/budget_s" in r]
             assert budget and budget[-1] >= 160.0
+
+
+def test_the_committed_second_seed_and_five_layers_tie_the_eight_layer_cell_and_pool_over_seeds(tmp_path, capsys):
+    """The training cells' archive also holds the 5-layer cell (seed 0, a fresh machine) and the 8-layer cell at
+    seed 1 (a warm one): with seeds=[0,1] the report has a row a cell and seed, both tie the 8-layer cell at seed 0
+    (benchmarks/ABLATIONS.md), and the 8-layer cell's τ pooled over its two seeds; seeds= is the report's alone."""
+    import tarfile
+    with tarfile.open(ROOT / "benchmarks" / "ablations" / "time_cells.tar.xz") as tar:
+        tar.extractall(tmp_path, filter="data")
+    out = f"out={tmp_path / 'time_cells' / 'training'}"
+    rows = main(["served_recipe", "report", out, "cells=[recipe/d2_dpace_l8,recipe/d2_dpace_l5]", "seeds=[0,1]"])
+    assert [r["cell"] for r in rows] == ["s0-recipe-d2_dpace_l8-seed0", "s0-recipe-d2_dpace_l5-seed0",
+                                         "s0-recipe-d2_dpace_l8-seed1"]  # l5 has no seed 1: no row, no error
+    assert [round(r["tau"], 3) for r in rows] == [1.960, 1.950, 1.964]
+    assert all(r["delta"].low < 0 < r["delta"].high for r in rows[1:])  # both ties with the seed-0 8 layers
+    text = capsys.readouterr().out
+    assert "| recipe/d2_dpace_l8 | 2 | 1.962 [" in text and "| 1.960, 1.964 | 26.2 M, 26.0 M |" in text
+    assert "| recipe/d2_dpace_l5 | " not in text  # one seed: not pooled
+    doc = (ROOT / "benchmarks" / "ABLATIONS.md").read_text(encoding="utf-8")
+    assert all(x in doc for x in ("1.950", "1.964", "1.962"))
+    with pytest.raises(ConfigError, match=r"seeds=\[0, 1\]: the report reads several seeds"):
+        main(["served_recipe", "cells=[recipe/d2_dpace]", "seconds=1", "seeds=[0,1]", f"out={tmp_path / 'never'}"])
+    assert not (tmp_path / "never").exists()
 
 
 def test_the_verdict_calls_a_tie_and_says_when_loop_seconds_trained_unlike(tmp_path):

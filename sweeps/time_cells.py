@@ -110,16 +110,14 @@ def listed_ids(c: Campaign, args: TimeCellsArgs) -> dict[str, list[str]]:
 def seed_pooled(rows: list[dict[str, Any]], groups: dict[str, list[str]]) -> list[str]:
     """Each listed cell with two or more evaluated seeds: its τ pooled over them (Σ τ-sums / Σ rounds) with the
     seed × prompt × sample interval, and its consumed tokens a seed."""
-    from dflash.evaluation.pairing import metric_columns
     from sweeps.campaign_report import pooled
-    cols = metric_columns("eval/tau_served")
     by_id = {r["cell"]: r for r in rows}
     out = []
     for name, ids in groups.items():
         have = [by_id[i] for i in ids if i in by_id]
         if len(have) < 2:
             continue
-        p = pooled([r["table"] for r in have], cols.sum_col, cols.count_col)
+        p = pooled([r["table"] for r in have], *_served_columns())
         taus = ", ".join(_f(r["tau"]) for r in have)
         tokens = ", ".join(f"{(r['tokens'] or 0) / 1e6:.1f} M" for r in have)
         out.append(f"| {name} | {len(have)} | {_f(p.value)} [{_f(p.low)}, {_f(p.high)}] | {taus} | {tokens} |")
@@ -200,11 +198,24 @@ def curve_points(run_dir: Path) -> list[dict[str, float]]:
     return points
 
 
+def _served_columns() -> tuple[str, str]:
+    """The served task table's τ-sum and rounds columns: what every Δ and pooled τ here reads."""
+    from dflash.evaluation.pairing import metric_columns
+    cols = metric_columns("eval/tau_served")
+    return cols.sum_col, cols.count_col
+
+
+def _paired(a: dict[str, Any], b: dict[str, Any]):
+    """τ(a) − τ(b) of two rows' served tables, paired prompt for prompt: on every row, and on the least-degenerate
+    quarter (None where the tables cannot say which it is)."""
+    from dflash.evaluation.pairing import least_degenerate_delta, paired_delta
+    sc = _served_columns()
+    return paired_delta(a["table"], b["table"], sc, sc), least_degenerate_delta(a["table"], b["table"], sc, sc)
+
+
 def cell_rows(run_dirs: list[Path]) -> list[dict[str, Any]]:
     """One row a finished cell: its figures and its served task table (for the paired Δs)."""
-    from dflash.evaluation.pairing import metric_columns, paired_delta, least_degenerate_delta
     from dflash.evaluation.protocol import served_label
-    cols = metric_columns("eval/tau_served")
     rows = []
     for d in run_dirs:
         if not evaluated(d):
@@ -224,9 +235,7 @@ def cell_rows(run_dirs: list[Path]) -> list[dict[str, Any]]:
     if rows:
         first = rows[0]
         for r in rows[1:]:
-            sc = (cols.sum_col, cols.count_col)
-            r["delta"] = paired_delta(r["table"], first["table"], sc, sc)
-            r["delta_ld"] = least_degenerate_delta(r["table"], first["table"], sc, sc)
+            r["delta"], r["delta_ld"] = _paired(r, first)
     return rows
 
 
@@ -241,16 +250,12 @@ def _best(rows: list[dict[str, Any]]) -> dict[str, Any]:
 def _winner_lines(rows: list[dict[str, Any]]) -> tuple[dict[str, Any], list[str]]:
     """The cell with the highest τ, and one line for every other cell: the paired Δ (best − it; a tie where the
     interval holds 0) on every row and on the least-degenerate quarter."""
-    from dflash.evaluation.pairing import least_degenerate_delta, metric_columns, paired_delta
-    cols = metric_columns("eval/tau_served")
-    sc = (cols.sum_col, cols.count_col)
     best = _best(rows)
     out = []
     for r in rows:
         if r is best:
             continue
-        d = paired_delta(best["table"], r["table"], sc, sc)
-        ld = least_degenerate_delta(best["table"], r["table"], sc, sc)
+        d, ld = _paired(best, r)
         word = "better" if d.low > 0 else "a tie (the interval holds 0)"
         holds = ("" if ld is None else f"; least-degenerate quarter {_interval(ld.delta)}, "
                  + ("holds" if ld.delta.low > 0 else "a tie there"))
@@ -309,8 +314,8 @@ def report(rows: list[dict[str, Any]], basis: str = "time", groups: dict[str, li
            "steps | loop s | of it before step 1 | Δ | Δ least-degenerate |", "| --- " * 12 + "|"]
     for r in rows:
         d, ld = r.get("delta"), r.get("delta_ld")
-        ds = f"{d.value:+.3f} [{d.low:+.3f}, {d.high:+.3f}]" if d else "–"
-        lds = f"{ld.delta.value:+.3f} [{ld.delta.low:+.3f}, {ld.delta.high:+.3f}]" if ld else "–"
+        ds = _interval(d) if d else "–"
+        lds = _interval(ld.delta) if ld else "–"
         out.append(f"| {r['cell']} | {_f(r['tau'])} [{_f(r['lo'])}, {_f(r['hi'])}] | {_f(r['pl'])} | "
                    f"{_f(r['greedy'])} | {_f(r['copy'])} | {_f(r['tokens'], ',.0f')} | {_f(r['epochs'], '.2f')} | "
                    f"{_f(r['steps'], '.0f')} | {_f(r['loop_s'], '.1f')} | {_f(r['first_step_s'], '.1f')} | {ds} | "

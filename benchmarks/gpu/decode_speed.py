@@ -16,6 +16,7 @@ differ, each still the target's own greedy text).
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import statistics
 import sys
@@ -37,8 +38,8 @@ def _sync(target) -> None:
 
 
 def timed_write(target, prompts, seq_len: int, mode: str) -> tuple[torch.Tensor, float]:
-    torch_conv = mode == "cache_torch_conv"
-    with torch_gdn_path(target.info.model_type, ("causal_conv1d_update",) if torch_conv else ()):
+    torch_conv = mode == "cache_torch_conv"  # the cache path on transformers' torch convolution step
+    with torch_gdn_path(target.info.model_type, ("causal_conv1d_update",)) if torch_conv else contextlib.nullcontext():
         _sync(target)
         t0 = time.perf_counter()
         out = write_continuations(target, prompts, seq_len, decode="cache" if torch_conv else mode)
